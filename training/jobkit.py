@@ -1,0 +1,93 @@
+"""The harness every stage entrypoint uses inside its Ray job.
+
+The submitting task passes one JSON document in the TUNEPROOF_JOB environment variable:
+{"run_id", "job", "config", "params"}. The stage body returns a summary dict or raises
+StageFailure; either way a StageResult lands at runs/<run>/stages/<job>/result.json, which
+the task reads back. Unclassified exceptions are infrastructure failures: the code that runs
+here is pinned with the pipeline, so an unexpected error is an environment problem until
+shown otherwise.
+
+No Prefect and no job client here: this runs on the published Ray image.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from tuneproof.config import PipelineConfig
+from tuneproof.results import FailureClass, StageFailure, StageResult, now_iso, one_line
+from tuneproof.storage import Storage
+
+ENV_VAR = "TUNEPROOF_JOB"
+PROGRESS_PREFIX = "TUNEPROOF_PROGRESS "
+
+
+@dataclass
+class JobContext:
+    run_id: str
+    job: str
+    config: PipelineConfig
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def storage(self) -> Storage:
+        return Storage.from_config(self.config.storage)
+
+    def run_parts(self, *parts: str) -> tuple[str, ...]:
+        """Relative storage parts under runs/<run>/."""
+        return ("runs", self.run_id, *parts)
+
+    def stage_parts(self, *parts: str) -> tuple[str, ...]:
+        """Relative storage parts under runs/<run>/stages/<job>/."""
+        return ("runs", self.run_id, "stages", self.job, *parts)
+
+
+def encode_job(run_id: str, job: str, config: PipelineConfig, params: dict[str, Any] | None = None) -> str:
+    return json.dumps({"run_id": run_id, "job": job, "config": config.model_dump(mode="json"), "params": params or {}})
+
+
+def load_context(environ: dict[str, str] | None = None) -> JobContext:
+    raw = (environ or os.environ).get(ENV_VAR)
+    if not raw:
+        raise RuntimeError(f"{ENV_VAR} is not set: stage entrypoints run as Ray jobs submitted by tuneproof")
+    doc = json.loads(raw)
+    return JobContext(doc["run_id"], doc["job"], PipelineConfig.model_validate(doc["config"]), doc.get("params") or {})
+
+
+def log(message: str) -> None:
+    """One line to the job log, which the submitting task streams into Prefect."""
+    print(f"[tuneproof] {message}", flush=True)
+
+
+def progress(stage: str, done: int, total: int, **metrics: Any) -> None:
+    """A machine-readable progress line; the task turns it into a progress display."""
+    print(PROGRESS_PREFIX + json.dumps({"stage": stage, "done": done, "total": total, **metrics}), flush=True)
+
+
+def run_stage(body: Callable[[JobContext], dict[str, Any]]) -> None:
+    """Run a stage body, write its StageResult, and exit 0 (succeeded) or 1 (failed)."""
+    ctx = load_context()
+    started = now_iso()
+    try:
+        summary = body(ctx)
+        result = StageResult(stage=ctx.job, status="succeeded", summary=summary, started_at=started, ended_at=now_iso())
+    except StageFailure as f:
+        log(f"stage failed ({f.failure_class.value}): {f.cause}")
+        result = _failed(ctx, started, f.failure_class, f.cause, f.summary)
+    except Exception as e:  # noqa: BLE001 - every failure must leave a classified result behind
+        traceback.print_exc()
+        result = _failed(ctx, started, FailureClass.infrastructure, f"{type(e).__name__}: {e}", {})
+    ctx.storage.write_json(result.model_dump(mode="json"), *ctx.stage_parts("result.json"))
+    sys.exit(0 if result.ok else 1)
+
+
+def _failed(ctx: JobContext, started: str, cls: FailureClass, cause: str, summary: dict) -> StageResult:
+    return StageResult(
+        stage=ctx.job, status="failed", failure_class=cls, cause=one_line(cause),
+        summary=summary, started_at=started, ended_at=now_iso(),
+    )

@@ -1,0 +1,1 @@
+"""tuneproof: evidence-gated fine-tuning of Qwen models on Ray clusters."""

@@ -1,0 +1,347 @@
+"""The pipeline's one typed configuration.
+
+Loaded from a YAML profile (configs/local.yaml is the default), overridden with
+`--set dotted.key=value`, validated once. Every invalid field is reported at once with
+its dotted name and the value seen; unknown keys are errors.
+
+This module runs on both sides (Prefect and inside Ray jobs), so it imports only
+pydantic and yaml, which the published Ray image has.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_PROFILE = PROJECT_ROOT / "configs" / "local.yaml"
+STAGES = ("verify", "connectivity", "data", "finetune", "resume", "evaluate", "promote")
+
+
+class Strict(BaseModel):
+    """Base for config sections: unknown keys are errors, assignments re-validate."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ClusterExpect(Strict):
+    """What the cluster must be running; None means 'not checked'."""
+
+    ray_version: str | None = "2.60.0"
+    """Ray version every node must report (exact)."""
+    torch_version: str | None = "2.13.0"
+    """torch version without the local build tag (2.13.0 matches 2.13.0+cpu and 2.13.0+cu130)."""
+    python_version: str | None = None
+    """Python major.minor, e.g. '3.13' on the published image."""
+    transformers_version: str | None = None
+    cuda_version: str | None = None
+    """CUDA version torch was built with, e.g. '13.0'; None skips the check."""
+    nccl_version: str | None = None
+    image: str | None = None
+    """Pinned image reference, repository@sha256:... (eks)."""
+    gpus_per_worker: int = Field(0, ge=0)
+    """GPUs each training worker node must advertise to Ray (0 on CPU)."""
+    efa: bool = False
+    """Worker nodes must have the EFA device (eks)."""
+
+    @field_validator("image")
+    @classmethod
+    def _digest_pinned(cls, v: str | None) -> str | None:
+        if v is not None and "@sha256:" not in v:
+            raise ValueError(f"image must be pinned by digest (repo@sha256:...), got a tag: {v!r}")
+        return v
+
+
+class KubernetesConfig(Strict):
+    """Where the RayCluster lives (eks backend)."""
+
+    namespace: str = "tuneproof"
+    raycluster: str = "tuneproof"
+    kubeconfig: str | None = None
+    """Path to a kubeconfig; None means in-cluster config, then ~/.kube/config."""
+
+
+class ClusterConfig(Strict):
+    backend: Literal["local", "eks"] = "local"
+    address: str = "http://127.0.0.1:8265"
+    """Ray dashboard (job submission) address."""
+    auth_token_file: str | None = ".tuneproof/local/ray_auth_token"
+    """File holding the Ray auth token sent with job requests; None sends no token."""
+    expect: ClusterExpect = ClusterExpect()
+    kubernetes: KubernetesConfig = KubernetesConfig()
+
+    @field_validator("address")
+    @classmethod
+    def _http(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"address must be the dashboard's http(s) URL, got {v!r}")
+        return v.rstrip("/")
+
+
+class StorageConfig(Strict):
+    root: str = ".tuneproof/storage"
+    """Local directory or s3://bucket/prefix shared by every node."""
+    endpoint_url: str | None = None
+    """S3-compatible endpoint (e.g. a local test server); None for AWS S3."""
+    shared: bool = True
+    """The root is reachable from every node (S3, FSx); a node-local path is only valid on one node."""
+
+
+class ModelConfig(Strict):
+    name: str = "dates-qwen2-tiny"
+    """Registry name the model is promoted under (models/<name>/)."""
+    source: str = ".tuneproof/base-models/tiny-qwen2"
+    """Hugging Face hub id, local directory, or s3:// prefix of the base model."""
+    revision: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _slug(cls, v: str) -> str:
+        if not v or any(c in v for c in "/\\ "):
+            raise ValueError(f"name must be a non-empty slug without '/', '\\' or spaces, got {v!r}")
+        return v
+
+
+class FieldMap(Strict):
+    """Which source columns hold the conversation parts."""
+
+    prompt: str = "input"
+    response: str = "output"
+    system: str | None = None
+
+
+class DataConfig(Strict):
+    name: str = "dates"
+    source: str = "data/dates/dates.jsonl"
+    """JSONL, CSV or parquet file (local or s3://), or hf://<dataset>[:split] where a hub is reachable."""
+    format: Literal["auto", "jsonl", "csv", "parquet", "hf"] = "auto"
+    eval_source: str | None = None
+    """Separate held-out file; None splits the source."""
+    fields: FieldMap = FieldMap()
+    system_prompt: str | None = "Rewrite the date in ISO 8601 (YYYY-MM-DD)."
+    """Used when fields.system is None."""
+    max_seq_len: int = Field(64, ge=8)
+    overflow: Literal["drop", "truncate", "pack"] = "drop"
+    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    seed: int = 0
+    max_dropped_fraction: float = Field(0.05, ge=0.0, le=1.0)
+    """Fail the stage as a data failure when more rows than this are malformed."""
+    shard_rows: int = Field(4096, ge=1)
+
+
+class TrainConfig(Strict):
+    num_workers: int = Field(2, ge=1)
+    use_gpu: bool = False
+    max_steps: int = Field(400, ge=1)
+    micro_batch_size: int = Field(32, ge=1)
+    """Sequences per worker per micro-step."""
+    grad_accum_steps: int = Field(1, ge=1)
+    lr: float = Field(2e-3, gt=0.0)
+    warmup_steps: int = Field(20, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    activation_checkpointing: bool = False
+    checkpoint_every: int = Field(100, ge=1)
+    num_to_keep: int = Field(3, ge=1)
+    max_failures: int = Field(0, ge=0)
+    seed: int = 0
+    log_every: int = Field(10, ge=1)
+    divergence_loss: float = Field(50.0, gt=0.0)
+    """A loss above this (or NaN/inf) stops training as a modeling failure."""
+
+
+class ConnectivityConfig(Strict):
+    sizes_bytes: list[int] = [1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22]
+    iters: int = Field(5, ge=1)
+    warmup_iters: int = Field(2, ge=0)
+    fsdp_steps: int = Field(3, ge=1)
+    expect_transport: Literal["any", "gloo", "efa"] = "any"
+    """'efa' fails the stage on socket fallback or inconclusive NCCL logs."""
+
+    @field_validator("sizes_bytes")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if not v or any(s < 4 for s in v):
+            raise ValueError(f"sizes_bytes must be non-empty, each >= 4 bytes, got {v!r}")
+        return sorted(v)
+
+
+class ResumeConfig(Strict):
+    enabled: bool = True
+    extra_steps: int = Field(4, ge=1)
+    """How far past the final checkpoint the interrupted continuation runs before it is stopped."""
+    replay_steps: int = Field(5, ge=1)
+    loss_rtol: float = Field(0.0, ge=0.0)
+    """Allowed relative loss difference on replay: 0 on CPU fp32; e.g. 0.02 on GPU bf16."""
+
+
+class Gate(Strict):
+    min: float | None = None
+    """Absolute threshold the candidate must reach."""
+    min_improvement: float | None = None
+    """Candidate minus base must be at least this."""
+    max_regression: float | None = None
+    """Incumbent minus candidate may be at most this."""
+    higher_is_better: bool = True
+
+
+class EvalConfig(Strict):
+    metrics: list[str] = ["exact_match"]
+    """Metric names resolved first under eval/metrics/, then by evaluate.load."""
+    max_new_tokens: int = Field(16, ge=1)
+    batch_size: int = Field(64, ge=1)
+    max_examples: int = Field(300, ge=1)
+    predictions_cap: int = Field(200, ge=0)
+    gates: dict[str, Gate] = {"exact_match": Gate(min=0.8, min_improvement=0.5, max_regression=0.02)}
+
+
+class PromoteConfig(Strict):
+    require_approval: bool = False
+    approval_timeout_s: int = Field(3600, ge=1)
+
+
+class Timeouts(Strict):
+    verify: int = Field(300, ge=1)
+    connectivity: int = Field(600, ge=1)
+    data: int = Field(600, ge=1)
+    finetune: int = Field(3600, ge=1)
+    resume: int = Field(1800, ge=1)
+    evaluate: int = Field(1800, ge=1)
+
+
+class RuntimeEnvAdditions(Strict):
+    """Dependencies added at submission; recorded with every stage."""
+
+    pip: list[str] = []
+    env_vars: dict[str, str] = {}
+
+
+class PipelineConfig(Strict):
+    """Everything one pipeline run needs; the Prefect flow's parameter."""
+
+    profile: str = "local"
+    cluster: ClusterConfig = ClusterConfig()
+    storage: StorageConfig = StorageConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    connectivity: ConnectivityConfig = ConnectivityConfig()
+    resume: ResumeConfig = ResumeConfig()
+    eval: EvalConfig = EvalConfig()
+    promote: PromoteConfig = PromoteConfig()
+    timeouts: Timeouts = Timeouts()
+    runtime_env: RuntimeEnvAdditions = RuntimeEnvAdditions()
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "PipelineConfig":
+        if self.cluster.backend == "eks" and self.cluster.expect.image is None:
+            raise ValueError("cluster.expect.image: the eks backend needs the image pinned by digest, got None")
+        if self.cluster.backend == "eks" and self.train.num_workers > 1 and not self.storage.shared:
+            raise ValueError("storage.shared: more than one node needs shared storage (S3 or FSx), got a node-local root")
+        return self
+
+    def config_hash(self) -> str:
+        return sha256_json(self.model_dump(mode="json"))
+
+    def resolved(self, base: Path | None = None) -> "PipelineConfig":
+        """Copy with relative local paths made absolute against `base` (the project root)."""
+        base = base or PROJECT_ROOT
+        data = self.model_dump(mode="json")
+        for dotted in ("storage.root", "model.source", "data.source", "data.eval_source", "cluster.auth_token_file"):
+            section, key = dotted.split(".")
+            value = data[section][key]
+            if value and _is_relative_local_path(value):
+                data[section][key] = str((base / value).resolve())
+        return PipelineConfig.model_validate(data)
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; `problems` holds one 'dotted.name: message (got value)' per error."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid config:\n  " + "\n  ".join(problems))
+
+
+def sha256_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _is_relative_local_path(value: str) -> bool:
+    return "://" not in value and not value.startswith("/") and (value.startswith(".") or "/" in value)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """'a.b.c=value' -> (['a','b','c'], value parsed as a YAML scalar/collection)."""
+    if "=" not in item:
+        raise ConfigError([f"--set {item!r}: expected dotted.key=value"])
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError([f"--set {item!r}: empty key segment in {key!r}"])
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def apply_override(data: dict, parts: list[str], value: Any) -> None:
+    node = data
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def validate(data: dict) -> PipelineConfig:
+    """Validate a raw mapping, reporting every problem at once."""
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_errors(e)) from None
+
+
+def format_errors(e: ValidationError) -> list[str]:
+    problems = []
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        value = err.get("input")
+        problems.append(f"{loc or '<root>'}: {msg} (got {value!r})")
+    return problems
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), resolve: bool = True) -> PipelineConfig:
+    """Read a YAML profile, apply --set overrides, validate, resolve relative paths."""
+    path = Path(path) if path else DEFAULT_PROFILE
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError([f"--config: file not found (got {str(path)!r})"]) from None
+    except yaml.YAMLError as e:
+        raise ConfigError([f"--config {path}: not valid YAML: {e}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([f"--config {path}: top level must be a mapping (got {type(data).__name__})"])
+    for item in overrides:
+        parts, value = parse_override(item)
+        apply_override(data, parts, value)
+    cfg = validate(data)
+    return cfg.resolved(_base_dir(path)) if resolve else cfg
+
+
+def _base_dir(profile: Path) -> Path:
+    """Relative paths in a profile under configs/ are relative to the project root."""
+    profile = profile.resolve()
+    return profile.parent.parent if profile.parent.name == "configs" else Path.cwd()

@@ -1,0 +1,182 @@
+"""The embedded default cluster: a Ray head (and a Prefect server + worker) on 127.0.0.1.
+
+`tuneproof local up` starts them as background processes whose pids live in a state
+directory (.tuneproof/local/), so `down` stops exactly what `up` started and nothing else
+(`ray stop` would kill every Ray process on the machine, including other users' tests).
+
+Ray 2.59+ turns token auth on for new local clusters and would write the token to
+~/.ray/auth_token; we generate our own token into the state directory instead and point
+Ray at it with RAY_AUTH_TOKEN_PATH, so nothing is left behind in the user's home.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tuneproof.config import PROJECT_ROOT
+
+STATE_DIR = PROJECT_ROOT / ".tuneproof" / "local"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RayHead:
+    """A Ray head started by us: its ports, temp dir, token file and the pid of `ray start --block`."""
+
+    pid: int
+    dashboard_port: int
+    gcs_port: int
+    temp_dir: str
+    token_file: str
+    log_file: str
+
+    @property
+    def address(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    @property
+    def gcs_address(self) -> str:
+        return f"127.0.0.1:{self.gcs_port}"
+
+    def token(self) -> str:
+        return Path(self.token_file).read_text().strip()
+
+    def alive(self) -> bool:
+        return _pid_alive(self.pid)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        # `ray start --block` can sit in its SIGTERM handler well past the drain; after a
+        # short grace period the whole process group is killed (workers die with the raylet).
+        _stop_group(self.pid, timeout)
+
+
+def ray_env(token_file: str | os.PathLike) -> dict[str, str]:
+    """Environment for processes that talk to our Ray head with token auth."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)}
+
+
+def write_token(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        path.write_text(secrets.token_hex(32))
+        path.chmod(0o600)
+
+
+def start_ray_head(
+    state_dir: Path,
+    *,
+    num_cpus: int | None = None,
+    dashboard_port: int = 8265,
+    gcs_port: int | None = None,
+    temp_dir: str | None = None,
+    wait_s: float = 120.0,
+) -> RayHead:
+    """Start `ray start --head --block` bound to 127.0.0.1 and wait until the job API answers."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    token_file = state_dir / "ray_auth_token"
+    write_token(token_file)
+    gcs_port = gcs_port or free_port()
+    # Short temp dir: Ray puts unix sockets under it and socket paths are limited to 107 bytes.
+    temp_dir = temp_dir or f"/tmp/tp-ray-{gcs_port}"
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    cmd = [
+        ray_bin, "start", "--head", "--block", "--disable-usage-stats",
+        "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
+        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+        f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+        f"--dashboard-agent-grpc-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+        f"--metrics-export-port={free_port()}", f"--temp-dir={temp_dir}",
+    ]
+    if num_cpus is not None:
+        cmd.append(f"--num-cpus={num_cpus}")
+    log_file = state_dir / "ray-head.log"
+    # No drain on stop: nothing serves traffic here, and the default drain waits 30 s.
+    env = {**os.environ, **ray_env(token_file), "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    with open(log_file, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    head = RayHead(proc.pid, dashboard_port, gcs_port, temp_dir, str(token_file), str(log_file))
+    try:
+        _wait_for_jobs_api(head, wait_s)
+    except Exception:
+        head.stop()
+        raise
+    return head
+
+
+def _wait_for_jobs_api(head: RayHead, wait_s: float) -> None:
+    deadline = time.monotonic() + wait_s
+    req = urllib.request.Request(f"{head.address}/api/jobs/", headers={"Authorization": f"Bearer {head.token()}"})
+    last = ""
+    while time.monotonic() < deadline:
+        if not head.alive():
+            tail = Path(head.log_file).read_text()[-2000:]
+            raise RuntimeError(f"ray head exited during start-up; log tail:\n{tail}")
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except OSError as e:
+            last = str(e)
+        time.sleep(1.0)
+    raise TimeoutError(f"ray dashboard at {head.address} did not answer within {wait_s:.0f}s (last error: {last})")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return True
+
+
+def _stop_group(pid: int, timeout: float) -> None:
+    """SIGTERM the process group (the process started its own session), SIGKILL what is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            if not _pid_alive(pid):
+                return
+            time.sleep(0.3)
+
+
+def save_state(name: str, obj) -> None:
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    (STATE_DIR / f"{name}.json").write_text(json.dumps(asdict(obj), indent=2))
+
+
+def load_state(name: str, cls):
+    path = STATE_DIR / f"{name}.json"
+    return cls(**json.loads(path.read_text())) if path.exists() else None
+
+
+def clear_state(name: str) -> None:
+    (STATE_DIR / f"{name}.json").unlink(missing_ok=True)

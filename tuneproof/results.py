@@ -1,0 +1,69 @@
+"""Stage results and failure classes: the contract between Ray jobs and the flow.
+
+A job writes one StageResult as runs/<run>/stages/<stage>/result.json; the Prefect task
+reads it back and validates it. Failure classes separate infrastructure from modeling
+everywhere: in results, in the run record, in the flow's final state and in exit codes.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+class FailureClass(str, Enum):
+    infrastructure = "infrastructure"
+    data = "data"
+    modeling = "modeling"
+
+
+# `tuneproof run` exit codes; documented in the README.
+EXIT_OK = 0
+EXIT_INVALID_CONFIG = 3
+EXIT_BY_CLASS = {
+    FailureClass.infrastructure: 4,
+    FailureClass.data: 5,
+    FailureClass.modeling: 6,
+}
+
+
+class StageFailure(Exception):
+    """A classified stage failure: the cause is one line; summary keeps the evidence."""
+
+    def __init__(self, failure_class: FailureClass | str, cause: str, summary: dict[str, Any] | None = None):
+        self.failure_class = FailureClass(failure_class)
+        self.cause = one_line(cause)
+        self.summary = summary or {}
+        super().__init__(f"{self.failure_class.value}: {self.cause}")
+
+
+class StageResult(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    stage: str
+    status: Literal["succeeded", "failed"]
+    failure_class: FailureClass | None = None
+    cause: str | None = None
+    summary: dict[str, Any] = {}
+    started_at: str
+    ended_at: str
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "succeeded"
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def one_line(text: str, limit: int = 400) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def exit_code_for(failure_class: FailureClass | str | None) -> int:
+    return EXIT_OK if failure_class is None else EXIT_BY_CLASS[FailureClass(failure_class)]

@@ -1,0 +1,134 @@
+"""One storage API for a local directory or s3://bucket/prefix (optionally an S3-compatible endpoint).
+
+Used by every stage on both sides. Files go through fsspec (s3fs for S3); Ray Train gets a
+`pyarrow.fs` filesystem plus a path from `train_storage()`. Credentials come only from the
+environment / IRSA: nothing here accepts, logs or records a key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import tempfile
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import fsspec
+
+
+class Storage:
+    """A storage root; every path argument is relative to it, joined with '/'."""
+
+    def __init__(self, root: str, endpoint_url: str | None = None):
+        self.endpoint_url = endpoint_url
+        self.is_s3 = root.startswith("s3://")
+        if self.is_s3:
+            self.root = root.rstrip("/")
+            self._base = self.root[len("s3://"):]
+            kwargs = {"client_kwargs": {"endpoint_url": endpoint_url}} if endpoint_url else {}
+            # Listings must not be cached: stages poll for markers other processes write.
+            self.fs = fsspec.filesystem("s3", use_listings_cache=False, skip_instance_cache=True, **kwargs)
+        elif "://" in root and not root.startswith("file://"):
+            raise ValueError(f"storage root must be a local path or s3://bucket/prefix, got {root!r}")
+        else:
+            local = root.removeprefix("file://")
+            self.root = str(Path(local).expanduser().resolve())
+            self._base = self.root
+            self.fs = fsspec.filesystem("file")
+
+    @classmethod
+    def from_config(cls, storage_cfg) -> "Storage":
+        return cls(storage_cfg.root, storage_cfg.endpoint_url)
+
+    def path(self, *parts: str) -> str:
+        """Filesystem path (bucket/key for S3) of a relative location."""
+        return posixpath.join(self._base, *parts) if parts else self._base
+
+    def uri(self, *parts: str) -> str:
+        return posixpath.join(self.root, *parts) if parts else self.root
+
+    def exists(self, *parts: str) -> bool:
+        return self.fs.exists(self.path(*parts))
+
+    def read_bytes(self, *parts: str) -> bytes:
+        with self.fs.open(self.path(*parts), "rb") as f:
+            return f.read()
+
+    def write_bytes(self, data: bytes, *parts: str) -> None:
+        """Write a whole object; on local disk via a temp file and rename, so readers never see half."""
+        target = self.path(*parts)
+        if self.is_s3:
+            with self.fs.open(target, "wb") as f:
+                f.write(data)
+            return
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, target)
+
+    def read_json(self, *parts: str) -> Any:
+        return json.loads(self.read_bytes(*parts))
+
+    def write_json(self, obj: Any, *parts: str) -> None:
+        self.write_bytes(json.dumps(obj, indent=2, sort_keys=True, default=str).encode(), *parts)
+
+    def read_text(self, *parts: str) -> str:
+        return self.read_bytes(*parts).decode()
+
+    def listdir(self, *parts: str) -> list[str]:
+        """Names directly under a location; [] when it does not exist."""
+        target = self.path(*parts)
+        try:
+            entries = self.fs.ls(target, detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(posixpath.basename(e.rstrip("/")) for e in entries if e.rstrip("/") != target.rstrip("/"))
+
+    def remove(self, *parts: str, recursive: bool = False) -> None:
+        target = self.path(*parts)
+        if self.fs.exists(target):
+            self.fs.rm(target, recursive=recursive)
+
+    def upload_dir(self, local_dir: str | Path, *parts: str) -> None:
+        local_dir = Path(local_dir)
+        for file in sorted(p for p in local_dir.rglob("*") if p.is_file()):
+            rel = file.relative_to(local_dir).as_posix()
+            self.write_bytes(file.read_bytes(), *parts, rel)
+
+    def download_dir(self, local_dir: str | Path, *parts: str) -> Path:
+        """Copy every object under a location to local_dir; returns local_dir."""
+        local_dir = Path(local_dir)
+        base = self.path(*parts).rstrip("/")
+        for remote in self.fs.find(base):
+            rel = remote[len(base):].lstrip("/")
+            dest = local_dir / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with self.fs.open(remote, "rb") as src:
+                dest.write_bytes(src.read())
+        return local_dir
+
+    def train_storage(self, *parts: str) -> tuple[Any, str]:
+        """(pyarrow filesystem or None, storage_path) for ray.train.RunConfig.
+
+        With a filesystem object Ray wants 'bucket/path' without the scheme.
+        """
+        if not self.is_s3:
+            return None, self.path(*parts)
+        from pyarrow import fs as pafs
+
+        kwargs: dict[str, Any] = {}
+        if self.endpoint_url:
+            parsed = urlparse(self.endpoint_url)
+            kwargs = {"endpoint_override": parsed.netloc, "scheme": parsed.scheme or "https"}
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if region:
+            kwargs["region"] = region
+        return pafs.S3FileSystem(**kwargs), self.path(*parts)
+
+
+def split_s3(uri: str) -> tuple[str, str]:
+    parsed = urlparse(uri)
+    return parsed.netloc, parsed.path.lstrip("/")
