@@ -182,18 +182,29 @@ class ResumeConfig(Strict):
 
 
 class Gate(Strict):
+    """Thresholds on one metric; eval/gates.py turns each set one into a pass/fail line."""
+
     min: float | None = None
-    """Absolute threshold the candidate must reach."""
+    """Absolute threshold the candidate must reach (a maximum when higher_is_better is false)."""
     min_improvement: float | None = None
-    """Candidate minus base must be at least this."""
+    """Candidate minus base must be at least this (base minus candidate when lower is better)."""
     max_regression: float | None = None
-    """Incumbent minus candidate may be at most this."""
+    """Incumbent minus candidate may be at most this; checked only when an incumbent exists."""
     higher_is_better: bool = True
+    """False for losses and perplexity: every comparison flips."""
+
+    @model_validator(mode="after")
+    def _some_threshold(self) -> "Gate":
+        if self.min is None and self.min_improvement is None and self.max_regression is None:
+            raise ValueError("a gate needs at least one of min, min_improvement, max_regression (got none)")
+        return self
 
 
 class EvalConfig(Strict):
     metrics: list[str] = ["exact_match"]
-    """Metric names resolved first under eval/metrics/, then by evaluate.load."""
+    """Metric names resolved first under eval/metrics/, then by evaluate.load only when hub_metrics is true."""
+    hub_metrics: bool = False
+    """Allow metrics that are not under eval/metrics/ to load from the Hugging Face hub (needs network on the cluster)."""
     max_new_tokens: int = Field(16, ge=1)
     batch_size: int = Field(64, ge=1)
     max_examples: int = Field(300, ge=1)
@@ -244,6 +255,12 @@ class PipelineConfig(Strict):
             raise ValueError("cluster.expect.image: the eks backend needs the image pinned by digest, got None")
         if self.cluster.backend == "eks" and self.train.num_workers > 1 and not self.storage.shared:
             raise ValueError("storage.shared: more than one node needs shared storage (S3 or FSx), got a node-local root")
+        if self.resume.enabled and self.train.checkpoint_every + self.resume.extra_steps + self.resume.replay_steps > self.train.max_steps:
+            raise ValueError(
+                "resume: the resume test needs a checkpoint followed by resume.extra_steps + resume.replay_steps "
+                f"steps of the main run, got checkpoint_every={self.train.checkpoint_every} + "
+                f"{self.resume.extra_steps} + {self.resume.replay_steps} > train.max_steps={self.train.max_steps}"
+            )
         return self
 
     def config_hash(self) -> str:

@@ -57,12 +57,12 @@ class RayHead:
         return Path(self.token_file).read_text().strip()
 
     def alive(self) -> bool:
-        return _pid_alive(self.pid)
+        return pid_alive(self.pid)
 
     def stop(self, timeout: float = 5.0) -> None:
         # `ray start --block` can sit in its SIGTERM handler well past the drain; after a
         # short grace period the whole process group is killed (workers die with the raylet).
-        _stop_group(self.pid, timeout)
+        stop_group(self.pid, timeout)
 
 
 def ray_env(token_file: str | os.PathLike) -> dict[str, str]:
@@ -136,7 +136,7 @@ def _wait_for_jobs_api(head: RayHead, wait_s: float) -> None:
     raise TimeoutError(f"ray dashboard at {head.address} did not answer within {wait_s:.0f}s (last error: {last})")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -150,7 +150,7 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def _stop_group(pid: int, timeout: float) -> None:
+def stop_group(pid: int, timeout: float) -> None:
     """SIGTERM the process group (the process started its own session), SIGKILL what is left."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
@@ -163,7 +163,7 @@ def _stop_group(pid: int, timeout: float) -> None:
                 os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
                 pass
-            if not _pid_alive(pid):
+            if not pid_alive(pid):
                 return
             time.sleep(0.3)
 

@@ -1,0 +1,89 @@
+"""Prefect tasks for the job-backed stages: build the job request, run it, return a record entry.
+
+Each task returns the stage's record entry (tuneproof.record.stage_entry); classified failures
+are values, not exceptions, so Prefect retries (retries=1) only cover the unexpected — a lost
+connection while following a job — and a retry re-attaches to the same Ray submission.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from tasks import events
+from tasks.rayjob import JobOutcome, JobSpec, RayJobRunner
+from tuneproof.config import PipelineConfig
+from tuneproof.record import stage_entry
+from tuneproof.results import now_iso
+
+RETRY = {"retries": 1, "retry_delay_seconds": 5, "cache_policy": NO_CACHE}
+
+
+def runner_for(cfg: PipelineConfig, run_id: str, stage: str) -> RayJobRunner:
+    logger = get_run_logger()
+
+    def on_progress(event: dict) -> None:
+        events.publish("progress", **{"stage": stage, **event})
+
+    def on_status(submission_id: str, status: str) -> None:
+        events.publish("job", stage=stage, submission_id=submission_id, status=status)
+
+    return RayJobRunner(cfg, run_id, on_line=logger.info, on_progress=on_progress, on_status=on_status)
+
+
+def entry_from(stage: str, outcomes: list[JobOutcome], started_at: str, summary: dict | None = None) -> dict[str, Any]:
+    """A record entry whose verdict is the last job's result (earlier jobs are evidence)."""
+    last = outcomes[-1].result
+    return stage_entry(
+        stage=stage, status=last.status, failure_class=last.failure_class.value if last.failure_class else None,
+        cause=last.cause, summary=summary if summary is not None else last.summary,
+        jobs=[o.to_record() for o in outcomes], started_at=started_at, ended_at=now_iso(),
+    )
+
+
+def run_single_job(cfg: PipelineConfig, run_id: str, stage: str, spec: JobSpec) -> dict[str, Any]:
+    started = now_iso()
+    events.publish("stage", stage=stage, status="running")
+    outcome = runner_for(cfg, run_id, stage).run(spec)
+    return entry_from(stage, [outcome], started)
+
+
+@task(name="verify", **RETRY)
+def verify(cfg: PipelineConfig, run_id: str) -> dict[str, Any]:
+    """Versions, GPUs and environment digest on every node; shared storage writable from a worker."""
+    spec = JobSpec("verify", "training.verify", cfg.timeouts.verify)
+    return run_single_job(cfg, run_id, "verify", spec)
+
+
+@task(name="connectivity", **RETRY)
+def connectivity(cfg: PipelineConfig, run_id: str) -> dict[str, Any]:
+    """All ranks join collectives; all-reduce bandwidth by size; the transport NCCL really used."""
+    from training.connectivity import nccl_env
+
+    env = nccl_env(f"{run_id}-connectivity") if cfg.train.use_gpu else {}
+    spec = JobSpec("connectivity", "training.connectivity", cfg.timeouts.connectivity, env=env)
+    return run_single_job(cfg, run_id, "connectivity", spec)
+
+
+@task(name="data", **RETRY)
+def data(cfg: PipelineConfig, run_id: str) -> dict[str, Any]:
+    """Read, template, tokenize, split and write the dataset content-addressed (or reuse it)."""
+    spec = JobSpec("data", "training.data_prep", cfg.timeouts.data)
+    return run_single_job(cfg, run_id, "data", spec)
+
+
+@task(name="finetune", **RETRY)
+def finetune(cfg: PipelineConfig, run_id: str, dataset_path: str) -> dict[str, Any]:
+    """FSDP2 fine-tune with DCP checkpoints on shared storage, then a Hugging Face export."""
+    spec = JobSpec("finetune", "training.finetune", cfg.timeouts.finetune, params={"dataset": dataset_path})
+    return run_single_job(cfg, run_id, "finetune", spec)
+
+
+@task(name="evaluate", **RETRY)
+def evaluate(cfg: PipelineConfig, run_id: str, dataset_path: str, candidate_path: str) -> dict[str, Any]:
+    """Candidate vs base vs incumbent on the held-out split, and the gate decision."""
+    params = {"dataset": dataset_path, "candidate": candidate_path}
+    spec = JobSpec("evaluate", "eval.evaluate_job", cfg.timeouts.evaluate, params=params)
+    return run_single_job(cfg, run_id, "evaluate", spec)

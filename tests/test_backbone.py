@@ -1,0 +1,125 @@
+"""The backbone through a real local Ray head and a real Prefect test harness: stages 1-2 via the flow,
+failure classes and exit codes, config rejection before submission, and retry re-attachment."""
+
+from __future__ import annotations
+
+import pytest
+from ray.job_submission import JobSubmissionClient
+from typer.testing import CliRunner
+
+from tuneproof import record as records
+from tuneproof.cli import app
+from tuneproof.config import load_config
+from tuneproof.storage import Storage
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def prefect_harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from training.tiny_model import ensure_tiny_model
+    from tuneproof.config import PROJECT_ROOT
+
+    out = tmp_path_factory.mktemp("model") / "tiny-qwen2"
+    ensure_tiny_model(str(out), str(PROJECT_ROOT / "data" / "dates" / "dates.jsonl"))
+    return out
+
+
+@pytest.fixture
+def overrides(ray_head, tmp_path, tiny_model_dir):
+    return [
+        f"cluster.address={ray_head.address}", f"cluster.auth_token_file={ray_head.token_file}",
+        f"storage.root={tmp_path / 'storage'}", f"model.source={tiny_model_dir}",
+        "connectivity.sizes_bytes=[1024, 65536]", "connectivity.fsdp_steps=2",
+    ]
+
+
+def jobs_for(ray_head, run_id: str) -> list:
+    client = JobSubmissionClient(ray_head.address, headers={"Authorization": f"Bearer {ray_head.token()}"})
+    return [j for j in client.list_jobs() if (j.submission_id or "").startswith(run_id)]
+
+
+def test_verify_and_connectivity_through_the_flow(prefect_harness, overrides, ray_head):
+    from flows.pipeline import pipeline
+
+    cfg = load_config(overrides=overrides)
+    state = pipeline(config=cfg, run_id="bb-ok", only=["verify", "connectivity"], return_state=True)
+    assert state.is_completed(), state.message
+    rec = records.load(Storage.from_config(cfg.storage), "bb-ok")
+    verify, conn = rec["stages"]["verify"], rec["stages"]["connectivity"]
+    assert verify["status"] == "succeeded" and conn["status"] == "succeeded"
+    node = verify["summary"]["nodes"][0]
+    assert node["ray_version"] == "2.60.0" and node["torch_version"].startswith("2.13.0")
+    assert len(node["environment_digest"]) == 64
+    assert [r["size_bytes"] for r in conn["summary"]["allreduce"]] == [1024, 65536]
+    assert all(r["busbw_GBps"] > 0 for r in conn["summary"]["allreduce"])
+    assert [r["finished"] for r in conn["summary"]["ranks"]] == [True, True]
+    assert conn["summary"]["transport"]["kind"] == "gloo"
+    assert conn["jobs"][0]["submission_id"] == "bb-ok-connectivity"
+    assert len(rec["code"]["working_dir_hash"]) == 64 and len(rec["config_hash"]) == 64
+    assert "git_sha" in rec["code"] and "dirty" in rec["code"]
+    assert rec["cluster"]["ray_version"] == "2.60.0"
+
+
+def test_wrong_ray_version_fails_verify_as_infrastructure(prefect_harness, overrides, ray_head, tmp_path):
+    result = CliRunner().invoke(app, ["run", "--only", "verify,connectivity", "--run-id", "bb-badver",
+                                      *sum((["--set", o] for o in overrides), []),
+                                      "--set", "cluster.expect.ray_version=2.0.0"])
+    assert result.exit_code == 4, result.output
+    rec = records.load(Storage(str(tmp_path / "storage")), "bb-badver")
+    verify = rec["stages"]["verify"]
+    assert verify["failure_class"] == "infrastructure"
+    assert "ray_version" in verify["cause"] and "'2.60.0'" in verify["cause"] and "'2.0.0'" in verify["cause"]
+    assert "node" in verify["cause"]
+    assert "connectivity" not in rec["stages"]
+    assert rec["status"] == "failed" and rec["failure_class"] == "infrastructure"
+    assert [j.submission_id for j in jobs_for(ray_head, "bb-badver")] == ["bb-badver-verify"]
+
+
+def test_invalid_config_is_rejected_before_anything_is_submitted(ray_head, overrides):
+    before = len(jobs_for(ray_head, ""))
+    result = CliRunner().invoke(app, ["run", *sum((["--set", o] for o in overrides), []),
+                                      "--set", "train.lr=-1", "--set", "data.eval_fraction=2",
+                                      "--set", "train.learning_rate=0.1"])
+    assert result.exit_code == 3
+    for name in ("train.lr", "data.eval_fraction", "train.learning_rate"):
+        assert name in result.output
+    assert len(jobs_for(ray_head, "")) == before
+
+
+def test_a_prefect_retry_attaches_to_the_same_ray_submission(prefect_harness, overrides, ray_head, monkeypatch):
+    """The first attempt loses its connection while following the job; the retry must re-attach."""
+    from prefect import flow
+
+    from tasks import stages
+    from tasks.rayjob import RayJobRunner
+
+    real_follow = RayJobRunner.follow
+    calls = {"n": 0}
+
+    def flaky_follow(self, sid, timeout_s, stop_when=None):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise ConnectionError("dashboard connection reset while following the job")
+        return real_follow(self, sid, timeout_s, stop_when)
+
+    monkeypatch.setattr(RayJobRunner, "follow", flaky_follow)
+    cfg = load_config(overrides=overrides)
+
+    @flow
+    def only_verify():
+        return stages.verify.with_options(retry_delay_seconds=0)(cfg, "bb-retry")
+
+    entry = only_verify()
+    assert calls["n"] == 2
+    assert entry["status"] == "succeeded"
+    assert entry["jobs"][0]["attached"] is True
+    assert [j.submission_id for j in jobs_for(ray_head, "bb-retry")] == ["bb-retry-verify"]

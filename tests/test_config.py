@@ -1,0 +1,70 @@
+"""The typed config: profiles load, overrides apply, every problem is reported at once."""
+
+from __future__ import annotations
+
+import pytest
+
+from tuneproof.config import DEFAULT_PROFILE, PROJECT_ROOT, ConfigError, PipelineConfig, load_config, parse_override
+
+
+def test_local_profile_loads_with_absolute_paths():
+    cfg = load_config(DEFAULT_PROFILE)
+    assert cfg.cluster.backend == "local"
+    assert cfg.storage.root == str(PROJECT_ROOT / ".tuneproof" / "storage")
+    assert cfg.data.source == str(PROJECT_ROOT / "data" / "dates" / "dates.jsonl")
+
+
+def test_eks_profile_loads():
+    cfg = load_config(PROJECT_ROOT / "configs" / "eks.yaml")
+    assert cfg.cluster.backend == "eks"
+    assert "@sha256:" in cfg.cluster.expect.image
+
+
+def test_override_types_are_parsed_as_yaml():
+    cfg = load_config(overrides=["cluster.expect.ray_version=2.0.0", "train.lr=0.01", "train.use_gpu=true",
+                                 "eval.metrics=[exact_match, accuracy]"])
+    assert cfg.cluster.expect.ray_version == "2.0.0"
+    assert cfg.train.lr == 0.01 and cfg.train.use_gpu is True
+    assert cfg.eval.metrics == ["exact_match", "accuracy"]
+
+
+def test_override_of_a_gate_field():
+    cfg = load_config(overrides=["eval.gates.exact_match.min=1.01"])
+    assert cfg.eval.gates["exact_match"].min == 1.01
+
+
+def test_two_bad_fields_and_an_unknown_key_are_all_reported():
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=["train.lr=-1", "data.eval_fraction=2", "train.learning_rate=0.1"])
+    problems = "\n".join(e.value.problems)
+    assert len(e.value.problems) == 3
+    assert "train.lr" in problems and "(got -1)" in problems
+    assert "data.eval_fraction" in problems and "(got 2)" in problems
+    assert "train.learning_rate: unknown key (got 0.1)" in problems
+
+
+def test_wrong_type_names_field_and_value():
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=["train.max_steps=lots"])
+    assert any(p.startswith("train.max_steps:") and "'lots'" in p for p in e.value.problems)
+
+
+def test_eks_requires_a_digest_pinned_image():
+    with pytest.raises(ConfigError) as e:
+        load_config(PROJECT_ROOT / "configs" / "eks.yaml",
+                    overrides=["cluster.expect.image=123.dkr.ecr.us-west-2.amazonaws.com/ray-train:2.58.0"])
+    assert any("cluster.expect.image" in p and "tag" in p for p in e.value.problems)
+
+
+def test_missing_profile_and_bad_override_syntax():
+    with pytest.raises(ConfigError, match="file not found"):
+        load_config("nope.yaml")
+    with pytest.raises(ConfigError, match="expected dotted.key=value"):
+        parse_override("train.lr")
+
+
+def test_config_hash_changes_with_any_field():
+    a = PipelineConfig()
+    b = PipelineConfig.model_validate({**a.model_dump(), "train": {**a.train.model_dump(), "lr": 0.5}})
+    assert a.config_hash() == PipelineConfig().config_hash()
+    assert a.config_hash() != b.config_hash()

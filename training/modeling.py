@@ -1,0 +1,65 @@
+"""Load a Qwen model, config or tokenizer from a hub id, a local directory, or an s3:// prefix.
+
+The same path serves `Qwen/Qwen2.5-1.5B` on EKS and the tiny local model here: s3:// prefixes
+are synced to local disk first (a stable cache dir keyed by the URI), then everything goes
+through `from_pretrained`. `trust_remote_code` stays off and only safetensors weights load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+from tuneproof.storage import Storage
+
+CACHE_ROOT = Path(os.environ.get("TUNEPROOF_MODEL_CACHE", Path(tempfile.gettempdir()) / "tuneproof-models"))
+
+
+def materialize(source: str, endpoint_url: str | None = None) -> str:
+    """A from_pretrained-able reference: local dirs and hub ids as they are, s3:// synced to disk.
+
+    The sync writes into a temp dir and renames it into place, so a half-synced copy is never used.
+    """
+    if not source.startswith("s3://"):
+        return source
+    key = hashlib.sha256(f"{endpoint_url}|{source}".encode()).hexdigest()[:16]
+    target = CACHE_ROOT / key
+    if (target / "config.json").exists():
+        return str(target)
+    CACHE_ROOT.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=CACHE_ROOT, prefix=f".{key}-"))
+    Storage(source, endpoint_url).download_dir(staging)
+    if not (staging / "config.json").exists():
+        raise FileNotFoundError(f"model source {source} has no config.json: not a Hugging Face model directory")
+    try:
+        staging.rename(target)
+    except OSError:  # another worker on this node finished first; use its copy
+        pass
+    return str(target)
+
+
+def _common(revision: str | None) -> dict:
+    return {"revision": revision, "trust_remote_code": False}
+
+
+def load_config(source: str, revision: str | None = None, endpoint_url: str | None = None):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(materialize(source, endpoint_url), **_common(revision))
+
+
+def load_tokenizer(source: str, revision: str | None = None, endpoint_url: str | None = None):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(materialize(source, endpoint_url), **_common(revision))
+
+
+def load_model(source: str, revision: str | None = None, endpoint_url: str | None = None, dtype=None):
+    """AutoModelForCausalLM from safetensors only (use_safetensors=True refuses pickled .bin weights)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        materialize(source, endpoint_url), use_safetensors=True, dtype=dtype, **_common(revision)
+    )

@@ -1,0 +1,305 @@
+"""`tuneproof`: the command line.
+
+    tuneproof local up|down|status
+    tuneproof run [--config F] [--set k.v=x]... [--only STAGE,...] [--run-id RUN]
+    tuneproof runs list [--json] | show RUN [--json] | diff A B [--json]
+    tuneproof verify [--config F] [--from-files DIR]
+    tuneproof lint [PATH...]
+    tuneproof transport LOG... [--expect efa]
+    tuneproof models list | show NAME
+    tuneproof promote RUN --force --reason TEXT
+
+Exit codes of `run`: 0 ok, 3 invalid config, 4 infrastructure, 5 data, 6 modeling failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from tuneproof.config import STAGES, ConfigError, PipelineConfig, load_config
+from tuneproof.results import EXIT_INVALID_CONFIG, exit_code_for
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Fine-tune Qwen on Ray; promote only on evidence.")
+local_app = typer.Typer(no_args_is_help=True, help="The embedded local cluster (Ray head, Prefect server + worker).")
+runs_app = typer.Typer(no_args_is_help=True, help="Read run records.")
+models_app = typer.Typer(no_args_is_help=True, help="Read the model registry.")
+app.add_typer(local_app, name="local")
+app.add_typer(runs_app, name="runs")
+app.add_typer(models_app, name="models")
+console = Console()
+err = Console(stderr=True)
+
+ConfigOpt = typer.Option(None, "--config", "-c", help="YAML profile (default configs/local.yaml).")
+SetOpt = typer.Option([], "--set", "-s", help="Override a field: dotted.key=value (repeatable).")
+
+
+def main() -> None:
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    app()
+
+
+def config_or_exit(config: Optional[Path], sets: list[str]) -> PipelineConfig:
+    """Load and validate the config; on any problem print them all and exit 3 before anything runs."""
+    try:
+        cfg = load_config(config, sets)
+        problems = preflight(cfg)
+    except ConfigError as e:
+        problems = e.problems
+    if problems:
+        err.print("[bold red]invalid config[/] — nothing was submitted:")
+        for p in problems:
+            err.print(f"  {p}")
+        raise typer.Exit(EXIT_INVALID_CONFIG)
+    return cfg
+
+
+def preflight(cfg: PipelineConfig) -> list[str]:
+    """Checks that need more than the schema: metric names resolve to a shipped or loadable module."""
+    from eval.metrics_loader import check_metric_names
+
+    return [f"eval.metrics: {p}" for p in check_metric_names(cfg.eval.metrics)]
+
+
+# ---------------------------------------------------------------- run
+
+
+@app.command()
+def run(
+    config: Optional[Path] = ConfigOpt,
+    sets: list[str] = SetOpt,
+    only: Optional[str] = typer.Option(None, help=f"Comma-separated subset of: {','.join(STAGES)}."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", help="Rerun stages against this existing run."),
+) -> None:
+    """Run the pipeline; prints the run id; exit code by failure class."""
+    cfg = config_or_exit(config, sets)
+    stages = parse_only(only)
+    if stages and not run_id:
+        run_id = None if set(stages) >= {"verify", "data"} else latest_run_id(cfg)
+    from tuneproof.terminal import run_with_display
+
+    record = run_with_display(cfg, run_id, stages, console)
+    raise typer.Exit(exit_code_for(record.get("failure_class")))
+
+
+def parse_only(only: Optional[str]) -> list[str] | None:
+    if not only:
+        return None
+    stages = [s.strip() for s in only.split(",") if s.strip()]
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        err.print(f"--only: unknown stage(s) {', '.join(unknown)}; expected some of {', '.join(STAGES)}")
+        raise typer.Exit(EXIT_INVALID_CONFIG)
+    return stages
+
+
+def latest_run_id(cfg: PipelineConfig) -> str:
+    from tuneproof import record
+    from tuneproof.storage import Storage
+
+    recs = record.list_records(Storage.from_config(cfg.storage))
+    if not recs:
+        err.print("--only without --run-id needs an earlier run to rerun against; none found")
+        raise typer.Exit(EXIT_INVALID_CONFIG)
+    return recs[0]["run_id"]
+
+
+# ---------------------------------------------------------------- runs
+
+
+def storage_for(config: Optional[Path], sets: list[str]):
+    from tuneproof.storage import Storage
+
+    return Storage.from_config(config_or_exit(config, sets).storage)
+
+
+@runs_app.command("list")
+def runs_list(as_json: bool = typer.Option(False, "--json"), config: Optional[Path] = ConfigOpt,
+              sets: list[str] = SetOpt) -> None:
+    """Runs, newest first."""
+    from tuneproof import record
+
+    recs = record.list_records(storage_for(config, sets))
+    rows = [{k: r.get(k) for k in ("run_id", "created_at", "status", "failure_class", "cause")} for r in recs]
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    from rich.table import Table
+
+    table = Table("run", "created", "status", "failure", "cause")
+    for r in rows:
+        table.add_row(r["run_id"], r["created_at"][:19], r["status"], r["failure_class"] or "", (r["cause"] or "")[:80])
+    console.print(table)
+
+
+@runs_app.command("show")
+def runs_show(run_id: str, as_json: bool = typer.Option(False, "--json"), config: Optional[Path] = ConfigOpt,
+              sets: list[str] = SetOpt) -> None:
+    """One run's record."""
+    from tuneproof import record
+
+    try:
+        rec = record.load(storage_for(config, sets), run_id)
+    except FileNotFoundError as e:
+        err.print(str(e))
+        raise typer.Exit(1)
+    if as_json:
+        print(json.dumps(rec, indent=2))
+        return
+    from tuneproof.terminal import print_record
+
+    print_record(rec, console)
+
+
+@runs_app.command("diff")
+def runs_diff(run_a: str, run_b: str, as_json: bool = typer.Option(False, "--json"),
+              config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt) -> None:
+    """What changed between two runs: identity, config fields, and metric deltas."""
+    from tuneproof import record
+    from tuneproof.rundiff import diff_records, render_diff
+
+    storage = storage_for(config, sets)
+    try:
+        a, b = record.load(storage, run_a), record.load(storage, run_b)
+    except FileNotFoundError as e:
+        err.print(str(e))
+        raise typer.Exit(1)
+    result = diff_records(a, b)
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        console.print(render_diff(result))
+
+
+# ---------------------------------------------------------------- checks
+
+
+@app.command()
+def verify(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt,
+           from_files: Optional[Path] = typer.Option(None, "--from-files", help="Saved kubectl/ray JSON."),
+           as_json: bool = typer.Option(False, "--json")) -> None:
+    """Verify the cluster live (the verify stage), or over saved `kubectl get -o json` / `ray list nodes` output."""
+    if from_files is not None:
+        from tuneproof.cli_eks import verify_from_files_command
+
+        raise typer.Exit(verify_from_files_command(str(from_files), str(config) if config else None, sets, as_json))
+    cfg = config_or_exit(config, sets)
+    from tuneproof.terminal import run_with_display
+
+    rec = run_with_display(cfg, None, ["verify"], console)
+    raise typer.Exit(exit_code_for(rec.get("failure_class")))
+
+
+@app.command()
+def lint(paths: list[str] = typer.Argument(None, help="Manifests or folders (default deployments/)."),
+         config: Optional[Path] = typer.Option(None, "--config", "-c", help="Profile whose expectations apply (default configs/eks.yaml)."),
+         sets: list[str] = SetOpt) -> None:
+    """Static checks of deployments/ manifests against schemas and the pipeline's expectations."""
+    from tuneproof.cli_eks import lint_command
+
+    raise typer.Exit(lint_command(paths or ["deployments"], str(config) if config else None, sets))
+
+
+@app.command()
+def transport(logs: list[Path] = typer.Argument(..., help="NCCL log files."),
+              expect: str = typer.Option("any", help="any | efa | gloo")) -> None:
+    """Classify NCCL logs: efa | socket-fallback | inconclusive | gloo. Non-zero exit when --expect is not met."""
+    from tuneproof.transport import verdict_for_files
+
+    texts = {}
+    for path in logs:
+        try:
+            texts[str(path)] = path.read_text(errors="replace")
+        except OSError as e:
+            err.print(f"cannot read {path}: {e.strerror}")
+            raise typer.Exit(2)
+    verdict = verdict_for_files(texts, expect)
+    print(json.dumps(verdict, indent=2))
+    raise typer.Exit(0 if verdict["ok"] else 1)
+
+
+# ---------------------------------------------------------------- registry
+
+
+@models_app.command("list")
+def models_list(as_json: bool = typer.Option(False, "--json"), config: Optional[Path] = ConfigOpt,
+                sets: list[str] = SetOpt) -> None:
+    """Registered models and their production versions."""
+    from tuneproof.registry import list_models
+
+    models = list_models(storage_for(config, sets))
+    if as_json:
+        print(json.dumps(models, indent=2))
+        return
+    from rich.table import Table
+
+    table = Table("model", "production version", "run", "versions")
+    for m in models:
+        pointer = m.get("production") or {}
+        table.add_row(m["name"], pointer.get("version", "-"), pointer.get("run_id", "-"), str(len(m.get("versions", []))))
+    console.print(table)
+
+
+@models_app.command("show")
+def models_show(name: str, config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt) -> None:
+    """One model: the production pointer and every version with its card."""
+    from tuneproof.registry import show_model
+
+    try:
+        print(json.dumps(show_model(storage_for(config, sets), name), indent=2))
+    except FileNotFoundError as e:
+        err.print(str(e))
+        raise typer.Exit(1)
+
+
+@app.command()
+def promote(run_id: str, force: bool = typer.Option(False, "--force", help="Required: this bypasses the gates."),
+            reason: str = typer.Option("", "--reason", help="Why the gates are overridden (recorded)."),
+            config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt) -> None:
+    """The logged override: promote a run's exported model regardless of its gates."""
+    if not force or not reason.strip():
+        err.print("promote is an override of the gates: it needs --force and a non-empty --reason")
+        raise typer.Exit(2)
+    cfg = config_or_exit(config, sets)
+    from tasks.promote import forced_promotion
+
+    result = forced_promotion(cfg, run_id, reason, os.environ.get("USER", "unknown"))
+    print(json.dumps(result, indent=2))
+    raise typer.Exit(0 if result.get("promoted") else 1)
+
+
+# ---------------------------------------------------------------- local
+
+
+@local_app.command("up")
+def local_up(ray_only: bool = typer.Option(False, "--ray-only", help="Start only the Ray head.")) -> None:
+    """Start the Ray head (127.0.0.1:8265), prepare storage and the tiny base model; Prefect server + worker."""
+    from tuneproof import localctl
+
+    raise typer.Exit(localctl.up(console, ray_only=ray_only))
+
+
+@local_app.command("down")
+def local_down() -> None:
+    """Stop what `local up` started."""
+    from tuneproof import localctl
+
+    raise typer.Exit(localctl.down(console))
+
+
+@local_app.command("status")
+def local_status() -> None:
+    """What is running."""
+    from tuneproof import localctl
+
+    raise typer.Exit(localctl.status(console))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""Code identity: the git commit and dirty flag, and the hash of the Ray working_dir package.
+
+The working_dir shipped to every job is staged from the packages that run inside jobs
+(tuneproof/, training/, eval/), so its hash is exactly what ran, independent of tests,
+docs or local outputs in the checkout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from tuneproof.config import PROJECT_ROOT
+
+JOB_PACKAGES = ("tuneproof", "training", "eval")
+_SKIP_DIRS = {"__pycache__", ".pytest_cache"}
+
+
+def git_identity(root: Path = PROJECT_ROOT) -> dict:
+    """{'git_sha': str|None, 'dirty': bool|None}; None when the tree is not a git checkout."""
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout if out.returncode == 0 else None
+
+    sha = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"git_sha": sha.strip() if sha else None, "dirty": bool(status.strip()) if status is not None else None}
+
+
+def job_files(root: Path = PROJECT_ROOT) -> list[Path]:
+    files = []
+    for package in JOB_PACKAGES:
+        for path in sorted((root / package).rglob("*")):
+            if path.is_file() and not (_SKIP_DIRS & set(path.relative_to(root).parts)) and path.suffix != ".pyc":
+                files.append(path)
+    return files
+
+
+def tree_hash(files: list[Path], root: Path) -> str:
+    """sha256 over (relative path, content) pairs in sorted order."""
+    digest = hashlib.sha256()
+    for path in sorted(files, key=lambda p: p.relative_to(root).as_posix()):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def stage_working_dir(root: Path = PROJECT_ROOT) -> tuple[Path, str]:
+    """Copy the job packages into a directory named by their hash; returns (dir, hash).
+
+    The same code reuses the same directory, so Ray uploads it once per cluster.
+    """
+    files = job_files(root)
+    digest = tree_hash(files, root)
+    target = Path(tempfile.gettempdir()) / "tuneproof-workdir" / digest[:16]
+    if not (target / ".complete").exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".stage-", dir=target.parent))
+        for path in files:
+            dest = staging / path.relative_to(root)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, dest)
+        (staging / ".complete").write_text(digest)
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+    return target, digest

@@ -1,0 +1,143 @@
+"""`tuneproof local up|down|status`: the embedded default on 127.0.0.1.
+
+up: the tiny base model (created locally, never downloaded), the storage root, a Ray head
+(dashboard/job API on 127.0.0.1:8265, token auth with the token kept under .tuneproof/local),
+a Prefect server (SQLite, 127.0.0.1:4200) and a process worker on the `local-process` pool.
+Pids and ports live in .tuneproof/local/*.json so `down` stops exactly what `up` started.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from tuneproof import local
+from tuneproof.config import PROJECT_ROOT, load_config
+from tuneproof.local import STATE_DIR, RayHead
+
+PREFECT_PORT = 4200
+PREFECT_API = f"http://127.0.0.1:{PREFECT_PORT}/api"
+WORK_POOL = "local-process"
+PREFECT_HOME = STATE_DIR / "prefect"
+
+
+@dataclass
+class Proc:
+    pid: int
+    log_file: str
+
+    def alive(self) -> bool:
+        return local.pid_alive(self.pid)
+
+
+def prefect_env() -> dict[str, str]:
+    """Environment for the Prefect processes we start: our own home, analytics off, our API."""
+    return {
+        **os.environ, "PREFECT_HOME": str(PREFECT_HOME), "PREFECT_API_URL": PREFECT_API,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_API_URL": PREFECT_API,
+    }
+
+
+def up(console: Console, ray_only: bool = False) -> int:
+    cfg = load_config()
+    prepare_model_and_storage(cfg, console)
+    start_ray(console)
+    if not ray_only:
+        start_prefect(console)
+    console.print(f"[green]ready[/]: Ray dashboard http://127.0.0.1:8265"
+                  + ("" if ray_only else f", Prefect UI http://127.0.0.1:{PREFECT_PORT}"))
+    return 0
+
+
+def prepare_model_and_storage(cfg, console: Console) -> None:
+    from training.tiny_model import ensure_tiny_model
+
+    Path(cfg.storage.root).mkdir(parents=True, exist_ok=True)
+    if ensure_tiny_model(cfg.model.source, cfg.data.source):
+        console.print(f"created the tiny base model at {cfg.model.source}")
+
+
+def start_ray(console: Console) -> None:
+    head = local.load_state("ray", RayHead)
+    if head and head.alive():
+        console.print(f"Ray head already running (pid {head.pid}) at {head.address}")
+        return
+    console.print("starting the Ray head on 127.0.0.1:8265 …")
+    # One CPU more than the training workers need: the job drivers and probes share the node.
+    head = local.start_ray_head(STATE_DIR, num_cpus=max(os.cpu_count() or 2, 4), dashboard_port=8265)
+    local.save_state("ray", head)
+
+
+def start_prefect(console: Console) -> None:
+    server = local.load_state("prefect-server", Proc)
+    if not (server and server.alive()):
+        console.print(f"starting the Prefect server on 127.0.0.1:{PREFECT_PORT} …")
+        server = spawn("prefect-server", [prefect_bin(), "server", "start", "--host", "127.0.0.1", "--port", str(PREFECT_PORT)])
+        wait_http(f"{PREFECT_API}/health", 90, server)
+    subprocess.run([prefect_bin(), "--no-prompt", "work-pool", "create", WORK_POOL, "--type", "process"],
+                   env=prefect_env(), capture_output=True, cwd=PROJECT_ROOT)
+    worker = local.load_state("prefect-worker", Proc)
+    if not (worker and worker.alive()):
+        console.print(f"starting a Prefect process worker on pool {WORK_POOL} …")
+        spawn("prefect-worker", [prefect_bin(), "worker", "start", "--pool", WORK_POOL, "--type", "process"])
+
+
+def prefect_bin() -> str:
+    return str(Path(sys.executable).parent / "prefect")
+
+
+def spawn(name: str, cmd: list[str]) -> Proc:
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    log_file = STATE_DIR / f"{name}.log"
+    with open(log_file, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=prefect_env(),
+                                cwd=PROJECT_ROOT, start_new_session=True)
+    state = Proc(proc.pid, str(log_file))
+    local.save_state(name, state)
+    return state
+
+
+def wait_http(url: str, timeout: float, proc: Proc) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise RuntimeError(f"process {proc.pid} exited during start-up; see {proc.log_file}")
+        try:
+            with urllib.request.urlopen(url, timeout=3):
+                return
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError(f"{url} did not answer within {timeout:.0f}s; see {proc.log_file}")
+
+
+def down(console: Console) -> int:
+    for name in ("prefect-worker", "prefect-server"):
+        proc = local.load_state(name, Proc)
+        if proc and proc.alive():
+            local.stop_group(proc.pid, 10)
+            console.print(f"stopped {name} (pid {proc.pid})")
+        local.clear_state(name)
+    head = local.load_state("ray", RayHead)
+    if head and head.alive():
+        head.stop()
+        console.print(f"stopped the Ray head (pid {head.pid})")
+    local.clear_state("ray")
+    return 0
+
+
+def status(console: Console) -> int:
+    head = local.load_state("ray", RayHead)
+    rows = [("ray head", head.alive() if head else False, head.address if head else "-")]
+    for name, where in (("prefect-server", f"http://127.0.0.1:{PREFECT_PORT}"), ("prefect-worker", f"pool {WORK_POOL}")):
+        proc = local.load_state(name, Proc)
+        rows.append((name, proc.alive() if proc else False, where))
+    for name, alive, where in rows:
+        console.print(f"{name:15} {'[green]running[/]' if alive else '[red]stopped[/]'}  {where}")
+    return 0 if all(alive for _, alive, _ in rows) else 1
