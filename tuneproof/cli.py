@@ -23,7 +23,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from tuneproof.config import STAGES, ConfigError, PipelineConfig, load_config
+from tuneproof.config import PROJECT_ROOT, STAGES, ConfigError, PipelineConfig, load_config
 from tuneproof.results import EXIT_INVALID_CONFIG, exit_code_for
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Fine-tune Qwen on Ray; promote only on evidence.")
@@ -203,7 +203,7 @@ def lint(paths: list[str] = typer.Argument(None, help="Manifests or folders (def
     """Static checks of deployments/ manifests against schemas and the pipeline's expectations."""
     from tuneproof.cli_eks import lint_command
 
-    raise typer.Exit(lint_command(paths or ["deployments"], str(config) if config else None, sets))
+    raise typer.Exit(lint_command(paths or [str(PROJECT_ROOT / "deployments")], str(config) if config else None, sets))
 
 
 @app.command()

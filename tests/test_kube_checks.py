@@ -1,0 +1,210 @@
+"""The Kubernetes half of verify over saved objects (`tuneproof verify --from-files`).
+
+tests/fixtures/k8s/cluster/ is what `kubectl get -o json` / `ray list nodes --format json` print for
+the committed deployments/raycluster.yaml running on two g6.12xlarge nodes; a test keeps the two in
+step. Failing cases edit a copy in tmp_path.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tuneproof.cli_eks import verify_from_files_command
+from tuneproof.config import PROJECT_ROOT, load_config
+from tuneproof.findings import errors
+from tuneproof.kube import load_objects_from_dir
+from tuneproof.kube_checks import check_cluster, normalize_ray_nodes, operator_version, summarize
+
+FIXTURE = Path(__file__).parent / "fixtures" / "k8s" / "cluster"
+EKS = PROJECT_ROOT / "configs" / "eks.yaml"
+OTHER_DIGEST = "sha256:" + "b" * 64
+
+
+@pytest.fixture
+def saved(tmp_path) -> Path:
+    target = tmp_path / "saved"
+    shutil.copytree(FIXTURE, target)
+    return target
+
+
+def edit(path: Path, change) -> None:
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def pod(pods: dict, name: str) -> dict:
+    return next(p for p in pods["items"] if p["metadata"]["name"] == name)
+
+
+def check(directory: Path, *sets: str):
+    return check_cluster(load_objects_from_dir(directory), load_config(EKS, list(sets)))
+
+
+def only(findings, **match):
+    found = [f for f in errors(findings) if all(str(v) in str(getattr(f, k)) for k, v in match.items())]
+    assert found, f"no error matching {match} in:\n" + "\n".join(f.line() for f in findings)
+    return found[0]
+
+
+def test_fixture_is_the_committed_manifest():
+    manifest = yaml.safe_load((PROJECT_ROOT / "deployments" / "raycluster.yaml").read_text())
+    saved = json.loads((FIXTURE / "raycluster.json").read_text())
+    assert saved["spec"] == manifest["spec"]
+    worker_template = manifest["spec"]["workerGroupSpecs"][0]["template"]["spec"]
+    pods = json.loads((FIXTURE / "pods.json").read_text())
+    worker_pod = pod(pods, "tuneproof-gpu-worker-4qj8n")["spec"]
+    assert {k: v for k, v in worker_pod.items() if k != "nodeName"} == worker_template
+
+
+def test_healthy_cluster_passes_and_notes_the_operator_version():
+    findings = check(FIXTURE)
+    assert errors(findings) == []
+    note = [f for f in findings if f.severity == "info"]
+    assert note[0].subject == "KubeRay operator" and note[0].seen == "v1.6.0"
+
+
+def test_pod_running_a_different_digest_is_named(saved):
+    edit(saved / "pods.json", lambda pods: pod(pods, "tuneproof-gpu-worker-9tlwz")["status"]["containerStatuses"][0]
+         .update({"imageID": f"123456789012.dkr.ecr.us-west-2.amazonaws.com/ray-train@{OTHER_DIGEST}"}))
+    finding = only(check(saved), subject="pod tuneproof-gpu-worker-9tlwz")
+    assert finding.field == "status.containerStatuses[ray-worker].imageID"
+    assert finding.seen.endswith(OTHER_DIGEST) and finding.expected == "sha256:" + "0" * 64
+    assert len(errors(check(saved))) == 1
+
+
+def test_ray_node_advertising_more_gpus_than_its_pod_limit(saved):
+    edit(saved / "ray-nodes.json", lambda nodes: nodes[2]["resources_total"].update({"GPU": 8.0}))
+    finding = only(check(saved), field="resources_total.GPU")
+    assert finding.subject == "Ray node 10.0.2.21 (pod tuneproof-gpu-worker-9tlwz)"
+    assert (finding.seen, finding.expected) == (8, 4)
+
+
+def test_pod_gpu_limit_disagreeing_with_num_gpus(saved):
+    def shrink(pods):
+        limits = pod(pods, "tuneproof-gpu-worker-4qj8n")["spec"]["containers"][0]["resources"]
+        limits["limits"]["nvidia.com/gpu"] = limits["requests"]["nvidia.com/gpu"] = "2"
+    edit(saved / "pods.json", shrink)
+    findings = check(saved)
+    by_spec = only(findings, subject="pod tuneproof-gpu-worker-4qj8n (group gpu)")
+    assert (by_spec.seen, by_spec.expected) == (2, "4") and "num-gpus" in by_spec.message
+    assert only(findings, subject="pod tuneproof-gpu-worker-4qj8n", message="gpus_per_worker").seen == 2
+    ray_node = only(findings, subject="Ray node 10.0.2.20")
+    assert (ray_node.seen, ray_node.expected) == (4, 2)
+
+
+def test_missing_ray_node_for_a_pod(saved):
+    edit(saved / "ray-nodes.json", lambda nodes: nodes[2].update({"state": "DEAD"}))
+    finding = only(check(saved), field="Ray node on the pod IP")
+    assert finding.subject == "pod tuneproof-gpu-worker-9tlwz" and finding.expected == "10.0.2.21"
+
+
+def test_efa_from_a_dra_resourceslice_is_accepted(saved):
+    def no_device_plugin(nodes):
+        for node in nodes["items"]:
+            node["status"]["allocatable"].pop("vpc.amazonaws.com/efa", None)
+    edit(saved / "nodes.json", no_device_plugin)
+    finding = only(check(saved), subject="node ip-10-0-2-20.us-west-2.compute.internal")
+    assert finding.seen == 0 and "EFA" in finding.message
+
+    slices = [{"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+               "metadata": {"name": f"{node}-dra.net-efa"},
+               "spec": {"driver": "dra.net", "nodeName": node, "pool": {"name": node, "generation": 1,
+                                                                          "resourceSliceCount": 1},
+                        "devices": [{"name": "rdmap0s26", "attributes": {"dra.net/rdma": {"bool": True}}}]}}
+              for node in ("ip-10-0-2-20.us-west-2.compute.internal", "ip-10-0-2-21.us-west-2.compute.internal")]
+    edit(saved / "resourceslices.json", lambda data: data.update({"items": slices}))
+    assert errors(check(saved)) == []
+    assert summarize(load_objects_from_dir(saved))["nodes"][0]["efa_dra_slices"] == 1
+
+    (saved / "resourceslices.json").unlink()
+    assert "could not be read" in only(check(saved), subject="node ip-10-0-2-21").message
+
+
+def test_node_without_allocatable_gpus(saved):
+    edit(saved / "nodes.json", lambda nodes: nodes["items"][2]["status"]["allocatable"].pop("nvidia.com/gpu"))
+    finding = only(check(saved), field="status.allocatable[nvidia.com/gpu]")
+    assert finding.subject == "node ip-10-0-2-21.us-west-2.compute.internal" and finding.seen == 0
+
+
+def test_cluster_not_ready_or_missing(saved):
+    def not_ready(rc):
+        rc["status"]["state"] = "suspended"
+        rc["status"]["conditions"][1].update({"status": "False", "reason": "RayClusterPodsProvisioning"})
+    edit(saved / "raycluster.json", not_ready)
+    finding = only(check(saved), field="status.state")
+    assert (finding.seen, finding.expected) == ("suspended", "ready") and "RayClusterPodsProvisioning" in finding.message
+    objects = load_objects_from_dir(FIXTURE) | {"raycluster": None}
+    assert only(check_cluster(objects, load_config(EKS)), field="metadata.name").subject == "RayCluster tuneproof/tuneproof"
+
+
+def test_pending_worker_pod(saved):
+    edit(saved / "pods.json", lambda pods: pod(pods, "tuneproof-gpu-worker-9tlwz")["status"].update({"phase": "Pending"}))
+    findings = check(saved)
+    assert only(findings, subject="pod tuneproof-gpu-worker-9tlwz", field="status.phase").seen == "Pending"
+    running = only(findings, field="workerGroupSpecs[gpu] running pods")
+    assert (running.seen, running.expected) == (1, 2)
+
+
+def test_saved_files_as_lists_or_single_objects(saved):
+    rc = json.loads((saved / "raycluster.json").read_text())
+    (saved / "raycluster.json").write_text(json.dumps({"apiVersion": "v1", "kind": "List", "items": [rc]}))
+    pods = json.loads((saved / "pods.json").read_text())["items"]
+    (saved / "pods.json").write_text(json.dumps(pods[0]))
+    objects = load_objects_from_dir(saved)
+    assert objects["raycluster"]["metadata"]["name"] == "tuneproof"
+    assert [p["metadata"]["name"] for p in objects["pods"]] == [pods[0]["metadata"]["name"]]
+    (saved / "nodes.json").write_text("not json")
+    with pytest.raises(ValueError, match="nodes.json: not JSON"):
+        load_objects_from_dir(saved)
+
+
+def test_ray_node_listing_formats():
+    cli = json.loads((FIXTURE / "ray-nodes.json").read_text())
+    dashboard = {"result": True, "data": {"summary": [
+        {"ip": n["node_ip"], "raylet": {"nodeManagerAddress": n["node_ip"], "resourcesTotal": n["resources_total"],
+                                        "state": n["state"], "nodeId": n["node_id"], "isHeadNode": n["is_head_node"]}}
+        for n in cli]}}
+    verify_facts = [{"node_id": n["node_id"], "node_ip": n["node_ip"], "is_head": n["is_head_node"], "alive": True,
+                     "gpus_advertised": n["resources_total"].get("GPU", 0)} for n in cli]
+    assert normalize_ray_nodes(cli) == normalize_ray_nodes(dashboard) == normalize_ray_nodes(verify_facts)
+    assert [n["gpus"] for n in normalize_ray_nodes(cli)] == [0, 4, 4]
+
+
+def test_operator_version_sources():
+    objects = load_objects_from_dir(FIXTURE)
+    annotated = {**objects["raycluster"], "metadata": {**objects["raycluster"]["metadata"],
+                                                       "annotations": {"ray.io/kuberay-version": "v1.6.1"}}}
+    assert operator_version(annotated, objects["pods"], None)[0] == "v1.6.1"
+    assert operator_version(objects["raycluster"], objects["pods"], objects["operator"])[0] == "v1.6.0"
+    assert operator_version(objects["raycluster"], objects["pods"], None)[0] == "unknown"
+
+
+def test_summary_for_the_run_record():
+    summary = summarize(load_objects_from_dir(FIXTURE), load_config(EKS))
+    assert summary["operator_version"] == "v1.6.0"
+    assert set(summary["image_digests"].values()) == {"sha256:" + "0" * 64}
+    assert summary["raycluster"]["worker_groups"] == [{
+        "name": "gpu", "pods": 2, "ray_gpus": "4", "gpu_limit": 4, "efa_limit": 1,
+        "image": load_config(EKS).cluster.expect.image}]
+    assert [n["gpu_allocatable"] for n in summary["nodes"]] == [4, 4]
+    json.dumps(summary)
+
+
+def test_verify_from_files_command(saved, capsys):
+    assert verify_from_files_command(str(FIXTURE), str(EKS), [], as_json=True) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and out["summary"]["operator_version"] == "v1.6.0"
+
+    edit(saved / "ray-nodes.json", lambda nodes: nodes[1]["resources_total"].update({"GPU": 8.0}))
+    assert verify_from_files_command(str(saved), None, [], as_json=False) == 4
+    assert "Ray node 10.0.2.20 (pod tuneproof-gpu-worker-4qj8n): resources_total.GPU is 8, expected 4" in capsys.readouterr().out
+
+    (saved / "pods.json").unlink()
+    assert verify_from_files_command(str(saved), None, [], as_json=False) == 4
+    assert "pods.json: missing" in capsys.readouterr().err

@@ -1,0 +1,208 @@
+"""fetch_cluster_objects with the real `kubernetes` client over real HTTP.
+
+A small API server on 127.0.0.1 (a thread, stopped after each test) serves the saved objects in
+tests/fixtures/k8s/cluster/ (built from deployments/raycluster.yaml) at the Kubernetes API's own
+paths; a kubeconfig written to tmp_path points the client at it with a bearer token.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+import yaml
+
+from tuneproof.config import PROJECT_ROOT, KubernetesConfig, load_config
+from tuneproof.findings import errors
+from tuneproof.kube import fetch_cluster_objects, load_objects_from_dir
+from tuneproof.kube_checks import check_cluster
+from tuneproof.results import FailureClass, StageFailure
+
+FIXTURE = Path(__file__).parent / "fixtures" / "k8s" / "cluster"
+TOKEN = "test-token-not-a-secret"
+EFA_SLICE_NODES = ("ip-10-0-2-20.us-west-2.compute.internal", "ip-10-0-2-21.us-west-2.compute.internal")
+
+
+class FakeApi:
+    """What the server answers: objects by API path, plus per-path status overrides."""
+
+    def __init__(self):
+        saved = load_objects_from_dir(FIXTURE)
+        self.raycluster = saved["raycluster"]
+        self.pods = saved["pods"]
+        self.nodes = saved["nodes"]
+        self.slices: list[dict] | None = []   # None: the resource.k8s.io API is not served (404)
+        self.operator = saved["operator"]
+        self.status: dict[str, int] = {}      # path -> forced HTTP status
+        self.requests: list[tuple[str, dict, str | None]] = []
+
+    def answer(self, path: str, query: dict) -> tuple[int, dict]:
+        if path in self.status:
+            return self.status[path], _status(self.status[path], path)
+        routes = {
+            "/apis/ray.io/v1/namespaces/tuneproof/rayclusters/tuneproof": lambda: self.raycluster,
+            "/api/v1/namespaces/tuneproof/pods": lambda: _list("PodList", _select(self.pods, query)),
+            "/api/v1/nodes": lambda: _list("NodeList", self.nodes),
+            "/apis/resource.k8s.io/v1/resourceslices":
+                lambda: None if self.slices is None else _list("ResourceSliceList", self.slices),
+            "/apis/apps/v1/deployments": lambda: _list("DeploymentList", _select([self.operator], query)),
+        }
+        body = routes[path]() if path in routes else None
+        return (200, body) if body is not None else (404, _status(404, path))
+
+
+def _list(kind: str, items: list[dict]) -> dict:
+    return {"kind": kind, "apiVersion": "v1", "metadata": {"resourceVersion": "1"}, "items": items}
+
+
+def _select(objects: list[dict], query: dict) -> list[dict]:
+    """Equality label selectors, as the API server applies them."""
+    wanted = dict(term.split("=", 1) for term in query.get("labelSelector", [""])[0].split(",") if term)
+    return [o for o in objects if all((o["metadata"].get("labels") or {}).get(k) == v for k, v in wanted.items())]
+
+
+def _status(code: int, path: str) -> dict:
+    reason = {403: "Forbidden", 404: "NotFound"}.get(code, "InternalError")
+    return {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": reason, "code": code,
+            "message": f"{reason}: {path}"}
+
+
+@pytest.fixture
+def api(tmp_path):
+    """(FakeApi, kubeconfig path); the server listens on a free 127.0.0.1 port until the test ends."""
+    fake = FakeApi()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            url = urlparse(self.path)
+            query = parse_qs(url.query)
+            fake.requests.append((url.path, query, self.headers.get("Authorization")))
+            code, body = fake.answer(url.path, query) if self.headers.get("Authorization") == f"Bearer {TOKEN}" \
+                else (401, _status(401, url.path))
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "test",
+        "clusters": [{"name": "test", "cluster": {"server": f"http://127.0.0.1:{server.server_address[1]}"}}],
+        "users": [{"name": "test", "user": {"token": TOKEN}}],
+        "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test", "namespace": "tuneproof"}}],
+    }))
+    try:
+        yield fake, kubeconfig
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def kcfg(kubeconfig: Path) -> KubernetesConfig:
+    return KubernetesConfig(namespace="tuneproof", raycluster="tuneproof", kubeconfig=str(kubeconfig))
+
+
+def eks():
+    return load_config(PROJECT_ROOT / "configs" / "eks.yaml")
+
+
+def test_fetch_and_check_a_healthy_cluster(api):
+    fake, kubeconfig = api
+    objects = fetch_cluster_objects(kcfg(kubeconfig))
+    assert objects["raycluster"]["metadata"]["name"] == "tuneproof"
+    assert [p["metadata"]["name"] for p in objects["pods"]] == [p["metadata"]["name"] for p in fake.pods]
+    assert len(objects["nodes"]) == 3 and objects["resourceslices"] == [] and objects["ray_nodes"] is None
+    assert objects["operator"]["metadata"]["name"] == "kuberay-operator"
+    # The client sent the kubeconfig's token and the RayCluster's label selector.
+    assert {auth for _, _, auth in fake.requests} == {f"Bearer {TOKEN}"}
+    pods_query = next(q for path, q, _ in fake.requests if path.endswith("/pods"))
+    assert pods_query["labelSelector"] == ["ray.io/cluster=tuneproof"]
+    findings = check_cluster(objects, eks())
+    assert errors(findings) == []
+    assert [f.seen for f in findings if f.severity == "info"] == ["v1.6.0"]
+
+
+def test_different_digest_served_live_is_named(api):
+    fake, kubeconfig = api
+    fake.pods[1]["status"]["containerStatuses"][0]["imageID"] = "ray-train@sha256:" + "c" * 64
+    finding = errors(check_cluster(fetch_cluster_objects(kcfg(kubeconfig)), eks()))
+    assert [(f.subject, f.seen) for f in finding] == [("pod tuneproof-gpu-worker-4qj8n", "ray-train@sha256:" + "c" * 64)]
+
+
+def test_resourceslice_api_not_served(api):
+    fake, kubeconfig = api
+    fake.slices = None
+    objects = fetch_cluster_objects(kcfg(kubeconfig))
+    assert objects["resourceslices"] is None
+    tried = [path for path, _, _ in fake.requests if "resource.k8s.io" in path]
+    assert tried == [f"/apis/resource.k8s.io/{v}/resourceslices" for v in ("v1", "v1beta2", "v1beta1")]
+    assert errors(check_cluster(objects, eks())) == []  # the device plugin still shows EFA
+
+
+def test_efa_published_only_by_the_dra_driver(api):
+    fake, kubeconfig = api
+    for node in fake.nodes:
+        node["status"]["allocatable"].pop("vpc.amazonaws.com/efa", None)
+    fake.slices = [{"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": f"{n}-efa"},
+                    "spec": {"driver": "dra.net", "nodeName": n, "pool": {"name": n, "generation": 1, "resourceSliceCount": 1},
+                             "devices": [{"name": "rdmap0s26"}]}} for n in EFA_SLICE_NODES]
+    assert errors(check_cluster(fetch_cluster_objects(kcfg(kubeconfig)), eks())) == []
+    fake.slices = None
+    findings = errors(check_cluster(fetch_cluster_objects(kcfg(kubeconfig)), eks()))
+    assert {f.subject for f in findings} == {f"node {n}" for n in EFA_SLICE_NODES}
+
+
+def test_missing_raycluster_and_unreadable_operator(api):
+    fake, kubeconfig = api
+    fake.raycluster = None
+    fake.status["/apis/apps/v1/deployments"] = 403
+    objects = fetch_cluster_objects(kcfg(kubeconfig))
+    assert objects["raycluster"] is None and objects["operator"] is None
+    finding = errors(check_cluster(objects, eks()))[0]
+    assert (finding.subject, finding.field) == ("RayCluster tuneproof/tuneproof", "metadata.name")
+
+
+def test_forbidden_pods_is_an_infrastructure_failure(api):
+    fake, kubeconfig = api
+    fake.status["/api/v1/namespaces/tuneproof/pods"] = 403
+    with pytest.raises(StageFailure) as caught:
+        fetch_cluster_objects(kcfg(kubeconfig))
+    assert caught.value.failure_class is FailureClass.infrastructure
+    assert "HTTP 403" in caught.value.cause and "rbac.yaml" in caught.value.cause
+
+
+def test_unreachable_api_server_is_an_infrastructure_failure(tmp_path):
+    # Bind a port, then close it: nothing listens there while the client tries.
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "t",
+        "clusters": [{"name": "t", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+        "users": [{"name": "t", "user": {"token": TOKEN}}],
+        "contexts": [{"name": "t", "context": {"cluster": "t", "user": "t"}}]}))
+    with pytest.raises(StageFailure, match="unreachable") as caught:
+        fetch_cluster_objects(kcfg(kubeconfig))
+    assert f"127.0.0.1:{port}" in caught.value.cause
+
+
+def test_missing_kubeconfig_names_the_path(tmp_path):
+    with pytest.raises(StageFailure, match="no Kubernetes credentials") as caught:
+        fetch_cluster_objects(kcfg(tmp_path / "absent-kubeconfig"))
+    assert "absent-kubeconfig" in caught.value.cause

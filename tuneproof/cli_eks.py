@@ -1,0 +1,87 @@
+"""`tuneproof lint` and `tuneproof verify --from-files`: plain functions the CLI calls, returning exit codes.
+
+    tuneproof lint deployments/ [--config configs/eks.yaml] [--set k=v]...
+    tuneproof verify --from-files DIR [--config configs/eks.yaml] [--json]
+
+Both default to configs/eks.yaml: the manifests and saved objects they read are the eks cluster's.
+Exit codes: 0 no errors (warnings and notes allowed), 1 lint errors, 3 invalid config,
+4 (infrastructure) when the saved cluster objects fail verification or cannot be read.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from tuneproof.config import PROJECT_ROOT, ConfigError, PipelineConfig, load_config
+from tuneproof.findings import Finding, errors
+from tuneproof.results import EXIT_BY_CLASS, EXIT_INVALID_CONFIG, EXIT_OK, FailureClass
+
+EKS_PROFILE = PROJECT_ROOT / "configs" / "eks.yaml"
+EXIT_LINT_ERRORS = 1
+
+
+def lint_command(paths: list[str], config_path: str | None, sets: list[str]) -> int:
+    """Print every finding over the manifests; non-zero when any is an error."""
+    from tuneproof.lint import lint_paths
+
+    try:
+        cfg = _config(config_path, sets)
+        findings = lint_paths(paths, cfg)
+    except ConfigError as e:
+        return _config_error(e)
+    except FileNotFoundError as e:
+        print(str(e), file=sys.stderr)
+        return EXIT_LINT_ERRORS
+    _print_findings(findings)
+    print(_tally(findings, f"lint of {', '.join(paths)}" + (f" against profile {cfg.profile}" if cfg else "")))
+    return EXIT_LINT_ERRORS if errors(findings) else EXIT_OK
+
+
+def verify_from_files_command(directory: str, config_path: str | None, sets: list[str], as_json: bool) -> int:
+    """Run the Kubernetes half of verify over saved `kubectl get -o json` / `ray list nodes` files."""
+    from tuneproof.kube import load_objects_from_dir
+    from tuneproof.kube_checks import check_cluster, summarize
+
+    try:
+        cfg = _config(config_path, sets) or load_config(EKS_PROFILE, sets)
+        objects = load_objects_from_dir(directory)
+    except ConfigError as e:
+        return _config_error(e)
+    except (FileNotFoundError, ValueError) as e:
+        print(str(e), file=sys.stderr)
+        return EXIT_BY_CLASS[FailureClass.infrastructure]
+    findings = check_cluster(objects, cfg)
+    if as_json:
+        print(json.dumps({"ok": not errors(findings), "findings": [f.to_json() for f in findings],
+                          "summary": summarize(objects, cfg)}, indent=2, default=str))
+    else:
+        _print_findings(findings)
+        print(_tally(findings, f"verify of {directory} against profile {cfg.profile}"))
+    return EXIT_BY_CLASS[FailureClass.infrastructure] if errors(findings) else EXIT_OK
+
+
+def _config(config_path: str | None, sets: list[str]) -> PipelineConfig | None:
+    """The given profile, else configs/eks.yaml when it exists (lint without a profile checks less)."""
+    if config_path:
+        return load_config(config_path, sets)
+    return load_config(EKS_PROFILE, sets) if EKS_PROFILE.exists() else None
+
+
+def _config_error(e: ConfigError) -> int:
+    print("invalid config:", file=sys.stderr)
+    for problem in e.problems:
+        print(f"  {problem}", file=sys.stderr)
+    return EXIT_INVALID_CONFIG
+
+
+def _print_findings(findings: list[Finding]) -> None:
+    order = {"error": 0, "warning": 1, "info": 2}
+    for f in sorted(findings, key=lambda f: order[f.severity]):
+        print(f"{f.severity.upper():7} {f.line()}")
+
+
+def _tally(findings: list[Finding], what: str) -> str:
+    counts = {s: sum(1 for f in findings if f.severity == s) for s in ("error", "warning", "info")}
+    verdict = "FAILED" if counts["error"] else "ok"
+    return f"{what}: {verdict} ({counts['error']} errors, {counts['warning']} warnings, {counts['info']} notes)"

@@ -1,0 +1,187 @@
+"""Read the RayCluster's objects from the Kubernetes API, or from saved `kubectl get -o json` files.
+
+Live (the verify stage on eks, run in the flow-run pod as tuneproof-pipeline):
+
+    objects = fetch_cluster_objects(cfg.cluster.kubernetes)
+    findings = tuneproof.kube_checks.check_cluster(objects, cfg)
+
+uses the official `kubernetes` client: in-cluster config when running in a pod and no kubeconfig is
+configured, else the kubeconfig (cluster.kubernetes.kubeconfig, else ~/.kube/config). Every object is
+kept as the API's own JSON (what `kubectl get -o json` prints), so live and saved inputs are the same.
+ResourceSlices are optional (404 when the cluster serves no DRA API, 403 without the ClusterRole),
+and so is the KubeRay operator Deployment (usually in another namespace the pipeline cannot read).
+
+Offline (`tuneproof verify --from-files DIR`): load_objects_from_dir reads the files named in
+SAVED_FILES (see deployments/README.md for the commands that write them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import urllib3
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+from kubernetes.config.config_exception import ConfigException
+
+from tuneproof.config import KubernetesConfig
+from tuneproof.kube_checks import CLUSTER_LABEL
+from tuneproof.results import FailureClass, StageFailure
+
+RESOURCE_API_VERSIONS = ("v1", "v1beta2", "v1beta1")
+"""resource.k8s.io versions tried for ResourceSlices, newest first (v1 is GA in Kubernetes 1.34)."""
+OPERATOR_SELECTOR = "app.kubernetes.io/name=kuberay-operator"
+"""The label the KubeRay Helm chart puts on the operator Deployment."""
+SAVED_FILES = {
+    "raycluster": ("raycluster.json", True),
+    "pods": ("pods.json", True),
+    "nodes": ("nodes.json", True),
+    "resourceslices": ("resourceslices.json", False),
+    "ray_nodes": ("ray-nodes.json", False),
+    "operator": ("operator.json", False),
+}
+"""Key -> (file name, required) for load_objects_from_dir."""
+TIMEOUT_S = 30
+
+
+def fetch_cluster_objects(kcfg: KubernetesConfig) -> dict[str, Any]:
+    """The RayCluster, its pods, the nodes, ResourceSlices and the operator, as plain API JSON.
+
+    Raises StageFailure(infrastructure) when the API server cannot be reached or refuses a
+    required read; a missing RayCluster is returned as None for the checks to report.
+    """
+    api = api_client(kcfg)
+    try:
+        return {
+            "raycluster": _raycluster(api, kcfg),
+            "pods": _required(lambda: _items(client.CoreV1Api(api).list_namespaced_pod(
+                kcfg.namespace, label_selector=f"{CLUSTER_LABEL}={kcfg.raycluster}",
+                _preload_content=False, _request_timeout=TIMEOUT_S)), f"pods in namespace {kcfg.namespace}"),
+            "nodes": _required(lambda: _items(client.CoreV1Api(api).list_node(
+                _preload_content=False, _request_timeout=TIMEOUT_S)), "nodes"),
+            "resourceslices": _resourceslices(api),
+            "ray_nodes": None,
+            "operator": _operator(api),
+        }
+    finally:
+        api.close()
+
+
+def api_client(kcfg: KubernetesConfig) -> client.ApiClient:
+    """In-cluster credentials when in a pod and no kubeconfig is set, else the kubeconfig."""
+    try:
+        if kcfg.kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+            configuration = client.Configuration()
+            config.load_incluster_config(client_configuration=configuration)
+            return client.ApiClient(configuration)
+        return config.new_client_from_config(config_file=kcfg.kubeconfig)
+    except (ConfigException, OSError) as e:
+        where = kcfg.kubeconfig or "in-cluster service account / ~/.kube/config"
+        raise StageFailure(FailureClass.infrastructure,
+                           f"no Kubernetes credentials from {where}: {e} (set cluster.kubernetes.kubeconfig)") from e
+
+
+def _raycluster(api: client.ApiClient, kcfg: KubernetesConfig) -> dict | None:
+    try:
+        return _json(client.CustomObjectsApi(api).get_namespaced_custom_object(
+            "ray.io", "v1", kcfg.namespace, "rayclusters", kcfg.raycluster,
+            _preload_content=False, _request_timeout=TIMEOUT_S))
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise _refused(f"RayCluster {kcfg.namespace}/{kcfg.raycluster}", e) from e
+    except urllib3.exceptions.HTTPError as e:
+        raise _unreachable(api, e) from e
+
+
+def _required(read, what: str) -> list[dict]:
+    try:
+        return read()
+    except ApiException as e:
+        raise _refused(what, e) from e
+    except urllib3.exceptions.HTTPError as e:
+        raise StageFailure(FailureClass.infrastructure, f"Kubernetes API unreachable reading {what}: {e}") from e
+
+
+def _resourceslices(api: client.ApiClient) -> list[dict] | None:
+    """DRA ResourceSlices from the newest served resource.k8s.io version; None when none is served or readable."""
+    for version in RESOURCE_API_VERSIONS:
+        try:
+            return _items(client.CustomObjectsApi(api).list_cluster_custom_object(
+                "resource.k8s.io", version, "resourceslices", _preload_content=False, _request_timeout=TIMEOUT_S))
+        except ApiException as e:
+            if e.status == 404:
+                continue
+            if e.status == 403:
+                return None
+            raise _refused("resourceslices", e) from e
+    return None
+
+
+def _operator(api: client.ApiClient) -> dict | None:
+    """The KubeRay operator Deployment when the pipeline may list Deployments cluster-wide; else None."""
+    try:
+        items = _items(client.AppsV1Api(api).list_deployment_for_all_namespaces(
+            label_selector=OPERATOR_SELECTOR, _preload_content=False, _request_timeout=TIMEOUT_S))
+    except ApiException as e:
+        if e.status in (403, 404):
+            return None
+        raise _refused("the KubeRay operator Deployment", e) from e
+    return items[0] if items else None
+
+
+def _json(response) -> dict:
+    return json.loads(response.data)
+
+
+def _items(response) -> list[dict]:
+    return _json(response).get("items") or []
+
+
+def _refused(what: str, e: ApiException) -> StageFailure:
+    hint = " (the service account needs deployments/rbac.yaml)" if e.status in (401, 403) else ""
+    return StageFailure(FailureClass.infrastructure,
+                        f"Kubernetes API refused reading {what}: HTTP {e.status} {e.reason}{hint}")
+
+
+def _unreachable(api: client.ApiClient, e: Exception) -> StageFailure:
+    return StageFailure(FailureClass.infrastructure, f"Kubernetes API at {api.configuration.host} unreachable: {e}")
+
+
+# ---------------------------------------------------------------- saved files
+
+
+def load_objects_from_dir(directory: str | Path) -> dict[str, Any]:
+    """The same dict as fetch_cluster_objects, from files saved with kubectl / ray (see SAVED_FILES)."""
+    directory = Path(directory)
+    objects: dict[str, Any] = {}
+    for key, (name, required) in SAVED_FILES.items():
+        path = directory / name
+        if not path.exists():
+            if required:
+                raise FileNotFoundError(f"{path}: missing; save it with the command in deployments/README.md "
+                                        f"(\"Verifying from saved files\")")
+            objects[key] = None
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON ({e}); save it with `-o json`") from e
+        objects[key] = _shape(key, data)
+    return objects
+
+
+def _shape(key: str, data: Any) -> Any:
+    """kubectl writes a List for `get pods`, an object for `get raycluster NAME`; accept either where sensible."""
+    is_list = isinstance(data, dict) and "items" in data and data.get("kind", "List").endswith("List")
+    if key in ("raycluster", "operator"):
+        items = data["items"] if is_list else [data]
+        return items[0] if items else None
+    if key == "ray_nodes":
+        return data
+    if is_list:
+        return data["items"]
+    return [data] if isinstance(data, dict) else data

@@ -1,0 +1,378 @@
+"""The Kubernetes half of verify: checks over fetched objects (pure: plain dicts in, findings out).
+
+Input is the dict that tuneproof.kube.fetch_cluster_objects (live) or load_objects_from_dir
+(saved `kubectl get -o json` output) returns:
+
+    raycluster      the RayCluster object, or None when it does not exist
+    pods            the RayCluster's pods (label ray.io/cluster=<name>)
+    nodes           every node
+    resourceslices  DRA ResourceSlices, or None when the API is not served / not readable
+    ray_nodes       Ray's node list (`ray list nodes --format json`, the dashboard's
+                    /nodes?view=summary answer, or the verify stage's node facts), or None
+    operator        the KubeRay operator Deployment or Pod, or None when not readable
+
+What must hold: the RayCluster is ready; every head and worker pod runs the pinned image digest
+(status.containerStatuses[].imageID); per worker group rayStartParams num-gpus == the pod's
+nvidia.com/gpu limit == the GPUs Ray advertises on that pod (Ray node matched by pod IP); every GPU
+pod's node has that many allocatable GPUs and, when EFA is expected, an EFA device, either the
+device plugin's vpc.amazonaws.com/efa or a ResourceSlice from the EFA DRA driver. The KubeRay
+operator version is noted. The manifest helpers here are shared with `tuneproof lint`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from tuneproof.config import PipelineConfig
+from tuneproof.findings import Finding
+
+GPU_RESOURCE = "nvidia.com/gpu"
+EFA_RESOURCE = "vpc.amazonaws.com/efa"
+EFA_DRA_DRIVERS = ("dra.net",)
+"""ResourceSlice drivers that publish EFA devices: DRANET, which carries AWS's EFA DRA driver."""
+KUBERAY_VERSION_ANNOTATION = "ray.io/kuberay-version"
+CLUSTER_LABEL, NODE_TYPE_LABEL, GROUP_LABEL = "ray.io/cluster", "ray.io/node-type", "ray.io/group"
+HEAD_GROUP = "headgroup"
+"""The ray.io/group label KubeRay puts on the head pod."""
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+# ---------------------------------------------------------------- manifest helpers (shared with lint)
+
+
+def image_digest(ref: str | None) -> str | None:
+    """'repo:tag@sha256:<hex>' -> 'sha256:<hex>'; also finds the digest inside a pod's imageID."""
+    match = _DIGEST.search(ref or "")
+    return match.group(0) if match else None
+
+
+def image_tag(ref: str) -> str | None:
+    name = ref.split("@", 1)[0].rsplit("/", 1)[-1]
+    return name.partition(":")[2] or None
+
+
+def ray_container(pod_spec: dict) -> dict:
+    """KubeRay requires the Ray container to be the first container of a head or worker pod."""
+    containers = pod_spec.get("containers") or [{}]
+    return containers[0]
+
+
+def resource_count(container: dict, resource: str) -> int:
+    """An extended resource's count (limits, else requests; extended resources cannot overcommit)."""
+    resources = container.get("resources") or {}
+    value = (resources.get("limits") or {}).get(resource, (resources.get("requests") or {}).get(resource, 0))
+    return as_count(str(value)) or 0
+
+
+def ray_gpu_setting(group: dict) -> tuple[str, str] | None:
+    """The group's explicit Ray GPU count as (field, raw value): spec resources.GPU, else num-gpus."""
+    if "GPU" in (group.get("resources") or {}):
+        return "resources.GPU", str(group["resources"]["GPU"])
+    if "num-gpus" in (group.get("rayStartParams") or {}):
+        return "rayStartParams.num-gpus", str(group["rayStartParams"]["num-gpus"])
+    return None
+
+
+def as_count(raw: str) -> int | None:
+    """'4' or '4.0' -> 4; None when it is not a number (the schema check reports that)."""
+    try:
+        return int(float(raw))
+    except ValueError:
+        return None
+
+
+def worker_groups(raycluster: dict) -> list[dict]:
+    return (raycluster.get("spec") or {}).get("workerGroupSpecs") or []
+
+
+def group_pod_count(raycluster: dict, group: dict) -> int:
+    """Pods a worker group runs: maxReplicas when autoscaling may grow it, else replicas clamped to [min, max]."""
+    if group.get("suspend"):
+        return 0
+    hosts = group.get("numOfHosts", 1)
+    low, high = group.get("minReplicas", 0), group.get("maxReplicas", 2**31 - 1)
+    if (raycluster.get("spec") or {}).get("enableInTreeAutoscaling"):
+        return high * hosts
+    return min(max(group.get("replicas", low), low), high) * hosts
+
+
+def group_spec(raycluster: dict, group_name: str) -> dict | None:
+    spec = raycluster.get("spec") or {}
+    if group_name == HEAD_GROUP:
+        return spec.get("headGroupSpec")
+    return next((g for g in worker_groups(raycluster) if g.get("groupName") == group_name), None)
+
+
+# ---------------------------------------------------------------- the checks
+
+
+def check_cluster(objects: dict, cfg: PipelineConfig) -> list[Finding]:
+    """Every finding about the running RayCluster, its pods and their nodes."""
+    kcfg = cfg.cluster.kubernetes
+    raycluster = objects.get("raycluster")
+    if raycluster is None:
+        return [Finding(f"RayCluster {kcfg.namespace}/{kcfg.raycluster}", "metadata.name", None, kcfg.raycluster,
+                        "not found: apply deployments/raycluster.yaml or fix cluster.kubernetes")]
+    pods = objects.get("pods") or []
+    return [
+        *readiness(raycluster),
+        *pod_presence(raycluster, pods),
+        *image_digests(raycluster, pods, cfg.cluster.expect.image),
+        *gpu_agreement(raycluster, pods, objects.get("ray_nodes"), cfg.cluster.expect.gpus_per_worker),
+        *node_devices(pods, objects.get("nodes") or [], objects.get("resourceslices"), cfg.cluster.expect.efa),
+        operator_finding(raycluster, pods, objects.get("operator")),
+    ]
+
+
+def readiness(raycluster: dict) -> list[Finding]:
+    status = raycluster.get("status") or {}
+    conditions = {c.get("type"): c for c in status.get("conditions") or []}
+    provisioned = all(conditions.get(t, {}).get("status") == "True" for t in ("RayClusterProvisioned", "HeadPodReady"))
+    if status.get("state") == "ready" or provisioned:
+        return []
+    why = "; ".join(f"{t}={c.get('status')} {c.get('reason', '')}".strip() for t, c in conditions.items()
+                    if c.get("status") != "True")
+    return [Finding(_rc_subject(raycluster), "status.state", status.get("state"), "ready", why)]
+
+
+def pod_presence(raycluster: dict, pods: list[dict]) -> list[Finding]:
+    findings = [Finding(f"pod {_name(p)}", "status.phase", p.get("status", {}).get("phase"), "Running")
+                for p in pods if p.get("status", {}).get("phase") != "Running"]
+    running = [p for p in pods if p.get("status", {}).get("phase") == "Running"]
+    if not any(_labels(p).get(NODE_TYPE_LABEL) == "head" for p in running):
+        findings.append(Finding(_rc_subject(raycluster), "head pod", "none running", "1 running"))
+    for group in worker_groups(raycluster):
+        desired = group_pod_count(raycluster, group)
+        have = sum(1 for p in running if _labels(p).get(GROUP_LABEL) == group.get("groupName"))
+        if have < desired:
+            findings.append(Finding(_rc_subject(raycluster), f"workerGroupSpecs[{group.get('groupName')}] running pods",
+                                    have, desired, "fewer worker pods than the group asks for"))
+    return findings
+
+
+def image_digests(raycluster: dict, pods: list[dict], expected_image: str | None) -> list[Finding]:
+    """Each pod's Ray container runs the pinned digest: the config's, else the one its own spec pins."""
+    findings = []
+    for pod in pods:
+        container = ray_container(pod.get("spec") or {})
+        expected = image_digest(expected_image) or image_digest(container.get("image"))
+        status = _container_status(pod, container.get("name"))
+        field = f"status.containerStatuses[{container.get('name')}].imageID"
+        if expected is None:
+            findings.append(Finding(f"pod {_name(pod)}", f"spec.containers[{container.get('name')}].image",
+                                    container.get("image"), "an image pinned by digest (repo@sha256:...)"))
+        elif status is None or not status.get("imageID"):
+            findings.append(Finding(f"pod {_name(pod)}", field, None, expected, "the Ray container has not started"))
+        elif image_digest(status["imageID"]) != expected:
+            findings.append(Finding(f"pod {_name(pod)}", field, status["imageID"], expected,
+                                    "the pod runs a different image than the pinned digest"))
+    return findings
+
+
+def gpu_agreement(raycluster: dict, pods: list[dict], ray_nodes: list | dict | None,
+                  gpus_per_worker: int) -> list[Finding]:
+    """rayStartParams num-gpus == pod nvidia.com/gpu limit == GPUs the Ray node on the pod advertises."""
+    by_ip = {n["ip"]: n for n in normalize_ray_nodes(ray_nodes)} if ray_nodes is not None else None
+    findings = []
+    for pod in pods:
+        group_name = _labels(pod).get(GROUP_LABEL, HEAD_GROUP)
+        limit = resource_count(ray_container(pod.get("spec") or {}), GPU_RESOURCE)
+        findings += _spec_vs_limit(pod, group_spec(raycluster, group_name), group_name, limit)
+        if gpus_per_worker and _labels(pod).get(NODE_TYPE_LABEL) == "worker" and limit and limit != gpus_per_worker:
+            findings.append(Finding(f"pod {_name(pod)}", f"{GPU_RESOURCE} limit", limit, gpus_per_worker,
+                                    "cluster.expect.gpus_per_worker"))
+        if by_ip is not None:
+            findings += _ray_node_vs_limit(pod, by_ip, limit)
+    if gpus_per_worker and not any(_labels(p).get(NODE_TYPE_LABEL) == "worker"
+                                   and resource_count(ray_container(p.get("spec") or {}), GPU_RESOURCE) for p in pods):
+        findings.append(Finding(_rc_subject(raycluster), "worker pods with GPUs", 0, f">= 1 with {gpus_per_worker}"))
+    return findings
+
+
+def _spec_vs_limit(pod: dict, group: dict | None, group_name: str, limit: int) -> list[Finding]:
+    setting = ray_gpu_setting(group or {})
+    if setting is None or as_count(setting[1]) == limit:
+        return []
+    field, raw = setting
+    return [Finding(f"pod {_name(pod)} (group {group_name})", f"{GPU_RESOURCE} limit", limit, raw,
+                    f"the RayCluster's {field} for this group")]
+
+
+def _ray_node_vs_limit(pod: dict, by_ip: dict, limit: int) -> list[Finding]:
+    ip = (pod.get("status") or {}).get("podIP")
+    node = by_ip.get(ip)
+    if node is None:
+        return [Finding(f"pod {_name(pod)}", "Ray node on the pod IP", None, ip, "no alive Ray node runs on this pod")]
+    if node["gpus"] != limit:
+        return [Finding(f"Ray node {ip} (pod {_name(pod)})", "resources_total.GPU", node["gpus"], limit,
+                        f"the pod's {GPU_RESOURCE} limit: Ray advertises GPUs the pod does not own")]
+    return []
+
+
+def node_devices(pods: list[dict], nodes: list[dict], resourceslices: list[dict] | None,
+                 expect_efa: bool) -> list[Finding]:
+    """Each GPU pod's node offers the GPUs it uses and, when expected, EFA (device plugin or DRA)."""
+    by_name = {_name(n): n for n in nodes}
+    findings, seen = [], set()
+    for pod in pods:
+        limit = resource_count(ray_container(pod.get("spec") or {}), GPU_RESOURCE)
+        node_name = (pod.get("spec") or {}).get("nodeName")
+        if not limit or node_name in seen:
+            continue
+        seen.add(node_name)
+        node = by_name.get(node_name)
+        if node is None:
+            findings.append(Finding(f"pod {_name(pod)}", "spec.nodeName", node_name, "a node in the node list"))
+            continue
+        findings += _node_gpus(node, limit)
+        if expect_efa:
+            findings += _node_efa(node, resourceslices)
+    return findings
+
+
+def _node_gpus(node: dict, needed: int) -> list[Finding]:
+    have = _allocatable(node, GPU_RESOURCE)
+    if have >= needed:
+        return []
+    return [Finding(f"node {_name(node)}", f"status.allocatable[{GPU_RESOURCE}]", have, f">= {needed}",
+                    "the NVIDIA device plugin does not offer the GPUs the pod uses")]
+
+
+def _node_efa(node: dict, resourceslices: list[dict] | None) -> list[Finding]:
+    if _allocatable(node, EFA_RESOURCE) > 0 or efa_dra_slices(resourceslices or [], _name(node)):
+        return []
+    unread = " (ResourceSlices could not be read, so a DRA-published EFA is unknown)" if resourceslices is None else ""
+    return [Finding(f"node {_name(node)}", f"status.allocatable[{EFA_RESOURCE}] or an EFA ResourceSlice", 0,
+                    ">= 1", "cluster.expect.efa: no EFA device on this GPU node" + unread)]
+
+
+def efa_dra_slices(resourceslices: list[dict], node_name: str) -> list[dict]:
+    """ResourceSlices the EFA DRA driver published for the node, with at least one device."""
+    return [s for s in resourceslices
+            if (s.get("spec") or {}).get("nodeName") == node_name
+            and (s.get("spec") or {}).get("driver") in EFA_DRA_DRIVERS
+            and (s.get("spec") or {}).get("devices")]
+
+
+def operator_finding(raycluster: dict, pods: list[dict], operator: dict | None) -> Finding:
+    version, source = operator_version(raycluster, pods, operator)
+    return Finding("KubeRay operator", "version", version, "any (recorded)", f"from {source}", "info")
+
+
+def operator_version(raycluster: dict, pods: list[dict], operator: dict | None) -> tuple[str, str]:
+    """The KubeRay version: its annotation on the RayCluster or a pod, else the operator's image tag."""
+    for obj in [raycluster, *pods]:
+        version = ((obj.get("metadata") or {}).get("annotations") or {}).get(KUBERAY_VERSION_ANNOTATION)
+        if version:
+            return version, f"{obj.get('kind', 'Pod')} {_name(obj)} annotation {KUBERAY_VERSION_ANNOTATION}"
+    if operator:
+        spec = operator.get("spec") or {}
+        image = ray_container((spec.get("template") or {}).get("spec") or spec).get("image", "")
+        if image_tag(image):
+            return image_tag(image), f"operator image {image}"
+    return "unknown", "no annotation and no readable operator Deployment"
+
+
+# ---------------------------------------------------------------- Ray's node list
+
+
+def normalize_ray_nodes(data: list | dict) -> list[dict]:
+    """Alive Ray nodes as {ip, gpus, node_id, is_head} from any of Ray's node listings.
+
+    `ray list nodes --format json`: a list of {node_ip, resources_total, state, is_head_node, ...}.
+    The dashboard's GET /nodes?view=summary: {"data": {"summary": [{"raylet": {nodeManagerAddress,
+    resourcesTotal, state, nodeId, isHeadNode}}]}}. The verify stage's node facts (tuneproof.checks):
+    a list of {node_ip, gpus_advertised, alive, is_head, node_id}.
+    """
+    rows = data.get("data", {}).get("summary", []) if isinstance(data, dict) else data
+    return [node for node in map(_ray_node, rows) if node is not None]
+
+
+def _ray_node(row: dict) -> dict | None:
+    raylet = row.get("raylet", row)
+    alive = (raylet.get("state") or row.get("state")) == "ALIVE" or row.get("alive") is True
+    if not alive:
+        return None
+    resources = raylet.get("resourcesTotal") or row.get("resources_total") or {"GPU": row.get("gpus_advertised") or 0}
+    return {"ip": raylet.get("nodeManagerAddress") or row.get("node_ip"),
+            "gpus": int(float(resources.get("GPU", 0))),
+            "node_id": raylet.get("nodeId") or row.get("node_id"),
+            "is_head": bool(raylet.get("isHeadNode", row.get("is_head_node", row.get("is_head", False))))}
+
+
+# ---------------------------------------------------------------- summary for the run record
+
+
+def summarize(objects: dict, cfg: PipelineConfig | None = None) -> dict[str, Any]:
+    """What the run record keeps: image digest per pod, operator version, worker groups, GPU nodes."""
+    raycluster = objects.get("raycluster") or {}
+    pods = objects.get("pods") or []
+    version, source = operator_version(raycluster, pods, objects.get("operator"))
+    return {
+        "raycluster": _cluster_summary(raycluster),
+        "operator_version": version,
+        "operator_version_source": source,
+        "expected_image": cfg.cluster.expect.image if cfg else None,
+        "image_digests": {_name(p): image_digest((_container_status(p, ray_container(p.get("spec") or {}).get("name"))
+                                                  or {}).get("imageID")) for p in pods},
+        "pods": [_pod_summary(p) for p in pods],
+        "nodes": [_node_summary(n, objects.get("resourceslices")) for n in objects.get("nodes") or []
+                  if _allocatable(n, GPU_RESOURCE)],
+        "ray_nodes": normalize_ray_nodes(objects["ray_nodes"]) if objects.get("ray_nodes") is not None else None,
+    }
+
+
+def _cluster_summary(raycluster: dict) -> dict:
+    spec = raycluster.get("spec") or {}
+    return {
+        "name": _name(raycluster), "namespace": (raycluster.get("metadata") or {}).get("namespace"),
+        "state": (raycluster.get("status") or {}).get("state"), "ray_version": spec.get("rayVersion"),
+        "worker_groups": [{
+            "name": g.get("groupName"), "pods": group_pod_count(raycluster, g),
+            "ray_gpus": (ray_gpu_setting(g) or (None, None))[1],
+            "gpu_limit": resource_count(ray_container((g.get("template") or {}).get("spec") or {}), GPU_RESOURCE),
+            "efa_limit": resource_count(ray_container((g.get("template") or {}).get("spec") or {}), EFA_RESOURCE),
+            "image": ray_container((g.get("template") or {}).get("spec") or {}).get("image"),
+        } for g in worker_groups(raycluster)],
+    }
+
+
+def _pod_summary(pod: dict) -> dict:
+    container = ray_container(pod.get("spec") or {})
+    return {"name": _name(pod), "node_type": _labels(pod).get(NODE_TYPE_LABEL), "group": _labels(pod).get(GROUP_LABEL),
+            "node": (pod.get("spec") or {}).get("nodeName"), "ip": (pod.get("status") or {}).get("podIP"),
+            "phase": (pod.get("status") or {}).get("phase"), "image": container.get("image"),
+            "image_id": (_container_status(pod, container.get("name")) or {}).get("imageID"),
+            "gpu_limit": resource_count(container, GPU_RESOURCE)}
+
+
+def _node_summary(node: dict, resourceslices: list[dict] | None) -> dict:
+    labels = _labels(node)
+    return {"name": _name(node), "instance_type": labels.get("node.kubernetes.io/instance-type"),
+            "gpu_allocatable": _allocatable(node, GPU_RESOURCE), "efa_allocatable": _allocatable(node, EFA_RESOURCE),
+            "efa_dra_slices": len(efa_dra_slices(resourceslices or [], _name(node)))}
+
+
+# ---------------------------------------------------------------- small accessors
+
+
+def _name(obj: dict) -> str:
+    return (obj.get("metadata") or {}).get("name", "?")
+
+
+def _labels(obj: dict) -> dict:
+    return (obj.get("metadata") or {}).get("labels") or {}
+
+
+def _rc_subject(raycluster: dict) -> str:
+    return f"RayCluster {(raycluster.get('metadata') or {}).get('namespace')}/{_name(raycluster)}"
+
+
+def _container_status(pod: dict, container_name: str | None) -> dict | None:
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    return next((s for s in statuses if s.get("name") == container_name), None)
+
+
+def _allocatable(node: dict, resource: str) -> int:
+    return as_count(str(((node.get("status") or {}).get("allocatable") or {}).get(resource, 0))) or 0
