@@ -14,7 +14,7 @@ from prefect.input import RunInput
 from prefect.runtime import flow_run
 from prefect.states import Completed, Failed
 
-from tasks import events, promote as promote_tasks, resume as resume_tasks, stages
+from tasks import artifacts, events, promote as promote_tasks, resume as resume_tasks, stages
 from tuneproof import record as records
 from tuneproof.config import STAGES, PipelineConfig
 from tuneproof.identity import git_identity
@@ -41,6 +41,8 @@ def pipeline(config: PipelineConfig = PipelineConfig(), run_id: str | None = Non
             entry = crashed(stage, e)
         record_stage(record, stage, entry)
         records.save(storage, record)
+        report(artifacts.for_stage, record, stage, storage)
+        report(artifacts.stage_table, record)
         events.publish("stage", stage=stage, status=entry["status"], failure_class=entry["failure_class"])
         if entry["status"] == "failed":
             return finish(storage, record, entry)
@@ -140,10 +142,19 @@ def record_stage(record: dict, stage: str, entry: dict) -> None:
         record["code"]["working_dir_hash"] = entry["jobs"][-1]["working_dir_hash"]
 
 
+def report(fn, *args) -> None:
+    """Artifacts are evidence for people, not part of the verdict: a failure to publish one is logged."""
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001
+        get_run_logger().warning(f"could not publish artifact {fn.__name__}: {type(e).__name__}: {e}")
+
+
 def finish(storage: Storage, record: dict, failed: dict | None):
     if failed is None:
         record.update(status="succeeded", failure_class=None, cause=None)
         records.save(storage, record)
+        report(artifacts.run_report, record)
         return Completed(message=f"run {record['run_id']} succeeded", data=summary_of(record))
     cause = f"{failed['stage']}: {failed['cause']}"
     record.update(status="failed", failure_class=failed["failure_class"], cause=cause)
@@ -151,6 +162,7 @@ def finish(storage: Storage, record: dict, failed: dict | None):
         # Nothing is promoted after a failed stage; the refusal and its reason are part of the record.
         record["promotion"] = {"promoted": False, "reasons": [f"{failed['failure_class']} failure in {cause}"]}
     records.save(storage, record)
+    report(artifacts.run_report, record)
     return Failed(message=f"{failed['failure_class']} failure in {cause}", data=summary_of(record))
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from tasks import events
+from tasks import artifacts, events
 from tasks.rayjob import JobOutcome, JobSpec, RayJobRunner
 from tuneproof.config import PipelineConfig
 from tuneproof.record import stage_entry
@@ -24,8 +24,14 @@ RETRY = {"retries": 1, "retry_delay_seconds": 5, "cache_policy": NO_CACHE}
 def runner_for(cfg: PipelineConfig, run_id: str, stage: str) -> RayJobRunner:
     logger = get_run_logger()
 
+    progress = artifacts.Progress(run_id, stage)
+
     def on_progress(event: dict) -> None:
         events.publish("progress", **{"stage": stage, **event})
+        try:
+            progress.update(int(event.get("done", 0)), int(event.get("total") or 1))
+        except Exception as e:  # noqa: BLE001 - a progress bar must never fail a stage
+            logger.warning(f"progress artifact: {e}")
 
     def on_status(submission_id: str, status: str) -> None:
         events.publish("job", stage=stage, submission_id=submission_id, status=status)

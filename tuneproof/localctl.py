@@ -42,6 +42,8 @@ def prefect_env() -> dict[str, str]:
     return {
         **os.environ, "PREFECT_HOME": str(PREFECT_HOME), "PREFECT_API_URL": PREFECT_API,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_API_URL": PREFECT_API,
+        # prefect.yaml's pull step runs flows in "{{ $PWD }}": the worker's, i.e. the project root.
+        "PWD": str(PROJECT_ROOT),
     }
 
 
