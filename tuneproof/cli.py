@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import Optional
 
@@ -206,9 +207,15 @@ def lint(paths: list[str] = typer.Argument(None, help="Manifests or folders (def
     raise typer.Exit(lint_command(paths or [str(PROJECT_ROOT / "deployments")], str(config) if config else None, sets))
 
 
+class TransportExpect(str, Enum):
+    any = "any"
+    efa = "efa"
+    gloo = "gloo"
+
+
 @app.command()
 def transport(logs: list[Path] = typer.Argument(..., help="NCCL log files."),
-              expect: str = typer.Option("any", help="any | efa | gloo")) -> None:
+              expect: TransportExpect = typer.Option(TransportExpect.any, help="What the logs must show.")) -> None:
     """Classify NCCL logs: efa | socket-fallback | inconclusive | gloo. Non-zero exit when --expect is not met."""
     from tuneproof.transport import verdict_for_files
 
@@ -219,7 +226,7 @@ def transport(logs: list[Path] = typer.Argument(..., help="NCCL log files."),
         except OSError as e:
             err.print(f"cannot read {path}: {e.strerror}")
             raise typer.Exit(2)
-    verdict = verdict_for_files(texts, expect)
+    verdict = verdict_for_files(texts, expect.value)
     print(json.dumps(verdict, indent=2))
     raise typer.Exit(0 if verdict["ok"] else 1)
 

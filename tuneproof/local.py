@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -63,6 +64,8 @@ class RayHead:
         # `ray start --block` can sit in its SIGTERM handler well past the drain; after a
         # short grace period the whole process group is killed (workers die with the raylet).
         stop_group(self.pid, timeout)
+        # Ray leaves its session logs and sockets behind; they are ours to remove.
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
 def ray_env(token_file: str | os.PathLike) -> dict[str, str]:
@@ -106,7 +109,9 @@ def start_ray_head(
         cmd.append(f"--num-cpus={num_cpus}")
     log_file = state_dir / "ray-head.log"
     # No drain on stop: nothing serves traffic here, and the default drain waits 30 s.
-    env = {**os.environ, **ray_env(token_file), "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    env = {**os.environ, **ray_env(token_file), "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+           # Otherwise Ray swaps 127.0.0.1 for the machine's address and listens on every interface.
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     with open(log_file, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     head = RayHead(proc.pid, dashboard_port, gcs_port, temp_dir, str(token_file), str(log_file))

@@ -1,0 +1,94 @@
+"""The connectivity stage: its pure parts, then the whole body with 2 CPU workers on a real Ray head."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tuneproof.config import PipelineConfig
+from tuneproof.results import StageFailure
+from training.connectivity import (
+    bandwidth, check_ranks, check_transport, connectivity, nccl_env, own_nccl_lines, transport_verdict,
+)
+from training.jobkit import JobContext
+from tests.test_verify_probe import ray_connected  # noqa: F401 - the shared Ray driver fixture
+
+
+def test_bandwidth_takes_slowest_rank_and_ring_factor():
+    rank0 = [{"size_bytes": 1_000_000, "time_ms": 1.0}, {"size_bytes": 4_000_000, "time_ms": 2.0}]
+    rank1 = [{"size_bytes": 1_000_000, "time_ms": 2.0}, {"size_bytes": 4_000_000, "time_ms": 1.0}]
+    small, large = bandwidth([rank0, rank1], world_size=4)
+    assert small["time_ms"] == 2.0 and small["algbw_GBps"] == pytest.approx(0.5)
+    assert small["busbw_GBps"] == pytest.approx(0.5 * 1.5)
+    assert large["algbw_GBps"] == pytest.approx(2.0)
+
+
+def test_nccl_env_is_per_submission_and_per_process():
+    env = nccl_env("run-1-connectivity")
+    assert env["NCCL_DEBUG"] == "INFO" and env["NCCL_DEBUG_SUBSYS"] == "INIT,NET"
+    assert env["NCCL_DEBUG_FILE"] == "/tmp/tuneproof-nccl/run-1-connectivity/nccl.%h.%p.log"
+
+
+def test_rank_reads_only_its_own_nccl_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("NCCL_DEBUG_FILE", str(tmp_path / "nccl.%h.%p.log"))
+    (tmp_path / f"nccl.host-a.{os.getpid()}.log").write_text("h:1:1 [0] NCCL INFO Using network Socket\n")
+    (tmp_path / f"nccl.host-a.{os.getpid() + 1}.log").write_text("someone else's line\n")
+    assert own_nccl_lines() == ["h:1:1 [0] NCCL INFO Using network Socket"]
+    monkeypatch.delenv("NCCL_DEBUG_FILE")
+    assert own_nccl_lines() == []
+
+
+def test_transport_verdict_worst_rank_wins_and_fails_efa():
+    verdict = transport_verdict("nccl", {
+        "rank-0": ["h:1:1 [0] NCCL INFO NET/OFI Selected provider is efa, fabric is efa (found 1 nics)"],
+        "rank-1": ["h:2:2 [0] NCCL INFO NET/Socket : Using [0]eth0:10.0.0.1<0>"],
+    })
+    assert verdict["kind"] == "socket-fallback"
+    with pytest.raises(StageFailure, match=r"transport is socket-fallback, expected efa: rank-1: .*NET/Socket"):
+        check_transport({"transport": verdict}, "efa")
+    check_transport({"transport": transport_verdict("gloo", {})}, "gloo")
+
+
+def test_unfinished_ranks_are_named():
+    reports = {0: {"rank": 0, "finished": "t"}, 1: {"rank": 1, "started": "t", "joined": "t"}, 2: None}
+    with pytest.raises(StageFailure) as info:
+        check_ranks({"fsdp": {"losses": [4.8]}}, reports, "TrainingFailedError: worker died")
+    assert info.value.cause == ("2 of 3 ranks did not finish: rank 1 (joined, not finished), rank 2 (no rank report); "
+                                "trainer: TrainingFailedError: worker died")
+
+
+def test_non_finite_fsdp_loss_fails():
+    with pytest.raises(StageFailure, match="not finite"):
+        check_ranks({"fsdp": {"losses": [4.8, float("nan")]}}, {0: {"finished": "t"}}, None)
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path):
+    from transformers import Qwen2Config
+
+    path = tmp_path / "tiny-qwen2"
+    Qwen2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                intermediate_size=64, vocab_size=128, tie_word_embeddings=True).save_pretrained(path)
+    return path
+
+
+@pytest.mark.integration
+def test_connectivity_two_cpu_workers(ray_connected, tmp_path, tiny_model_dir):
+    config = PipelineConfig.model_validate({
+        "storage": {"root": str(tmp_path / "storage")},
+        "model": {"source": str(tiny_model_dir)},
+        "train": {"num_workers": 2, "use_gpu": False},
+        "connectivity": {"sizes_bytes": [1024, 65536], "iters": 3, "warmup_iters": 1, "fsdp_steps": 2,
+                         "expect_transport": "gloo"},
+    })
+    ctx = JobContext("run-conn", "connectivity", config)
+    summary = connectivity(ctx)
+    assert summary["backend"] == "gloo" and summary["world_size"] == 2
+    assert [r["rank"] for r in summary["ranks"]] == [0, 1]
+    assert all(r["started"] and r["joined"] and r["finished"] and r["pid"] for r in summary["ranks"])
+    assert [row["size_bytes"] for row in summary["allreduce"]] == [1024, 65536]
+    assert all(row["algbw_GBps"] > 0 and row["busbw_GBps"] > 0 for row in summary["allreduce"])
+    assert summary["fsdp"]["steps"] == 2 and len(summary["fsdp"]["losses"]) == 2
+    assert summary["transport"] == {"kind": "gloo", "evidence": ["backend gloo (CPU)"]}
+    assert ctx.storage.exists(*ctx.stage_parts("rank-1.json"))

@@ -1,0 +1,125 @@
+"""NCCL log classification over realistic NCCL_DEBUG=INFO (INIT,NET) logs."""
+
+from __future__ import annotations
+
+import pytest
+
+from tuneproof.transport import GLOO_EVIDENCE, classify, classify_text, combine, meets, verdict_for_files
+
+BANNER = """\
+ip-10-0-1-5:4121:4121 [0] NCCL INFO Bootstrap : Using eth0:10.0.1.5<0>
+ip-10-0-1-5:4121:4121 [0] NCCL INFO cudaDriverVersion 13000
+ip-10-0-1-5:4121:4121 [0] NCCL INFO NCCL version 2.29.7+cuda13.0
+ip-10-0-1-5:4121:4121 [0] NCCL INFO NCCL_SOCKET_IFNAME set by environment to eth0
+"""
+
+EFA_LOG = BANNER + """\
+ip-10-0-1-5:4121:4180 [0] NCCL INFO NET/Plugin: Loaded net plugin Libfabric (v10)
+ip-10-0-1-5:4121:4180 [0] NCCL INFO NET/OFI Initializing aws-ofi-nccl 1.20.0
+ip-10-0-1-5:4121:4180 [0] NCCL INFO NET/OFI Using Libfabric version 2.1
+ip-10-0-1-5:4121:4180 [0] NCCL INFO NET/OFI Using CUDA driver version 13000 with runtime 13000
+ip-10-0-1-5:4121:4180 [0] NCCL INFO NET/OFI Selected provider is efa, fabric is efa (found 4 nics)
+ip-10-0-1-5:4121:4180 [0] NCCL INFO NET/OFI GUID for dev[0]: 00000000000000000a0001050000001c
+ip-10-0-1-5:4121:4180 [0] NCCL INFO Using network Libfabric
+ip-10-0-1-5:4121:4180 [0] NCCL INFO comm 0x55d1 rank 0 nRanks 2 nNodes 2 localRanks 1 localRank 0 MNNVL 0
+ip-10-0-1-5:4121:4180 [0] NCCL INFO Channel 00/0 : 1[0] -> 0[0] [receive] via NET/Libfabric/0/GDRDMA
+ip-10-0-1-5:4121:4180 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[0] [send] via NET/Libfabric/0/GDRDMA
+ip-10-0-1-5:4121:4180 [0] NCCL INFO Connected all rings, use ring PXN 0 GDR 1
+"""
+
+SOCKET_LOG = BANNER + """\
+ip-10-0-1-5:4121:4180 [0] NCCL INFO NET/Plugin: Loaded net plugin Libfabric (v10)
+ip-10-0-1-5:4121:4180 [0] NCCL INFO NET/OFI Initializing aws-ofi-nccl 1.20.0
+ip-10-0-1-5:4121:4180 [0] NCCL INFO NET/OFI No eligible providers were found
+ip-10-0-1-5:4121:4180 [0] NCCL INFO NET/Plugin: Failed to initialize net plugin Libfabric (v10), falling back
+ip-10-0-1-5:4121:4180 [0] NCCL INFO NET/IB : No device found.
+ip-10-0-1-5:4121:4180 [0] NCCL INFO NET/Socket : Using [0]eth0:10.0.1.5<0>
+ip-10-0-1-5:4121:4180 [0] NCCL INFO Using network Socket
+ip-10-0-1-5:4121:4180 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[0] [send] via NET/Socket/0
+"""
+
+# A single-node run: every channel is intra-node, no NET transport decides anything.
+INTRA_NODE_LOG = BANNER + """\
+ip-10-0-1-5:4121:4180 [0] NCCL INFO comm 0x55d1 rank 0 nRanks 2 nNodes 1 localRanks 2 localRank 0 MNNVL 0
+ip-10-0-1-5:4121:4180 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read
+ip-10-0-1-5:4121:4180 [0] NCCL INFO Connected all rings, use ring PXN 0 GDR 0
+"""
+
+
+def test_efa_selected_provider_and_libfabric_channels():
+    verdict = classify_text(EFA_LOG)
+    assert verdict["kind"] == "efa"
+    assert any("Selected provider is efa" in line for line in verdict["evidence"])
+    assert any("via NET/Libfabric" in line for line in verdict["evidence"])
+    assert not any("Bootstrap" in line for line in verdict["evidence"])
+
+
+def test_efa_older_plugin_wording():
+    assert classify(["x:1:1 [0] NCCL INFO NET/OFI Selected Provider is efa (found 4 nics)"])["kind"] == "efa"
+    assert classify(["x:1:1 [0] NCCL INFO Channel 00 : 0[0] -> 1[0] [send] via NET/AWS Libfabric/0"])["kind"] == "efa"
+
+
+def test_socket_fallback_after_ofi_failure():
+    verdict = classify_text(SOCKET_LOG)
+    assert verdict["kind"] == "socket-fallback"
+    assert any("No eligible providers" in line for line in verdict["evidence"])
+    assert any("NET/Socket : Using [0]eth0" in line for line in verdict["evidence"])
+
+
+@pytest.mark.parametrize("line", [
+    "h:1:1 [0] NCCL INFO NET/OFI aws-ofi-nccl initialization failed",
+    "h:1:1 [0] NCCL WARN Failed to initialize any NET plugin",
+    "h:1:1 [0] NCCL INFO NET/OFI Selected provider is tcp, fabric is 10.0.0.0/16 (found 1 nics)",
+])
+def test_each_fallback_sign_alone(line):
+    assert classify([line])["kind"] == "socket-fallback"
+
+
+def test_socket_line_wins_over_efa_lines():
+    verdict = classify_text(EFA_LOG + "ip-10-0-1-6:77:90 [0] NCCL INFO Using network Socket\n")
+    assert verdict["kind"] == "socket-fallback"
+    assert verdict["evidence"] == ["ip-10-0-1-6:77:90 [0] NCCL INFO Using network Socket"]
+
+
+def test_bootstrap_interface_is_not_a_fallback():
+    verdict = classify_text(BANNER)
+    assert verdict["kind"] == "inconclusive"
+    assert verdict["evidence"] == ["no NCCL transport line among 4 lines"]
+
+
+def test_intra_node_only_is_inconclusive():
+    assert classify_text(INTRA_NODE_LOG)["kind"] == "inconclusive"
+
+
+def test_gloo_marker():
+    verdict = classify([f"[tuneproof] transport: {GLOO_EVIDENCE}"])
+    assert verdict == {"kind": "gloo", "evidence": [f"[tuneproof] transport: {GLOO_EVIDENCE}"]}
+
+
+def test_meets():
+    assert meets("efa", "efa") and meets("socket-fallback", "any") and meets("gloo", "gloo")
+    assert not meets("socket-fallback", "efa")
+    assert not meets("inconclusive", "efa")
+    assert not meets("gloo", "efa")
+    with pytest.raises(ValueError, match="'nccl'"):
+        meets("efa", "nccl")
+
+
+def test_combine_worst_wins():
+    efa, sock, inc = classify_text(EFA_LOG), classify_text(SOCKET_LOG), classify_text(INTRA_NODE_LOG)
+    assert combine({"rank-0": efa, "rank-1": efa})["kind"] == "efa"
+    mixed = combine({"rank-0": efa, "rank-1": sock})
+    assert mixed["kind"] == "socket-fallback"
+    assert mixed["evidence"][0].startswith("rank-1: ")
+    assert "rank-0: efa" in mixed["evidence"]
+    assert combine({"rank-0": efa, "rank-1": inc})["kind"] == "inconclusive"
+
+
+def test_verdict_for_files_document():
+    doc = verdict_for_files({"nccl.a.1.log": EFA_LOG, "nccl.b.2.log": SOCKET_LOG}, expect="efa")
+    assert doc["verdict"] == "socket-fallback"
+    assert doc["ok"] is False
+    assert doc["expect"] == "efa"
+    assert doc["files"] == [{"name": "nccl.a.1.log", "kind": "efa"}, {"name": "nccl.b.2.log", "kind": "socket-fallback"}]
+    assert all(line.startswith(("nccl.b.2.log: ", "nccl.a.1.log: efa")) for line in doc["evidence"])
+    assert verdict_for_files({"only.log": EFA_LOG}, expect="efa")["ok"] is True

@@ -1,0 +1,219 @@
+"""Stage 1, verify: every alive Ray node runs what the pipeline expects, and storage works from a worker.
+
+Runs as a Ray job: `python -m training.verify` with TUNEPROOF_JOB set (tasks/stages.py submits it).
+One probe task per alive node, pinned to it, collects versions, GPU counts and an environment
+digest; tuneproof.checks compares them with cluster.expect and across nodes. A second task, on a
+worker node when there is one, writes, reads back and deletes a small object under this stage's
+storage prefix with the worker's own identity. Any error finding fails the stage as infrastructure.
+
+The Kubernetes half (image digests, pod GPU limits) lives elsewhere and reports Findings the same way.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import socket
+import time
+import uuid
+from typing import Any
+
+from tuneproof.checks import check_nodes, environment_digest, node_subject, summarize_cluster
+from tuneproof.config import StorageConfig
+from tuneproof.findings import Finding, errors
+from tuneproof.results import StageFailure
+from tuneproof.storage import Storage
+from training.jobkit import JobContext, log, run_stage
+
+HEAD_RESOURCE = "node:__internal_head__"
+
+
+def verify(ctx: JobContext) -> dict[str, Any]:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init()  # inside a Ray job this attaches to the job's cluster
+    timeout_s = probe_timeout_s(ctx)
+    nodes = alive_nodes()
+    log(f"verify: probing {len(nodes)} alive node(s)")
+    facts, probe_findings = probe_nodes(nodes, timeout_s)
+    storage_probe = probe_storage(ctx.config.storage, ctx.stage_parts(f"probe-{uuid.uuid4().hex}"), nodes, timeout_s)
+    findings = probe_findings + check_nodes([f for f in facts if "probe_error" not in f], ctx.config.cluster.expect)
+    findings += storage_findings(storage_probe)
+    summary = {
+        "nodes": facts,
+        "findings": [f.to_json() for f in findings],
+        "cluster": summarize_cluster(facts),
+        "storage_probe": storage_probe,
+    }
+    fail_on_errors(findings, summary)
+    log(f"verify: {len(facts)} node(s) agree with cluster.expect; storage round trip {storage_probe['seconds']:.2f}s")
+    return summary
+
+
+def probe_timeout_s(ctx: JobContext) -> float:
+    """Half the stage's budget: a node that cannot run a zero-CPU task by then is not usable."""
+    return max(10.0, ctx.config.timeouts.verify / 2)
+
+
+def alive_nodes() -> list[dict[str, Any]]:
+    """Ray's view of each alive node: id, IP, head or not, advertised GPUs."""
+    import ray
+
+    return [
+        {
+            "node_id": n["NodeID"],
+            "node_ip": n["NodeManagerAddress"],
+            "is_head": HEAD_RESOURCE in n["Resources"],
+            "alive": True,
+            "gpus_advertised": n["Resources"].get("GPU", 0.0),
+        }
+        for n in ray.nodes() if n["Alive"]
+    ]
+
+
+def probe_nodes(nodes: list[dict], timeout_s: float) -> tuple[list[dict], list[Finding]]:
+    """Run node_facts on every node; a node that errs or does not answer is a finding, not facts."""
+    import ray
+
+    remote = ray.remote(node_facts)
+    refs = [_pinned(remote, node["node_id"]).remote() for node in nodes]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    facts, findings = [], []
+    for node, ref in zip(nodes, refs):
+        error = _probe_error(ref, ready, timeout_s)
+        if error:
+            facts.append({**node, "probe_error": error})
+            findings.append(Finding(node_subject(node), "probe", error, "node facts", "the probe task did not complete"))
+        else:
+            facts.append({**node, **ray.get(ref)})
+    return facts, findings
+
+
+def node_facts() -> dict[str, Any]:
+    """What this node runs. Executed inside a Ray task pinned to the node.
+
+    Ray (2.4x on) leaves CUDA_VISIBLE_DEVICES alone for tasks that request no GPU, so torch
+    sees every GPU the node (pod) exposes, which is what Ray should be advertising.
+    """
+    import torch
+
+    return {
+        "hostname": socket.gethostname(),
+        "ray_version": _dist_version("ray"),
+        "python_version": platform.python_version(),
+        "torch_version": _dist_version("torch") or torch.__version__,
+        "transformers_version": _dist_version("transformers"),
+        "cuda_version": torch.version.cuda,
+        "nccl_version": nccl_version(),
+        "gpus_visible": torch.cuda.device_count(),
+        "environment_digest": environment_digest(installed_distributions()),
+    }
+
+
+def nccl_version() -> str | None:
+    """NCCL torch was built with, '2.29.7'; None on a CPU build.
+
+    Asked on any CUDA build, not only where a GPU is present, so a GPU-less head running the
+    same image reports the same version as its GPU workers.
+    """
+    import torch
+
+    if torch.version.cuda is None:
+        return None
+    try:
+        version = torch.cuda.nccl.version()
+    except (AttributeError, RuntimeError):
+        return None
+    if isinstance(version, int):  # older torch: 22907 -> (2, 29, 7)
+        version = (version // 10000, version // 100 % 100, version % 100)
+    return ".".join(str(part) for part in version)
+
+
+def installed_distributions() -> list[tuple[str, str]]:
+    return [
+        (d.metadata["Name"], d.version)
+        for d in importlib.metadata.distributions() if d.metadata["Name"]
+    ]
+
+
+def probe_storage(storage_cfg: StorageConfig, parts: tuple[str, ...], nodes: list[dict], timeout_s: float) -> dict:
+    """Round-trip one object from a worker node (the head when there is none), never from the driver."""
+    import ray
+
+    storage = Storage.from_config(storage_cfg)
+    uri = storage.uri(*parts)
+    node = next((n for n in nodes if not n["is_head"]), nodes[0])
+    remote = ray.remote(storage_roundtrip)
+    ref = _pinned(remote, node["node_id"]).remote(storage_cfg.model_dump(mode="json"), list(parts))
+    result = {"uri": uri, "node_ip": node["node_ip"]}
+    error = _probe_error(ref, ray.wait([ref], timeout=timeout_s)[0], timeout_s)
+    if error:
+        return {**result, "ok": False, "error": error, "seconds": None}
+    return {**result, **ray.get(ref)}
+
+
+def storage_roundtrip(storage_cfg: dict, parts: list[str]) -> dict[str, Any]:
+    """Write, read back and delete a small object; raises on any mismatch. Runs as a Ray task."""
+    storage = Storage.from_config(StorageConfig.model_validate(storage_cfg))
+    payload = f"tuneproof storage probe {uuid.uuid4()}".encode()
+    start = time.monotonic()
+    storage.write_bytes(payload, *parts)
+    read = storage.read_bytes(*parts)
+    storage.remove(*parts)
+    if read != payload:
+        raise IOError(f"read back {len(read)} bytes that differ from the {len(payload)} bytes written")
+    if storage.exists(*parts):
+        raise IOError("the object still exists after delete")
+    return {"ok": True, "seconds": round(time.monotonic() - start, 3)}
+
+
+def storage_findings(probe: dict) -> list[Finding]:
+    if probe["ok"]:
+        return []
+    return [Finding(f"storage {probe['uri']}", "write/read/delete", probe["error"], "ok",
+                    f"from a task on node {probe['node_ip']}")]
+
+
+def fail_on_errors(findings: list[Finding], summary: dict) -> None:
+    errs = errors(findings)
+    if errs:
+        more = f" (+{len(errs) - 1} more)" if len(errs) > 1 else ""
+        raise StageFailure("infrastructure", errs[0].line() + more, summary)
+
+
+def _pinned(remote, node_id: str):
+    """Hard-pinned to one node, and zero CPUs so it schedules while training holds every CPU."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return remote.options(num_cpus=0, max_retries=0,
+                          scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+
+
+def _probe_error(ref, ready: list, timeout_s: float) -> str | None:
+    """None when the task finished; otherwise one line saying why not."""
+    import ray
+
+    if ref not in ready:
+        return f"no answer within {timeout_s:.0f}s"
+    try:
+        ray.get(ref)
+    except Exception as e:  # noqa: BLE001 - any task error is the finding itself
+        cause = getattr(e, "cause", None) or e
+        return f"{type(cause).__name__}: {cause}".splitlines()[0]
+    return None
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def main() -> None:
+    run_stage(verify)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Which transport carried NCCL's inter-node traffic, read from NCCL debug logs (pure, no I/O).
+
+Input: lines written with NCCL_DEBUG=INFO and NCCL_DEBUG_SUBSYS=INIT,NET (one file per process
+with NCCL_DEBUG_FILE). Output: one verdict with the lines that decided it:
+
+- efa: aws-ofi-nccl selected the efa provider, or channels run over NET/OFI / NET/(AWS) Libfabric;
+- socket-fallback: NCCL used its internal socket transport, or the OFI plugin failed to initialise
+  (NCCL then falls back to sockets), or libfabric picked a TCP provider instead of efa;
+- inconclusive: no line decides it (e.g. a single-node run whose channels are all P2P/SHM, or IB);
+- gloo: the run used torch's gloo backend (CPU); the connectivity stage writes GLOO_EVIDENCE.
+
+A socket line wins over efa lines: some process fell back, and that is what one must see.
+"Bootstrap : Using eth0:..." names the out-of-band bootstrap interface, which NCCL always uses
+for rendezvous; it says nothing about the data transport and is ignored.
+
+Used by the connectivity stage (per rank, then `combine`) and by `tuneproof transport LOG...`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+KINDS = ("efa", "socket-fallback", "inconclusive", "gloo")
+EXPECTATIONS = ("any", "gloo", "efa")
+GLOO_EVIDENCE = "backend gloo (CPU)"
+MAX_EVIDENCE = 20
+"""Evidence lines kept per verdict: channel lines repeat for every channel and peer."""
+
+_SOCKET = [
+    re.compile(r"NET/Socket\s*:\s*Using"),
+    re.compile(r"Using network Socket\b"),
+    re.compile(r"via NET/Socket"),
+    re.compile(r"NET/OFI No eligible providers"),
+    re.compile(r"NET/OFI aws-ofi-nccl initialization failed"),
+    re.compile(r"Failed to initialize any NET plugin"),
+    re.compile(r"NET/OFI Unable to find a protocol that worked"),
+    # libfabric over TCP is a socket transport under another name.
+    re.compile(r"NET/OFI Selected [Pp]rovider is (tcp|sockets|udp)\b"),
+]
+_EFA = [
+    re.compile(r"NET/OFI Selected [Pp]rovider is efa\b"),
+    re.compile(r"Using network (AWS )?Libfabric\b"),
+    re.compile(r"via NET/(AWS )?Libfabric"),
+    re.compile(r"via NET/OFI"),
+]
+
+
+def classify(lines: Iterable[str]) -> dict:
+    """{"kind": one of KINDS, "evidence": [the lines that decided it]} for one log's lines."""
+    socket, efa, gloo, seen = [], [], [], 0
+    for raw in lines:
+        line = raw.strip()
+        seen += 1
+        if _matches(_SOCKET, line):
+            socket.append(line)
+        elif _matches(_EFA, line):
+            efa.append(line)
+        elif GLOO_EVIDENCE in line:
+            gloo.append(line)
+    if socket:
+        return _verdict("socket-fallback", socket)
+    if efa:
+        return _verdict("efa", efa)
+    if gloo:
+        return _verdict("gloo", gloo)
+    return {"kind": "inconclusive", "evidence": [f"no NCCL transport line among {seen} lines"]}
+
+
+def classify_text(text: str) -> dict:
+    return classify(text.splitlines())
+
+
+def meets(kind: str, expect: str) -> bool:
+    """'any' accepts every verdict; 'efa' only efa; 'gloo' only gloo."""
+    if expect not in EXPECTATIONS:
+        raise ValueError(f"transport expectation must be one of {EXPECTATIONS}, got {expect!r}")
+    return expect == "any" or kind == expect
+
+
+def combine(verdicts: dict[str, dict]) -> dict:
+    """One verdict for several sources (ranks, files), worst wins: socket-fallback > inconclusive > efa.
+
+    Sources that disagree without a socket fallback (efa beside inconclusive, gloo beside efa)
+    are inconclusive. Evidence lines are prefixed with their source's name.
+    """
+    kinds = {v["kind"] for v in verdicts.values()}
+    if "socket-fallback" in kinds:
+        kind = "socket-fallback"
+    elif len(kinds) == 1:
+        (kind,) = kinds
+    else:
+        kind = "inconclusive"
+    if not verdicts:
+        return classify([])
+    deciding, others = [], []
+    for name, verdict in verdicts.items():
+        if verdict["kind"] == kind:
+            deciding += [f"{name}: {line}" for line in verdict["evidence"]]
+        else:
+            others.append(f"{name}: {verdict['kind']}")
+    # The deciding lines first, so the evidence cap never hides them.
+    return _verdict(kind, deciding + others)
+
+
+def verdict_for_files(texts: dict[str, str], expect: str = "any") -> dict:
+    """The `tuneproof transport` document for log files given as name -> text."""
+    per_file = {name: classify_text(text) for name, text in texts.items()}
+    overall = combine(per_file)
+    return {
+        "verdict": overall["kind"],
+        "evidence": overall["evidence"],
+        "files": [{"name": name, "kind": v["kind"]} for name, v in per_file.items()],
+        "expect": expect,
+        "ok": meets(overall["kind"], expect),
+    }
+
+
+def _matches(patterns: list[re.Pattern], line: str) -> bool:
+    return any(p.search(line) for p in patterns)
+
+
+def _verdict(kind: str, lines: list[str]) -> dict:
+    unique = list(dict.fromkeys(lines))
+    return {"kind": kind, "evidence": unique[:MAX_EVIDENCE]}
