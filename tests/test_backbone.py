@@ -61,7 +61,7 @@ def test_verify_and_connectivity_through_the_flow(prefect_harness, overrides, ra
     assert len(node["environment_digest"]) == 64
     assert [r["size_bytes"] for r in conn["summary"]["allreduce"]] == [1024, 65536]
     assert all(r["busbw_GBps"] > 0 for r in conn["summary"]["allreduce"])
-    assert [r["finished"] for r in conn["summary"]["ranks"]] == [True, True]
+    assert len(conn["summary"]["ranks"]) == 2 and all(r["finished"] for r in conn["summary"]["ranks"])
     assert conn["summary"]["transport"]["kind"] == "gloo"
     assert conn["jobs"][0]["submission_id"] == "bb-ok-connectivity"
     assert len(rec["code"]["working_dir_hash"]) == 64 and len(rec["config_hash"]) == 64
