@@ -63,9 +63,9 @@ def config_or_exit(config: Optional[Path], sets: list[str]) -> PipelineConfig:
 
 def preflight(cfg: PipelineConfig) -> list[str]:
     """Checks that need more than the schema: metric names resolve to a shipped or loadable module."""
-    from eval.metrics_loader import check_metric_names
+    from eval.metrics_loader import check_eval_config
 
-    return [f"eval.metrics: {p}" for p in check_metric_names(cfg.eval.metrics)]
+    return check_eval_config(cfg.eval)
 
 
 # ---------------------------------------------------------------- run

@@ -1,0 +1,211 @@
+"""Stage 6, evaluate: the candidate against its base and the production incumbent, then the gate decision.
+
+    TUNEPROOF_JOB=<jobkit.encode_job(...)> python -m eval.evaluate_job   (submitted by tasks/ as a Ray job)
+
+params: {"candidate": "runs/<run>/model" (storage-relative HF export), "dataset": "datasets/<name>/<hash>"}.
+Each model in turn, one in memory at a time: greedy answers to the eval split's prompts, the
+configured `evaluate` metrics over them, eval loss and perplexity over input_ids/labels. The
+incumbent is whatever models/<name>/production.json points at (none before the first promotion).
+Per-example answers go to runs/<run>/stages/<job>/predictions.jsonl. A failed gate fails the
+stage as a modeling failure whose summary still carries every number and gate line.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from eval.gates import decide
+from eval.generation import eval_loss, generate, pad_token_id, pick_device
+from eval.metrics_loader import load_metric
+from training import jobkit
+from training.checkpointing import check_complete
+from training.jobkit import JobContext, run_stage
+from training.modeling import load_model, load_tokenizer, materialize
+from training.train_data import read_split
+from tuneproof.registry import read_pointer
+from tuneproof.results import FailureClass, StageFailure
+
+STAGE = "evaluate"
+ROLES = ("candidate", "base", "incumbent")  # the order eval.gates.decide takes them in
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    prompts: list[str]
+    references: list[str]
+    input_ids: list[list[int]]
+    labels: list[list[int]]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    role: str
+    path: str
+    """As recorded: storage-relative for candidate and incumbent, config.model.source for base."""
+    uri: str
+    """What from_pretrained loads (after materialize): a local dir, hub id or s3:// prefix."""
+    revision: str | None = None
+
+
+@dataclass
+class ModelEval:
+    answers: list[str]
+    metrics: dict[str, float]
+    seconds: float
+
+
+def evaluate_body(ctx: JobContext) -> dict:
+    """The stage's story: data, models, answers and metrics per model, predictions, gates."""
+    cfg = ctx.config.eval
+    data = read_eval_set(ctx, _param(ctx, "dataset"))
+    require_complete_export(ctx, _param(ctx, "candidate"))
+    pointer, _ = read_pointer(ctx.storage, ctx.config.model.name)
+    sources = model_sources(ctx, pointer)
+    metrics = {name: load_metric(name, cfg.hub_metrics) for name in cfg.metrics}
+    counter = _Progress(total=len(sources) * len(data.prompts))
+    results = {s.role: evaluate_model(ctx, s, data, metrics, counter) for s in sources}
+    predictions_uri = save_predictions(ctx, data, results)
+    decision = decide(*(results[r].metrics if r in results else None for r in ROLES), cfg.gates)
+    for line in decision.lines:
+        jobkit.log(f"gate: {line}")
+    summary = {
+        "models": {role: _model_summary(sources, results, role) for role in ROLES},
+        "incumbent_version": pointer["version"] if pointer else None,
+        "gates": decision.as_dict(),
+        "predictions_uri": predictions_uri,
+        "examples": len(data.prompts),
+        "device": str(pick_device()[0]),
+    }
+    if not decision.passed:
+        raise StageFailure(FailureClass.modeling, decision.failure_cause(), summary)
+    return summary
+
+
+def read_eval_set(ctx: JobContext, dataset: str) -> EvalSet:
+    """The eval split's first config.eval.max_examples rows (the split order is the data stage's, seeded)."""
+    table = read_split(ctx.storage, dataset, "eval")
+    table = table.slice(0, ctx.config.eval.max_examples)
+    missing = [c for c in ("prompt", "reference", "input_ids", "labels") if c not in table.column_names]
+    if missing:
+        raise ValueError(f"eval split of {dataset} lacks columns {missing}; has {table.column_names}")
+    if table.num_rows == 0:
+        raise StageFailure(FailureClass.data, f"eval split of {ctx.storage.uri(dataset)} has no rows: nothing to evaluate on")
+    cols = {name: table.column(name).to_pylist() for name in ("prompt", "reference", "input_ids", "labels")}
+    return EvalSet(cols["prompt"], cols["reference"], cols["input_ids"], cols["labels"])
+
+
+def require_complete_export(ctx: JobContext, candidate: str) -> None:
+    """Only a finished export counts: its completion marker lists every file with its size."""
+    problem = check_complete(ctx.storage, candidate)
+    if problem:
+        raise StageFailure(FailureClass.infrastructure, f"candidate export is not complete: {problem}")
+
+
+def model_sources(ctx: JobContext, pointer: dict | None) -> list[ModelSource]:
+    storage, model_cfg = ctx.storage, ctx.config.model
+    candidate = _param(ctx, "candidate")
+    sources = [
+        ModelSource("candidate", candidate, storage.uri(candidate)),
+        ModelSource("base", model_cfg.source, model_cfg.source, model_cfg.revision),
+    ]
+    if pointer:
+        sources.append(ModelSource("incumbent", pointer["path"], storage.uri(pointer["path"])))
+    return sources
+
+
+def evaluate_model(ctx: JobContext, source: ModelSource, data: EvalSet, metrics: dict, counter: "_Progress") -> ModelEval:
+    cfg = ctx.config.eval
+    started = time.monotonic()
+    model, tokenizer = load_for_eval(ctx, source)
+    jobkit.log(f"{source.role}: {source.path} on {model.device} ({model.dtype})")
+    answers = generate(model, tokenizer, data.prompts, cfg.max_new_tokens, cfg.batch_size,
+                       on_batch=lambda n: counter.advance(n, source.role))
+    values = score(metrics, answers, data.references)
+    values.update(eval_loss(model, data.input_ids, data.labels, cfg.batch_size, pad_token_id(tokenizer)))
+    del model, tokenizer
+    _free_memory()
+    jobkit.log(f"{source.role}: " + ", ".join(f"{k}={v:.4g}" for k, v in values.items()))
+    return ModelEval(answers, values, round(time.monotonic() - started, 2))
+
+
+def load_for_eval(ctx: JobContext, source: ModelSource):
+    """Model in eval mode on the device, and its own tokenizer (the base model's when it ships none)."""
+    endpoint = ctx.config.storage.endpoint_url
+    device, dtype = pick_device()
+    model = load_model(source.uri, source.revision, endpoint, dtype=dtype).to(device).eval()
+    local = Path(materialize(source.uri, endpoint))
+    has_tokenizer = not local.is_dir() or (local / "tokenizer_config.json").exists()
+    base = ctx.config.model
+    tokenizer = (load_tokenizer(source.uri, source.revision, endpoint) if has_tokenizer
+                 else load_tokenizer(base.source, base.revision, endpoint))
+    return model, tokenizer
+
+
+def score(metrics: dict, answers: list[str], references: list[str]) -> dict[str, float]:
+    """Every numeric value each metric module reports, by its own key."""
+    values: dict[str, float] = {}
+    for name, metric in metrics.items():
+        for key, value in metric.compute(predictions=answers, references=references).items():
+            if isinstance(value, (int, float)):
+                values[key] = float(value)
+    return values
+
+
+def save_predictions(ctx: JobContext, data: EvalSet, results: dict[str, ModelEval]) -> str:
+    """The first predictions_cap examples with every model's answer, as JSON lines; returns the URI."""
+    cap = min(ctx.config.eval.predictions_cap, len(data.prompts))
+    lines = []
+    for i in range(cap):
+        row = {"prompt": data.prompts[i], "reference": data.references[i]}
+        row.update({role: (results[role].answers[i] if role in results else None) for role in ROLES})
+        lines.append(json.dumps(row, ensure_ascii=False))
+    parts = ctx.stage_parts("predictions.jsonl")
+    ctx.storage.write_bytes(("\n".join(lines) + "\n" if lines else "").encode(), *parts)
+    return ctx.storage.uri(*parts)
+
+
+def _model_summary(sources: list[ModelSource], results: dict[str, ModelEval], role: str) -> dict | None:
+    if role not in results:
+        return None
+    path = next(s.path for s in sources if s.role == role)
+    return {"path": path, "metrics": results[role].metrics, "seconds": results[role].seconds}
+
+
+def _param(ctx: JobContext, key: str) -> str:
+    value = ctx.params.get(key)
+    if not value:
+        raise ValueError(f"evaluate job parameter {key!r} is missing (got params {sorted(ctx.params)}); "
+                         "expected candidate='runs/<run>/model' and dataset='datasets/<name>/<hash>'")
+    return value
+
+
+def _free_memory() -> None:
+    """Return a dropped model's memory before the next one loads: one model in memory at a time."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class _Progress:
+    """Examples answered across all models, as jobkit progress lines."""
+
+    def __init__(self, total: int):
+        self.done, self.total = 0, total
+
+    def advance(self, n: int, role: str) -> None:
+        self.done += n
+        jobkit.progress(STAGE, self.done, self.total, model=role)
+
+
+def main() -> None:
+    run_stage(evaluate_body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Batched greedy generation and eval loss for one model over the eval split (inside the evaluate job).
+
+CPU in fp32 here, one GPU in bf16 on EKS (`pick_device`). The prompts are the data stage's `prompt`
+column: chat-templated text that already ends with the assistant turn's opening, so they are
+tokenized without adding special tokens again. Generation pads on the left (every row's prompt ends
+where its answer starts); the loss batches pad on the right with labels -100, which the loss skips.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+IM_END = "<|im_end|>"
+
+
+def pick_device() -> tuple[torch.device, torch.dtype]:
+    """bf16 on a GPU (halves memory, the dtype Qwen ships in); fp32 on CPU, where bf16 is slow and lossy."""
+    if torch.cuda.is_available():
+        return torch.device("cuda"), torch.bfloat16
+    return torch.device("cpu"), torch.float32
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """Generation stops at the eos token and at ChatML's <|im_end|> (a chat model ends its turn there)."""
+    ids = []
+    for token in (tokenizer.eos_token, IM_END):
+        token_id = tokenizer.convert_tokens_to_ids(token) if token else None
+        if token_id is not None and token_id != tokenizer.unk_token_id and token_id not in ids:
+            ids.append(token_id)
+    if not ids:
+        raise ValueError(f"tokenizer has neither an eos_token nor {IM_END} (eos_token={tokenizer.eos_token!r}): generation would never stop")
+    return ids
+
+
+def pad_token_id(tokenizer) -> int:
+    """The tokenizer's pad token; without one, the first stop token (masked by the attention mask anyway)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_token_ids(tokenizer)[0]
+
+
+@torch.no_grad()
+def generate(
+    model, tokenizer, prompts: Sequence[str], max_new_tokens: int, batch_size: int,
+    on_batch: Callable[[int], None] | None = None,
+) -> list[str]:
+    """Greedy answers, one per prompt, stripped; `on_batch(n)` after each batch of n prompts."""
+    # Prompts of similar length share a batch, so left padding wastes little compute.
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    answers = [""] * len(prompts)
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        for row, text in zip(rows, _generate_batch(model, tokenizer, [prompts[i] for i in rows], max_new_tokens)):
+            answers[row] = text
+        if on_batch:
+            on_batch(len(rows))
+    return answers
+
+
+def _generate_batch(model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[str]:
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False).to(model.device)
+    # Explicit greedy settings: a model's generation_config (Qwen instruct ships sampling and
+    # repetition_penalty=1.05) would otherwise fill them in and change the answers.
+    out = model.generate(
+        **enc, do_sample=False, num_beams=1, repetition_penalty=1.0, max_new_tokens=max_new_tokens,
+        pad_token_id=pad_token_id(tokenizer), eos_token_id=stop_token_ids(tokenizer),
+    )
+    answers = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    return [a.strip() for a in answers]
+
+
+@torch.no_grad()
+def eval_loss(model, input_ids: Sequence[Sequence[int]], labels: Sequence[Sequence[int]], batch_size: int, pad_id: int) -> dict[str, float]:
+    """Token-weighted mean cross-entropy over unmasked labels, and its exp as perplexity.
+
+    Labels follow the Hugging Face convention: aligned with input_ids (the model predicts
+    labels[t] from tokens < t), -100 where no loss is taken (prompt, padding).
+    """
+    total_nll, total_tokens = 0.0, 0
+    for start in range(0, len(input_ids), batch_size):
+        ids, lab, mask = right_padded(input_ids[start:start + batch_size], labels[start:start + batch_size], pad_id)
+        logits = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).logits
+        nll, tokens = _summed_nll(logits, lab.to(model.device))
+        total_nll, total_tokens = total_nll + nll, total_tokens + tokens
+    loss = total_nll / total_tokens if total_tokens else float("nan")
+    return {"eval_loss": loss, "perplexity": _exp(loss)}
+
+
+def right_padded(input_ids, labels, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, labels, attention_mask) tensors, padded on the right to the longest row."""
+    width = max(len(row) for row in input_ids)
+    ids = torch.full((len(input_ids), width), pad_id, dtype=torch.long)
+    lab = torch.full((len(input_ids), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(input_ids), width), dtype=torch.long)
+    for i, (row, row_labels) in enumerate(zip(input_ids, labels)):
+        if len(row) != len(row_labels):
+            raise ValueError(f"eval row {i}: {len(row)} input_ids but {len(row_labels)} labels; expected equal lengths")
+        ids[i, :len(row)] = torch.as_tensor(row)
+        lab[i, :len(row)] = torch.as_tensor(row_labels)
+        mask[i, :len(row)] = 1
+    return ids, lab, mask
+
+
+def _summed_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
+    """Sum of next-token NLL over unmasked positions; one row at a time so the fp32 upcast stays small."""
+    total, tokens = 0.0, 0
+    for row_logits, row_labels in zip(logits[:, :-1], labels[:, 1:]):
+        total += F.cross_entropy(row_logits.float(), row_labels, ignore_index=IGNORE_INDEX, reduction="sum").item()
+        tokens += int((row_labels != IGNORE_INDEX).sum())
+    return total, tokens
+
+
+def _exp(loss: float) -> float:
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return float("inf")

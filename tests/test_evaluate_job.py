@@ -1,0 +1,241 @@
+"""Stage 6 end to end on a tiny Qwen2 and a tiny prepared dataset built here; plus generation checks.
+
+The candidate is the base model trained for a few dozen steps to always answer "2024-01-05", so
+it scores 1.0 where the untrained base scores 0: the gates have something real to decide.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from eval.evaluate_job import evaluate_body
+from eval.generation import eval_loss, generate, right_padded
+from tests.conftest import TEST_BUCKET
+from training import jobkit, modeling
+from training.checkpointing import local_files, write_marker
+from training.jobkit import JobContext
+from training.tiny_model import build_tiny_model, conversation_text
+from tuneproof import registry
+from tuneproof.config import PROJECT_ROOT, PipelineConfig
+from tuneproof.results import FailureClass, StageFailure
+from tuneproof.storage import Storage
+
+ANSWER = "2024-01-05"
+PROMPTS = [f"date {'x' * (i % 5)} {i}" for i in range(12)]
+DATASET = "datasets/dates/0123abcd"
+GATES = {"exact_match": {"min": 0.8, "min_improvement": 0.5, "max_regression": 0.02}}
+
+
+def chat_prompt(tokenizer, text: str) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+
+
+def encode(tokenizer, text: str, answer: str) -> dict:
+    """One eval row as the data stage writes it: prompt, reference, input_ids, labels (-100 on the prompt)."""
+    prompt = chat_prompt(tokenizer, text)
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    answer_ids = tokenizer(answer + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+    return {"prompt": prompt, "reference": answer, "input_ids": prompt_ids + answer_ids,
+            "labels": [-100] * len(prompt_ids) + answer_ids}
+
+
+def write_dataset(storage: Storage, rows: list[dict]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows), buf)
+    storage.write_bytes(buf.getvalue(), DATASET, "eval", "part-00000.parquet")
+    storage.write_json({"rows": {"eval": len(rows)}}, DATASET, "manifest.json")  # the completion marker, last
+
+
+def train_constant_answer(base: Path, rows: list[dict], out: Path, steps: int = 60) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    ids, labels, mask = right_padded([r["input_ids"] for r in rows], [r["labels"] for r in rows], tokenizer.pad_token_id)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("evaluate")
+    corpus = [conversation_text(None, p, ANSWER) for p in PROMPTS] * 4
+    base = build_tiny_model(root / "base", corpus, hidden=32, layers=2, vocab_size=300)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    rows = [encode(tokenizer, p, ANSWER) for p in PROMPTS]
+    trained = train_constant_answer(base, rows, root / "trained")
+    return {"root": root, "base": base, "rows": rows, "trained": trained, "tokenizer": tokenizer}
+
+
+def make_ctx(world, run_id: str, storage_root: str, endpoint: str | None = None, **eval_overrides) -> JobContext:
+    cfg = PipelineConfig.model_validate({
+        "storage": {"root": storage_root, "endpoint_url": endpoint},
+        "model": {"name": "dates-qwen2-tiny", "source": str(world["base"])},
+        "eval": {"metrics": ["exact_match", "rouge_l"], "max_new_tokens": 16, "batch_size": 5,
+                 "max_examples": 10, "predictions_cap": 4, "gates": GATES, **eval_overrides},
+    })
+    return JobContext(run_id, "evaluate", cfg, {"candidate": f"runs/{run_id}/model", "dataset": DATASET})
+
+
+def upload_export(storage: Storage, local_dir: Path, run_id: str) -> None:
+    """A finished export, as the fine-tune stage leaves it: files, then the completion marker."""
+    storage.upload_dir(local_dir, f"runs/{run_id}/model")
+    write_marker(storage, 60, local_files(local_dir), f"runs/{run_id}/model")
+
+
+@pytest.fixture
+def store(world, tmp_path) -> Storage:
+    storage = Storage(str(tmp_path / "store"))
+    write_dataset(storage, world["rows"])
+    return storage
+
+
+def test_trained_candidate_passes_as_the_first_model(world, store, capsys):
+    upload_export(store, world["trained"], "good")
+    summary = evaluate_body(make_ctx(world, "good", store.root))
+
+    cand, base = summary["models"]["candidate"], summary["models"]["base"]
+    assert cand["path"] == "runs/good/model" and base["path"] == str(world["base"])
+    assert cand["metrics"]["exact_match"] == 1.0 and cand["metrics"]["rouge_l"] == 1.0
+    assert base["metrics"]["exact_match"] == 0.0
+    assert cand["metrics"]["eval_loss"] < base["metrics"]["eval_loss"]
+    assert cand["metrics"]["perplexity"] == pytest.approx(math.exp(cand["metrics"]["eval_loss"]))
+    assert summary["models"]["incumbent"] is None and summary["incumbent_version"] is None
+    assert summary["examples"] == 10
+    assert summary["gates"]["passed"]
+    assert summary["gates"]["lines"][0] == "exact_match >= 0.8: 1 (pass)"
+    assert summary["gates"]["lines"][2].endswith("no incumbent: first model, regression gate not applicable")
+
+    predictions = [json.loads(line) for line in store.read_text("runs/good/stages/evaluate/predictions.jsonl").splitlines()]
+    assert summary["predictions_uri"] == store.uri("runs/good/stages/evaluate/predictions.jsonl")
+    assert len(predictions) == 4
+    assert set(predictions[0]) == {"prompt", "reference", "candidate", "base", "incumbent"}
+    assert predictions[0]["candidate"] == ANSWER and predictions[0]["incumbent"] is None
+    assert predictions[0]["prompt"] == world["rows"][0]["prompt"]
+
+    progress = [json.loads(line.removeprefix(jobkit.PROGRESS_PREFIX))
+                for line in capsys.readouterr().out.splitlines() if line.startswith(jobkit.PROGRESS_PREFIX)]
+    assert progress[-1] == {"stage": "evaluate", "done": 20, "total": 20, "model": "base"}
+
+
+def test_untrained_candidate_fails_as_modeling_with_the_evidence(world, store):
+    upload_export(store, world["base"], "raw")
+    with pytest.raises(StageFailure) as info:
+        evaluate_body(make_ctx(world, "raw", store.root))
+    failure = info.value
+    assert failure.failure_class is FailureClass.modeling
+    assert failure.cause == "exact_match >= 0.8: 0 (fail) (+1 more)"
+    assert failure.summary["gates"]["passed"] is False
+    assert failure.summary["models"]["candidate"]["metrics"]["exact_match"] == 0.0
+    assert store.exists("runs/raw/stages/evaluate/predictions.jsonl")
+
+
+def test_the_production_model_is_the_incumbent(world, store):
+    upload_export(store, world["trained"], "first")
+    registry.promote(store, "dates-qwen2-tiny", "first", "runs/first/model",
+                     {"metrics": {}, "gates": []}, expected_token=None)
+    upload_export(store, world["trained"], "second")
+    summary = evaluate_body(make_ctx(world, "second", store.root))
+    assert summary["incumbent_version"] == "v0001-first"
+    assert summary["models"]["incumbent"]["path"] == "models/dates-qwen2-tiny/v0001-first"
+    assert summary["models"]["incumbent"]["metrics"]["exact_match"] == 1.0
+    assert summary["gates"]["lines"][2] == "exact_match regression vs incumbent <= 0.02: +0 (candidate 1, incumbent 1) (pass)"
+    first = json.loads(store.read_text("runs/second/stages/evaluate/predictions.jsonl").splitlines()[0])
+    assert first["incumbent"] == ANSWER
+
+
+def test_the_entrypoint_writes_a_classified_result(world, store):
+    """`python -m eval.evaluate_job` as tasks/ submits it: exit 1 and a modeling result for a failed gate."""
+    upload_export(store, world["base"], "cli")
+    ctx = make_ctx(world, "cli", store.root, max_examples=3)
+    env = {**os.environ, jobkit.ENV_VAR: jobkit.encode_job(ctx.run_id, ctx.job, ctx.config, ctx.params)}
+    proc = subprocess.run([sys.executable, "-m", "eval.evaluate_job"], cwd=PROJECT_ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    result = store.read_json("runs/cli/stages/evaluate/result.json")
+    assert result["status"] == "failed" and result["failure_class"] == "modeling"
+    assert result["cause"].startswith("exact_match >= 0.8: 0 (fail)")
+    assert "[tuneproof] gate: exact_match >= 0.8: 0 (fail)" in proc.stdout
+
+
+def test_an_unfinished_export_is_not_evaluated(world, store):
+    store.upload_dir(world["trained"], "runs/half/model")  # no completion marker: the export was cut short
+    with pytest.raises(StageFailure, match="candidate export is not complete: .*no completion marker") as info:
+        evaluate_body(make_ctx(world, "half", store.root))
+    assert info.value.failure_class is FailureClass.infrastructure
+
+
+def test_a_missing_parameter_is_named(world, store):
+    ctx = make_ctx(world, "noparams", store.root)
+    ctx.params.pop("candidate")
+    with pytest.raises(ValueError, match="evaluate job parameter 'candidate' is missing"):
+        evaluate_body(ctx)
+
+
+@pytest.mark.integration
+def test_candidate_and_dataset_on_s3(world, s3_endpoint, tmp_path, monkeypatch):
+    monkeypatch.setattr(modeling, "CACHE_ROOT", tmp_path / "model-cache")
+    storage = Storage(f"s3://{TEST_BUCKET}/evaluate-{uuid.uuid4().hex[:8]}", s3_endpoint)
+    write_dataset(storage, world["rows"])
+    upload_export(storage, world["trained"], "s3run")
+    summary = evaluate_body(make_ctx(world, "s3run", storage.root, s3_endpoint, max_examples=5))
+    assert summary["models"]["candidate"]["metrics"]["exact_match"] == 1.0
+    assert summary["predictions_uri"].startswith("s3://") and storage.exists("runs/s3run/stages/evaluate/predictions.jsonl")
+
+
+# ---- generation ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def base_model(world):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(world["base"]).eval()
+
+
+def test_batched_left_padded_generation_equals_one_at_a_time(world, base_model):
+    tokenizer = world["tokenizer"]
+    prompts = [chat_prompt(tokenizer, p) for p in ("a", "date xxxx 11", "date x 3", "longer prompt with many words")]
+    batched = generate(base_model, tokenizer, prompts, max_new_tokens=6, batch_size=4)
+    single = [generate(base_model, tokenizer, [p], max_new_tokens=6, batch_size=1)[0] for p in prompts]
+    assert batched == single
+    done = []
+    generate(base_model, tokenizer, prompts, max_new_tokens=2, batch_size=3, on_batch=done.append)
+    assert done == [3, 1]
+
+
+def test_eval_loss_matches_the_models_own_loss(world, base_model):
+    rows = world["rows"][:3]
+    tokenizer = world["tokenizer"]
+    ours = eval_loss(base_model, [r["input_ids"] for r in rows], [r["labels"] for r in rows], 2, tokenizer.pad_token_id)
+    ids, labels, mask = right_padded([r["input_ids"] for r in rows], [r["labels"] for r in rows], tokenizer.pad_token_id)
+    with torch.no_grad():
+        theirs = base_model(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
+    assert ours["eval_loss"] == pytest.approx(theirs, rel=1e-5)
+    assert ours["perplexity"] == pytest.approx(math.exp(theirs), rel=1e-5)
+
+
+def test_right_padding_rejects_misaligned_rows():
+    with pytest.raises(ValueError, match="eval row 1: 2 input_ids but 3 labels"):
+        right_padded([[1], [1, 2]], [[1], [1, 2, 3]], 0)

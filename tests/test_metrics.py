@@ -1,0 +1,90 @@
+"""Local `evaluate` metric modules load offline and score correctly; bad names are config errors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from eval.metrics_loader import (
+    METRICS_DIR, MetricNotFound, check_eval_config, check_gate_names, check_metric_names, load_metric,
+    local_metrics, resolve_metric,
+)
+from tuneproof.config import EvalConfig, Gate
+
+
+def test_the_hub_is_off_in_tests():
+    assert os.environ["HF_EVALUATE_OFFLINE"] == "1"
+
+
+def test_shipped_modules_follow_evaluates_local_layout():
+    assert local_metrics() == ["accuracy", "exact_match", "rouge_l"]
+    for name in local_metrics():
+        assert (METRICS_DIR / name / f"{name}.py").is_file()
+        assert resolve_metric(name) == str(METRICS_DIR / name)
+
+
+def test_exact_match_strips_whitespace_only():
+    m = load_metric("exact_match")
+    assert m.compute(predictions=[" 2024-01-05\n", "2024-1-5", "A"], references=["2024-01-05", "2024-01-05", "a"]) == {"exact_match": pytest.approx(1 / 3)}
+    assert m.compute(predictions=[], references=[]) == {"exact_match": 0.0}
+
+
+def test_accuracy_compares_first_line_labels():
+    m = load_metric("accuracy")
+    assert m.compute(predictions=["Positive\nbecause", "negative", "neutral"], references=["positive", "positive", " Neutral "]) == {"accuracy": pytest.approx(2 / 3)}
+    weighted = m.compute(predictions=["a", "b"], references=["a", "a"], sample_weight=[3, 1])
+    assert weighted == {"accuracy": pytest.approx(0.75)}
+    assert m.compute(predictions=["a", "b"], references=["a", "a"], normalize=False) == {"accuracy": 1.0}
+
+
+def test_rouge_l_is_lcs_f1():
+    m = load_metric("rouge_l")
+    # LCS("the cat sat", "the cat sat down") = 3: P = 1, R = 3/4, F1 = 6/7.
+    assert m.compute(predictions=["the cat sat"], references=["the cat sat down"]) == {"rouge_l": pytest.approx(6 / 7)}
+    # Punctuation separates tokens; case is ignored: 2024-01-05 vs 2024/01/06 share 2 of 3.
+    assert m.compute(predictions=["2024-01-05", ""], references=["2024/01/06", "x"]) == {"rouge_l": pytest.approx((2 / 3) / 2)}
+    assert m.compute(predictions=["A B C D"], references=["a x c y d"])["rouge_l"] == pytest.approx(2 * (3 / 4) * (3 / 5) / (3 / 4 + 3 / 5))
+
+
+def test_unknown_metric_is_a_problem_naming_it():
+    problems = check_metric_names(["exact_match", "bleu_typo"])
+    assert len(problems) == 1
+    assert "'bleu_typo'" in problems[0] and "eval/metrics/bleu_typo/bleu_typo.py" in problems[0]
+    with pytest.raises(MetricNotFound, match="bleu_typo"):
+        load_metric("bleu_typo")
+
+
+def test_loss_metrics_are_not_evaluate_modules():
+    assert check_metric_names(["perplexity"]) == [
+        "metric 'perplexity' is computed for every model already (eval_loss, perplexity); remove it from the list"
+    ]
+
+
+def test_hub_names_pass_through_only_when_allowed():
+    assert resolve_metric("sacrebleu", allow_hub=True) == "sacrebleu"
+    assert resolve_metric("exact_match", allow_hub=True) == str(METRICS_DIR / "exact_match")  # local first
+    with pytest.raises(MetricNotFound):
+        resolve_metric("../exact_match")
+
+
+def test_gates_on_values_no_metric_produces():
+    assert check_gate_names(["exact_match"], ["exact_match", "eval_loss", "perplexity"]) == []
+    assert check_gate_names(["exact_match"], ["rouge_l"]) == [
+        "eval.gates.rouge_l: no configured metric produces 'rouge_l' (computed: exact_match, eval_loss, perplexity)"
+    ]
+    # A hub metric may report keys other than its name, so its gates are not second-guessed.
+    assert check_gate_names(["exact_match", "rouge"], ["rougeL"]) == []
+
+
+def test_check_eval_config_reports_every_field():
+    cfg = EvalConfig(metrics=["exact_match", "nope"], gates={"exact_match": Gate(min=0.5)})
+    assert [p.split(":")[0] for p in check_eval_config(cfg)] == ["eval.metrics"]
+    cfg = EvalConfig(metrics=["exact_match"], gates={"rouge_l": Gate(min=0.5)})
+    assert [p.split(":")[0] for p in check_eval_config(cfg)] == ["eval.gates.rouge_l"]
+    assert check_eval_config(EvalConfig()) == []
+
+
+def test_a_gate_without_thresholds_is_invalid_config():
+    with pytest.raises(ValueError, match="at least one of min, min_improvement, max_regression"):
+        Gate(higher_is_better=False)

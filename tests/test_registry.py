@@ -1,0 +1,245 @@
+"""The model registry: versioned copies, the card, and a production pointer moved by compare-and-swap.
+
+Concurrency is tested with real processes on a local root and against a real S3-compatible
+server (moto's server mode, which honours If-None-Match / If-Match on PutObject).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import time
+import uuid
+
+import pytest
+
+from tests.conftest import TEST_BUCKET
+from tuneproof import registry
+from tuneproof.registry import PromotionConflict, next_version, promote, read_pointer, render_model_card
+from tuneproof.storage import Storage
+
+NAME = "dates-qwen2-tiny"
+
+
+def card(run_id: str = "r1", **extra) -> dict:
+    return {
+        "name": NAME, "run_id": run_id, "base_model": "tiny-qwen2",
+        "metrics": {"candidate": {"exact_match": 0.93, "eval_loss": 0.2}, "base": {"exact_match": 0.0, "eval_loss": 4.1},
+                    "incumbent": None},
+        "incumbent_version": None,
+        "gates": ["exact_match >= 0.8: 0.93 (pass)"],
+        "dataset_hash": "abc123", "image_digest": "sha256:feed", "code_sha": "c0de", "code_dirty": False,
+        "config_hash": "cf9", "resume": {"restored_step": 100, "max_loss_diff": 0.0}, "forced": None, **extra,
+    }
+
+
+def export(storage: Storage, run_id: str) -> str:
+    """A stand-in for a run's HF export: the files a promotion copies."""
+    path = f"runs/{run_id}/model"
+    storage.write_json({"model_type": "qwen2", "run": run_id}, path, "config.json")
+    storage.write_bytes(f"weights of {run_id}".encode(), path, "model.safetensors")
+    storage.write_json({"chat_template": "..."}, path, "tokenizer_config.json")
+    return path
+
+
+@pytest.fixture
+def local(tmp_path) -> Storage:
+    return Storage(str(tmp_path / "store"))
+
+
+def test_next_version_is_monotonic():
+    assert next_version([], "runA") == "v0001-runA"
+    assert next_version(["v0001-a", "v0007-b", "production.json", ".production.json.lock"], "c") == "v0008-c"
+
+
+def test_promote_twice_moves_the_pointer(local):
+    assert read_pointer(local, NAME) == (None, None)
+    first = promote(local, NAME, "runA", export(local, "runA"), card("runA"), None)
+    assert first["version"] == "v0001-runA" and first["previous_version"] is None
+    pointer, token = read_pointer(local, NAME)
+    assert pointer == first and token
+    second = promote(local, NAME, "runB", export(local, "runB"), card("runB", incumbent_version="v0001-runA"), token)
+    assert second["version"] == "v0002-runB" and second["previous_version"] == "v0001-runA"
+    assert second["path"] == "models/dates-qwen2-tiny/v0002-runB"
+    assert read_pointer(local, NAME)[0] == second
+    assert local.read_bytes(second["path"], "model.safetensors") == b"weights of runB"
+    assert local.read_json(second["path"], "card.json")["version"] == "v0002-runB"
+    assert "replacing v0001-runA" in local.read_text(second["path"], "MODEL_CARD.md")
+
+
+def test_list_and_show(local):
+    promote(local, NAME, "runA", export(local, "runA"), card("runA"), None)
+    _, token = read_pointer(local, NAME)
+    promote(local, NAME, "runB", export(local, "runB"), card("runB"), token)
+    [row] = registry.list_models(local)
+    assert row["name"] == NAME and row["production"]["version"] == "v0002-runB"
+    assert row["versions"] == ["v0001-runA", "v0002-runB"]
+    shown = registry.show_model(local, NAME)
+    assert [(v["version"], v["production"], v["complete"]) for v in shown["versions"]] == [
+        ("v0001-runA", False, True), ("v0002-runB", True, True)]
+    assert shown["versions"][0]["card"]["run_id"] == "runA"
+    with pytest.raises(FileNotFoundError, match="no model 'other'.*registered: dates-qwen2-tiny"):
+        registry.show_model(local, "other")
+
+
+def test_stale_token_is_refused_before_copying(local):
+    promote(local, NAME, "runA", export(local, "runA"), card("runA"), None)
+    with pytest.raises(PromotionConflict, match="expected no production model, found v0001-runA"):
+        promote(local, NAME, "runB", export(local, "runB"), card("runB"), None)
+    assert local.listdir("models", NAME) == ["production.json", "v0001-runA"]
+
+
+def test_a_retry_of_the_promoted_run_changes_nothing(local):
+    first = promote(local, NAME, "runA", export(local, "runA"), card("runA"), None)
+    again = promote(local, NAME, "runA", export(local, "runA"), card("runA"), None)
+    assert again == first and registry.show_model(local, NAME)["versions"][0]["version"] == "v0001-runA"
+    assert len(registry.show_model(local, NAME)["versions"]) == 1
+
+
+def test_missing_export_is_named(local):
+    with pytest.raises(FileNotFoundError, match="runs/ghost/model has no config.json"):
+        promote(local, NAME, "ghost", "runs/ghost/model", card("ghost"), None)
+
+
+def _race(root: str, endpoint: str | None, run_id: str, token: str | None, start_at: float) -> str:
+    storage = Storage(root, endpoint)
+    source = f"runs/{run_id}/model"
+    time.sleep(max(0.0, start_at - time.time()))
+    try:
+        return "won:" + promote(storage, NAME, run_id, source, card(run_id), token)["version"]
+    except PromotionConflict:
+        return "lost"
+
+
+def race(storage: Storage, racers: int) -> tuple[list[str], list[str]]:
+    """`racers` processes promote over the same incumbent at once; returns (outcomes, run ids)."""
+    runs = [f"race{i}" for i in range(racers)]
+    for run in runs:
+        export(storage, run)
+    _, token = read_pointer(storage, NAME)
+    start_at = time.time() + 1.0
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(racers) as pool:
+        outcomes = pool.starmap(_race, [(storage.root, storage.endpoint_url, run, token, start_at) for run in runs])
+    return outcomes, runs
+
+
+def assert_one_winner(storage: Storage, outcomes: list[str]) -> None:
+    winners = [o for o in outcomes if o.startswith("won:")]
+    assert len(winners) == 1, outcomes
+    version = winners[0].removeprefix("won:")
+    assert read_pointer(storage, NAME)[0]["version"] == version
+    # Losers removed their copies: only the incumbent and the winner remain.
+    versions = [v["version"] for v in registry.show_model(storage, NAME)["versions"]]
+    assert versions == ["v0001-first", version], versions
+
+
+def test_concurrent_promotions_one_winner_local(local):
+    promote(local, NAME, "first", export(local, "first"), card("first"), None)
+    outcomes, _ = race(local, 4)
+    assert_one_winner(local, outcomes)
+    assert not (os.path.exists(local.path("models", NAME, registry.LOCK)))
+
+
+def overtaken_during_copy(storage: Storage, monkeypatch) -> None:
+    """'slow' passes the early pointer check, then 'fast' promotes while slow is copying: slow's swap must fail."""
+    promote(storage, NAME, "first", export(storage, "first"), card("first"), None)
+    _, token = read_pointer(storage, NAME)
+    real_copy = registry._copy_model
+
+    def copy_then_get_overtaken(st, source, dest):
+        real_copy(st, source, dest)
+        if source == "runs/slow/model":
+            promote(st, NAME, "fast", export(st, "fast"), card("fast"), token)
+
+    monkeypatch.setattr(registry, "_copy_model", copy_then_get_overtaken)
+    with pytest.raises(PromotionConflict, match="found v0003-fast"):
+        promote(storage, NAME, "slow", export(storage, "slow"), card("slow"), token)
+    assert read_pointer(storage, NAME)[0]["version"] == "v0003-fast"
+    # The loser's v0002-slow copy is removed; the version number stays used.
+    assert [v["version"] for v in registry.show_model(storage, NAME)["versions"]] == ["v0001-first", "v0003-fast"]
+
+
+def test_a_promotion_landing_during_the_copy_wins_local(local, monkeypatch):
+    overtaken_during_copy(local, monkeypatch)
+
+
+def test_a_crashed_holders_lock_is_broken(local):
+    promote(local, NAME, "runA", export(local, "runA"), card("runA"), None)
+    lock = local.path("models", NAME, registry.LOCK)
+    with open(lock, "w") as f:
+        json.dump({"nonce": "dead", "pid": 999999, "host": "gone"}, f)
+    old = time.time() - 120
+    os.utime(lock, (old, old))
+    _, token = read_pointer(local, NAME)
+    assert promote(local, NAME, "runB", export(local, "runB"), card("runB"), token, stale_lock_s=60)["version"] == "v0002-runB"
+    assert not os.path.exists(lock)
+
+
+def test_a_live_lock_times_out_and_the_copy_is_kept_unpointed(local):
+    promote(local, NAME, "runA", export(local, "runA"), card("runA"), None)
+    lock = local.path("models", NAME, registry.LOCK)
+    with open(lock, "w") as f:
+        json.dump({"nonce": "alive", "pid": os.getpid(), "host": "here"}, f)
+    _, token = read_pointer(local, NAME)
+    with pytest.raises(TimeoutError, match=r"registry lock .*\.production\.json\.lock still held .*alive"):
+        promote(local, NAME, "runB", export(local, "runB"), card("runB"), token, lock_timeout_s=0.3, stale_lock_s=60)
+    assert read_pointer(local, NAME)[0]["version"] == "v0001-runA"
+    assert [v["production"] for v in registry.show_model(local, NAME)["versions"]] == [True, False]
+
+
+def test_model_card_renders_provenance_metrics_and_gates():
+    text = render_model_card({**card("runB", incumbent_version="v0001-runA"), "version": "v0002-runB",
+                              "source_path": "runs/runB/model",
+                              "metrics": {"candidate": {"exact_match": 0.93}, "base": {"exact_match": 0.0},
+                                          "incumbent": {"exact_match": 0.9}}})
+    assert text.startswith("# dates-qwen2-tiny v0002-runB\n")
+    assert "after every gate and the resume test passed, replacing v0001-runA" in text
+    for needle in ("| dataset hash | `abc123` |", "| image digest | `sha256:feed` |", "| code SHA | `c0de` |",
+                   "| config hash | `cf9` |", "| run | `runB` |", "restored at step 100",
+                   "| exact_match | 0.93 | 0 | 0.9 | +0.93 | +0.03 |", "- exact_match >= 0.8: 0.93 (pass)"):
+        assert needle in text, needle
+    forced = render_model_card({**card("runC", forced={"by": "ana", "reason": "hotfix", "bypassed": ["gates not passed"]}),
+                                "version": "v0003-runC"})
+    assert "Promoted by override from run `runC`, the first production model, by ana: hotfix" in forced
+    assert "Checks bypassed: gates not passed." in forced and "| incumbent | `" not in forced
+
+
+@pytest.fixture
+def s3(s3_endpoint) -> Storage:
+    return Storage(f"s3://{TEST_BUCKET}/registry-{uuid.uuid4().hex[:8]}", s3_endpoint)
+
+
+@pytest.mark.integration
+def test_promote_twice_on_s3(s3):
+    first = promote(s3, NAME, "runA", export(s3, "runA"), card("runA"), None)
+    pointer, token = read_pointer(s3, NAME)
+    assert pointer == first and token.startswith('"')  # the ETag
+    with pytest.raises(PromotionConflict):
+        promote(s3, NAME, "runB", export(s3, "runB"), card("runB"), '"not-the-etag"')
+    second = promote(s3, NAME, "runB", "runs/runB/model", card("runB"), token)
+    assert read_pointer(s3, NAME)[0]["version"] == second["version"] == "v0002-runB"
+    assert s3.read_bytes(second["path"], "model.safetensors") == b"weights of runB"
+    assert [v["version"] for v in registry.show_model(s3, NAME)["versions"]] == ["v0001-runA", "v0002-runB"]
+
+
+@pytest.mark.integration
+def test_the_first_pointer_is_created_only_once_on_s3(s3):
+    # All think there is no production model yet: If-None-Match: * lets exactly one create it.
+    outcomes, _ = race(s3, 3)
+    winners = [o.removeprefix("won:") for o in outcomes if o.startswith("won:")]
+    assert len(winners) == 1, outcomes
+    assert [v["version"] for v in registry.show_model(s3, NAME)["versions"]] == winners
+
+
+@pytest.mark.integration
+def test_concurrent_promotions_one_winner_s3(s3):
+    promote(s3, NAME, "first", export(s3, "first"), card("first"), None)
+    outcomes, _ = race(s3, 4)
+    assert_one_winner(s3, outcomes)
+
+
+@pytest.mark.integration
+def test_a_promotion_landing_during_the_copy_wins_s3(s3, monkeypatch):
+    overtaken_during_copy(s3, monkeypatch)

@@ -1,0 +1,386 @@
+"""The model registry: versioned copies under models/<name>/ and a production pointer moved by compare-and-swap.
+
+Runs on the Prefect side (the promote task, `tuneproof models list|show`); the evaluate job only
+reads the pointer. Layout under the storage root:
+
+    models/<name>/<version>/        HF model files + MODEL_CARD.md + card.json (card.json last: the completion marker)
+    models/<name>/production.json   the pointer, written last, only on promotion
+
+Versions are `v<NNNN>-<run_id>`, NNNN one above the highest existing version, so they sort in
+promotion order. The pointer moves only if it is still what the caller evaluated against (its
+token from `read_pointer`): on a local or FSx/NFS root under an O_EXCL lock file (re-read, compare,
+os.replace; a lock older than `stale_lock_s` is a crashed holder's and is broken), on S3 with a
+conditional PutObject (If-None-Match: * for the first pointer, If-Match: <ETag> afterwards).
+The loser of a race raises PromotionConflict and removes its own version copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+import re
+import socket
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from tuneproof.results import now_iso
+from tuneproof.storage import Storage
+
+MODELS = "models"
+POINTER = "production.json"
+CARD_JSON = "card.json"
+CARD_MD = "MODEL_CARD.md"
+LOCK = ".production.json.lock"
+_VERSION = re.compile(r"^v(\d{4,})-(.+)$")
+
+
+class PromotionConflict(RuntimeError):
+    """The production pointer moved since the candidate was evaluated; nothing was pointed at the candidate."""
+
+    def __init__(self, name: str, expected_token: str | None, seen_token: str | None, seen_version: str | None):
+        self.name, self.expected_token, self.seen_token, self.seen_version = name, expected_token, seen_token, seen_version
+        expected = "no production model" if expected_token is None else f"pointer token {expected_token}"
+        seen = "no production model" if seen_token is None else f"{seen_version} (token {seen_token})"
+        super().__init__(
+            f"models/{name}/{POINTER}: expected {expected}, found {seen}: another promotion won; "
+            "re-evaluate the candidate against the new incumbent"
+        )
+
+
+# ---- reading ---------------------------------------------------------------------------------
+
+def read_pointer(storage: Storage, name: str) -> tuple[dict | None, str | None]:
+    """(pointer, token) for models/<name>/production.json, or (None, None) when there is none.
+
+    The token is opaque (a content hash locally, the ETag on S3); pass it back to `promote`
+    as expected_token to say "the incumbent I evaluated against".
+    """
+    if storage.is_s3:
+        return _read_s3_pointer(storage, name)
+    path = Path(storage.path(*_pointer_parts(name)))
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None, None
+    return json.loads(data), _content_token(data)
+
+
+def list_models(storage: Storage) -> list[dict]:
+    """One row per registered name: {"name", "production": pointer dict or None, "versions": [names]}."""
+    return [
+        {"name": name, "production": read_pointer(storage, name)[0], "versions": _versions(storage, name)}
+        for name in storage.listdir(MODELS)
+    ]
+
+
+def show_model(storage: Storage, name: str) -> dict:
+    """{"name", "pointer", "token", "versions": [{"version", "production", "complete", "card"}]}.
+
+    A version without card.json is an incomplete copy (a promotion that crashed while copying).
+    Raises FileNotFoundError for a name with no versions and no pointer.
+    """
+    versions = _versions(storage, name)
+    pointer, token = read_pointer(storage, name)
+    if not versions and pointer is None:
+        known = ", ".join(storage.listdir(MODELS)) or "none"
+        raise FileNotFoundError(f"no model {name!r} under {storage.uri(MODELS)} (registered: {known})")
+    current = pointer["version"] if pointer else None
+    return {
+        "name": name,
+        "pointer": pointer,
+        "token": token,
+        "versions": [_version_row(storage, name, v, current) for v in versions],
+    }
+
+
+def _version_row(storage: Storage, name: str, version: str, current: str | None) -> dict:
+    complete = storage.exists(MODELS, name, version, CARD_JSON)
+    return {
+        "version": version,
+        "production": version == current,
+        "complete": complete,
+        "card": storage.read_json(MODELS, name, version, CARD_JSON) if complete else None,
+    }
+
+
+def _versions(storage: Storage, name: str) -> list[str]:
+    """Version directories in promotion order."""
+    found = [v for v in storage.listdir(MODELS, name) if _VERSION.match(v)]
+    return sorted(found, key=lambda v: int(_VERSION.match(v).group(1)))
+
+
+def next_version(existing: list[str], run_id: str) -> str:
+    """v<NNNN>-<run_id> with NNNN one above the highest existing number (pure)."""
+    numbers = [int(m.group(1)) for m in map(_VERSION.match, existing) if m]
+    return f"v{max(numbers, default=0) + 1:04d}-{run_id}"
+
+
+# ---- promotion -------------------------------------------------------------------------------
+
+def promote(
+    storage: Storage,
+    name: str,
+    run_id: str,
+    source_path: str,
+    card: dict,
+    expected_token: str | None,
+    *,
+    lock_timeout_s: float = 30.0,
+    stale_lock_s: float = 60.0,
+) -> dict:
+    """Copy the model at `source_path` to a new version, write its card, then move the pointer to it.
+
+    expected_token is read_pointer's token for the incumbent the candidate was evaluated against
+    (None: there was none). If the pointer has moved since, PromotionConflict is raised, before
+    copying when it is already visible, else at the swap; the loser's version copy is removed.
+    A retry of a run that is already production returns the current pointer unchanged.
+    Returns the new pointer.
+    """
+    pointer, token = read_pointer(storage, name)
+    if pointer is not None and pointer.get("run_id") == run_id:
+        return pointer
+    if token != expected_token:
+        raise PromotionConflict(name, expected_token, token, pointer and pointer.get("version"))
+    version = next_version(storage.listdir(MODELS, name), run_id)
+    _copy_model(storage, source_path, (MODELS, name, version))
+    full_card = {**card, "name": name, "version": version, "run_id": run_id, "source_path": source_path}
+    storage.write_bytes(render_model_card(full_card).encode(), MODELS, name, version, CARD_MD)
+    storage.write_json(full_card, MODELS, name, version, CARD_JSON)
+    new_pointer = {
+        "name": name, "version": version, "path": posixpath.join(MODELS, name, version), "run_id": run_id,
+        "promoted_at": now_iso(), "previous_version": pointer["version"] if pointer else None,
+    }
+    try:
+        _swap_pointer(storage, name, new_pointer, expected_token, lock_timeout_s, stale_lock_s)
+    except PromotionConflict:
+        _remove_unpointed(storage, name, version)
+        raise
+    return new_pointer
+
+
+def _copy_model(storage: Storage, source_path: str, dest_parts: tuple[str, ...]) -> None:
+    """File by file (server-side copies on S3), so a large model never passes through this process."""
+    if not storage.exists(source_path, "config.json"):
+        raise FileNotFoundError(f"{storage.uri(source_path)} has no config.json: expected an exported Hugging Face model")
+    src = storage.path(source_path).rstrip("/")
+    for remote in storage.fs.find(src):
+        dest = storage.path(*dest_parts, remote[len(src):].lstrip("/"))
+        if not storage.is_s3:
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+        storage.fs.copy(remote, dest)
+
+
+def _remove_unpointed(storage: Storage, name: str, version: str) -> None:
+    """Remove a losing copy unless the pointer names it (a concurrent retry of the same run won)."""
+    pointer, _ = read_pointer(storage, name)
+    if pointer is None or pointer["version"] != version:
+        storage.remove(MODELS, name, version, recursive=True)
+
+
+def _swap_pointer(storage: Storage, name: str, pointer: dict, expected_token: str | None, lock_timeout_s: float, stale_lock_s: float) -> None:
+    data = json.dumps(pointer, indent=2, sort_keys=True).encode()
+    if storage.is_s3:
+        _swap_s3(storage, name, data, expected_token)
+        return
+    lock = Path(storage.path(MODELS, name, LOCK))
+    with file_lock(lock, lock_timeout_s, stale_lock_s):
+        current, token = read_pointer(storage, name)
+        if token != expected_token:
+            raise PromotionConflict(name, expected_token, token, current and current.get("version"))
+        storage.write_bytes(data, *_pointer_parts(name))  # temp file + os.replace: readers see old or new
+
+
+def _pointer_parts(name: str) -> tuple[str, str, str]:
+    return (MODELS, name, POINTER)
+
+
+def _content_token(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+# ---- local compare-and-swap: an O_EXCL lock file ---------------------------------------------
+
+@contextmanager
+def file_lock(path: Path, timeout_s: float, stale_s: float) -> Iterator[None]:
+    """Hold `path` (created with O_EXCL) for the block; a lock older than stale_s is a crashed holder's.
+
+    O_EXCL creation is atomic on local disks, NFSv3+ and Lustre (FSx), unlike flock on some mounts.
+    The block must be short (milliseconds): breaking a lock is only safe because no live holder
+    keeps one for anywhere near stale_s.
+    """
+    nonce = uuid.uuid4().hex
+    deadline = time.monotonic() + timeout_s
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while not _try_create(path, nonce):
+        _break_if_stale(path, stale_s)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"registry lock {path} still held after {timeout_s}s by {_holder(path)}; "
+                               f"it is broken automatically once {stale_s}s old")
+        time.sleep(0.02)
+    try:
+        yield
+    finally:
+        if _holder(path).get("nonce") == nonce:
+            path.unlink(missing_ok=True)
+
+
+def _try_create(path: Path, nonce: str) -> bool:
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        json.dump({"nonce": nonce, "pid": os.getpid(), "host": socket.gethostname(), "at": now_iso()}, f)
+    return True
+
+
+def _break_if_stale(path: Path, stale_s: float) -> None:
+    try:
+        seen = path.stat()
+    except FileNotFoundError:
+        return
+    if time.time() - seen.st_mtime < stale_s:
+        return
+    grave = path.with_name(f"{path.name}.stale-{uuid.uuid4().hex}")
+    try:
+        os.rename(path, grave)  # atomic: of several processes breaking the same lock, one moves it
+    except FileNotFoundError:
+        return
+    if grave.stat().st_ino != seen.st_ino:
+        # Between our stat and rename another process broke the stale lock and a new holder took a
+        # fresh one, which we just moved: give it back (link fails only if yet another holder exists).
+        try:
+            os.link(grave, path)
+        except FileExistsError:
+            pass
+    grave.unlink(missing_ok=True)
+
+
+def _holder(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text() or "{}")
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+# ---- S3 compare-and-swap: conditional writes --------------------------------------------------
+
+def _s3_client(storage: Storage):
+    import boto3
+
+    return boto3.client("s3", endpoint_url=storage.endpoint_url)
+
+
+def _s3_location(storage: Storage, name: str) -> tuple[str, str]:
+    bucket, _, key = storage.path(*_pointer_parts(name)).partition("/")
+    return bucket, key
+
+
+def _read_s3_pointer(storage: Storage, name: str) -> tuple[dict | None, str | None]:
+    from botocore.exceptions import ClientError
+
+    bucket, key = _s3_location(storage, name)
+    try:
+        obj = _s3_client(storage).get_object(Bucket=bucket, Key=key)
+    except ClientError as e:
+        if e.response["Error"]["Code"] in ("NoSuchKey", "404"):
+            return None, None
+        raise
+    # Body and ETag come from one response, so the token is the one of the bytes we parsed.
+    return json.loads(obj["Body"].read()), obj["ETag"]
+
+
+def _swap_s3(storage: Storage, name: str, data: bytes, expected_token: str | None) -> None:
+    from botocore.exceptions import ClientError
+
+    bucket, key = _s3_location(storage, name)
+    condition = {"IfNoneMatch": "*"} if expected_token is None else {"IfMatch": expected_token}
+    try:
+        _s3_client(storage).put_object(Bucket=bucket, Key=key, Body=data, ContentType="application/json", **condition)
+    except ClientError as e:
+        # 412: the condition failed; 409: a concurrent conditional write to the key won;
+        # NoSuchKey: If-Match on a pointer that was deleted meanwhile.
+        if e.response["Error"]["Code"] not in ("PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey"):
+            raise
+        current, token = _read_s3_pointer(storage, name)
+        raise PromotionConflict(name, expected_token, token, current and current.get("version")) from None
+
+
+# ---- the model card (pure) -------------------------------------------------------------------
+
+def render_model_card(card: dict) -> str:
+    """MODEL_CARD.md from a card dict (pure).
+
+    Needs name, version, run_id, metrics ({"candidate", "base", "incumbent": {metric: value} | None})
+    and gates (the gate lines); shows incumbent_version, forced ({"by", "reason", "bypassed"}),
+    dataset_hash, base_model, image_digest, code_sha, config_hash, resume when present.
+    """
+    return "\n".join([
+        f"# {card['name']} {card['version']}",
+        "",
+        _promotion_sentence(card),
+        "",
+        "## Provenance",
+        "",
+        "| | |",
+        "|---|---|",
+        *_provenance_rows(card),
+        "",
+        "## Metrics",
+        "",
+        *_metric_table(card["metrics"], card.get("incumbent_version")),
+        "",
+        "## Gates",
+        "",
+        *([f"- {line}" for line in card["gates"]] or ["- no gate lines recorded"]),
+        "",
+    ])
+
+
+def _promotion_sentence(card: dict) -> str:
+    replaced = f"replacing {card['incumbent_version']}" if card.get("incumbent_version") else "the first production model"
+    forced = card.get("forced")
+    if not forced:
+        return f"Promoted from run `{card['run_id']}` after every gate and the resume test passed, {replaced}."
+    bypassed = "; ".join(forced.get("bypassed") or []) or "nothing (all checks had passed)"
+    return (f"Promoted by override from run `{card['run_id']}`, {replaced}, by {forced.get('by', 'unknown')}: "
+            f"{forced.get('reason', '')}. Checks bypassed: {bypassed}.")
+
+
+def _provenance_rows(card: dict) -> list[str]:
+    resume = card.get("resume") or {}
+    rows = [
+        ("run", card["run_id"]),
+        ("source", card.get("source_path")),
+        ("base model", card.get("base_model")),
+        ("dataset hash", card.get("dataset_hash")),
+        ("image digest", card.get("image_digest")),
+        ("code SHA", card.get("code_sha") and card["code_sha"] + (" (dirty)" if card.get("code_dirty") else "")),
+        ("config hash", card.get("config_hash")),
+        ("resume", resume.get("restored_step") is not None and
+         f"restored at step {resume['restored_step']}, max replay loss diff {resume.get('max_loss_diff')}"),
+    ]
+    return [f"| {label} | {f'`{value}`' if value else 'not recorded'} |" for label, value in rows]
+
+
+def _metric_table(metrics: dict, incumbent_version: str | None) -> list[str]:
+    cand, base, inc = metrics.get("candidate") or {}, metrics.get("base") or {}, metrics.get("incumbent") or {}
+    head = f"incumbent {incumbent_version}" if incumbent_version else "incumbent (none)"
+    rows = [f"| metric | candidate | base | {head} | vs base | vs incumbent |", "|---|---|---|---|---|---|"]
+    for metric in sorted(cand):
+        c, b, i = cand.get(metric), base.get(metric), inc.get(metric)
+        rows.append(f"| {metric} | {_num(c)} | {_num(b)} | {_num(i)} | {_delta(c, b)} | {_delta(c, i)} |")
+    return rows
+
+
+def _num(x: Any) -> str:
+    return "–" if x is None else f"{float(x):.4g}"
+
+
+def _delta(a: Any, b: Any) -> str:
+    return "–" if a is None or b is None else f"{float(a) - float(b):+.4g}"
