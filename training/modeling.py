@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -30,13 +31,16 @@ def materialize(source: str, endpoint_url: str | None = None) -> str:
         return str(target)
     CACHE_ROOT.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=CACHE_ROOT, prefix=f".{key}-"))
-    Storage(source, endpoint_url).download_dir(staging)
-    if not (staging / "config.json").exists():
-        raise FileNotFoundError(f"model source {source} has no config.json: not a Hugging Face model directory")
     try:
-        staging.rename(target)
-    except OSError:  # another worker on this node finished first; use its copy
-        pass
+        Storage(source, endpoint_url).download_dir(staging)
+        if not (staging / "config.json").exists():
+            raise FileNotFoundError(f"model source {source} has no config.json: not a Hugging Face model directory")
+        try:
+            staging.rename(target)
+        except OSError:  # another worker on this node finished first; use its copy
+            pass
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone after a rename; left over only after a failure
     return str(target)
 
 

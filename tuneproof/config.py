@@ -123,8 +123,9 @@ class DataConfig(Strict):
     eval_source: str | None = None
     """Separate held-out file; None splits the source."""
     fields: FieldMap = FieldMap()
-    system_prompt: str | None = "Rewrite the date in ISO 8601 (YYYY-MM-DD)."
-    """Used when fields.system is None."""
+    system_prompt: str | None = None
+    """Used when fields.system is None; None sends no system turn (the tiny demo model learns the task
+    in 400 steps without one, in about 1000 with a constant system prompt)."""
     max_seq_len: int = Field(64, ge=8)
     overflow: Literal["drop", "truncate", "pack"] = "drop"
     eval_fraction: float = Field(0.1, gt=0.0, lt=1.0)

@@ -1,0 +1,334 @@
+"""Stage 3 (data): the bundled dataset, the pure prep logic, and the stage end to end on real storage."""
+
+from __future__ import annotations
+
+import csv
+import io
+import itertools
+import json
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from training.data_prep import SCHEMA, prepare_data, read_split
+from training.jobkit import ENV_VAR, JobContext, encode_job
+from training.tiny_model import DEFAULT_DATA, build_tiny_model, task_corpus
+from tuneproof import datahash
+from tuneproof.config import PipelineConfig
+from tuneproof.results import FailureClass, StageFailure
+from tuneproof.storage import Storage
+
+from tests.conftest import TEST_BUCKET
+
+PROJECT = Path(__file__).resolve().parent.parent
+DATES = [json.loads(line) for line in DEFAULT_DATA.read_text().splitlines()]
+SYSTEM = PipelineConfig().data.system_prompt
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    corpus = itertools.islice(task_corpus(DEFAULT_DATA, SYSTEM), 300)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", corpus)
+
+
+def config(root, model_dir, source, **data) -> PipelineConfig:
+    return PipelineConfig.model_validate({
+        "storage": {"root": str(root)}, "model": {"source": str(model_dir)}, "data": {"source": str(source), **data},
+    })
+
+
+def prepare(cfg: PipelineConfig) -> dict:
+    return prepare_data(JobContext("run-1", "data", cfg))
+
+
+def write_jsonl(path: Path, rows: list, raw_lines: list[bytes] = ()) -> Path:
+    lines = [json.dumps(r).encode() for r in rows] + list(raw_lines)
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+# ---- the bundled dataset ---------------------------------------------------------------------
+
+
+def test_committed_dates_file_is_the_generators_output():
+    make_dates = runpy.run_path(str(PROJECT / "data" / "dates" / "make_dates.py"))
+    assert DEFAULT_DATA.read_text() == make_dates["render"](make_dates["make_rows"]()), \
+        "regenerate: python data/dates/make_dates.py > data/dates/dates.jsonl"
+
+
+def test_dates_are_valid_iso_in_range_and_formats_are_balanced():
+    import datetime as dt
+
+    assert len(DATES) == 3000
+    for row in DATES:
+        day = dt.date.fromisoformat(row["output"])
+        assert 1950 <= day.year <= 2049 and str(day.year) in row["input"]
+    shapes = {"/": 0, "the ": 0, "day, ": 0}
+    for row in DATES:
+        for marker in shapes:
+            shapes[marker] += marker in row["input"]
+    assert all(count == 500 for count in shapes.values()), shapes
+
+
+# ---- pure logic (tuneproof.datahash) -----------------------------------------------------------
+
+
+FIELDS = {"prompt": "input", "response": "output", "system": None}
+
+
+@pytest.mark.parametrize("row, reason", [
+    ({"input": "5 Mar 2021", "output": "2021-03-05"}, None),
+    ({"input": "5 Mar 2021"}, "missing_field"),
+    ({"input": "5 Mar 2021", "output": None}, "missing_field"),
+    ({"input": 20210305, "output": "2021-03-05"}, "wrong_type"),
+    (["5 Mar 2021", "2021-03-05"], "wrong_type"),
+    ({"input": "  ", "output": "2021-03-05"}, "empty"),
+])
+def test_check_row_reasons(row, reason):
+    assert datahash.check_row(row, FIELDS)[0] == reason
+
+
+def test_drops_keep_three_examples_and_the_failure_names_every_count():
+    drops = datahash.Drops()
+    for i in range(5):
+        drops.add("empty", "source", i, {"input": ""})
+    drops.add("too_long", "eval_source", 9, "80 tokens > 64")
+    assert drops.to_json()["empty"]["count"] == 5 and len(drops.to_json()["empty"]["examples"]) == 3
+    assert drops.to_json()["too_long"]["examples"] == [{"source": "eval_source", "row": 9, "value": "'80 tokens > 64'"}]
+    assert datahash.drop_failure(drops, 100, 0.06) is None
+    assert datahash.drop_failure(drops, 50, 0.05) == "12.0% of rows malformed (limit 5.0%): empty=5, too_long=1 of 50 rows"
+    with pytest.raises(ValueError, match="drop reason"):
+        drops.add("ugly", "source", 0, None)
+
+
+def test_split_is_seeded_exact_disjoint_and_content_based():
+    keys = [f"row {i}" for i in range(1000)]
+    train, eval_ = datahash.split_indices(keys, 0.1, seed=0)
+    assert len(eval_) == 100 and sorted(train + eval_) == list(range(1000))
+    assert datahash.split_indices(keys, 0.1, seed=0) == (train, eval_)
+    assert set(datahash.split_indices(keys, 0.1, seed=1)[1]) != set(eval_)
+    # Inserting a row moves at most the one row at the boundary between the splits.
+    grown = ["new row"] + keys
+    grown_eval = {grown[i] for i in datahash.split_indices(grown, 0.1, seed=0)[1]}
+    assert len(grown_eval ^ {keys[i] for i in eval_}) <= 2
+
+
+def test_fit_and_pack():
+    ids, labels = list(range(10)), [-100] * 6 + list(range(6, 10))
+    assert datahash.fit(ids, labels, 10, "drop") == (ids, labels)
+    assert datahash.fit(ids, labels, 8, "drop") is None
+    assert datahash.fit(ids, labels, 8, "truncate") == (ids[:8], labels[:8])
+    assert datahash.fit(ids, labels, 5, "truncate") is None  # nothing left to learn
+    packed = datahash.pack([([1, 2], [-100, 2]), ([3, 4, 5], [-100, 4, 5]), ([6], [6])], max_len=5)
+    assert packed == [([1, 2, 3, 4, 5], [-100, 2, -100, 4, 5]), ([6], [6])]
+    assert datahash.shard_ranges(10, 4) == [(0, 4), (4, 8), (8, 10)]
+
+
+def test_content_hash_moves_with_every_input():
+    base = dict(source_sha256="a", eval_source_sha256=None, fields=FIELDS, system_prompt="s",
+                tokenizer_sha256="t", settings={"max_seq_len": 64})
+    variants = [{"source_sha256": "b"}, {"eval_source_sha256": "e"}, {"fields": {**FIELDS, "prompt": "q"}},
+                {"system_prompt": None}, {"tokenizer_sha256": "u"}, {"settings": {"max_seq_len": 65}}]
+    hashes = {datahash.content_hash(**{**base, **v}) for v in variants} | {datahash.content_hash(**base)}
+    assert len(hashes) == len(variants) + 1
+
+
+# ---- the stage, on a local storage root ------------------------------------------------------
+
+
+def test_prepares_splits_with_masked_prompts_then_hits_the_cache(tmp_path, tiny_dir):
+    source = write_jsonl(tmp_path / "dates.jsonl", DATES[:200])
+    cfg = config(tmp_path / "store", tiny_dir, source, shard_rows=64)
+    summary = prepare(cfg)
+    manifest = summary["manifest"]
+    assert summary["cache_hit"] is False
+    assert summary["dataset_path"] == f"datasets/dates/{summary['content_hash']}"
+    assert summary["dataset_uri"] == str(tmp_path / "store" / summary["dataset_path"])
+    assert manifest["splits"]["train"]["rows"] == 180 and manifest["splits"]["eval"]["rows"] == 20
+    assert [s["rows"] for s in manifest["splits"]["train"]["shards"]] == [64, 64, 52]
+    assert manifest["source"]["sha256"] == datahash.sha256_bytes(source.read_bytes())
+    assert manifest["dropped"] == {} and manifest["total_rows"] == 200 and manifest["dropped_fraction"] == 0
+
+    storage = Storage(str(tmp_path / "store"))
+    train, eval_ = (read_split(storage, summary["dataset_path"], s) for s in ("train", "eval"))
+    assert train.schema == SCHEMA and train.num_rows == 180
+    answers = {r["input"]: r["output"] for r in DATES[:200]}
+    for row in eval_.to_pylist():
+        assert row["prompt"].startswith(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n")
+        assert row["prompt"].endswith("<|im_start|>assistant\n")
+        user = row["prompt"].split("user\n")[1].split("<|im_end|>")[0]
+        assert row["reference"] == answers[user]
+        target = [t for t, label in zip(row["input_ids"], row["labels"]) if label != -100]
+        assert len(row["input_ids"]) == len(row["labels"]) <= 64
+        assert row["labels"][: len(row["input_ids"]) - len(target)] == [-100] * (len(row["input_ids"]) - len(target))
+        assert target == row["input_ids"][-len(target):]  # the answer and <|im_end|>, at the end
+
+    shard = Path(summary["dataset_uri"]) / "train" / "part-00000.parquet"
+    mtime = shard.stat().st_mtime_ns
+    again = prepare(cfg)
+    assert again["cache_hit"] is True and again["content_hash"] == summary["content_hash"]
+    assert shard.stat().st_mtime_ns == mtime
+
+
+def test_changing_one_row_changes_the_hash(tmp_path, tiny_dir):
+    rows = DATES[:100]
+    first = prepare(config(tmp_path / "store", tiny_dir, write_jsonl(tmp_path / "a.jsonl", rows)))
+    edited = [*rows[:50], {"input": rows[50]["input"], "output": "1999-01-01"}, *rows[51:]]
+    second = prepare(config(tmp_path / "store", tiny_dir, write_jsonl(tmp_path / "b.jsonl", edited)))
+    assert second["content_hash"] != first["content_hash"] and second["cache_hit"] is False
+    assert sorted(Storage(str(tmp_path / "store")).listdir("datasets", "dates")) == \
+        sorted([first["content_hash"], second["content_hash"]])
+
+
+def malformed_rows(n_each: int) -> tuple[list[dict], list[bytes]]:
+    """n_each rows of every kind of malformed row: (json rows, raw undecodable lines)."""
+    bad = []
+    for i in range(n_each):
+        bad += [{"input": DATES[i]["input"]}, {"input": 20210305 + i, "output": "2021-03-05"},
+                {"input": " ", "output": "2021-03-05"}, {"input": "March 5, 2021 " * 20, "output": "2021-03-05"}]
+    not_utf8, not_json = b'{"input": "5 M\xe4r 2021", "output": "2021-03-05"}', b'{"input": "5 Mar 2021", "output": '
+    return bad, [not_utf8, not_json] * (n_each // 2)
+
+
+def test_thirty_percent_malformed_is_a_data_failure_with_counts(tmp_path, tiny_dir):
+    bad, raw = malformed_rows(6)
+    source = write_jsonl(tmp_path / "bad.jsonl", DATES[:70] + bad, raw)
+    with pytest.raises(StageFailure) as info:
+        prepare(config(tmp_path / "store", tiny_dir, source))
+    failure = info.value
+    assert failure.failure_class is FailureClass.data
+    assert failure.cause == ("30.0% of rows malformed (limit 5.0%): undecodable=6, wrong_type=6, missing_field=6, "
+                             "empty=6, too_long=6 of 100 rows")
+    assert {r: d["count"] for r, d in failure.summary["dropped"].items()} == dict.fromkeys(datahash.REASONS, 6)
+    assert not Storage(str(tmp_path / "store")).exists("datasets")
+
+
+def test_two_percent_malformed_trains_and_the_manifest_lists_them(tmp_path, tiny_dir):
+    source = write_jsonl(tmp_path / "mostly.jsonl", DATES[:49] + [{"input": "5 Mar 2021"}] + DATES[49:97],
+                         [b"{not json at all"])
+    summary = prepare(config(tmp_path / "store", tiny_dir, source))
+    manifest = summary["manifest"]
+    assert manifest["total_rows"] == 99 and manifest["dropped_fraction"] == pytest.approx(2 / 99)
+    assert manifest["dropped"] == {
+        "undecodable": {"count": 1, "examples": [{"source": "source", "row": 98, "value": "b'{not json at all'"}]},
+        "missing_field": {"count": 1, "examples": [{"source": "source", "row": 49, "value": "{'input': '5 Mar 2021'}"}]},
+    }
+    assert manifest["splits"]["train"]["rows"] + manifest["splits"]["eval"]["rows"] == 97
+
+
+def test_csv_and_parquet_sources_give_the_same_examples_as_jsonl(tmp_path, tiny_dir):
+    rows = DATES[:60]
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=["input", "output"])
+    writer.writeheader()
+    writer.writerows(rows)
+    (tmp_path / "d.csv").write_text(buf.getvalue())
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    write_jsonl(tmp_path / "d.jsonl", rows)
+    storage = Storage(str(tmp_path / "store"))
+    tables = {}
+    for ext in ("jsonl", "csv", "parquet"):
+        summary = prepare(config(tmp_path / "store", tiny_dir, tmp_path / f"d.{ext}"))
+        tables[ext] = read_split(storage, summary["dataset_path"], "train").to_pylist()
+    assert tables["csv"] == tables["jsonl"] == tables["parquet"]
+    assert len(tables["csv"]) == 54
+
+
+def test_csv_row_with_bytes_that_are_not_utf8_is_undecodable(tmp_path, tiny_dir):
+    text = "input,output\n" + "".join(f"{r['input'].replace(',', '')},{r['output']}\n" for r in DATES[:40])
+    (tmp_path / "d.csv").write_bytes(text.encode() + b"5 M\xe4r 2021,2021-03-05\n")
+    summary = prepare(config(tmp_path / "store", tiny_dir, tmp_path / "d.csv", max_dropped_fraction=0.1))
+    assert summary["manifest"]["dropped"]["undecodable"]["count"] == 1
+
+
+def test_overflow_truncate_and_pack(tmp_path, tiny_dir):
+    source = write_jsonl(tmp_path / "d.jsonl", DATES[:60])
+    with pytest.raises(StageFailure, match="too_long=60 of 60 rows"):
+        prepare(config(tmp_path / "store", tiny_dir, source, max_seq_len=44))
+    storage = Storage(str(tmp_path / "store"))
+    truncated = prepare(config(tmp_path / "store", tiny_dir, source, max_seq_len=44, overflow="truncate"))
+    train = read_split(storage, truncated["dataset_path"], "train").to_pylist()
+    assert len(train) == 54 and all(len(r["input_ids"]) == 44 for r in train)
+    packed = prepare(config(tmp_path / "store", tiny_dir, source, max_seq_len=160, overflow="pack"))
+    train = read_split(storage, packed["dataset_path"], "train").to_pylist()
+    eval_ = read_split(storage, packed["dataset_path"], "eval").to_pylist()
+    assert sum(r["labels"].count(2) for r in train) == 54  # every example's <|im_end|> target, packed ~3 per row
+    assert len(train) < 54 and all(len(r["input_ids"]) <= 160 and r["prompt"] == "" for r in train)
+    assert len(eval_) == 6 and all(r["prompt"] and r["reference"] for r in eval_)
+
+
+def test_separate_eval_source(tmp_path, tiny_dir):
+    train_src = write_jsonl(tmp_path / "train.jsonl", DATES[:50])
+    eval_src = write_jsonl(tmp_path / "eval.jsonl", DATES[50:60])
+    summary = prepare(config(tmp_path / "store", tiny_dir, train_src, eval_source=str(eval_src)))
+    manifest = summary["manifest"]
+    assert (manifest["splits"]["train"]["rows"], manifest["splits"]["eval"]["rows"]) == (50, 10)
+    assert manifest["eval_source"]["sha256"] == datahash.sha256_bytes(eval_src.read_bytes())
+    assert manifest["settings"]["eval_fraction"] is None
+
+
+@pytest.mark.parametrize("source, match", [
+    ("{tmp}/missing.jsonl", "missing.jsonl is unreadable: FileNotFoundError"),
+    ("{tmp}/data.txt", "cannot tell the format of .*data.txt from its extension '.txt'"),
+    ("hf://tuneproof/no-such-dataset:train", "could not be loaded from the Hugging Face hub"),
+])
+def test_unreadable_sources_are_data_failures(tmp_path, tiny_dir, source, match):
+    (tmp_path / "data.txt").write_text("5 Mar 2021\n")
+    with pytest.raises(StageFailure, match=match) as info:
+        prepare(config(tmp_path / "store", tiny_dir, source.format(tmp=tmp_path)))
+    assert info.value.failure_class is FailureClass.data
+
+
+def test_read_split_rejects_missing_manifest_and_corrupt_or_missing_shards(tmp_path, tiny_dir):
+    summary = prepare(config(tmp_path / "store", tiny_dir, write_jsonl(tmp_path / "d.jsonl", DATES[:40])))
+    storage, path = Storage(str(tmp_path / "store")), summary["dataset_path"]
+    with pytest.raises(StageFailure, match="has no manifest.json") as info:
+        read_split(storage, "datasets/dates/0000", "train")
+    assert info.value.failure_class is FailureClass.infrastructure
+    shard = Path(summary["dataset_uri"]) / "eval" / "part-00000.parquet"
+    shard.write_bytes(shard.read_bytes()[:-10] + b"0123456789")
+    with pytest.raises(StageFailure, match="eval/part-00000.parquet is corrupt: sha256"):
+        read_split(storage, path, "eval")
+    shard.unlink()
+    with pytest.raises(StageFailure, match="eval/part-00000.parquet is missing"):
+        read_split(storage, path, "eval")
+    assert read_split(storage, path, "train").num_rows == 36
+
+
+def test_entrypoint_writes_a_stage_result(tmp_path, tiny_dir):
+    cfg = config(tmp_path / "store", tiny_dir, write_jsonl(tmp_path / "d.jsonl", DATES[:40]))
+    env = {**os.environ, ENV_VAR: encode_job("run-7", "data", cfg)}
+    proc = subprocess.run([sys.executable, "-m", "training.data_prep"], cwd=PROJECT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = Storage(str(tmp_path / "store")).read_json("runs", "run-7", "stages", "data", "result.json")
+    assert result["status"] == "succeeded" and result["summary"]["manifest"]["splits"]["eval"]["rows"] == 4
+
+
+# ---- the stage, with storage and source on an S3-compatible server ---------------------------
+
+
+@pytest.mark.integration
+def test_prepare_on_s3_and_read_back(s3_endpoint, tmp_path, tiny_dir):
+    bucket = Storage(f"s3://{TEST_BUCKET}", s3_endpoint)
+    bucket.write_bytes(write_jsonl(tmp_path / "d.jsonl", DATES[:100]).read_bytes(), "sources", "dates.jsonl")
+    cfg = PipelineConfig.model_validate({
+        "storage": {"root": f"s3://{TEST_BUCKET}/prep", "endpoint_url": s3_endpoint},
+        "model": {"source": str(tiny_dir)},
+        "data": {"source": f"s3://{TEST_BUCKET}/sources/dates.jsonl", "shard_rows": 50},
+    })
+    summary = prepare(cfg)
+    assert summary["dataset_uri"] == f"s3://{TEST_BUCKET}/prep/{summary['dataset_path']}"
+    local = prepare(config(tmp_path / "store", tiny_dir, tmp_path / "d.jsonl", shard_rows=50))
+    assert local["content_hash"] == summary["content_hash"]  # identity is content, not location
+    storage = Storage(cfg.storage.root, s3_endpoint)
+    train = read_split(storage, summary["dataset_path"], "train")
+    assert train.num_rows == 90 and len(summary["manifest"]["splits"]["train"]["shards"]) == 2
+    assert train.to_pylist() == read_split(Storage(str(tmp_path / "store")), local["dataset_path"], "train").to_pylist()
+    assert prepare(cfg)["cache_hit"] is True

@@ -1,0 +1,383 @@
+"""Stage 3, data: read the real source, apply the chat template, tokenize, split, write it content-addressed.
+
+Runs inside a Ray job, submitted by tasks/ as
+
+    TUNEPROOF_JOB=<jobkit.encode_job(...)> python -m training.data_prep
+
+Reads config.data.source (JSONL, CSV or parquet, local or s3://; hf://<name>[:split] where a hub is
+reachable), renders each row through the base model's chat template, masks the prompt out of the
+labels and writes parquet shards to datasets/<name>/<content-hash>/{train,eval}/ with manifest.json
+written last. The hash covers the source bytes, the field mapping, the system prompt, the tokenizer
+files and the prep settings, so a rerun with equal inputs is a cache hit that rewrites nothing.
+Rows that cannot be used are counted by reason; too many of them fail the stage as a data failure.
+
+The fine-tune and evaluate stages read the result back with `read_split`.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import posixpath
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from training.jobkit import JobContext, log, progress, run_stage
+from training.modeling import load_tokenizer
+from tuneproof import datahash
+from tuneproof.config import DataConfig
+from tuneproof.results import FailureClass, StageFailure, now_iso
+from tuneproof.storage import Storage
+
+SCHEMA = pa.schema([
+    ("input_ids", pa.list_(pa.int32())),
+    ("labels", pa.list_(pa.int32())),
+    ("prompt", pa.string()),      # the rendered chat prompt with the generation prompt, for evaluation
+    ("reference", pa.string()),   # the response text
+])
+EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
+
+
+@dataclass
+class Source:
+    uri: str
+    data: bytes
+    format: str
+
+    def identity(self) -> dict[str, Any]:
+        return {"uri": self.uri, "sha256": datahash.sha256_bytes(self.data), "bytes": len(self.data)}
+
+
+@dataclass
+class Conversation:
+    where: str        # "source" or "eval_source"
+    row: int          # row index in that file, for drop evidence
+    parts: dict[str, str]
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    labels: list[int]
+    prompt: str
+    reference: str
+
+
+def prepare_data(ctx: JobContext) -> dict[str, Any]:
+    """The stage: sources -> identity -> (cache hit | rows -> splits -> shards -> manifest)."""
+    cfg, storage = ctx.config, ctx.storage
+    endpoint = cfg.storage.endpoint_url
+    source = read_source(cfg.data.source, cfg.data.format, endpoint)
+    eval_source = read_source(cfg.data.eval_source, cfg.data.format, endpoint) if cfg.data.eval_source else None
+    tokenizer = load_tokenizer(cfg.model.source, cfg.model.revision, endpoint)
+    tokenizer_sha = tokenizer_sha256(tokenizer)
+    source_id, eval_source_id = source.identity(), eval_source.identity() if eval_source else None
+    content_hash = datahash.content_hash(
+        source_id["sha256"], eval_source_id and eval_source_id["sha256"],
+        cfg.data.fields.model_dump(), cfg.data.system_prompt, tokenizer_sha, prep_settings(cfg.data),
+    )
+    dataset_path = posixpath.join("datasets", cfg.data.name, content_hash)
+    if storage.exists(dataset_path, "manifest.json"):
+        log(f"dataset {dataset_path} already prepared: cache hit, nothing rewritten")
+        return stage_summary(storage, dataset_path, storage.read_json(dataset_path, "manifest.json"), cache_hit=True)
+
+    splits, drops, total_rows = build_splits(cfg.data, tokenizer, source, eval_source)
+    enforce_limits(splits, drops, total_rows, cfg.data.max_dropped_fraction)
+    manifest = {
+        "name": cfg.data.name, "content_hash": content_hash, "created_at": now_iso(), "seed": cfg.data.seed,
+        "source": source_id, "eval_source": eval_source_id,
+        "tokenizer_sha256": tokenizer_sha, "settings": prep_settings(cfg.data),
+        "splits": write_splits(storage, dataset_path, splits, cfg.data.shard_rows),
+        "dropped": drops.to_json(), "total_rows": total_rows, "dropped_fraction": drops.total / total_rows,
+    }
+    storage.write_json(manifest, dataset_path, "manifest.json")  # last: the dataset counts only from here on
+    log(f"dataset {dataset_path}: train {len(splits['train'])} rows, eval {len(splits['eval'])} rows, dropped {drops.total}")
+    return stage_summary(storage, dataset_path, manifest, cache_hit=False)
+
+
+def prep_settings(data: DataConfig) -> dict[str, Any]:
+    """Settings that change what is written (max_dropped_fraction only decides pass/fail)."""
+    return {
+        "format": data.format, "max_seq_len": data.max_seq_len, "overflow": data.overflow,
+        "eval_fraction": None if data.eval_source else data.eval_fraction,
+        "seed": data.seed, "shard_rows": data.shard_rows,
+    }
+
+
+def stage_summary(storage: Storage, dataset_path: str, manifest: dict, cache_hit: bool) -> dict[str, Any]:
+    return {
+        "dataset_path": dataset_path, "dataset_uri": storage.uri(dataset_path),
+        "content_hash": manifest["content_hash"], "cache_hit": cache_hit, "manifest": manifest,
+    }
+
+
+# ---- reading sources -------------------------------------------------------------------------
+
+
+def read_source(uri: str, fmt: str, endpoint_url: str | None) -> Source:
+    """The source's bytes and format; an unreadable source is a data failure naming it."""
+    if uri.startswith("hf://") or fmt == "hf":
+        return read_hub_dataset(uri)
+    fmt = fmt if fmt != "auto" else format_from_extension(uri)
+    try:
+        data = Storage(uri, endpoint_url).read_bytes()
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
+        raise StageFailure("data", f"data source {uri} is unreadable: {type(e).__name__}: {e}") from e
+    log(f"read {len(data)} bytes from {uri} ({fmt})")
+    return Source(uri, data, fmt)
+
+
+def format_from_extension(uri: str) -> str:
+    ext = posixpath.splitext(uri)[1].lower()
+    if ext not in EXTENSIONS:
+        raise StageFailure(
+            "data", f"cannot tell the format of {uri} from its extension {ext!r}; expected one of "
+            f"{sorted(EXTENSIONS)} or set data.format to jsonl, csv or parquet",
+        )
+    return EXTENSIONS[ext]
+
+
+def read_hub_dataset(uri: str) -> Source:
+    """hf://<name>[:split] through datasets.load_dataset, re-serialised as parquet so it hashes and parses like a file."""
+    name, _, split = uri.removeprefix("hf://").partition(":")
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(name, split=split or "train")
+        buf = io.BytesIO()
+        ds.to_parquet(buf)
+    except Exception as e:  # noqa: BLE001 - offline, unknown name, no such split: all mean "cannot read the source"
+        raise StageFailure(
+            "data", f"data source {uri} could not be loaded from the Hugging Face hub (is a hub reachable "
+            f"from the cluster, and does dataset {name!r} have split {split or 'train'!r}?): {type(e).__name__}: {e}",
+        ) from e
+    return Source(uri, buf.getvalue(), "parquet")
+
+
+def parse_rows(source: Source, drops: datahash.Drops, where: str) -> tuple[list[tuple[int, Any]], int]:
+    """([(row index, record)], total rows); undecodable rows go straight to drops."""
+    parse = {"jsonl": parse_jsonl, "csv": parse_csv, "parquet": parse_parquet}[source.format]
+    rows, total = [], 0
+    for index, record, problem in parse(source):
+        total += 1
+        if problem is not None:
+            drops.add("undecodable", where, index, problem)
+        else:
+            rows.append((index, record))
+    return rows, total
+
+
+def parse_jsonl(source: Source):
+    """Yields (row, record, None) or (row, None, raw bytes); blank lines are not rows."""
+    lines = [line for line in source.data.split(b"\n") if line.strip()]
+    for index, line in enumerate(lines):
+        try:
+            yield index, json.loads(line.decode("utf-8")), None
+        except (UnicodeDecodeError, ValueError):
+            yield index, None, line
+
+
+def parse_csv(source: Source):
+    """Yields (row, record, None) or (row, None, raw values); a header row names the columns."""
+    # surrogateescape keeps going past bytes that are not UTF-8, so only the rows holding them are lost.
+    text = source.data.decode("utf-8", errors="surrogateescape")
+    for index, record in enumerate(csv.DictReader(io.StringIO(text, newline=""))):
+        values = [v for v in record.values() if isinstance(v, str)]
+        if any(not _is_utf8(v) for v in values):
+            yield index, None, [v.encode("utf-8", errors="surrogateescape") for v in values]
+        else:
+            yield index, record, None
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def parse_parquet(source: Source):
+    try:
+        table = pq.read_table(io.BytesIO(source.data))
+    except (pa.ArrowException, OSError) as e:
+        raise StageFailure("data", f"data source {source.uri} is not a readable parquet file: {e}") from e
+    for index, record in enumerate(table.to_pylist()):
+        yield index, record, None
+
+
+# ---- rows -> examples -> splits ----------------------------------------------------------------
+
+
+def build_splits(data: DataConfig, tokenizer, source: Source, eval_source: Source | None):
+    """({"train": [Example], "eval": [Example]}, drops, total rows read)."""
+    drops = datahash.Drops()
+    convs, total = conversations(source, data, drops, "source")
+    if eval_source is None:
+        keys = [datahash.split_key(c.parts) for c in convs]
+        train_idx, eval_idx = datahash.split_indices(keys, data.eval_fraction, data.seed)
+        train_convs, eval_convs = [convs[i] for i in train_idx], [convs[i] for i in eval_idx]
+    else:
+        eval_convs, eval_total = conversations(eval_source, data, drops, "eval_source")
+        total += eval_total
+        order = datahash.rank_for_split([datahash.split_key(c.parts) for c in convs], data.seed)
+        train_convs = [convs[i] for i in order]
+    progress("data", 1, 3, rows=total)
+    splits = {
+        "train": fit_split(encode(tokenizer, train_convs, data.system_prompt), train_convs, data, drops, data.overflow),
+        # Packing serves training only; evaluation needs one prompt per row.
+        "eval": fit_split(encode(tokenizer, eval_convs, data.system_prompt), eval_convs, data, drops,
+                          "drop" if data.overflow == "pack" else data.overflow),
+    }
+    progress("data", 2, 3, rows=total, dropped=drops.total)
+    return splits, drops, total
+
+
+def conversations(source: Source, data: DataConfig, drops: datahash.Drops, where: str) -> tuple[list[Conversation], int]:
+    fields = data.fields.model_dump()
+    rows, total = parse_rows(source, drops, where)
+    convs = []
+    for index, record in rows:
+        reason, parts = datahash.check_row(record, fields)
+        if reason:
+            drops.add(reason, where, index, record)
+        else:
+            convs.append(Conversation(where, index, parts))
+    return convs, total
+
+
+def encode(tokenizer, convs: list[Conversation], system_prompt: str | None) -> list[Example]:
+    """Render each conversation with the chat template; labels are the response tokens only."""
+    prompts, completions = [], []
+    for conv in convs:
+        system = conv.parts.get("system") or system_prompt
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": conv.parts["prompt"]}]
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(
+            messages + [{"role": "assistant", "content": conv.parts["response"]}], tokenize=False)
+        if not full.startswith(prompt):
+            raise StageFailure("data", f"the chat template of the base model does not render the generation prompt "
+                               f"as a prefix of the full conversation (prompt {prompt[-60:]!r}, full {full[-80:]!r}); "
+                               "prompt tokens cannot be masked")
+        prompts.append(prompt)
+        # What follows the end-of-turn token (a newline in ChatML) is not something to learn to generate.
+        completions.append(full[len(prompt):].rstrip())
+    if not convs:
+        return []
+    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    completion_ids = tokenizer(completions, add_special_tokens=False)["input_ids"]
+    return [
+        Example(p + c, [datahash.IGNORE_INDEX] * len(p) + c, prompt, conv.parts["response"])
+        for p, c, prompt, conv in zip(prompt_ids, completion_ids, prompts, convs)
+    ]
+
+
+def fit_split(examples: list[Example], convs: list[Conversation], data: DataConfig,
+              drops: datahash.Drops, overflow: str) -> list[Example]:
+    """Apply the overflow policy: too-long rows are dropped (counted), truncated, or packed together."""
+    fitted = []
+    for ex, conv in zip(examples, convs):
+        result = datahash.fit(ex.input_ids, ex.labels, data.max_seq_len, overflow)
+        if result is None:
+            drops.add("too_long", conv.where, conv.row, f"{len(ex.input_ids)} tokens > {data.max_seq_len}")
+        else:
+            fitted.append(Example(result[0], result[1], ex.prompt, ex.reference))
+    if overflow != "pack":
+        return fitted
+    packed = datahash.pack(((ex.input_ids, ex.labels) for ex in fitted), data.max_seq_len)
+    return [Example(ids, labels, "", "") for ids, labels in packed]
+
+
+def enforce_limits(splits: dict[str, list[Example]], drops: datahash.Drops, total_rows: int, limit: float) -> None:
+    """Too many dropped rows, or an empty split, is a data failure; the summary keeps the counts."""
+    evidence = {"total_rows": total_rows, "dropped": drops.to_json(),
+                "dropped_fraction": drops.total / total_rows if total_rows else None}
+    cause = datahash.drop_failure(drops, total_rows, limit)
+    if cause:
+        raise StageFailure("data", cause, evidence)
+    for name, examples in splits.items():
+        if not examples:
+            raise StageFailure("data", f"the {name} split is empty ({total_rows} rows read, {drops.total} dropped); "
+                               "expected at least one row: use a larger source or eval_fraction", evidence)
+
+
+# ---- writing and reading the dataset -----------------------------------------------------------
+
+
+def tokenizer_sha256(tokenizer) -> str:
+    """A hash over the files the tokenizer saves: what tokenizes, not where it was loaded from."""
+    with tempfile.TemporaryDirectory(prefix="tuneproof-tok-") as tmp:
+        tokenizer.save_pretrained(tmp)
+        files = {p.relative_to(tmp).as_posix(): datahash.sha256_bytes(p.read_bytes())
+                 for p in Path(tmp).rglob("*") if p.is_file()}
+    return datahash.files_sha256(files)
+
+
+def write_splits(storage: Storage, dataset_path: str, splits: dict[str, list[Example]], shard_rows: int) -> dict:
+    meta = {}
+    for split, examples in splits.items():
+        shards = []
+        for number, (start, end) in enumerate(datahash.shard_ranges(len(examples), shard_rows)):
+            rel = f"{split}/part-{number:05d}.parquet"
+            data = parquet_bytes(examples[start:end])
+            storage.write_bytes(data, dataset_path, rel)
+            shards.append({"path": rel, "rows": end - start, "sha256": datahash.sha256_bytes(data)})
+        meta[split] = {"rows": len(examples), "tokens": sum(len(e.input_ids) for e in examples), "shards": shards}
+    progress("data", 3, 3)
+    return meta
+
+
+def parquet_bytes(examples: list[Example]) -> bytes:
+    table = pa.table({
+        "input_ids": [e.input_ids for e in examples], "labels": [e.labels for e in examples],
+        "prompt": [e.prompt for e in examples], "reference": [e.reference for e in examples],
+    }, schema=SCHEMA)
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    return buf.getvalue()
+
+
+def read_manifest(storage: Storage, dataset_path: str) -> dict[str, Any]:
+    """The manifest of a complete dataset; a missing one means the dataset is absent or half-written."""
+    if not storage.exists(dataset_path, "manifest.json"):
+        raise StageFailure(FailureClass.infrastructure, f"dataset {storage.uri(dataset_path)} has no manifest.json: "
+                           "it is missing or was never completed; rerun the data stage")
+    return storage.read_json(dataset_path, "manifest.json")
+
+
+def read_split(storage: Storage, dataset_path: str, split: str) -> pa.Table:
+    """One split of a prepared dataset, every shard checked against the manifest's sha256."""
+    manifest = read_manifest(storage, dataset_path)
+    if split not in manifest["splits"]:
+        raise StageFailure(FailureClass.infrastructure, f"dataset {storage.uri(dataset_path)} has no split "
+                           f"{split!r}; expected one of {sorted(manifest['splits'])}")
+    tables = [read_shard(storage, dataset_path, shard) for shard in manifest["splits"][split]["shards"]]
+    return pa.concat_tables(tables) if tables else SCHEMA.empty_table()
+
+
+def read_shard(storage: Storage, dataset_path: str, shard: dict[str, Any]) -> pa.Table:
+    uri = storage.uri(dataset_path, shard["path"])
+    try:
+        data = storage.read_bytes(dataset_path, shard["path"])
+    except FileNotFoundError as e:
+        raise StageFailure(FailureClass.infrastructure, f"dataset shard {uri} is missing; the manifest lists it") from e
+    seen = datahash.sha256_bytes(data)
+    if seen != shard["sha256"]:
+        raise StageFailure(FailureClass.infrastructure, f"dataset shard {uri} is corrupt: sha256 {seen[:16]}…, "
+                           f"manifest expects {shard['sha256'][:16]}…")
+    return pq.read_table(io.BytesIO(data), schema=SCHEMA)
+
+
+def main() -> None:
+    run_stage(prepare_data)
+
+
+if __name__ == "__main__":
+    main()

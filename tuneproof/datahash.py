@@ -1,0 +1,167 @@
+"""Pure logic of data preparation: row checks, drop accounting, the split, fitting and packing, hashes.
+
+No I/O: training/data_prep.py reads the source, tokenizes and writes; everything it decides goes
+through these functions, which take and return plain values and are unit-tested directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+# Why a row was left out; every dropped row has exactly one reason, the first that applies.
+REASONS = ("undecodable", "wrong_type", "missing_field", "empty", "too_long")
+EXAMPLES_PER_REASON = 3
+IGNORE_INDEX = -100  # label value the loss skips (prompt tokens)
+
+# Bump when the shard layout or the meaning of a setting changes: old datasets must not be reused.
+PREP_VERSION = 1
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_json(obj: Any) -> str:
+    return sha256_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode())
+
+
+def content_hash(
+    source_sha256: str,
+    eval_source_sha256: str | None,
+    fields: dict[str, str | None],
+    system_prompt: str | None,
+    tokenizer_sha256: str,
+    settings: dict[str, Any],
+) -> str:
+    """The dataset's identity: equal inputs give an equal hash, so a rerun reuses the written dataset."""
+    return sha256_json({
+        "prep_version": PREP_VERSION,
+        "source": source_sha256,
+        "eval_source": eval_source_sha256,
+        "fields": fields,
+        "system_prompt": system_prompt,
+        "tokenizer": tokenizer_sha256,
+        "settings": settings,
+    })
+
+
+def files_sha256(file_hashes: dict[str, str]) -> str:
+    """One hash over a set of files given as {relative name: sha256 of its bytes}."""
+    return sha256_json(sorted(file_hashes.items()))
+
+
+@dataclass
+class Drops:
+    """Rows left out, counted by reason, with the first few kept as evidence."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+    def add(self, reason: str, where: str, row: int, value: Any) -> None:
+        if reason not in REASONS:
+            raise ValueError(f"drop reason must be one of {REASONS}, got {reason!r}")
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        kept = self.examples.setdefault(reason, [])
+        if len(kept) < EXAMPLES_PER_REASON:
+            kept.append({"source": where, "row": row, "value": short_repr(value)})
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def to_json(self) -> dict[str, dict[str, Any]]:
+        return {r: {"count": self.counts[r], "examples": self.examples[r]} for r in REASONS if r in self.counts}
+
+
+def short_repr(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def drop_failure(drops: Drops, total_rows: int, limit: float) -> str | None:
+    """The one-line cause when too many rows were dropped, else None."""
+    if total_rows == 0:
+        return "the source has no rows"
+    fraction = drops.total / total_rows
+    if fraction <= limit:
+        return None
+    counts = ", ".join(f"{r}={drops.counts[r]}" for r in REASONS if r in drops.counts)
+    return f"{fraction:.1%} of rows malformed (limit {limit:.1%}): {counts} of {total_rows} rows"
+
+
+def check_row(row: Any, fields: dict[str, str | None]) -> tuple[str | None, dict[str, str]]:
+    """(reason, {}) for a row to drop, or (None, {role: text}) for a usable one.
+
+    fields maps a role (prompt/response/system) to the source column; None means 'not read'.
+    """
+    if not isinstance(row, dict):
+        return "wrong_type", {}
+    parts = {}
+    for role, column in fields.items():
+        if column is None:
+            continue
+        value = row.get(column)
+        if value is None:
+            return "missing_field", {}
+        if not isinstance(value, str):
+            return "wrong_type", {}
+        if not value.strip():
+            return "empty", {}
+        parts[role] = value
+    return None, parts
+
+
+def split_key(parts: dict[str, str]) -> str:
+    """What decides a row's split: its content, so identical rows always land on the same side."""
+    return json.dumps(parts, sort_keys=True, ensure_ascii=False)
+
+
+def rank_for_split(keys: list[str], seed: int) -> list[int]:
+    """Row indices ordered by a seeded hash of their content: a deterministic shuffle."""
+    return sorted(range(len(keys)), key=lambda i: (sha256_bytes(f"{seed}\0{keys[i]}".encode()), i))
+
+
+def split_indices(keys: list[str], eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, eval) row indices: the first round(n * eval_fraction) of the hash order are eval."""
+    order = rank_for_split(keys, seed)
+    n_eval = round(len(keys) * eval_fraction)
+    return order[n_eval:], order[:n_eval]
+
+
+def fit(ids: list[int], labels: list[int], max_len: int, overflow: str) -> tuple[list[int], list[int]] | None:
+    """The example within max_len, or None when it is too long (drop), or truncation leaves no target."""
+    if len(ids) <= max_len:
+        return ids, labels
+    if overflow != "truncate":
+        return None
+    ids, labels = ids[:max_len], labels[:max_len]
+    return (ids, labels) if any(label != IGNORE_INDEX for label in labels) else None
+
+
+def pack(examples: Iterable[tuple[list[int], list[int]]], max_len: int) -> list[tuple[list[int], list[int]]]:
+    """Concatenate consecutive examples into rows of at most max_len tokens (greedy, order kept).
+
+    Every example must already fit max_len; an example never spans two rows.
+    """
+    rows: list[tuple[list[int], list[int]]] = []
+    ids: list[int] = []
+    labels: list[int] = []
+    for ex_ids, ex_labels in examples:
+        if len(ex_ids) > max_len:
+            raise ValueError(f"example of {len(ex_ids)} tokens cannot be packed into rows of {max_len}")
+        if ids and len(ids) + len(ex_ids) > max_len:
+            rows.append((ids, labels))
+            ids, labels = [], []
+        ids = ids + ex_ids
+        labels = labels + ex_labels
+    if ids:
+        rows.append((ids, labels))
+    return rows
+
+
+def shard_ranges(n_rows: int, shard_rows: int) -> list[tuple[int, int]]:
+    """[start, end) row ranges of the shards."""
+    return [(start, min(start + shard_rows, n_rows)) for start in range(0, n_rows, shard_rows)]
