@@ -42,7 +42,6 @@ def pipeline(config: PipelineConfig = PipelineConfig(), run_id: str | None = Non
         record_stage(record, stage, entry)
         records.save(storage, record)
         report(artifacts.for_stage, record, stage, storage)
-        report(artifacts.stage_table, record)
         events.publish("stage", stage=stage, status=entry["status"], failure_class=entry["failure_class"])
         if entry["status"] == "failed":
             return finish(storage, record, entry)
@@ -154,6 +153,7 @@ def finish(storage: Storage, record: dict, failed: dict | None):
     if failed is None:
         record.update(status="succeeded", failure_class=None, cause=None)
         records.save(storage, record)
+        report(artifacts.stage_table, record)
         report(artifacts.run_report, record)
         return Completed(message=f"run {record['run_id']} succeeded", data=summary_of(record))
     cause = f"{failed['stage']}: {failed['cause']}"
@@ -162,6 +162,7 @@ def finish(storage: Storage, record: dict, failed: dict | None):
         # Nothing is promoted after a failed stage; the refusal and its reason are part of the record.
         record["promotion"] = {"promoted": False, "reasons": [f"{failed['failure_class']} failure in {cause}"]}
     records.save(storage, record)
+    report(artifacts.stage_table, record)
     report(artifacts.run_report, record)
     return Failed(message=f"{failed['failure_class']} failure in {cause}", data=summary_of(record))
 

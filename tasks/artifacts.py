@@ -21,6 +21,7 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
+from tuneproof.config import STAGES
 from tuneproof.storage import Storage
 
 
@@ -45,7 +46,8 @@ def table(kind: str, run_id: str, rows: list[dict[str, Any]], description: str) 
 
 def stage_table(record: dict) -> None:
     rows = [{"stage": s, "status": e["status"], "failure class": e.get("failure_class") or "",
-             "seconds": duration(e), "cause": e.get("cause") or ""} for s, e in record["stages"].items()]
+             "seconds": duration(e), "cause": e.get("cause") or ""}
+            for s, e in sorted(record["stages"].items(), key=lambda item: STAGES.index(item[0]))]
     table("stages", record["run_id"], rows, f"Stages of run {record['run_id']}")
 
 

@@ -25,6 +25,7 @@ from tuneproof.local import STATE_DIR, RayHead
 PREFECT_PORT = 4200
 PREFECT_API = f"http://127.0.0.1:{PREFECT_PORT}/api"
 WORK_POOL = "local-process"
+EKS_WORK_POOL = "tuneproof-eks"
 PREFECT_HOME = STATE_DIR / "prefect"
 
 
@@ -83,12 +84,24 @@ def start_prefect(console: Console) -> None:
         console.print(f"starting the Prefect server on 127.0.0.1:{PREFECT_PORT} …")
         server = spawn("prefect-server", [prefect_bin(), "server", "start", "--host", "127.0.0.1", "--port", str(PREFECT_PORT)])
         wait_http(f"{PREFECT_API}/health", 90, server)
-    subprocess.run([prefect_bin(), "--no-prompt", "work-pool", "create", WORK_POOL, "--type", "process"],
-                   env=prefect_env(), capture_output=True, cwd=PROJECT_ROOT)
+    ensure_work_pools()
     worker = local.load_state("prefect-worker", Proc)
     if not (worker and worker.alive()):
         console.print(f"starting a Prefect process worker on pool {WORK_POOL} …")
         spawn("prefect-worker", [prefect_bin(), "worker", "start", "--pool", WORK_POOL, "--type", "process"])
+
+
+def ensure_work_pools() -> None:
+    """The local process pool, and the EKS pool prefect.yaml names (so `prefect deploy --all` works here too;
+    on EKS the same command with the same base job template creates it)."""
+    pools = [
+        [WORK_POOL, "--type", "process"],
+        [EKS_WORK_POOL, "--type", "kubernetes", "--base-job-template", str(PROJECT_ROOT / "deployments" / "prefect-k8s-base-job-template.json")],
+    ]
+    for args in pools:
+        # Exits non-zero when the pool already exists, which is fine.
+        subprocess.run([prefect_bin(), "--no-prompt", "work-pool", "create", *args],
+                       env=prefect_env(), capture_output=True, cwd=PROJECT_ROOT)
 
 
 def prefect_bin() -> str:

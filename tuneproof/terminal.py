@@ -62,6 +62,9 @@ def progress_line(event: dict[str, Any]) -> str:
 def quiet_prefect_console(verbose: bool) -> None:
     if verbose:
         return
+    # Ray's SDK announces every working_dir upload; the record holds the package hash instead.
+    for name in ("ray.dashboard.modules.dashboard_sdk", "ray._private.runtime_env.packaging"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     for handler in logging.getLogger().handlers:
         if type(handler).__name__ == "PrefectConsoleHandler":
             handler.setLevel(logging.WARNING)
@@ -96,7 +99,7 @@ def run_with_display(cfg: PipelineConfig, run_id: str | None, only: list[str] | 
 
 def print_summary(rec: dict, console: Console) -> None:
     table = Table("stage", "status", "failure", "cause / evidence", title=f"run {rec['run_id']}")
-    for stage, entry in rec["stages"].items():
+    for stage, entry in ordered_stages(rec):
         table.add_row(stage, Text(entry["status"], style=STATUS_STYLE.get(entry["status"], "")),
                       entry.get("failure_class") or "", short_evidence(stage, entry))
     console.print(table)
@@ -110,6 +113,11 @@ def print_summary(rec: dict, console: Console) -> None:
     style = "green" if rec["status"] == "succeeded" else "bold red"
     tail = f" ({rec['failure_class']}: {rec['cause']})" if rec.get("failure_class") else ""
     console.print(f"[{style}]run {rec['run_id']} {rec['status']}{tail}[/]")
+
+
+def ordered_stages(rec: dict) -> list[tuple[str, dict]]:
+    """Stages in pipeline order (the stored record's keys are sorted alphabetically)."""
+    return [(s, rec["stages"][s]) for s in STAGES if s in rec["stages"]]
 
 
 def short_evidence(stage: str, entry: dict) -> str:
