@@ -138,7 +138,8 @@ class RayJobRunner:
         raise RuntimeError(f"{spec.job}: {MAX_ATTEMPTS} attempts already exist for run {self.run_id}")
 
     def runtime_env(self, spec: JobSpec, workdir: str) -> dict[str, Any]:
-        env = {**self.cfg.runtime_env.env_vars, **spec.env}
+        # Ray Train re-prints worker output through its own logger unless told not to: lines came twice.
+        env = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", **self.cfg.runtime_env.env_vars, **spec.env}
         env[ENV_VAR] = encode_job(self.run_id, spec.job, self.cfg, spec.params)
         runtime_env: dict[str, Any] = {"working_dir": workdir, "env_vars": env}
         if self.cfg.runtime_env.pip:
@@ -187,15 +188,17 @@ class RayJobRunner:
 
     def emit(self, line: str) -> None:
         """Pass a log line on; progress lines become a readable line plus a progress event."""
-        if line.startswith(PROGRESS_PREFIX):
+        # Worker lines arrive prefixed by Ray, e.g. "(RayTrainWorker pid=12) TUNEPROOF_PROGRESS {...}".
+        at = line.find(PROGRESS_PREFIX)
+        if at >= 0:
             try:
-                event = json.loads(line[len(PROGRESS_PREFIX):])
+                event = json.loads(line[at + len(PROGRESS_PREFIX):])
             except ValueError:
                 event = None
             if event is not None:
                 if self.on_progress:
                     self.on_progress(event)
-                line = "progress " + progress_text(event)
+                line = line[:at] + "progress " + progress_text(event)
         self.on_line(line)
 
     def stop(self, sid: str, why: str) -> None:

@@ -49,7 +49,9 @@ def resume_test(cfg: PipelineConfig, run_id: str, dataset_path: str, checkpoints
     hold = seed["step"] + extra
     params = {
         "dataset": dataset_path, "run_name": f"{run_id}-resume", "init_from": seed["uri"],
-        "stop_at_step": hold + replay, "checkpoint_every": extra, "export": False,
+        # max_steps here is where the job stops; the LR schedule still spans train.max_steps,
+        # so the resumed trajectory is comparable step for step with the main run.
+        "max_steps": hold + replay, "checkpoint_every": extra, "export": False,
     }
     runner = runner_for(cfg, run_id, "resume")
     marker = f"HOLDING after checkpoint step {hold}"

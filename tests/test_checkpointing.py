@@ -1,0 +1,148 @@
+"""Checkpoint completeness (marker + listed files), RNG state, and a DCP save/load round trip."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from training.checkpointing import (
+    MARKER, TrainingProgress, capture_rng, check_complete, checkpoint_dir_name, complete_checkpoints,
+    latest_complete_checkpoint, load_shards, missing_files, restore_rng, save_shards, step_of, write_marker,
+)
+from tuneproof.storage import Storage
+
+from tests.conftest import TEST_BUCKET
+
+RUN = ("runs", "r1", "train", "r1")
+
+
+def fake_checkpoint(storage: Storage, step: int, marked: bool = True) -> tuple[str, ...]:
+    """A checkpoint directory with DCP-like files from two ranks, marked complete unless told not to."""
+    parts = (*RUN, checkpoint_dir_name(step))
+    files = {".metadata": b"m" * 10, "__0_0.distcp": b"a" * 100, "__1_0.distcp": b"b" * 100,
+             "progress-rank0.json": b"{}", "progress-rank1.json": b"{}"}
+    for name, data in files.items():
+        storage.write_bytes(data, *parts, name)
+    if marked:
+        write_marker(storage, step, {name: len(data) for name, data in files.items()}, *parts)
+    return parts
+
+
+def test_dir_names_carry_the_step():
+    assert checkpoint_dir_name(12) == "checkpoint_000012"
+    assert step_of("checkpoint_000012") == 12
+    assert step_of("checkpoint_manager_snapshot.json") is None and step_of(".tmp-checkpoint_1") is None
+
+
+def test_missing_files_names_each_absent_or_short_file():
+    expected = {"a": 10, "b": 20, "c": 5}
+    assert missing_files(expected, {"a": 10, "b": 19, "extra": 1}) == [
+        "b (size 19 bytes, expected 20)", "c (missing, expected 5 bytes)"]
+    assert missing_files(expected, {**expected, "extra": 3}) == []
+
+
+def test_a_checkpoint_with_a_deleted_shard_is_never_the_latest(tmp_path):
+    storage = Storage(str(tmp_path))
+    for step in (4, 8, 12):
+        fake_checkpoint(storage, step)
+    storage.remove(*RUN, checkpoint_dir_name(12), "__1_0.distcp")
+    assert check_complete(storage, *RUN, "checkpoint_000012") == (
+        f"{storage.uri(*RUN, 'checkpoint_000012')}: __1_0.distcp (missing, expected 100 bytes)")
+    latest = latest_complete_checkpoint(storage, *RUN)
+    assert (latest.step, latest.uri) == (8, storage.uri(*RUN, "checkpoint_000008"))
+    assert [c.step for c in complete_checkpoints(storage, *RUN)] == [8, 4]
+
+
+def test_unmarked_truncated_or_garbled_checkpoints_do_not_count(tmp_path):
+    storage = Storage(str(tmp_path))
+    fake_checkpoint(storage, 4)
+    fake_checkpoint(storage, 8, marked=False)  # interrupted before the marker
+    truncated = fake_checkpoint(storage, 12)
+    storage.write_bytes(b"a" * 60, *truncated, "__0_0.distcp")
+    garbled = fake_checkpoint(storage, 16)
+    storage.write_bytes(b"{not json", *garbled, MARKER)
+    assert "no completion marker" in check_complete(storage, *RUN, "checkpoint_000008")
+    assert "__0_0.distcp (size 60 bytes, expected 100)" in check_complete(storage, *RUN, "checkpoint_000012")
+    assert "completion marker unreadable" in check_complete(storage, *RUN, "checkpoint_000016")
+    assert latest_complete_checkpoint(storage, *RUN).step == 4
+
+
+def test_no_checkpoints_at_all_is_none(tmp_path):
+    assert latest_complete_checkpoint(Storage(str(tmp_path)), *RUN) is None
+
+
+def test_the_marker_is_refused_while_a_listed_file_is_absent(tmp_path):
+    storage = Storage(str(tmp_path))
+    parts = fake_checkpoint(storage, 4, marked=False)
+    with pytest.raises(FileNotFoundError, match=r"not marking complete, __2_0\.distcp \(missing"):
+        write_marker(storage, 4, {"__0_0.distcp": 100, "__2_0.distcp": 100}, *parts)
+    assert not storage.exists(*parts, MARKER)
+
+
+@pytest.mark.integration
+def test_completeness_is_checked_the_same_on_s3(s3_endpoint):
+    storage = Storage(f"s3://{TEST_BUCKET}/ckpt-unit", s3_endpoint)
+    fake_checkpoint(storage, 4)
+    fake_checkpoint(storage, 8)
+    storage.remove(*RUN, checkpoint_dir_name(8), ".metadata")
+    assert ".metadata (missing, expected 10 bytes)" in check_complete(storage, *RUN, "checkpoint_000008")
+    latest = latest_complete_checkpoint(storage, *RUN)
+    assert latest.uri == f"s3://{TEST_BUCKET}/ckpt-unit/runs/r1/train/r1/checkpoint_000004"
+
+
+def test_rng_states_round_trip_through_json():
+    torch.manual_seed(1), random.seed(1), np.random.seed(1)
+    saved = json.loads(json.dumps(capture_rng()))
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(2), random.seed(2), np.random.seed(2)
+    restore_rng(saved)
+    got = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
+
+
+@pytest.fixture
+def single_rank_group(tmp_path):
+    """A one-rank gloo process group, enough for fully_shard and DCP in-process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def tiny_sharded_model(seed: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from training.fsdp import shard_model
+
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = shard_model(Qwen2ForCausalLM(config), torch.device("cpu"), activation_checkpointing=False)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def test_dcp_round_trip_restores_weights_optimizer_and_progress(single_rank_group, tmp_path):
+    model, optimizer = tiny_sharded_model(seed=0)
+    batch = torch.randint(0, 64, (2, 8))
+    model(input_ids=batch, labels=batch).loss.backward()
+    optimizer.step()
+    progress = TrainingProgress(step=1, epoch=0, batch_in_epoch=1, seed=0, rank=0, world_size=1,
+                                schedule={"peak_lr": 1e-2}, rng=capture_rng())
+    files = save_shards(model, optimizer, progress, tmp_path / "ckpt")
+    assert {".metadata", "progress-rank0.json"} <= set(files) and any(f.endswith(".distcp") for f in files)
+
+    other, other_optimizer = tiny_sharded_model(seed=1)
+    restored = load_shards(other, other_optimizer, tmp_path / "ckpt", rank=0)
+    assert restored == progress
+    for (name, a), (_, b) in zip(model.named_parameters(), other.named_parameters()):
+        assert torch.equal(a.full_tensor(), b.full_tensor()), name
+    assert other.lm_head.weight is other.model.embed_tokens.weight
+    state, other_state = optimizer.state_dict()["state"], other_optimizer.state_dict()["state"]
+    assert all(torch.equal(state[k]["exp_avg"].full_tensor(), other_state[k]["exp_avg"].full_tensor()) for k in state)

@@ -1,0 +1,346 @@
+"""Stage 4 (fine-tune) and the training side of stage 5 (resume).
+
+Unit tests cover the parameters, data order and loss bookkeeping. The integration tests run real
+2-worker FSDP2 training through Ray Train on CPU (gloo) with a tiny tied-embedding Qwen2 on a
+synthetic digit-reversal task: a straight run, a replay from its step-4 checkpoint that must
+reproduce its losses exactly, a stop-and-restart under the same run name, a NaN that must end as a
+modeling failure, and the same fine-tune against an S3-compatible server.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from training import jobkit
+from training.checkpointing import MARKER, CheckpointRef, check_complete, latest_complete_checkpoint
+from training.data_prep import Example, write_splits
+from training.finetune import TrainParams, Worker, divergence, finetune, loss_curve, resolve_start
+from training.jobkit import JobContext
+from training.train_data import BatchLayout, StepBatches, load_examples, rank_slices
+from tuneproof.config import PROJECT_ROOT, PipelineConfig
+from tuneproof.local import ray_env
+from tuneproof.resume_evidence import compare_losses
+from tuneproof.results import FailureClass, StageFailure
+from tuneproof.storage import Storage
+
+from tests.conftest import TEST_BUCKET
+from tests.test_checkpointing import RUN, fake_checkpoint
+
+DATASET = "datasets/reverse/abc123"
+DIGIT0, SEP, EOS = 3, 13, 14  # token ids of the synthetic task (digits are 3..12)
+
+
+# ---------------------------------------------------------------- builders
+
+def reverse_task(n: int, seed: int) -> list[dict]:
+    """Rows of 'reverse these digits': prompt ids masked with -100 in labels, no padding."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        digits = rng.integers(0, 10, size=int(rng.integers(3, 7))).tolist()
+        prompt = [DIGIT0 + d for d in digits] + [SEP]
+        answer = [DIGIT0 + d for d in reversed(digits)] + [EOS]
+        rows.append({"input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer,
+                     "prompt": "".join(map(str, digits)), "reference": "".join(map(str, reversed(digits)))})
+    return rows
+
+
+def write_dataset(storage: Storage, path: str = DATASET, n_train: int = 256, n_eval: int = 32) -> str:
+    """A prepared dataset as the data stage writes it: parquet shards per split, manifest.json last."""
+    splits = {"train": reverse_task(n_train, 0), "eval": reverse_task(n_eval, 1)}
+    meta = write_splits(storage, path, {k: [Example(**row) for row in rows] for k, rows in splits.items()},
+                        shard_rows=100)
+    storage.write_json({"name": "reverse", "splits": meta}, path, "manifest.json")
+    return path
+
+
+def write_tiny_model(out_dir: Path) -> Path:
+    """A 2-layer, hidden-32 Qwen2 with tied embeddings and a real (byte-level) tokenizer."""
+    from training.tiny_model import build_tiny_model
+
+    return build_tiny_model(out_dir, ["0123456789 reverse"] * 20, hidden=32, layers=2, seed=0, vocab_size=270)
+
+
+def make_config(root: str, model_dir: Path, endpoint_url: str | None = None, **train) -> PipelineConfig:
+    train = {"num_workers": 2, "max_steps": 12, "micro_batch_size": 8, "lr": 3e-3, "warmup_steps": 2,
+             "checkpoint_every": 4, "num_to_keep": 5, "log_every": 4, **train}
+    return PipelineConfig.model_validate({
+        "storage": {"root": root, "endpoint_url": endpoint_url},
+        "model": {"source": str(model_dir)},
+        "train": train,
+        "resume": {"extra_steps": 1, "replay_steps": 1},
+    })
+
+
+def context(config: PipelineConfig, run_id: str, job: str = "finetune", **params) -> JobContext:
+    return JobContext(run_id, job, config, {"dataset": DATASET, **params})
+
+
+def losses(summary: dict) -> dict[int, float]:
+    return {step: loss for step, loss in summary["loss_curve"]}
+
+
+# ---------------------------------------------------------------- unit tests
+
+def test_params_default_to_the_config_and_reject_unknown_keys(tmp_path):
+    config = make_config(str(tmp_path), tmp_path)
+    params = TrainParams.resolve(context(config, "r1"))
+    assert (params.run_name, params.max_steps, params.checkpoint_every, params.export) == ("r1", 12, 4, True)
+    assert params.export_dir("r1") == "model"
+    assert TrainParams.resolve(context(config, "r1", run_name="r1-resume")).export_dir("r1") == "model-r1-resume"
+    with pytest.raises(ValueError, match="hold_after"):
+        TrainParams.resolve(context(config, "r1", hold_after=3))
+    with pytest.raises(ValueError, match="must be a checkpoint step .* got 6"):
+        TrainParams.resolve(context(config, "r1", hold_after_checkpoint_step=6))
+
+
+def test_divergence_names_the_loss_and_step():
+    assert divergence(2.5, 7, 50.0) is None
+    assert divergence(float("nan"), 37, 50.0) == "loss is nan at step 37"
+    assert divergence(float("inf"), 3, 50.0) == "loss is inf at step 3"
+    assert divergence(80.0, 9, 50.0) == "loss is 80 at step 9, above train.divergence_loss 50.0"
+
+
+def test_loss_curve_keeps_the_last_row_written_for_a_replayed_step():
+    rows = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}, {"step": 3, "loss": 1.9}, {"step": 3, "loss": 1.8}]
+    assert loss_curve(rows) == [[1, 3.0], [2, 2.0], [3, 1.8]]
+
+
+def test_batches_depend_only_on_seed_step_and_layout(tmp_path):
+    storage = Storage(str(tmp_path))
+    examples = load_examples(storage, write_dataset(storage), "train")
+    layout = BatchLayout(micro_batch_size=4, grad_accum_steps=2, world_size=2)
+    ranks = [StepBatches(examples, layout, seed=5, rank=r, pad_id=0) for r in range(2)]
+    again = StepBatches(examples, layout, seed=5, rank=0, pad_id=0)
+    assert ranks[0].per_epoch == 256 // 16
+    for step in (1, 2, 17):  # 17 is the first step of epoch 1
+        first, replay = ranks[0].micro_batches(step), again.micro_batches(step)
+        assert len(first) == 2 and all(b["input_ids"].shape[0] == 4 for b in first)
+        assert all((a["input_ids"] == b["input_ids"]).all() for a, b in zip(first, replay))
+    order = np.arange(32)
+    assert [s.tolist() for s in rank_slices(order, 1, layout, 1)] == [[24, 25, 26, 27], [28, 29, 30, 31]]
+
+
+def test_collated_batch_masks_padding(tmp_path):
+    storage = Storage(str(tmp_path))
+    examples = load_examples(storage, write_dataset(storage), "train")
+    batch = StepBatches(examples, BatchLayout(8, 1, 1), seed=0, rank=0, pad_id=0).micro_batches(1)[0]
+    lengths = batch["attention_mask"].sum(dim=1)
+    assert int(lengths.max()) == batch["input_ids"].shape[1]
+    for row, n in enumerate(lengths.tolist()):
+        assert (batch["labels"][row, n:] == -100).all() and (batch["input_ids"][row, n:] == 0).all()
+
+
+def test_a_dataset_without_its_manifest_is_refused(tmp_path):
+    storage = Storage(str(tmp_path))
+    write_dataset(storage)
+    storage.remove(DATASET, "manifest.json")
+    with pytest.raises(StageFailure, match="no manifest.json") as info:
+        load_examples(storage, DATASET)
+    assert info.value.failure_class is FailureClass.infrastructure
+
+
+def worker_for(config: PipelineConfig, **params) -> Worker:
+    """A Worker with only what choosing the start point reads (storage, run name, init_from)."""
+    ctx = context(config, "r1", **params)
+    return Worker(ctx, TrainParams.resolve(ctx), rank=0, world_size=2, device=None, model=None, optimizer=None,
+                  batches=None, schedule=None, num_params=0, peak_flops=None)
+
+
+def test_start_falls_back_from_an_incomplete_reported_checkpoint(tmp_path, monkeypatch):
+    import ray.train
+
+    config = make_config(str(tmp_path), tmp_path)
+    storage = Storage(str(tmp_path))
+    fake_checkpoint(storage, 4)
+    cut_short = fake_checkpoint(storage, 8)
+    storage.remove(*cut_short, "__0_0.distcp")
+    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: ray.train.Checkpoint(storage.path(*cut_short)))
+    assert resolve_start(worker_for(config)).step == 4
+    storage.remove(*RUN, "checkpoint_000004", recursive=True)
+    with pytest.raises(StageFailure, match=r"no complete checkpoint to resume from: .*__0_0\.distcp \(missing") as info:
+        resolve_start(worker_for(config))
+    assert info.value.failure_class is FailureClass.infrastructure
+
+
+def test_start_is_init_from_only_when_the_run_has_no_checkpoint(tmp_path, monkeypatch):
+    import ray.train
+
+    config = make_config(str(tmp_path), tmp_path)
+    storage = Storage(str(tmp_path))
+    main_run = Storage(str(tmp_path / "main"))
+    init_from = main_run.uri(*fake_checkpoint(main_run, 8))
+    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)
+    assert resolve_start(worker_for(config)) is None
+    assert resolve_start(worker_for(config, init_from=init_from)) == CheckpointRef(8, init_from)
+    fake_checkpoint(storage, 4)  # once the run has its own checkpoint, it resumes from that
+    assert resolve_start(worker_for(config, init_from=init_from)).step == 4
+
+
+# ---------------------------------------------------------------- integration: Ray Train on CPU
+
+@pytest.fixture(scope="module")
+def ray_cluster(ray_head, s3_endpoint):
+    """This process as a driver of the session Ray head; its workers import the project and get S3 creds."""
+    import ray
+    from ray._private import ray_constants
+    from ray._raylet import Config
+
+    # Ray Train's print patch would echo every worker line twice (its logger plus the original stream).
+    env_vars = {"PYTHONPATH": str(PROJECT_ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+    env_vars.update({k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")})
+    with pytest.MonkeyPatch.context() as mp:
+        # The head listens on 127.0.0.1 only; without this Ray swaps 127.0.0.1 for the machine's address.
+        for key, value in {**ray_env(ray_head.token_file), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}.items():
+            mp.setenv(key, value)
+        # Both settings are read when ray is first imported, possibly before they were in the environment.
+        mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+        Config.initialize("")
+        ray.init(address=ray_head.gcs_address, runtime_env={"env_vars": env_vars})
+        try:
+            yield ray_head
+        finally:
+            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("base") / "tiny-qwen2")
+
+
+@pytest.fixture(scope="module")
+def local_run(ray_cluster, base_model, tmp_path_factory):
+    """The straight 12-step run (checkpoints at 4, 8, 12) that other tests compare against."""
+    root = tmp_path_factory.mktemp("storage")
+    config = make_config(str(root), base_model)
+    write_dataset(Storage(str(root)))
+    summary = finetune(context(config, "run-a"))
+    return config, summary
+
+
+@pytest.mark.integration
+def test_straight_run_trains_checkpoints_and_exports(local_run):
+    config, summary = local_run
+    storage = Storage(config.storage.root)
+    assert summary["start_step"] == 0 and summary["restored_from"] is None and summary["steps"] == 12
+    assert [c["step"] for c in summary["checkpoints"]] == [4, 8, 12]
+    assert summary["latest_checkpoint"]["step"] == 12
+    assert [s for s, _ in summary["loss_curve"]] == list(range(1, 13))
+    assert summary["final_loss"] < summary["first_loss"]
+    assert summary["tokens_per_s"] > 0
+    assert summary["export_path"] == "runs/run-a/model"
+    export = Path(summary["export_uri"])
+    assert {"config.json", "model.safetensors", "tokenizer.json", MARKER} <= {p.name for p in export.iterdir()}
+    assert check_complete(storage, "runs/run-a/model") is None
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(export)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.integration
+def test_replay_from_a_checkpoint_reproduces_the_logged_losses(local_run):
+    config, main = local_run
+    step4 = next(c["uri"] for c in main["checkpoints"] if c["step"] == 4)
+    replay = finetune(context(config, "run-a", job="resume", run_name="run-a-resume", init_from=step4,
+                              max_steps=12, export=False, first_step_marker=True))
+    assert replay["start_step"] == 4 and replay["restored_step"] == 4 and replay["restored_from"] == step4
+    assert replay["first_step_completed_at"] > 0 and replay["export_path"] is None
+    assert [s for s, _ in replay["loss_curve"]] == list(range(5, 13))
+    verdict = compare_losses(losses(main), losses(replay), rtol=0.0)
+    assert verdict["ok"] and verdict["steps_compared"] == 8 and verdict["max_abs_diff"] == 0.0, verdict
+
+
+@pytest.mark.integration
+def test_init_from_an_incomplete_checkpoint_is_an_infrastructure_failure(local_run, tmp_path):
+    config, main = local_run
+    import shutil
+
+    broken = tmp_path / "checkpoint_000008"
+    shutil.copytree(next(c["uri"] for c in main["checkpoints"] if c["step"] == 8), broken)
+    (broken / "__1_0.distcp").unlink()
+    with pytest.raises(StageFailure, match=r"__1_0\.distcp \(missing") as info:
+        finetune(context(config, "run-a", job="resume", run_name="run-a-broken", init_from=str(broken)))
+    assert info.value.failure_class is FailureClass.infrastructure
+
+
+@pytest.mark.integration
+def test_a_stopped_run_resumes_under_its_name_at_the_saved_step(local_run, ray_cluster):
+    """Hold after the step-8 checkpoint, kill the driver, restart: steps 9..12 equal the straight run."""
+    config, main = local_run
+    job = jobkit.encode_job("run-a", "held", config, {"dataset": DATASET, "run_name": "run-a-held",
+                                                       "hold_after_checkpoint_step": 8, "export": False})
+    env = {**os.environ, jobkit.ENV_VAR: job, "RAY_ADDRESS": ray_cluster.gcs_address,
+           "PYTHONPATH": str(PROJECT_ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "training.finetune"], cwd=PROJECT_ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        seen = wait_for_line(proc, "HOLDING after checkpoint step 8", timeout=240)
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait(30)
+    assert any(jobkit.PROGRESS_PREFIX in line and '"holding": true' in line for line in seen)
+    resumed = finetune(context(config, "run-a", job="held", run_name="run-a-held", export=False,
+                               first_step_marker=True))
+    assert resumed["restored_step"] == 8 and resumed["start_step"] == 8
+    curve = losses(resumed)
+    assert sorted(curve) == list(range(1, 13))  # steps 1..8 from the stopped attempt, 9..12 after restart
+    assert compare_losses(losses(main), curve, rtol=0.0)["ok"]
+
+
+def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float) -> list[str]:
+    deadline, lines = time.monotonic() + timeout, []
+    os.set_blocking(proc.stdout.fileno(), False)
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line:
+            lines.append(line)
+            if needle in line:
+                return lines
+        elif proc.poll() is not None:
+            break
+        else:
+            time.sleep(0.2)
+    raise AssertionError(f"{needle!r} not seen within {timeout}s; output tail:\n{''.join(lines[-40:])}")
+
+
+@pytest.mark.integration
+def test_a_nan_loss_stops_training_as_a_modeling_failure(local_run):
+    config, _ = local_run
+    with pytest.raises(StageFailure) as info:
+        finetune(context(config, "run-nan", inject_nan_at_step=3, max_steps=6))
+    failure = info.value
+    assert failure.failure_class is FailureClass.modeling and failure.cause == "loss is nan at step 3"
+    assert failure.summary["steps"] == 3 and failure.summary["loss_curve"][-1] == [3, None]
+    assert failure.summary["checkpoints"] == []  # stopped before the first checkpoint, none saved after
+
+
+@pytest.mark.integration
+def test_fine_tune_on_s3_writes_checkpoints_and_the_export_to_the_bucket(ray_cluster, base_model, s3_endpoint):
+    import boto3
+
+    config = make_config(f"s3://{TEST_BUCKET}/ft-{int(time.time())}", base_model, s3_endpoint,
+                         max_steps=4, checkpoint_every=2)
+    storage = Storage(config.storage.root, s3_endpoint)
+    write_dataset(storage)
+    summary = finetune(context(config, "run-s3"))
+    assert [c["step"] for c in summary["checkpoints"]] == [2, 4]
+    assert summary["export_uri"].startswith(f"s3://{TEST_BUCKET}/")
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    prefix = config.storage.root.removeprefix(f"s3://{TEST_BUCKET}/")
+    marker = json.loads(s3.get_object(Bucket=TEST_BUCKET, Key=f"{prefix}/runs/run-s3/train/run-s3/checkpoint_000004/{MARKER}")["Body"].read())
+    assert marker["step"] == 4 and ".metadata" in marker["files"]
+    exported = json.loads(s3.get_object(Bucket=TEST_BUCKET, Key=f"{prefix}/runs/run-s3/model/config.json")["Body"].read())
+    assert exported["tie_word_embeddings"] is True
+    assert latest_complete_checkpoint(storage, "runs", "run-s3", "train", "run-s3").step == 4
+    assert all(math.isfinite(loss) for _, loss in summary["loss_curve"])

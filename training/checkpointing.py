@@ -1,0 +1,296 @@
+"""Training checkpoints (DCP shards, per-rank progress, completion marker) and the final HF export.
+
+One checkpoint directory (runs/<run>/train/<run_name>/checkpoint_<step:06d>/) holds:
+
+    .metadata, __<rank>_0.distcp   torch.distributed.checkpoint (DCP) shards; every rank writes its own
+    progress-rank<r>.json          TrainingProgress of rank r: step, data position, seed, RNG, schedule
+    tuneproof_complete.json        the completion marker, written LAST: every file above with its size
+
+Each rank saves into its own local directory and Ray Train merges them into the storage directory
+(the Ray Train FSDP pattern); rank 0 writes the marker only after every rank's upload is done.
+A checkpoint counts only when the marker exists and every file it lists is there with its size,
+so a checkpoint cut short by an interruption is never resumed from. Used inside Ray Train workers
+(save/load) and by the stage driver (listing, validation), on local disk or S3 alike.
+
+The export is the consolidated model as a Hugging Face directory (safetensors, config, the base's
+tokenizer and generation config), with the same kind of marker written last.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from tuneproof.results import now_iso
+from tuneproof.storage import Storage
+
+MARKER = "tuneproof_complete.json"
+_DIR_PATTERN = re.compile(r"^checkpoint_(\d+)$")
+# Files of a base model directory that the export carries over unchanged (all but weights and config).
+_BASE_FILES = re.compile(r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)|merges\.txt"
+                         r"|chat_template\.(jinja|json)|.*\.model|.*\.tiktoken|generation_config\.json)$")
+
+
+def checkpoint_dir_name(step: int) -> str:
+    return f"checkpoint_{step:06d}"
+
+
+def step_of(dir_name: str) -> int | None:
+    """The step a checkpoint directory name encodes; None for anything else."""
+    match = _DIR_PATTERN.match(dir_name)
+    return int(match.group(1)) if match else None
+
+
+@dataclass
+class TrainingProgress:
+    """Where training stood when a checkpoint was taken, for one rank."""
+
+    step: int
+    """Optimizer steps completed; training resumes at step + 1."""
+    epoch: int
+    """Epoch of the next batch."""
+    batch_in_epoch: int
+    """Index of the next batch within that epoch's seeded permutation."""
+    seed: int
+    rank: int
+    world_size: int
+    schedule: dict[str, Any]
+    """Parameters of the LR schedule (it is a pure function of the step, so that is its whole state)."""
+    rng: dict[str, Any]
+    """RNG states of torch (CPU and CUDA), python and numpy on this rank."""
+
+    def file_name(self) -> str:
+        return progress_file(self.rank)
+
+
+def progress_file(rank: int) -> str:
+    return f"progress-rank{rank}.json"
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """A complete checkpoint: its step and where it lives (a local path or s3:// URI)."""
+
+    step: int
+    uri: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "uri": self.uri}
+
+
+# ---- RNG state (JSON-able, so progress files stay readable) ----
+
+def capture_rng() -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    state: dict[str, Any] = {
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+        "python": _jsonable(random.getstate()),
+        "numpy": _jsonable(np.random.get_state()),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
+    torch.set_rng_state(_byte_tensor(state["torch"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(_byte_tensor(state["cuda"]))
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch, python and numpy for a fresh start (a resumed run restores their states instead)."""
+    import numpy as np
+    import torch
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def _byte_tensor(encoded: str):
+    import torch
+
+    return torch.frombuffer(bytearray(base64.b64decode(encoded)), dtype=torch.uint8)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return value
+
+
+# ---- save / load (collective: every rank calls these) ----
+
+def save_shards(model, optimizer, progress: TrainingProgress, local_dir: str | Path) -> dict[str, int]:
+    """DCP-save this rank's shards of model + optimizer and its progress; returns its files with sizes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(local_dir))
+    Path(local_dir, progress.file_name()).write_text(json.dumps(asdict(progress), indent=1))
+    return local_files(local_dir)
+
+
+def load_shards(model, optimizer, local_dir: str | Path, rank: int) -> TrainingProgress:
+    """DCP-load model + optimizer (resharding if the world size changed) and this rank's progress.
+
+    A rank the checkpoint did not have (a larger world size) takes rank 0's progress; its RNG
+    state then comes from rank 0, which the caller logs.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(local_dir))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    own = Path(local_dir, progress_file(rank))
+    source = own if own.exists() else Path(local_dir, progress_file(0))
+    return TrainingProgress(**json.loads(source.read_text()))
+
+
+def local_files(local_dir: str | Path) -> dict[str, int]:
+    root = Path(local_dir)
+    return {p.relative_to(root).as_posix(): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# ---- completeness (the marker) ----
+
+def missing_files(expected: dict[str, int], present: dict[str, int]) -> list[str]:
+    """Each listed file that is absent or has another size, as 'name (why)'. Pure."""
+    problems = []
+    for name, size in sorted(expected.items()):
+        if name not in present:
+            problems.append(f"{name} (missing, expected {size} bytes)")
+        elif present[name] != size:
+            problems.append(f"{name} (size {present[name]} bytes, expected {size})")
+    return problems
+
+
+def stored_files(storage: Storage, *parts: str) -> dict[str, int]:
+    """Every file under a storage location with its size, by path relative to it."""
+    base = storage.path(*parts).rstrip("/")
+    try:
+        found = storage.fs.find(base, detail=True)
+    except FileNotFoundError:
+        return {}
+    return {path[len(base):].lstrip("/"): int(info["size"]) for path, info in found.items()
+            if info.get("type") != "directory" and path.startswith(base + "/")}
+
+
+def check_complete(storage: Storage, *parts: str) -> str | None:
+    """None when the checkpoint at parts is complete; otherwise one line naming what is wrong."""
+    where = storage.uri(*parts)
+    present = stored_files(storage, *parts)
+    if MARKER not in present:
+        return f"{where}: no completion marker {MARKER} (the save never finished)"
+    try:
+        marker = json.loads(storage.read_bytes(*parts, MARKER))
+        expected = {str(k): int(v) for k, v in marker["files"].items()}
+        int(marker["step"])
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{where}: completion marker unreadable ({type(e).__name__}: {e})"
+    problems = missing_files(expected, present)
+    return f"{where}: {'; '.join(problems)}" if problems else None
+
+
+def read_step(storage: Storage, *parts: str) -> int:
+    return int(storage.read_json(*parts, MARKER)["step"])
+
+
+def write_marker(storage: Storage, step: int, files: dict[str, int], *parts: str) -> None:
+    """Write the completion marker LAST, after checking the listed files really are in storage."""
+    problems = missing_files(files, stored_files(storage, *parts))
+    if problems:
+        raise FileNotFoundError(f"{storage.uri(*parts)}: not marking complete, {'; '.join(problems)}")
+    storage.write_json({"step": step, "files": files, "written_at": now_iso()}, *parts, MARKER)
+
+
+def list_checkpoints(storage: Storage, *run_parts: str) -> list[tuple[int, str]]:
+    """(step, dir name) of every checkpoint_* directory of a run, newest first, complete or not."""
+    named = [(step_of(name), name) for name in storage.listdir(*run_parts)]
+    return sorted(((s, n) for s, n in named if s is not None), reverse=True)
+
+
+def complete_checkpoints(storage: Storage, *run_parts: str) -> Iterator[CheckpointRef]:
+    """Every complete checkpoint of a run, newest first (lazily: each is validated when reached)."""
+    for _, name in list_checkpoints(storage, *run_parts):
+        if check_complete(storage, *run_parts, name) is None:
+            yield CheckpointRef(read_step(storage, *run_parts, name), storage.uri(*run_parts, name))
+
+
+def latest_complete_checkpoint(storage: Storage, *run_parts: str) -> CheckpointRef | None:
+    """The newest checkpoint of a run whose marker and files check out; None when there is none."""
+    return next(complete_checkpoints(storage, *run_parts), None)
+
+
+@contextlib.contextmanager
+def local_copy(uri: str, endpoint_url: str | None) -> Iterator[Path]:
+    """A local directory with the checkpoint's files: the directory itself on disk, a download from S3."""
+    storage = Storage(uri, endpoint_url)
+    if not storage.is_s3:
+        yield Path(storage.root)
+        return
+    with tempfile.TemporaryDirectory(prefix="tuneproof-ckpt-") as tmp:
+        yield storage.download_dir(os.path.join(tmp, "checkpoint"))
+
+
+# ---- the Hugging Face export ----
+
+def write_hf_export(state: dict, step: int, model_cfg, endpoint_url: str | None, storage: Storage, path: str) -> None:
+    """Write the full state dict as a Hugging Face model at storage `path`, marker last.
+
+    The weights take the base config's dtype (fp32 when it names none); tokenizer and generation
+    config come from the base model, so the export loads and generates like the base does.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from training.modeling import load_config, materialize
+
+    config = load_config(model_cfg.source, model_cfg.revision, endpoint_url)
+    with torch.device("meta"):  # no random init: every tensor comes from `state`
+        model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(state, assign=True)
+    model.tie_weights()
+    dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, config.dtype or "float32")
+    with tempfile.TemporaryDirectory(prefix="tuneproof-export-") as tmp:
+        model.to(dtype).save_pretrained(tmp, safe_serialization=True)
+        copy_base_files(materialize(model_cfg.source, endpoint_url), model_cfg, endpoint_url, Path(tmp))
+        storage.remove(path, MARKER)  # an earlier, superseded export stops counting before any file changes
+        storage.upload_dir(tmp, path)
+        write_marker(storage, step, local_files(tmp), path)
+
+
+def copy_base_files(source_ref: str, model_cfg, endpoint_url: str | None, out_dir: Path) -> None:
+    """Tokenizer and generation config of the base: copied from a local directory, re-saved from a hub id."""
+    if os.path.isdir(source_ref):
+        for file in sorted(Path(source_ref).iterdir()):
+            if file.is_file() and _BASE_FILES.match(file.name):
+                shutil.copy2(file, out_dir / file.name)
+        return
+    from training.modeling import load_tokenizer
+
+    load_tokenizer(model_cfg.source, model_cfg.revision, endpoint_url).save_pretrained(out_dir)

@@ -1,0 +1,504 @@
+"""Stage 4: fine-tune with FSDP2 under Ray Train, sharded checkpoints on shared storage, HF export.
+
+    TUNEPROOF_JOB=<jobkit.encode_job(...)> python -m training.finetune    (submitted by tasks/ as a Ray job)
+
+The driver (this process) runs a TorchTrainer over train.num_workers workers with Ray Train
+storage at runs/<run>/train/<run_name>; the same name and storage path resume the run (Ray Train
+V2). Each worker: load the base model -> FSDP2 -> restore the latest complete checkpoint, else
+params.init_from, else start fresh -> train (warmup + cosine, grad accumulation, clipping),
+checkpointing every train.checkpoint_every steps and at the end -> rank 0 exports a Hugging Face
+model to runs/<run>/model. Workers hand results back through storage, never as exceptions
+crossing Ray: runs/<run>/stages/<job>/metrics.jsonl (every step) and outcome.json (how it ended).
+
+Params (ctx.params), checked by TrainParams: dataset (required), run_name, init_from, max_steps,
+checkpoint_every, export, hold_after_checkpoint_step, first_step_marker, inject_nan_at_step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import posixpath
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from training import jobkit
+from training.checkpointing import (
+    CheckpointRef, TrainingProgress, capture_rng, check_complete, checkpoint_dir_name, complete_checkpoints,
+    latest_complete_checkpoint, load_shards, local_copy, read_step, restore_rng, save_shards, seed_everything,
+    write_hf_export, write_marker,
+)
+from training.jobkit import JobContext, run_stage
+from training.schedule import WarmupCosine
+from tuneproof.results import FailureClass, StageFailure
+from tuneproof.storage import Storage
+
+if TYPE_CHECKING:  # torch and the data module load inside workers only
+    import torch
+
+    from training.train_data import StepBatches
+
+OUTCOME = "outcome.json"
+METRICS = "metrics.jsonl"
+
+
+class TrainParams(BaseModel):
+    """What the submitting task may set for one fine-tune job; unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dataset: str
+    """Storage path of the prepared dataset, datasets/<name>/<hash>."""
+    run_name: str
+    """Ray Train run name (RunConfig.name); the same name resumes. Defaults to the run id."""
+    init_from: str | None = None
+    """URI of a complete checkpoint to start from when run_name has none of its own."""
+    max_steps: int = Field(ge=1)
+    """Step to stop after; defaults to train.max_steps. The LR schedule always spans train.max_steps,
+    so a run stopped early or continued past the end replays the same rates step for step."""
+    checkpoint_every: int = Field(ge=1)
+    export: bool = True
+    hold_after_checkpoint_step: int | None = Field(None, ge=1)
+    """After this step's checkpoint is complete, every rank sleeps until the job is stopped (resume test)."""
+    first_step_marker: bool = False
+    """Record restored_step and first_step_completed_at (unix time) in the summary."""
+    inject_nan_at_step: int | None = Field(None, ge=1)
+    """Test hook: make the loss NaN at this step."""
+
+    @model_validator(mode="after")
+    def _hold_on_a_checkpoint(self) -> "TrainParams":
+        hold = self.hold_after_checkpoint_step
+        if hold is not None and hold % self.checkpoint_every and hold != self.max_steps:
+            raise ValueError(f"hold_after_checkpoint_step must be a checkpoint step (a multiple of checkpoint_every "
+                             f"{self.checkpoint_every}, or max_steps {self.max_steps}), got {hold}")
+        return self
+
+    @classmethod
+    def resolve(cls, ctx: JobContext) -> "TrainParams":
+        defaults = {"run_name": ctx.run_id, "max_steps": ctx.config.train.max_steps,
+                    "checkpoint_every": ctx.config.train.checkpoint_every}
+        return cls.model_validate({**defaults, **ctx.params})
+
+    def export_dir(self, run_id: str) -> str:
+        """runs/<run>/model for the run's own training; a differently named run exports beside it."""
+        return "model" if self.run_name == run_id else f"model-{self.run_name}"
+
+
+# ---------------------------------------------------------------- driver
+
+def finetune(ctx: JobContext) -> dict[str, Any]:
+    """Stage body: run the trainer, then read back what the workers wrote and summarize it."""
+    params = TrainParams.resolve(ctx)
+    started = time.time()
+    if params.init_from:
+        require_complete(params.init_from, ctx.config.storage.endpoint_url, "params.init_from")
+    ctx.storage.remove(*ctx.stage_parts(OUTCOME))  # an earlier attempt's ending says nothing about this one
+    error = run_trainer(ctx, params)
+    outcome = read_outcome(ctx, error)
+    summary = summarize(ctx, params, outcome, time.time() - started)
+    if outcome["status"] == "diverged":
+        raise StageFailure(FailureClass.modeling, outcome["cause"], summary)
+    return summary
+
+
+def require_complete(uri: str, endpoint_url: str | None, what: str) -> None:
+    problem = check_complete(Storage(uri, endpoint_url))
+    if problem:
+        raise StageFailure(FailureClass.infrastructure, f"{what} is not a complete checkpoint: {problem}")
+
+
+def run_trainer(ctx: JobContext, params: TrainParams) -> Exception | None:
+    """TorchTrainer.fit over the configured workers; returns the training error, if any."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    cfg = ctx.config.train
+    filesystem, storage_path = ctx.storage.train_storage(*ctx.run_parts("train"))
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={"job": jobkit.encode_job(ctx.run_id, ctx.job, ctx.config, params.model_dump())},
+        scaling_config=ray.train.ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu),
+        run_config=ray.train.RunConfig(
+            name=params.run_name, storage_path=storage_path, storage_filesystem=filesystem,
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.num_to_keep),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
+        ),
+    )
+    try:
+        trainer.fit()
+    except ray.train.TrainingFailedError as e:
+        return e
+    return None
+
+
+def read_outcome(ctx: JobContext, error: Exception | None) -> dict[str, Any]:
+    """The workers' outcome.json; a classified failure in it wins over the bare Ray error."""
+    outcome = ctx.storage.read_json(*ctx.stage_parts(OUTCOME)) if ctx.storage.exists(*ctx.stage_parts(OUTCOME)) else None
+    if outcome and outcome["status"] == "failed":
+        raise StageFailure(outcome["failure_class"], outcome["cause"])
+    if error is not None:
+        raise StageFailure(FailureClass.infrastructure, f"Ray Train run failed: {error}")
+    if outcome is None:
+        raise StageFailure(FailureClass.infrastructure,
+                           f"training ended without writing {ctx.storage.uri(*ctx.stage_parts(OUTCOME))}")
+    return outcome
+
+
+def summarize(ctx: JobContext, params: TrainParams, outcome: dict, seconds: float) -> dict[str, Any]:
+    rows = read_metrics(ctx.storage, ctx.stage_parts(METRICS))
+    curve = loss_curve(rows)
+    run_parts = ctx.run_parts("train", params.run_name)
+    checkpoints = sorted(complete_checkpoints(ctx.storage, *run_parts), key=lambda c: c.step)
+    speeds = [r["tokens_per_s"] for r in latest_rows(rows)]
+    export = outcome.get("export_path")
+    summary = {
+        "run_name": params.run_name,
+        "train_storage_uri": ctx.storage.uri(*run_parts),
+        "checkpoints": [c.to_json() for c in checkpoints],
+        "latest_checkpoint": checkpoints[-1].to_json() if checkpoints else None,
+        "start_step": outcome["start_step"],
+        "restored_from": outcome["restored_from"],
+        "steps": outcome["steps"],
+        "first_loss": curve[0][1] if curve else None,
+        "final_loss": curve[-1][1] if curve else None,
+        "loss_curve": curve,
+        "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
+        "seconds": round(seconds, 3),
+        "export_path": export,
+        "export_uri": ctx.storage.uri(export) if export else None,
+    }
+    mfus = [r["mfu"] for r in latest_rows(rows) if r.get("mfu") is not None]
+    if mfus:
+        summary["mfu"] = sum(mfus) / len(mfus)
+    if params.first_step_marker and outcome["restored_from"]:
+        summary.update(restored_step=outcome["start_step"], first_step_completed_at=outcome["first_step_completed_at"])
+    return summary
+
+
+def read_metrics(storage: Storage, parts: tuple[str, ...]) -> list[dict[str, Any]]:
+    if not storage.exists(*parts):
+        return []
+    return [json.loads(line) for line in storage.read_text(*parts).splitlines() if line.strip()]
+
+
+def latest_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per step, the last one written: a step replayed after a restart supersedes the earlier try."""
+    by_step = {r["step"]: r for r in rows}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def loss_curve(rows: list[dict[str, Any]]) -> list[list]:
+    return [[r["step"], r["loss"]] for r in latest_rows(rows)]
+
+
+# ---------------------------------------------------------------- workers
+
+@dataclass
+class Worker:
+    """Everything one rank trains with; built once by `setup`."""
+
+    ctx: JobContext
+    params: TrainParams
+    rank: int
+    world_size: int
+    device: torch.device
+    model: torch.nn.Module
+    """The FSDP2-sharded model."""
+    optimizer: torch.optim.Optimizer
+    batches: StepBatches
+    schedule: WarmupCosine
+    num_params: int
+    peak_flops: float | None
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    """Rank 0: every metrics row of this job so far, rewritten whole to metrics.jsonl."""
+    restored_from: str | None = None
+    first_step_completed_at: float | None = None
+
+    def log(self, message: str) -> None:
+        if self.rank == 0:
+            jobkit.log(message)
+
+    @property
+    def storage(self) -> Storage:
+        return self.ctx.storage
+
+    @property
+    def run_parts(self) -> tuple[str, ...]:
+        return self.ctx.run_parts("train", self.params.run_name)
+
+
+def train_loop(loop_config: dict) -> None:
+    """Per-worker body under Ray Train: the fine-tune's story."""
+    import torch.distributed as dist
+
+    ctx = jobkit.load_context({jobkit.ENV_VAR: loop_config["job"]})
+    params = TrainParams.model_validate(ctx.params)
+    with outcome_on_failure(ctx, dist.get_rank()):
+        w = setup(ctx, params)
+        start = restore(w, resolve_start(w))
+        w.metrics = previous_metrics(w)
+        for step in range(start + 1, params.max_steps + 1):
+            stats = train_step(w, step)
+            record(w, step, stats, start)
+            if cause := divergence(stats["loss"], step, ctx.config.train.divergence_loss):
+                return finish(w, start, step, status="diverged", cause=cause)
+            if step % params.checkpoint_every == 0 or step == params.max_steps:
+                save_checkpoint(w, step, stats["loss"])
+            if step == params.hold_after_checkpoint_step:
+                hold(w, step)
+        last = max(start, params.max_steps)
+        export = export_model(w, last) if params.export else None
+        finish(w, start, last, status="completed", export_path=export)
+
+
+@contextlib.contextmanager
+def outcome_on_failure(ctx: JobContext, rank: int):
+    """A classified failure is written to outcome.json (rank 0); Ray only sees that the run stopped."""
+    try:
+        yield
+    except StageFailure as f:
+        if rank == 0:
+            ctx.storage.write_json({"status": "failed", "failure_class": f.failure_class.value, "cause": f.cause},
+                                   *ctx.stage_parts(OUTCOME))
+        raise RuntimeError(f"{f.failure_class.value}: {f.cause}") from None
+
+
+def setup(ctx: JobContext, params: TrainParams) -> Worker:
+    import torch
+    import torch.distributed as dist
+    from transformers.utils import logging as hf_logging
+
+    from training.fsdp import peak_flops, shard_model, worker_device
+    from training.modeling import load_model
+    from training.train_data import BatchLayout, StepBatches, load_examples
+
+    hf_logging.disable_progress_bar()  # tqdm bars make unreadable job logs
+    cfg, rank, world = ctx.config.train, dist.get_rank(), dist.get_world_size()
+    device = worker_device(cfg.use_gpu)
+    # fp32 master weights everywhere; on GPU FSDP2 computes in bf16.
+    model = load_model(ctx.config.model.source, ctx.config.model.revision, ctx.config.storage.endpoint_url,
+                       dtype=torch.float32)
+    num_params = sum(p.numel() for p in model.parameters())
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    shard_model(model, device, cfg.activation_checkpointing).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    layout = BatchLayout(cfg.micro_batch_size, cfg.grad_accum_steps, world)
+    batches = StepBatches(load_examples(ctx.storage, params.dataset, "train"), layout, cfg.seed, rank, pad_id)
+    schedule = WarmupCosine(cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+    return Worker(ctx, params, rank, world, device, model, optimizer, batches, schedule, num_params, peak_flops(device))
+
+
+def resolve_start(w: Worker) -> CheckpointRef | None:
+    """The latest complete checkpoint of this run, else params.init_from, else None (fresh).
+
+    Ray's own latest checkpoint may be one whose save was cut short; then the newest complete one
+    under the run's storage is used, and with none at all the run cannot continue.
+    """
+    import ray.train
+
+    latest = latest_complete_checkpoint(w.storage, *w.run_parts)
+    reported = ray.train.get_checkpoint()
+    if reported is not None:
+        name = posixpath.basename(reported.path.rstrip("/"))
+        problem = check_complete(w.storage, *w.run_parts, name)
+        if problem and latest is None:
+            raise StageFailure(FailureClass.infrastructure,
+                               f"run {w.params.run_name} has no complete checkpoint to resume from: {problem}")
+        if problem:
+            w.log(f"Ray's latest checkpoint is incomplete ({problem}); resuming from {latest.uri} instead")
+    if latest is not None:
+        if w.params.init_from:
+            w.log(f"run {w.params.run_name} has its own checkpoints; params.init_from {w.params.init_from} is not used")
+        return latest
+    if w.params.init_from:
+        return CheckpointRef(read_step(Storage(w.params.init_from, w.ctx.config.storage.endpoint_url)),
+                             w.params.init_from)
+    return None
+
+
+def restore(w: Worker, ref: CheckpointRef | None) -> int:
+    """Load the checkpoint's model, optimizer, RNG and progress; returns the step it was taken at."""
+    if ref is None:
+        seed_everything(w.ctx.config.train.seed + w.rank)
+        w.log(f"starting fresh from the base model {w.ctx.config.model.source}")
+        return 0
+    with local_copy(ref.uri, w.ctx.config.storage.endpoint_url) as local_dir:
+        progress = load_shards(w.model, w.optimizer, local_dir, w.rank)
+    if progress.world_size != w.world_size:
+        w.log(f"checkpoint was written by {progress.world_size} ranks, now {w.world_size}: DCP reshards the state; "
+              "ranks the checkpoint did not have start from rank 0's RNG state, so replay is not exact")
+    restore_rng(progress.rng)
+    w.restored_from = ref.uri
+    w.log(f"RESUMED at step {progress.step} from {ref.uri}")
+    return progress.step
+
+
+def previous_metrics(w: Worker) -> list[dict[str, Any]]:
+    """Rank 0 keeps every row earlier attempts of this job wrote (a replayed step's new row supersedes)."""
+    return read_metrics(w.storage, w.ctx.stage_parts(METRICS)) if w.rank == 0 else []
+
+
+def train_step(w: Worker, step: int) -> dict[str, Any]:
+    """One optimizer step over grad_accum_steps micro-batches; the loss is the mean over all target tokens."""
+    import torch
+    import torch.distributed as dist
+
+    from training.fsdp import clip_gradients, model_flops_utilization
+
+    began = time.perf_counter()
+    lr = w.schedule.lr_at(step)
+    for group in w.optimizer.param_groups:
+        group["lr"] = lr
+    micro = [{k: v.to(w.device) for k, v in b.items()} for b in w.batches.micro_batches(step)]
+    targets, tokens = global_counts(micro, w.device)
+    loss_sum = torch.zeros((), device=w.device)
+    for i, batch in enumerate(micro):
+        w.model.set_requires_gradient_sync(i == len(micro) - 1)  # reduce-scatter once per step
+        summed = token_loss_sum(w.model, batch)
+        if step == w.params.inject_nan_at_step:
+            summed = summed * float("nan")
+        # FSDP averages gradients over ranks, so scale by world_size to get sum / global targets.
+        (summed * w.world_size / targets).backward()
+        loss_sum += summed.detach()
+    dist.all_reduce(loss_sum)
+    grad_norm = clip_gradients(w.model, w.ctx.config.train.max_grad_norm)
+    w.optimizer.step()
+    w.optimizer.zero_grad(set_to_none=True)
+    seconds = time.perf_counter() - began
+    stats = {"loss": float(loss_sum) / targets, "lr": lr, "grad_norm": grad_norm,
+             "tokens_per_s": tokens / seconds, "step_seconds": seconds}
+    if w.peak_flops:
+        stats["mfu"] = model_flops_utilization(w.num_params, tokens / seconds / w.world_size, w.peak_flops)
+    return stats
+
+
+def global_counts(micro: list[dict], device) -> tuple[int, int]:
+    """(target tokens, real tokens) of this step across every rank and micro-batch."""
+    import torch
+    import torch.distributed as dist
+
+    counts = torch.tensor([sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro),
+                           sum(int(b["attention_mask"].sum()) for b in micro)], dtype=torch.float64, device=device)
+    dist.all_reduce(counts)
+    return max(int(counts[0]), 1), int(counts[1])
+
+
+def token_loss_sum(model, batch: dict):
+    """Summed next-token cross entropy over the labelled positions (fp32 logits)."""
+    import torch.nn.functional as F
+
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), batch["labels"][:, 1:].flatten(),
+                           ignore_index=-100, reduction="sum")
+
+
+def divergence(loss: float, step: int, limit: float) -> str | None:
+    """The failure cause when a loss means training has diverged. Pure."""
+    if not math.isfinite(loss):
+        return f"loss is {loss} at step {step}"
+    if loss > limit:
+        return f"loss is {loss:.4g} at step {step}, above train.divergence_loss {limit}"
+    return None
+
+
+def record(w: Worker, step: int, stats: dict[str, Any], start: int) -> None:
+    """Rank 0 keeps every step's metrics; prints progress and saves metrics.jsonl every log_every steps."""
+    if w.rank != 0:
+        return
+    row = {"step": step, **{k: finite_or_none(v) for k, v in stats.items()}, "time": time.time()}
+    w.metrics.append(row)
+    if step == start + 1:
+        w.first_step_completed_at = row["time"]
+    if step % w.ctx.config.train.log_every == 0 or step == w.params.max_steps:
+        shown = {k: row[k] for k in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu") if k in row}
+        jobkit.progress("finetune", step, w.params.max_steps, **shown)
+        flush_metrics(w)
+
+
+def finite_or_none(value: float) -> float | None:
+    """JSON has no NaN: a non-finite metric is written as null."""
+    return value if math.isfinite(value) else None
+
+
+def flush_metrics(w: Worker) -> None:
+    if w.rank == 0:
+        text = "".join(json.dumps(r) + "\n" for r in w.metrics)
+        w.storage.write_bytes(text.encode(), *w.ctx.stage_parts(METRICS))
+
+
+def save_checkpoint(w: Worker, step: int, loss: float) -> None:
+    """Every rank saves its DCP shards and progress; Ray uploads them; rank 0 then writes the marker."""
+    import ray.train
+    import torch.distributed as dist
+
+    flush_metrics(w)  # metrics survive an interruption at least up to this checkpoint
+    with tempfile.TemporaryDirectory(prefix="tuneproof-save-") as local_dir:
+        files = save_shards(w.model, w.optimizer, progress_at(w, step), local_dir)
+        every_rank = [None] * w.world_size
+        dist.all_gather_object(every_rank, files)
+        ray.train.report({"step": step, "loss": finite_or_none(loss)},
+                         checkpoint=ray.train.Checkpoint.from_directory(local_dir),
+                         checkpoint_dir_name=checkpoint_dir_name(step), delete_local_checkpoint_after_upload=False)
+    dist.barrier()  # report returns before other ranks finish uploading: wait for all of them
+    if w.rank == 0:
+        listed = {name: size for files_of_rank in every_rank for name, size in files_of_rank.items()}
+        write_marker(w.storage, step, listed, *w.run_parts, checkpoint_dir_name(step))
+        w.log(f"checkpoint step {step} complete: {w.storage.uri(*w.run_parts, checkpoint_dir_name(step))}")
+
+
+def progress_at(w: Worker, step: int) -> TrainingProgress:
+    from training.train_data import position
+
+    epoch, batch_in_epoch = position(step + 1, w.batches.per_epoch)
+    return TrainingProgress(step=step, epoch=epoch, batch_in_epoch=batch_in_epoch, seed=w.ctx.config.train.seed,
+                            rank=w.rank, world_size=w.world_size, schedule=w.schedule.to_dict(), rng=capture_rng())
+
+
+def hold(w: Worker, step: int) -> None:
+    """Resume-test interruption point: announce, then sleep until the job is stopped."""
+    if w.rank == 0:
+        jobkit.progress("finetune", step, w.params.max_steps, holding=True)
+    w.log(f"HOLDING after checkpoint step {step}")
+    while True:
+        time.sleep(60)
+
+
+def export_model(w: Worker, step: int) -> str:
+    """Gather the full weights (collective), then rank 0 writes a Hugging Face model; returns its storage path."""
+    import torch.distributed as dist
+
+    from training.fsdp import full_state_dict
+
+    state = full_state_dict(w.model)
+    path = posixpath.join(*w.ctx.run_parts(w.params.export_dir(w.ctx.run_id)))
+    if w.rank == 0:
+        write_hf_export(state, step, w.ctx.config.model, w.ctx.config.storage.endpoint_url, w.storage, path)
+        w.log(f"exported the model to {w.storage.uri(path)}")
+    dist.barrier()
+    return path
+
+
+def finish(w: Worker, start: int, step: int, status: str, cause: str | None = None,
+           export_path: str | None = None) -> None:
+    """Rank 0 saves the metrics and writes outcome.json, which the driver reads."""
+    flush_metrics(w)
+    if w.rank != 0:
+        return
+    if cause:
+        jobkit.log(f"training stopped: {cause}")
+    outcome = {"status": status, "cause": cause, "start_step": start, "steps": step, "restored_from": w.restored_from,
+               "first_step_completed_at": w.first_step_completed_at, "export_path": export_path}
+    w.storage.write_json(outcome, *w.ctx.stage_parts(OUTCOME))
+
+
+def main() -> None:
+    run_stage(finetune)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""The prepared dataset as deterministic training batches, the same on every replay.
+
+The data stage writes datasets/<name>/<hash>/{train,eval}/part-*.parquet (columns input_ids and
+labels as list<int32>, -100 on prompt tokens, no padding) and manifest.json last; its `read_split`
+reads a split back, checked against the manifest. Here:
+
+- every epoch visits the examples in a permutation seeded by (seed, epoch);
+- step s takes the next global batch (micro_batch_size x grad_accum_steps x world_size examples);
+  rank r takes its contiguous slice and cuts it into grad_accum_steps micro-batches;
+- a micro-batch is right-padded to its longest example (labels -100, attention 0 on padding);
+- an epoch's tail that cannot fill a global batch is skipped, so every rank runs the same steps.
+
+Which examples a step sees depends only on (seed, step, layout), so a run resumed at step k
+trains on exactly the batches the uninterrupted run saw from k + 1 on. Runs inside Ray Train workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from training.data_prep import read_split
+from tuneproof.results import FailureClass, StageFailure
+from tuneproof.storage import Storage
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class TrainExample:
+    input_ids: np.ndarray
+    labels: np.ndarray
+
+
+def load_examples(storage: Storage, dataset_path: str, split: str = "train") -> list[TrainExample]:
+    """Every example of a split, in the order the data stage wrote them."""
+    table = read_split(storage, dataset_path, split)
+    ids, labels = table.column("input_ids").to_pylist(), table.column("labels").to_pylist()
+    return [TrainExample(np.asarray(i, dtype=np.int64), np.asarray(lab, dtype=np.int64)) for i, lab in zip(ids, labels)]
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    micro_batch_size: int
+    """Examples per rank per micro-step."""
+    grad_accum_steps: int
+    world_size: int
+
+    @property
+    def per_rank(self) -> int:
+        return self.micro_batch_size * self.grad_accum_steps
+
+    @property
+    def global_batch(self) -> int:
+        return self.per_rank * self.world_size
+
+
+def steps_per_epoch(num_examples: int, layout: BatchLayout) -> int:
+    steps = num_examples // layout.global_batch
+    if steps < 1:
+        raise StageFailure(FailureClass.data, (
+            f"train split has {num_examples} examples, fewer than one global batch of {layout.global_batch} "
+            f"(micro_batch_size {layout.micro_batch_size} x grad_accum_steps {layout.grad_accum_steps} "
+            f"x {layout.world_size} workers)"))
+    return steps
+
+
+def position(step: int, per_epoch: int) -> tuple[int, int]:
+    """(epoch, batch index within the epoch) of 1-based step `step`."""
+    return divmod(step - 1, per_epoch)
+
+
+def epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:
+    """The epoch's permutation of example indices; numpy's PCG64 stream is stable across releases."""
+    return np.random.default_rng([seed, epoch]).permutation(num_examples)
+
+
+def rank_slices(order: np.ndarray, batch_in_epoch: int, layout: BatchLayout, rank: int) -> list[np.ndarray]:
+    """This rank's micro-batches (index arrays) of one global batch."""
+    start = batch_in_epoch * layout.global_batch + rank * layout.per_rank
+    mine = order[start:start + layout.per_rank]
+    return [mine[i:i + layout.micro_batch_size] for i in range(0, layout.per_rank, layout.micro_batch_size)]
+
+
+def collate(examples: list[TrainExample], pad_id: int) -> dict:
+    """Right-pad to the longest example: input_ids, labels (-100 on padding), attention_mask."""
+    import torch
+
+    width = max(len(e.input_ids) for e in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+    attention = torch.zeros((len(examples), width), dtype=torch.long)
+    for row, e in enumerate(examples):
+        n = len(e.input_ids)
+        input_ids[row, :n] = torch.from_numpy(e.input_ids)
+        labels[row, :n] = torch.from_numpy(e.labels)
+        attention[row, :n] = 1
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
+
+
+class StepBatches:
+    """Batches by step number for one rank: `micro_batches(step)` is all that replay needs."""
+
+    def __init__(self, examples: list[TrainExample], layout: BatchLayout, seed: int, rank: int, pad_id: int):
+        self.examples, self.layout, self.seed, self.rank, self.pad_id = examples, layout, seed, rank, pad_id
+        self.per_epoch = steps_per_epoch(len(examples), layout)
+        self._order = lru_cache(maxsize=2)(lambda epoch: epoch_order(len(examples), seed, epoch))
+
+    def micro_batches(self, step: int) -> list[dict]:
+        epoch, index = position(step, self.per_epoch)
+        slices = rank_slices(self._order(epoch), index, self.layout, self.rank)
+        return [collate([self.examples[i] for i in s], self.pad_id) for s in slices]
