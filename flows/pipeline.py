@@ -120,6 +120,13 @@ def open_record(storage: Storage, cfg: PipelineConfig, run_id: str, only: list[s
     if storage.exists("runs", run_id, records.RECORD):
         record = records.load(storage, run_id)
         record.update(status="running", failure_class=None, cause=None)
+        # Stages that rerun replace their entries; the old ones stay in the record's history.
+        plan = [s for s in STAGES if not only or s in only]
+        for stage in plan:
+            if stage in record["stages"]:
+                record.setdefault("superseded", []).append(record["stages"].pop(stage))
+        if "promote" in plan:
+            record["promotion"] = None
     else:
         record = records.new_record(run_id, cfg, git_identity(), str(flow_run.get_id()))
     record["invocations"].append(invocation)

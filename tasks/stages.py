@@ -58,9 +58,45 @@ def run_single_job(cfg: PipelineConfig, run_id: str, stage: str, spec: JobSpec) 
 
 @task(name="verify", **RETRY)
 def verify(cfg: PipelineConfig, run_id: str) -> dict[str, Any]:
-    """Versions, GPUs and environment digest on every node; shared storage writable from a worker."""
+    """Versions, GPUs and environment digest on every node; shared storage writable from a worker.
+
+    On EKS the same findings also cover the Kubernetes objects (RayCluster ready, pods on the pinned
+    digest, num-gpus == pod GPU limit == GPUs Ray advertises, GPU/EFA devices on the nodes), read
+    with the pipeline's own read-only service account.
+    """
     spec = JobSpec("verify", "training.verify", cfg.timeouts.verify)
-    return run_single_job(cfg, run_id, "verify", spec)
+    entry = run_single_job(cfg, run_id, "verify", spec)
+    if cfg.cluster.backend == "eks":
+        add_kubernetes_half(cfg, entry)
+    return entry
+
+
+def add_kubernetes_half(cfg: PipelineConfig, entry: dict[str, Any]) -> None:
+    from tuneproof.findings import errors
+    from tuneproof.kube import fetch_cluster_objects
+    from tuneproof.kube_checks import check_cluster, summarize
+    from tuneproof.results import StageFailure
+
+    summary = entry["summary"]
+    try:
+        objects = {**fetch_cluster_objects(cfg.cluster.kubernetes), "ray_nodes": summary.get("nodes") or []}
+    except StageFailure as e:
+        entry.update(status="failed", failure_class=e.failure_class.value, cause=e.cause)
+        return
+    findings = check_cluster(objects, cfg)
+    summary["kubernetes"] = {"findings": [f.to_json() for f in findings], **summarize(objects, cfg)}
+    summary.setdefault("cluster", {})["image_digest"] = kube_image_digest(summary["kubernetes"])
+    failed = errors(findings)
+    if failed and entry["status"] == "succeeded":
+        more = f" (+{len(failed) - 1} more)" if len(failed) > 1 else ""
+        entry.update(status="failed", failure_class="infrastructure", cause=failed[0].line() + more)
+
+
+def kube_image_digest(kube_summary: dict[str, Any]) -> str | dict | None:
+    """The one digest every Ray pod runs, or the per-pod map when they differ."""
+    digests = kube_summary.get("image_digests") or {}
+    values = {d for d in digests.values() if d}
+    return values.pop() if len(values) == 1 else (digests or None)
 
 
 @task(name="connectivity", **RETRY)

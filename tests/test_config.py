@@ -68,3 +68,13 @@ def test_config_hash_changes_with_any_field():
     b = PipelineConfig.model_validate({**a.model_dump(), "train": {**a.train.model_dump(), "lr": 0.5}})
     assert a.config_hash() == PipelineConfig().config_hash()
     assert a.config_hash() != b.config_hash()
+
+
+def test_eks_refuses_node_local_storage_before_anything_is_submitted():
+    eks = PROJECT_ROOT / "configs" / "eks.yaml"
+    with pytest.raises(ConfigError) as e:
+        load_config(eks, overrides=["storage.root=/tmp/checkpoints", "storage.shared=false"])
+    assert any(p.startswith("storage.shared") and "shared storage" in p for p in e.value.problems)
+    with pytest.raises(ConfigError) as e:
+        load_config(eks, overrides=["storage.root=checkpoints"], resolve=False)
+    assert any(p.startswith("storage.root") for p in e.value.problems)

@@ -254,6 +254,8 @@ class PipelineConfig(Strict):
     def _cross_field(self) -> "PipelineConfig":
         if self.cluster.backend == "eks" and self.cluster.expect.image is None:
             raise ValueError("cluster.expect.image: the eks backend needs the image pinned by digest, got None")
+        if self.cluster.backend == "eks" and not self.storage.root.startswith(("s3://", "/")):
+            raise ValueError(f"storage.root: the eks backend needs s3:// or a shared mount's absolute path, got {self.storage.root!r}")
         if self.cluster.backend == "eks" and self.train.num_workers > 1 and not self.storage.shared:
             raise ValueError("storage.shared: more than one node needs shared storage (S3 or FSx), got a node-local root")
         if self.resume.enabled and self.train.checkpoint_every + self.resume.extra_steps + self.resume.replay_steps > self.train.max_steps:
@@ -337,7 +339,10 @@ def format_errors(e: ValidationError) -> list[str]:
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
         value = err.get("input")
-        problems.append(f"{loc or '<root>'}: {msg} (got {value!r})")
+        if not loc:  # cross-field checks name their fields in the message itself
+            problems.append(msg)
+            continue
+        problems.append(f"{loc}: {msg} (got {value!r})")
     return problems
 
 

@@ -135,16 +135,25 @@ def short_evidence(stage: str, entry: dict) -> str:
     if stage == "resume":
         return f"restored step {s.get('restored_step')}, max loss diff {s.get('max_loss_diff')}"
     if stage == "evaluate":
-        models = s.get("models") or {}
-        return "  ".join(f"{k}: {fmt_metrics((v or {}).get('metrics'))}" for k, v in models.items() if v)
+        return evaluation_line(s.get("models") or {})
+    if stage == "promote":
+        return f"{s.get('version')} (previous: {s.get('previous_version') or 'none'})"
     return entry.get("cause") or ""
 
 
-def fmt_metrics(metrics: dict | None) -> str:
-    if not metrics:
-        return "-"
-    return ", ".join(f"{k}={v:.3f}" if isinstance(v, (int, float)) else f"{k}={v}" for k, v in metrics.items()
-                     if k in ("exact_match", "accuracy", "eval_loss"))
+def evaluation_line(models: dict) -> str:
+    """'exact_match: candidate 1.000, base 0.000, incumbent -' for each gated-style metric."""
+    names = [n for n in ((models.get("candidate") or {}).get("metrics") or {}) if n not in ("eval_loss", "perplexity")]
+    parts = []
+    for name in names:
+        values = [f"{role} {value_of(models, role, name)}" for role in ("candidate", "base", "incumbent")]
+        parts.append(f"{name}: " + ", ".join(values))
+    return "; ".join(parts)
+
+
+def value_of(models: dict, role: str, name: str) -> str:
+    value = ((models.get(role) or {}).get("metrics") or {}).get(name)
+    return f"{value:.3f}" if isinstance(value, (int, float)) else "-"
 
 
 def print_record(rec: dict, console: Console) -> None:
