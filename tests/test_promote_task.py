@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+
+import pytest
 
 from typer.testing import CliRunner
 
@@ -74,3 +78,56 @@ def test_forced_promotion_is_recorded_with_who_and_why(tmp_path):
     assert "hotfix approved by the model owner" in card
     listed = CliRunner().invoke(app, ["models", "list", "--json", "--set", f"storage.root={tmp_path}"])
     assert json.loads(listed.output)[0]["production"]["run_id"] == "r1"
+
+
+@pytest.fixture(scope="module")
+def prefect_harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("approve", [True, False])
+def test_approval_pauses_the_flow_before_the_pointer_moves(prefect_harness, tmp_path, approve):
+    """With promote.require_approval the flow pauses for a typed form; the answer decides the pointer."""
+    from prefect import get_client
+    from prefect.flow_runs import resume_flow_run
+
+    from flows.pipeline import pipeline
+
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}, "promote": {"require_approval": True,
+                                                                                        "approval_timeout_s": 120}})
+    storage = Storage(str(tmp_path))
+    with_export(storage, "r1")
+    records.save(storage, passed_record(cfg))
+    answered = {}
+
+    def approver():
+        async def answer():
+            async with get_client() as client:
+                for _ in range(240):
+                    runs = await client.read_flow_runs()
+                    paused = [r for r in runs if r.state and r.state.is_paused()]
+                    if paused:
+                        await resume_flow_run(paused[0].id, run_input={"approve": approve, "approver": "bob",
+                                                                        "comment": "looks right" if approve else "not yet"})
+                        answered["id"] = paused[0].id
+                        return
+                    await asyncio.sleep(0.5)
+
+        asyncio.run(answer())
+
+    thread = threading.Thread(target=approver)
+    thread.start()
+    state = pipeline(config=cfg, run_id="r1", only=["promote"], return_state=True)
+    thread.join(60)
+    assert "id" in answered, "the flow never paused for approval"
+    pointer, _ = registry.read_pointer(storage, cfg.model.name)
+    promotion = records.load(storage, "r1")["promotion"]
+    if approve:
+        assert state.is_completed() and pointer["run_id"] == "r1" and promotion["promoted"] is True
+    else:
+        assert state.is_failed() and pointer is None
+        assert promotion["promoted"] is False and "approval refused by bob: not yet" in promotion["reasons"][0]
