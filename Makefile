@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TP := $(VENV)/bin/tuneproof
 PYTHON ?= python3
 
-.PHONY: setup demo test test-fast up down clean
+.PHONY: setup browser demo test test-fast up down clean
 
 setup: $(VENV)/.installed
 
@@ -21,8 +21,15 @@ demo: setup
 	$(TP) local up
 	$(TP) run
 
-test: setup
+test: setup browser
 	$(PY) -m pytest -q
+
+# The browser test drives Debian's Chromium (Playwright's own browser download cannot work offline).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else echo "chromium is not installed and cannot be installed here: the browser test will be skipped"; fi; }
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not integration and not browser"

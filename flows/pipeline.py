@@ -50,21 +50,22 @@ def pipeline(config: PipelineConfig = PipelineConfig(), run_id: str | None = Non
 
 def run_stage(stage: str, cfg: PipelineConfig, run_id: str, record: dict) -> dict[str, Any]:
     """Dispatch one stage with the outputs of earlier stages (from this run's record)."""
+    n = len(record["invocations"])  # reruns against a run get fresh Ray jobs; retries re-attach
     if stage == "verify":
-        return stages.verify(cfg, run_id)
+        return stages.verify(cfg, run_id, n)
     if stage == "connectivity":
-        return stages.connectivity(cfg, run_id)
+        return stages.connectivity(cfg, run_id, n)
     if stage == "data":
-        return stages.data(cfg, run_id)
+        return stages.data(cfg, run_id, n)
     if stage == "finetune":
-        return stages.finetune(cfg, run_id, needs(record, "data", "dataset_path"))
+        return stages.finetune(cfg, run_id, needs(record, "data", "dataset_path"), n)
     if stage == "resume":
         if not cfg.resume.enabled:
             return skipped(stage, "resume.enabled is false")
         return resume_tasks.resume_test(cfg, run_id, needs(record, "data", "dataset_path"),
-                                        needs(record, "finetune", "checkpoints"), needs(record, "finetune", "loss_curve"))
+                                        needs(record, "finetune", "checkpoints"), needs(record, "finetune", "loss_curve"), n)
     if stage == "evaluate":
-        return stages.evaluate(cfg, run_id, needs(record, "data", "dataset_path"), needs(record, "finetune", "export_path"))
+        return stages.evaluate(cfg, run_id, needs(record, "data", "dataset_path"), needs(record, "finetune", "export_path"), n)
     if stage == "promote":
         if cfg.promote.require_approval and not promote_tasks.refusal_reasons(cfg, record):
             approval = ask_for_approval(cfg, record)

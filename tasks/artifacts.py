@@ -134,19 +134,35 @@ def loss_image(run_id: str, loss_curve: list[list[float]], storage: Storage) -> 
 
 
 def evaluation_table(run_id: str, summary: dict) -> None:
+    """One row per metric: candidate, base, incumbent, and that metric's gate verdicts."""
     models = summary["models"]
-    verdicts = {v["metric"]: v for v in (summary.get("gates") or {}).get("verdicts", [])}
+    gates = summary.get("gates") or {}
     names = sorted({n for m in models.values() if m for n in (m.get("metrics") or {})})
     rows = []
     for name in names:
-        gate_lines = [v["line"] for v in (summary.get("gates") or {}).get("verdicts", []) if v["metric"] == name]
+        verdicts = [v for v in gates.get("verdicts", []) if v["metric"] == name]
         rows.append({
             "metric": name,
-            **{role: ((models.get(role) or {}).get("metrics") or {}).get(name, "-") if models.get(role) else "none"
-               for role in ("candidate", "base", "incumbent")},
-            "gates": "; ".join(gate_lines) if gate_lines else ("-" if name not in verdicts else verdicts[name]["line"]),
+            **{role: metric_cell(models.get(role), name) for role in ("candidate", "base", "incumbent")},
+            "gates": ", ".join(f"{v['gate']}: {verdict_word(v)}" for v in verdicts) or "not gated",
         })
-    table("evaluation", run_id, rows, f"Candidate vs base vs incumbent; gates {'passed' if (summary.get('gates') or {}).get('passed') else 'failed'}")
+    verdict = "passed" if gates.get("passed") else "failed"
+    table("evaluation", run_id, rows, f"Candidate vs base vs incumbent ({summary.get('incumbent_version') or 'no incumbent'}); "
+                                      f"gates {verdict}:\n\n" + "\n".join(f"* {line}" for line in gates.get("lines", [])))
+
+
+def verdict_word(v: dict) -> str:
+    if not v["passed"]:
+        return "FAIL"
+    return "pass" if v["value"] is not None else "n/a (no incumbent)"
+
+
+def metric_cell(model: dict | None, name: str) -> Any:
+    """A value, or words: a lone '-' renders as a list bullet in the UI."""
+    if not model:
+        return "no model"
+    value = (model.get("metrics") or {}).get(name)
+    return "n/a" if value is None else value
 
 
 def run_report(record: dict) -> None:

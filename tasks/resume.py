@@ -19,7 +19,7 @@ from prefect import task
 
 from tasks import events
 from tasks.rayjob import JobSpec
-from tasks.stages import RETRY, entry_from, runner_for
+from tasks.stages import RETRY, entry_from, job_name, runner_for
 from tuneproof.config import PipelineConfig
 from tuneproof.record import stage_entry
 from tuneproof.resume_evidence import check_restart, compare_losses
@@ -35,7 +35,7 @@ def pick_checkpoint(checkpoints: list[dict], final_step: int, extra: int, replay
 
 @task(name="resume-test", **RETRY)
 def resume_test(cfg: PipelineConfig, run_id: str, dataset_path: str, checkpoints: list[dict],
-                loss_curve: list[list[float]]) -> dict[str, Any]:
+                loss_curve: list[list[float]], invocation: int = 1) -> dict[str, Any]:
     started = now_iso()
     events.publish("stage", stage="resume", status="running")
     extra, replay = cfg.resume.extra_steps, cfg.resume.replay_steps
@@ -48,15 +48,16 @@ def resume_test(cfg: PipelineConfig, run_id: str, dataset_path: str, checkpoints
 
     hold = seed["step"] + extra
     params = {
-        "dataset": dataset_path, "run_name": f"{run_id}-resume", "init_from": seed["uri"],
+        "dataset": dataset_path, "run_name": f"{run_id}-{job_name('resume', invocation)}", "init_from": seed["uri"],
         # max_steps here is where the job stops; the LR schedule still spans train.max_steps,
         # so the resumed trajectory is comparable step for step with the main run.
         "max_steps": hold + replay, "checkpoint_every": extra, "export": False,
     }
     runner = runner_for(cfg, run_id, "resume")
+    interrupt_job = job_name("resume-interrupt", invocation)
     marker = f"HOLDING after checkpoint step {hold}"
     interrupt = runner.run(
-        JobSpec("resume-interrupt", "training.finetune", cfg.timeouts.resume, {**params, "hold_after_checkpoint_step": hold}),
+        JobSpec(interrupt_job, "training.finetune", cfg.timeouts.resume, {**params, "hold_after_checkpoint_step": hold}),
         stop_when=lambda line: marker in line,
     )
     if interrupt.result.ok or interrupt.job_status != "STOPPED":
@@ -64,23 +65,23 @@ def resume_test(cfg: PipelineConfig, run_id: str, dataset_path: str, checkpoints
         return entry_from("resume", [interrupt], started, summary={"seed_checkpoint": seed, "interrupted": False})
 
     resubmitted_at = time.time()
-    resumed = runner.run(JobSpec("resume-continue", "training.finetune", cfg.timeouts.resume,
+    resumed = runner.run(JobSpec(job_name("resume-continue", invocation), "training.finetune", cfg.timeouts.resume,
                                  {**params, "first_step_marker": True}))
     if not resumed.result.ok:
         return entry_from("resume", [interrupt, resumed], started)
 
-    evidence = judge(cfg, run_id, seed, hold, loss_curve, resumed.result.summary, resubmitted_at)
+    evidence = judge(cfg, run_id, interrupt_job, seed, hold, loss_curve, resumed.result.summary, resubmitted_at)
     outcome = entry_from("resume", [interrupt, resumed], started, summary=evidence)
     if evidence["problems"]:
         outcome.update(status="failed", failure_class="infrastructure", cause="; ".join(evidence["problems"]))
     return outcome
 
 
-def judge(cfg: PipelineConfig, run_id: str, seed: dict, hold: int, main_curve: list, resumed: dict,
+def judge(cfg: PipelineConfig, run_id: str, interrupt_job: str, seed: dict, hold: int, main_curve: list, resumed: dict,
           resubmitted_at: float) -> dict[str, Any]:
     """Compare the resumed trajectory with the main run: restored step, and losses step for step."""
     storage = Storage.from_config(cfg.storage)
-    replayed = interrupted_losses(storage, run_id) | {int(s): l for s, l in resumed.get("loss_curve", [])}
+    replayed = interrupted_losses(storage, run_id, interrupt_job) | {int(s): l for s, l in resumed.get("loss_curve", [])}
     main = {int(s): l for s, l in main_curve}
     comparison = compare_losses(main, replayed, cfg.resume.loss_rtol)
     restart = check_restart(hold, resumed.get("start_step"))
@@ -98,9 +99,9 @@ def judge(cfg: PipelineConfig, run_id: str, seed: dict, hold: int, main_curve: l
     }
 
 
-def interrupted_losses(storage: Storage, run_id: str) -> dict[int, float]:
+def interrupted_losses(storage: Storage, run_id: str, job: str) -> dict[int, float]:
     """Losses the interrupted job logged before it was stopped (its metrics.jsonl survives the stop)."""
-    parts = ("runs", run_id, "stages", "resume-interrupt", "metrics.jsonl")
+    parts = ("runs", run_id, "stages", job, "metrics.jsonl")
     if not storage.exists(*parts):
         return {}
     rows = [json.loads(line) for line in storage.read_text(*parts).splitlines() if line.strip()]

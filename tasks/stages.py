@@ -49,6 +49,12 @@ def entry_from(stage: str, outcomes: list[JobOutcome], started_at: str, summary:
     )
 
 
+def job_name(stage: str, invocation: int) -> str:
+    """The first invocation of a run uses the stage's name; a later rerun (--only) gets fresh Ray jobs
+    and result folders ('evaluate-r2'), while a Prefect retry within one invocation re-attaches."""
+    return stage if invocation <= 1 else f"{stage}-r{invocation}"
+
+
 def run_single_job(cfg: PipelineConfig, run_id: str, stage: str, spec: JobSpec) -> dict[str, Any]:
     started = now_iso()
     events.publish("stage", stage=stage, status="running")
@@ -57,14 +63,14 @@ def run_single_job(cfg: PipelineConfig, run_id: str, stage: str, spec: JobSpec) 
 
 
 @task(name="verify", **RETRY)
-def verify(cfg: PipelineConfig, run_id: str) -> dict[str, Any]:
+def verify(cfg: PipelineConfig, run_id: str, invocation: int = 1) -> dict[str, Any]:
     """Versions, GPUs and environment digest on every node; shared storage writable from a worker.
 
     On EKS the same findings also cover the Kubernetes objects (RayCluster ready, pods on the pinned
     digest, num-gpus == pod GPU limit == GPUs Ray advertises, GPU/EFA devices on the nodes), read
     with the pipeline's own read-only service account.
     """
-    spec = JobSpec("verify", "training.verify", cfg.timeouts.verify)
+    spec = JobSpec(job_name("verify", invocation), "training.verify", cfg.timeouts.verify)
     entry = run_single_job(cfg, run_id, "verify", spec)
     if cfg.cluster.backend == "eks":
         add_kubernetes_half(cfg, entry)
@@ -100,32 +106,35 @@ def kube_image_digest(kube_summary: dict[str, Any]) -> str | dict | None:
 
 
 @task(name="connectivity", **RETRY)
-def connectivity(cfg: PipelineConfig, run_id: str) -> dict[str, Any]:
+def connectivity(cfg: PipelineConfig, run_id: str, invocation: int = 1) -> dict[str, Any]:
     """All ranks join collectives; all-reduce bandwidth by size; the transport NCCL really used."""
     from training.connectivity import nccl_env
 
-    env = nccl_env(f"{run_id}-connectivity") if cfg.train.use_gpu else {}
-    spec = JobSpec("connectivity", "training.connectivity", cfg.timeouts.connectivity, env=env)
+    job = job_name("connectivity", invocation)
+    env = nccl_env(f"{run_id}-{job}") if cfg.train.use_gpu else {}
+    spec = JobSpec(job, "training.connectivity", cfg.timeouts.connectivity, env=env)
     return run_single_job(cfg, run_id, "connectivity", spec)
 
 
 @task(name="data", **RETRY)
-def data(cfg: PipelineConfig, run_id: str) -> dict[str, Any]:
+def data(cfg: PipelineConfig, run_id: str, invocation: int = 1) -> dict[str, Any]:
     """Read, template, tokenize, split and write the dataset content-addressed (or reuse it)."""
-    spec = JobSpec("data", "training.data_prep", cfg.timeouts.data)
+    spec = JobSpec(job_name("data", invocation), "training.data_prep", cfg.timeouts.data)
     return run_single_job(cfg, run_id, "data", spec)
 
 
 @task(name="finetune", **RETRY)
-def finetune(cfg: PipelineConfig, run_id: str, dataset_path: str) -> dict[str, Any]:
+def finetune(cfg: PipelineConfig, run_id: str, dataset_path: str, invocation: int = 1) -> dict[str, Any]:
     """FSDP2 fine-tune with DCP checkpoints on shared storage, then a Hugging Face export."""
-    spec = JobSpec("finetune", "training.finetune", cfg.timeouts.finetune, params={"dataset": dataset_path})
+    spec = JobSpec(job_name("finetune", invocation), "training.finetune", cfg.timeouts.finetune,
+                   params={"dataset": dataset_path})
     return run_single_job(cfg, run_id, "finetune", spec)
 
 
 @task(name="evaluate", **RETRY)
-def evaluate(cfg: PipelineConfig, run_id: str, dataset_path: str, candidate_path: str) -> dict[str, Any]:
+def evaluate(cfg: PipelineConfig, run_id: str, dataset_path: str, candidate_path: str,
+             invocation: int = 1) -> dict[str, Any]:
     """Candidate vs base vs incumbent on the held-out split, and the gate decision."""
     params = {"dataset": dataset_path, "candidate": candidate_path}
-    spec = JobSpec("evaluate", "eval.evaluate_job", cfg.timeouts.evaluate, params=params)
+    spec = JobSpec(job_name("evaluate", invocation), "eval.evaluate_job", cfg.timeouts.evaluate, params=params)
     return run_single_job(cfg, run_id, "evaluate", spec)

@@ -123,3 +123,29 @@ def test_a_prefect_retry_attaches_to_the_same_ray_submission(prefect_harness, ov
     assert entry["status"] == "succeeded"
     assert entry["jobs"][0]["attached"] is True
     assert [j.submission_id for j in jobs_for(ray_head, "bb-retry")] == ["bb-retry-verify"]
+
+
+def test_a_stage_past_its_timeout_is_stopped_and_is_an_infrastructure_failure(overrides, ray_head):
+    from tasks.rayjob import JobSpec, RayJobRunner
+
+    cfg = load_config(overrides=overrides)
+    outcome = RayJobRunner(cfg, "bb-timeout", on_line=lambda line: None, poll_s=0.2).run(
+        JobSpec("verify", "training.verify", timeout_s=1))
+    assert outcome.result.failure_class.value == "infrastructure"
+    assert "timed out after 1s" in outcome.result.cause
+    assert outcome.job_status == "STOPPED"
+
+
+def test_a_cancelled_run_stops_its_ray_job(overrides, ray_head):
+    """Cancellation arrives as a BaseException (Ctrl-C, Prefect's TerminationSignal) while following."""
+    from tasks.rayjob import JobSpec, RayJobRunner
+
+    def cancel_once_running(line: str) -> None:
+        if "Running entrypoint" in line:
+            raise KeyboardInterrupt
+
+    cfg = load_config(overrides=overrides)
+    runner = RayJobRunner(cfg, "bb-cancel", on_line=cancel_once_running, poll_s=0.2)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(JobSpec("verify", "training.verify", timeout_s=120))
+    assert runner.wait_terminal("bb-cancel-verify").value == "STOPPED"

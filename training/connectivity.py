@@ -73,7 +73,7 @@ def run_trainer(ctx: JobContext, backend: str) -> str | None:
 
     cfg = ctx.config
     filesystem, storage_path = ctx.storage.train_storage(*ctx.run_parts("train"))
-    run_config = RunConfig(name=f"{ctx.run_id}-connectivity", storage_path=storage_path,
+    run_config = RunConfig(name=f"{ctx.run_id}-{ctx.job}", storage_path=storage_path,
                            **({"storage_filesystem": filesystem} if filesystem is not None else {}))
     trainer = TorchTrainer(
         rank_main,

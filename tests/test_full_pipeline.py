@@ -1,0 +1,165 @@
+"""The whole pipeline on the embedded default, as `tuneproof run` runs it, against a real Ray head,
+a real Prefect server (its UI too) and local storage: the demo's evidence, then the ways it must refuse.
+
+One full run is shared by the module (it costs about two minutes on 2 cores); the tests after it
+rerun subsets against that run, in file order, the destructive one (a deleted shard) last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.conftest import _wait_http
+from tuneproof import record as records
+from tuneproof.cli import app
+from tuneproof.config import PROJECT_ROOT
+from tuneproof.local import free_port, stop_group
+from tuneproof.storage import Storage
+
+pytestmark = pytest.mark.integration
+SCREENSHOTS = PROJECT_ROOT / "test-output" / "browser"
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory):
+    """`prefect server start` (API + UI) on 127.0.0.1 with its own home; this process's flows report to it."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_UI_API_URL, temporary_settings
+
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_API_URL": f"{url}/api", "PREFECT_UI_API_URL": f"{url}/api"}
+    log = open(home / "server.log", "wb")
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1",
+                             "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_http(f"{url}/api/health", 120)
+        with temporary_settings({PREFECT_API_URL: f"{url}/api", PREFECT_UI_API_URL: f"{url}/api"}):
+            yield url
+            # Ship the last log lines while the server is still there (else: "Error logging to API").
+            from prefect.logging.handlers import APILogHandler
+
+            APILogHandler.flush()
+    finally:
+        stop_group(proc.pid, 10)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def base_args(ray_head, tmp_path_factory):
+    from training.tiny_model import ensure_tiny_model
+
+    root = tmp_path_factory.mktemp("demo")
+    model = root / "base-models" / "tiny-qwen2"
+    ensure_tiny_model(str(model), str(PROJECT_ROOT / "data" / "dates" / "dates.jsonl"))
+    sets = [f"cluster.address={ray_head.address}", f"cluster.auth_token_file={ray_head.token_file}",
+            f"storage.root={root / 'storage'}", f"model.source={model}"]
+    return sum((["--set", s] for s in sets), [])
+
+
+@pytest.fixture(scope="module")
+def storage(base_args):
+    return Storage(next(a.split("=", 1)[1] for a in base_args if a.startswith("storage.root=")))
+
+
+def tuneproof(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+@pytest.fixture(scope="module")
+def demo(prefect_server, base_args, storage):
+    result = tuneproof("run", "--run-id", "demo", *base_args)
+    assert result.exit_code == 0, result.output
+    return records.load(storage, "demo")
+
+
+def pointer_bytes(storage: Storage) -> bytes:
+    return storage.read_bytes("models", "dates-qwen2-tiny", "production.json")
+
+
+def test_the_demo_learns_the_task_survives_a_resume_and_is_promoted(demo, storage):
+    stages = demo["stages"]
+    assert [s for s in stages if stages[s]["status"] != "succeeded"] == []
+    manifest = stages["data"]["summary"]["manifest"]
+    assert manifest["splits"]["train"]["rows"] > 2000 and manifest["splits"]["eval"]["rows"] >= 250
+    finetune = stages["finetune"]["summary"]
+    assert finetune["final_loss"] < finetune["first_loss"] / 10
+    assert all(c["uri"].startswith(storage.uri("runs", "demo", "train")) for c in finetune["checkpoints"])
+    assert storage.exists(finetune["export_path"], "config.json")
+    resume = stages["resume"]["summary"]
+    assert resume["restored_step"] > 0 and resume["restored_step"] == resume["interrupted_at_step"]
+    assert resume["max_loss_diff"] == 0.0 and resume["loss_comparison"]["steps_compared"] >= 5
+    models = stages["evaluate"]["summary"]["models"]
+    assert models["candidate"]["metrics"]["exact_match"] >= 0.8
+    assert models["base"]["metrics"]["exact_match"] <= 0.05
+    assert models["incumbent"] is None
+    assert demo["promotion"]["promoted"] is True
+    assert json.loads(pointer_bytes(storage))["run_id"] == "demo"
+
+
+def test_unchanged_inputs_reuse_the_prepared_dataset(demo, base_args, storage):
+    result = tuneproof("run", "--only", "data", "--run-id", "demo-data-again", *base_args)
+    assert result.exit_code == 0, result.output
+    again = records.load(storage, "demo-data-again")
+    assert again["data"]["cache_hit"] is True
+    assert again["data"]["content_hash"] == demo["data"]["content_hash"]
+
+
+def test_an_unreachable_gate_is_a_modeling_failure_and_nothing_moves(demo, base_args, storage):
+    before = pointer_bytes(storage)
+    versions = storage.listdir("models", "dates-qwen2-tiny")
+    result = tuneproof("run", "--only", "evaluate,promote", "--run-id", "demo", *base_args,
+                       "--set", "eval.gates.exact_match.min=1.01")
+    assert result.exit_code == 6, result.output
+    rec = records.load(storage, "demo")
+    assert rec["failure_class"] == "modeling"
+    assert "exact_match >= 1.01" in rec["stages"]["evaluate"]["cause"]
+    assert rec["promotion"]["promoted"] is False
+    assert pointer_bytes(storage) == before
+    assert storage.listdir("models", "dates-qwen2-tiny") == versions
+
+
+def test_the_flow_run_page_shows_the_evidence(demo, prefect_server):
+    """Headless Chromium (Debian's) on the flow run page: the evaluation table and the loss image."""
+    chromium = shutil.which("chromium")
+    if chromium is None and not os.environ.get("CI"):
+        pytest.skip("Debian's chromium is not installed (`make test` installs it where it can: apt-get install chromium)")
+    from tests.browser import capture_flow_run
+
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    seen = capture_flow_run(prefect_server, demo["flow_run_id"], "demo", chromium, SCREENSHOTS)
+    assert "evaluation-demo" in seen["cards"] and "loss-curve-demo" in seen["cards"]
+    assert "exact_match" in seen["evaluation_text"] and "candidate" in seen["evaluation_text"]
+    assert seen["loss_image_width"] > 100
+    for name in ("flow-run-artifacts.png", "evaluation.png", "loss-curve.png"):
+        assert (SCREENSHOTS / name).stat().st_size > 10_000
+
+
+def test_a_checkpoint_with_a_deleted_shard_is_never_used(demo, base_args, storage):
+    """Last: it damages the demo run's checkpoints."""
+    before = pointer_bytes(storage)
+    from tasks.resume import pick_checkpoint
+    from tuneproof.config import load_config
+
+    cfg = load_config()
+    finetune = demo["stages"]["finetune"]["summary"]
+    seed = pick_checkpoint(finetune["checkpoints"], finetune["steps"], cfg.resume.extra_steps, cfg.resume.replay_steps)
+    ckpt_dir = Path(seed["uri"])
+    shard = sorted(ckpt_dir.glob("*.distcp"))[0]
+    shard.unlink()
+    result = tuneproof("run", "--only", "resume,evaluate,promote", "--run-id", "demo", *base_args)
+    assert result.exit_code == 4, result.output
+    rec = records.load(storage, "demo")
+    resume = rec["stages"]["resume"]
+    assert resume["failure_class"] == "infrastructure" and shard.name in resume["cause"]
+    assert rec["promotion"]["promoted"] is False
+    assert pointer_bytes(storage) == before
