@@ -35,8 +35,8 @@ def pipeline(config: PipelineConfig = PipelineConfig(), run_id: str | None = Non
     for stage in plan:
         try:
             entry = run_stage(stage, cfg, run_id, record)
-        except MissingStageOutput:
-            raise
+        except MissingStageOutput as e:
+            return unusable_request(storage, record, str(e))
         except Exception as e:  # noqa: BLE001 - the record must say how the run ended, whatever happened
             entry = crashed(stage, e)
         record_stage(record, stage, entry)
@@ -155,6 +155,13 @@ def report(fn, *args) -> None:
         fn(*args)
     except Exception as e:  # noqa: BLE001
         get_run_logger().warning(f"could not publish artifact {fn.__name__}: {type(e).__name__}: {e}")
+
+
+def unusable_request(storage: Storage, record: dict, cause: str):
+    """A subset rerun that lacks an earlier stage's output: a usage error, not a stage failure."""
+    record.update(status="failed", failure_class=None, cause=cause)
+    records.save(storage, record)
+    return Failed(message=f"nothing ran: {cause}")
 
 
 def finish(storage: Storage, record: dict, failed: dict | None):

@@ -81,12 +81,21 @@ def run(
     """Run the pipeline; prints the run id; exit code by failure class."""
     cfg = config_or_exit(config, sets)
     stages = parse_only(only)
-    if stages and not run_id:
-        run_id = None if set(stages) >= {"verify", "data"} else latest_run_id(cfg)
+    if stages and not run_id and needs_earlier_outputs(stages):
+        run_id = latest_run_id(cfg)
+        console.print(f"--only {','.join(stages)} reruns against the latest run, {run_id} (use --run-id to pick another)")
     from tuneproof.terminal import run_with_display
 
     record = run_with_display(cfg, run_id, stages, console)
-    raise typer.Exit(exit_code_for(record.get("failure_class")))
+    raise typer.Exit(run_exit_code(record))
+
+
+def run_exit_code(record: dict) -> int:
+    """By failure class; a failed run without one was a request that could not run (e.g. --only
+    without an earlier stage's output), which is a usage error like an invalid config."""
+    if record.get("failure_class"):
+        return exit_code_for(record["failure_class"])
+    return EXIT_INVALID_CONFIG if record.get("status") == "failed" else 0
 
 
 def parse_only(only: Optional[str]) -> list[str] | None:
@@ -98,6 +107,14 @@ def parse_only(only: Optional[str]) -> list[str] | None:
         err.print(f"--only: unknown stage(s) {', '.join(unknown)}; expected some of {', '.join(STAGES)}")
         raise typer.Exit(EXIT_INVALID_CONFIG)
     return stages
+
+
+# Which earlier stage's output each stage reads from the run record.
+NEEDS = {"finetune": "data", "resume": "finetune", "evaluate": "finetune", "promote": "evaluate"}
+
+
+def needs_earlier_outputs(stages: list[str]) -> bool:
+    return any(NEEDS.get(s) and NEEDS[s] not in stages for s in stages)
 
 
 def latest_run_id(cfg: PipelineConfig) -> str:
@@ -194,7 +211,7 @@ def verify(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt,
     from tuneproof.terminal import run_with_display
 
     rec = run_with_display(cfg, None, ["verify"], console)
-    raise typer.Exit(exit_code_for(rec.get("failure_class")))
+    raise typer.Exit(run_exit_code(rec))
 
 
 @app.command()

@@ -1,0 +1,82 @@
+"""The command line without a cluster: transport verdicts and exit codes, run records, --only planning."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from tuneproof import record as records
+from tuneproof.cli import app, needs_earlier_outputs, run_exit_code
+from tuneproof.config import PipelineConfig
+from tuneproof.storage import Storage
+
+EFA_LOG = """\
+ip-10-0-1-5:1234:1234 [0] NCCL INFO NCCL version 2.29.7+cuda13.0
+ip-10-0-1-5:1234:1234 [0] NCCL INFO Bootstrap : Using eth0:10.0.1.5<0>
+ip-10-0-1-5:1234:1290 [0] NCCL INFO NET/OFI Selected provider is efa, fabric is efa (found 1 nics)
+ip-10-0-1-5:1234:1290 [0] NCCL INFO Using network Libfabric
+ip-10-0-1-5:1234:1291 [0] NCCL INFO Channel 00/0 : 0[0] -> 4[0] [send] via NET/Libfabric/0/GDRDMA
+"""
+SOCKET_LOG = """\
+ip-10-0-1-6:2234:2234 [0] NCCL INFO NCCL version 2.29.7+cuda13.0
+ip-10-0-1-6:2234:2290 [0] NCCL INFO NET/OFI No eligible providers were found
+ip-10-0-1-6:2234:2290 [0] NCCL INFO NET/Socket : Using [0]eth0:10.0.1.6<0>
+ip-10-0-1-6:2234:2290 [0] NCCL INFO Using network Socket
+"""
+SILENT_LOG = """\
+ip-10-0-1-7:3234:3234 [0] NCCL INFO NCCL version 2.29.7+cuda13.0
+ip-10-0-1-7:3234:3234 [0] NCCL INFO Bootstrap : Using eth0:10.0.1.7<0>
+"""
+
+
+def transport(tmp_path, text: str, *args: str):
+    log = tmp_path / "nccl.log"
+    log.write_text(text)
+    result = CliRunner().invoke(app, ["transport", str(log), *args])
+    return result.exit_code, json.loads(result.output)
+
+
+def test_transport_verdicts_and_exit_codes(tmp_path):
+    code, doc = transport(tmp_path, EFA_LOG, "--expect", "efa")
+    assert (code, doc["verdict"], doc["ok"]) == (0, "efa", True)
+    assert any("Selected provider is efa" in line for line in doc["evidence"])
+    code, doc = transport(tmp_path, SOCKET_LOG, "--expect", "efa")
+    assert (code, doc["verdict"]) == (1, "socket-fallback")
+    assert any("NET/Socket" in line or "No eligible providers" in line for line in doc["evidence"])
+    code, doc = transport(tmp_path, SILENT_LOG, "--expect", "efa")
+    assert (code, doc["verdict"]) == (1, "inconclusive")
+    code, doc = transport(tmp_path, SOCKET_LOG)  # no expectation: a verdict, not a failure
+    assert (code, doc["verdict"]) == (0, "socket-fallback")
+
+
+def test_transport_rejects_an_unknown_expectation(tmp_path):
+    log = tmp_path / "nccl.log"
+    log.write_text(EFA_LOG)
+    result = CliRunner().invoke(app, ["transport", str(log), "--expect", "infiniband"])
+    assert result.exit_code == 2 and "infiniband" in result.output
+
+
+def test_runs_list_is_newest_first_and_show_reads_one(tmp_path):
+    storage = Storage(str(tmp_path))
+    cfg = PipelineConfig()
+    for run_id in ("20261130-100000-aaaaaa", "20261130-110000-bbbbbb"):
+        rec = records.new_record(run_id, cfg, {"git_sha": "abc", "dirty": False}, None)
+        rec["created_at"] = run_id
+        records.save(storage, rec)
+    listed = CliRunner().invoke(app, ["runs", "list", "--json", "--set", f"storage.root={tmp_path}"])
+    assert [r["run_id"] for r in json.loads(listed.output)] == ["20261130-110000-bbbbbb", "20261130-100000-aaaaaa"]
+    shown = CliRunner().invoke(app, ["runs", "show", "20261130-100000-aaaaaa", "--json", "--set", f"storage.root={tmp_path}"])
+    assert json.loads(shown.output)["config_hash"] == cfg.config_hash()
+    missing = CliRunner().invoke(app, ["runs", "show", "nope", "--set", f"storage.root={tmp_path}"])
+    assert missing.exit_code == 1 and "nope" in missing.output
+
+
+def test_only_plans_and_exit_codes():
+    assert not needs_earlier_outputs(["verify", "connectivity"])
+    assert needs_earlier_outputs(["evaluate", "promote"])
+    assert run_exit_code({"status": "succeeded", "failure_class": None}) == 0
+    assert run_exit_code({"status": "failed", "failure_class": "data"}) == 5
+    assert run_exit_code({"status": "failed", "failure_class": None}) == 3
+    bad = CliRunner().invoke(app, ["run", "--only", "verify,train"])
+    assert bad.exit_code == 3 and "train" in bad.output
