@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tuneproof.local import free_port, start_ray_head
+from tuneproof.local import free_port, ray_env, start_ray_head
 
 # Never reach a hub from tests; fail loudly instead of hanging on a network call.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -37,6 +38,26 @@ def ray_head(tmp_path_factory):
         yield head
     finally:
         head.stop()
+
+
+@contextlib.contextmanager
+def ray_driver(head, **init_kwargs):
+    """This process as a Ray driver of `head` (stage bodies then call ray.init() as a no-op)."""
+    import ray
+    from ray._private import ray_constants
+    from ray._raylet import Config
+
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in ray_env(head.token_file).items():
+            mp.setenv(key, value)
+        # Both settings are read when ray is first imported, possibly before they were in the environment.
+        mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+        Config.initialize("")
+        ray.init(address=head.gcs_address, **init_kwargs)
+        try:
+            yield head
+        finally:
+            ray.shutdown()
 
 
 @pytest.fixture(scope="session")

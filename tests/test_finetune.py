@@ -27,7 +27,7 @@ from training.finetune import TrainParams, Worker, divergence, finetune, loss_cu
 from training.jobkit import JobContext
 from training.train_data import BatchLayout, StepBatches, load_examples, rank_slices
 from tuneproof.config import PROJECT_ROOT, PipelineConfig
-from tuneproof.local import ray_env
+from tests.conftest import ray_driver
 from tuneproof.resume_evidence import compare_losses
 from tuneproof.results import FailureClass, StageFailure
 from tuneproof.storage import Storage
@@ -191,26 +191,12 @@ def test_start_is_init_from_only_when_the_run_has_no_checkpoint(tmp_path, monkey
 @pytest.fixture(scope="module")
 def ray_cluster(ray_head, s3_endpoint):
     """This process as a driver of the session Ray head; its workers import the project and get S3 creds."""
-    import ray
-    from ray._private import ray_constants
-    from ray._raylet import Config
-
     # Ray Train's print patch would echo every worker line twice (its logger plus the original stream).
     env_vars = {"PYTHONPATH": str(PROJECT_ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
     env_vars.update({k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")})
-    with pytest.MonkeyPatch.context() as mp:
-        # The head listens on 127.0.0.1 only; without this Ray swaps 127.0.0.1 for the machine's address.
-        for key, value in {**ray_env(ray_head.token_file), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}.items():
-            mp.setenv(key, value)
-        # Both settings are read when ray is first imported, possibly before they were in the environment.
-        mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-        Config.initialize("")
-        ray.init(address=ray_head.gcs_address, runtime_env={"env_vars": env_vars})
-        try:
-            yield ray_head
-        finally:
-            ray.shutdown()
+    with ray_driver(ray_head, runtime_env={"env_vars": env_vars}):
+        yield ray_head
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,11 @@ import os
 import pytest
 import torch
 
+from tests.conftest import ray_driver
+
 from tuneproof.checks import environment_digest
 from tuneproof.config import PipelineConfig, StorageConfig
 from tuneproof.findings import Finding
-from tuneproof.local import ray_env
 from tuneproof.results import StageFailure
 from training.jobkit import JobContext
 from training.verify import (
@@ -67,21 +68,9 @@ def test_failure_cause_is_first_finding_plus_count():
 
 @pytest.fixture(scope="module")
 def ray_connected(ray_head):
-    """This process as a Ray driver of the session's head (the stage bodies call ray.init() no-op)."""
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in ray_env(ray_head.token_file).items():
-            mp.setenv(key, value)
-        import ray
-        from ray._raylet import Config
-
-        # RayConfig reads RAY_AUTH_MODE when ray is first imported; re-read it in case an
-        # earlier test imported ray before the token settings were in the environment.
-        Config.initialize("")
-        ray.init(address=ray_head.gcs_address, log_to_driver=False)
-        try:
-            yield ray_head
-        finally:
-            ray.shutdown()
+    """This process as a Ray driver of the session's head."""
+    with ray_driver(ray_head, log_to_driver=False):
+        yield ray_head
 
 
 def _context(tmp_path, ray_version: str) -> JobContext:

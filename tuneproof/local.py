@@ -69,8 +69,9 @@ class RayHead:
 
 
 def ray_env(token_file: str | os.PathLike) -> dict[str, str]:
-    """Environment for processes that talk to our Ray head with token auth."""
-    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)}
+    """Environment for the head and the drivers that join it: token auth, and loopback addresses
+    (otherwise Ray swaps 127.0.0.1 for the machine's address and listens on every interface)."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 def write_token(path: Path) -> None:
@@ -109,9 +110,7 @@ def start_ray_head(
         cmd.append(f"--num-cpus={num_cpus}")
     log_file = state_dir / "ray-head.log"
     # No drain on stop: nothing serves traffic here, and the default drain waits 30 s.
-    env = {**os.environ, **ray_env(token_file), "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
-           # Otherwise Ray swaps 127.0.0.1 for the machine's address and listens on every interface.
-           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env = {**os.environ, **ray_env(token_file), "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
     with open(log_file, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     head = RayHead(proc.pid, dashboard_port, gcs_port, temp_dir, str(token_file), str(log_file))
