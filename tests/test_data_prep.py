@@ -28,7 +28,8 @@ from tests.conftest import TEST_BUCKET
 
 PROJECT = Path(__file__).resolve().parent.parent
 DATES = [json.loads(line) for line in DEFAULT_DATA.read_text().splitlines()]
-SYSTEM = PipelineConfig().data.system_prompt
+# A system turn exercises the whole chat template (the demo profile sends none).
+SYSTEM = "Rewrite the date in ISO 8601 (YYYY-MM-DD)."
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,8 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 def config(root, model_dir, source, **data) -> PipelineConfig:
     return PipelineConfig.model_validate({
-        "storage": {"root": str(root)}, "model": {"source": str(model_dir)}, "data": {"source": str(source), **data},
+        "storage": {"root": str(root)}, "model": {"source": str(model_dir)},
+        "data": {"source": str(source), "system_prompt": SYSTEM, **data},
     })
 
 
@@ -321,7 +323,7 @@ def test_prepare_on_s3_and_read_back(s3_endpoint, tmp_path, tiny_dir):
     cfg = PipelineConfig.model_validate({
         "storage": {"root": f"s3://{TEST_BUCKET}/prep", "endpoint_url": s3_endpoint},
         "model": {"source": str(tiny_dir)},
-        "data": {"source": f"s3://{TEST_BUCKET}/sources/dates.jsonl", "shard_rows": 50},
+        "data": {"source": f"s3://{TEST_BUCKET}/sources/dates.jsonl", "shard_rows": 50, "system_prompt": SYSTEM},
     })
     summary = prepare(cfg)
     assert summary["dataset_uri"] == f"s3://{TEST_BUCKET}/prep/{summary['dataset_path']}"

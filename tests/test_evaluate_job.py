@@ -6,7 +6,6 @@ it scores 1.0 where the untrained base scores 0: the gates have something real t
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
@@ -50,13 +49,11 @@ def encode(tokenizer, text: str, answer: str) -> dict:
 
 
 def write_dataset(storage: Storage, rows: list[dict]) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    """The eval split as the data stage writes it: checksummed parquet shards, manifest.json last."""
+    from training.data_prep import Example, write_splits
 
-    buf = io.BytesIO()
-    pq.write_table(pa.Table.from_pylist(rows), buf)
-    storage.write_bytes(buf.getvalue(), DATASET, "eval", "part-00000.parquet")
-    storage.write_json({"rows": {"eval": len(rows)}}, DATASET, "manifest.json")  # the completion marker, last
+    meta = write_splits(storage, DATASET, {"eval": [Example(**row) for row in rows]}, shard_rows=4096)
+    storage.write_json({"name": "dates", "splits": meta}, DATASET, "manifest.json")
 
 
 def train_constant_answer(base: Path, rows: list[dict], out: Path, steps: int = 60) -> Path:

@@ -45,10 +45,13 @@ def prefect_server(tmp_path_factory):
         _wait_http(f"{url}/api/health", 120)
         with temporary_settings({PREFECT_API_URL: f"{url}/api", PREFECT_UI_API_URL: f"{url}/api"}):
             yield url
-            # Ship the last log lines while the server is still there (else: "Error logging to API").
-            from prefect.logging.handlers import APILogHandler
+            # Ship the last logs and events while the server is still there; a worker left holding
+            # items for a stopped server makes every later drain (e.g. a test harness's) wait on it.
+            from prefect.events.worker import EventsWorker
+            from prefect.logging.handlers import APILogWorker
 
-            APILogHandler.flush()
+            APILogWorker.drain_all()
+            EventsWorker.drain_all()
     finally:
         stop_group(proc.pid, 10)
         log.close()

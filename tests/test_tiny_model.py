@@ -15,7 +15,8 @@ from training.tiny_model import (
 )
 from tuneproof.config import DataConfig
 
-SYSTEM = DataConfig().system_prompt
+# A system turn exercises the whole chat template (the demo profile sends none).
+SYSTEM = "Rewrite the date in ISO 8601 (YYYY-MM-DD)."
 
 
 def small_corpus(rows: int = 300):
@@ -89,13 +90,15 @@ def test_ensure_creates_once_and_bundled_task_fits_max_seq_len(tmp_path, capsys)
     assert ensure_tiny_model(out) is False
     tok = load_tokenizer(str(out))
     rows = [json.loads(line) for line in DEFAULT_DATA.read_text().splitlines()]
+    demo = DataConfig()  # the chat the demo trains on: its system prompt (none by default) and limit
+    system = [{"role": "system", "content": demo.system_prompt}] if demo.system_prompt else []
     lengths = [
         len(tok(tok.apply_chat_template([
-            {"role": "system", "content": SYSTEM},
+            *system,
             {"role": "user", "content": row["input"]},
             {"role": "assistant", "content": row["output"]},
         ], tokenize=False), add_special_tokens=False)["input_ids"])
         for row in rows
     ]
     assert len(lengths) == 3000
-    assert max(lengths) <= DataConfig().max_seq_len, f"longest chat is {max(lengths)} tokens"
+    assert max(lengths) <= demo.max_seq_len, f"longest chat is {max(lengths)} tokens"

@@ -71,7 +71,8 @@ def quiet_prefect_console(verbose: bool) -> None:
 
 
 def run_with_display(cfg: PipelineConfig, run_id: str | None, only: list[str] | None, console: Console) -> dict:
-    """Run the flow in-process with a live display; returns the run record (or a failure stub)."""
+    """Run the flow in-process with a live display; returns the run record (or, when the flow
+    ended before writing one, a minimal failure record)."""
     from flows.pipeline import pipeline
     from tasks import events
     from tuneproof import record as records
