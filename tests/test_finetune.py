@@ -312,18 +312,32 @@ def test_a_nan_loss_stops_training_as_a_modeling_failure(local_run):
 
 
 @pytest.mark.integration
-def test_fine_tune_on_s3_writes_checkpoints_and_the_export_to_the_bucket(ray_cluster, base_model, s3_endpoint):
+def test_data_prep_and_fine_tune_on_s3_read_back_from_the_bucket(ray_cluster, tmp_path, s3_endpoint):
+    """The data stage and the fine-tune with storage on the S3-compatible server: the dataset, a
+    checkpoint and the export are then read back from the bucket."""
     import boto3
 
-    config = make_config(f"s3://{TEST_BUCKET}/ft-{int(time.time())}", base_model, s3_endpoint,
-                         max_steps=4, checkpoint_every=2)
-    storage = Storage(config.storage.root, s3_endpoint)
-    write_dataset(storage)
-    summary = finetune(context(config, "run-s3"))
+    from training.data_prep import prepare_data, read_split
+    from training.tiny_model import DEFAULT_DATA, ensure_tiny_model
+
+    model = tmp_path / "tiny-qwen2"
+    ensure_tiny_model(model, DEFAULT_DATA)
+    root = f"s3://{TEST_BUCKET}/ft-{int(time.time())}"
+    storage = Storage(root, s3_endpoint)
+    storage.write_bytes(b"\n".join(DEFAULT_DATA.read_bytes().splitlines()[:300]) + b"\n", "sources", "dates.jsonl")
+    config = PipelineConfig.model_validate({
+        **make_config(root, model, s3_endpoint, max_steps=4, checkpoint_every=2).model_dump(),
+        "data": {"source": f"{root}/sources/dates.jsonl"},
+    })
+    data = prepare_data(JobContext("run-s3", "data", config))
+    summary = finetune(JobContext("run-s3", "finetune", config, {"dataset": data["dataset_path"]}))
+
+    assert data["dataset_uri"].startswith(f"{root}/datasets/dates/")
+    assert read_split(storage, data["dataset_path"], "train").num_rows == data["manifest"]["splits"]["train"]["rows"] == 270
     assert [c["step"] for c in summary["checkpoints"]] == [2, 4]
     assert summary["export_uri"].startswith(f"s3://{TEST_BUCKET}/")
     s3 = boto3.client("s3", endpoint_url=s3_endpoint)
-    prefix = config.storage.root.removeprefix(f"s3://{TEST_BUCKET}/")
+    prefix = root.removeprefix(f"s3://{TEST_BUCKET}/")
     marker = json.loads(s3.get_object(Bucket=TEST_BUCKET, Key=f"{prefix}/runs/run-s3/train/run-s3/checkpoint_000004/{MARKER}")["Body"].read())
     assert marker["step"] == 4 and ".metadata" in marker["files"]
     exported = json.loads(s3.get_object(Bucket=TEST_BUCKET, Key=f"{prefix}/runs/run-s3/model/config.json")["Body"].read())
