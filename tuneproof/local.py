@@ -110,7 +110,10 @@ def start_ray_head(
         cmd.append(f"--num-cpus={num_cpus}")
     log_file = state_dir / "ray-head.log"
     # No drain on stop: nothing serves traffic here, and the default drain waits 30 s.
-    env = {**os.environ, **ray_env(token_file), "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    env = {**os.environ, **ray_env(token_file), "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+           # Job entrypoints run `python -m ...` from PATH: it must be this environment's Python,
+           # also when `tuneproof` was started without activating the virtualenv.
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
     with open(log_file, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     head = RayHead(proc.pid, dashboard_port, gcs_port, temp_dir, str(token_file), str(log_file))
