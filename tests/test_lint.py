@@ -283,3 +283,9 @@ def test_job_template_fixed_parts_validate_as_a_job(deploy):
     template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["restartPolicy"] = 3
     path.write_text(json.dumps(template))
     assert only(lint_paths([str(path)], None), field="spec.template.spec.restartPolicy").seen == 3
+
+
+def test_a_field_of_the_wrong_type_is_a_schema_finding_not_a_crash(deploy):
+    edit_rc(deploy, lambda rc: worker(rc).update({"replicas": "two"}))
+    wrong = errors(lint_paths([str(deploy)], eks()))
+    assert [f.seen for f in wrong] == ["two"] and "replicas" in wrong[0].field

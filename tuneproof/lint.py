@@ -88,8 +88,11 @@ class Doc:
 def lint_paths(paths: list[str], config: PipelineConfig | None) -> list[Finding]:
     """Every finding over the manifests under `paths` (files, or folders read recursively)."""
     docs, findings = load_documents(paths)
-    findings += [f for d in docs for f in schema_findings(d)]
     for doc in docs:
+        schema = schema_findings(doc)
+        findings += schema
+        if any(f.severity == "error" for f in schema):
+            continue  # the other checks read typed fields; a broken object is reported by its schema alone
         if doc.kind == "RayCluster":
             findings += raycluster_findings(doc, docs, config)
         elif doc.kind in ("Deployment", "Job", "Pod"):
