@@ -80,3 +80,14 @@ def test_only_plans_and_exit_codes():
     assert run_exit_code({"status": "failed", "failure_class": None}) == 3
     bad = CliRunner().invoke(app, ["run", "--only", "verify,train"])
     assert bad.exit_code == 3 and "train" in bad.output
+
+
+def test_run_without_a_prefect_server_says_how_to_start_one():
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tuneproof.local import free_port
+
+    with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{free_port()}/api"}):
+        result = CliRunner().invoke(app, ["run", "--only", "verify"])
+    assert result.exit_code == 4
+    assert "does not answer" in result.output and "tuneproof local up" in result.output

@@ -78,6 +78,10 @@ def run_with_display(cfg: PipelineConfig, run_id: str | None, only: list[str] | 
     from tuneproof import record as records
     from tuneproof.storage import Storage
 
+    problem = prefect_api_problem()
+    if problem:
+        console.print(f"[bold red]cannot run[/]: {problem}")
+        return {"run_id": None, "status": "failed", "failure_class": "infrastructure", "cause": problem}
     run_id = run_id or records.make_run_id()
     console.print(f"run id: [bold]{run_id}[/]")
     display = Display(run_id, [s for s in STAGES if not only or s in only])
@@ -96,6 +100,23 @@ def run_with_display(cfg: PipelineConfig, run_id: str | None, only: list[str] | 
         return {"run_id": run_id, "failure_class": "infrastructure", "cause": state.message}
     print_summary(rec, console)
     return rec
+
+
+def prefect_api_problem() -> str | None:
+    """Why the configured Prefect API cannot take a flow run, or None (unset means a temporary local server)."""
+    import urllib.request
+
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        return None
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=5):
+            return None
+    except OSError as e:
+        return (f"the Prefect API at {url} does not answer ({getattr(e, 'reason', e)}); start the local one with "
+                "`tuneproof local up`, or point PREFECT_API_URL at yours")
 
 
 def print_summary(rec: dict, console: Console) -> None:
