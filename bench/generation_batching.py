@@ -20,8 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eval.generation import generate  # noqa: E402
-from training.tiny_model import ensure_tiny_model  # noqa: E402
-from tuneproof.config import PROJECT_ROOT  # noqa: E402
+from tuneproof.app.tiny_model import ensure_tiny_model  # noqa: E402
+from tuneproof.core.config import PROJECT_ROOT  # noqa: E402
 
 DATA = PROJECT_ROOT / "data" / "dates" / "dates.jsonl"
 

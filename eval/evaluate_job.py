@@ -2,10 +2,11 @@
 
     TUNEPROOF_JOB=<jobkit.encode_job(...)> python -m eval.evaluate_job   (submitted by tasks/ as a Ray job)
 
-params: {"candidate": "runs/<run>/model" (storage-relative HF export), "dataset": "datasets/<name>/<hash>"}.
+params (EvalParams): candidate "runs/<run>/model" (storage-relative HF export), dataset
+"datasets/<name>/<hash>", and incumbent {version, path}: the production model the submitting task read
+from the registry when it built the job (None before the first promotion).
 Each model in turn, one in memory at a time: greedy answers to the eval split's prompts, the
-configured `evaluate` metrics over them, eval loss and perplexity over input_ids/labels. The
-incumbent is whatever models/<name>/production.json points at (none before the first promotion).
+configured `evaluate` metrics over them, eval loss and perplexity over input_ids/labels.
 Per-example answers go to runs/<run>/stages/<job>/predictions.jsonl. A failed gate fails the
 stage as a modeling failure whose summary still carries every number and gate line.
 """
@@ -18,6 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict
+
 from eval.gates import decide
 from eval.generation import eval_loss, generate, pad_token_id, pick_device
 from eval.metrics_loader import load_metric
@@ -26,11 +29,29 @@ from training.checkpointing import check_complete
 from training.jobkit import JobContext, run_stage
 from training.modeling import load_model, load_tokenizer, materialize
 from training.train_data import read_split
-from tuneproof.registry import read_pointer
-from tuneproof.results import FailureClass, StageFailure
+from tuneproof.core.results import FailureClass, StageFailure
 
 STAGE = "evaluate"
 ROLES = ("candidate", "base", "incumbent")  # the order eval.gates.decide takes them in
+
+
+class Incumbent(BaseModel):
+    """The production model at the time the job was built: its registry version and storage path."""
+
+    version: str
+    path: str
+
+
+class EvalParams(BaseModel):
+    """What the submitting task passes; unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    candidate: str
+    """Storage path of the candidate's Hugging Face export, runs/<run>/model."""
+    dataset: str
+    """Storage path of the prepared dataset, datasets/<name>/<hash>."""
+    incumbent: Incumbent | None = None
 
 
 @dataclass(frozen=True)
@@ -61,10 +82,10 @@ class ModelEval:
 def evaluate_body(ctx: JobContext) -> dict:
     """The stage's story: data, models, answers and metrics per model, predictions, gates."""
     cfg = ctx.config.eval
-    data = read_eval_set(ctx, _param(ctx, "dataset"))
-    require_complete_export(ctx, _param(ctx, "candidate"))
-    pointer, _ = read_pointer(ctx.storage, ctx.config.model.name)
-    sources = model_sources(ctx, pointer)
+    params = EvalParams.model_validate(ctx.params)
+    data = read_eval_set(ctx, params.dataset)
+    require_complete_export(ctx, params.candidate)
+    sources = model_sources(ctx, params)
     metrics = {name: load_metric(name, cfg.hub_metrics) for name in cfg.metrics}
     counter = _Progress(total=len(sources) * len(data.prompts))
     results = {s.role: evaluate_model(ctx, s, data, metrics, counter) for s in sources}
@@ -74,7 +95,7 @@ def evaluate_body(ctx: JobContext) -> dict:
         jobkit.log(f"gate: {line}")
     summary = {
         "models": {role: _model_summary(sources, results, role) for role in ROLES},
-        "incumbent_version": pointer["version"] if pointer else None,
+        "incumbent_version": params.incumbent.version if params.incumbent else None,
         "gates": decision.as_dict(),
         "predictions_uri": predictions_uri,
         "examples": len(data.prompts),
@@ -105,15 +126,14 @@ def require_complete_export(ctx: JobContext, candidate: str) -> None:
         raise StageFailure(FailureClass.infrastructure, f"candidate export is not complete: {problem}")
 
 
-def model_sources(ctx: JobContext, pointer: dict | None) -> list[ModelSource]:
+def model_sources(ctx: JobContext, params: EvalParams) -> list[ModelSource]:
     storage, model_cfg = ctx.storage, ctx.config.model
-    candidate = _param(ctx, "candidate")
     sources = [
-        ModelSource("candidate", candidate, storage.uri(candidate)),
+        ModelSource("candidate", params.candidate, storage.uri(params.candidate)),
         ModelSource("base", model_cfg.source, model_cfg.source, model_cfg.revision),
     ]
-    if pointer:
-        sources.append(ModelSource("incumbent", pointer["path"], storage.uri(pointer["path"])))
+    if params.incumbent:
+        sources.append(ModelSource("incumbent", params.incumbent.path, storage.uri(params.incumbent.path)))
     return sources
 
 
@@ -173,14 +193,6 @@ def _model_summary(sources: list[ModelSource], results: dict[str, ModelEval], ro
         return None
     path = next(s.path for s in sources if s.role == role)
     return {"path": path, "metrics": results[role].metrics, "seconds": results[role].seconds}
-
-
-def _param(ctx: JobContext, key: str) -> str:
-    value = ctx.params.get(key)
-    if not value:
-        raise ValueError(f"evaluate job parameter {key!r} is missing (got params {sorted(ctx.params)}); "
-                         "expected candidate='runs/<run>/model' and dataset='datasets/<name>/<hash>'")
-    return value
 
 
 def _free_memory() -> None:

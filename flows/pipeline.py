@@ -15,11 +15,11 @@ from prefect.runtime import flow_run
 from prefect.states import Completed, Failed
 
 from tasks import artifacts, events, promote as promote_tasks, resume as resume_tasks, stages
-from tuneproof import record as records
-from tuneproof.config import STAGES, PipelineConfig
-from tuneproof.identity import git_identity
-from tuneproof.results import now_iso, one_line
-from tuneproof.storage import Storage
+from tuneproof.control import record as records
+from tuneproof.core.config import STAGES, PipelineConfig
+from tuneproof.control.identity import git_identity
+from tuneproof.core.results import now_iso, one_line
+from tuneproof.core.storage import Storage
 
 
 @flow(name="tuneproof-pipeline", log_prints=True)

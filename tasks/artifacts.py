@@ -21,8 +21,8 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from tuneproof.config import STAGES
-from tuneproof.storage import Storage
+from tuneproof.core.config import STAGES
+from tuneproof.core.storage import Storage
 
 
 def key(kind: str, run_id: str) -> str:

@@ -14,12 +14,12 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tuneproof import record as records
-from tuneproof import registry
-from tuneproof.config import PipelineConfig
-from tuneproof.record import stage_entry
-from tuneproof.results import now_iso
-from tuneproof.storage import Storage
+from tuneproof.control import record as records
+from tuneproof.control import registry
+from tuneproof.core.config import PipelineConfig
+from tuneproof.control.record import stage_entry
+from tuneproof.core.results import now_iso
+from tuneproof.core.storage import Storage
 
 
 def refusal_reasons(cfg: PipelineConfig, record: dict) -> list[str]:

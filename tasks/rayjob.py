@@ -17,11 +17,11 @@ from typing import Any, Callable
 
 from ray.job_submission import JobStatus, JobSubmissionClient
 
-from tuneproof.config import PipelineConfig
-from tuneproof.identity import stage_working_dir
-from tuneproof.results import FailureClass, StageResult, now_iso, one_line
-from tuneproof.storage import Storage
-from training.jobkit import ENV_VAR, PROGRESS_PREFIX, encode_job
+from tuneproof.core.config import PipelineConfig
+from tuneproof.control.identity import stage_working_dir
+from tuneproof.core.results import FailureClass, StageResult, now_iso, one_line
+from tuneproof.core.storage import Storage
+from tuneproof.core.envelope import ENV_VAR, PROGRESS_PREFIX, JobEnvelope
 
 TERMINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
 LIVE = {JobStatus.PENDING, JobStatus.RUNNING}
@@ -140,7 +140,7 @@ class RayJobRunner:
     def runtime_env(self, spec: JobSpec, workdir: str) -> dict[str, Any]:
         # Ray Train re-prints worker output through its own logger unless told not to: lines came twice.
         env = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", **self.cfg.runtime_env.env_vars, **spec.env}
-        env[ENV_VAR] = encode_job(self.run_id, spec.job, self.cfg, spec.params)
+        env[ENV_VAR] = JobEnvelope(run_id=self.run_id, job=spec.job, config=self.cfg, params=spec.params).encode()
         runtime_env: dict[str, Any] = {"working_dir": workdir, "env_vars": env}
         if self.cfg.runtime_env.pip:
             runtime_env["pip"] = list(self.cfg.runtime_env.pip)

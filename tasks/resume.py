@@ -20,11 +20,11 @@ from prefect import task
 from tasks import events
 from tasks.rayjob import JobSpec
 from tasks.stages import RETRY, entry_from, job_name, runner_for
-from tuneproof.config import PipelineConfig
-from tuneproof.record import stage_entry
-from tuneproof.resume_evidence import check_restart, compare_losses
-from tuneproof.results import now_iso
-from tuneproof.storage import Storage
+from tuneproof.core.config import PipelineConfig
+from tuneproof.control.record import stage_entry
+from tuneproof.control.resume_evidence import check_restart, compare_losses
+from tuneproof.core.results import now_iso
+from tuneproof.core.storage import Storage
 
 
 def pick_checkpoint(checkpoints: list[dict], final_step: int, extra: int, replay: int) -> dict | None:

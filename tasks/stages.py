@@ -1,6 +1,6 @@
 """Prefect tasks for the job-backed stages: build the job request, run it, return a record entry.
 
-Each task returns the stage's record entry (tuneproof.record.stage_entry); classified failures
+Each task returns the stage's record entry (tuneproof.control.record.stage_entry); classified failures
 are values, not exceptions, so Prefect retries (retries=1) only cover the unexpected — a lost
 connection while following a job — and a retry re-attaches to the same Ray submission.
 """
@@ -14,9 +14,12 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks import artifacts, events
 from tasks.rayjob import JobOutcome, JobSpec, RayJobRunner
-from tuneproof.config import PipelineConfig
-from tuneproof.record import stage_entry
-from tuneproof.results import now_iso
+from tuneproof.control import registry
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.storage import Storage
+from tuneproof.core.transport import nccl_env
+from tuneproof.control.record import stage_entry
+from tuneproof.core.results import now_iso
 
 RETRY = {"retries": 1, "retry_delay_seconds": 5, "cache_policy": NO_CACHE}
 
@@ -78,10 +81,10 @@ def verify(cfg: PipelineConfig, run_id: str, invocation: int = 1) -> dict[str, A
 
 
 def add_kubernetes_half(cfg: PipelineConfig, entry: dict[str, Any]) -> None:
-    from tuneproof.findings import errors
-    from tuneproof.kube import fetch_cluster_objects
-    from tuneproof.kube_checks import check_cluster, summarize
-    from tuneproof.results import StageFailure
+    from tuneproof.core.findings import errors
+    from tuneproof.control.kube import fetch_cluster_objects
+    from tuneproof.control.kube_checks import check_cluster, summarize
+    from tuneproof.core.results import StageFailure
 
     summary = entry["summary"]
     try:
@@ -108,8 +111,6 @@ def kube_image_digest(kube_summary: dict[str, Any]) -> str | dict | None:
 @task(name="connectivity", **RETRY)
 def connectivity(cfg: PipelineConfig, run_id: str, invocation: int = 1) -> dict[str, Any]:
     """All ranks join collectives; all-reduce bandwidth by size; the transport NCCL really used."""
-    from training.connectivity import nccl_env
-
     job = job_name("connectivity", invocation)
     env = nccl_env(f"{run_id}-{job}") if cfg.train.use_gpu else {}
     spec = JobSpec(job, "training.connectivity", cfg.timeouts.connectivity, env=env)
@@ -135,6 +136,8 @@ def finetune(cfg: PipelineConfig, run_id: str, dataset_path: str, invocation: in
 def evaluate(cfg: PipelineConfig, run_id: str, dataset_path: str, candidate_path: str,
              invocation: int = 1) -> dict[str, Any]:
     """Candidate vs base vs incumbent on the held-out split, and the gate decision."""
-    params = {"dataset": dataset_path, "candidate": candidate_path}
+    pointer, _ = registry.read_pointer(Storage.from_config(cfg.storage), cfg.model.name)
+    incumbent = {"version": pointer["version"], "path": pointer["path"]} if pointer else None
+    params = {"dataset": dataset_path, "candidate": candidate_path, "incumbent": incumbent}
     spec = JobSpec(job_name("evaluate", invocation), "eval.evaluate_job", cfg.timeouts.evaluate, params=params)
     return run_single_job(cfg, run_id, "evaluate", spec)

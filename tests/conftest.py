@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tuneproof.local import free_port, ray_env, start_ray_head
+from tuneproof.app.local import free_port, ray_env, start_ray_head
 
 # Never reach a hub from tests; fail loudly instead of hanging on a network call.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

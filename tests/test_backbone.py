@@ -7,10 +7,10 @@ import pytest
 from ray.job_submission import JobSubmissionClient
 from typer.testing import CliRunner
 
-from tuneproof import record as records
-from tuneproof.cli import app
-from tuneproof.config import load_config
-from tuneproof.storage import Storage
+from tuneproof.control import record as records
+from tuneproof.app.cli import app
+from tuneproof.core.config import load_config
+from tuneproof.core.storage import Storage
 
 pytestmark = pytest.mark.integration
 
@@ -25,8 +25,8 @@ def prefect_harness():
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    from training.tiny_model import ensure_tiny_model
-    from tuneproof.config import PROJECT_ROOT
+    from tuneproof.app.tiny_model import ensure_tiny_model
+    from tuneproof.core.config import PROJECT_ROOT
 
     out = tmp_path_factory.mktemp("model") / "tiny-qwen2"
     ensure_tiny_model(str(out), str(PROJECT_ROOT / "data" / "dates" / "dates.jsonl"))

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tuneproof.checks import check_nodes, environment_digest, summarize_cluster
-from tuneproof.config import ClusterExpect
+from tuneproof.core.checks import check_nodes, environment_digest, summarize_cluster
+from tuneproof.core.config import ClusterExpect
 
 DIGEST = environment_digest([("torch", "2.13.0+cpu"), ("ray", "2.60.0")])
 

@@ -6,10 +6,10 @@ import json
 
 from typer.testing import CliRunner
 
-from tuneproof import record as records
-from tuneproof.cli import app, needs_earlier_outputs, run_exit_code
-from tuneproof.config import PipelineConfig
-from tuneproof.storage import Storage
+from tuneproof.control import record as records
+from tuneproof.app.cli import app, needs_earlier_outputs, run_exit_code
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.storage import Storage
 
 EFA_LOG = """\
 ip-10-0-1-5:1234:1234 [0] NCCL INFO NCCL version 2.29.7+cuda13.0
@@ -85,7 +85,7 @@ def test_only_plans_and_exit_codes():
 def test_run_without_a_prefect_server_says_how_to_start_one():
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tuneproof.local import free_port
+    from tuneproof.app.local import free_port
 
     with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{free_port()}/api"}):
         result = CliRunner().invoke(app, ["run", "--only", "verify"])

@@ -6,12 +6,13 @@ import os
 
 import pytest
 
-from tuneproof.config import PipelineConfig
-from tuneproof.results import StageFailure
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.results import StageFailure
 from training.connectivity import (
-    bandwidth, check_ranks, check_transport, connectivity, nccl_env, own_nccl_lines, transport_verdict,
+    bandwidth, check_ranks, check_transport, connectivity, own_nccl_lines, transport_verdict,
 )
 from training.jobkit import JobContext
+from tuneproof.core.transport import nccl_env
 from tests.test_verify_probe import ray_connected  # noqa: F401 - the shared Ray driver fixture
 
 

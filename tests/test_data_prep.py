@@ -18,11 +18,11 @@ import pytest
 
 from training.data_prep import SCHEMA, prepare_data, read_split
 from training.jobkit import ENV_VAR, JobContext, encode_job
-from training.tiny_model import DEFAULT_DATA, build_tiny_model, task_corpus
-from tuneproof import datahash
-from tuneproof.config import PipelineConfig
-from tuneproof.results import FailureClass, StageFailure
-from tuneproof.storage import Storage
+from tuneproof.app.tiny_model import DEFAULT_DATA, build_tiny_model, task_corpus
+from tuneproof.core import datahash
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.results import FailureClass, StageFailure
+from tuneproof.core.storage import Storage
 
 from tests.conftest import TEST_BUCKET
 
@@ -78,7 +78,7 @@ def test_dates_are_valid_iso_in_range_and_formats_are_balanced():
     assert all(count == 500 for count in shapes.values()), shapes
 
 
-# ---- pure logic (tuneproof.datahash) -----------------------------------------------------------
+# ---- pure logic (tuneproof.core.datahash) -----------------------------------------------------------
 
 
 FIELDS = {"prompt": "input", "response": "output", "system": None}

@@ -23,11 +23,11 @@ from tests.conftest import TEST_BUCKET
 from training import jobkit, modeling
 from training.checkpointing import local_files, write_marker
 from training.jobkit import JobContext
-from training.tiny_model import build_tiny_model, conversation_text
-from tuneproof import registry
-from tuneproof.config import PROJECT_ROOT, PipelineConfig
-from tuneproof.results import FailureClass, StageFailure
-from tuneproof.storage import Storage
+from tuneproof.app.tiny_model import build_tiny_model, conversation_text
+from tuneproof.control import registry
+from tuneproof.core.config import PROJECT_ROOT, PipelineConfig
+from tuneproof.core.results import FailureClass, StageFailure
+from tuneproof.core.storage import Storage
 
 ANSWER = "2024-01-05"
 PROMPTS = [f"date {'x' * (i % 5)} {i}" for i in range(12)]
@@ -154,7 +154,10 @@ def test_the_production_model_is_the_incumbent(world, store):
     registry.promote(store, "dates-qwen2-tiny", "first", "runs/first/model",
                      {"metrics": {}, "gates": []}, expected_token=None)
     upload_export(store, world["trained"], "second")
-    summary = evaluate_body(make_ctx(world, "second", store.root))
+    ctx = make_ctx(world, "second", store.root)
+    pointer, _ = registry.read_pointer(store, "dates-qwen2-tiny")
+    ctx.params["incumbent"] = {"version": pointer["version"], "path": pointer["path"]}
+    summary = evaluate_body(ctx)
     assert summary["incumbent_version"] == "v0001-first"
     assert summary["models"]["incumbent"]["path"] == "models/dates-qwen2-tiny/v0001-first"
     assert summary["models"]["incumbent"]["metrics"]["exact_match"] == 1.0
@@ -187,7 +190,7 @@ def test_an_unfinished_export_is_not_evaluated(world, store):
 def test_a_missing_parameter_is_named(world, store):
     ctx = make_ctx(world, "noparams", store.root)
     ctx.params.pop("candidate")
-    with pytest.raises(ValueError, match="evaluate job parameter 'candidate' is missing"):
+    with pytest.raises(ValueError, match="candidate\n  Field required"):
         evaluate_body(ctx)
 
 

@@ -26,11 +26,11 @@ from training.data_prep import Example, write_splits
 from training.finetune import TrainParams, Worker, divergence, finetune, loss_curve, resolve_start
 from training.jobkit import JobContext
 from training.train_data import BatchLayout, StepBatches, load_examples, rank_slices
-from tuneproof.config import PROJECT_ROOT, PipelineConfig
+from tuneproof.core.config import PROJECT_ROOT, PipelineConfig
 from tests.conftest import ray_driver
-from tuneproof.resume_evidence import compare_losses
-from tuneproof.results import FailureClass, StageFailure
-from tuneproof.storage import Storage
+from tuneproof.control.resume_evidence import compare_losses
+from tuneproof.core.results import FailureClass, StageFailure
+from tuneproof.core.storage import Storage
 
 from tests.conftest import TEST_BUCKET
 from tests.test_checkpointing import RUN, fake_checkpoint
@@ -65,7 +65,7 @@ def write_dataset(storage: Storage, path: str = DATASET, n_train: int = 256, n_e
 
 def write_tiny_model(out_dir: Path) -> Path:
     """A 2-layer, hidden-32 Qwen2 with tied embeddings and a real (byte-level) tokenizer."""
-    from training.tiny_model import build_tiny_model
+    from tuneproof.app.tiny_model import build_tiny_model
 
     return build_tiny_model(out_dir, ["0123456789 reverse"] * 20, hidden=32, layers=2, seed=0, vocab_size=270)
 
@@ -318,7 +318,7 @@ def test_data_prep_and_fine_tune_on_s3_read_back_from_the_bucket(ray_cluster, tm
     import boto3
 
     from training.data_prep import prepare_data, read_split
-    from training.tiny_model import DEFAULT_DATA, ensure_tiny_model
+    from tuneproof.app.tiny_model import DEFAULT_DATA, ensure_tiny_model
 
     model = tmp_path / "tiny-qwen2"
     ensure_tiny_model(model, DEFAULT_DATA)

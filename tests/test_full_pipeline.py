@@ -18,11 +18,11 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.conftest import _wait_http
-from tuneproof import record as records
-from tuneproof.cli import app
-from tuneproof.config import PROJECT_ROOT
-from tuneproof.local import free_port, stop_group
-from tuneproof.storage import Storage
+from tuneproof.control import record as records
+from tuneproof.app.cli import app
+from tuneproof.core.config import PROJECT_ROOT
+from tuneproof.app.local import free_port, stop_group
+from tuneproof.core.storage import Storage
 
 pytestmark = pytest.mark.integration
 SCREENSHOTS = PROJECT_ROOT / "test-output" / "browser"
@@ -59,7 +59,7 @@ def prefect_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def base_args(ray_head, tmp_path_factory):
-    from training.tiny_model import ensure_tiny_model
+    from tuneproof.app.tiny_model import ensure_tiny_model
 
     root = tmp_path_factory.mktemp("demo")
     model = root / "base-models" / "tiny-qwen2"
@@ -151,7 +151,7 @@ def test_a_checkpoint_with_a_deleted_shard_is_never_used(demo, base_args, storag
     """Last: it damages the demo run's checkpoints."""
     before = pointer_bytes(storage)
     from tasks.resume import pick_checkpoint
-    from tuneproof.config import load_config
+    from tuneproof.core.config import load_config
 
     cfg = load_config()
     finetune = demo["stages"]["finetune"]["summary"]

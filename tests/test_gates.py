@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from eval.gates import decide, fmt
-from tuneproof.config import Gate
+from tuneproof.core.config import Gate
 
 EM = {"exact_match": Gate(min=0.8, min_improvement=0.5, max_regression=0.02)}
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tuneproof.cli_eks import lint_command
-from tuneproof.config import PROJECT_ROOT, load_config
-from tuneproof.findings import errors
-from tuneproof.lint import PLACEHOLDER_DIGEST, cluster_gpu_capacity, lint_paths, node_count, ray_version_in_image
-from tuneproof.schemas.build import _strict
+from tuneproof.app.cli_eks import lint_command
+from tuneproof.core.config import PROJECT_ROOT, load_config
+from tuneproof.core.findings import errors
+from tuneproof.app.lint import PLACEHOLDER_DIGEST, cluster_gpu_capacity, lint_paths, node_count, ray_version_in_image
+from tuneproof.app.schemas.build import _strict
 
 DEPLOYMENTS = PROJECT_ROOT / "deployments"
 EKS = PROJECT_ROOT / "configs" / "eks.yaml"

@@ -9,9 +9,9 @@ import pytest
 
 from training import modeling
 from training.data_prep import tokenizer_sha256
-from training.tiny_model import DEFAULT_DATA, build_tiny_model, task_corpus
-from tuneproof.config import DataConfig
-from tuneproof.storage import Storage
+from tuneproof.app.tiny_model import DEFAULT_DATA, build_tiny_model, task_corpus
+from tuneproof.core.config import DataConfig
+from tuneproof.core.storage import Storage
 
 from tests.conftest import TEST_BUCKET
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import yaml
 
-from tuneproof.config import PROJECT_ROOT, PipelineConfig, load_config
+from tuneproof.core.config import PROJECT_ROOT, PipelineConfig, load_config
 
 
 def deployments() -> dict[str, dict]:

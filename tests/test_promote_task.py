@@ -11,12 +11,12 @@ import pytest
 from typer.testing import CliRunner
 
 from tasks.promote import forced_promotion, move_pointer, refusal_reasons
-from tuneproof import record as records
-from tuneproof import registry
-from tuneproof.cli import app
-from tuneproof.config import PipelineConfig
-from tuneproof.record import new_record, stage_entry
-from tuneproof.storage import Storage
+from tuneproof.control import record as records
+from tuneproof.control import registry
+from tuneproof.app.cli import app
+from tuneproof.core.config import PipelineConfig
+from tuneproof.control.record import new_record, stage_entry
+from tuneproof.core.storage import Storage
 
 
 def passed_record(cfg: PipelineConfig, run_id: str = "r1") -> dict:

@@ -15,9 +15,9 @@ import uuid
 import pytest
 
 from tests.conftest import TEST_BUCKET
-from tuneproof import registry
-from tuneproof.registry import PromotionConflict, next_version, promote, read_pointer, render_model_card
-from tuneproof.storage import Storage
+from tuneproof.control import registry
+from tuneproof.control.registry import PromotionConflict, next_version, promote, read_pointer, render_model_card
+from tuneproof.core.storage import Storage
 
 NAME = "dates-qwen2-tiny"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import copy
 
-from tuneproof.config import PipelineConfig
-from tuneproof.rundiff import diff_records, render_diff
+from tuneproof.core.config import PipelineConfig
+from tuneproof.control.rundiff import diff_records, render_diff
 
 
 def record(run_id: str, **config_overrides) -> dict:

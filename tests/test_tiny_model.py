@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from training.modeling import load_config, load_model, load_tokenizer
-from training.tiny_model import (
+from tuneproof.app.tiny_model import (
     CHAT_TEMPLATE, DEFAULT_DATA, IM_END, ENDOFTEXT, build_tiny_model, ensure_tiny_model, main, task_corpus,
 )
-from tuneproof.config import DataConfig
+from tuneproof.core.config import DataConfig
 
 # A system turn exercises the whole chat template (the demo profile sends none).
 SYSTEM = "Rewrite the date in ISO 8601 (YYYY-MM-DD)."

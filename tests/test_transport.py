@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tuneproof.transport import GLOO_EVIDENCE, classify, classify_text, combine, meets, verdict_for_files
+from tuneproof.core.transport import GLOO_EVIDENCE, classify, classify_text, combine, meets, verdict_for_files
 
 BANNER = """\
 ip-10-0-1-5:4121:4121 [0] NCCL INFO Bootstrap : Using eth0:10.0.1.5<0>

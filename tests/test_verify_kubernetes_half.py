@@ -6,9 +6,9 @@ import copy
 from pathlib import Path
 
 from tasks import stages
-from tuneproof.config import PROJECT_ROOT, load_config
-from tuneproof.kube import load_objects_from_dir
-from tuneproof.record import stage_entry
+from tuneproof.core.config import PROJECT_ROOT, load_config
+from tuneproof.control.kube import load_objects_from_dir
+from tuneproof.control.record import stage_entry
 
 FIXTURE = Path(__file__).parent / "fixtures" / "k8s" / "cluster"
 
@@ -20,7 +20,7 @@ def verify_entry(status: str = "succeeded") -> dict:
 def test_a_healthy_cluster_adds_its_summary_and_the_image_digest(monkeypatch):
     cfg = load_config(PROJECT_ROOT / "configs" / "eks.yaml")
     objects = load_objects_from_dir(FIXTURE)
-    monkeypatch.setattr("tuneproof.kube.fetch_cluster_objects", lambda kcfg: {k: v for k, v in objects.items() if k != "ray_nodes"})
+    monkeypatch.setattr("tuneproof.control.kube.fetch_cluster_objects", lambda kcfg: {k: v for k, v in objects.items() if k != "ray_nodes"})
     entry = verify_entry()
     entry["summary"]["nodes"] = objects["ray_nodes"]
     stages.add_kubernetes_half(cfg, entry)
@@ -35,7 +35,7 @@ def test_a_pod_on_another_digest_fails_verify_as_infrastructure(monkeypatch):
     worker = next(p for p in objects["pods"] if "worker" in p["metadata"]["name"])
     status = worker["status"]["containerStatuses"][0]
     status["imageID"] = status["imageID"].rsplit("@", 1)[0] + "@sha256:" + "f" * 64
-    monkeypatch.setattr("tuneproof.kube.fetch_cluster_objects", lambda kcfg: {k: v for k, v in objects.items() if k != "ray_nodes"})
+    monkeypatch.setattr("tuneproof.control.kube.fetch_cluster_objects", lambda kcfg: {k: v for k, v in objects.items() if k != "ray_nodes"})
     entry = verify_entry()
     entry["summary"]["nodes"] = objects["ray_nodes"]
     stages.add_kubernetes_half(cfg, entry)

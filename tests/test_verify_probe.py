@@ -9,10 +9,10 @@ import torch
 
 from tests.conftest import ray_driver
 
-from tuneproof.checks import environment_digest
-from tuneproof.config import PipelineConfig, StorageConfig
-from tuneproof.findings import Finding
-from tuneproof.results import StageFailure
+from tuneproof.core.checks import environment_digest
+from tuneproof.core.config import PipelineConfig, StorageConfig
+from tuneproof.core.findings import Finding
+from tuneproof.core.results import StageFailure
 from training.jobkit import JobContext
 from training.verify import (
     fail_on_errors, installed_distributions, node_facts, nccl_version, storage_findings, storage_roundtrip, verify,

@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from tuneproof.results import now_iso
-from tuneproof.storage import Storage
+from tuneproof.core.results import now_iso
+from tuneproof.core.storage import Storage
 
 MARKER = "tuneproof_complete.json"
 _DIR_PATTERN = re.compile(r"^checkpoint_(\d+)$")

@@ -21,25 +21,15 @@ import os
 import time
 from typing import Any
 
-from tuneproof import transport
-from tuneproof.config import PipelineConfig
-from tuneproof.results import StageFailure, now_iso
-from tuneproof.storage import Storage
+from tuneproof.core import transport
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.results import StageFailure, now_iso
+from tuneproof.core.storage import Storage
 from training.jobkit import JobContext, log, run_stage
 
-NCCL_LOG_ROOT = "/tmp/tuneproof-nccl"
 MAX_NCCL_LINES = 2000
 """NCCL lines a rank keeps: the transport is decided during the first communicator's init."""
 FSDP_BATCH, FSDP_SEQ_LEN = 4, 32
-
-
-def nccl_env(submission_id: str) -> dict[str, str]:
-    """Job env vars that make NCCL log its transport choice to one file per host and process."""
-    return {
-        "NCCL_DEBUG": "INFO",
-        "NCCL_DEBUG_SUBSYS": "INIT,NET",
-        "NCCL_DEBUG_FILE": f"{NCCL_LOG_ROOT}/{submission_id}/nccl.%h.%p.log",
-    }
 
 
 def connectivity(ctx: JobContext) -> dict[str, Any]:

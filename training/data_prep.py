@@ -30,10 +30,10 @@ import pyarrow.parquet as pq
 
 from training.jobkit import JobContext, log, progress, run_stage
 from training.modeling import load_tokenizer
-from tuneproof import datahash
-from tuneproof.config import DataConfig
-from tuneproof.results import FailureClass, StageFailure, now_iso
-from tuneproof.storage import Storage
+from tuneproof.core import datahash
+from tuneproof.core.config import DataConfig
+from tuneproof.core.results import FailureClass, StageFailure, now_iso
+from tuneproof.core.storage import Storage
 
 SCHEMA = pa.schema([
     ("input_ids", pa.list_(pa.int32())),

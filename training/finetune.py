@@ -35,8 +35,8 @@ from training.checkpointing import (
 )
 from training.jobkit import JobContext, run_stage
 from training.schedule import WarmupCosine
-from tuneproof.results import FailureClass, StageFailure
-from tuneproof.storage import Storage
+from tuneproof.core.results import FailureClass, StageFailure
+from tuneproof.core.storage import Storage
 
 if TYPE_CHECKING:  # torch and the data module load inside workers only
     import torch

@@ -12,19 +12,18 @@ No Prefect and no job client here: this runs on the published Ray image.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from tuneproof.config import PipelineConfig
-from tuneproof.results import FailureClass, StageFailure, StageResult, now_iso, one_line
-from tuneproof.storage import Storage
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.envelope import ENV_VAR, PROGRESS_PREFIX, JobEnvelope, ProgressEvent
+from tuneproof.core.results import FailureClass, StageFailure, StageResult, now_iso, one_line
+from tuneproof.core.storage import Storage
 
-ENV_VAR = "TUNEPROOF_JOB"
-PROGRESS_PREFIX = "TUNEPROOF_PROGRESS "
+__all__ = ["ENV_VAR", "PROGRESS_PREFIX", "JobContext", "encode_job", "load_context", "log", "progress", "run_stage"]
 
 
 @dataclass
@@ -48,15 +47,12 @@ class JobContext:
 
 
 def encode_job(run_id: str, job: str, config: PipelineConfig, params: dict[str, Any] | None = None) -> str:
-    return json.dumps({"run_id": run_id, "job": job, "config": config.model_dump(mode="json"), "params": params or {}})
+    return JobEnvelope(run_id=run_id, job=job, config=config, params=params or {}).encode()
 
 
 def load_context(environ: dict[str, str] | None = None) -> JobContext:
-    raw = (environ or os.environ).get(ENV_VAR)
-    if not raw:
-        raise RuntimeError(f"{ENV_VAR} is not set: stage entrypoints run as Ray jobs submitted by tuneproof")
-    doc = json.loads(raw)
-    return JobContext(doc["run_id"], doc["job"], PipelineConfig.model_validate(doc["config"]), doc.get("params") or {})
+    envelope = JobEnvelope.decode((environ or os.environ).get(ENV_VAR))
+    return JobContext(envelope.run_id, envelope.job, envelope.config, envelope.params)
 
 
 def log(message: str) -> None:
@@ -66,7 +62,7 @@ def log(message: str) -> None:
 
 def progress(stage: str, done: int, total: int, **metrics: Any) -> None:
     """A machine-readable progress line; the task turns it into a progress display."""
-    print(PROGRESS_PREFIX + json.dumps({"stage": stage, "done": done, "total": total, **metrics}), flush=True)
+    print(ProgressEvent(stage=stage, done=done, total=total, metrics=metrics).line(), flush=True)
 
 
 def run_stage(body: Callable[[JobContext], dict[str, Any]]) -> None:

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from tuneproof.storage import Storage
+from tuneproof.core.storage import Storage
 
 CACHE_ROOT = Path(os.environ.get("TUNEPROOF_MODEL_CACHE", Path(tempfile.gettempdir()) / "tuneproof-models"))
 

@@ -22,8 +22,8 @@ from functools import lru_cache
 import numpy as np
 
 from training.data_prep import read_split
-from tuneproof.results import FailureClass, StageFailure
-from tuneproof.storage import Storage
+from tuneproof.core.results import FailureClass, StageFailure
+from tuneproof.core.storage import Storage
 
 IGNORE_INDEX = -100
 

@@ -2,7 +2,7 @@
 
 Runs as a Ray job: `python -m training.verify` with TUNEPROOF_JOB set (tasks/stages.py submits it).
 One probe task per alive node, pinned to it, collects versions, GPU counts and an environment
-digest; tuneproof.checks compares them with cluster.expect and across nodes. A second task, on a
+digest; tuneproof.core.checks compares them with cluster.expect and across nodes. A second task, on a
 worker node when there is one, writes, reads back and deletes a small object under this stage's
 storage prefix with the worker's own identity. Any error finding fails the stage as infrastructure.
 
@@ -18,11 +18,11 @@ import time
 import uuid
 from typing import Any
 
-from tuneproof.checks import check_nodes, environment_digest, node_subject, summarize_cluster
-from tuneproof.config import StorageConfig
-from tuneproof.findings import Finding, errors
-from tuneproof.results import StageFailure
-from tuneproof.storage import Storage
+from tuneproof.core.checks import check_nodes, environment_digest, node_subject, summarize_cluster
+from tuneproof.core.config import StorageConfig
+from tuneproof.core.findings import Finding, errors
+from tuneproof.core.results import StageFailure
+from tuneproof.core.storage import Storage
 from training.jobkit import JobContext, log, run_stage
 
 HEAD_RESOURCE = "node:__internal_head__"

@@ -1,7 +1,7 @@
 """Regenerate the offline schemas in this folder (run by hand when Kubernetes or KubeRay moves).
 
     pip download --no-deps -d /tmp/kv kubernetes-validate==1.37.0 && unzip -q /tmp/kv/*.whl -d /tmp/kv/x
-    python -m tuneproof.schemas.build /tmp/kv/x/kubernetes_validate/kubernetes-json-schema/v1.34.0-local-strict \
+    python -m tuneproof.app.schemas.build /tmp/kv/x/kubernetes_validate/kubernetes-json-schema/v1.34.0-local-strict \
         /path/to/ray.io_rayclusters.yaml
 
 Writes two self-contained JSON Schemas (draft 2020-12), descriptions stripped to keep them small:
@@ -61,7 +61,7 @@ def build_kubernetes(schema_dir: Path) -> dict:
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$comment": f"Kubernetes {KUBERNETES_VERSION} kinds from kubernetes-validate 1.37.0 (local-strict); "
-                    "regenerate with python -m tuneproof.schemas.build",
+                    "regenerate with python -m tuneproof.app.schemas.build",
         "$defs": {name: _strip_descriptions(bundle[name]) for name in sorted(bundle)},
     }
 
@@ -73,7 +73,7 @@ def build_raycluster(crd_path: Path) -> dict:
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$comment": f"KubeRay RayCluster ray.io/v1 openAPIV3Schema from {crd_path.name} (Apache-2.0), strict; "
-                    "regenerate with python -m tuneproof.schemas.build",
+                    "regenerate with python -m tuneproof.app.schemas.build",
         **schema,
     }
 

@@ -41,9 +41,9 @@ from pathlib import Path, PurePosixPath
 import jsonschema
 import yaml
 
-from tuneproof.config import PipelineConfig
-from tuneproof.findings import Finding
-from tuneproof.kube_checks import (
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.findings import Finding
+from tuneproof.control.kube_checks import (
     EFA_RESOURCE, GPU_RESOURCE, as_count, group_pod_count, image_digest, image_tag, ray_container, ray_gpu_setting,
     resource_count, worker_groups,
 )

@@ -28,8 +28,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from tuneproof.results import now_iso
-from tuneproof.storage import Storage
+from tuneproof.core.results import now_iso
+from tuneproof.core.storage import Storage
 
 MODELS = "models"
 POINTER = "production.json"

@@ -3,7 +3,7 @@
 Live (the verify stage on eks, run in the flow-run pod as tuneproof-pipeline):
 
     objects = fetch_cluster_objects(cfg.cluster.kubernetes)
-    findings = tuneproof.kube_checks.check_cluster(objects, cfg)
+    findings = tuneproof.control.kube_checks.check_cluster(objects, cfg)
 
 uses the official `kubernetes` client: in-cluster config when running in a pod and no kubeconfig is
 configured, else the kubeconfig (cluster.kubernetes.kubeconfig, else ~/.kube/config). Every object is
@@ -27,9 +27,9 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
-from tuneproof.config import KubernetesConfig
-from tuneproof.kube_checks import CLUSTER_LABEL
-from tuneproof.results import FailureClass, StageFailure
+from tuneproof.core.config import KubernetesConfig
+from tuneproof.control.kube_checks import CLUSTER_LABEL
+from tuneproof.core.results import FailureClass, StageFailure
 
 RESOURCE_API_VERSIONS = ("v1", "v1beta2", "v1beta1")
 """resource.k8s.io versions tried for ResourceSlices, newest first (v1 is GA in Kubernetes 1.34)."""

@@ -16,8 +16,8 @@ import re
 from collections import Counter
 from typing import Any, Callable, Iterable
 
-from tuneproof.config import ClusterExpect
-from tuneproof.findings import Finding
+from tuneproof.core.config import ClusterExpect
+from tuneproof.core.findings import Finding
 
 VERSION_FIELDS = (
     "ray_version", "torch_version", "python_version", "transformers_version", "cuda_version", "nccl_version",

@@ -1,6 +1,6 @@
 """Create the tiny local base model: a Qwen2-shaped causal LM with a tokenizer trained on the task.
 
-    python -m training.tiny_model OUT_DIR [--data data/dates/dates.jsonl] [--seed 0]
+    python -m tuneproof.app.tiny_model OUT_DIR [--data data/dates/dates.jsonl] [--seed 0]
 
 `tuneproof local up` calls `ensure_tiny_model` to create .tuneproof/base-models/tiny-qwen2 when it
 is missing. Nothing is downloaded: the tokenizer is trained here with the `tokenizers` library and
@@ -40,7 +40,7 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-DEFAULT_DATA = Path(__file__).resolve().parent.parent / "data" / "dates" / "dates.jsonl"
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / "data" / "dates" / "dates.jsonl"
 ROLES = ("system", "user", "assistant")
 
 
@@ -161,7 +161,7 @@ def task_corpus(data_path: str | Path, system_prompt: str | None) -> Iterator[st
 
 def ensure_tiny_model(out_dir: str | Path, data_path: str | Path = DEFAULT_DATA, seed: int = 0) -> bool:
     """Build the tiny model at out_dir unless a complete one is there; True when it was created."""
-    from tuneproof.config import DataConfig
+    from tuneproof.core.config import DataConfig
 
     out_dir = Path(out_dir)
     if all((out_dir / name).exists() for name in ("config.json", "model.safetensors", "tokenizer.json")):

@@ -24,6 +24,7 @@ from typing import Iterable
 KINDS = ("efa", "socket-fallback", "inconclusive", "gloo")
 EXPECTATIONS = ("any", "gloo", "efa")
 GLOO_EVIDENCE = "backend gloo (CPU)"
+NCCL_LOG_ROOT = "/tmp/tuneproof-nccl"
 MAX_EVIDENCE = 20
 """Evidence lines kept per verdict: channel lines repeat for every channel and peer."""
 
@@ -44,6 +45,15 @@ _EFA = [
     re.compile(r"via NET/(AWS )?Libfabric"),
     re.compile(r"via NET/OFI"),
 ]
+
+
+def nccl_env(submission_id: str) -> dict[str, str]:
+    """Job env vars that make NCCL log its transport choice to one file per host and process."""
+    return {
+        "NCCL_DEBUG": "INFO",
+        "NCCL_DEBUG_SUBSYS": "INIT,NET",
+        "NCCL_DEBUG_FILE": f"{NCCL_LOG_ROOT}/{submission_id}/nccl.%h.%p.log",
+    }
 
 
 def classify(lines: Iterable[str]) -> dict:

@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tuneproof.config import PROJECT_ROOT
+from tuneproof.core.config import PROJECT_ROOT
 
 STATE_DIR = PROJECT_ROOT / ".tuneproof" / "local"
 

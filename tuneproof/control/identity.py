@@ -1,8 +1,9 @@
 """Code identity: the git commit and dirty flag, and the hash of the Ray working_dir package.
 
-The working_dir shipped to every job is staged from the packages that run inside jobs
-(tuneproof/, training/, eval/), so its hash is exactly what ran, independent of tests,
-docs or local outputs in the checkout.
+The working_dir shipped to every job is staged from exactly the job side: the core package
+(tuneproof/core/, with the empty tuneproof/__init__.py above it), training/ and eval/. Its hash is
+what ran, independent of the control plane, the CLI, tests, docs or local outputs in the checkout:
+an edit to the CLI does not change the recorded working_dir_hash.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from tuneproof.config import PROJECT_ROOT
+from tuneproof.core.config import PROJECT_ROOT
 
-JOB_PACKAGES = ("tuneproof", "training", "eval")
+JOB_PATHS = ("tuneproof/__init__.py", "tuneproof/core", "training", "eval")
+"""What a Ray job needs, relative to the project root: the job side of the layers."""
 _SKIP_DIRS = {"__pycache__", ".pytest_cache"}
 
 
@@ -36,8 +38,9 @@ def git_identity(root: Path = PROJECT_ROOT) -> dict:
 
 def job_files(root: Path = PROJECT_ROOT) -> list[Path]:
     files = []
-    for package in JOB_PACKAGES:
-        for path in sorted((root / package).rglob("*")):
+    for entry in JOB_PATHS:
+        base = root / entry
+        for path in [base] if base.is_file() else sorted(base.rglob("*")):
             if path.is_file() and not (_SKIP_DIRS & set(path.relative_to(root).parts)) and path.suffix != ".pyc":
                 files.append(path)
     return files

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from tuneproof import local
-from tuneproof.config import PROJECT_ROOT, load_config
-from tuneproof.local import STATE_DIR, RayHead
+from tuneproof.app import local
+from tuneproof.core.config import PROJECT_ROOT, load_config
+from tuneproof.app.local import STATE_DIR, RayHead
 
 PREFECT_PORT = 4200
 PREFECT_API = f"http://127.0.0.1:{PREFECT_PORT}/api"
@@ -60,7 +60,7 @@ def up(console: Console, ray_only: bool = False) -> int:
 
 
 def prepare_model_and_storage(cfg, console: Console) -> None:
-    from training.tiny_model import ensure_tiny_model
+    from tuneproof.app.tiny_model import ensure_tiny_model
 
     Path(cfg.storage.root).mkdir(parents=True, exist_ok=True)
     if ensure_tiny_model(cfg.model.source, cfg.data.source):

@@ -16,7 +16,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from tuneproof.config import STAGES, PipelineConfig
+from tuneproof.core.config import STAGES, PipelineConfig
 
 STATUS_STYLE = {"succeeded": "green", "failed": "bold red", "running": "yellow", "skipped": "dim", "pending": "dim"}
 
@@ -75,8 +75,8 @@ def run_with_display(cfg: PipelineConfig, run_id: str | None, only: list[str] | 
     ended before writing one, a minimal failure record)."""
     from flows.pipeline import pipeline
     from tasks import events
-    from tuneproof import record as records
-    from tuneproof.storage import Storage
+    from tuneproof.control import record as records
+    from tuneproof.core.storage import Storage
 
     problem = prefect_api_problem()
     if problem:

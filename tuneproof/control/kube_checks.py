@@ -1,6 +1,6 @@
 """The Kubernetes half of verify: checks over fetched objects (pure: plain dicts in, findings out).
 
-Input is the dict that tuneproof.kube.fetch_cluster_objects (live) or load_objects_from_dir
+Input is the dict that tuneproof.control.kube.fetch_cluster_objects (live) or load_objects_from_dir
 (saved `kubectl get -o json` output) returns:
 
     raycluster      the RayCluster object, or None when it does not exist
@@ -24,8 +24,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tuneproof.config import PipelineConfig
-from tuneproof.findings import Finding
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.findings import Finding
 
 GPU_RESOURCE = "nvidia.com/gpu"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
@@ -282,7 +282,7 @@ def normalize_ray_nodes(data: list | dict) -> list[dict]:
 
     `ray list nodes --format json`: a list of {node_ip, resources_total, state, is_head_node, ...}.
     The dashboard's GET /nodes?view=summary: {"data": {"summary": [{"raylet": {nodeManagerAddress,
-    resourcesTotal, state, nodeId, isHeadNode}}]}}. The verify stage's node facts (tuneproof.checks):
+    resourcesTotal, state, nodeId, isHeadNode}}]}}. The verify stage's node facts (tuneproof.core.checks):
     a list of {node_ip, gpus_advertised, alive, is_head, node_id}.
     """
     rows = data.get("data", {}).get("summary", []) if isinstance(data, dict) else data

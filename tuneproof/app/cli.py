@@ -24,8 +24,8 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from tuneproof.config import PROJECT_ROOT, STAGES, ConfigError, PipelineConfig, load_config
-from tuneproof.results import EXIT_INVALID_CONFIG, exit_code_for
+from tuneproof.core.config import PROJECT_ROOT, STAGES, ConfigError, PipelineConfig, load_config
+from tuneproof.core.results import EXIT_INVALID_CONFIG, exit_code_for
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Fine-tune Qwen on Ray; promote only on evidence.")
 local_app = typer.Typer(no_args_is_help=True, help="The embedded local cluster (Ray head, Prefect server + worker).")
@@ -63,7 +63,7 @@ def config_or_exit(config: Optional[Path], sets: list[str]) -> PipelineConfig:
 
 def preflight(cfg: PipelineConfig) -> list[str]:
     """Checks that need more than the schema: metric names resolve to a shipped or loadable module."""
-    from eval.metrics_loader import check_eval_config
+    from tuneproof.core.metric_names import check_eval_config
 
     return check_eval_config(cfg.eval)
 
@@ -84,7 +84,7 @@ def run(
     if stages and not run_id and needs_earlier_outputs(stages):
         run_id = latest_run_id(cfg)
         console.print(f"--only {','.join(stages)} reruns against the latest run, {run_id} (use --run-id to pick another)")
-    from tuneproof.terminal import run_with_display
+    from tuneproof.app.terminal import run_with_display
 
     record = run_with_display(cfg, run_id, stages, console)
     raise typer.Exit(run_exit_code(record))
@@ -118,8 +118,8 @@ def needs_earlier_outputs(stages: list[str]) -> bool:
 
 
 def latest_run_id(cfg: PipelineConfig) -> str:
-    from tuneproof import record
-    from tuneproof.storage import Storage
+    from tuneproof.control import record
+    from tuneproof.core.storage import Storage
 
     recs = record.list_records(Storage.from_config(cfg.storage))
     if not recs:
@@ -132,7 +132,7 @@ def latest_run_id(cfg: PipelineConfig) -> str:
 
 
 def storage_for(config: Optional[Path], sets: list[str]):
-    from tuneproof.storage import Storage
+    from tuneproof.core.storage import Storage
 
     return Storage.from_config(config_or_exit(config, sets).storage)
 
@@ -141,7 +141,7 @@ def storage_for(config: Optional[Path], sets: list[str]):
 def runs_list(as_json: bool = typer.Option(False, "--json"), config: Optional[Path] = ConfigOpt,
               sets: list[str] = SetOpt) -> None:
     """Runs, newest first."""
-    from tuneproof import record
+    from tuneproof.control import record
 
     recs = record.list_records(storage_for(config, sets))
     rows = [{k: r.get(k) for k in ("run_id", "created_at", "status", "failure_class", "cause")} for r in recs]
@@ -160,7 +160,7 @@ def runs_list(as_json: bool = typer.Option(False, "--json"), config: Optional[Pa
 def runs_show(run_id: str, as_json: bool = typer.Option(False, "--json"), config: Optional[Path] = ConfigOpt,
               sets: list[str] = SetOpt) -> None:
     """One run's record."""
-    from tuneproof import record
+    from tuneproof.control import record
 
     try:
         rec = record.load(storage_for(config, sets), run_id)
@@ -170,7 +170,7 @@ def runs_show(run_id: str, as_json: bool = typer.Option(False, "--json"), config
     if as_json:
         print(json.dumps(rec, indent=2))
         return
-    from tuneproof.terminal import print_record
+    from tuneproof.app.terminal import print_record
 
     print_record(rec, console)
 
@@ -179,8 +179,8 @@ def runs_show(run_id: str, as_json: bool = typer.Option(False, "--json"), config
 def runs_diff(run_a: str, run_b: str, as_json: bool = typer.Option(False, "--json"),
               config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt) -> None:
     """What changed between two runs: identity, config fields, and metric deltas."""
-    from tuneproof import record
-    from tuneproof.rundiff import diff_records, render_diff
+    from tuneproof.control import record
+    from tuneproof.control.rundiff import diff_records, render_diff
 
     storage = storage_for(config, sets)
     try:
@@ -204,11 +204,11 @@ def verify(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt,
            as_json: bool = typer.Option(False, "--json")) -> None:
     """Verify the cluster live (the verify stage), or over saved `kubectl get -o json` / `ray list nodes` output."""
     if from_files is not None:
-        from tuneproof.cli_eks import verify_from_files_command
+        from tuneproof.app.cli_eks import verify_from_files_command
 
         raise typer.Exit(verify_from_files_command(str(from_files), str(config) if config else None, sets, as_json))
     cfg = config_or_exit(config, sets)
-    from tuneproof.terminal import run_with_display
+    from tuneproof.app.terminal import run_with_display
 
     rec = run_with_display(cfg, None, ["verify"], console)
     raise typer.Exit(run_exit_code(rec))
@@ -219,7 +219,7 @@ def lint(paths: list[str] = typer.Argument(None, help="Manifests or folders (def
          config: Optional[Path] = typer.Option(None, "--config", "-c", help="Profile whose expectations apply (default configs/eks.yaml)."),
          sets: list[str] = SetOpt) -> None:
     """Static checks of deployments/ manifests against schemas and the pipeline's expectations."""
-    from tuneproof.cli_eks import lint_command
+    from tuneproof.app.cli_eks import lint_command
 
     raise typer.Exit(lint_command(paths or [str(PROJECT_ROOT / "deployments")], str(config) if config else None, sets))
 
@@ -234,7 +234,7 @@ class TransportExpect(str, Enum):
 def transport(logs: list[Path] = typer.Argument(..., help="NCCL log files."),
               expect: TransportExpect = typer.Option(TransportExpect.any, help="What the logs must show.")) -> None:
     """Classify NCCL logs: efa | socket-fallback | inconclusive | gloo. Non-zero exit when --expect is not met."""
-    from tuneproof.transport import verdict_for_files
+    from tuneproof.core.transport import verdict_for_files
 
     texts = {}
     for path in logs:
@@ -255,7 +255,7 @@ def transport(logs: list[Path] = typer.Argument(..., help="NCCL log files."),
 def models_list(as_json: bool = typer.Option(False, "--json"), config: Optional[Path] = ConfigOpt,
                 sets: list[str] = SetOpt) -> None:
     """Registered models and their production versions."""
-    from tuneproof.registry import list_models
+    from tuneproof.control.registry import list_models
 
     models = list_models(storage_for(config, sets))
     if as_json:
@@ -273,7 +273,7 @@ def models_list(as_json: bool = typer.Option(False, "--json"), config: Optional[
 @models_app.command("show")
 def models_show(name: str, config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt) -> None:
     """One model: the production pointer and every version with its card."""
-    from tuneproof.registry import show_model
+    from tuneproof.control.registry import show_model
 
     try:
         print(json.dumps(show_model(storage_for(config, sets), name), indent=2))
@@ -304,7 +304,7 @@ def promote(run_id: str, force: bool = typer.Option(False, "--force", help="Requ
 @local_app.command("up")
 def local_up(ray_only: bool = typer.Option(False, "--ray-only", help="Start only the Ray head.")) -> None:
     """Start the Ray head (127.0.0.1:8265), prepare storage and the tiny base model; Prefect server + worker."""
-    from tuneproof import localctl
+    from tuneproof.app import localctl
 
     raise typer.Exit(localctl.up(console, ray_only=ray_only))
 
@@ -312,7 +312,7 @@ def local_up(ray_only: bool = typer.Option(False, "--ray-only", help="Start only
 @local_app.command("down")
 def local_down() -> None:
     """Stop what `local up` started."""
-    from tuneproof import localctl
+    from tuneproof.app import localctl
 
     raise typer.Exit(localctl.down(console))
 
@@ -320,7 +320,7 @@ def local_down() -> None:
 @local_app.command("status")
 def local_status() -> None:
     """What is running."""
-    from tuneproof import localctl
+    from tuneproof.app import localctl
 
     raise typer.Exit(localctl.status(console))
 

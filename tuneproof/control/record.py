@@ -12,9 +12,9 @@ import secrets
 from datetime import datetime, timezone
 from typing import Any
 
-from tuneproof.config import PipelineConfig
-from tuneproof.results import now_iso
-from tuneproof.storage import Storage
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.results import now_iso
+from tuneproof.core.storage import Storage
 
 RECORD = "record.json"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from tuneproof.findings import Finding
+from tuneproof.core.findings import Finding
 
 
 def compare_losses(reference: dict[int, float], replay: dict[int, float], rtol: float) -> dict[str, Any]:

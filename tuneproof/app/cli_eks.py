@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import sys
 
-from tuneproof.config import PROJECT_ROOT, ConfigError, PipelineConfig, load_config
-from tuneproof.findings import Finding, errors
-from tuneproof.results import EXIT_BY_CLASS, EXIT_INVALID_CONFIG, EXIT_OK, FailureClass
+from tuneproof.core.config import PROJECT_ROOT, ConfigError, PipelineConfig, load_config
+from tuneproof.core.findings import Finding, errors
+from tuneproof.core.results import EXIT_BY_CLASS, EXIT_INVALID_CONFIG, EXIT_OK, FailureClass
 
 EKS_PROFILE = PROJECT_ROOT / "configs" / "eks.yaml"
 EXIT_LINT_ERRORS = 1
@@ -23,7 +23,7 @@ EXIT_LINT_ERRORS = 1
 
 def lint_command(paths: list[str], config_path: str | None, sets: list[str]) -> int:
     """Print every finding over the manifests; non-zero when any is an error."""
-    from tuneproof.lint import lint_paths
+    from tuneproof.app.lint import lint_paths
 
     try:
         cfg = _config(config_path, sets)
@@ -40,8 +40,8 @@ def lint_command(paths: list[str], config_path: str | None, sets: list[str]) -> 
 
 def verify_from_files_command(directory: str, config_path: str | None, sets: list[str], as_json: bool) -> int:
     """Run the Kubernetes half of verify over saved `kubectl get -o json` / `ray list nodes` files."""
-    from tuneproof.kube import load_objects_from_dir
-    from tuneproof.kube_checks import check_cluster, summarize
+    from tuneproof.control.kube import load_objects_from_dir
+    from tuneproof.control.kube_checks import check_cluster, summarize
 
     try:
         cfg = _config(config_path, sets) or load_config(EKS_PROFILE, sets)

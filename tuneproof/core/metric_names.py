@@ -1,0 +1,94 @@
+"""Metric names -> `evaluate` module locations: the local ones under eval/metrics/ first, the hub only if allowed.
+
+`evaluate.load("exact_match")` fetches its script from the Hugging Face hub, which air-gapped
+clusters (and this machine) cannot reach; a local module directory whose script is named like the
+directory loads offline. Both sides use this module: the flow calls `check_eval_config` /
+`check_metric_names` before any job is submitted, so a typo in a metric name is a config error,
+not a failure after training; the evaluate job loads what `resolve_metric` names (eval/metrics_loader.py).
+"""
+
+from __future__ import annotations
+
+from tuneproof.core.config import PROJECT_ROOT
+
+METRICS_DIR = PROJECT_ROOT / "eval" / "metrics"
+LOSS_METRICS = ("eval_loss", "perplexity")
+"""Computed for every model by eval/generation.py, not by an `evaluate` module."""
+
+
+class MetricNotFound(LookupError):
+    """A metric name that resolves to no local module, with the hub not allowed (or not having it)."""
+
+
+def local_metrics() -> list[str]:
+    """Names of the modules shipped under eval/metrics/ (each <name>/<name>.py)."""
+    return sorted(d.name for d in METRICS_DIR.iterdir() if (d / f"{d.name}.py").is_file())
+
+
+def resolve_metric(name: str, allow_hub: bool = False) -> str:
+    """The local module directory for `name`, else `name` itself for evaluate.load when the hub is allowed."""
+    if _is_slug(name) and (METRICS_DIR / name / f"{name}.py").is_file():
+        return str(METRICS_DIR / name)
+    if allow_hub:
+        return name
+    raise MetricNotFound(
+        f"metric {name!r} is not a local module (eval/metrics/ has {', '.join(local_metrics())}) and "
+        f"eval.hub_metrics is false: add eval/metrics/{name}/{name}.py or allow hub metrics"
+    )
+
+
+def check_metric_names(names: list[str], allow_hub: bool = False) -> list[str]:
+    """One problem per name that cannot be loaded, each naming the metric; [] when all resolve.
+
+    The caller prefixes the field ("eval.metrics: ..."). With the hub allowed, a non-local name is
+    checked by fetching its script (network I/O).
+    """
+    problems = []
+    for name in names:
+        if name in LOSS_METRICS:
+            problems.append(f"metric {name!r} is computed for every model already ({', '.join(LOSS_METRICS)}); remove it from the list")
+            continue
+        try:
+            source = resolve_metric(name, allow_hub)
+        except MetricNotFound as e:
+            problems.append(str(e))
+            continue
+        if source == name and not _hub_has(name):
+            problems.append(f"metric {name!r} is neither under eval/metrics/ nor on the Hugging Face hub")
+    return problems
+
+
+def check_gate_names(metric_names: list[str], gate_names: list[str]) -> list[str]:
+    """One 'eval.gates.<name>: ...' problem per gate on a value no configured metric produces.
+
+    Local modules report one value named like the module; a hub metric may report other keys
+    (rouge -> rouge1, rougeL, ...), so with any hub metric configured unknown gate names pass here.
+    """
+    local = set(local_metrics())
+    if not set(metric_names) <= local:
+        return []
+    produced = [*metric_names, *LOSS_METRICS]
+    return [
+        f"eval.gates.{gate}: no configured metric produces {gate!r} (computed: {', '.join(produced)})"
+        for gate in gate_names if gate not in produced
+    ]
+
+
+def check_eval_config(eval_cfg) -> list[str]:
+    """Every metric and gate-name problem of an EvalConfig as 'eval.<field>: ...' lines, before any job runs."""
+    metric_problems = [f"eval.metrics: {p}" for p in check_metric_names(eval_cfg.metrics, eval_cfg.hub_metrics)]
+    return metric_problems + check_gate_names(eval_cfg.metrics, list(eval_cfg.gates))
+
+
+def _is_slug(name: str) -> bool:
+    return bool(name) and "/" not in name and "\\" not in name and not name.startswith(".")
+
+
+def _hub_has(name: str) -> bool:
+    from evaluate.loading import evaluation_module_factory
+
+    try:
+        evaluation_module_factory(name)
+    except (FileNotFoundError, ConnectionError):
+        return False
+    return True
