@@ -30,9 +30,10 @@ from training.jobkit import JobContext, run_stage
 from training.modeling import load_model, load_tokenizer, materialize
 from training.train_data import read_split
 from tuneproof.core.results import FailureClass, StageFailure
+from tuneproof.core.summaries import EvaluateSummary, ModelScore, Role
 
 STAGE = "evaluate"
-ROLES = ("candidate", "base", "incumbent")  # the order eval.gates.decide takes them in
+ROLES: tuple[Role, ...] = ("candidate", "base", "incumbent")  # the order eval.gates.decide takes them in
 
 
 class Incumbent(BaseModel):
@@ -79,7 +80,7 @@ class ModelEval:
     seconds: float
 
 
-def evaluate_body(ctx: JobContext) -> dict:
+def evaluate_body(ctx: JobContext) -> EvaluateSummary:
     """The stage's story: data, models, answers and metrics per model, predictions, gates."""
     cfg = ctx.config.eval
     params = EvalParams.model_validate(ctx.params)
@@ -93,14 +94,14 @@ def evaluate_body(ctx: JobContext) -> dict:
     decision = decide(*(results[r].metrics if r in results else None for r in ROLES), cfg.gates)
     for line in decision.lines:
         jobkit.log(f"gate: {line}")
-    summary = {
-        "models": {role: _model_summary(sources, results, role) for role in ROLES},
-        "incumbent_version": params.incumbent.version if params.incumbent else None,
-        "gates": decision.as_dict(),
-        "predictions_uri": predictions_uri,
-        "examples": len(data.prompts),
-        "device": str(pick_device()[0]),
-    }
+    summary = EvaluateSummary(
+        models={role: _model_summary(sources, results, role) for role in ROLES},
+        incumbent_version=params.incumbent.version if params.incumbent else None,
+        gates=decision,
+        predictions_uri=predictions_uri,
+        examples=len(data.prompts),
+        device=str(pick_device()[0]),
+    )
     if not decision.passed:
         raise StageFailure(FailureClass.modeling, decision.failure_cause(), summary)
     return summary
@@ -188,11 +189,11 @@ def save_predictions(ctx: JobContext, data: EvalSet, results: dict[str, ModelEva
     return ctx.storage.uri(*parts)
 
 
-def _model_summary(sources: list[ModelSource], results: dict[str, ModelEval], role: str) -> dict | None:
+def _model_summary(sources: list[ModelSource], results: dict[str, ModelEval], role: str) -> ModelScore | None:
     if role not in results:
         return None
     path = next(s.path for s in sources if s.role == role)
-    return {"path": path, "metrics": results[role].metrics, "seconds": results[role].seconds}
+    return ModelScore(path=path, metrics=results[role].metrics, seconds=results[role].seconds)
 
 
 def _free_memory() -> None:

@@ -12,40 +12,12 @@ A missing or NaN value fails its gate: a metric that could not be computed prove
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 from typing import Any, Mapping
+
+from tuneproof.core.summaries import GateDecision, Verdict
 
 # Metric arithmetic in floats: 0.85 - 0.35 is 0.4999999999999999, which must still meet 0.5.
 TOLERANCE = 1e-9
-
-
-@dataclass(frozen=True)
-class Verdict:
-    metric: str
-    gate: str
-    """'min' | 'min_improvement' | 'max_regression'"""
-    value: float | None
-    """What was compared: the candidate's value, its improvement over base, or its regression vs the incumbent."""
-    threshold: float
-    passed: bool
-    line: str
-
-
-@dataclass(frozen=True)
-class GateDecision:
-    passed: bool
-    lines: list[str]
-    verdicts: list[Verdict]
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"passed": self.passed, "lines": list(self.lines), "verdicts": [asdict(v) for v in self.verdicts]}
-
-    def failure_cause(self) -> str:
-        """'<first failing line> (+N more)': the one-line cause of a refused candidate."""
-        failing = [v.line for v in self.verdicts if not v.passed]
-        if not failing:
-            return ""
-        return failing[0] + (f" (+{len(failing) - 1} more)" if len(failing) > 1 else "")
 
 
 def decide(
@@ -60,8 +32,8 @@ def decide(
     """
     verdicts = [v for metric, gate in policy.items() for v in _metric_verdicts(metric, gate, candidate, base, incumbent)]
     if not verdicts:
-        return GateDecision(True, ["no gates configured: nothing to check"], [])
-    return GateDecision(all(v.passed for v in verdicts), [v.line for v in verdicts], verdicts)
+        return GateDecision(passed=True, lines=["no gates configured: nothing to check"], verdicts=[])
+    return GateDecision(passed=all(v.passed for v in verdicts), lines=[v.line for v in verdicts], verdicts=verdicts)
 
 
 def _metric_verdicts(metric, gate, candidate, base, incumbent) -> list[Verdict]:
@@ -80,9 +52,9 @@ def _min_verdict(metric, gate, candidate) -> Verdict:
     head = f"{metric} {op} {fmt(gate.min)}"
     value, missing = _read(candidate, metric, "candidate")
     if missing:
-        return Verdict(metric, "min", None, gate.min, False, f"{head}: {missing} (fail)")
+        return _verdict(metric, "min", None, gate.min, False, f"{head}: {missing} (fail)")
     passed = value >= gate.min - TOLERANCE if gate.higher_is_better else value <= gate.min + TOLERANCE
-    return Verdict(metric, "min", value, gate.min, passed, f"{head}: {fmt(value)} ({_word(passed)})")
+    return _verdict(metric, "min", value, gate.min, passed, f"{head}: {fmt(value)} ({_word(passed)})")
 
 
 def _improvement_verdict(metric, gate, candidate, base) -> Verdict:
@@ -93,8 +65,8 @@ def _improvement_verdict(metric, gate, candidate, base) -> Verdict:
 def _regression_verdict(metric, gate, candidate, incumbent) -> Verdict:
     head = f"{metric} regression vs incumbent <= {fmt(gate.max_regression)}"
     if incumbent is None:
-        return Verdict(metric, "max_regression", None, gate.max_regression, True,
-                       f"{head}: no incumbent: first model, regression gate not applicable")
+        return _verdict(metric, "max_regression", None, gate.max_regression, True,
+                        f"{head}: no incumbent: first model, regression gate not applicable")
     return _delta_verdict(metric, "max_regression", head, gate, candidate, incumbent, "incumbent", at_most=gate.max_regression)
 
 
@@ -103,13 +75,17 @@ def _delta_verdict(metric, kind, head, gate, candidate, other, other_role, at_le
     cand, missing = _read(candidate, metric, "candidate")
     ref, ref_missing = _read(other, metric, other_role)
     if missing or ref_missing:
-        return Verdict(metric, kind, None, threshold, False, f"{head}: {missing or ref_missing} (fail)")
+        return _verdict(metric, kind, None, threshold, False, f"{head}: {missing or ref_missing} (fail)")
     gain = cand - ref if gate.higher_is_better else ref - cand
     # Improvement is the gain itself; regression is the gain lost.
     value = gain if at_least is not None else -gain
     passed = value >= at_least - TOLERANCE if at_least is not None else value <= at_most + TOLERANCE
     line = f"{head}: {fmt(value, signed=True)} (candidate {fmt(cand)}, {other_role} {fmt(ref)}) ({_word(passed)})"
-    return Verdict(metric, kind, value, threshold, passed, line)
+    return _verdict(metric, kind, value, threshold, passed, line)
+
+
+def _verdict(metric, gate, value, threshold, passed, line) -> Verdict:
+    return Verdict(metric=metric, gate=gate, value=value, threshold=threshold, passed=passed, line=line)
 
 
 def _read(metrics: Mapping[str, Any], metric: str, role: str) -> tuple[float | None, str | None]:

@@ -14,7 +14,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from tuneproof.core.hashing import IGNORE_INDEX
+
 IM_END = "<|im_end|>"
 
 

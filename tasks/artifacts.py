@@ -1,9 +1,10 @@
 """Prefect artifacts: the evidence, where people deciding on a model look (the flow run page).
 
-Called by the flow after each stage, and by the stage tasks for live progress. Keys are
-per run (`<kind>-<run>` in lowercase with dashes, as Prefect requires) so a run's artifacts
-version together. A table cell that begins with '>=' renders as a quote in the UI, so gate
-thresholds are written 'at least 0.8' instead.
+The flow publishes each finished stage's artifact (the stage table in flows/stages.py names which
+function below is a stage's), then the stage table and the run report when the run ends; the job
+tasks keep a progress artifact per stage. Keys are per run (`<kind>-<run>` in lowercase with dashes,
+as Prefect requires) so a run's artifacts version together. A table cell that begins with '>=' renders
+as a quote in the UI, so gate thresholds are written 'at least 0.8' instead.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import base64
 import io
 import re
+from datetime import datetime
 from typing import Any
 
 from prefect.artifacts import (
@@ -21,8 +23,12 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from tuneproof.core.config import STAGES
+from tuneproof.control.record import RunRecord, StageEntry
+from tuneproof.core.envelope import ProgressEvent
 from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import (
+    ConnectivitySummary, DataSummary, EvaluateSummary, FinetuneSummary, LossPoint, ModelScore, Verdict, VerifySummary,
+)
 
 
 def key(kind: str, run_id: str) -> str:
@@ -44,74 +50,77 @@ def table(kind: str, run_id: str, rows: list[dict[str, Any]], description: str) 
                               key=key(kind, run_id), description=description)
 
 
-def stage_table(record: dict) -> None:
-    rows = [{"stage": s, "status": e["status"], "failure class": e.get("failure_class") or "",
-             "seconds": duration(e), "cause": e.get("cause") or ""}
-            for s, e in sorted(record["stages"].items(), key=lambda item: STAGES.index(item[0]))]
-    table("stages", record["run_id"], rows, f"Stages of run {record['run_id']}")
+def stage_table(record: RunRecord, order: list[str]) -> None:
+    """Every stage of the run in pipeline order: status, failure class, seconds, cause."""
+    rows = [{"stage": name, "status": entry.status, "failure class": entry.failure_class.value if entry.failure_class else "",
+             "seconds": duration(entry), "cause": entry.cause or ""}
+            for name, entry in sorted(record.stages.items(), key=lambda item: _position(order, item[0]))]
+    table("stages", record.run_id, rows, f"Stages of run {record.run_id}")
 
 
-def duration(entry: dict) -> float | None:
-    from datetime import datetime
+def _position(order: list[str], name: str) -> int:
+    return order.index(name) if name in order else len(order)
 
+
+def duration(entry: StageEntry) -> float | None:
     try:
-        return round((datetime.fromisoformat(entry["ended_at"]) - datetime.fromisoformat(entry["started_at"])).total_seconds(), 1)
-    except (KeyError, TypeError, ValueError):
+        return round((datetime.fromisoformat(entry.ended_at) - datetime.fromisoformat(entry.started_at)).total_seconds(), 1)
+    except ValueError:
         return None
 
 
-def for_stage(record: dict, stage: str, storage: Storage) -> None:
-    """The artifact(s) a finished stage contributes."""
-    entry = record["stages"][stage]
-    summary, run_id = entry.get("summary") or {}, record["run_id"]
-    if stage == "verify":
-        verify_findings(run_id, entry)
-    elif stage == "connectivity" and summary.get("allreduce"):
-        transport = (summary.get("transport") or {}).get("kind")
-        rows = [{**r, "transport": transport} for r in summary["allreduce"]]
-        table("connectivity", run_id, rows, f"All-reduce over {summary.get('world_size')} ranks ({summary.get('backend')}); transport {transport}")
-    elif stage == "data" and summary.get("manifest"):
-        dataset_summary(run_id, summary)
-    elif stage == "finetune" and summary.get("loss_curve"):
-        loss_image(run_id, summary["loss_curve"], storage)
-    elif stage == "evaluate" and summary.get("models"):
-        evaluation_table(run_id, summary)
+# ---- one per stage (the stage table names them) ------------------------------------------------
 
 
-def verify_findings(run_id: str, entry: dict) -> None:
-    summary = entry.get("summary") or {}
-    lines = [f"# Verify: {entry['status']}", ""]
-    findings = summary.get("findings") or []
-    lines += [f"- **{f.get('severity', 'error')}** {f['subject']}: `{f['field']}` is `{f['seen']}`, expected `{f['expected']}` {f.get('message') or ''}"
-              for f in findings] or ["No findings: every node matches what the config expects."]
-    lines += ["", "| node | head | ray | torch | python | cuda | nccl | GPUs (visible/Ray) | env digest |", "|---|---|---|---|---|---|---|---|---|"]
-    for n in summary.get("nodes") or []:
-        lines.append(f"| {n.get('node_ip')} | {n.get('is_head')} | {n.get('ray_version')} | {n.get('torch_version')} | "
-                     f"{n.get('python_version')} | {n.get('cuda_version')} | {n.get('nccl_version')} | "
-                     f"{n.get('gpus_visible')}/{n.get('gpus_advertised')} | {str(n.get('environment_digest'))[:12]} |")
-    create_markdown_artifact("\n".join(lines), key=key("verify", run_id), description="Cluster verification")
+def verify_findings(record: RunRecord, entry: StageEntry, storage: Storage) -> None:
+    summary = entry.summary_as(VerifySummary)
+    lines = [f"# Verify: {entry.status}", ""]
+    if summary is None:
+        lines.append(f"No findings were collected: {entry.cause}")
+    else:
+        lines += [f"- **{f.severity}** {f.subject}: `{f.field}` is `{f.seen}`, expected `{f.expected}` {f.message}"
+                  for f in summary.findings] or ["No findings: every node matches what the config expects."]
+        lines += ["", "| node | head | ray | torch | python | cuda | nccl | GPUs (visible/Ray) | env digest |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for n in summary.nodes:
+            lines.append(f"| {n.node_ip} | {n.is_head} | {n.ray_version} | {n.torch_version} | {n.python_version} | "
+                         f"{n.cuda_version} | {n.nccl_version} | {n.gpus_visible}/{n.gpus_advertised} | "
+                         f"{str(n.environment_digest)[:12]} |")
+    create_markdown_artifact("\n".join(lines), key=key("verify", record.run_id), description="Cluster verification")
 
 
-def dataset_summary(run_id: str, summary: dict) -> None:
-    m = summary["manifest"]
-    splits = m.get("splits") or {}
-    lines = [f"# Dataset `{m.get('name')}` {summary.get('content_hash', '')[:16]}" + (" (cache hit)" if summary.get("cache_hit") else ""),
-             "", f"Source: `{(m.get('source') or {}).get('uri')}`; {m.get('total_rows')} rows; dropped {m.get('dropped_fraction', 0):.2%}", "",
+def connectivity_table(record: RunRecord, entry: StageEntry, storage: Storage) -> None:
+    summary = entry.summary_as(ConnectivitySummary)
+    if summary is None or not summary.allreduce:
+        return
+    kind = summary.transport.kind
+    rows = [{**row.to_json(), "transport": kind} for row in summary.allreduce]
+    table("connectivity", record.run_id, rows,
+          f"All-reduce over {summary.world_size} ranks ({summary.backend}); transport {kind}")
+
+
+def dataset_summary(record: RunRecord, entry: StageEntry, storage: Storage) -> None:
+    summary = entry.summary_as(DataSummary)
+    if summary is None or summary.manifest is None:
+        return
+    m = summary.manifest
+    lines = [f"# Dataset `{m.name}` {m.content_hash[:16]}" + (" (cache hit)" if summary.cache_hit else ""),
+             "", f"Source: `{m.source.uri}`; {m.total_rows} rows; dropped {m.dropped_fraction:.2%}", "",
              "| split | rows | tokens | shards |", "|---|---|---|---|"]
-    lines += [f"| {name} | {s.get('rows')} | {s.get('tokens')} | {len(s.get('shards') or [])} |" for name, s in splits.items()]
-    dropped = m.get("dropped") or {}
-    if dropped:
-        lines += ["", "| dropped because | rows |", "|---|---|"] + [f"| {r} | {d.get('count')} |" for r, d in dropped.items()]
-    create_markdown_artifact("\n".join(lines), key=key("dataset", run_id), description="Prepared dataset")
+    lines += [f"| {name} | {s.rows} | {s.tokens} | {len(s.shards)} |" for name, s in m.splits.items()]
+    if m.dropped:
+        lines += ["", "| dropped because | rows |", "|---|---|"] + [f"| {r} | {d.count} |" for r, d in m.dropped.items()]
+    create_markdown_artifact("\n".join(lines), key=key("dataset", record.run_id), description="Prepared dataset")
 
 
-def loss_png(loss_curve: list[list[float]]) -> bytes:
+def loss_png(loss_curve: list[LossPoint]) -> bytes:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps, losses = zip(*loss_curve)
+    finite = [(step, loss) for step, loss in loss_curve if loss is not None]
+    steps, losses = zip(*finite) if finite else ((), ())
     fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
     ax.plot(steps, losses, linewidth=1.2)
     ax.set_xlabel("step")
@@ -125,62 +134,78 @@ def loss_png(loss_curve: list[list[float]]) -> bytes:
     return buf.getvalue()
 
 
-def loss_image(run_id: str, loss_curve: list[list[float]], storage: Storage) -> None:
+def loss_image(record: RunRecord, entry: StageEntry, storage: Storage) -> None:
     """The PNG goes to run storage; the UI gets it inline (a local path is not a URL a browser can load)."""
-    png = loss_png(loss_curve)
-    storage.write_bytes(png, "runs", run_id, "stages", "finetune", "loss.png")
-    create_image_artifact("data:image/png;base64," + base64.b64encode(png).decode(), key=key("loss-curve", run_id),
-                          description=f"Training loss ({storage.uri('runs', run_id, 'stages', 'finetune', 'loss.png')})")
+    summary = entry.summary_as(FinetuneSummary)
+    if summary is None or not summary.loss_curve:
+        return
+    png = loss_png(summary.loss_curve)
+    parts = ("runs", record.run_id, "stages", "finetune", "loss.png")
+    storage.write_bytes(png, *parts)
+    create_image_artifact("data:image/png;base64," + base64.b64encode(png).decode(), key=key("loss-curve", record.run_id),
+                          description=f"Training loss ({storage.uri(*parts)})")
 
 
-def evaluation_table(run_id: str, summary: dict) -> None:
+def evaluation_table(record: RunRecord, entry: StageEntry, storage: Storage) -> None:
     """One row per metric: candidate, base, incumbent, and that metric's gate verdicts."""
-    models = summary["models"]
-    gates = summary.get("gates") or {}
-    names = sorted({n for m in models.values() if m for n in (m.get("metrics") or {})})
+    summary = entry.summary_as(EvaluateSummary)
+    if summary is None:
+        return
+    names = sorted({n for m in summary.models.values() if m for n in m.metrics})
     rows = []
     for name in names:
-        verdicts = [v for v in gates.get("verdicts", []) if v["metric"] == name]
+        verdicts = [v for v in summary.gates.verdicts if v.metric == name]
         rows.append({
             "metric": name,
-            **{role: metric_cell(models.get(role), name) for role in ("candidate", "base", "incumbent")},
-            "gates": ", ".join(f"{v['gate']}: {verdict_word(v)}" for v in verdicts) or "not gated",
+            **{role: metric_cell(summary.models.get(role), name) for role in ("candidate", "base", "incumbent")},
+            "gates": ", ".join(f"{v.gate}: {verdict_word(v)}" for v in verdicts) or "not gated",
         })
-    verdict = "passed" if gates.get("passed") else "failed"
-    table("evaluation", run_id, rows, f"Candidate vs base vs incumbent ({summary.get('incumbent_version') or 'no incumbent'}); "
-                                      f"gates {verdict}:\n\n" + "\n".join(f"* {line}" for line in gates.get("lines", [])))
+    verdict = "passed" if summary.gates.passed else "failed"
+    table("evaluation", record.run_id, rows,
+          f"Candidate vs base vs incumbent ({summary.incumbent_version or 'no incumbent'}); gates {verdict}:\n\n"
+          + "\n".join(f"* {line}" for line in summary.gates.lines))
 
 
-def verdict_word(v: dict) -> str:
-    if not v["passed"]:
+def verdict_word(v: Verdict) -> str:
+    if not v.passed:
         return "FAIL"
-    return "pass" if v["value"] is not None else "n/a (no incumbent)"
+    return "pass" if v.value is not None else "n/a (no incumbent)"
 
 
-def metric_cell(model: dict | None, name: str) -> Any:
+def metric_cell(model: ModelScore | None, name: str) -> Any:
     """A value, or words: a lone '-' renders as a list bullet in the UI."""
-    if not model:
+    if model is None:
         return "no model"
-    value = (model.get("metrics") or {}).get(name)
+    value = model.metrics.get(name)
     return "n/a" if value is None else value
 
 
-def run_report(record: dict) -> None:
-    code, cluster, data = record.get("code") or {}, record.get("cluster") or {}, record.get("data") or {}
-    promotion = record.get("promotion") or {}
+# ---- when the run ends ------------------------------------------------------------------------
+
+
+def run_report(record: RunRecord) -> None:
+    code, cluster, data, promotion = record.code, record.cluster, record.data, record.promotion
+    failure = f" ({record.failure_class.value}: {record.cause})" if record.failure_class else ""
+    if promotion is None:
+        verdict = "not reached"
+    elif promotion.promoted:
+        verdict = f"promoted {promotion.version}"
+    else:
+        verdict = "refused: " + "; ".join(promotion.reasons)
     lines = [
-        f"# Run {record['run_id']}: {record['status']}" + (f" ({record['failure_class']}: {record['cause']})" if record.get("failure_class") else ""),
+        f"# Run {record.run_id}: {record.status}{failure}",
         "", "| identity | value |", "|---|---|",
-        f"| image digest | {cluster.get('image_digest') or 'n/a (local profile)'} |",
-        f"| cluster | Ray {cluster.get('ray_version')} on {len(cluster.get('nodes') or [])} node(s), environment {str(cluster.get('environment_digest'))[:16]} |",
-        f"| code | {code.get('git_sha')} (dirty: {code.get('dirty')}) |",
-        f"| working_dir hash | {code.get('working_dir_hash')} |",
-        f"| config hash | {record.get('config_hash')} |",
-        f"| runtime_env additions | {record.get('runtime_env_additions')} |",
-        f"| dataset hash | {data.get('content_hash')} |",
-        "", f"Promotion: {'promoted ' + str(promotion.get('version')) if promotion.get('promoted') else 'refused: ' + '; '.join(promotion.get('reasons') or ['not reached'])}",
+        f"| image digest | {(cluster.image_digest if cluster else None) or 'n/a (local profile)'} |",
+        f"| cluster | Ray {cluster.ray_version if cluster else None} on {len(cluster.nodes) if cluster else 0} node(s), "
+        f"environment {str(cluster.environment_digest if cluster else None)[:16]} |",
+        f"| code | {code.git_sha} (dirty: {code.dirty}) |",
+        f"| working_dir hash | {code.working_dir_hash} |",
+        f"| config hash | {record.config_hash} |",
+        f"| runtime_env additions | {record.runtime_env_additions.model_dump()} |",
+        f"| dataset hash | {data.content_hash if data else None} |",
+        "", f"Promotion: {verdict}",
     ]
-    create_markdown_artifact("\n".join(lines), key=key("run-report", record["run_id"]), description="Run report")
+    create_markdown_artifact("\n".join(lines), key=key("run-report", record.run_id), description="Run report")
 
 
 class Progress:
@@ -192,12 +217,13 @@ class Progress:
         self.artifact_id = None
         self.last = -1.0
 
-    def update(self, done: int, total: int) -> None:
-        pct = round(100.0 * done / max(total, 1), 1)
+    def update(self, event: ProgressEvent) -> None:
+        pct = round(100.0 * event.fraction, 1)
         if pct - self.last < 2.0 and pct < 100.0:
             return  # every event would be an API call; two-percent steps are plenty for a bar
         self.last = pct
+        description = f"{self.stage}: {event.done}/{event.total}"
         if self.artifact_id is None:
-            self.artifact_id = create_progress_artifact(pct, key=self.key, description=f"{self.stage}: {done}/{total}")
+            self.artifact_id = create_progress_artifact(pct, key=self.key, description=description)
         else:
-            update_progress_artifact(self.artifact_id, pct, description=f"{self.stage}: {done}/{total}")
+            update_progress_artifact(self.artifact_id, pct, description=description)

@@ -1,7 +1,7 @@
 """In-process pipeline events for a terminal display (the CLI subscribes; workers have no subscribers).
 
-Events are plain dicts: {"kind": "stage", "stage", "status"}, {"kind": "job", "submission_id", "status"},
-{"kind": "progress", "stage", "done", "total", ...metrics}.
+Events are plain dicts: {"kind": "stage", "stage", "status"}, {"kind": "job", "stage", "submission_id",
+"status"}, {"kind": "progress", "stage", "event": ProgressEvent}.
 """
 
 from __future__ import annotations

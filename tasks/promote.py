@@ -14,95 +14,109 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from tasks.jobs import StageCall
 from tuneproof.control import record as records
 from tuneproof.control import registry
+from tuneproof.control.record import Override, RunRecord, StageEntry
 from tuneproof.core.config import PipelineConfig
-from tuneproof.control.record import stage_entry
-from tuneproof.core.results import now_iso
+from tuneproof.core.results import FailureClass, now_iso
 from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import EvaluateSummary, FinetuneSummary, Forced, PromoteSummary, ResumeSummary
 
 
-def refusal_reasons(cfg: PipelineConfig, record: dict) -> list[str]:
+def refusal_reasons(cfg: PipelineConfig, record: RunRecord) -> list[str]:
     """Why this run may not be promoted (empty when it may). Pure over the record."""
-    stages = record["stages"]
     reasons = []
-    resume = stages.get("resume")
+    resume = record.stages.get("resume")
     if not cfg.resume.enabled:
         reasons.append("resume test disabled (resume.enabled=false): no evidence that checkpoints restore")
-    elif not resume or resume["status"] != "succeeded":
-        reasons.append(f"resume test {'did not run' if not resume else resume['status']}: {(resume or {}).get('cause') or ''}".rstrip(": "))
-    evaluation = stages.get("evaluate")
-    gates = ((evaluation or {}).get("summary") or {}).get("gates") or {}
-    if not evaluation or evaluation["status"] != "succeeded" or not gates.get("passed"):
-        reasons.append(f"evaluation gates not passed: {(evaluation or {}).get('cause') or 'evaluate did not run'}")
+    elif resume is None or not resume.ok:
+        how = "did not run" if resume is None else resume.status
+        reasons.append(f"resume test {how}: {resume.cause or ''}".rstrip(": ") if resume else f"resume test {how}")
+    evaluation = record.stages.get("evaluate")
+    summary = record.summary("evaluate", EvaluateSummary)
+    if evaluation is None or not evaluation.ok or summary is None or not summary.gates.passed:
+        cause = evaluation.cause if evaluation is not None else "evaluate did not run"
+        reasons.append(f"evaluation gates not passed: {cause}")
     return reasons
 
 
-def model_card(cfg: PipelineConfig, record: dict, forced: dict | None = None) -> dict[str, Any]:
-    evaluation = (record["stages"].get("evaluate") or {}).get("summary") or {}
-    resume = (record["stages"].get("resume") or {}).get("summary") or {}
+def model_card(cfg: PipelineConfig, record: RunRecord, forced: Forced | None = None) -> dict[str, Any]:
+    evaluation = record.summary("evaluate", EvaluateSummary)
+    resume = record.summary("resume", ResumeSummary)
+    cluster = record.cluster
     return {
-        "name": cfg.model.name, "run_id": record["run_id"], "base_model": cfg.model.source,
-        "metrics": {k: (v or {}).get("metrics") for k, v in (evaluation.get("models") or {}).items()},
-        "incumbent_version": evaluation.get("incumbent_version"),
-        "gates": (evaluation.get("gates") or {}).get("lines", []),
-        "dataset_hash": (record.get("data") or {}).get("content_hash"),
-        "image": cfg.cluster.expect.image, "image_digest": (record.get("cluster") or {}).get("image_digest"),
-        "environment_digest": (record.get("cluster") or {}).get("environment_digest"),
-        "code_sha": record["code"].get("git_sha"), "code_dirty": record["code"].get("dirty"),
-        "working_dir_hash": record["code"].get("working_dir_hash"), "config_hash": record["config_hash"],
-        "resume": {k: resume.get(k) for k in ("restored_step", "max_loss_diff")},
-        "forced": forced,
+        "name": cfg.model.name, "run_id": record.run_id, "base_model": cfg.model.source,
+        "metrics": {role: (score.metrics if score else None) for role, score in evaluation.models.items()}
+        if evaluation else {},
+        "incumbent_version": evaluation.incumbent_version if evaluation else None,
+        "gates": evaluation.gates.lines if evaluation else [],
+        "dataset_hash": record.data.content_hash if record.data else None,
+        "image": cfg.cluster.expect.image,
+        "image_digest": cluster.image_digest if cluster else None,
+        "environment_digest": cluster.environment_digest if cluster else None,
+        "code_sha": record.code.git_sha, "code_dirty": record.code.dirty,
+        "working_dir_hash": record.code.working_dir_hash, "config_hash": record.config_hash,
+        "resume": {"restored_step": resume.restored_step, "max_loss_diff": resume.max_loss_diff} if resume else {},
+        "forced": forced.to_json() if forced else None,
     }
 
 
 @task(name="promote", cache_policy=NO_CACHE)
-def promote(cfg: PipelineConfig, run_id: str, record: dict) -> dict[str, Any]:
+def promote(call: StageCall) -> StageEntry:
     started = now_iso()
-    reasons = refusal_reasons(cfg, record)
+    reasons = refusal_reasons(call.cfg, call.record)
     if reasons:
-        return refused(started, reasons, "modeling")
-    return move_pointer(cfg, record, started, forced=None)
+        return refused(started, reasons, FailureClass.modeling)
+    return move_pointer(call.cfg, call.record, started, forced=None)
 
 
-def move_pointer(cfg: PipelineConfig, record: dict, started: str, forced: dict | None) -> dict[str, Any]:
+def move_pointer(cfg: PipelineConfig, record: RunRecord, started: str, forced: Forced | None) -> StageEntry:
     """Copy the export to a new version and CAS the pointer against the incumbent that was evaluated."""
     storage = Storage.from_config(cfg.storage)
-    evaluated = ((record["stages"].get("evaluate") or {}).get("summary") or {}).get("incumbent_version")
+    evaluation = record.summary("evaluate", EvaluateSummary)
+    evaluated = evaluation.incumbent_version if evaluation else None
     pointer, token = registry.read_pointer(storage, cfg.model.name)
     current = (pointer or {}).get("version")
     if forced is None and current != evaluated:
-        return refused(started, [f"the production model changed since evaluation ({evaluated} -> {current}); re-evaluate"], "infrastructure")
-    export_path = record["stages"]["finetune"]["summary"]["export_path"]
+        return refused(started, [f"the production model changed since evaluation ({evaluated} -> {current}); re-evaluate"],
+                       FailureClass.infrastructure)
+    finetune = record.summary("finetune", FinetuneSummary)
+    if finetune is None or finetune.export_path is None:
+        return refused(started, [f"run {record.run_id} has no exported model"], FailureClass.infrastructure)
     try:
-        result = registry.promote(storage, cfg.model.name, record["run_id"], export_path,
+        result = registry.promote(storage, cfg.model.name, record.run_id, finetune.export_path,
                                   model_card(cfg, record, forced), token)
     except registry.PromotionConflict as e:
-        return refused(started, [f"lost a concurrent promotion: {e}"], "infrastructure")
+        return refused(started, [f"lost a concurrent promotion: {e}"], FailureClass.infrastructure)
     logging.getLogger("tuneproof.promote").info(f"promoted {cfg.model.name} {result['version']} (previous: {current})")
-    summary = {"promoted": True, "previous_version": current, **result, "forced": forced}
-    return stage_entry("promote", "succeeded", None, None, summary, [], started, now_iso())
+    summary = PromoteSummary(promoted=True, forced=forced, **{**result, "previous_version": current})
+    return StageEntry.succeeded("promote", summary, started)
 
 
-def approval_refused(started: str, approver: str, comment: str) -> dict[str, Any]:
-    return refused(started, [f"approval refused by {approver or 'an approver'}: {comment or 'no comment'}"], "modeling")
+def approval_refused(started: str, approver: str, comment: str) -> StageEntry:
+    return refused(started, [f"approval refused by {approver or 'an approver'}: {comment or 'no comment'}"],
+                   FailureClass.modeling)
 
 
-def refused(started: str, reasons: list[str], failure_class: str) -> dict[str, Any]:
-    summary = {"promoted": False, "reasons": reasons}
-    return stage_entry("promote", "failed", failure_class, "; ".join(reasons), summary, [], started, now_iso())
+def refused(started: str, reasons: list[str], failure_class: FailureClass) -> StageEntry:
+    return StageEntry.failed("promote", failure_class, "; ".join(reasons), started,
+                             summary=PromoteSummary(promoted=False, reasons=reasons))
 
 
-def forced_promotion(cfg: PipelineConfig, run_id: str, reason: str, user: str) -> dict[str, Any]:
+def forced_promotion(cfg: PipelineConfig, run_id: str, reason: str, user: str) -> PromoteSummary:
     """`tuneproof promote RUN --force --reason`: bypass the gates, and say so in the record and the card."""
     storage = Storage.from_config(cfg.resolved().storage)
     record = records.load(storage, run_id)
-    finetune = record["stages"].get("finetune") or {}
-    if finetune.get("status") != "succeeded":
-        return {"promoted": False, "reasons": [f"run {run_id} has no exported model (finetune {finetune.get('status', 'did not run')})"]}
-    forced = {"by": user, "reason": reason, "at": now_iso(), "bypassed": refusal_reasons(cfg, record)}
+    finetune = record.stages.get("finetune")
+    if finetune is None or not finetune.ok:
+        why = finetune.status if finetune else "did not run"
+        return PromoteSummary(promoted=False, reasons=[f"run {run_id} has no exported model (finetune {why})"])
+    forced = Forced(by=user, reason=reason, at=now_iso(), bypassed=refusal_reasons(cfg, record))
     entry = move_pointer(cfg, record, now_iso(), forced)
-    record.setdefault("overrides", []).append({"action": "promote --force", **forced, "result": entry["summary"]})
-    record["promotion"] = entry["summary"]
+    result = entry.summary_as(PromoteSummary) or PromoteSummary(promoted=False, reasons=[entry.cause or ""])
+    record.overrides.append(Override(action="promote --force", by=user, reason=reason, at=forced.at,
+                                     bypassed=forced.bypassed, result=result))
+    record.promotion = result
     records.save(storage, record)
-    return entry["summary"]
+    return result

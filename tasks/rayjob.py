@@ -1,30 +1,35 @@
-"""Submit a stage as a Ray job, follow it, and read back its result.json.
+"""Submit a stage as a Ray job, follow its log as a stream, and read back its result.json.
 
 The submission id is derived from the run id and the job name, so a Prefect retry attaches
 to the job already running (or finished) instead of starting a duplicate. A job that ended
 FAILED or STOPPED gets a new attempt id (<run>-<job>-a2) on the next submission, because Ray
-never reuses a submission id. Logs stream line by line to a callback (the Prefect logger);
-a timeout, or any exception while following (a cancelled flow run), stops the Ray job.
+never reuses a submission id. Logs arrive through Ray's log-tail websocket (each byte once, not
+the whole log every poll) and are cut into whole lines before anyone sees them; a timeout, or any
+BaseException while following (Ctrl-C, a cancelled flow run), stops the Ray job.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
+import queue
+import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from pydantic import ValidationError
 from ray.job_submission import JobStatus, JobSubmissionClient
 
-from tuneproof.core.config import PipelineConfig
 from tuneproof.control.identity import stage_working_dir
-from tuneproof.core.results import FailureClass, StageResult, now_iso, one_line
+from tuneproof.control.record import JobEntry, RuntimeEnvAdditions
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.envelope import ENV_VAR, JobEnvelope, ProgressEvent, parse_progress
+from tuneproof.core.results import FailureClass, StageResult, first_and_more, now_iso, one_line
 from tuneproof.core.storage import Storage
-from tuneproof.core.envelope import ENV_VAR, PROGRESS_PREFIX, JobEnvelope
+from tuneproof.core.summaries import Summary
 
 TERMINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
-LIVE = {JobStatus.PENDING, JobStatus.RUNNING}
 MAX_ATTEMPTS = 20
 
 
@@ -35,28 +40,11 @@ class JobSpec:
     module: str
     """Entrypoint module, run as `python -m <module>`."""
     timeout_s: int
+    summary: type[Summary]
+    """The model the job's summary must validate against."""
     params: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     """Pipeline-set environment (e.g. NCCL debug); recorded apart from the user's additions."""
-
-
-@dataclass
-class JobOutcome:
-    submission_id: str
-    entrypoint: str
-    job_status: str
-    attached: bool
-    working_dir_hash: str
-    runtime_env_additions: dict[str, Any]
-    pipeline_env: dict[str, str]
-    submitted_at: str
-    ended_at: str
-    result: StageResult
-
-    def to_record(self) -> dict[str, Any]:
-        doc = asdict(self)
-        doc["result"] = self.result.model_dump(mode="json")
-        return doc
 
 
 def auth_headers(cfg: PipelineConfig) -> dict[str, str] | None:
@@ -73,23 +61,67 @@ def auth_headers(cfg: PipelineConfig) -> dict[str, str] | None:
     return {"Authorization": f"Bearer {path.read_text().strip()}"}
 
 
-def progress_text(event: dict[str, Any]) -> str:
-    """'finetune 120/400 loss=0.5312 lr=0.00194' from a progress event."""
-    extras = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                      for k, v in event.items() if k not in ("stage", "done", "total"))
-    return f"{event.get('stage')} {event.get('done')}/{event.get('total')} {extras}".rstrip()
-
-
 def submission_id(run_id: str, job: str, attempt: int = 1) -> str:
     return f"{run_id}-{job}" if attempt == 1 else f"{run_id}-{job}-a{attempt}"
+
+
+class LineAssembler:
+    """Cuts a stream of text chunks into whole lines: a line split across chunks comes out once, whole."""
+
+    def __init__(self) -> None:
+        self._partial = ""
+
+    def feed(self, chunk: str) -> list[str]:
+        """The lines this chunk completes; an unterminated tail waits for the next chunk."""
+        text = self._partial + chunk
+        *lines, self._partial = text.split("\n")
+        return [line.rstrip("\r") for line in lines]
+
+    def flush(self) -> list[str]:
+        """At the end of the stream: the last line, if it had no newline."""
+        rest, self._partial = self._partial, ""
+        return [rest.rstrip("\r")] if rest else []
+
+
+_END = object()
+"""Queue sentinel: the log stream ended normally."""
+
+
+class LogStream:
+    """Ray's log tail for one job, read on a background thread into a queue of whole lines.
+
+    The websocket closes when the job reaches a terminal state; an error in it (the dashboard went
+    away) is handed over as an exception, so following can fail like any lost connection.
+    """
+
+    def __init__(self, client: JobSubmissionClient, sid: str):
+        self.lines: queue.Queue[Any] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, args=(client, sid), daemon=True, name=f"logs-{sid}")
+        self._thread.start()
+
+    def _run(self, client: JobSubmissionClient, sid: str) -> None:
+        try:
+            asyncio.run(self._read(client, sid))
+            self.lines.put(_END)
+        except Exception as e:  # noqa: BLE001 - handed to the following thread, which raises it
+            self.lines.put(e)
+
+    async def _read(self, client: JobSubmissionClient, sid: str) -> None:
+        assembler = LineAssembler()
+        async for chunk in client.tail_job_logs(sid):
+            for line in assembler.feed(chunk):
+                self.lines.put(line)
+        for line in assembler.flush():
+            self.lines.put(line)
 
 
 class RayJobRunner:
     """Runs JobSpecs for one pipeline run against the configured cluster."""
 
     def __init__(self, cfg: PipelineConfig, run_id: str, on_line: Callable[[str], None] = print,
-                 on_progress: Callable[[dict], None] | None = None,
-                 on_status: Callable[[str, str], None] | None = None, poll_s: float = 1.0):
+                 on_progress: Callable[[ProgressEvent], None] | None = None,
+                 on_status: Callable[[str, str], None] | None = None, poll_s: float = 1.0,
+                 client: JobSubmissionClient | None = None):
         self.cfg = cfg
         self.run_id = run_id
         self.on_line = on_line
@@ -97,9 +129,9 @@ class RayJobRunner:
         self.on_status = on_status or (lambda sid, status: None)
         self.poll_s = poll_s
         self.storage = Storage.from_config(cfg.storage)
-        self.client = JobSubmissionClient(cfg.cluster.address, headers=auth_headers(cfg))
+        self.client = client or JobSubmissionClient(cfg.cluster.address, headers=auth_headers(cfg))
 
-    def run(self, spec: JobSpec, stop_when: Callable[[str], bool] | None = None) -> JobOutcome:
+    def run(self, spec: JobSpec, stop_when: Callable[[str], bool] | None = None) -> JobEntry:
         """Submit (or attach), follow to the end, read the result. `stop_when(line)` stops the job early."""
         submitted_at = now_iso()
         sid, attached, entrypoint, wd_hash = self.submit_or_attach(spec)
@@ -110,9 +142,10 @@ class RayJobRunner:
             status = self.client.get_job_status(sid)
             result = StageResult(stage=spec.job, status="failed", failure_class=FailureClass.infrastructure,
                                  cause=str(e), started_at=submitted_at, ended_at=now_iso())
-        return JobOutcome(
+        return JobEntry(
             submission_id=sid, entrypoint=entrypoint, job_status=status.value, attached=attached,
-            working_dir_hash=wd_hash, runtime_env_additions=self.cfg.runtime_env.model_dump(),
+            working_dir_hash=wd_hash,
+            runtime_env_additions=RuntimeEnvAdditions.model_validate(self.cfg.runtime_env.model_dump()),
             pipeline_env=spec.env, submitted_at=submitted_at, ended_at=now_iso(), result=result,
         )
 
@@ -155,29 +188,10 @@ class RayJobRunner:
             raise
 
     def follow(self, sid: str, timeout_s: int, stop_when: Callable[[str], bool] | None = None) -> JobStatus:
-        """Stream logs until the job ends; stop it on timeout, on stop_when, or on cancellation."""
+        """Stream the log until the job ends; stop it on timeout, on stop_when, or on cancellation."""
         deadline = time.monotonic() + timeout_s
-        seen, last_status = 0, None
         try:
-            while True:
-                status = self.client.get_job_status(sid)
-                if status != last_status:
-                    self.on_status(sid, status.value)
-                    last_status = status
-                logs = self.client.get_job_logs(sid)
-                for line in logs[seen:].splitlines():
-                    self.emit(line)
-                    if stop_when and stop_when(line):
-                        self.stop(sid, "stop condition met")
-                        return self.wait_terminal(sid)
-                seen = len(logs)
-                if status in TERMINAL:
-                    return status
-                if time.monotonic() > deadline:
-                    self.stop(sid, f"timed out after {timeout_s}s")
-                    self.wait_terminal(sid)
-                    raise JobTimeout(f"Ray job {sid} timed out after {timeout_s}s and was stopped")
-                time.sleep(self.poll_s)
+            return self._follow(sid, deadline, timeout_s, stop_when)
         except Exception:
             # A transient error (lost connection) leaves the job running so a retry re-attaches.
             raise
@@ -186,19 +200,48 @@ class RayJobRunner:
             self.stop(sid, "the flow run was interrupted or cancelled")
             raise
 
+    def _follow(self, sid: str, deadline: float, timeout_s: int, stop_when: Callable[[str], bool] | None) -> JobStatus:
+        stream = LogStream(self.client, sid)
+        status, ended, next_poll = None, False, 0.0
+        while True:
+            if time.monotonic() >= next_poll:
+                status = self._poll_status(sid, status)
+                next_poll = time.monotonic() + self.poll_s
+            if ended and status in TERMINAL:
+                return status
+            if time.monotonic() > deadline:
+                self.stop(sid, f"timed out after {timeout_s}s")
+                self.wait_terminal(sid)
+                raise JobTimeout(f"Ray job {sid} timed out after {timeout_s}s and was stopped")
+            try:
+                item = stream.lines.get(timeout=self.poll_s)
+            except queue.Empty:
+                continue
+            if item is _END:
+                ended = True
+                next_poll = 0.0  # the stream ends with the job: read its final status now
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                self.emit(item)
+                if stop_when and stop_when(item):
+                    self.stop(sid, "stop condition met")
+                    return self.wait_terminal(sid)
+
+    def _poll_status(self, sid: str, last: JobStatus | None) -> JobStatus:
+        status = self.client.get_job_status(sid)
+        if status != last:
+            self.on_status(sid, status.value)
+        return status
+
     def emit(self, line: str) -> None:
         """Pass a log line on; progress lines become a readable line plus a progress event."""
-        # Worker lines arrive prefixed by Ray, e.g. "(RayTrainWorker pid=12) TUNEPROOF_PROGRESS {...}".
-        at = line.find(PROGRESS_PREFIX)
-        if at >= 0:
-            try:
-                event = json.loads(line[at + len(PROGRESS_PREFIX):])
-            except ValueError:
-                event = None
-            if event is not None:
-                if self.on_progress:
-                    self.on_progress(event)
-                line = line[:at] + "progress " + progress_text(event)
+        parsed = parse_progress(line)
+        if parsed is not None:
+            before, event = parsed
+            if self.on_progress:
+                self.on_progress(event)
+            line = before + "progress " + event.text()
         self.on_line(line)
 
     def stop(self, sid: str, why: str) -> None:
@@ -217,16 +260,33 @@ class RayJobRunner:
         return status
 
     def read_result(self, spec: JobSpec, sid: str, status: JobStatus) -> StageResult:
+        """The job's result.json with its summary checked against the stage's model; a job that left
+        none (died before its harness could write one) or a malformed one is an infrastructure failure."""
         parts = ("runs", self.run_id, "stages", spec.job, "result.json")
-        if self.storage.exists(*parts):
-            return StageResult.model_validate(self.storage.read_json(*parts))
-        # No result: the job died before its harness could write one (import error, OOM kill, stop).
-        info = self.client.get_job_info(sid)
-        cause = info.message or f"job ended {status.value} without writing {'/'.join(parts)}"
-        return StageResult(
-            stage=spec.job, status="failed", failure_class=FailureClass.infrastructure,
-            cause=one_line(f"Ray job {sid} {status.value}: {cause}"), started_at=now_iso(), ended_at=now_iso(),
-        )
+        if not self.storage.exists(*parts):
+            info = self.client.get_job_info(sid)
+            cause = info.message or f"job ended {status.value} without writing {'/'.join(parts)}"
+            return self._failed(spec, f"Ray job {sid} {status.value}: {cause}")
+        try:
+            result = StageResult.model_validate(self.storage.read_json(*parts))
+            if result.summary is not None:
+                spec.summary.model_validate(result.summary)
+        except ValidationError as e:
+            return self._failed(spec, f"Ray job {sid} wrote a result that is not a {spec.summary.__name__}: "
+                                      f"{validation_problem(e)}")
+        except ValueError as e:
+            return self._failed(spec, f"Ray job {sid} wrote an unreadable {'/'.join(parts)}: {e}")
+        return result
+
+    def _failed(self, spec: JobSpec, cause: str) -> StageResult:
+        return StageResult(stage=spec.job, status="failed", failure_class=FailureClass.infrastructure,
+                           cause=one_line(cause), started_at=now_iso(), ended_at=now_iso())
+
+
+def validation_problem(e: ValidationError) -> str:
+    """'field.path: message (+N more)' for a pydantic error, short enough for a one-line cause."""
+    problems = [f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
+    return first_and_more(problems)
 
 
 class JobTimeout(Exception):

@@ -11,6 +11,7 @@ from tuneproof.control import record as records
 from tuneproof.app.cli import app
 from tuneproof.core.config import load_config
 from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import ConnectivitySummary, VerifySummary
 
 pytestmark = pytest.mark.integration
 
@@ -54,19 +55,19 @@ def test_verify_and_connectivity_through_the_flow(prefect_harness, overrides, ra
     state = pipeline(config=cfg, run_id="bb-ok", only=["verify", "connectivity"], return_state=True)
     assert state.is_completed(), state.message
     rec = records.load(Storage.from_config(cfg.storage), "bb-ok")
-    verify, conn = rec["stages"]["verify"], rec["stages"]["connectivity"]
-    assert verify["status"] == "succeeded" and conn["status"] == "succeeded"
-    node = verify["summary"]["nodes"][0]
-    assert node["ray_version"] == "2.60.0" and node["torch_version"].startswith("2.13.0")
-    assert len(node["environment_digest"]) == 64
-    assert [r["size_bytes"] for r in conn["summary"]["allreduce"]] == [1024, 65536]
-    assert all(r["busbw_GBps"] > 0 for r in conn["summary"]["allreduce"])
-    assert len(conn["summary"]["ranks"]) == 2 and all(r["finished"] for r in conn["summary"]["ranks"])
-    assert conn["summary"]["transport"]["kind"] == "gloo"
-    assert conn["jobs"][0]["submission_id"] == "bb-ok-connectivity"
-    assert len(rec["code"]["working_dir_hash"]) == 64 and len(rec["config_hash"]) == 64
-    assert "git_sha" in rec["code"] and "dirty" in rec["code"]
-    assert rec["cluster"]["ray_version"] == "2.60.0"
+    assert rec.passed("verify") and rec.passed("connectivity")
+    verify, conn = rec.summary("verify", VerifySummary), rec.summary("connectivity", ConnectivitySummary)
+    node = verify.nodes[0]
+    assert node.ray_version == "2.60.0" and node.torch_version.startswith("2.13.0")
+    assert len(node.environment_digest) == 64
+    assert [r.size_bytes for r in conn.allreduce] == [1024, 65536]
+    assert all(r.busbw_GBps > 0 for r in conn.allreduce)
+    assert len(conn.ranks) == 2 and all(r.finished for r in conn.ranks)
+    assert conn.transport.kind == "gloo"
+    assert rec.stages["connectivity"].jobs[0].submission_id == "bb-ok-connectivity"
+    assert len(rec.code.working_dir_hash) == 64 and len(rec.config_hash) == 64
+    assert rec.code.git_sha is not None and rec.code.dirty is not None
+    assert rec.cluster.ray_version == "2.60.0"
 
 
 def test_wrong_ray_version_fails_verify_as_infrastructure(prefect_harness, overrides, ray_head, tmp_path):
@@ -75,12 +76,12 @@ def test_wrong_ray_version_fails_verify_as_infrastructure(prefect_harness, overr
                                       "--set", "cluster.expect.ray_version=2.0.0"])
     assert result.exit_code == 4, result.output
     rec = records.load(Storage(str(tmp_path / "storage")), "bb-badver")
-    verify = rec["stages"]["verify"]
-    assert verify["failure_class"] == "infrastructure"
-    assert "ray_version" in verify["cause"] and "'2.60.0'" in verify["cause"] and "'2.0.0'" in verify["cause"]
-    assert "node" in verify["cause"]
-    assert "connectivity" not in rec["stages"]
-    assert rec["status"] == "failed" and rec["failure_class"] == "infrastructure"
+    verify = rec.stages["verify"]
+    assert verify.failure_class == "infrastructure"
+    assert "ray_version" in verify.cause and "'2.60.0'" in verify.cause and "'2.0.0'" in verify.cause
+    assert "node" in verify.cause
+    assert "connectivity" not in rec.stages
+    assert rec.status == "failed" and rec.failure_class == "infrastructure"
     assert [j.submission_id for j in jobs_for(ray_head, "bb-badver")] == ["bb-badver-verify"]
 
 
@@ -99,8 +100,10 @@ def test_a_prefect_retry_attaches_to_the_same_ray_submission(prefect_harness, ov
     """The first attempt loses its connection while following the job; the retry must re-attach."""
     from prefect import flow
 
-    from tasks import stages
+    from flows.stages import by_name
+    from tasks.jobs import StageCall, verify
     from tasks.rayjob import RayJobRunner
+    from tuneproof.control.record import CodeIdentity, new_record
 
     real_follow = RayJobRunner.follow
     calls = {"n": 0}
@@ -114,14 +117,18 @@ def test_a_prefect_retry_attaches_to_the_same_ray_submission(prefect_harness, ov
     monkeypatch.setattr(RayJobRunner, "follow", flaky_follow)
     cfg = load_config(overrides=overrides)
 
+    stage = by_name("verify")
+    call = StageCall(stage="verify", cfg=cfg, run_id="bb-retry", invocation=1, timeout_s=stage.timeout_s(cfg),
+                     summary=stage.summary, inputs={}, record=new_record("bb-retry", cfg, CodeIdentity(), None))
+
     @flow
     def only_verify():
-        return stages.verify.with_options(retry_delay_seconds=0)(cfg, "bb-retry")
+        return verify.with_options(retry_delay_seconds=0)(call)
 
     entry = only_verify()
     assert calls["n"] == 2
-    assert entry["status"] == "succeeded"
-    assert entry["jobs"][0]["attached"] is True
+    assert entry.status == "succeeded"
+    assert entry.jobs[0].attached is True
     assert [j.submission_id for j in jobs_for(ray_head, "bb-retry")] == ["bb-retry-verify"]
 
 
@@ -130,7 +137,7 @@ def test_a_stage_past_its_timeout_is_stopped_and_is_an_infrastructure_failure(ov
 
     cfg = load_config(overrides=overrides)
     outcome = RayJobRunner(cfg, "bb-timeout", on_line=lambda line: None, poll_s=0.2).run(
-        JobSpec("verify", "training.verify", timeout_s=1))
+        JobSpec("verify", "training.verify", timeout_s=1, summary=VerifySummary))
     assert outcome.result.failure_class.value == "infrastructure"
     assert "timed out after 1s" in outcome.result.cause
     assert outcome.job_status == "STOPPED"
@@ -147,5 +154,5 @@ def test_a_cancelled_run_stops_its_ray_job(overrides, ray_head):
     cfg = load_config(overrides=overrides)
     runner = RayJobRunner(cfg, "bb-cancel", on_line=cancel_once_running, poll_s=0.2)
     with pytest.raises(KeyboardInterrupt):
-        runner.run(JobSpec("verify", "training.verify", timeout_s=120))
+        runner.run(JobSpec("verify", "training.verify", timeout_s=120, summary=VerifySummary))
     assert runner.wait_terminal("bb-cancel-verify").value == "STOPPED"

@@ -7,7 +7,8 @@ import json
 from typer.testing import CliRunner
 
 from tuneproof.control import record as records
-from tuneproof.app.cli import app, needs_earlier_outputs, run_exit_code
+from flows import stages as table
+from tuneproof.app.cli import app, run_exit_code
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.storage import Storage
 
@@ -61,8 +62,8 @@ def test_runs_list_is_newest_first_and_show_reads_one(tmp_path):
     storage = Storage(str(tmp_path))
     cfg = PipelineConfig()
     for run_id in ("20261130-100000-aaaaaa", "20261130-110000-bbbbbb"):
-        rec = records.new_record(run_id, cfg, {"git_sha": "abc", "dirty": False}, None)
-        rec["created_at"] = run_id
+        rec = records.new_record(run_id, cfg, records.CodeIdentity(git_sha="abc", dirty=False), None)
+        rec.created_at = run_id
         records.save(storage, rec)
     listed = CliRunner().invoke(app, ["runs", "list", "--json", "--set", f"storage.root={tmp_path}"])
     assert [r["run_id"] for r in json.loads(listed.output)] == ["20261130-110000-bbbbbb", "20261130-100000-aaaaaa"]
@@ -73,8 +74,9 @@ def test_runs_list_is_newest_first_and_show_reads_one(tmp_path):
 
 
 def test_only_plans_and_exit_codes():
-    assert not needs_earlier_outputs(["verify", "connectivity"])
-    assert needs_earlier_outputs(["evaluate", "promote"])
+    assert not table.needs_an_earlier_run(table.plan(["verify", "connectivity"]))
+    assert table.needs_an_earlier_run(table.plan(["evaluate", "promote"]))
+    assert table.needs_an_earlier_run(table.plan(["promote"]))
     assert run_exit_code({"status": "succeeded", "failure_class": None}) == 0
     assert run_exit_code({"status": "failed", "failure_class": "data"}) == 5
     assert run_exit_code({"status": "failed", "failure_class": None}) == 3

@@ -8,6 +8,7 @@ import pytest
 
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.results import StageFailure
+from tuneproof.core.summaries import ConnectivitySummary, FsdpProbe, TransportVerdict
 from training.connectivity import (
     bandwidth, check_ranks, check_transport, connectivity, own_nccl_lines, transport_verdict,
 )
@@ -47,21 +48,31 @@ def test_transport_verdict_worst_rank_wins_and_fails_efa():
     })
     assert verdict["kind"] == "socket-fallback"
     with pytest.raises(StageFailure, match=r"transport is socket-fallback, expected efa: rank-1: .*NET/Socket"):
-        check_transport({"transport": verdict}, "efa")
-    check_transport({"transport": transport_verdict("gloo", {})}, "gloo")
+        check_transport(with_transport(verdict), "efa")
+    check_transport(with_transport(transport_verdict("gloo", {})), "gloo")
+
+
+def with_transport(verdict: dict) -> ConnectivitySummary:
+    return ConnectivitySummary(backend="nccl", world_size=2, ranks=[], allreduce=[],
+                               fsdp=FsdpProbe(steps=0, losses=[]), transport=TransportVerdict.model_validate(verdict))
+
+
+def with_losses(losses: list[float]) -> ConnectivitySummary:
+    return with_transport({"kind": "gloo", "evidence": []}).model_copy(update={"fsdp": FsdpProbe(steps=len(losses),
+                                                                                                   losses=losses)})
 
 
 def test_unfinished_ranks_are_named():
     reports = {0: {"rank": 0, "finished": "t"}, 1: {"rank": 1, "started": "t", "joined": "t"}, 2: None}
     with pytest.raises(StageFailure) as info:
-        check_ranks({"fsdp": {"losses": [4.8]}}, reports, "TrainingFailedError: worker died")
+        check_ranks(with_losses([4.8]), reports, "TrainingFailedError: worker died")
     assert info.value.cause == ("2 of 3 ranks did not finish: rank 1 (joined, not finished), rank 2 (no rank report); "
                                 "trainer: TrainingFailedError: worker died")
 
 
 def test_non_finite_fsdp_loss_fails():
     with pytest.raises(StageFailure, match="not finite"):
-        check_ranks({"fsdp": {"losses": [4.8, float("nan")]}}, {0: {"finished": "t"}}, None)
+        check_ranks(with_losses([4.8, float("nan")]), {0: {"finished": "t"}}, None)
 
 
 @pytest.fixture
@@ -85,11 +96,11 @@ def test_connectivity_two_cpu_workers(ray_connected, tmp_path, tiny_model_dir):
     })
     ctx = JobContext("run-conn", "connectivity", config)
     summary = connectivity(ctx)
-    assert summary["backend"] == "gloo" and summary["world_size"] == 2
-    assert [r["rank"] for r in summary["ranks"]] == [0, 1]
-    assert all(r["started"] and r["joined"] and r["finished"] and r["pid"] for r in summary["ranks"])
-    assert [row["size_bytes"] for row in summary["allreduce"]] == [1024, 65536]
-    assert all(row["algbw_GBps"] > 0 and row["busbw_GBps"] > 0 for row in summary["allreduce"])
-    assert summary["fsdp"]["steps"] == 2 and len(summary["fsdp"]["losses"]) == 2
-    assert summary["transport"] == {"kind": "gloo", "evidence": ["backend gloo (CPU)"]}
+    assert summary.backend == "gloo" and summary.world_size == 2
+    assert [r.rank for r in summary.ranks] == [0, 1]
+    assert all(r.started and r.joined and r.finished and r.pid for r in summary.ranks)
+    assert [row.size_bytes for row in summary.allreduce] == [1024, 65536]
+    assert all(row.algbw_GBps > 0 and row.busbw_GBps > 0 for row in summary.allreduce)
+    assert summary.fsdp.steps == 2 and len(summary.fsdp.losses) == 2
+    assert summary.transport.to_json() == {"kind": "gloo", "evidence": ["backend gloo (CPU)"]}
     assert ctx.storage.exists(*ctx.stage_parts("rank-1.json"))

@@ -46,7 +46,8 @@ def config(root, model_dir, source, **data) -> PipelineConfig:
 
 
 def prepare(cfg: PipelineConfig) -> dict:
-    return prepare_data(JobContext("run-1", "data", cfg))
+    """The stage's summary as the run record holds it (JSON)."""
+    return prepare_data(JobContext("run-1", "data", cfg)).to_json()
 
 
 def write_jsonl(path: Path, rows: list, raw_lines: list[bytes] = ()) -> Path:
@@ -207,7 +208,8 @@ def test_thirty_percent_malformed_is_a_data_failure_with_counts(tmp_path, tiny_d
     assert failure.failure_class is FailureClass.data
     assert failure.cause == ("30.0% of rows malformed (limit 5.0%): undecodable=6, wrong_type=6, missing_field=6, "
                              "empty=6, too_long=6 of 100 rows")
-    assert {r: d["count"] for r, d in failure.summary["dropped"].items()} == dict.fromkeys(datahash.REASONS, 6)
+    assert {r: d.count for r, d in failure.summary.dropped.items()} == dict.fromkeys(datahash.REASONS, 6)
+    assert failure.summary.manifest is None and failure.summary.total_rows == 100
     assert not Storage(str(tmp_path / "store")).exists("datasets")
 
 

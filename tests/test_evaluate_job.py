@@ -50,10 +50,10 @@ def encode(tokenizer, text: str, answer: str) -> dict:
 
 def write_dataset(storage: Storage, rows: list[dict]) -> None:
     """The eval split as the data stage writes it: checksummed parquet shards, manifest.json last."""
-    from training.data_prep import Example, write_splits
+    from tests.datasets import write_prepared
+    from training.data_prep import Example
 
-    meta = write_splits(storage, DATASET, {"eval": [Example(**row) for row in rows]}, shard_rows=4096)
-    storage.write_json({"name": "dates", "splits": meta}, DATASET, "manifest.json")
+    write_prepared(storage, DATASET, "dates", {"eval": [Example(**row) for row in rows]})
 
 
 def train_constant_answer(base: Path, rows: list[dict], out: Path, steps: int = 60) -> Path:
@@ -111,7 +111,7 @@ def store(world, tmp_path) -> Storage:
 
 def test_trained_candidate_passes_as_the_first_model(world, store, capsys):
     upload_export(store, world["trained"], "good")
-    summary = evaluate_body(make_ctx(world, "good", store.root))
+    summary = evaluate_body(make_ctx(world, "good", store.root)).to_json()
 
     cand, base = summary["models"]["candidate"], summary["models"]["base"]
     assert cand["path"] == "runs/good/model" and base["path"] == str(world["base"])
@@ -144,8 +144,8 @@ def test_untrained_candidate_fails_as_modeling_with_the_evidence(world, store):
     failure = info.value
     assert failure.failure_class is FailureClass.modeling
     assert failure.cause == "exact_match >= 0.8: 0 (fail) (+1 more)"
-    assert failure.summary["gates"]["passed"] is False
-    assert failure.summary["models"]["candidate"]["metrics"]["exact_match"] == 0.0
+    assert failure.summary.gates.passed is False
+    assert failure.summary.models["candidate"].metrics["exact_match"] == 0.0
     assert store.exists("runs/raw/stages/evaluate/predictions.jsonl")
 
 
@@ -157,7 +157,7 @@ def test_the_production_model_is_the_incumbent(world, store):
     ctx = make_ctx(world, "second", store.root)
     pointer, _ = registry.read_pointer(store, "dates-qwen2-tiny")
     ctx.params["incumbent"] = {"version": pointer["version"], "path": pointer["path"]}
-    summary = evaluate_body(ctx)
+    summary = evaluate_body(ctx).to_json()
     assert summary["incumbent_version"] == "v0001-first"
     assert summary["models"]["incumbent"]["path"] == "models/dates-qwen2-tiny/v0001-first"
     assert summary["models"]["incumbent"]["metrics"]["exact_match"] == 1.0
@@ -201,8 +201,8 @@ def test_candidate_and_dataset_on_s3(world, s3_endpoint, tmp_path, monkeypatch):
     write_dataset(storage, world["rows"])
     upload_export(storage, world["trained"], "s3run")
     summary = evaluate_body(make_ctx(world, "s3run", storage.root, s3_endpoint, max_examples=5))
-    assert summary["models"]["candidate"]["metrics"]["exact_match"] == 1.0
-    assert summary["predictions_uri"].startswith("s3://") and storage.exists("runs/s3run/stages/evaluate/predictions.jsonl")
+    assert summary.models["candidate"].metrics["exact_match"] == 1.0
+    assert summary.predictions_uri.startswith("s3://") and storage.exists("runs/s3run/stages/evaluate/predictions.jsonl")
 
 
 # ---- generation ---------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ import pytest
 
 from training import jobkit
 from training.checkpointing import MARKER, CheckpointRef, check_complete, latest_complete_checkpoint
-from training.data_prep import Example, write_splits
+from training.data_prep import Example
+from tests.datasets import write_prepared
 from training.finetune import TrainParams, Worker, divergence, finetune, loss_curve, resolve_start
 from training.jobkit import JobContext
 from training.train_data import BatchLayout, StepBatches, load_examples, rank_slices
@@ -57,9 +58,8 @@ def reverse_task(n: int, seed: int) -> list[dict]:
 def write_dataset(storage: Storage, path: str = DATASET, n_train: int = 256, n_eval: int = 32) -> str:
     """A prepared dataset as the data stage writes it: parquet shards per split, manifest.json last."""
     splits = {"train": reverse_task(n_train, 0), "eval": reverse_task(n_eval, 1)}
-    meta = write_splits(storage, path, {k: [Example(**row) for row in rows] for k, rows in splits.items()},
-                        shard_rows=100)
-    storage.write_json({"name": "reverse", "splits": meta}, path, "manifest.json")
+    write_prepared(storage, path, "reverse", {k: [Example(**row) for row in rows] for k, rows in splits.items()},
+                   shard_rows=100)
     return path
 
 
@@ -83,6 +83,11 @@ def make_config(root: str, model_dir: Path, endpoint_url: str | None = None, **t
 
 def context(config: PipelineConfig, run_id: str, job: str = "finetune", **params) -> JobContext:
     return JobContext(run_id, job, config, {"dataset": DATASET, **params})
+
+
+def train(ctx: JobContext) -> dict:
+    """The fine-tune stage's summary as the run record holds it (JSON)."""
+    return finetune(ctx).to_json()
 
 
 def losses(summary: dict) -> dict[int, float]:
@@ -112,7 +117,7 @@ def test_divergence_names_the_loss_and_step():
 
 def test_loss_curve_keeps_the_last_row_written_for_a_replayed_step():
     rows = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}, {"step": 3, "loss": 1.9}, {"step": 3, "loss": 1.8}]
-    assert loss_curve(rows) == [[1, 3.0], [2, 2.0], [3, 1.8]]
+    assert loss_curve(rows) == [(1, 3.0), (2, 2.0), (3, 1.8)]
 
 
 def test_batches_depend_only_on_seed_step_and_layout(tmp_path):
@@ -210,7 +215,7 @@ def local_run(ray_cluster, base_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("storage")
     config = make_config(str(root), base_model)
     write_dataset(Storage(str(root)))
-    summary = finetune(context(config, "run-a"))
+    summary = train(context(config, "run-a"))
     return config, summary
 
 
@@ -238,7 +243,7 @@ def test_straight_run_trains_checkpoints_and_exports(local_run):
 def test_replay_from_a_checkpoint_reproduces_the_logged_losses(local_run):
     config, main = local_run
     step4 = next(c["uri"] for c in main["checkpoints"] if c["step"] == 4)
-    replay = finetune(context(config, "run-a", job="resume", run_name="run-a-resume", init_from=step4,
+    replay = train(context(config, "run-a", job="resume", run_name="run-a-resume", init_from=step4,
                               max_steps=12, export=False, first_step_marker=True))
     assert replay["start_step"] == 4 and replay["restored_step"] == 4 and replay["restored_from"] == step4
     assert replay["first_step_completed_at"] > 0 and replay["export_path"] is None
@@ -256,7 +261,7 @@ def test_init_from_an_incomplete_checkpoint_is_an_infrastructure_failure(local_r
     shutil.copytree(next(c["uri"] for c in main["checkpoints"] if c["step"] == 8), broken)
     (broken / "__1_0.distcp").unlink()
     with pytest.raises(StageFailure, match=r"__1_0\.distcp \(missing") as info:
-        finetune(context(config, "run-a", job="resume", run_name="run-a-broken", init_from=str(broken)))
+        train(context(config, "run-a", job="resume", run_name="run-a-broken", init_from=str(broken)))
     assert info.value.failure_class is FailureClass.infrastructure
 
 
@@ -276,7 +281,7 @@ def test_a_stopped_run_resumes_under_its_name_at_the_saved_step(local_run, ray_c
         os.killpg(proc.pid, 9)
         proc.wait(30)
     assert any(jobkit.PROGRESS_PREFIX in line and '"holding": true' in line for line in seen)
-    resumed = finetune(context(config, "run-a", job="held", run_name="run-a-held", export=False,
+    resumed = train(context(config, "run-a", job="held", run_name="run-a-held", export=False,
                                first_step_marker=True))
     assert resumed["restored_step"] == 8 and resumed["start_step"] == 8
     curve = losses(resumed)
@@ -304,11 +309,11 @@ def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float) -> list[s
 def test_a_nan_loss_stops_training_as_a_modeling_failure(local_run):
     config, _ = local_run
     with pytest.raises(StageFailure) as info:
-        finetune(context(config, "run-nan", inject_nan_at_step=3, max_steps=6))
+        train(context(config, "run-nan", inject_nan_at_step=3, max_steps=6))
     failure = info.value
     assert failure.failure_class is FailureClass.modeling and failure.cause == "loss is nan at step 3"
-    assert failure.summary["steps"] == 3 and failure.summary["loss_curve"][-1] == [3, None]
-    assert failure.summary["checkpoints"] == []  # stopped before the first checkpoint, none saved after
+    assert failure.summary.steps == 3 and failure.summary.loss_curve[-1] == (3, None)
+    assert failure.summary.checkpoints == []  # stopped before the first checkpoint, none saved after
 
 
 @pytest.mark.integration
@@ -329,8 +334,8 @@ def test_data_prep_and_fine_tune_on_s3_read_back_from_the_bucket(ray_cluster, tm
         **make_config(root, model, s3_endpoint, max_steps=4, checkpoint_every=2).model_dump(),
         "data": {"source": f"{root}/sources/dates.jsonl"},
     })
-    data = prepare_data(JobContext("run-s3", "data", config))
-    summary = finetune(JobContext("run-s3", "finetune", config, {"dataset": data["dataset_path"]}))
+    data = prepare_data(JobContext("run-s3", "data", config)).to_json()
+    summary = train(JobContext("run-s3", "finetune", config, {"dataset": data["dataset_path"]}))
 
     assert data["dataset_uri"].startswith(f"{root}/datasets/dates/")
     assert read_split(storage, data["dataset_path"], "train").num_rows == data["manifest"]["splits"]["train"]["rows"] == 270

@@ -23,6 +23,7 @@ from tuneproof.app.cli import app
 from tuneproof.core.config import PROJECT_ROOT
 from tuneproof.app.local import free_port, stop_group
 from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import DataSummary, EvaluateSummary, FinetuneSummary, ResumeSummary
 
 pytestmark = pytest.mark.integration
 SCREENSHOTS = PROJECT_ROOT / "test-output" / "browser"
@@ -90,22 +91,21 @@ def pointer_bytes(storage: Storage) -> bytes:
 
 
 def test_the_demo_learns_the_task_survives_a_resume_and_is_promoted(demo, storage):
-    stages = demo["stages"]
-    assert [s for s in stages if stages[s]["status"] != "succeeded"] == []
-    manifest = stages["data"]["summary"]["manifest"]
-    assert manifest["splits"]["train"]["rows"] > 2000 and manifest["splits"]["eval"]["rows"] >= 250
-    finetune = stages["finetune"]["summary"]
-    assert finetune["final_loss"] < finetune["first_loss"] / 10
-    assert all(c["uri"].startswith(storage.uri("runs", "demo", "train")) for c in finetune["checkpoints"])
-    assert storage.exists(finetune["export_path"], "config.json")
-    resume = stages["resume"]["summary"]
-    assert resume["restored_step"] > 0 and resume["restored_step"] == resume["interrupted_at_step"]
-    assert resume["max_loss_diff"] == 0.0 and resume["loss_comparison"]["steps_compared"] >= 5
-    models = stages["evaluate"]["summary"]["models"]
-    assert models["candidate"]["metrics"]["exact_match"] >= 0.8
-    assert models["base"]["metrics"]["exact_match"] <= 0.05
+    assert [s for s, entry in demo.stages.items() if not entry.ok] == []
+    manifest = demo.summary("data", DataSummary).manifest
+    assert manifest.splits["train"].rows > 2000 and manifest.splits["eval"].rows >= 250
+    finetune = demo.summary("finetune", FinetuneSummary)
+    assert finetune.final_loss < finetune.first_loss / 10
+    assert all(c.uri.startswith(storage.uri("runs", "demo", "train")) for c in finetune.checkpoints)
+    assert storage.exists(finetune.export_path, "config.json")
+    resume = demo.summary("resume", ResumeSummary)
+    assert resume.interrupted and resume.restored_step > 0 and resume.restored_step == resume.interrupted_at_step
+    assert resume.max_loss_diff == 0.0 and resume.loss_comparison.steps_compared >= 5
+    models = demo.summary("evaluate", EvaluateSummary).models
+    assert models["candidate"].metrics["exact_match"] >= 0.8
+    assert models["base"].metrics["exact_match"] <= 0.05
     assert models["incumbent"] is None
-    assert demo["promotion"]["promoted"] is True
+    assert demo.promotion.promoted is True
     assert json.loads(pointer_bytes(storage))["run_id"] == "demo"
 
 
@@ -113,8 +113,8 @@ def test_unchanged_inputs_reuse_the_prepared_dataset(demo, base_args, storage):
     result = tuneproof("run", "--only", "data", "--run-id", "demo-data-again", *base_args)
     assert result.exit_code == 0, result.output
     again = records.load(storage, "demo-data-again")
-    assert again["data"]["cache_hit"] is True
-    assert again["data"]["content_hash"] == demo["data"]["content_hash"]
+    assert again.data.cache_hit is True
+    assert again.data.content_hash == demo.data.content_hash
 
 
 def test_an_unreachable_gate_is_a_modeling_failure_and_nothing_moves(demo, base_args, storage):
@@ -124,9 +124,9 @@ def test_an_unreachable_gate_is_a_modeling_failure_and_nothing_moves(demo, base_
                        "--set", "eval.gates.exact_match.min=1.01")
     assert result.exit_code == 6, result.output
     rec = records.load(storage, "demo")
-    assert rec["failure_class"] == "modeling"
-    assert "exact_match >= 1.01" in rec["stages"]["evaluate"]["cause"]
-    assert rec["promotion"]["promoted"] is False
+    assert rec.failure_class == "modeling"
+    assert "exact_match >= 1.01" in rec.stages["evaluate"].cause
+    assert rec.promotion.promoted is False
     assert pointer_bytes(storage) == before
     assert storage.listdir("models", "dates-qwen2-tiny") == versions
 
@@ -139,7 +139,7 @@ def test_the_flow_run_page_shows_the_evidence(demo, prefect_server):
     from tests.browser import capture_flow_run
 
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    seen = capture_flow_run(prefect_server, demo["flow_run_id"], "demo", chromium, SCREENSHOTS)
+    seen = capture_flow_run(prefect_server, demo.flow_run_id, "demo", chromium, SCREENSHOTS)
     assert "evaluation-demo" in seen["cards"] and "loss-curve-demo" in seen["cards"]
     assert "exact_match" in seen["evaluation_text"] and "candidate" in seen["evaluation_text"]
     assert seen["loss_image_width"] > 100
@@ -154,15 +154,15 @@ def test_a_checkpoint_with_a_deleted_shard_is_never_used(demo, base_args, storag
     from tuneproof.core.config import load_config
 
     cfg = load_config()
-    finetune = demo["stages"]["finetune"]["summary"]
-    seed = pick_checkpoint(finetune["checkpoints"], finetune["steps"], cfg.resume.extra_steps, cfg.resume.replay_steps)
-    ckpt_dir = Path(seed["uri"])
+    finetune = demo.summary("finetune", FinetuneSummary)
+    seed = pick_checkpoint(finetune.checkpoints, finetune.steps, cfg.resume.extra_steps, cfg.resume.replay_steps)
+    ckpt_dir = Path(seed.uri)
     shard = sorted(ckpt_dir.glob("*.distcp"))[0]
     shard.unlink()
     result = tuneproof("run", "--only", "resume,evaluate,promote", "--run-id", "demo", *base_args)
     assert result.exit_code == 4, result.output
     rec = records.load(storage, "demo")
-    resume = rec["stages"]["resume"]
-    assert resume["failure_class"] == "infrastructure" and shard.name in resume["cause"]
-    assert rec["promotion"]["promoted"] is False
+    resume = rec.stages["resume"]
+    assert resume.failure_class == "infrastructure" and shard.name in resume.cause
+    assert rec.promotion.promoted is False
     assert pointer_bytes(storage) == before

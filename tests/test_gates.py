@@ -96,8 +96,8 @@ def test_several_metrics_and_an_empty_policy():
     assert empty.passed and empty.lines == ["no gates configured: nothing to check"]
 
 
-def test_as_dict_is_the_summary_shape():
-    out = decide({"exact_match": 0.93}, {"exact_match": 0.0}, None, EM).as_dict()
+def test_the_decision_is_the_summary_shape():
+    out = decide({"exact_match": 0.93}, {"exact_match": 0.0}, None, EM).to_json()
     assert set(out) == {"passed", "lines", "verdicts"}
     assert set(out["verdicts"][0]) == {"metric", "gate", "value", "threshold", "passed", "line"}
 

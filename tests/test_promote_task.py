@@ -11,22 +11,27 @@ import pytest
 from typer.testing import CliRunner
 
 from tasks.promote import forced_promotion, move_pointer, refusal_reasons
+from tuneproof.app.cli import app
 from tuneproof.control import record as records
 from tuneproof.control import registry
-from tuneproof.app.cli import app
+from tuneproof.control.record import CodeIdentity, RunRecord, StageEntry, new_record
 from tuneproof.core.config import PipelineConfig
-from tuneproof.control.record import new_record, stage_entry
 from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import EvaluateSummary, FinetuneSummary, GateDecision, ModelScore, ResumeSummary
 
 
-def passed_record(cfg: PipelineConfig, run_id: str = "r1") -> dict:
-    rec = new_record(run_id, cfg, {"git_sha": "abc", "dirty": False}, None)
-    rec["stages"]["finetune"] = stage_entry("finetune", "succeeded", None, None, {"export_path": f"runs/{run_id}/model"}, [], "a", "b")
-    rec["stages"]["resume"] = stage_entry("resume", "succeeded", None, None, {"restored_step": 304, "max_loss_diff": 0.0}, [], "a", "b")
-    gates = {"passed": True, "lines": ["exact_match >= 0.8: 1 (pass)"], "verdicts": []}
-    models = {"candidate": {"metrics": {"exact_match": 1.0}}, "base": {"metrics": {"exact_match": 0.0}}, "incumbent": None}
-    rec["stages"]["evaluate"] = stage_entry("evaluate", "succeeded", None, None,
-                                            {"gates": gates, "models": models, "incumbent_version": None}, [], "a", "b")
+def passed_record(cfg: PipelineConfig, run_id: str = "r1") -> RunRecord:
+    """A run whose fine-tune, resume test and evaluation all passed."""
+    rec = new_record(run_id, cfg, CodeIdentity(git_sha="abc", dirty=False), None)
+    rec.stages["finetune"] = StageEntry.succeeded("finetune", FinetuneSummary(
+        run_name=run_id, train_storage_uri="t", checkpoints=[], start_step=0, steps=400, seconds=1.0,
+        export_path=f"runs/{run_id}/model"), "a")
+    rec.stages["resume"] = StageEntry.succeeded("resume", ResumeSummary(interrupted=True, restored_step=304,
+                                                                         max_loss_diff=0.0), "a")
+    gates = GateDecision(passed=True, lines=["exact_match >= 0.8: 1 (pass)"], verdicts=[])
+    models = {"candidate": ModelScore(path=f"runs/{run_id}/model", metrics={"exact_match": 1.0}, seconds=1.0),
+              "base": ModelScore(path="base", metrics={"exact_match": 0.0}, seconds=1.0), "incumbent": None}
+    rec.stages["evaluate"] = StageEntry.succeeded("evaluate", EvaluateSummary(models=models, gates=gates, examples=300), "a")
     return rec
 
 
@@ -39,9 +44,9 @@ def test_promotion_needs_the_resume_test_and_every_gate():
     cfg = PipelineConfig()
     rec = passed_record(cfg)
     assert refusal_reasons(cfg, rec) == []
-    rec["stages"]["resume"]["status"] = "failed"
-    rec["stages"]["resume"]["cause"] = "checkpoint_000300 incomplete: missing __0_0.distcp"
-    rec["stages"]["evaluate"]["summary"]["gates"]["passed"] = False
+    rec.stages["resume"].status = "failed"
+    rec.stages["resume"].cause = "checkpoint_000300 incomplete: missing __0_0.distcp"
+    rec.stages["evaluate"].summary["gates"]["passed"] = False
     reasons = refusal_reasons(cfg, rec)
     assert len(reasons) == 2 and "missing __0_0.distcp" in reasons[0] and "gates not passed" in reasons[1]
     disabled = PipelineConfig.model_validate({"resume": {"enabled": False}})
@@ -54,9 +59,9 @@ def test_a_production_model_that_changed_since_evaluation_is_not_overwritten(tmp
     with_export(storage, "r1")
     with_export(storage, "r2")
     first = move_pointer(cfg, passed_record(cfg, "r1"), "t", forced=None)
-    assert first["status"] == "succeeded"
+    assert first.status == "succeeded"
     stale = move_pointer(cfg, passed_record(cfg, "r2"), "t", forced=None)  # evaluated with no incumbent
-    assert stale["status"] == "failed" and "changed since evaluation" in stale["cause"]
+    assert stale.status == "failed" and "changed since evaluation" in stale.cause
     assert registry.read_pointer(storage, cfg.model.name)[0]["run_id"] == "r1"
 
 
@@ -65,16 +70,16 @@ def test_forced_promotion_is_recorded_with_who_and_why(tmp_path):
     storage = Storage(str(tmp_path))
     with_export(storage, "r1")
     rec = passed_record(cfg)
-    rec["stages"]["evaluate"]["summary"]["gates"]["passed"] = False
+    rec.stages["evaluate"].summary["gates"]["passed"] = False
     records.save(storage, rec)
     refused = CliRunner().invoke(app, ["promote", "r1", "--set", f"storage.root={tmp_path}"])
     assert refused.exit_code == 2 and "--force" in refused.output
     result = forced_promotion(cfg, "r1", "hotfix approved by the model owner", "alice")
-    assert result["promoted"] is True and result["forced"]["by"] == "alice"
+    assert result.promoted is True and result.forced.by == "alice"
     saved = records.load(storage, "r1")
-    assert saved["overrides"][0]["reason"] == "hotfix approved by the model owner"
-    assert "evaluation gates not passed" in saved["overrides"][0]["bypassed"][0]
-    card = storage.read_text("models", cfg.model.name, result["version"], "MODEL_CARD.md")
+    assert saved.overrides[0].reason == "hotfix approved by the model owner"
+    assert "evaluation gates not passed" in saved.overrides[0].bypassed[0]
+    card = storage.read_text("models", cfg.model.name, result.version, "MODEL_CARD.md")
     assert "hotfix approved by the model owner" in card
     listed = CliRunner().invoke(app, ["models", "list", "--json", "--set", f"storage.root={tmp_path}"])
     assert json.loads(listed.output)[0]["production"]["run_id"] == "r1"
@@ -125,9 +130,9 @@ def test_approval_pauses_the_flow_before_the_pointer_moves(prefect_harness, tmp_
     thread.join(60)
     assert "id" in answered, "the flow never paused for approval"
     pointer, _ = registry.read_pointer(storage, cfg.model.name)
-    promotion = records.load(storage, "r1")["promotion"]
+    promotion = records.load(storage, "r1").promotion
     if approve:
-        assert state.is_completed() and pointer["run_id"] == "r1" and promotion["promoted"] is True
+        assert state.is_completed() and pointer["run_id"] == "r1" and promotion.promoted is True
     else:
         assert state.is_failed() and pointer is None
-        assert promotion["promoted"] is False and "approval refused by bob: not yet" in promotion["reasons"][0]
+        assert promotion.promoted is False and "approval refused by bob: not yet" in promotion.reasons[0]

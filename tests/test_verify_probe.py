@@ -82,12 +82,12 @@ def _context(tmp_path, ray_version: str) -> JobContext:
 @pytest.mark.integration
 def test_verify_body_passes_on_local_head(ray_connected, tmp_path):
     summary = verify(_context(tmp_path, "2.60.0"))
-    (head,) = summary["nodes"]
-    assert head["is_head"] and head["ray_version"] == "2.60.0" and head["gpus_visible"] == 0
-    assert summary["findings"] == []
-    assert summary["storage_probe"]["ok"] is True
-    assert summary["storage_probe"]["uri"].startswith(str(tmp_path / "storage" / "runs" / "run-verify"))
-    assert summary["cluster"]["environment_digest"] == head["environment_digest"]
+    (head,) = summary.nodes
+    assert head.is_head and head.ray_version == "2.60.0" and head.gpus_visible == 0
+    assert summary.findings == []
+    assert summary.storage_probe.ok is True
+    assert summary.storage_probe.uri.startswith(str(tmp_path / "storage" / "runs" / "run-verify"))
+    assert summary.cluster.environment_digest == head.environment_digest
     assert os.listdir(tmp_path / "storage" / "runs" / "run-verify" / "stages" / "verify") == []
 
 
@@ -102,4 +102,4 @@ def test_verify_body_fails_on_wrong_ray_version(ray_connected, tmp_path):
     (node,) = ray.nodes()
     assert failure.cause.startswith(f"node {node['NodeManagerAddress']} ({node['NodeID'][:8]}): ")
     assert "ray_version is '2.60.0', expected '2.0.0'" in failure.cause
-    assert failure.summary["findings"][0]["seen"] == "2.60.0"
+    assert failure.summary.findings[0].seen == "2.60.0"

@@ -32,6 +32,9 @@ from typing import Any, Iterator
 
 from tuneproof.core.results import now_iso
 from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import CheckpointRef
+
+__all__ = ["CheckpointRef"]  # re-exported: workers and tests name checkpoints through this module
 
 MARKER = "tuneproof_complete.json"
 _DIR_PATTERN = re.compile(r"^checkpoint_(\d+)$")
@@ -74,17 +77,6 @@ class TrainingProgress:
 
 def progress_file(rank: int) -> str:
     return f"progress-rank{rank}.json"
-
-
-@dataclass(frozen=True)
-class CheckpointRef:
-    """A complete checkpoint: its step and where it lives (a local path or s3:// URI)."""
-
-    step: int
-    uri: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "uri": self.uri}
 
 
 # ---- RNG state (JSON-able, so progress files stay readable) ----

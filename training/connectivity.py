@@ -25,6 +25,7 @@ from tuneproof.core import transport
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.results import StageFailure, now_iso
 from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import AllreduceRow, ConnectivitySummary, FsdpProbe, RankStatus, TransportVerdict
 from training.jobkit import JobContext, log, run_stage
 
 MAX_NCCL_LINES = 2000
@@ -32,7 +33,7 @@ MAX_NCCL_LINES = 2000
 FSDP_BATCH, FSDP_SEQ_LEN = 4, 32
 
 
-def connectivity(ctx: JobContext) -> dict[str, Any]:
+def connectivity(ctx: JobContext) -> ConnectivitySummary:
     cfg = ctx.config
     backend = "nccl" if cfg.train.use_gpu else "gloo"
     clear_rank_reports(ctx)
@@ -42,10 +43,10 @@ def connectivity(ctx: JobContext) -> dict[str, Any]:
     summary = summarize(backend, cfg.train.num_workers, reports)
     check_ranks(summary, reports, fit_error)
     check_transport(summary, cfg.connectivity.expect_transport)
-    verdict = summary["transport"]
+    verdict = summary.transport
     # The evidence goes into the job log too, so `tuneproof transport <job log>` finds it there.
-    log(f"connectivity: transport {verdict['kind']} ({verdict['evidence'][0]}); "
-        f"largest all-reduce busbw {summary['allreduce'][-1]['busbw_GBps']:.3f} GB/s")
+    log(f"connectivity: transport {verdict.kind} ({verdict.evidence[0]}); "
+        f"largest all-reduce busbw {summary.allreduce[-1].busbw_GBps:.3f} GB/s")
     return summary
 
 
@@ -203,20 +204,20 @@ def read_rank_reports(ctx: JobContext, world_size: int) -> dict[int, dict | None
     }
 
 
-def summarize(backend: str, world_size: int, reports: dict[int, dict | None]) -> dict[str, Any]:
+def summarize(backend: str, world_size: int, reports: dict[int, dict | None]) -> ConnectivitySummary:
     finished = [r for r in reports.values() if r and r.get("finished")]
     first = min(finished, key=lambda r: r["rank"]) if finished else {}
-    return {
-        "backend": backend,
-        "world_size": world_size,
-        "ranks": [
-            {"rank": rank, **{k: (r or {}).get(k) for k in ("node_ip", "pid", "started", "joined", "finished")}}
-            for rank, r in reports.items()
-        ],
-        "allreduce": bandwidth([r["allreduce"] for r in finished], world_size),
-        "fsdp": {"steps": len(first.get("fsdp_losses", [])), "losses": first.get("fsdp_losses", [])},
-        "transport": transport_verdict(backend, {f"rank-{r['rank']}": r.get("nccl_lines", []) for r in finished}),
-    }
+    losses = first.get("fsdp_losses", [])
+    return ConnectivitySummary(
+        backend=backend,
+        world_size=world_size,
+        ranks=[RankStatus(rank=rank, **{k: (r or {}).get(k) for k in ("node_ip", "pid", "started", "joined", "finished")})
+               for rank, r in reports.items()],
+        allreduce=[AllreduceRow(**row) for row in bandwidth([r["allreduce"] for r in finished], world_size)],
+        fsdp=FsdpProbe(steps=len(losses), losses=losses),
+        transport=TransportVerdict.model_validate(
+            transport_verdict(backend, {f"rank-{r['rank']}": r.get("nccl_lines", []) for r in finished})),
+    )
 
 
 def bandwidth(rows_by_rank: list[list[dict]], world_size: int) -> list[dict]:
@@ -243,7 +244,7 @@ def transport_verdict(backend: str, lines_by_rank: dict[str, list[str]]) -> dict
     return transport.combine({name: transport.classify(lines) for name, lines in lines_by_rank.items()})
 
 
-def check_ranks(summary: dict, reports: dict[int, dict | None], fit_error: str | None) -> None:
+def check_ranks(summary: ConnectivitySummary, reports: dict[int, dict | None], fit_error: str | None) -> None:
     """Every rank finished, the trainer did not fail, and the FSDP losses are finite."""
     trainer = f"; trainer: {fit_error}" if fit_error else ""
     unfinished = [f"rank {rank} ({_how_far(r)})" for rank, r in reports.items() if not (r and r.get("finished"))]
@@ -252,17 +253,17 @@ def check_ranks(summary: dict, reports: dict[int, dict | None], fit_error: str |
         raise StageFailure("infrastructure", cause, summary)
     if fit_error:
         raise StageFailure("infrastructure", f"every rank finished but the trainer failed{trainer}", summary)
-    losses = summary["fsdp"]["losses"]
+    losses = summary.fsdp.losses
     if not all(math.isfinite(x) for x in losses):
         # A randomly initialised model's loss is ~ln(vocab): anything else means broken collectives.
         raise StageFailure("infrastructure", f"FSDP losses not finite on a random-init model: {losses}", summary)
 
 
-def check_transport(summary: dict, expect: str) -> None:
-    verdict = summary["transport"]
-    if not transport.meets(verdict["kind"], expect):
-        evidence = verdict["evidence"][0] if verdict["evidence"] else "no evidence"
-        raise StageFailure("infrastructure", f"transport is {verdict['kind']}, expected {expect}: {evidence}", summary)
+def check_transport(summary: ConnectivitySummary, expect: str) -> None:
+    verdict = summary.transport
+    if not transport.meets(verdict.kind, expect):
+        evidence = verdict.evidence[0] if verdict.evidence else "no evidence"
+        raise StageFailure("infrastructure", f"transport is {verdict.kind}, expected {expect}: {evidence}", summary)
 
 
 def _how_far(report: dict | None) -> str:

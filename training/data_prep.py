@@ -32,8 +32,9 @@ from training.jobkit import JobContext, log, progress, run_stage
 from training.modeling import load_tokenizer
 from tuneproof.core import datahash
 from tuneproof.core.config import DataConfig
-from tuneproof.core.results import FailureClass, StageFailure, now_iso
+from tuneproof.core.results import FailureClass, StageFailure, now_iso, one_line
 from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import DataSummary, DatasetManifest, Shard, SourceIdentity, SplitMeta
 
 SCHEMA = pa.schema([
     ("input_ids", pa.list_(pa.int32())),
@@ -50,8 +51,8 @@ class Source:
     data: bytes
     format: str
 
-    def identity(self) -> dict[str, Any]:
-        return {"uri": self.uri, "sha256": datahash.sha256_bytes(self.data), "bytes": len(self.data)}
+    def identity(self) -> SourceIdentity:
+        return SourceIdentity(uri=self.uri, sha256=datahash.sha256_bytes(self.data), bytes=len(self.data))
 
 
 @dataclass
@@ -69,7 +70,7 @@ class Example:
     reference: str
 
 
-def prepare_data(ctx: JobContext) -> dict[str, Any]:
+def prepare_data(ctx: JobContext) -> DataSummary:
     """The stage: sources -> identity -> (cache hit | rows -> splits -> shards -> manifest)."""
     cfg, storage = ctx.config, ctx.storage
     endpoint = cfg.storage.endpoint_url
@@ -79,24 +80,23 @@ def prepare_data(ctx: JobContext) -> dict[str, Any]:
     tokenizer_sha = tokenizer_sha256(tokenizer)
     source_id, eval_source_id = source.identity(), eval_source.identity() if eval_source else None
     content_hash = datahash.content_hash(
-        source_id["sha256"], eval_source_id and eval_source_id["sha256"],
+        source_id.sha256, eval_source_id.sha256 if eval_source_id else None,
         cfg.data.fields.model_dump(), cfg.data.system_prompt, tokenizer_sha, prep_settings(cfg.data),
     )
     dataset_path = posixpath.join("datasets", cfg.data.name, content_hash)
     if storage.exists(dataset_path, "manifest.json"):
         log(f"dataset {dataset_path} already prepared: cache hit, nothing rewritten")
-        return stage_summary(storage, dataset_path, storage.read_json(dataset_path, "manifest.json"), cache_hit=True)
+        return stage_summary(storage, dataset_path, read_manifest(storage, dataset_path), cache_hit=True)
 
     splits, drops, total_rows = build_splits(cfg.data, tokenizer, source, eval_source)
     enforce_limits(splits, drops, total_rows, cfg.data.max_dropped_fraction)
-    manifest = {
-        "name": cfg.data.name, "content_hash": content_hash, "created_at": now_iso(), "seed": cfg.data.seed,
-        "source": source_id, "eval_source": eval_source_id,
-        "tokenizer_sha256": tokenizer_sha, "settings": prep_settings(cfg.data),
-        "splits": write_splits(storage, dataset_path, splits, cfg.data.shard_rows),
-        "dropped": drops.to_json(), "total_rows": total_rows, "dropped_fraction": drops.total / total_rows,
-    }
-    storage.write_json(manifest, dataset_path, "manifest.json")  # last: the dataset counts only from here on
+    manifest = DatasetManifest(
+        name=cfg.data.name, content_hash=content_hash, created_at=now_iso(), seed=cfg.data.seed,
+        source=source_id, eval_source=eval_source_id, tokenizer_sha256=tokenizer_sha, settings=prep_settings(cfg.data),
+        splits=write_splits(storage, dataset_path, splits, cfg.data.shard_rows),
+        dropped=drops.to_json(), total_rows=total_rows, dropped_fraction=drops.total / total_rows,
+    )
+    storage.write_json(manifest.to_json(), dataset_path, "manifest.json")  # last: the dataset counts only from here on
     log(f"dataset {dataset_path}: train {len(splits['train'])} rows, eval {len(splits['eval'])} rows, dropped {drops.total}")
     return stage_summary(storage, dataset_path, manifest, cache_hit=False)
 
@@ -110,11 +110,12 @@ def prep_settings(data: DataConfig) -> dict[str, Any]:
     }
 
 
-def stage_summary(storage: Storage, dataset_path: str, manifest: dict, cache_hit: bool) -> dict[str, Any]:
-    return {
-        "dataset_path": dataset_path, "dataset_uri": storage.uri(dataset_path),
-        "content_hash": manifest["content_hash"], "cache_hit": cache_hit, "manifest": manifest,
-    }
+def stage_summary(storage: Storage, dataset_path: str, manifest: DatasetManifest, cache_hit: bool) -> DataSummary:
+    return DataSummary(
+        dataset_path=dataset_path, dataset_uri=storage.uri(dataset_path), content_hash=manifest.content_hash,
+        cache_hit=cache_hit, manifest=manifest, total_rows=manifest.total_rows, dropped=manifest.dropped,
+        dropped_fraction=manifest.dropped_fraction,
+    )
 
 
 # ---- reading sources -------------------------------------------------------------------------
@@ -297,8 +298,8 @@ def fit_split(examples: list[Example], convs: list[Conversation], data: DataConf
 
 def enforce_limits(splits: dict[str, list[Example]], drops: datahash.Drops, total_rows: int, limit: float) -> None:
     """Too many dropped rows, or an empty split, is a data failure; the summary keeps the counts."""
-    evidence = {"total_rows": total_rows, "dropped": drops.to_json(),
-                "dropped_fraction": drops.total / total_rows if total_rows else None}
+    evidence = DataSummary(total_rows=total_rows, dropped=drops.to_json(),
+                           dropped_fraction=drops.total / total_rows if total_rows else None)
     cause = datahash.drop_failure(drops, total_rows, limit)
     if cause:
         raise StageFailure("data", cause, evidence)
@@ -320,7 +321,7 @@ def tokenizer_sha256(tokenizer) -> str:
     return datahash.files_sha256(files)
 
 
-def write_splits(storage: Storage, dataset_path: str, splits: dict[str, list[Example]], shard_rows: int) -> dict:
+def write_splits(storage: Storage, dataset_path: str, splits: dict[str, list[Example]], shard_rows: int) -> dict[str, SplitMeta]:
     meta = {}
     for split, examples in splits.items():
         shards = []
@@ -328,8 +329,8 @@ def write_splits(storage: Storage, dataset_path: str, splits: dict[str, list[Exa
             rel = f"{split}/part-{number:05d}.parquet"
             data = parquet_bytes(examples[start:end])
             storage.write_bytes(data, dataset_path, rel)
-            shards.append({"path": rel, "rows": end - start, "sha256": datahash.sha256_bytes(data)})
-        meta[split] = {"rows": len(examples), "tokens": sum(len(e.input_ids) for e in examples), "shards": shards}
+            shards.append(Shard(path=rel, rows=end - start, sha256=datahash.sha256_bytes(data)))
+        meta[split] = SplitMeta(rows=len(examples), tokens=sum(len(e.input_ids) for e in examples), shards=shards)
     progress("data", 3, 3)
     return meta
 
@@ -344,34 +345,38 @@ def parquet_bytes(examples: list[Example]) -> bytes:
     return buf.getvalue()
 
 
-def read_manifest(storage: Storage, dataset_path: str) -> dict[str, Any]:
+def read_manifest(storage: Storage, dataset_path: str) -> DatasetManifest:
     """The manifest of a complete dataset; a missing one means the dataset is absent or half-written."""
     if not storage.exists(dataset_path, "manifest.json"):
         raise StageFailure(FailureClass.infrastructure, f"dataset {storage.uri(dataset_path)} has no manifest.json: "
                            "it is missing or was never completed; rerun the data stage")
-    return storage.read_json(dataset_path, "manifest.json")
+    try:
+        return DatasetManifest.model_validate(storage.read_json(dataset_path, "manifest.json"))
+    except ValueError as e:
+        raise StageFailure(FailureClass.infrastructure, f"dataset {storage.uri(dataset_path)}: manifest.json is not "
+                           f"a dataset manifest ({one_line(str(e), 200)}); rerun the data stage") from None
 
 
 def read_split(storage: Storage, dataset_path: str, split: str) -> pa.Table:
     """One split of a prepared dataset, every shard checked against the manifest's sha256."""
     manifest = read_manifest(storage, dataset_path)
-    if split not in manifest["splits"]:
+    if split not in manifest.splits:
         raise StageFailure(FailureClass.infrastructure, f"dataset {storage.uri(dataset_path)} has no split "
-                           f"{split!r}; expected one of {sorted(manifest['splits'])}")
-    tables = [read_shard(storage, dataset_path, shard) for shard in manifest["splits"][split]["shards"]]
+                           f"{split!r}; expected one of {sorted(manifest.splits)}")
+    tables = [read_shard(storage, dataset_path, shard) for shard in manifest.splits[split].shards]
     return pa.concat_tables(tables) if tables else SCHEMA.empty_table()
 
 
-def read_shard(storage: Storage, dataset_path: str, shard: dict[str, Any]) -> pa.Table:
-    uri = storage.uri(dataset_path, shard["path"])
+def read_shard(storage: Storage, dataset_path: str, shard: Shard) -> pa.Table:
+    uri = storage.uri(dataset_path, shard.path)
     try:
-        data = storage.read_bytes(dataset_path, shard["path"])
+        data = storage.read_bytes(dataset_path, shard.path)
     except FileNotFoundError as e:
         raise StageFailure(FailureClass.infrastructure, f"dataset shard {uri} is missing; the manifest lists it") from e
     seen = datahash.sha256_bytes(data)
-    if seen != shard["sha256"]:
+    if seen != shard.sha256:
         raise StageFailure(FailureClass.infrastructure, f"dataset shard {uri} is corrupt: sha256 {seen[:16]}…, "
-                           f"manifest expects {shard['sha256'][:16]}…")
+                           f"manifest expects {shard.sha256[:16]}…")
     return pq.read_table(io.BytesIO(data), schema=SCHEMA)
 
 

@@ -35,8 +35,10 @@ from training.checkpointing import (
 )
 from training.jobkit import JobContext, run_stage
 from training.schedule import WarmupCosine
+from tuneproof.core.hashing import IGNORE_INDEX
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import FinetuneSummary, LossPoint
 
 if TYPE_CHECKING:  # torch and the data module load inside workers only
     import torch
@@ -91,7 +93,7 @@ class TrainParams(BaseModel):
 
 # ---------------------------------------------------------------- driver
 
-def finetune(ctx: JobContext) -> dict[str, Any]:
+def finetune(ctx: JobContext) -> FinetuneSummary:
     """Stage body: run the trainer, then read back what the workers wrote and summarize it."""
     params = TrainParams.resolve(ctx)
     started = time.time()
@@ -149,35 +151,34 @@ def read_outcome(ctx: JobContext, error: Exception | None) -> dict[str, Any]:
     return outcome
 
 
-def summarize(ctx: JobContext, params: TrainParams, outcome: dict, seconds: float) -> dict[str, Any]:
+def summarize(ctx: JobContext, params: TrainParams, outcome: dict, seconds: float) -> FinetuneSummary:
     rows = read_metrics(ctx.storage, ctx.stage_parts(METRICS))
     curve = loss_curve(rows)
     run_parts = ctx.run_parts("train", params.run_name)
     checkpoints = sorted(complete_checkpoints(ctx.storage, *run_parts), key=lambda c: c.step)
     speeds = [r["tokens_per_s"] for r in latest_rows(rows)]
-    export = outcome.get("export_path")
-    summary = {
-        "run_name": params.run_name,
-        "train_storage_uri": ctx.storage.uri(*run_parts),
-        "checkpoints": [c.to_json() for c in checkpoints],
-        "latest_checkpoint": checkpoints[-1].to_json() if checkpoints else None,
-        "start_step": outcome["start_step"],
-        "restored_from": outcome["restored_from"],
-        "steps": outcome["steps"],
-        "first_loss": curve[0][1] if curve else None,
-        "final_loss": curve[-1][1] if curve else None,
-        "loss_curve": curve,
-        "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
-        "seconds": round(seconds, 3),
-        "export_path": export,
-        "export_uri": ctx.storage.uri(export) if export else None,
-    }
     mfus = [r["mfu"] for r in latest_rows(rows) if r.get("mfu") is not None]
-    if mfus:
-        summary["mfu"] = sum(mfus) / len(mfus)
-    if params.first_step_marker and outcome["restored_from"]:
-        summary.update(restored_step=outcome["start_step"], first_step_completed_at=outcome["first_step_completed_at"])
-    return summary
+    export = outcome.get("export_path")
+    restored = params.first_step_marker and outcome["restored_from"]
+    return FinetuneSummary(
+        run_name=params.run_name,
+        train_storage_uri=ctx.storage.uri(*run_parts),
+        checkpoints=checkpoints,
+        latest_checkpoint=checkpoints[-1] if checkpoints else None,
+        start_step=outcome["start_step"],
+        restored_from=outcome["restored_from"],
+        steps=outcome["steps"],
+        first_loss=curve[0][1] if curve else None,
+        final_loss=curve[-1][1] if curve else None,
+        loss_curve=curve,
+        tokens_per_s=sum(speeds) / len(speeds) if speeds else None,
+        seconds=round(seconds, 3),
+        export_path=export,
+        export_uri=ctx.storage.uri(export) if export else None,
+        mfu=sum(mfus) / len(mfus) if mfus else None,
+        restored_step=outcome["start_step"] if restored else None,
+        first_step_completed_at=outcome["first_step_completed_at"] if restored else None,
+    )
 
 
 def read_metrics(storage: Storage, parts: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -192,8 +193,8 @@ def latest_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def loss_curve(rows: list[dict[str, Any]]) -> list[list]:
-    return [[r["step"], r["loss"]] for r in latest_rows(rows)]
+def loss_curve(rows: list[dict[str, Any]]) -> list[LossPoint]:
+    return [(r["step"], r["loss"]) for r in latest_rows(rows)]
 
 
 # ---------------------------------------------------------------- workers
@@ -382,7 +383,7 @@ def global_counts(micro: list[dict], device) -> tuple[int, int]:
     import torch
     import torch.distributed as dist
 
-    counts = torch.tensor([sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro),
+    counts = torch.tensor([sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro),
                            sum(int(b["attention_mask"].sum()) for b in micro)], dtype=torch.float64, device=device)
     dist.all_reduce(counts)
     return max(int(counts[0]), 1), int(counts[1])
@@ -394,7 +395,7 @@ def token_loss_sum(model, batch: dict):
 
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), batch["labels"][:, 1:].flatten(),
-                           ignore_index=-100, reduction="sum")
+                           ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def divergence(loss: float, step: int, limit: float) -> str | None:

@@ -1,7 +1,8 @@
 """The harness every stage entrypoint uses inside its Ray job.
 
 The submitting task passes one JSON document in the TUNEPROOF_JOB environment variable:
-{"run_id", "job", "config", "params"}. The stage body returns a summary dict or raises
+{"run_id", "job", "config", "params"} (tuneproof.core.envelope). The stage body returns its stage's summary
+model (tuneproof.core.summaries) or raises
 StageFailure; either way a StageResult lands at runs/<run>/stages/<job>/result.json, which
 the task reads back. Unclassified exceptions are infrastructure failures: the code that runs
 here is pinned with the pipeline, so an unexpected error is an environment problem until
@@ -18,10 +19,13 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from pydantic import BaseModel
+
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.envelope import ENV_VAR, PROGRESS_PREFIX, JobEnvelope, ProgressEvent
 from tuneproof.core.results import FailureClass, StageFailure, StageResult, now_iso, one_line
 from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import Summary
 
 __all__ = ["ENV_VAR", "PROGRESS_PREFIX", "JobContext", "encode_job", "load_context", "log", "progress", "run_stage"]
 
@@ -65,25 +69,26 @@ def progress(stage: str, done: int, total: int, **metrics: Any) -> None:
     print(ProgressEvent(stage=stage, done=done, total=total, metrics=metrics).line(), flush=True)
 
 
-def run_stage(body: Callable[[JobContext], dict[str, Any]]) -> None:
+def run_stage(body: Callable[[JobContext], Summary]) -> None:
     """Run a stage body, write its StageResult, and exit 0 (succeeded) or 1 (failed)."""
     ctx = load_context()
     started = now_iso()
     try:
         summary = body(ctx)
-        result = StageResult(stage=ctx.job, status="succeeded", summary=summary, started_at=started, ended_at=now_iso())
+        result = StageResult(stage=ctx.job, status="succeeded", summary=summary.to_json(), started_at=started,
+                             ended_at=now_iso())
     except StageFailure as f:
         log(f"stage failed ({f.failure_class.value}): {f.cause}")
         result = _failed(ctx, started, f.failure_class, f.cause, f.summary)
     except Exception as e:  # noqa: BLE001 - every failure must leave a classified result behind
         traceback.print_exc()
-        result = _failed(ctx, started, FailureClass.infrastructure, f"{type(e).__name__}: {e}", {})
+        result = _failed(ctx, started, FailureClass.infrastructure, f"{type(e).__name__}: {e}", None)
     ctx.storage.write_json(result.model_dump(mode="json"), *ctx.stage_parts("result.json"))
     sys.exit(0 if result.ok else 1)
 
 
-def _failed(ctx: JobContext, started: str, cls: FailureClass, cause: str, summary: dict) -> StageResult:
+def _failed(ctx: JobContext, started: str, cls: FailureClass, cause: str, summary: BaseModel | None) -> StageResult:
     return StageResult(
         stage=ctx.job, status="failed", failure_class=cls, cause=one_line(cause),
-        summary=summary, started_at=started, ended_at=now_iso(),
+        summary=summary.model_dump(mode="json") if summary is not None else None, started_at=started, ended_at=now_iso(),
     )

@@ -21,14 +21,15 @@ from typing import Any
 from tuneproof.core.checks import check_nodes, environment_digest, node_subject, summarize_cluster
 from tuneproof.core.config import StorageConfig
 from tuneproof.core.findings import Finding, errors
-from tuneproof.core.results import StageFailure
+from tuneproof.core.results import StageFailure, first_and_more
 from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import ClusterFacts, NodeFacts, StorageProbe, VerifySummary
 from training.jobkit import JobContext, log, run_stage
 
 HEAD_RESOURCE = "node:__internal_head__"
 
 
-def verify(ctx: JobContext) -> dict[str, Any]:
+def verify(ctx: JobContext) -> VerifySummary:
     import ray
 
     if not ray.is_initialized():
@@ -40,12 +41,12 @@ def verify(ctx: JobContext) -> dict[str, Any]:
     storage_probe = probe_storage(ctx.config.storage, ctx.stage_parts(f"probe-{uuid.uuid4().hex}"), nodes, timeout_s)
     findings = probe_findings + check_nodes([f for f in facts if "probe_error" not in f], ctx.config.cluster.expect)
     findings += storage_findings(storage_probe)
-    summary = {
-        "nodes": facts,
-        "findings": [f.to_json() for f in findings],
-        "cluster": summarize_cluster(facts),
-        "storage_probe": storage_probe,
-    }
+    summary = VerifySummary(
+        nodes=[NodeFacts.model_validate(f) for f in facts],
+        findings=findings,
+        cluster=ClusterFacts.model_validate(summarize_cluster(facts)),
+        storage_probe=StorageProbe.model_validate(storage_probe),
+    )
     fail_on_errors(findings, summary)
     log(f"verify: {len(facts)} node(s) agree with cluster.expect; storage round trip {storage_probe['seconds']:.2f}s")
     return summary
@@ -175,11 +176,10 @@ def storage_findings(probe: dict) -> list[Finding]:
                     f"from a task on node {probe['node_ip']}")]
 
 
-def fail_on_errors(findings: list[Finding], summary: dict) -> None:
+def fail_on_errors(findings: list[Finding], summary: VerifySummary) -> None:
     errs = errors(findings)
     if errs:
-        more = f" (+{len(errs) - 1} more)" if len(errs) > 1 else ""
-        raise StageFailure("infrastructure", errs[0].line() + more, summary)
+        raise StageFailure("infrastructure", first_and_more([f.line() for f in errs]), summary)
 
 
 def _pinned(remote, node_id: str):

@@ -19,12 +19,13 @@ import os
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
 
-from tuneproof.core.config import PROJECT_ROOT, STAGES, ConfigError, PipelineConfig, load_config
+from flows import stages as table
+from tuneproof.core.config import PROJECT_ROOT, ConfigError, PipelineConfig, load_config
 from tuneproof.core.results import EXIT_INVALID_CONFIG, exit_code_for
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Fine-tune Qwen on Ray; promote only on evidence.")
@@ -75,13 +76,13 @@ def preflight(cfg: PipelineConfig) -> list[str]:
 def run(
     config: Optional[Path] = ConfigOpt,
     sets: list[str] = SetOpt,
-    only: Optional[str] = typer.Option(None, help=f"Comma-separated subset of: {','.join(STAGES)}."),
+    only: Optional[str] = typer.Option(None, help=f"Comma-separated subset of: {','.join(table.names())}."),
     run_id: Optional[str] = typer.Option(None, "--run-id", help="Rerun stages against this existing run."),
 ) -> None:
     """Run the pipeline; prints the run id; exit code by failure class."""
     cfg = config_or_exit(config, sets)
     stages = parse_only(only)
-    if stages and not run_id and needs_earlier_outputs(stages):
+    if stages and not run_id and table.needs_an_earlier_run(table.plan(stages)):
         run_id = latest_run_id(cfg)
         console.print(f"--only {','.join(stages)} reruns against the latest run, {run_id} (use --run-id to pick another)")
     from tuneproof.app.terminal import run_with_display
@@ -90,42 +91,36 @@ def run(
     raise typer.Exit(run_exit_code(record))
 
 
-def run_exit_code(record: dict) -> int:
+def run_exit_code(record: Any) -> int:
     """By failure class; a failed run without one was a request that could not run (e.g. --only
     without an earlier stage's output), which is a usage error like an invalid config."""
-    if record.get("failure_class"):
-        return exit_code_for(record["failure_class"])
-    return EXIT_INVALID_CONFIG if record.get("status") == "failed" else 0
+    doc = record.to_json() if hasattr(record, "to_json") else record
+    if doc.get("failure_class"):
+        return exit_code_for(doc["failure_class"])
+    return EXIT_INVALID_CONFIG if doc.get("status") == "failed" else 0
 
 
 def parse_only(only: Optional[str]) -> list[str] | None:
     if not only:
         return None
     stages = [s.strip() for s in only.split(",") if s.strip()]
-    unknown = [s for s in stages if s not in STAGES]
-    if unknown:
-        err.print(f"--only: unknown stage(s) {', '.join(unknown)}; expected some of {', '.join(STAGES)}")
-        raise typer.Exit(EXIT_INVALID_CONFIG)
+    try:
+        table.plan(stages)
+    except table.UnknownStages as e:
+        err.print(f"--only: {e}")
+        raise typer.Exit(EXIT_INVALID_CONFIG) from None
     return stages
-
-
-# Which earlier stage's output each stage reads from the run record.
-NEEDS = {"finetune": "data", "resume": "finetune", "evaluate": "finetune", "promote": "evaluate"}
-
-
-def needs_earlier_outputs(stages: list[str]) -> bool:
-    return any(NEEDS.get(s) and NEEDS[s] not in stages for s in stages)
 
 
 def latest_run_id(cfg: PipelineConfig) -> str:
     from tuneproof.control import record
     from tuneproof.core.storage import Storage
 
-    recs = record.list_records(Storage.from_config(cfg.storage))
+    recs, _ = record.list_records(Storage.from_config(cfg.storage))
     if not recs:
         err.print("--only without --run-id needs an earlier run to rerun against; none found")
         raise typer.Exit(EXIT_INVALID_CONFIG)
-    return recs[0]["run_id"]
+    return recs[0].run_id
 
 
 # ---------------------------------------------------------------- runs
@@ -143,17 +138,18 @@ def runs_list(as_json: bool = typer.Option(False, "--json"), config: Optional[Pa
     """Runs, newest first."""
     from tuneproof.control import record
 
-    recs = record.list_records(storage_for(config, sets))
-    rows = [{k: r.get(k) for k in ("run_id", "created_at", "status", "failure_class", "cause")} for r in recs]
+    recs, unreadable = record.list_records(storage_for(config, sets))
+    rows = [record.RecordRow(run_id=r.run_id, created_at=r.created_at, status=r.status,
+                             failure_class=r.failure_class.value if r.failure_class else None, cause=r.cause)
+            for r in recs] + unreadable
     if as_json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps([r.model_dump() for r in rows], indent=2))
         return
-    from rich.table import Table
+    from tuneproof.app.terminal import whole_table
 
-    table = Table("run", "created", "status", "failure", "cause")
-    for r in rows:
-        table.add_row(r["run_id"], r["created_at"][:19], r["status"], r["failure_class"] or "", (r["cause"] or "")[:80])
-    console.print(table)
+    cells = [[r.run_id, (r.created_at or "")[:16].replace("T", " "), r.status, r.failure_class or "", r.cause or ""]
+             for r in rows]
+    console.print(whole_table(["run", "created", "status", "failure", "cause"], cells, keep=("run",)))
 
 
 @runs_app.command("show")
@@ -164,11 +160,11 @@ def runs_show(run_id: str, as_json: bool = typer.Option(False, "--json"), config
 
     try:
         rec = record.load(storage_for(config, sets), run_id)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, record.RecordUnreadable) as e:
         err.print(str(e))
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     if as_json:
-        print(json.dumps(rec, indent=2))
+        print(json.dumps(rec.to_json(), indent=2))
         return
     from tuneproof.app.terminal import print_record
 
@@ -180,14 +176,14 @@ def runs_diff(run_a: str, run_b: str, as_json: bool = typer.Option(False, "--jso
               config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt) -> None:
     """What changed between two runs: identity, config fields, and metric deltas."""
     from tuneproof.control import record
-    from tuneproof.control.rundiff import diff_records, render_diff
+    from tuneproof.app.rundiff import diff_records, render_diff
 
     storage = storage_for(config, sets)
     try:
         a, b = record.load(storage, run_a), record.load(storage, run_b)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, record.RecordUnreadable) as e:
         err.print(str(e))
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     result = diff_records(a, b)
     if as_json:
         print(json.dumps(result, indent=2))
@@ -261,13 +257,12 @@ def models_list(as_json: bool = typer.Option(False, "--json"), config: Optional[
     if as_json:
         print(json.dumps(models, indent=2))
         return
-    from rich.table import Table
+    from tuneproof.app.terminal import whole_table
 
-    table = Table("model", "production version", "run", "versions")
-    for m in models:
-        pointer = m.get("production") or {}
-        table.add_row(m["name"], pointer.get("version", "-"), pointer.get("run_id", "-"), str(len(m.get("versions", []))))
-    console.print(table)
+    # A version is named v<NNNN>-<run id>: the run that produced it needs no column of its own.
+    cells = [[m["name"], (m.get("production") or {}).get("version", "-"), str(len(m.get("versions", [])))]
+             for m in models]
+    console.print(whole_table(["model", "production version", "versions"], cells, keep=("model", "production version")))
 
 
 @models_app.command("show")
@@ -294,8 +289,8 @@ def promote(run_id: str, force: bool = typer.Option(False, "--force", help="Requ
     from tasks.promote import forced_promotion
 
     result = forced_promotion(cfg, run_id, reason, os.environ.get("USER", "unknown"))
-    print(json.dumps(result, indent=2))
-    raise typer.Exit(0 if result.get("promoted") else 1)
+    print(json.dumps(result.to_json(), indent=2))
+    raise typer.Exit(0 if result.promoted else 1)
 
 
 # ---------------------------------------------------------------- local

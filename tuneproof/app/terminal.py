@@ -2,7 +2,9 @@
 
 The flow runs in this process; stage/job/progress events arrive through tasks.events. Prefect's
 own console log lines are kept to warnings unless --verbose (TUNEPROOF_VERBOSE=1), since the full
-job logs are in the Prefect UI and in each job's Ray logs.
+job logs are in the Prefect UI and in each job's Ray logs. Every stage's evidence line comes from
+the stage table (flows/stages.py). Tables fold long cells instead of cutting them: run ids, versions
+and digests are always shown whole, whatever the terminal's width.
 """
 
 from __future__ import annotations
@@ -11,14 +13,40 @@ import logging
 import os
 from typing import Any
 
+from rich import box
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from tuneproof.core.config import STAGES, PipelineConfig
+from flows import stages as table
+from tuneproof.control.record import RunRecord
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.envelope import ProgressEvent, format_metrics
+from tuneproof.core.summaries import EvaluateSummary
 
-STATUS_STYLE = {"succeeded": "green", "failed": "bold red", "running": "yellow", "skipped": "dim", "pending": "dim"}
+STATUS_STYLE = {"succeeded": "green", "failed": "bold red", "running": "yellow", "skipped": "dim", "pending": "dim",
+                "crashed": "bold red", "cancelled": "bold red", "unreadable": "bold red"}
+
+
+def whole_table(columns: list[str], rows: list[list[str]], keep: tuple[str, ...] = (), **kwargs: Any) -> Table:
+    """A table that never cuts a cell: the `keep` columns (ids, versions) stay whole on one line, the
+    others fold onto more lines when the terminal is narrow, instead of ending in '…'."""
+    t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), **kwargs)
+    for column in columns:
+        if column in keep:
+            width = max([len(column), *(len(row[columns.index(column)]) for row in rows)])
+            t.add_column(column, no_wrap=True, min_width=width)
+        else:
+            t.add_column(column, overflow="fold")
+    for row in rows:
+        t.add_row(*row)
+    return t
+
+
+def print_line(console: Console, *parts: str | tuple[str, str]) -> None:
+    """One line that the terminal, not rich, wraps: a long digest is never broken by inserted newlines."""
+    console.print(Text.assemble(*parts), soft_wrap=True)
 
 
 class Display:
@@ -28,7 +56,7 @@ class Display:
         self.run_id = run_id
         self.stages = {s: "pending" for s in stages}
         self.job = ""
-        self.progress: dict[str, Any] = {}
+        self.progress: ProgressEvent | None = None
 
     def on_event(self, event: dict[str, Any]) -> None:
         if event["kind"] == "stage":
@@ -36,13 +64,13 @@ class Display:
         elif event["kind"] == "job":
             self.job = f"{event['submission_id']}: {event['status']}"
         elif event["kind"] == "progress":
-            self.progress = event
+            self.progress = event["event"]
 
     def render(self) -> Group:
-        table = Table(show_header=False, box=None, padding=(0, 1))
+        rows = Table(show_header=False, box=None, padding=(0, 1))
         for stage, status in self.stages.items():
-            table.add_row(stage, Text(status, style=STATUS_STYLE.get(status, "")))
-        lines = [Text(f"run {self.run_id}", style="bold"), table]
+            rows.add_row(stage, Text(status, style=STATUS_STYLE.get(status, "")))
+        lines: list[Any] = [Text(f"run {self.run_id}", style="bold"), rows]
         if self.job:
             lines.append(Text(f"Ray job {self.job}", style="cyan"))
         if self.progress:
@@ -50,29 +78,28 @@ class Display:
         return Group(*lines)
 
 
-def progress_line(event: dict[str, Any]) -> str:
-    done, total = event.get("done", 0), event.get("total") or 1
-    width = 30
-    filled = int(width * min(done / total, 1.0))
-    extras = "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                       for k, v in event.items() if k not in {"kind", "stage", "done", "total"})
-    return f"{event.get('stage', '')}: [{'#' * filled}{'.' * (width - filled)}] {done}/{total}  {extras}"
+def progress_line(event: ProgressEvent, width: int = 30) -> str:
+    filled = int(width * event.fraction)
+    bar = "#" * filled + "." * (width - filled)
+    return f"{event.stage}: [{bar}] {event.done}/{event.total}  {format_metrics(event.metrics)}".rstrip()
 
 
 def quiet_prefect_console(verbose: bool) -> None:
     if verbose:
         return
-    # Ray's SDK announces every working_dir upload; the record holds the package hash instead.
-    for name in ("ray.dashboard.modules.dashboard_sdk", "ray._private.runtime_env.packaging"):
+    # Ray's SDK announces every working_dir upload and every closed log stream; the record holds what matters.
+    for name in ("ray.dashboard.modules.dashboard_sdk", "ray._private.runtime_env.packaging",
+                 "ray.dashboard.modules.job.sdk"):
         logging.getLogger(name).setLevel(logging.WARNING)
     for handler in logging.getLogger().handlers:
         if type(handler).__name__ == "PrefectConsoleHandler":
             handler.setLevel(logging.WARNING)
 
 
-def run_with_display(cfg: PipelineConfig, run_id: str | None, only: list[str] | None, console: Console) -> dict:
+def run_with_display(cfg: PipelineConfig, run_id: str | None, only: list[str] | None,
+                     console: Console) -> RunRecord | dict[str, Any]:
     """Run the flow in-process with a live display; returns the run record (or, when the flow
-    ended before writing one, a minimal failure record)."""
+    ended before writing one, a minimal failure document)."""
     from flows.pipeline import pipeline
     from tasks import events
     from tuneproof.control import record as records
@@ -84,7 +111,7 @@ def run_with_display(cfg: PipelineConfig, run_id: str | None, only: list[str] | 
         return {"run_id": None, "status": "failed", "failure_class": "infrastructure", "cause": problem}
     run_id = run_id or records.make_run_id()
     console.print(f"run id: [bold]{run_id}[/]")
-    display = Display(run_id, [s for s in STAGES if not only or s in only])
+    display = Display(run_id, table.names(table.plan(only)))
     quiet_prefect_console(os.environ.get("TUNEPROOF_VERBOSE") == "1")
     with Live(display.render(), console=console, refresh_per_second=4, transient=False) as live:
         unsubscribe = events.subscribe(lambda e: (display.on_event(e), live.update(display.render())))
@@ -92,6 +119,7 @@ def run_with_display(cfg: PipelineConfig, run_id: str | None, only: list[str] | 
             state = pipeline(config=cfg, run_id=run_id, only=only, return_state=True)
         finally:
             unsubscribe()
+    console.print()  # the live display's last line is not terminated
     storage = Storage.from_config(cfg.resolved().storage)
     try:
         rec = records.load(storage, run_id)
@@ -119,71 +147,41 @@ def prefect_api_problem() -> str | None:
                 "`tuneproof local up`, or point PREFECT_API_URL at yours")
 
 
-def print_summary(rec: dict, console: Console) -> None:
-    table = Table("stage", "status", "failure", "cause / evidence", title=f"run {rec['run_id']}")
-    for stage, entry in ordered_stages(rec):
-        table.add_row(stage, Text(entry["status"], style=STATUS_STYLE.get(entry["status"], "")),
-                      entry.get("failure_class") or "", short_evidence(stage, entry))
-    console.print(table)
-    gates = ((rec["stages"].get("evaluate") or {}).get("summary") or {}).get("gates") or {}
-    for line in gates.get("lines", []):
-        console.print(f"  gate: {line}")
-    promotion = rec.get("promotion") or {}
-    if promotion:
-        verdict = "promoted " + str(promotion.get("version")) if promotion.get("promoted") else "refused: " + "; ".join(promotion.get("reasons", []))
-        console.print(f"  promotion: {verdict}")
-    style = "green" if rec["status"] == "succeeded" else "bold red"
-    tail = f" ({rec['failure_class']}: {rec['cause']})" if rec.get("failure_class") else ""
-    console.print(f"[{style}]run {rec['run_id']} {rec['status']}{tail}[/]")
+def print_summary(rec: RunRecord, console: Console) -> None:
+    """One line per stage (status, then its evidence, or its cause when it failed), the gates, the verdict."""
+    names = [*table.names(), *sorted(set(rec.stages) - set(table.names()))]
+    entries = [(name, rec.stages[name]) for name in names if name in rec.stages]
+    statuses = [e.status + (f" ({e.failure_class.value})" if e.failure_class else "") for _, e in entries]
+    name_width, status_width = max(map(len, names)) + 2, max(map(len, statuses), default=0) + 2
+    for (name, entry), status in zip(entries, statuses):
+        print_line(console, f"  {name:<{name_width}}", (f"{status:<{status_width}}", STATUS_STYLE.get(entry.status, "")),
+                   table.evidence_line(entry))
+    evaluation = rec.summary("evaluate", EvaluateSummary)
+    for line in evaluation.gates.lines if evaluation else []:
+        print_line(console, f"  gate: {line}")
+    promotion = rec.promotion
+    if promotion is not None:
+        verdict = f"promoted {promotion.version}" if promotion.promoted else "refused: " + "; ".join(promotion.reasons)
+        print_line(console, f"  promotion: {verdict}")
+    style = "green" if rec.status == "succeeded" else "bold red"
+    tail = f" ({rec.failure_class.value}: {rec.cause})" if rec.failure_class else ""
+    print_line(console, (f"run {rec.run_id} {rec.status}{tail}", style))
 
 
-def ordered_stages(rec: dict) -> list[tuple[str, dict]]:
-    """Stages in pipeline order (the stored record's keys are sorted alphabetically)."""
-    return [(s, rec["stages"][s]) for s in STAGES if s in rec["stages"]]
-
-
-def short_evidence(stage: str, entry: dict) -> str:
-    s = entry.get("summary") or {}
-    if entry["status"] == "failed":
-        return entry.get("cause") or ""
-    if stage == "verify":
-        return f"{len(s.get('nodes', []))} node(s), env {str((s.get('cluster') or {}).get('environment_digest', ''))[:12]}"
-    if stage == "connectivity":
-        return f"{s.get('world_size')} ranks, transport {(s.get('transport') or {}).get('kind')}"
-    if stage == "data":
-        return f"{str(s.get('content_hash', ''))[:12]} {'(cache hit)' if s.get('cache_hit') else ''}"
-    if stage == "finetune":
-        return f"loss {s.get('first_loss', float('nan')):.3f} -> {s.get('final_loss', float('nan')):.3f} in {s.get('steps')} steps"
-    if stage == "resume":
-        return f"restored step {s.get('restored_step')}, max loss diff {s.get('max_loss_diff')}"
-    if stage == "evaluate":
-        return evaluation_line(s.get("models") or {})
-    if stage == "promote":
-        return f"{s.get('version')} (previous: {s.get('previous_version') or 'none'})"
-    return entry.get("cause") or ""
-
-
-def evaluation_line(models: dict) -> str:
-    """'exact_match: candidate 1.000, base 0.000, incumbent -' for each gated-style metric."""
-    names = [n for n in ((models.get("candidate") or {}).get("metrics") or {}) if n not in ("eval_loss", "perplexity")]
-    parts = []
-    for name in names:
-        values = [f"{role} {value_of(models, role, name)}" for role in ("candidate", "base", "incumbent")]
-        parts.append(f"{name}: " + ", ".join(values))
-    return "; ".join(parts)
-
-
-def value_of(models: dict, role: str, name: str) -> str:
-    value = ((models.get(role) or {}).get("metrics") or {}).get(name)
-    return f"{value:.3f}" if isinstance(value, (int, float)) else "-"
-
-
-def print_record(rec: dict, console: Console) -> None:
-    console.print(f"[bold]run {rec['run_id']}[/] created {rec['created_at']} status {rec['status']}")
-    code = rec.get("code") or {}
-    console.print(f"  code {code.get('git_sha')} dirty={code.get('dirty')} working_dir {str(code.get('working_dir_hash'))[:16]}")
-    console.print(f"  config {rec['config_hash'][:16]}  data {(rec.get('data') or {}).get('content_hash', '-')}")
-    cluster = rec.get("cluster") or {}
-    console.print(f"  cluster ray {cluster.get('ray_version', '-')} nodes {len(cluster.get('nodes', []) or [])} "
-                  f"image {cluster.get('image_digest', '-')} env {str(cluster.get('environment_digest', '-'))[:16]}")
+def print_record(rec: RunRecord, console: Console) -> None:
+    """The run's identity, one fact a line, then its stages."""
+    code, cluster, data = rec.code, rec.cluster, rec.data
+    facts = [
+        ("run", f"{rec.run_id}, created {rec.created_at}, {rec.status}"),
+        ("code", f"{code.git_sha} (dirty: {code.dirty})"),
+        ("working_dir", str(code.working_dir_hash)),
+        ("config", rec.config_hash),
+        ("data", str(data.content_hash if data else "-")),
+    ]
+    if cluster:
+        facts += [("cluster", f"Ray {cluster.ray_version}, {len(cluster.nodes)} node(s)"),
+                  ("image", str(cluster.image_digest or "-")),
+                  ("environment", str(cluster.environment_digest))]
+    for label, value in facts:
+        print_line(console, (f"{label:<13}", "bold"), value)
     print_summary(rec, console)

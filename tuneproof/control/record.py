@@ -1,22 +1,185 @@
 """The run record: everything needed to explain an observation, in runs/<run>/record.json.
 
-Identity (image digest, cluster, code SHA + dirty flag, working_dir hash, config + hash,
-runtime_env additions, dataset hash) and, per stage: its jobs (entrypoint, submission id,
-working_dir hash, runtime_env additions, times), result summary, failure class and cause.
-The flow is the only writer; it rewrites the whole document after each stage.
+Identity (image digest, cluster, code SHA + dirty flag, working_dir hash, config + hash, runtime_env
+additions, dataset hash) and, per stage: its Ray jobs (entrypoint, submission id, working_dir hash,
+runtime_env additions, times), its summary (the stage's model from tuneproof.core.summaries, stored
+as JSON and read back with `RunRecord.summary`), failure class and cause. The flow is the only
+writer; it rewrites the whole document after each stage.
+
+The JSON Schema of this document is committed (schemas/run-record.schema.json) and `schema_version`
+says which shape a stored record has; `load` upgrades older shapes, so records written by earlier
+releases still show.
 """
 
 from __future__ import annotations
 
 import secrets
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tuneproof.core.config import PipelineConfig
-from tuneproof.core.results import now_iso
+from tuneproof.core.results import FailureClass, JsonDict, StageResult, now_iso, one_line
 from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import ClusterFacts, PromoteSummary, Summary
 
 RECORD = "record.json"
+SCHEMA_VERSION = 2
+"""1: the untyped record of the first release (no schema_version field). 2: this module's models."""
+
+S = TypeVar("S", bound=Summary)
+RunStatus = Literal["running", "succeeded", "failed", "crashed", "cancelled"]
+StageStatus = Literal["succeeded", "failed", "skipped"]
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CodeIdentity(Model):
+    git_sha: str | None = None
+    dirty: bool | None = None
+    working_dir_hash: str | None = None
+    """sha256 of the Ray working_dir the last job ran with: exactly the job side (core, training, eval)."""
+
+
+class RuntimeEnvAdditions(Model):
+    """Dependencies added at submission: pip packages, and environment variables by name."""
+
+    pip: list[str] = []
+    env_vars: dict[str, str] = {}
+
+
+class DataIdentity(Model):
+    dataset_path: str | None = None
+    dataset_uri: str | None = None
+    content_hash: str | None = None
+    cache_hit: bool | None = None
+
+
+class JobEntry(Model):
+    """One Ray job of a stage: how it was submitted and what it left."""
+
+    submission_id: str
+    entrypoint: str
+    job_status: str
+    attached: bool
+    """True when a retry re-attached to a job an earlier attempt had submitted."""
+    working_dir_hash: str
+    runtime_env_additions: RuntimeEnvAdditions
+    pipeline_env: dict[str, str] = {}
+    """Environment the pipeline itself set for the job (e.g. NCCL logging), apart from the user's additions."""
+    submitted_at: str
+    ended_at: str
+    result: StageResult
+
+
+class StageEntry(Model):
+    """One stage's outcome in the record."""
+
+    stage: str
+    status: StageStatus
+    failure_class: FailureClass | None = None
+    cause: str | None = None
+    started_at: str
+    ended_at: str
+    summary: JsonDict | None = None
+    """The stage's summary model as JSON (see RunRecord.summary for typed reading); None when no job left one."""
+    jobs: list[JobEntry] = []
+    invocation: int = 1
+    """Which invocation of the run produced this entry (RunRecord.invocations)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "succeeded"
+
+    def summary_as(self, model: type[S]) -> S | None:
+        return model.model_validate(self.summary) if self.summary is not None else None
+
+    @classmethod
+    def from_jobs(cls, stage: str, result: StageResult, jobs: list[JobEntry], started_at: str,
+                  summary: Summary | None = None) -> StageEntry:
+        """An entry whose verdict is `result` (usually the last job's); `summary` replaces the job's own."""
+        return cls(stage=stage, status=result.status, failure_class=result.failure_class, cause=result.cause,
+                   started_at=started_at, ended_at=now_iso(),
+                   summary=summary.to_json() if summary is not None else result.summary, jobs=jobs)
+
+    @classmethod
+    def failed(cls, stage: str, failure_class: FailureClass, cause: str, started_at: str | None = None,
+               summary: Summary | None = None, jobs: list[JobEntry] | None = None) -> StageEntry:
+        return cls(stage=stage, status="failed", failure_class=failure_class, cause=one_line(cause),
+                   started_at=started_at or now_iso(), ended_at=now_iso(),
+                   summary=summary.to_json() if summary is not None else None, jobs=jobs or [])
+
+    @classmethod
+    def succeeded(cls, stage: str, summary: Summary, started_at: str, jobs: list[JobEntry] | None = None) -> StageEntry:
+        return cls(stage=stage, status="succeeded", started_at=started_at, ended_at=now_iso(),
+                   summary=summary.to_json(), jobs=jobs or [])
+
+    @classmethod
+    def skipped(cls, stage: str, why: str) -> StageEntry:
+        return cls(stage=stage, status="skipped", cause=why, started_at=now_iso(), ended_at=now_iso())
+
+
+class Invocation(Model):
+    """One `tuneproof run` / flow run against this run id: the first creates the run, later ones rerun stages."""
+
+    number: int = 1
+    flow_run_id: str | None = None
+    only: list[str] | None = None
+    at: str
+    config_hash: str
+
+
+class Override(Model):
+    """A logged override (`tuneproof promote RUN --force --reason`)."""
+
+    action: str
+    by: str
+    reason: str
+    at: str
+    bypassed: list[str]
+    result: PromoteSummary
+
+
+class RunRecord(Model):
+    schema_version: int = SCHEMA_VERSION
+    run_id: str
+    flow_run_id: str | None = None
+    created_at: str
+    updated_at: str
+    status: RunStatus
+    failure_class: FailureClass | None = None
+    cause: str | None = None
+    profile: str
+    code: CodeIdentity
+    config: JsonDict
+    """The full validated config (PipelineConfig as JSON) of the latest invocation."""
+    config_hash: str
+    runtime_env_additions: RuntimeEnvAdditions
+    cluster: ClusterFacts | None = None
+    """Lifted from the latest succeeded verify stage."""
+    data: DataIdentity | None = None
+    """Lifted from the latest succeeded data stage."""
+    stages: dict[str, StageEntry] = {}
+    superseded: list[StageEntry] = []
+    """Entries replaced by a rerun of their stage, oldest first."""
+    promotion: PromoteSummary | None = None
+    invocations: list[Invocation] = []
+    overrides: list[Override] = []
+
+    def summary(self, stage: str, model: type[S]) -> S | None:
+        """The stage's summary as its model, or None when the stage has no entry or no summary."""
+        entry = self.stages.get(stage)
+        return entry.summary_as(model) if entry else None
+
+    def passed(self, stage: str) -> bool:
+        entry = self.stages.get(stage)
+        return entry is not None and entry.ok
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
 
 
 def make_run_id() -> str:
@@ -24,51 +187,99 @@ def make_run_id() -> str:
     return f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
 
 
-def new_record(run_id: str, cfg: PipelineConfig, code: dict, flow_run_id: str | None) -> dict[str, Any]:
-    return {
-        "run_id": run_id,
-        "flow_run_id": flow_run_id,
-        "created_at": now_iso(),
-        "updated_at": now_iso(),
-        "status": "running",
-        "failure_class": None,
-        "cause": None,
-        "profile": cfg.profile,
-        "code": code,
-        "config": cfg.model_dump(mode="json"),
-        "config_hash": cfg.config_hash(),
-        "runtime_env_additions": cfg.runtime_env.model_dump(),
-        "cluster": {},
-        "data": {},
-        "stages": {},
-        "promotion": None,
-        "invocations": [],
-    }
+def new_record(run_id: str, cfg: PipelineConfig, code: CodeIdentity, flow_run_id: str | None) -> RunRecord:
+    return RunRecord(
+        run_id=run_id, flow_run_id=flow_run_id, created_at=now_iso(), updated_at=now_iso(), status="running",
+        profile=cfg.profile, code=code, config=cfg.model_dump(mode="json"), config_hash=cfg.config_hash(),
+        runtime_env_additions=RuntimeEnvAdditions.model_validate(cfg.runtime_env.model_dump()),
+    )
 
 
-def stage_entry(stage: str, status: str, failure_class: str | None, cause: str | None, summary: dict,
-                jobs: list[dict], started_at: str, ended_at: str) -> dict[str, Any]:
-    return {
-        "stage": stage, "status": status, "failure_class": failure_class, "cause": cause,
-        "started_at": started_at, "ended_at": ended_at, "summary": summary, "jobs": jobs,
-    }
+def save(storage: Storage, record: RunRecord) -> None:
+    record.updated_at = now_iso()
+    storage.write_json(record.to_json(), "runs", record.run_id, RECORD)
 
 
-def save(storage: Storage, record: dict[str, Any]) -> None:
-    record["updated_at"] = now_iso()
-    storage.write_json(record, "runs", record["run_id"], RECORD)
+class RecordUnreadable(ValueError):
+    """A record.json that exists but is not a run record (truncated, hand-edited, another tool's file)."""
 
 
-def load(storage: Storage, run_id: str) -> dict[str, Any]:
+def load(storage: Storage, run_id: str) -> RunRecord:
     if not storage.exists("runs", run_id, RECORD):
         raise FileNotFoundError(f"no run record for run {run_id!r} under {storage.uri('runs')}")
-    return storage.read_json("runs", run_id, RECORD)
+    try:
+        return parse(storage.read_json("runs", run_id, RECORD))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RecordUnreadable(f"{storage.uri('runs', run_id, RECORD)} is not a readable run record: "
+                               f"{one_line(str(e), 300)}") from None
 
 
-def list_records(storage: Storage) -> list[dict[str, Any]]:
-    """Every readable record, newest first."""
-    records = []
+def parse(doc: Any) -> RunRecord:
+    """A stored record of any schema version, as this version's model."""
+    if not isinstance(doc, dict):
+        raise ValueError(f"expected a JSON object, got {type(doc).__name__}")
+    version = doc.get("schema_version", 1)
+    if version == 1:
+        doc = upgrade_v1(doc)
+    elif version != SCHEMA_VERSION:
+        raise ValueError(f"schema_version {version!r} is not one this release reads (1..{SCHEMA_VERSION})")
+    try:
+        return RunRecord.model_validate(doc)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ValueError(f"{where}: {first['msg']} ({e.error_count()} problem(s))") from None
+
+
+def upgrade_v1(doc: dict[str, Any]) -> dict[str, Any]:
+    """The first release's record as schema 2: empty identity dicts become None, invocations get numbers,
+    a succeeded resume test (which then only succeeded after a real interruption) says so."""
+    doc = {**doc, "schema_version": SCHEMA_VERSION}
+    doc["cluster"] = doc.get("cluster") or None
+    doc["data"] = doc.get("data") or None
+    doc["invocations"] = [{**inv, "number": i + 1} for i, inv in enumerate(doc.get("invocations") or [])]
+    for entry in [*(doc.get("stages") or {}).values(), *(doc.get("superseded") or [])]:
+        entry["summary"] = entry.get("summary") or None
+        for job in entry.get("jobs") or []:
+            job["result"]["summary"] = job["result"].get("summary") or None
+        if entry["stage"] == "resume" and entry["status"] == "succeeded" and entry["summary"]:
+            entry["summary"].setdefault("interrupted", True)
+    return doc
+
+
+class RecordRow(BaseModel):
+    """One line of `runs list`: a readable record's headline, or why a record could not be read."""
+
+    run_id: str
+    created_at: str | None = None
+    status: str
+    failure_class: str | None = None
+    cause: str | None = None
+
+
+def list_records(storage: Storage) -> tuple[list[RunRecord], list[RecordRow]]:
+    """(every readable record newest first, a row per record.json that could not be read)."""
+    records, unreadable = [], []
     for run_id in storage.listdir("runs"):
-        if storage.exists("runs", run_id, RECORD):
-            records.append(storage.read_json("runs", run_id, RECORD))
-    return sorted(records, key=lambda r: r.get("created_at", ""), reverse=True)
+        if not storage.exists("runs", run_id, RECORD):
+            continue
+        try:
+            records.append(load(storage, run_id))
+        except RecordUnreadable as e:
+            unreadable.append(RecordRow(run_id=run_id, status="unreadable", cause=str(e)))
+    return sorted(records, key=lambda r: r.created_at, reverse=True), unreadable
+
+
+def json_schema() -> dict[str, Any]:
+    """The committed JSON Schema of record.json (schemas/run-record.schema.json): regenerate with
+    `python -m tuneproof.control.record > schemas/run-record.schema.json` when the models change."""
+    schema = RunRecord.model_json_schema(mode="serialization")
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = f"tuneproof run record, schema_version {SCHEMA_VERSION}"
+    return schema
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(json_schema(), indent=2, sort_keys=True))

@@ -10,17 +10,16 @@ pydantic and yaml, which the published Ray image has.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tuneproof.core.hashing import sha256_json
+
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PROFILE = PROJECT_ROOT / "configs" / "local.yaml"
-STAGES = ("verify", "connectivity", "data", "finetune", "resume", "evaluate", "promote")
 
 
 class Strict(BaseModel):
@@ -287,10 +286,6 @@ class ConfigError(ValueError):
     def __init__(self, problems: list[str]):
         self.problems = problems
         super().__init__("invalid config:\n  " + "\n  ".join(problems))
-
-
-def sha256_json(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _is_relative_local_path(value: str) -> bool:

@@ -6,26 +6,20 @@ through these functions, which take and return plain values and are unit-tested 
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from tuneproof.core.hashing import IGNORE_INDEX, files_sha256, sha256_bytes, sha256_json
+
+__all__ = ["IGNORE_INDEX", "files_sha256", "sha256_bytes", "sha256_json"]  # the data stage reads them from here
+
 # Why a row was left out; every dropped row has exactly one reason, the first that applies.
 REASONS = ("undecodable", "wrong_type", "missing_field", "empty", "too_long")
 EXAMPLES_PER_REASON = 3
-IGNORE_INDEX = -100  # label value the loss skips (prompt tokens)
 
 # Bump when the shard layout or the meaning of a setting changes: old datasets must not be reused.
 PREP_VERSION = 1
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def sha256_json(obj: Any) -> str:
-    return sha256_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode())
 
 
 def content_hash(
@@ -46,11 +40,6 @@ def content_hash(
         "tokenizer": tokenizer_sha256,
         "settings": settings,
     })
-
-
-def files_sha256(file_hashes: dict[str, str]) -> str:
-    """One hash over a set of files given as {relative name: sha256 of its bytes}."""
-    return sha256_json(sorted(file_hashes.items()))
 
 
 @dataclass

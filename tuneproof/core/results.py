@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+JsonDict = dict[str, Any]
+
 
 class FailureClass(str, Enum):
     infrastructure = "infrastructure"
@@ -31,23 +33,28 @@ EXIT_BY_CLASS = {
 
 
 class StageFailure(Exception):
-    """A classified stage failure: the cause is one line; summary keeps the evidence."""
+    """A classified stage failure: the cause is one line; summary keeps the evidence gathered so far
+    (the stage's summary model, or None when the failure came before there was any)."""
 
-    def __init__(self, failure_class: FailureClass | str, cause: str, summary: dict[str, Any] | None = None):
+    def __init__(self, failure_class: FailureClass | str, cause: str, summary: BaseModel | None = None):
         self.failure_class = FailureClass(failure_class)
         self.cause = one_line(cause)
-        self.summary = summary or {}
+        self.summary = summary
         super().__init__(f"{self.failure_class.value}: {self.cause}")
 
 
 class StageResult(BaseModel):
+    """What a job leaves at runs/<run>/stages/<job>/result.json, whatever happened to it."""
+
     model_config = ConfigDict(extra="forbid")
 
     stage: str
+    """The job's name (its result folder), e.g. 'finetune' or 'resume-interrupt-a1'."""
     status: Literal["succeeded", "failed"]
     failure_class: FailureClass | None = None
     cause: str | None = None
-    summary: dict[str, Any] = {}
+    summary: JsonDict | None = None
+    """The stage's summary model as JSON; the reader validates it with the same model."""
     started_at: str
     ended_at: str
 
@@ -63,6 +70,13 @@ def now_iso() -> str:
 def one_line(text: str, limit: int = 400) -> str:
     line = " ".join(str(text).split())
     return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def first_and_more(lines: list[str]) -> str:
+    """'<first line> (+N more)': one line that stands for several problems; '' for none."""
+    if not lines:
+        return ""
+    return lines[0] + (f" (+{len(lines) - 1} more)" if len(lines) > 1 else "")
 
 
 def exit_code_for(failure_class: FailureClass | str | None) -> int:

@@ -1,6 +1,6 @@
 """`tuneproof runs diff A B`: which choices changed between two runs, and how the results moved.
 
-Pure over two run records. Choices: image digest, per-node Ray/torch/CUDA/NCCL/Python versions,
+Pure over two run records; each stage's metrics come from the stage table. Choices: image digest, per-node Ray/torch/CUDA/NCCL/Python versions,
 environment digest, cluster configuration, code SHA + dirty flag, working_dir hash, every config
 field (dotted names), runtime_env additions, dataset hash. Results: throughput, final loss, eval
 metrics, bus bandwidth — so a team can tell which change explains a different result.
@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import math
 from typing import Any
+
+from flows.stages import diff_metrics
+from tuneproof.control.record import RunRecord
+from tuneproof.core.summaries import NodeFacts
 
 NODE_FIELDS = ("ray_version", "torch_version", "cuda_version", "nccl_version", "python_version",
                "transformers_version", "environment_digest", "gpus_advertised")
@@ -25,54 +29,32 @@ def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: obj}
 
 
-def identity(record: dict) -> dict[str, Any]:
+def identity(record: RunRecord) -> dict[str, Any]:
     """The choices behind a run, flattened to dotted names."""
-    cluster = record.get("cluster") or {}
+    cluster, code, data = record.cluster, record.code, record.data
     facts: dict[str, Any] = {
-        "image_digest": cluster.get("image_digest"),
-        "environment_digest": cluster.get("environment_digest"),
-        "code.git_sha": (record.get("code") or {}).get("git_sha"),
-        "code.dirty": (record.get("code") or {}).get("dirty"),
-        "code.working_dir_hash": (record.get("code") or {}).get("working_dir_hash"),
-        "data.content_hash": (record.get("data") or {}).get("content_hash"),
+        "image_digest": cluster.image_digest if cluster else None,
+        "environment_digest": cluster.environment_digest if cluster else None,
+        "code.git_sha": code.git_sha,
+        "code.dirty": code.dirty,
+        "code.working_dir_hash": code.working_dir_hash,
+        "data.content_hash": data.content_hash if data else None,
     }
-    for role, node in nodes_by_role(cluster.get("nodes") or []).items():
+    for role, node in nodes_by_role(cluster.nodes if cluster else []).items():
         for field in NODE_FIELDS:
-            facts[f"nodes.{role}.{field}"] = node.get(field)
-    facts.update(flatten(record.get("runtime_env_additions") or {}, "runtime_env"))
-    facts.update(flatten(record.get("config") or {}, "config"))
+            facts[f"nodes.{role}.{field}"] = getattr(node, field)
+    facts.update(flatten(record.runtime_env_additions.model_dump(), "runtime_env"))
+    facts.update(flatten(record.config, "config"))
     return facts
 
 
-def nodes_by_role(nodes: list[dict]) -> dict[str, dict]:
+def nodes_by_role(nodes: list[NodeFacts]) -> dict[str, NodeFacts]:
     """Name nodes by role and order (head, worker-0, ...) so runs on different IPs compare."""
-    head = [n for n in nodes if n.get("is_head")]
-    workers = sorted((n for n in nodes if not n.get("is_head")), key=lambda n: str(n.get("node_ip")))
+    head = [n for n in nodes if n.is_head]
+    workers = sorted((n for n in nodes if not n.is_head), key=lambda n: str(n.node_ip))
     named = {"head": head[0]} if head else {}
     named.update({f"worker-{i}": n for i, n in enumerate(workers)})
     return named
-
-
-def metrics(record: dict) -> dict[str, float | None]:
-    stages = record.get("stages") or {}
-    finetune = (stages.get("finetune") or {}).get("summary") or {}
-    conn = (stages.get("connectivity") or {}).get("summary") or {}
-    evaluation = (stages.get("evaluate") or {}).get("summary") or {}
-    resume = (stages.get("resume") or {}).get("summary") or {}
-    out: dict[str, float | None] = {
-        "finetune.tokens_per_s": finetune.get("tokens_per_s"),
-        "finetune.final_loss": finetune.get("final_loss"),
-        "finetune.seconds": finetune.get("seconds"),
-        "resume.max_loss_diff": resume.get("max_loss_diff"),
-    }
-    rows = conn.get("allreduce") or []
-    if rows:
-        largest = max(rows, key=lambda r: r["size_bytes"])
-        out[f"connectivity.busbw_GBps@{largest['size_bytes']}B"] = largest.get("busbw_GBps")
-    for role in ("candidate", "base", "incumbent"):
-        for name, value in (((evaluation.get("models") or {}).get(role) or {}).get("metrics") or {}).items():
-            out[f"eval.{role}.{name}"] = value
-    return out
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -81,17 +63,18 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def diff_records(a: dict, b: dict) -> dict[str, Any]:
+def diff_records(a: RunRecord, b: RunRecord) -> dict[str, Any]:
+    """Changed choices and metric deltas; the metrics are each stage's own (flows.stages.diff_metrics)."""
     ida, idb = identity(a), identity(b)
     changes = [{"field": k, "a": ida.get(k), "b": idb.get(k)}
                for k in sorted(set(ida) | set(idb)) if not _same(ida.get(k), idb.get(k))]
-    ma, mb = metrics(a), metrics(b)
+    ma, mb = diff_metrics(a), diff_metrics(b)
     deltas = []
     for name in sorted(set(ma) | set(mb)):
         va, vb = ma.get(name), mb.get(name)
         numeric = isinstance(va, (int, float)) and isinstance(vb, (int, float))
         deltas.append({"metric": name, "a": va, "b": vb, "delta": (vb - va) if numeric else None})
-    return {"a": a["run_id"], "b": b["run_id"], "changed": bool(changes), "changes": changes, "metrics": deltas}
+    return {"a": a.run_id, "b": b.run_id, "changed": bool(changes), "changes": changes, "metrics": deltas}
 
 
 def render_diff(result: dict[str, Any]) -> str:

@@ -1,0 +1,332 @@
+"""The stage table: what each stage is, needs and shows, defined once and read by everything else.
+
+The flow runs STAGES in order; `--only` planning, the terminal summary, the Prefect artifacts,
+`runs diff` and the record's JSON Schema all read the same descriptors. Adding a stage is its job
+module (training/ or eval/), its summary model (tuneproof/core/summaries.py), its config section,
+and one Stage(...) below; a stage that is one Ray job needs no task of its own (`job_stage`).
+
+Read it top to bottom: the small functions first (evidence lines, diff metrics, identity lifted
+into the record), then the table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from tasks import artifacts
+from tasks import promote as promote_tasks
+from tasks import resume as resume_tasks
+from tasks.jobs import StageCall, connectivity, evaluate, job_stage, verify
+from tuneproof.control.record import DataIdentity, RunRecord, StageEntry, json_schema
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.results import FailureClass
+from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import (
+    ConnectivitySummary, DataSummary, EvaluateSummary, FinetuneSummary, PromoteSummary, ResumeSummary, Summary,
+    VerifySummary,
+)
+
+INFRA, DATA, MODELING = FailureClass.infrastructure, FailureClass.data, FailureClass.modeling
+Metrics = dict[str, float | None]
+
+
+@dataclass(frozen=True)
+class Need:
+    """An output of an earlier stage that this stage takes as input: `<stage>.<output>` of its summary."""
+
+    stage: str
+    output: str
+
+    def __str__(self) -> str:
+        return f"{self.stage}.{self.output}"
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    run: Callable[[StageCall], StageEntry]
+    """The stage's task (or the flow-side function that calls it): StageCall in, record entry out."""
+    summary: type[Summary]
+    """The model of what the stage proves (tuneproof.core.summaries)."""
+    evidence: Callable[[Any], str]
+    """One line for the terminal summary, from a succeeded stage's summary."""
+    fails_as: tuple[FailureClass, ...]
+    """The failure classes this stage can end with."""
+    timeout: str | None = None
+    """The config.timeouts field that bounds the stage (job-backed stages)."""
+    needs: tuple[Need, ...] = ()
+    """Outputs of earlier stages passed to the task as inputs; each needs that stage succeeded."""
+    reads: tuple[str, ...] = ()
+    """Earlier stages whose evidence this stage judges from the record (not inputs)."""
+    artifact: Callable[[RunRecord, StageEntry, Storage], None] | None = None
+    """What the stage adds to the flow run page."""
+    metrics: Callable[[Any], Metrics] | None = None
+    """Numbers `runs diff` compares between two runs."""
+    lift: Callable[[RunRecord, Any], None] | None = None
+    """Identity facts the stage's summary contributes to the record's top level."""
+    skip: Callable[[PipelineConfig], str | None] | None = None
+    """Why the configured run leaves this stage out, or None to run it."""
+
+    def upstream(self) -> set[str]:
+        return {n.stage for n in self.needs} | set(self.reads)
+
+    def timeout_s(self, cfg: PipelineConfig) -> int:
+        return int(getattr(cfg.timeouts, self.timeout)) if self.timeout else 0
+
+
+# ---- evidence, metrics and lifts, stage by stage ------------------------------------------------
+
+
+def _num(value: float | None, spec: str = ".3f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def verify_evidence(s: VerifySummary) -> str:
+    return f"{len(s.nodes)} node(s), env {s.cluster.environment_digest}"
+
+
+def lift_cluster(record: RunRecord, s: VerifySummary) -> None:
+    record.cluster = s.cluster
+
+
+def connectivity_evidence(s: ConnectivitySummary) -> str:
+    return f"{s.world_size} ranks, transport {s.transport.kind}"
+
+
+def connectivity_metrics(s: ConnectivitySummary) -> Metrics:
+    if not s.allreduce:
+        return {}
+    largest = max(s.allreduce, key=lambda r: r.size_bytes)
+    return {f"connectivity.busbw_GBps@{largest.size_bytes}B": largest.busbw_GBps}
+
+
+def data_evidence(s: DataSummary) -> str:
+    return f"{s.content_hash}{' (cache hit)' if s.cache_hit else ''}"
+
+
+def lift_data(record: RunRecord, s: DataSummary) -> None:
+    if s.content_hash:
+        record.data = DataIdentity(dataset_path=s.dataset_path, dataset_uri=s.dataset_uri,
+                                   content_hash=s.content_hash, cache_hit=s.cache_hit)
+
+
+def finetune_evidence(s: FinetuneSummary) -> str:
+    return f"loss {_num(s.first_loss)} -> {_num(s.final_loss)} in {s.steps} steps"
+
+
+def finetune_metrics(s: FinetuneSummary) -> Metrics:
+    return {"finetune.tokens_per_s": s.tokens_per_s, "finetune.final_loss": s.final_loss, "finetune.seconds": s.seconds}
+
+
+def resume_evidence(s: ResumeSummary) -> str:
+    return f"restored step {s.restored_step}, max loss diff {s.max_loss_diff}"
+
+
+def resume_metrics(s: ResumeSummary) -> Metrics:
+    return {"resume.max_loss_diff": s.max_loss_diff}
+
+
+def resume_disabled(cfg: PipelineConfig) -> str | None:
+    return None if cfg.resume.enabled else "resume.enabled is false"
+
+
+def evaluate_evidence(s: EvaluateSummary) -> str:
+    """'exact_match: candidate 1.000, base 0.000, incumbent -' for each task metric (losses left out)."""
+    candidate = s.models.get("candidate")
+    names = [n for n in (candidate.metrics if candidate else {}) if n not in ("eval_loss", "perplexity")]
+    parts = []
+    for name in names:
+        values = []
+        for role in ("candidate", "base", "incumbent"):
+            score = s.models.get(role)  # type: ignore[call-overload]
+            value = score.metrics.get(name) if score else None
+            values.append(f"{role} {_num(value) if value is not None else '-'}")
+        parts.append(f"{name}: " + ", ".join(values))
+    return "; ".join(parts)
+
+
+def evaluate_metrics(s: EvaluateSummary) -> Metrics:
+    return {f"eval.{role}.{name}": value for role, score in s.models.items() if score
+            for name, value in score.metrics.items()}
+
+
+def promote_evidence(s: PromoteSummary) -> str:
+    return f"{s.version} (previous: {s.previous_version or 'none'})"
+
+
+def lift_promotion(record: RunRecord, s: PromoteSummary) -> None:
+    record.promotion = s
+
+
+def promote_stage(call: StageCall) -> StageEntry:
+    """Runs in the flow (not a task): an approval pause must belong to the flow run itself."""
+    if call.cfg.promote.require_approval and not promote_tasks.refusal_reasons(call.cfg, call.record):
+        from flows.approval import ask_for_approval  # Prefect's pause API, only when approval is configured
+
+        approval = ask_for_approval(call.cfg, call.record)
+        if not approval.approve:
+            return promote_tasks.approval_refused(call.record.updated_at, approval.approver, approval.comment)
+    return promote_tasks.promote(call)
+
+
+# ---- the table ---------------------------------------------------------------------------------
+
+STAGES: tuple[Stage, ...] = (
+    Stage(
+        name="verify", run=verify, summary=VerifySummary, evidence=verify_evidence, fails_as=(INFRA,),
+        timeout="verify", artifact=artifacts.verify_findings, lift=lift_cluster,
+    ),
+    Stage(
+        name="connectivity", run=connectivity, summary=ConnectivitySummary, evidence=connectivity_evidence,
+        fails_as=(INFRA,), timeout="connectivity", artifact=artifacts.connectivity_table, metrics=connectivity_metrics,
+    ),
+    Stage(
+        name="data", run=job_stage("training.data_prep"), summary=DataSummary, evidence=data_evidence,
+        fails_as=(DATA, INFRA), timeout="data", artifact=artifacts.dataset_summary, lift=lift_data,
+    ),
+    Stage(
+        name="finetune", run=job_stage("training.finetune", lambda inputs: {"dataset": inputs["dataset_path"]}),
+        summary=FinetuneSummary, evidence=finetune_evidence, fails_as=(INFRA, MODELING, DATA), timeout="finetune",
+        needs=(Need("data", "dataset_path"),), artifact=artifacts.loss_image, metrics=finetune_metrics,
+    ),
+    Stage(
+        name="resume", run=resume_tasks.resume_test, summary=ResumeSummary, evidence=resume_evidence, fails_as=(INFRA,),
+        timeout="resume", needs=(Need("data", "dataset_path"), Need("finetune", "checkpoints"),
+                                 Need("finetune", "loss_curve")),
+        metrics=resume_metrics, skip=resume_disabled,
+    ),
+    Stage(
+        name="evaluate", run=evaluate, summary=EvaluateSummary, evidence=evaluate_evidence,
+        fails_as=(MODELING, INFRA, DATA), timeout="evaluate",
+        needs=(Need("data", "dataset_path"), Need("finetune", "export_path")),
+        artifact=artifacts.evaluation_table, metrics=evaluate_metrics,
+    ),
+    Stage(
+        name="promote", run=promote_stage, summary=PromoteSummary, evidence=promote_evidence,
+        fails_as=(MODELING, INFRA), reads=("finetune", "resume", "evaluate"), lift=lift_promotion,
+    ),
+)
+
+
+# ---- reading the table -------------------------------------------------------------------------
+
+
+class UnknownStages(ValueError):
+    """Stage names that are not in the table."""
+
+
+def names(stages: Iterable[Stage] | None = None) -> list[str]:
+    return [s.name for s in (STAGES if stages is None else stages)]
+
+
+def by_name(name: str) -> Stage:
+    for stage in STAGES:
+        if stage.name == name:
+            return stage
+    raise UnknownStages(f"unknown stage {name!r}; expected one of {', '.join(names())}")
+
+
+def plan(only: list[str] | None) -> list[Stage]:
+    """The stages to run, in table order: all of them, or the subset named in `only`."""
+    if only is None:
+        return list(STAGES)
+    unknown = [name for name in only if name not in names()]
+    if unknown:
+        raise UnknownStages(f"unknown stage(s) {', '.join(unknown)}; expected some of {', '.join(names())}")
+    if not only:
+        raise UnknownStages(f"no stage named: expected some of {', '.join(names())}")
+    return [s for s in STAGES if s.name in only]
+
+
+def needs_an_earlier_run(planned: list[Stage]) -> bool:
+    """True when a stage in the plan needs or reads a stage that is not in it (so it reruns against a run)."""
+    chosen = {s.name for s in planned}
+    return any(stage.upstream() - chosen for stage in planned)
+
+
+def downstream(name: str) -> list[str]:
+    """Every stage that needs or reads `name`, directly or through another stage, in table order."""
+    found = {name}
+    for stage in STAGES:  # table order is topological: a stage only needs earlier ones
+        if stage.upstream() & found:
+            found.add(stage.name)
+    return [s.name for s in STAGES if s.name in found and s.name != name]
+
+
+class MissingStageOutput(RuntimeError):
+    """A stage's input is not in the run's record: a usage error (run the earlier stage first)."""
+
+
+def inputs_for(stage: Stage, record: RunRecord) -> dict[str, Any]:
+    """The outputs of earlier stages that `stage` needs, from the record; MissingStageOutput when one is absent."""
+    inputs: dict[str, Any] = {}
+    for need in stage.needs:
+        entry = record.stages.get(need.stage)
+        summary = entry.summary_as(by_name(need.stage).summary) if entry and entry.ok else None
+        value = getattr(summary, need.output, None) if summary is not None else None
+        if value is None:
+            raise MissingStageOutput(
+                f"stage {stage.name} needs {need} from a succeeded {need.stage} stage of run {record.run_id}; "
+                f"run the {need.stage} stage first (e.g. --only {need.stage},{stage.name})"
+            )
+        inputs[need.output] = value
+    return inputs
+
+
+def typed_summary(entry: StageEntry) -> BaseModel | None:
+    """An entry's summary as its stage's model (None for unknown stages or entries without one)."""
+    try:
+        stage = by_name(entry.stage)
+    except UnknownStages:
+        return None
+    return entry.summary_as(stage.summary)
+
+
+def evidence_line(entry: StageEntry) -> str:
+    """The terminal's line for a stage: its evidence when it succeeded, else its cause."""
+    summary = typed_summary(entry) if entry.ok else None
+    if summary is None:
+        return entry.cause or ""
+    return by_name(entry.stage).evidence(summary)
+
+
+def diff_metrics(record: RunRecord) -> Metrics:
+    """Every stage's diff metrics, from the stages of the record that have a summary."""
+    out: Metrics = {}
+    for stage in STAGES:
+        entry = record.stages.get(stage.name)
+        summary = entry.summary_as(stage.summary) if entry and stage.metrics else None
+        if summary is not None and stage.metrics is not None:
+            out.update(stage.metrics(summary))
+    return out
+
+
+def record_schema() -> dict[str, Any]:
+    """The run record's JSON Schema with each stage's summary model: a succeeded `verify` entry's summary
+    must be a VerifySummary, and so on. Committed as schemas/run-record.schema.json (tests check it)."""
+    schema = json_schema()
+    defs = schema.setdefault("$defs", {})
+    conditions = []
+    for stage in STAGES:
+        model_schema = stage.summary.model_json_schema(mode="serialization", ref_template="#/$defs/{model}")
+        defs.update(model_schema.pop("$defs", {}))
+        defs[stage.summary.__name__] = model_schema
+        conditions.append({
+            "if": {"properties": {"stage": {"const": stage.name}, "summary": {"type": "object"}},
+                   "required": ["stage", "summary"]},
+            "then": {"properties": {"summary": {"$ref": f"#/$defs/{stage.summary.__name__}"}}},
+        })
+    defs["StageEntry"]["allOf"] = conditions
+    return schema
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    json.dump(record_schema(), sys.stdout, indent=1, sort_keys=True)
+    print()

@@ -1,0 +1,175 @@
+"""Prefect tasks for the job-backed stages: build the job request, run it, return the stage's record entry.
+
+The flow hands every stage task one StageCall: the config, the run, which invocation this is, the
+stage's timeout and summary model from the stage table (flows/stages.py), and the earlier stages'
+outputs the table says it needs. Classified failures are values (a failed StageEntry), not
+exceptions, so Prefect retries (retries=1) only cover the unexpected — a lost connection while
+following a job — and a retry re-attaches to the same Ray submission.
+
+A simple stage is a job module plus the generic `job_stage`; verify, connectivity and evaluate add
+what only they need (the Kubernetes half, NCCL logging, the incumbent from the registry).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from tasks import artifacts, events
+from tasks.rayjob import JobSpec, RayJobRunner
+from tuneproof.control import registry
+from tuneproof.control.record import JobEntry, RunRecord, StageEntry
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.envelope import ProgressEvent
+from tuneproof.core.findings import errors
+from tuneproof.core.results import FailureClass, StageFailure, first_and_more, now_iso
+from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import Summary, VerifySummary
+from tuneproof.core.transport import nccl_env
+
+RETRY: dict[str, Any] = {"retries": 1, "retry_delay_seconds": 5, "cache_policy": NO_CACHE}
+
+
+@dataclass(frozen=True)
+class StageCall:
+    """What the flow hands a stage's task."""
+
+    stage: str
+    cfg: PipelineConfig
+    run_id: str
+    invocation: int
+    """1 for the run's first flow run; later invocations (reruns with --only) get fresh Ray jobs."""
+    timeout_s: int
+    summary: type[Summary]
+    inputs: dict[str, Any]
+    """Outputs of earlier stages, by the names in the stage's `needs`."""
+    record: RunRecord
+    """The run's record as it stood before this stage (read-only: the flow writes it)."""
+
+    def job_name(self, suffix: str = "") -> str:
+        """The first invocation uses the stage's name ('evaluate'); a rerun gets fresh Ray jobs and result
+        folders ('evaluate-r2'), while a Prefect retry within one invocation re-attaches."""
+        name = f"{self.stage}-{suffix}" if suffix else self.stage
+        return name if self.invocation <= 1 else f"{name}-r{self.invocation}"
+
+    def spec(self, module: str, params: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+             suffix: str = "", summary: type[Summary] | None = None) -> JobSpec:
+        """A job of this stage; its summary is the stage's model unless the job is another stage's kind
+        (the resume test runs fine-tune jobs)."""
+        return JobSpec(self.job_name(suffix), module, self.timeout_s, summary or self.summary, params or {}, env or {})
+
+
+def runner_for(call: StageCall) -> RayJobRunner:
+    """A job runner whose log lines go to the Prefect log and whose progress feeds the display and artifact."""
+    logger = get_run_logger()
+    progress = artifacts.Progress(call.run_id, call.stage)
+
+    def on_progress(event: ProgressEvent) -> None:
+        events.publish("progress", stage=call.stage, event=event)
+        try:
+            progress.update(event)
+        except Exception as e:  # noqa: BLE001 - a progress bar must never fail a stage
+            logger.warning(f"progress artifact: {e}")
+
+    def on_status(submission_id: str, status: str) -> None:
+        events.publish("job", stage=call.stage, submission_id=submission_id, status=status)
+
+    return RayJobRunner(call.cfg, call.run_id, on_line=logger.info, on_progress=on_progress, on_status=on_status)
+
+
+def run_single_job(call: StageCall, spec: JobSpec) -> StageEntry:
+    """Run one job and return an entry whose verdict is the job's own result."""
+    started = now_iso()
+    events.publish("stage", stage=call.stage, status="running")
+    job = runner_for(call).run(spec)
+    return StageEntry.from_jobs(call.stage, job.result, [job], started)
+
+
+def entry_from_jobs(call: StageCall, jobs: list[JobEntry], started: str, summary: Summary | None = None) -> StageEntry:
+    """An entry whose verdict is the last job's result (earlier jobs are evidence)."""
+    return StageEntry.from_jobs(call.stage, jobs[-1].result, jobs, started, summary)
+
+
+@task(name="stage-job", **RETRY)
+def run_job_stage(call: StageCall, module: str, params: dict[str, Any]) -> StageEntry:
+    """A stage that is one Ray job running `python -m <module>`."""
+    return run_single_job(call, call.spec(module, params))
+
+
+def job_stage(module: str, params: Callable[[dict[str, Any]], dict[str, Any]] = dict) -> Callable[[StageCall], StageEntry]:
+    """The run function of a stage that is one job: its params are built from the stage's inputs."""
+
+    def run(call: StageCall) -> StageEntry:
+        return run_job_stage.with_options(name=call.stage)(call, module, params(call.inputs))
+
+    run.__name__ = f"job_stage[{module}]"
+    return run
+
+
+@task(name="verify", **RETRY)
+def verify(call: StageCall) -> StageEntry:
+    """Versions, GPUs and environment digest on every node; shared storage writable from a worker.
+
+    On EKS the same findings also cover the Kubernetes objects (RayCluster ready, pods on the pinned
+    digest, num-gpus == pod GPU limit == GPUs Ray advertises, GPU/EFA devices on the nodes), read
+    with the pipeline's own read-only service account.
+    """
+    entry = run_single_job(call, call.spec("training.verify"))
+    if call.cfg.cluster.backend == "eks":
+        entry = add_kubernetes_half(call.cfg, entry)
+    return entry
+
+
+def add_kubernetes_half(cfg: PipelineConfig, entry: StageEntry) -> StageEntry:
+    from tuneproof.control.kube import fetch_cluster_objects
+    from tuneproof.control.kube_checks import check_cluster, summarize
+
+    summary = entry.summary_as(VerifySummary)
+    try:
+        objects = fetch_cluster_objects(cfg.cluster.kubernetes)
+    except StageFailure as e:
+        return entry.model_copy(update={"status": "failed", "failure_class": e.failure_class, "cause": e.cause})
+    if summary is None:
+        return entry  # the Ray half failed before it collected anything: its cause stands
+    objects["ray_nodes"] = [n.model_dump(mode="json") for n in summary.nodes]
+    findings = check_cluster(objects, cfg)
+    kube = {"findings": [f.to_json() for f in findings], **summarize(objects, cfg)}
+    cluster = summary.cluster.model_copy(update={"image_digest": kube_image_digest(kube)})
+    summary = summary.model_copy(update={"kubernetes": kube, "cluster": cluster})
+    update: dict[str, Any] = {"summary": summary.to_json()}
+    failed = errors(findings)
+    if failed and entry.ok:
+        update.update(status="failed", failure_class=FailureClass.infrastructure,
+                      cause=first_and_more([f.line() for f in failed]))
+    return entry.model_copy(update=update)
+
+
+def kube_image_digest(kube_summary: dict[str, Any]) -> str | dict | None:
+    """The one digest every Ray pod runs, or the per-pod map when they differ."""
+    digests = kube_summary.get("image_digests") or {}
+    values = {d for d in digests.values() if d}
+    return values.pop() if len(values) == 1 else (digests or None)
+
+
+@task(name="connectivity", **RETRY)
+def connectivity(call: StageCall) -> StageEntry:
+    """All ranks join collectives; all-reduce bandwidth by size; the transport NCCL really used."""
+    job = call.job_name()
+    env = nccl_env(f"{call.run_id}-{job}") if call.cfg.train.use_gpu else {}
+    return run_single_job(call, call.spec("training.connectivity", env=env))
+
+
+@task(name="evaluate", **RETRY)
+def evaluate(call: StageCall) -> StageEntry:
+    """Candidate vs base vs incumbent on the held-out split, and the gate decision.
+
+    The incumbent is the production model when the job is built; promotion later checks that it is
+    still the production model (compare-and-swap on the pointer).
+    """
+    pointer, _ = registry.read_pointer(Storage.from_config(call.cfg.storage), call.cfg.model.name)
+    incumbent = {"version": pointer["version"], "path": pointer["path"]} if pointer else None
+    params = {"dataset": call.inputs["dataset_path"], "candidate": call.inputs["export_path"], "incumbent": incumbent}
+    return run_single_job(call, call.spec("eval.evaluate_job", params))

@@ -1,0 +1,82 @@
+"""The job-log follower: Ray's log tail arrives in chunks that can end mid-line; every line reaches the
+display once and whole, progress lines included, and a stop marker split across chunks still stops."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from ray.job_submission import JobStatus
+
+from tasks.rayjob import LineAssembler, RayJobRunner
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.envelope import ProgressEvent
+
+
+def test_a_line_split_across_chunks_comes_out_once_whole():
+    lines = LineAssembler()
+    assert lines.feed("first line\nsecond ha") == ["first line"]
+    assert lines.feed("lf of a line") == []
+    assert lines.feed(" ends here\r\nthird\n") == ["second half of a line ends here", "third"]
+    assert lines.feed("no newline at the end") == []
+    assert lines.flush() == ["no newline at the end"]
+    assert lines.flush() == []
+
+
+class FakeClient:
+    """The JobSubmissionClient calls the follower makes: a log tail in given chunks, then a final status."""
+
+    def __init__(self, chunks: list[str], delay_s: float = 0.01):
+        self.chunks, self.delay_s, self.stopped = chunks, delay_s, []
+        self.streamed = False
+
+    async def tail_job_logs(self, sid: str):
+        for chunk in self.chunks:
+            await asyncio.sleep(self.delay_s)
+            yield chunk
+        self.streamed = True
+
+    def get_job_status(self, sid: str) -> JobStatus:
+        if self.stopped:
+            return JobStatus.STOPPED
+        return JobStatus.SUCCEEDED if self.streamed else JobStatus.RUNNING
+
+    def stop_job(self, sid: str) -> bool:
+        self.stopped.append(sid)
+        return True
+
+
+def follower(client: FakeClient) -> tuple[RayJobRunner, list[str], list[ProgressEvent]]:
+    lines, events = [], []
+    runner = RayJobRunner(PipelineConfig(), "r1", on_line=lines.append, on_progress=events.append, poll_s=0.05,
+                          client=client)  # type: ignore[arg-type]
+    return runner, lines, events
+
+
+def test_the_follower_delivers_each_line_once_even_when_a_chunk_ends_mid_line():
+    progress = 'TUNEPROOF_PROGRESS {"stage": "finetune", "done": 120, "total": 400, "loss": 0.5312}'
+    chunks = ["starting\n(RayTrainWorker pid=7) TUNEPROOF_PRO", progress[len("TUNEPROOF_PRO"):], "\nfinished"]
+    runner, lines, events = follower(FakeClient(chunks))
+    assert runner.follow("r1-finetune", timeout_s=30) == JobStatus.SUCCEEDED
+    assert lines == ["starting", "(RayTrainWorker pid=7) progress finetune 120/400 loss=0.5312", "finished"]
+    assert events == [ProgressEvent(stage="finetune", done=120, total=400, metrics={"loss": 0.5312})]
+
+
+def test_a_stop_marker_split_across_chunks_still_stops_the_job():
+    client = FakeClient(["step 303\n[tuneproof] HOLDING after che", "ckpoint step 304\n", "never read\n"], delay_s=0.05)
+    runner, lines, _ = follower(client)
+    status = runner.follow("r1-resume-interrupt", timeout_s=30,
+                           stop_when=lambda line: "HOLDING after checkpoint step 304" in line)
+    assert status == JobStatus.STOPPED and client.stopped == ["r1-resume-interrupt"]
+    assert "[tuneproof] HOLDING after checkpoint step 304" in lines and "never read" not in lines
+
+
+def test_a_broken_log_stream_is_raised_so_a_retry_re_attaches():
+    class Broken(FakeClient):
+        async def tail_job_logs(self, sid: str):
+            yield "partial"
+            raise RuntimeError("WebSocket connection closed unexpectedly with close code 1006")
+
+    runner, _, _ = follower(Broken([]))
+    with pytest.raises(RuntimeError, match="closed unexpectedly"):
+        runner.follow("r1-data", timeout_s=30)

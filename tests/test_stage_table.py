@@ -1,0 +1,140 @@
+"""The stage table is the one place a stage is defined: a toy stage registered here runs through the
+flow and through `--only`, and the table's own facts (order, needs, downstream) are consistent."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from prefect import task
+from typer.testing import CliRunner
+
+from flows import stages as table
+from flows.pipeline import pipeline
+from flows.stages import Need, Stage
+from tasks.jobs import StageCall
+from tuneproof.app.cli import app
+from tuneproof.control import record as records
+from tuneproof.control.record import CodeIdentity, StageEntry
+from tuneproof.core.config import PipelineConfig, Timeouts
+from tuneproof.core.results import FailureClass
+from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import DataSummary, Summary
+
+
+class ToySummary(Summary):
+    """What the toy stage proves: that it received the dataset path the data stage recorded."""
+
+    dataset_path: str
+    letters: int
+
+
+@task(name="toy")
+def toy_task(call: StageCall) -> StageEntry:
+    path = call.inputs["dataset_path"]
+    return StageEntry.succeeded("toy", ToySummary(dataset_path=path, letters=len(path)), "t0")
+
+
+TOY = Stage(
+    name="toy", run=toy_task, summary=ToySummary, evidence=lambda s: f"{s.letters} letters in {s.dataset_path}",
+    fails_as=(FailureClass.infrastructure,), needs=(Need("data", "dataset_path"),),
+    metrics=lambda s: {"toy.letters": float(s.letters)},
+)
+
+
+@pytest.fixture
+def with_toy(monkeypatch):
+    monkeypatch.setattr(table, "STAGES", (*table.STAGES, TOY))
+    return TOY
+
+
+@pytest.fixture(scope="module")
+def prefect_harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def seeded_run(root, run_id: str = "toy-run") -> tuple[PipelineConfig, Storage]:
+    """A run whose data stage succeeded (its record only: the toy stage needs nothing else)."""
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(root)}})
+    storage = Storage(str(root))
+    rec = records.new_record(run_id, cfg, CodeIdentity(git_sha="abc", dirty=False), None)
+    data = DataSummary(dataset_path="datasets/dates/abc123", content_hash="abc123", dataset_uri=f"{root}/x")
+    rec.stages["data"] = StageEntry.succeeded("data", data, "t0")
+    records.save(storage, rec)
+    return cfg, storage
+
+
+def test_the_built_in_table_is_in_pipeline_order_with_needs_on_earlier_stages():
+    assert table.names() == ["verify", "connectivity", "data", "finetune", "resume", "evaluate", "promote"]
+    for position, stage in enumerate(table.STAGES):
+        earlier = set(table.names()[:position])
+        assert stage.upstream() <= earlier, f"{stage.name} needs a later stage"
+        for need in stage.needs:
+            assert need.output in table.by_name(need.stage).summary.model_fields, f"{stage.name}: {need}"
+        if stage.timeout:
+            assert stage.timeout in Timeouts.model_fields
+    assert table.downstream("finetune") == ["resume", "evaluate", "promote"]
+    assert table.downstream("data") == ["finetune", "resume", "evaluate", "promote"]
+    assert table.downstream("promote") == []
+
+
+def test_plan_refuses_unknown_stages_and_knows_when_an_earlier_run_is_needed():
+    with pytest.raises(table.UnknownStages, match="unknown stage.s. evalute; expected some of verify, "):
+        table.plan(["evalute"])
+    assert not table.needs_an_earlier_run(table.plan(["verify", "connectivity", "data"]))
+    assert table.needs_an_earlier_run(table.plan(["evaluate"]))
+
+
+@pytest.mark.integration
+def test_a_toy_stage_runs_through_the_flow_with_its_inputs_evidence_and_metrics(prefect_harness, with_toy, tmp_path):
+    from tuneproof.app.rundiff import diff_records
+
+    cfg, storage = seeded_run(tmp_path)
+    state = pipeline(config=cfg, run_id="toy-run", only=["toy"], return_state=True)
+    assert state.is_completed(), state.message
+    rec = records.load(storage, "toy-run")
+    assert rec.summary("toy", ToySummary) == ToySummary(dataset_path="datasets/dates/abc123", letters=21)
+    assert table.evidence_line(rec.stages["toy"]) == "21 letters in datasets/dates/abc123"
+    assert diff_records(rec, rec)["metrics"] == [{"metric": "toy.letters", "a": 21.0, "b": 21.0, "delta": 0.0}]
+
+
+@pytest.mark.integration
+def test_a_toy_stage_runs_through_only_on_the_command_line(prefect_harness, with_toy, tmp_path):
+    seeded_run(tmp_path)
+    result = CliRunner().invoke(app, ["run", "--only", "toy", "--set", f"storage.root={tmp_path}"])
+    assert result.exit_code == 0, result.output
+    assert "reruns against the latest run, toy-run" in result.output  # toy needs data: the latest run's
+    assert "21 letters in" in result.output
+    shown = CliRunner().invoke(app, ["runs", "show", "toy-run", "--json", "--set", f"storage.root={tmp_path}"])
+    assert json.loads(shown.output)["stages"]["toy"]["summary"]["letters"] == 21
+
+
+@pytest.mark.integration
+def test_a_toy_stage_without_its_input_is_a_usage_error(prefect_harness, with_toy, tmp_path):
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
+    state = pipeline(config=cfg, run_id="empty-run", only=["toy"], return_state=True)
+    assert state.is_failed() and "stage toy needs data.dataset_path" in state.message
+    assert records.load(Storage(str(tmp_path)), "empty-run").failure_class is None
+
+
+@pytest.mark.integration
+def test_a_flow_run_with_an_unknown_stage_fails_before_anything_is_submitted(prefect_harness, tmp_path):
+    """`only` is checked by the flow itself (a deployment run has no CLI in front of it)."""
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)},
+                                         "cluster": {"address": "http://127.0.0.1:9"}})  # nothing answers there
+    state = pipeline(config=cfg, run_id="typo", only=["verify", "evalute"], return_state=True)
+    assert state.is_failed()
+    assert state.message == ("nothing ran: unknown stage(s) evalute; expected some of verify, connectivity, data, "
+                             "finetune, resume, evaluate, promote")
+    assert not Storage(str(tmp_path)).exists("runs")
+
+
+def test_the_flow_parameter_offers_the_stage_names_as_choices():
+    from prefect.utilities.callables import parameter_schema
+
+    schema = parameter_schema(pipeline.fn).model_dump()["properties"]["only"]
+    array = next(option for option in schema["anyOf"] if option.get("type") == "array")
+    assert array["items"]["enum"] == table.names()

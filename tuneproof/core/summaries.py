@@ -1,0 +1,336 @@
+"""What each stage proves, as typed data: one summary model per stage.
+
+A job builds its stage's summary (training/verify.py builds a VerifySummary, and so on) and its
+harness writes it into result.json; the task that submitted the job reads it back with the same
+model, and every reader after that (the flow, the record, the CLI, artifacts, promotion) gets these
+types instead of digging through dicts. The stage table (flows/stages.py) names each stage's model.
+
+Fields a failed stage may not have reached are optional; everything else is required, and unknown
+fields are errors, so a job that writes the wrong thing fails loudly at the boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from tuneproof.core.findings import Finding
+from tuneproof.core.results import first_and_more
+
+
+class Summary(BaseModel):
+    """Base of every stage summary: strict, and JSON-ready with `to_json()`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+# ---- shared pieces ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """A complete checkpoint: its step and where it lives (a local path or s3:// URI)."""
+
+    step: int
+    uri: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---- 1 verify --------------------------------------------------------------------------------
+
+
+class NodeFacts(Summary):
+    """What one Ray node runs, as its probe saw it (Ray's view of the node plus the probe's facts)."""
+
+    node_id: str
+    node_ip: str
+    is_head: bool
+    alive: bool = True
+    gpus_advertised: float = 0.0
+    """Ray's 'GPU' resource for the node."""
+    probe_error: str | None = None
+    """Why the probe did not return facts; the version fields are then empty."""
+    hostname: str | None = None
+    ray_version: str | None = None
+    python_version: str | None = None
+    torch_version: str | None = None
+    transformers_version: str | None = None
+    cuda_version: str | None = None
+    nccl_version: str | None = None
+    gpus_visible: int | None = None
+    """GPUs torch sees on the node."""
+    environment_digest: str | None = None
+    """sha256 over the node's installed distributions (name==version)."""
+
+
+DigestOrMap = str | dict[str, str | None] | None
+"""One digest when every node/pod agrees, else a map from node/pod to its digest."""
+
+
+class ClusterFacts(Summary):
+    """The cluster's identity for the run record: Ray version, nodes, environment and image digests."""
+
+    ray_version: str | None = None
+    nodes: list[NodeFacts] = []
+    environment_digest: DigestOrMap = None
+    image_digest: DigestOrMap = None
+    """The digest every Ray pod runs (eks); None on the local profile."""
+
+
+class StorageProbe(Summary):
+    uri: str
+    node_ip: str
+    ok: bool
+    error: str | None = None
+    seconds: float | None = None
+
+
+class VerifySummary(Summary):
+    nodes: list[NodeFacts]
+    findings: list[Finding]
+    cluster: ClusterFacts
+    storage_probe: StorageProbe | None = None
+    kubernetes: dict[str, Any] | None = None
+    """The Kubernetes half on eks: its findings and a summary of the RayCluster, pods and nodes."""
+
+
+# ---- 2 connectivity --------------------------------------------------------------------------
+
+
+class RankStatus(Summary):
+    rank: int
+    node_ip: str | None = None
+    pid: int | None = None
+    started: str | None = None
+    joined: str | None = None
+    finished: str | None = None
+
+
+class AllreduceRow(Summary):
+    size_bytes: int
+    time_ms: float
+    algbw_GBps: float
+    busbw_GBps: float
+    """algbw x 2(n-1)/n: the ring all-reduce's traffic per link (nccl-tests' definition)."""
+
+
+class FsdpProbe(Summary):
+    steps: int
+    losses: list[float]
+
+
+TransportKind = Literal["efa", "socket-fallback", "inconclusive", "gloo"]
+
+
+class TransportVerdict(Summary):
+    kind: TransportKind
+    evidence: list[str]
+    """The log lines that decided it."""
+
+
+class ConnectivitySummary(Summary):
+    backend: str
+    world_size: int
+    ranks: list[RankStatus]
+    allreduce: list[AllreduceRow]
+    fsdp: FsdpProbe
+    transport: TransportVerdict
+
+
+# ---- 3 data ----------------------------------------------------------------------------------
+
+
+class SourceIdentity(Summary):
+    uri: str
+    sha256: str
+    bytes: int
+
+
+class Shard(Summary):
+    path: str
+    rows: int
+    sha256: str
+
+
+class SplitMeta(Summary):
+    rows: int
+    tokens: int
+    shards: list[Shard]
+
+
+class DropExample(Summary):
+    source: str
+    row: int
+    value: str
+
+
+class DropCount(Summary):
+    count: int
+    examples: list[DropExample]
+
+
+class DatasetManifest(Summary):
+    """datasets/<name>/<hash>/manifest.json, written last: the dataset counts only once it exists."""
+
+    name: str
+    content_hash: str
+    created_at: str
+    seed: int
+    source: SourceIdentity
+    eval_source: SourceIdentity | None = None
+    tokenizer_sha256: str
+    settings: dict[str, Any]
+    splits: dict[str, SplitMeta]
+    dropped: dict[str, DropCount] = {}
+    total_rows: int
+    dropped_fraction: float
+
+
+class DataSummary(Summary):
+    dataset_path: str | None = None
+    """Storage path datasets/<name>/<hash>; None when the stage failed before writing one."""
+    dataset_uri: str | None = None
+    content_hash: str | None = None
+    cache_hit: bool = False
+    manifest: DatasetManifest | None = None
+    total_rows: int | None = None
+    """Rows read; with `dropped`, the evidence of a data failure that left no manifest."""
+    dropped: dict[str, DropCount] = {}
+    dropped_fraction: float | None = None
+
+
+# ---- 4 finetune ------------------------------------------------------------------------------
+
+LossPoint = tuple[int, float | None]
+"""(step, loss); None where the loss was not finite."""
+
+
+class FinetuneSummary(Summary):
+    run_name: str
+    """Ray Train run name (RunConfig.name): the same name resumes."""
+    train_storage_uri: str
+    checkpoints: list[CheckpointRef]
+    latest_checkpoint: CheckpointRef | None = None
+    start_step: int
+    restored_from: str | None = None
+    steps: int
+    first_loss: float | None = None
+    final_loss: float | None = None
+    loss_curve: list[LossPoint] = []
+    tokens_per_s: float | None = None
+    seconds: float
+    export_path: str | None = None
+    export_uri: str | None = None
+    mfu: float | None = None
+    restored_step: int | None = None
+    first_step_completed_at: float | None = None
+    """Unix time the first step after a restore completed (resume test)."""
+
+
+# ---- 5 resume --------------------------------------------------------------------------------
+
+
+class LossDiff(Summary):
+    step: int
+    reference: float | None
+    replay: float | None
+    abs_diff: float | None
+    rel_diff: float | None
+
+
+class LossComparison(Summary):
+    steps_compared: int
+    max_abs_diff: float | None = None
+    max_rel_diff: float | None = None
+    ok: bool
+    mismatches: list[LossDiff] = []
+    reason: str | None = None
+
+
+class ResumeSummary(Summary):
+    seed_checkpoint: CheckpointRef | None = None
+    """The main-run checkpoint the test starts from."""
+    interrupted: bool = False
+    """The interrupt job reached its hold point and was stopped there."""
+    interrupted_at_step: int | None = None
+    restored_step: int | None = None
+    restored_from: str | None = None
+    seconds_to_first_resumed_step: float | None = None
+    loss_comparison: LossComparison | None = None
+    max_loss_diff: float | None = None
+    loss_rtol: float | None = None
+    problems: list[str] = []
+
+
+# ---- 6 evaluate ------------------------------------------------------------------------------
+
+Role = Literal["candidate", "base", "incumbent"]
+
+
+class ModelScore(Summary):
+    path: str
+    metrics: dict[str, float | None]
+    seconds: float
+
+
+class Verdict(Summary):
+    """One threshold of one gate, with its human line, e.g. 'exact_match >= 0.8: 0.93 (pass)'."""
+
+    metric: str
+    gate: Literal["min", "min_improvement", "max_regression"]
+    value: float | None
+    """What was compared: the candidate's value, its improvement over base, or its regression vs the incumbent."""
+    threshold: float
+    passed: bool
+    line: str
+
+
+class GateDecision(Summary):
+    passed: bool
+    lines: list[str]
+    verdicts: list[Verdict]
+
+    def failure_cause(self) -> str:
+        """'<first failing line> (+N more)': the one-line cause of a refused candidate."""
+        return first_and_more([v.line for v in self.verdicts if not v.passed])
+
+
+class EvaluateSummary(Summary):
+    models: dict[Role, ModelScore | None]
+    incumbent_version: str | None = None
+    gates: GateDecision
+    predictions_uri: str | None = None
+    examples: int
+    device: str | None = None
+
+
+# ---- 7 promote -------------------------------------------------------------------------------
+
+
+class Forced(Summary):
+    """Who overrode the gates, why, and which checks that bypassed."""
+
+    by: str
+    reason: str
+    at: str
+    bypassed: list[str]
+
+
+class PromoteSummary(Summary):
+    promoted: bool
+    reasons: list[str] = []
+    """Why it was refused (empty when promoted)."""
+    name: str | None = None
+    version: str | None = None
+    path: str | None = None
+    run_id: str | None = None
+    promoted_at: str | None = None
+    previous_version: str | None = None
+    forced: Forced | None = None
