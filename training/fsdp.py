@@ -12,10 +12,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# Dense bf16 peak FLOP/s per GPU, by a substring of the device name; for MFU only.
-PEAK_BF16_FLOPS = {"B200": 2250e12, "H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
-                   "A10G": 125e12, "L4": 121e12}
-
 
 def worker_device(use_gpu: bool) -> torch.device:
     if not use_gpu:
@@ -69,12 +65,8 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
 
 def peak_flops(device: torch.device) -> float | None:
     """Dense bf16 peak of this GPU, or None (CPU, or a GPU not in the table: then no MFU is reported)."""
+    from training.flops import peak_bf16_flops
+
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
-
-
-def model_flops_utilization(num_params: int, tokens_per_s_per_device: float, peak: float) -> float:
-    """MFU with the 6 * params FLOPs-per-token estimate (forward + backward, attention ignored)."""
-    return 6.0 * num_params * tokens_per_s_per_device / peak
+    return peak_bf16_flops(torch.cuda.get_device_name(device))
