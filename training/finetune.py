@@ -288,7 +288,7 @@ def setup(ctx: JobContext, params: TrainParams) -> Worker:
     # Attention counted at data.max_seq_len: an upper bound when the sequences are shorter.
     flops_per_token = train_flops_per_token(ModelShape.from_hf(model.config), ctx.config.data.max_seq_len)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    shard_model(model, device, cfg.activation_checkpointing).train()
+    shard_model(model, device, cfg.activation_checkpointing, cfg.sharding, cfg.shard_group_size).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     layout = BatchLayout(cfg.micro_batch_size, cfg.grad_accum_steps, world)
     batches = StepBatches(load_examples(ctx.storage, params.dataset, "train"), layout, cfg.seed, rank, pad_id)
