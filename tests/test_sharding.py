@@ -1,21 +1,29 @@
 """train.sharding: full | hybrid | ddp, and checkpoints that resume under another strategy or world size.
 
-    .venv/bin/python -m pytest -q tests/test_sharding.py                     # unit + 4-rank gloo test
+    .venv/bin/python -m pytest -q tests/test_sharding.py -m "not integration"   # unit + 4-rank gloo, ~45 s
+    .venv/bin/python -m pytest -q tests/test_sharding.py -m integration         # resharded resumes (Ray), ~3 min
 
 - Unit: the mesh shape each choice asks for, and the config check on shard_group_size.
 - Four gloo ranks (torch.multiprocessing spawn, in-process FSDP2): a 2 x 2 hybrid mesh shards each
   parameter over 2 ranks and replicates it over 2; one training step under hybrid and under ddp
   gives the weights full sharding gives; a DCP checkpoint saved under full loads under hybrid
   with equal weights and optimizer state.
+- Integration, through the real fine-tune under Ray Train on the session Ray head: a run saved by
+  2 workers (full) resumes under 4 workers (full), and that run's checkpoint resumes under hybrid
+  2 x 2. Both restart at the saved step and their losses match the uninterrupted 2-worker run: the
+  global batch is the same (2 x 8 = 4 x 4 sequences a step), so only the summation order differs.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.test_finetune import context, make_config, write_dataset, write_tiny_model
+from tests.test_finetune import ray_cluster  # noqa: F401 - the fixture: this process as a Ray driver
 from training.fsdp import mesh_shape
 from tuneproof.core.config import ConfigError, validate
 
@@ -175,3 +183,59 @@ def test_a_checkpoint_saved_under_full_loads_under_hybrid_exactly(four_ranks):
     resharded = four_ranks[0]["resharded"]
     assert resharded["before"].keys() == resharded["after"].keys()
     assert all(torch.equal(resharded["before"][k], resharded["after"][k]) for k in resharded["before"])
+
+
+# ---------------------------------------------------------------- integration: the fine-tune resumes resharded
+
+@pytest.fixture(scope="module")
+def reshard_runs(ray_cluster, tmp_path_factory):
+    """Three fine-tunes of the tiny Qwen2 on one storage root, each continuing the one before:
+    saved (2 workers, full, steps 1-6), wider (4 workers, full, from saved's step 2, to step 4),
+    hybrid (4 workers, hybrid 2 x 2, from wider's step 4, to step 6)."""
+    from training.finetune import finetune
+    from tuneproof.core.storage import Storage
+
+    root = tmp_path_factory.mktemp("reshard-storage")
+    write_dataset(Storage(str(root)))
+    model = write_tiny_model(tmp_path_factory.mktemp("reshard-base") / "tiny-qwen2")
+    two = make_config(str(root), model, num_workers=2, micro_batch_size=8, max_steps=6, checkpoint_every=2)
+    saved = finetune(context(two, "reshard", run_name="saved", export=False))
+    four = make_config(str(root), model, num_workers=4, micro_batch_size=4, max_steps=6, checkpoint_every=2)
+    wider = finetune(context(four, "reshard", job="wider", run_name="wider", export=False, max_steps=4,
+                             init_from=checkpoint_uri(saved, 2)))
+    hybrid_config = make_config(str(root), model, num_workers=4, micro_batch_size=4, max_steps=6,
+                                checkpoint_every=2, sharding="hybrid", shard_group_size=2)
+    hybrid = finetune(context(hybrid_config, "reshard", job="hybrid", run_name="hybrid", export=False,
+                              init_from=checkpoint_uri(wider, 4)))
+    return saved, wider, hybrid
+
+
+def checkpoint_uri(summary: dict, step: int) -> str:
+    return next(c["uri"] for c in summary["checkpoints"] if c["step"] == step)
+
+
+def assert_losses_match(reference: dict, resumed: dict, steps: list[int]) -> None:
+    """Equal to float tolerance: the same batches and weights, summed in another order."""
+    expected, got = dict(map(tuple, reference["loss_curve"])), dict(map(tuple, resumed["loss_curve"]))
+    assert sorted(got) == steps
+    for step in steps:
+        assert math.isclose(got[step], expected[step], rel_tol=1e-5), (step, got[step], expected[step])
+
+
+@pytest.mark.integration
+def test_a_checkpoint_of_2_workers_resumes_under_4(reshard_runs):
+    saved, wider, _ = reshard_runs
+    assert wider["start_step"] == 2 and wider["restored_from"] == checkpoint_uri(saved, 2)
+    assert [c["step"] for c in wider["checkpoints"]] == [4]
+    # The first resumed loss is computed with the restored weights before any update: equal
+    # weights give an equal loss. Step 4 also needs the restored AdamW moments to be right.
+    assert_losses_match(saved, wider, [3, 4])
+    assert len(list(Path(checkpoint_uri(wider, 4)).glob("progress-rank*.json"))) == 4
+
+
+@pytest.mark.integration
+def test_a_checkpoint_saved_under_full_resumes_under_hybrid(reshard_runs):
+    saved, wider, hybrid = reshard_runs
+    assert hybrid["start_step"] == 4 and hybrid["restored_from"] == checkpoint_uri(wider, 4)
+    assert [c["step"] for c in hybrid["checkpoints"]] == [6]
+    assert_losses_match(saved, hybrid, [5, 6])
