@@ -158,7 +158,7 @@ def worker_for(config: PipelineConfig, **params) -> Worker:
     """A Worker with only what choosing the start point reads (storage, run name, init_from)."""
     ctx = context(config, "r1", **params)
     return Worker(ctx, TrainParams.resolve(ctx), rank=0, world_size=2, device=None, model=None, optimizer=None,
-                  batches=None, schedule=None, num_params=0, peak_flops=None)
+                  batches=None, schedule=None, flops_per_token=0.0, peak_flops=None)
 
 
 def test_start_falls_back_from_an_incomplete_reported_checkpoint(tmp_path, monkeypatch):

@@ -173,7 +173,8 @@ def fsdp_losses(cfg: PipelineConfig, device, steps: int, rank: int) -> list[floa
     torch.manual_seed(0)  # the same initial weights on every rank
     # The same sharding as fine-tuning: a group per decoder layer, tied embeddings in the root group.
     model = AutoModelForCausalLM.from_config(model_config).to(device)
-    model = shard_model(model, device, activation_checkpointing=False)
+    model = shard_model(model, device, activation_checkpointing=False, sharding=cfg.train.sharding,
+                        shard_group_size=cfg.train.shard_group_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.Generator().manual_seed(rank)
     losses = []

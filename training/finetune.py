@@ -213,7 +213,8 @@ class Worker:
     optimizer: torch.optim.Optimizer
     batches: StepBatches
     schedule: WarmupCosine
-    num_params: int
+    flops_per_token: float
+    """Model FLOPs per trained token (training.flops), for MFU."""
     peak_flops: float | None
     metrics: list[dict[str, Any]] = field(default_factory=list)
     """Rank 0: every metrics row of this job so far, rewritten whole to metrics.jsonl."""
@@ -274,6 +275,7 @@ def setup(ctx: JobContext, params: TrainParams) -> Worker:
     import torch.distributed as dist
     from transformers.utils import logging as hf_logging
 
+    from training.flops import ModelShape, train_flops_per_token
     from training.fsdp import peak_flops, shard_model, worker_device
     from training.modeling import load_model
     from training.train_data import BatchLayout, StepBatches, load_examples
@@ -284,14 +286,16 @@ def setup(ctx: JobContext, params: TrainParams) -> Worker:
     # fp32 master weights everywhere; on GPU FSDP2 computes in bf16.
     model = load_model(ctx.config.model.source, ctx.config.model.revision, ctx.config.storage.endpoint_url,
                        dtype=torch.float32)
-    num_params = sum(p.numel() for p in model.parameters())
+    # Attention counted at data.max_seq_len: an upper bound when the sequences are shorter.
+    flops_per_token = train_flops_per_token(ModelShape.from_hf(model.config), ctx.config.data.max_seq_len)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    shard_model(model, device, cfg.activation_checkpointing).train()
+    shard_model(model, device, cfg.activation_checkpointing, cfg.sharding, cfg.shard_group_size).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     layout = BatchLayout(cfg.micro_batch_size, cfg.grad_accum_steps, world)
     batches = StepBatches(load_examples(ctx.storage, params.dataset, "train"), layout, cfg.seed, rank, pad_id)
     schedule = WarmupCosine(cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
-    return Worker(ctx, params, rank, world, device, model, optimizer, batches, schedule, num_params, peak_flops(device))
+    return Worker(ctx, params, rank, world, device, model, optimizer, batches, schedule, flops_per_token,
+                  peak_flops(device))
 
 
 def resolve_start(w: Worker) -> CheckpointRef | None:
@@ -349,7 +353,8 @@ def train_step(w: Worker, step: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from training.fsdp import clip_gradients, model_flops_utilization
+    from training.flops import mfu
+    from training.fsdp import clip_gradients
 
     began = time.perf_counter()
     lr = w.schedule.lr_at(step)
@@ -374,7 +379,7 @@ def train_step(w: Worker, step: int) -> dict[str, Any]:
     stats = {"loss": float(loss_sum) / targets, "lr": lr, "grad_norm": grad_norm,
              "tokens_per_s": tokens / seconds, "step_seconds": seconds}
     if w.peak_flops:
-        stats["mfu"] = model_flops_utilization(w.num_params, tokens / seconds / w.world_size, w.peak_flops)
+        stats["mfu"] = mfu(w.flops_per_token, tokens / seconds / w.world_size, w.peak_flops)
     return stats
 
 

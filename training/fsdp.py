@@ -5,16 +5,20 @@ nccl on GPU). Each decoder layer is its own FSDP group so only one layer's param
 unsharded at a time; the root group holds the rest: embeddings, final norm and lm_head. With
 tie_word_embeddings the lm_head weight IS the embedding weight, and torch 2.13 rejects a tied
 parameter split across groups, so both must stay in the root group together.
+
+train.sharding picks the device mesh the groups live on (see `mesh_shape`): full shards over
+every rank; hybrid shards within groups of consecutive ranks and replicates across the groups
+(HSDP, a 2-D mesh); ddp is the 2-D mesh with groups of one, i.e. every rank holds everything.
+All three use the same fully_shard calls, so gradient sync, clipping and DCP checkpoints work
+the same way, and a checkpoint saved under one resumes under another.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
-
-# Dense bf16 peak FLOP/s per GPU, by a substring of the device name; for MFU only.
-PEAK_BF16_FLOPS = {"B200": 2250e12, "H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
-                   "A10G": 125e12, "L4": 121e12}
 
 
 def worker_device(use_gpu: bool) -> torch.device:
@@ -35,15 +39,47 @@ def decoder_layers(model) -> list[torch.nn.Module]:
         raise TypeError(f"{type(model).__name__} has no model.layers: expected a decoder-only *ForCausalLM") from None
 
 
-def shard_model(model, device: torch.device, activation_checkpointing: bool):
-    """fully_shard each decoder layer, then the root; bf16 compute with fp32 reduction on GPU, fp32 on CPU."""
+def mesh_shape(sharding: str, world_size: int, shard_group_size: int | None, local_world_size: int) -> tuple[int, ...]:
+    """The device mesh for a sharding choice: (shard,) or (replicate, shard). Pure.
+
+    full: (world,). hybrid: (world / group, group) with group = shard_group_size, else the ranks
+    on one node; rank r shards with the ranks of r // group, so consecutive ranks (Ray Train
+    numbers workers node by node) form a group. ddp: (world, 1).
+    """
+    if sharding == "full":
+        return (world_size,)
+    if sharding == "ddp":
+        return (world_size, 1)
+    if sharding != "hybrid":
+        raise ValueError(f"sharding must be one of full, hybrid, ddp, got {sharding!r}")
+    group = shard_group_size or local_world_size
+    if world_size % group:
+        source = "train.shard_group_size" if shard_group_size else "the workers on this node"
+        raise ValueError(f"hybrid sharding needs the shard group size to divide the world size, "
+                         f"got a group of {group} ({source}) and world size {world_size}")
+    return (world_size // group, group)
+
+
+def local_world_size() -> int:
+    """Ranks on this node: LOCAL_WORLD_SIZE, which Ray Train and torchrun both set; else the world."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+
+
+def shard_model(model, device: torch.device, activation_checkpointing: bool, sharding: str = "full",
+                shard_group_size: int | None = None):
+    """fully_shard each decoder layer, then the root, on the mesh `sharding` asks for; bf16 compute
+    with fp32 reduction on GPU, fp32 on CPU. Collective: every rank calls it with the same choice."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if activation_checkpointing:
         # Non-reentrant checkpointing recomputes each block in backward and composes with FSDP2.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    options: dict = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),))}
+    shape = mesh_shape(sharding, dist.get_world_size(), shard_group_size, local_world_size())
+    names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
+    options: dict = {"mesh": init_device_mesh(device.type, shape, mesh_dim_names=names)}
+    if sharding == "ddp":
+        options["reshard_after_forward"] = False  # every rank holds whole layers: nothing to free, no re-gather
     if device.type == "cuda":
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in decoder_layers(model):
@@ -69,12 +105,8 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
 
 def peak_flops(device: torch.device) -> float | None:
     """Dense bf16 peak of this GPU, or None (CPU, or a GPU not in the table: then no MFU is reported)."""
+    from training.flops import peak_bf16_flops
+
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
-
-
-def model_flops_utilization(num_params: int, tokens_per_s_per_device: float, peak: float) -> float:
-    """MFU with the 6 * params FLOPs-per-token estimate (forward + backward, attention ignored)."""
-    return 6.0 * num_params * tokens_per_s_per_device / peak
+    return peak_bf16_flops(torch.cuda.get_device_name(device))

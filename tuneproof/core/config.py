@@ -147,6 +147,16 @@ class TrainConfig(Strict):
     weight_decay: float = Field(0.0, ge=0.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
     activation_checkpointing: bool = False
+    sharding: Literal["full", "hybrid", "ddp"] = "full"
+    """How parameters, gradients and optimizer state spread over the workers. full: sharded over all
+    of them (FSDP2, least memory). hybrid: sharded within a group of shard_group_size workers and
+    replicated across groups (HSDP: all-gathers stay on a node's NVLink, only the gradient
+    all-reduce crosses nodes). ddp: replicated on every worker, gradients all-reduced (most memory,
+    fewest collectives). A checkpoint saved under one resumes under any other (DCP reshards)."""
+    shard_group_size: int | None = Field(None, ge=1)
+    """Workers per shard group under hybrid sharding; ignored otherwise. None: the workers on one
+    node (Ray Train's local world size), which is the GPUs per node with one GPU per worker; on a
+    single CPU machine that makes hybrid the same as full, so give it (e.g. 2 of 4 workers) there."""
     checkpoint_every: int = Field(100, ge=1)
     num_to_keep: int = Field(3, ge=1)
     max_failures: int = Field(0, ge=0)
@@ -154,6 +164,14 @@ class TrainConfig(Strict):
     log_every: int = Field(10, ge=1)
     divergence_loss: float = Field(50.0, gt=0.0)
     """A loss above this (or NaN/inf) stops training as a modeling failure."""
+
+    @model_validator(mode="after")
+    def _shard_groups_tile_the_workers(self) -> "TrainConfig":
+        group, workers = self.shard_group_size, self.num_workers
+        if self.sharding == "hybrid" and group is not None and workers % group:
+            raise ValueError(f"hybrid sharding needs shard_group_size to divide num_workers, "
+                             f"got shard_group_size={group} and num_workers={workers}")
+        return self
 
 
 class ConnectivityConfig(Strict):

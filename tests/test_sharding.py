@@ -1,0 +1,241 @@
+"""train.sharding: full | hybrid | ddp, and checkpoints that resume under another strategy or world size.
+
+    .venv/bin/python -m pytest -q tests/test_sharding.py -m "not integration"   # unit + 4-rank gloo, ~45 s
+    .venv/bin/python -m pytest -q tests/test_sharding.py -m integration         # resharded resumes (Ray), ~3 min
+
+- Unit: the mesh shape each choice asks for, and the config check on shard_group_size.
+- Four gloo ranks (torch.multiprocessing spawn, in-process FSDP2): a 2 x 2 hybrid mesh shards each
+  parameter over 2 ranks and replicates it over 2; one training step under hybrid and under ddp
+  gives the weights full sharding gives; a DCP checkpoint saved under full loads under hybrid
+  with equal weights and optimizer state.
+- Integration, through the real fine-tune under Ray Train on the session Ray head: a run saved by
+  2 workers (full) resumes under 4 workers (full), and that run's checkpoint resumes under hybrid
+  2 x 2. Both restart at the saved step and their losses match the uninterrupted 2-worker run: the
+  global batch is the same (2 x 8 = 4 x 4 sequences a step), so only the summation order differs.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_finetune import context, make_config, write_dataset, write_tiny_model
+from tests.test_finetune import ray_cluster  # noqa: F401 - the fixture: this process as a Ray driver
+from training.fsdp import mesh_shape
+from tuneproof.core.config import ConfigError, validate
+
+WORLD = 4
+GROUP = 2
+TINY_VOCAB = 64
+
+
+# ---------------------------------------------------------------- unit: the mesh and the config
+
+def test_mesh_shape_per_sharding_choice():
+    assert mesh_shape("full", 8, None, 4) == (8,)
+    assert mesh_shape("hybrid", 8, None, 4) == (2, 4)  # default group: the ranks on one node
+    assert mesh_shape("hybrid", 4, 2, 4) == (2, 2)  # an explicit group wins (one CPU machine)
+    assert mesh_shape("ddp", 8, None, 4) == (8, 1)
+    assert mesh_shape("full", 1, None, 1) == (1,)
+
+
+def test_mesh_shape_errors_name_the_values():
+    with pytest.raises(ValueError, match=r"got a group of 3 \(train.shard_group_size\) and world size 4"):
+        mesh_shape("hybrid", 4, 3, 4)
+    with pytest.raises(ValueError, match=r"got a group of 4 \(the workers on this node\) and world size 6"):
+        mesh_shape("hybrid", 6, None, 4)
+    with pytest.raises(ValueError, match="sharding must be one of full, hybrid, ddp, got 'zero3'"):
+        mesh_shape("zero3", 4, None, 4)
+
+
+def test_config_checks_that_the_shard_group_divides_the_workers():
+    train = validate({"train": {"num_workers": 4, "sharding": "hybrid", "shard_group_size": 2}}).train
+    assert (train.sharding, train.shard_group_size) == ("hybrid", 2)
+    assert validate({}).train.sharding == "full"
+    with pytest.raises(ConfigError, match="got shard_group_size=3 and num_workers=4"):
+        validate({"train": {"num_workers": 4, "sharding": "hybrid", "shard_group_size": 3}})
+    with pytest.raises(ConfigError, match=r"train.sharding: .*'zero3'"):
+        validate({"train": {"sharding": "zero3"}})
+    with pytest.raises(ConfigError, match="train.shard_group_size"):
+        validate({"train": {"shard_group_size": 0}})
+    # Only hybrid uses the group size: full and ddp accept any.
+    assert validate({"train": {"num_workers": 4, "shard_group_size": 3}}).train.sharding == "full"
+
+
+# ---------------------------------------------------------------- four gloo ranks, in-process FSDP2
+
+def tiny_model(sharding: str, seed: int = 0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from training.fsdp import shard_model
+
+    config = Qwen2Config(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(seed)  # the same initial weights on every rank
+    return shard_model(Qwen2ForCausalLM(config), torch.device("cpu"), activation_checkpointing=False,
+                       sharding=sharding, shard_group_size=GROUP)
+
+
+def mesh_facts(model) -> dict:
+    """How one weight (layer 0's q_proj, 32 x 32) is laid out on this rank."""
+    weight = model.model.layers[0].self_attn.q_proj.weight
+    return {"mesh": tuple(weight.device_mesh.shape), "dims": weight.device_mesh.mesh_dim_names,
+            "placements": tuple(weight.placements), "local": weight.to_local().detach().clone(),
+            "tied": model.lm_head.weight is model.model.embed_tokens.weight}
+
+
+def one_sgd_step(model, rank: int) -> dict:
+    """One step on this rank's own batch; SGD so the update is linear in the (averaged) gradient."""
+    from training.fsdp import full_state_dict
+
+    batch = torch.randint(0, TINY_VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
+    loss = model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    return {"loss": loss.item(), "weights": full_state_dict(model)}
+
+
+def reshard_full_to_hybrid(workdir: Path, rank: int) -> dict:
+    """Save model + AdamW state under full sharding, load into a differently seeded hybrid model."""
+    from training.checkpointing import TrainingProgress, capture_rng, load_shards, save_shards
+    from training.fsdp import full_state_dict
+
+    saved = tiny_model("full")
+    saved_optimizer = torch.optim.AdamW(saved.parameters(), lr=1e-2)
+    batch = torch.randint(0, TINY_VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
+    saved(input_ids=batch, labels=batch).loss.backward()
+    saved_optimizer.step()
+    progress = TrainingProgress(step=1, epoch=0, batch_in_epoch=1, seed=0, rank=rank, world_size=WORLD,
+                                schedule={}, rng=capture_rng())
+    save_shards(saved, saved_optimizer, progress, workdir / "ckpt")
+    loaded = tiny_model("hybrid", seed=1)
+    loaded_optimizer = torch.optim.AdamW(loaded.parameters(), lr=1e-2)
+    restored = load_shards(loaded, loaded_optimizer, workdir / "ckpt", rank)
+    moments = zip(saved_optimizer.state.values(), loaded_optimizer.state.values())
+    return {"step": restored.step, "mesh": mesh_facts(loaded)["mesh"],
+            "before": full_state_dict(saved), "after": full_state_dict(loaded),
+            "moments_equal": all(torch.equal(a[k].full_tensor(), b[k].full_tensor())
+                                 for a, b in moments for k in ("exp_avg", "exp_avg_sq"))}
+
+
+def rank_main(rank: int, workdir: Path) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # four ranks share two cores
+    dist.init_process_group("gloo", init_method=f"file://{workdir / 'pg'}", rank=rank, world_size=WORLD)
+    try:
+        facts = {}
+        for sharding in ("full", "hybrid", "ddp"):
+            model = tiny_model(sharding)
+            facts[sharding] = {**mesh_facts(model), **one_sgd_step(model, rank)}
+        facts["resharded"] = reshard_full_to_hybrid(workdir, rank)
+        torch.save(facts, workdir / f"rank-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> list[dict]:
+    """What each of 4 gloo ranks saw (rank 0 also holds the gathered weights)."""
+    import torch.multiprocessing as mp
+
+    workdir = tmp_path_factory.mktemp("four-ranks")
+    mp.spawn(rank_main, args=(workdir,), nprocs=WORLD, join=True)
+    return [torch.load(workdir / f"rank-{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def test_hybrid_is_a_2x2_mesh_sharded_over_2_and_replicated_over_2(four_ranks):
+    from torch.distributed.tensor import Replicate, Shard
+
+    hybrid = [r["hybrid"] for r in four_ranks]
+    assert all(h["mesh"] == (2, 2) and h["dims"] == ("replicate", "shard") for h in hybrid)
+    assert hybrid[0]["placements"] == (Replicate(), Shard(0))
+    assert all(h["local"].shape == (16, 32) for h in hybrid)  # half of the 32 rows on each rank
+    # Ranks 0,1 form one shard group and 2,3 the other: each group holds the whole weight once.
+    assert torch.equal(hybrid[0]["local"], hybrid[2]["local"]) and torch.equal(hybrid[1]["local"], hybrid[3]["local"])
+    assert not torch.equal(hybrid[0]["local"], hybrid[1]["local"])
+    full_weight = torch.cat([hybrid[0]["local"], hybrid[1]["local"]])
+    assert torch.equal(full_weight, torch.cat([r["full"]["local"] for r in four_ranks]))  # 4 shards of 8 rows
+    assert all(h["tied"] for h in hybrid)
+
+
+def test_full_and_ddp_meshes(four_ranks):
+    assert all(r["full"]["mesh"] == (4,) and r["full"]["local"].shape == (8, 32) for r in four_ranks)
+    assert all(r["ddp"]["mesh"] == (4, 1) and r["ddp"]["local"].shape == (32, 32) for r in four_ranks)
+
+
+def test_a_training_step_gives_the_same_weights_under_every_sharding(four_ranks):
+    rank0 = four_ranks[0]
+    for sharding in ("hybrid", "ddp"):
+        assert rank0[sharding]["loss"] == rank0["full"]["loss"]  # the same initial weights and batch
+        for name, full in rank0["full"]["weights"].items():
+            torch.testing.assert_close(rank0[sharding]["weights"][name], full, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{sharding} {name}: {m}")
+
+
+def test_a_checkpoint_saved_under_full_loads_under_hybrid_exactly(four_ranks):
+    for rank in four_ranks:
+        assert rank["resharded"]["step"] == 1 and rank["resharded"]["mesh"] == (2, 2)
+        assert rank["resharded"]["moments_equal"]
+    resharded = four_ranks[0]["resharded"]
+    assert resharded["before"].keys() == resharded["after"].keys()
+    assert all(torch.equal(resharded["before"][k], resharded["after"][k]) for k in resharded["before"])
+
+
+# ---------------------------------------------------------------- integration: the fine-tune resumes resharded
+
+@pytest.fixture(scope="module")
+def reshard_runs(ray_cluster, tmp_path_factory):
+    """Three fine-tunes of the tiny Qwen2 on one storage root, each continuing the one before:
+    saved (2 workers, full, steps 1-6), wider (4 workers, full, from saved's step 2, to step 4),
+    hybrid (4 workers, hybrid 2 x 2, from wider's step 4, to step 6)."""
+    from training.finetune import finetune
+    from tuneproof.core.storage import Storage
+
+    root = tmp_path_factory.mktemp("reshard-storage")
+    write_dataset(Storage(str(root)))
+    model = write_tiny_model(tmp_path_factory.mktemp("reshard-base") / "tiny-qwen2")
+    two = make_config(str(root), model, num_workers=2, micro_batch_size=8, max_steps=6, checkpoint_every=2)
+    saved = finetune(context(two, "reshard", run_name="saved", export=False))
+    four = make_config(str(root), model, num_workers=4, micro_batch_size=4, max_steps=6, checkpoint_every=2)
+    wider = finetune(context(four, "reshard", job="wider", run_name="wider", export=False, max_steps=4,
+                             init_from=checkpoint_uri(saved, 2)))
+    hybrid_config = make_config(str(root), model, num_workers=4, micro_batch_size=4, max_steps=6,
+                                checkpoint_every=2, sharding="hybrid", shard_group_size=2)
+    hybrid = finetune(context(hybrid_config, "reshard", job="hybrid", run_name="hybrid", export=False,
+                              init_from=checkpoint_uri(wider, 4)))
+    return saved, wider, hybrid
+
+
+def checkpoint_uri(summary: dict, step: int) -> str:
+    return next(c["uri"] for c in summary["checkpoints"] if c["step"] == step)
+
+
+def assert_losses_match(reference: dict, resumed: dict, steps: list[int]) -> None:
+    """Equal to float tolerance: the same batches and weights, summed in another order."""
+    expected, got = dict(map(tuple, reference["loss_curve"])), dict(map(tuple, resumed["loss_curve"]))
+    assert sorted(got) == steps
+    for step in steps:
+        assert math.isclose(got[step], expected[step], rel_tol=1e-5), (step, got[step], expected[step])
+
+
+@pytest.mark.integration
+def test_a_checkpoint_of_2_workers_resumes_under_4(reshard_runs):
+    saved, wider, _ = reshard_runs
+    assert wider["start_step"] == 2 and wider["restored_from"] == checkpoint_uri(saved, 2)
+    assert [c["step"] for c in wider["checkpoints"]] == [4]
+    # The first resumed loss is computed with the restored weights before any update: equal
+    # weights give an equal loss. Step 4 also needs the restored AdamW moments to be right.
+    assert_losses_match(saved, wider, [3, 4])
+    assert len(list(Path(checkpoint_uri(wider, 4)).glob("progress-rank*.json"))) == 4
+
+
+@pytest.mark.integration
+def test_a_checkpoint_saved_under_full_resumes_under_hybrid(reshard_runs):
+    saved, wider, hybrid = reshard_runs
+    assert hybrid["start_step"] == 4 and hybrid["restored_from"] == checkpoint_uri(wider, 4)
+    assert [c["step"] for c in hybrid["checkpoints"]] == [6]
+    assert_losses_match(saved, hybrid, [5, 6])
