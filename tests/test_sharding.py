@@ -192,7 +192,7 @@ def reshard_runs(ray_cluster, tmp_path_factory):
     """Three fine-tunes of the tiny Qwen2 on one storage root, each continuing the one before:
     saved (2 workers, full, steps 1-6), wider (4 workers, full, from saved's step 2, to step 4),
     hybrid (4 workers, hybrid 2 x 2, from wider's step 4, to step 6)."""
-    from training.finetune import finetune
+    from tests.test_finetune import train as finetune  # the summary as the record holds it (JSON)
     from tuneproof.core.storage import Storage
 
     root = tmp_path_factory.mktemp("reshard-storage")
