@@ -126,6 +126,15 @@ def test_flow_runs_go_where_the_workers_role_is(project, capsys):
     assert "could not create the flow-run Job" in out
 
 
+def test_the_base_job_template_carries_what_the_worker_validates(project, capsys):
+    def drop(template):
+        template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"].pop("completions")
+    edit(project / "deployments" / "prefect-k8s-base-job-template.json", drop)
+    code, out = lint(project, capsys)
+    assert code == 1 and "job_manifest spec.template.spec.completions is None, expected 1" in out
+    assert "prefect-kubernetes rejects the job manifest" in out
+
+
 # ---------------------------------------------------------------- Ray pods
 
 

@@ -94,6 +94,9 @@ OBSERVER_NAMESPACES_ENV = "PREFECT_INTEGRATIONS_KUBERNETES_OBSERVER_NAMESPACES"
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
 """The cluster UID deployments/prefect-worker.yaml ships with, to be replaced by kube-system's UID."""
 WORKLOAD_KINDS = ("Deployment", "Job", "Pod")
+PREFECT_POD_FIELDS = {"parallelism": 1, "completions": 1}
+"""prefect-kubernetes refuses a job manifest without these in spec.template.spec (its own default template has
+them there, though a PodSpec has no such fields; the API server drops them with a warning)."""
 _PLACEHOLDER = re.compile(r"^\{\{\s*[\w.]+\s*\}\}$")
 _VERSION_PREFIX = re.compile(r"^v?(\d+\.\d+\.\d+)")
 _DLC_VERSION = re.compile(r"^v(\d+)\.(\d+)(?:\.(\d+))?$")
@@ -903,10 +906,10 @@ def flow_run_image_findings(subject: str, field: str, image: str | None) -> list
 def job_template_findings(doc: Doc, docs: list[Doc], config: PipelineConfig | None) -> list[Finding]:
     manifest = (doc.obj.get("job_configuration") or {}).get("job_manifest") or {}
     defaults = template_defaults(doc)
-    fixed = drop_placeholders(manifest)
-    validator = schema_validator("batch/v1", "Job")
-    findings = [_schema_finding(doc.subject, e) for e in validator.iter_errors(fixed)]
     pod_spec = ((manifest.get("spec") or {}).get("template") or {}).get("spec") or {}
+    findings = prefect_pod_field_findings(doc.subject, pod_spec)
+    validator = schema_validator("batch/v1", "Job")
+    findings += [_schema_finding(doc.subject, e) for e in validator.iter_errors(without_prefect_pod_fields(drop_placeholders(manifest)))]
     if defaults.get("image"):  # a default a deployment falls back to: a warning here, an error per deployment
         findings += [replace(f, severity="warning")
                      for f in flow_run_image_findings(doc.subject, "variables.properties.image.default", defaults["image"])]
@@ -918,6 +921,22 @@ def job_template_findings(doc: Doc, docs: list[Doc], config: PipelineConfig | No
                                   f"storage.root {config.storage.root}: the flow writes the run record there")
     findings += _read_only_findings(doc, docs, defaults.get("service_account_name"), defaults.get("namespace"))
     return findings
+
+
+def prefect_pod_field_findings(subject: str, pod_spec: dict) -> list[Finding]:
+    """The worker validates the manifest before creating the Job: without these every submission fails."""
+    return [Finding(subject, f"job_manifest spec.template.spec.{key}", pod_spec.get(key), value,
+                    "prefect-kubernetes rejects the job manifest without it: every flow-run submission fails")
+            for key, value in PREFECT_POD_FIELDS.items() if pod_spec.get(key) != value]
+
+
+def without_prefect_pod_fields(job: dict) -> dict:
+    """The Job as the API server keeps it: the PodSpec fields prefect-kubernetes insists on are dropped."""
+    pod_spec = ((job.get("spec") or {}).get("template") or {}).get("spec")
+    if not isinstance(pod_spec, dict):
+        return job
+    kept = {k: v for k, v in pod_spec.items() if k not in PREFECT_POD_FIELDS}
+    return {**job, "spec": {**job["spec"], "template": {**job["spec"]["template"], "spec": kept}}}
 
 
 def template_defaults(doc: Doc) -> dict:
