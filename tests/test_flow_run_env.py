@@ -71,6 +71,9 @@ def test_the_pull_step_builds_a_flow_run_environment_that_imports_the_flow(tmp_p
     run([sys.executable, "-m", "venv", str(venv)], dict(os.environ), tmp_path)
     env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ['PATH']}", "VIRTUAL_ENV": str(venv),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           # the worker gives every flow-run pod an API URL; these steps name no block or variable, so the
+           # step runner never calls it (unset, it would start a temporary server instead)
+           "PREFECT_API_URL": "http://127.0.0.1:9/api",
            "TUNEPROOF_GIT_URL": str(PROJECT_ROOT), "TUNEPROOF_GIT_COMMIT": head}
     env.pop("PYTHONPATH", None)  # nothing of this checkout may leak in: the clone is the only source
 

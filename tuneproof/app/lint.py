@@ -32,9 +32,10 @@ field, and both values:
   hostPath, emptyDir, a ReadWriteOnce claim or no volume at all is an error, and so is the S3 CSI
   driver (Mountpoint: no rename, no append, which checkpoints and completion markers need). An
   s3:// root needs an IRSA-annotated service account for every Ray group and for flow runs;
-- the Prefect base job template: its fixed parts validate as a batch/v1 Job, it mounts the directory
-  of cluster.auth_token_file from the RayCluster's token Secret, and the service account it runs
-  flows as is bound only to read verbs;
+- the Prefect base job template: its fixed parts validate as a batch/v1 Job and carry the pod-spec
+  parallelism/completions prefect-kubernetes insists on, it mounts the directory of
+  cluster.auth_token_file from the RayCluster's token Secret, and the service account it runs flows
+  as is bound only to read verbs;
 - a Prefect Kubernetes worker bound only by namespaced Roles sets PREFECT_KUBERNETES_CLUSTER_UID and
   PREFECT_INTEGRATIONS_KUBERNETES_OBSERVER_NAMESPACES (covering the flow-run namespace), and its
   Roles cover the namespace the flow-run Jobs are created in;
