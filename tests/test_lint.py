@@ -17,8 +17,7 @@ from tuneproof.app.cli_eks import lint_command
 from tuneproof.core.config import PROJECT_ROOT, load_config
 from tuneproof.core.findings import errors
 from tuneproof.app.lint import (
-    PLACEHOLDER_DIGEST, PLACEHOLDER_UID, allocatable, cluster_gpu_capacity, eks_instance_types, lint_paths, memory_gib,
-    names_loopback, node_count, ray_version_in_image,
+    PLACEHOLDER_DIGEST, PLACEHOLDER_UID, cluster_gpu_capacity, lint_paths, node_count, ray_version_in_image,
 )
 from tuneproof.app.schemas.build import _strict
 
