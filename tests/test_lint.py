@@ -16,7 +16,9 @@ import yaml
 from tuneproof.app.cli_eks import lint_command
 from tuneproof.core.config import PROJECT_ROOT, load_config
 from tuneproof.core.findings import errors
-from tuneproof.app.lint import PLACEHOLDER_DIGEST, cluster_gpu_capacity, lint_paths, node_count, ray_version_in_image
+from tuneproof.app.lint import (
+    PLACEHOLDER_DIGEST, PLACEHOLDER_UID, cluster_gpu_capacity, lint_paths, node_count, ray_version_in_image,
+)
 from tuneproof.app.schemas.build import _strict
 
 DEPLOYMENTS = PROJECT_ROOT / "deployments"
@@ -54,6 +56,12 @@ def worker_container(rc: dict) -> dict:
     return worker(rc)["template"]["spec"]["containers"][0]
 
 
+def lint_exit(paths: list[Path], capsys, *sets: str) -> tuple[int, str]:
+    """`tuneproof lint PATHS` against the eks profile: (exit code, printed findings)."""
+    code = lint_command([str(p) for p in paths], str(EKS), list(sets))
+    return code, capsys.readouterr().out
+
+
 def only(findings, **match):
     found = [f for f in errors(findings) if all(str(v) in str(getattr(f, k)) for k, v in match.items())]
     assert found, f"no error matching {match} in:\n" + "\n".join(f.line() for f in findings)
@@ -67,9 +75,10 @@ def test_committed_deployments_pass_with_and_without_the_eks_profile():
     for cfg in (eks(), None):
         findings = lint_paths([str(DEPLOYMENTS)], cfg)
         assert errors(findings) == [], "\n".join(f.line() for f in errors(findings))
-    # The only warnings: the placeholder digest to replace, and the Prefect images' tags.
-    warnings = [f for f in lint_paths([str(DEPLOYMENTS)], eks()) if f.severity == "warning"]
-    assert {f.seen for f in warnings if "placeholder" in f.message} == {PLACEHOLDER_DIGEST}
+    # The only warnings: the placeholders to replace (image digests, the cluster UID).
+    warnings = [f for f in lint_paths([str(DEPLOYMENTS), str(PROJECT_ROOT / "prefect.yaml")], eks())
+                if f.severity == "warning"]
+    assert {f.seen for f in warnings} == {PLACEHOLDER_DIGEST, PLACEHOLDER_UID}
 
 
 def test_committed_cluster_matches_the_eks_profile():
@@ -96,7 +105,7 @@ def test_lint_command_exit_codes(deploy, capsys):
 
 
 def test_a_tag_instead_of_a_digest_is_an_error(deploy):
-    tagged = "123456789012.dkr.ecr.us-west-2.amazonaws.com/ray-train:2.58.0-gpu-py313-cu130"
+    tagged = "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.1"
     edit_rc(deploy, lambda rc: worker_container(rc).update({"image": tagged}))
     finding = only(lint_paths([str(deploy)], None), field="workerGroupSpecs[gpu].template.spec.containers[ray-worker].image")
     assert finding.subject == f"{deploy / RC}: RayCluster/tuneproof"
@@ -104,7 +113,7 @@ def test_a_tag_instead_of_a_digest_is_an_error(deploy):
 
 
 def test_manifest_digest_must_equal_the_profiles(deploy):
-    other = "123456789012.dkr.ecr.us-west-2.amazonaws.com/ray-train:2.58.0-gpu-py313-cu130@sha256:" + "a" * 64
+    other = "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.1@sha256:" + "a" * 64
     finding = only(lint_paths([str(deploy)], eks(f"cluster.expect.image={other}")), field="containers[ray-head].image")
     assert finding.expected == other and finding.seen.endswith(PLACEHOLDER_DIGEST)
 
@@ -136,6 +145,30 @@ def test_ray_version_is_read_only_from_ray_images():
     assert ray_version_in_image("rayproject/ray:2.60.0-py311") == "2.60.0"
     assert ray_version_in_image("prefecthq/prefect:3.9.1-python3.13") is None
     assert ray_version_in_image("r.example/ray-train:latest") is None
+
+
+def test_ray_train_dlc_tags_map_to_their_ray_version_from_the_changelog():
+    dlc = "public.ecr.aws/deep-learning-containers/ray:"
+    assert ray_version_in_image(dlc + "train-ml-cuda-v1.1@sha256:" + "0" * 64) == "2.58.0"
+    assert ray_version_in_image("763104351884.dkr.ecr.us-west-2.amazonaws.com/ray:train-ml-cuda-v1.0.0") == "2.58.0"
+    for floating_or_unknown in ("train-ml-cuda", "train-ml-cuda-v1", "train-ml-cuda-v9.9", "serve-ml-cuda-v1.5"):
+        assert ray_version_in_image(dlc + floating_or_unknown) is None
+
+
+def test_a_dlc_tag_that_cannot_be_mapped_is_a_warning_not_a_silent_skip(deploy, capsys):
+    floating = "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda@sha256:" + "0" * 64
+    edit_rc(deploy, lambda rc: worker_container(rc).update({"image": floating}))
+    code, out = lint_exit([deploy], capsys, f"cluster.expect.image={floating}")
+    assert code == 0 and "floating DLC tag" in out and "rayVersion 2.58.0 is not checked" in out
+    newer = floating.replace("train-ml-cuda@", "train-ml-cuda-v1.7@")
+    edit_rc(deploy, lambda rc: worker_container(rc).update({"image": newer}))
+    assert "is not in ray-train-dlc.yaml" in lint_exit([deploy], capsys, f"cluster.expect.image={newer}")[1]
+
+
+def test_ray_version_must_match_the_dlc_tags_ray(deploy, capsys):
+    edit_rc(deploy, lambda rc: rc["spec"].update({"rayVersion": "2.60.0"}))
+    code, out = lint_exit([deploy], capsys, "cluster.expect.ray_version=2.60.0")
+    assert code == 1 and "spec.rayVersion is '2.60.0', expected '2.58.0'" in out and "image tag" in out
 
 
 def test_scaling_config_larger_than_the_cluster_is_an_error(deploy):

@@ -26,3 +26,16 @@ def test_local_deployments_use_the_embedded_default_and_a_portable_pull_step():
         assert deployments()[name]["work_pool"]["name"] == "local-process"
         assert deployments()[name]["parameters"] == {}
     assert deployments()["nightly"]["schedules"][0]["cron"]
+
+
+def test_eks_deployments_pin_their_flow_run_image_and_the_commit_they_clone():
+    for name in ("eks-manual", "eks-nightly"):
+        deployment = deployments()[name]
+        variables = deployment["work_pool"]["job_variables"]
+        assert "@sha256:" in variables["image"] and "tuneproof-flow-run" in variables["image"]
+        # resolved by `prefect deploy` from the deploying shell, then read by the pull step inside the pod
+        assert variables["env"]["TUNEPROOF_GIT_COMMIT"] == "{{ $TUNEPROOF_GIT_COMMIT }}"
+        clone = deployment["pull"][0]["prefect.deployments.steps.git_clone"]
+        assert clone["commit_sha"] == "{{ $TUNEPROOF_GIT_COMMIT }}" and "branch" not in clone
+        install = deployment["pull"][1]["prefect.deployments.steps.run_shell_script"]["script"]
+        assert "--no-deps" in install and "--no-build-isolation" in install and install.endswith("-e .")

@@ -4,6 +4,8 @@
     tuneproof verify --from-files DIR [--config configs/eks.yaml] [--json]
 
 Both default to configs/eks.yaml: the manifests and saved objects they read are the eks cluster's.
+Lint also reads the project's prefect.yaml (the deployments that run on the manifests' worker)
+unless a prefect.yaml is among the paths.
 Exit codes: 0 no errors (warnings and notes allowed), 1 lint errors, 3 invalid config,
 4 (infrastructure) when the saved cluster objects fail verification or cannot be read.
 """
@@ -12,12 +14,14 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from tuneproof.core.config import PROJECT_ROOT, ConfigError, PipelineConfig, load_config
 from tuneproof.core.findings import Finding, errors
 from tuneproof.core.results import EXIT_BY_CLASS, EXIT_INVALID_CONFIG, EXIT_OK, FailureClass
 
 EKS_PROFILE = PROJECT_ROOT / "configs" / "eks.yaml"
+PREFECT_PROJECT = PROJECT_ROOT / "prefect.yaml"
 EXIT_LINT_ERRORS = 1
 
 
@@ -27,7 +31,7 @@ def lint_command(paths: list[str], config_path: str | None, sets: list[str]) -> 
 
     try:
         cfg = _config(config_path, sets)
-        findings = lint_paths(paths, cfg)
+        findings = lint_paths(with_prefect_project(paths), cfg)
     except ConfigError as e:
         return _config_error(e)
     except FileNotFoundError as e:
@@ -59,6 +63,12 @@ def verify_from_files_command(directory: str, config_path: str | None, sets: lis
         _print_findings(findings)
         print(_tally(findings, f"verify of {directory} against profile {cfg.profile}"))
     return EXIT_BY_CLASS[FailureClass.infrastructure] if errors(findings) else EXIT_OK
+
+
+def with_prefect_project(paths: list[str]) -> list[str]:
+    """The paths, plus the project's prefect.yaml when none of them is (or holds) a prefect.yaml."""
+    named = any(Path(p).name == "prefect.yaml" or (Path(p) / "prefect.yaml").is_file() for p in paths)
+    return paths if named or not PREFECT_PROJECT.is_file() else [*paths, str(PREFECT_PROJECT)]
 
 
 def _config(config_path: str | None, sets: list[str]) -> PipelineConfig | None:

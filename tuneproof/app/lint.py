@@ -11,10 +11,17 @@ field, and both values:
   with `kubectl apply --validate=strict`); a kind with no offline schema is a warning;
 - image: a RayCluster container's image must be pinned by digest, always: the run record's image
   identity is the digest, and a tag can move under a running pipeline. Other workloads (the
-  Prefect worker, the flow-run image) only get a warning for a tag, since they never train. The
-  all-zero placeholder digest shipped in deployments/ is a warning until it is replaced;
-- rayVersion == the Ray version in the image tag (when the repository is a Ray image and the tag
-  starts with a version) and == config cluster.expect.ray_version;
+  Prefect worker) only get a warning for a tag, since they never train. The all-zero placeholder
+  digest shipped in deployments/ is a warning until it is replaced;
+- rayVersion == the Ray version the image tag names (a version-first tag, or a Ray Train DLC
+  train-ml-cuda-vX.Y tag looked up in schemas/ray-train-dlc.yaml; a Ray image whose tag maps to no
+  version is a warning, never a silent skip) and == config cluster.expect.ray_version;
+- Ray pods: /dev/shm is a memory-backed emptyDir of 30-50% of the container's memory limit; on the
+  instance type a group selects (schemas/eks-instance-types.yaml) the requests fit its estimated
+  allocatable and FI_EFA_USE_DEVICE_RDMA=1 needs GPUDirect RDMA; a group with an EFA device sets
+  FI_PROVIDER=efa; NCCL_SOCKET_IFNAME never names the loopback interface;
+- claims: every persistentVolumeClaim a pod mounts is among the linted objects, in its namespace;
+  an FSx for Lustre StorageClass mounts with `flock` (the Hugging Face cache locks files);
 - per group: an explicit Ray GPU count (rayStartParams num-gpus or resources.GPU) == the Ray
   container's nvidia.com/gpu limit; with a config, GPU worker groups offer cluster.expect.gpus_per_worker
   and an EFA device when cluster.expect.efa; connectivity.expect_transport efa needs NCCL_NET pinned
@@ -22,10 +29,19 @@ field, and both values:
 - capacity: train.num_workers (use_gpu) <= sum over worker groups of pods x GPUs per pod;
 - storage: with several nodes (head + worker pods), storage.root must be shared: s3:// (or another
   object store), or a path on a volume mounted in every group that is ReadWriteMany / NFS / FSx;
-  hostPath, emptyDir, a ReadWriteOnce claim or no volume at all is an error;
-- the Prefect base job template: its fixed parts validate as a batch/v1 Job, it mounts the directory
-  of cluster.auth_token_file from the RayCluster's token Secret, and the service account it runs
-  flows as is bound only to read verbs.
+  hostPath, emptyDir, a ReadWriteOnce claim or no volume at all is an error, and so is the S3 CSI
+  driver (Mountpoint: no rename, no append, which checkpoints and completion markers need). An
+  s3:// root needs an IRSA-annotated service account for every Ray group and for flow runs;
+- the Prefect base job template: its fixed parts validate as a batch/v1 Job and carry the pod-spec
+  parallelism/completions prefect-kubernetes insists on, it mounts the directory of
+  cluster.auth_token_file from the RayCluster's token Secret, and the service account it runs flows
+  as is bound only to read verbs;
+- a Prefect Kubernetes worker bound only by namespaced Roles sets PREFECT_KUBERNETES_CLUSTER_UID and
+  PREFECT_INTEGRATIONS_KUBERNETES_OBSERVER_NAMESPACES (covering the flow-run namespace), and its
+  Roles cover the namespace the flow-run Jobs are created in;
+- a Prefect project file (prefect.yaml): every deployment on a pool such a worker polls runs a
+  non-stock flow-run image pinned by digest, in a namespace the worker's Role covers, as a service
+  account with IRSA when its storage root is s3://.
 
 Without a config only the manifest-internal checks run. Pure apart from reading the files.
 """
@@ -34,7 +50,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path, PurePosixPath
 
@@ -51,6 +67,8 @@ from tuneproof.control.kube_checks import (
 SCHEMA_DIR = Path(__file__).resolve().parent / "schemas"
 KUBERNETES_SCHEMA = SCHEMA_DIR / "kubernetes-v1.34.json"
 RAYCLUSTER_SCHEMA = SCHEMA_DIR / "raycluster-v1.json"
+DLC_TABLE = SCHEMA_DIR / "ray-train-dlc.yaml"
+INSTANCE_TABLE = SCHEMA_DIR / "eks-instance-types.yaml"
 MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
 PLACEHOLDER_DIGEST = "sha256:" + "0" * 64
 """The digest deployments/ ships with: valid in form, to be replaced by the image's real digest."""
@@ -58,9 +76,33 @@ OFI_NET_NAMES = ("libfabric", "aws libfabric", "ofi")
 """NCCL_NET values naming the aws-ofi-nccl plugin (1.12+ reports Libfabric and accepts the other two)."""
 READ_VERBS = {"get", "list", "watch"}
 SHARED_VOLUME_KEYS = ("nfs",)
-SHARED_CSI_DRIVERS = ("fsx.csi.aws.com", "efs.csi.aws.com", "s3.csi.aws.com")
+SHARED_CSI_DRIVERS = ("fsx.csi.aws.com", "efs.csi.aws.com")
+S3_CSI_DRIVER = "s3.csi.aws.com"
+FSX_CSI_DRIVER = "fsx.csi.aws.com"
+MOUNTPOINT_WHY = ("the S3 CSI driver (Mountpoint for Amazon S3) supports no rename and no append: checkpoints, "
+                  "completion markers and the record's atomic writes need both; use s3:// or FSx/EFS")
+IRSA_ANNOTATION = "eks.amazonaws.com/role-arn"
+INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
+DAEMONSET_ALLOWANCE = (0.5, 1.0)
+"""(cores, GiB) kept on every node for the EKS add-on DaemonSets (aws-node, kube-proxy, CSI node plugins,
+the NVIDIA and EFA device plugins) when checking that a Ray pod fits its node."""
+SHM_FRACTION = (0.3, 0.5)
+"""/dev/shm sizeLimit as a share of the Ray container's memory limit: at least Ray's default object store
+(30% of memory), at most half, since tmpfs pages count against the same limit."""
+STOCK_PREFECT_REPOSITORIES = ("prefecthq/prefect", "prefecthq/prefect-client")
+CLUSTER_UID_ENV = "PREFECT_KUBERNETES_CLUSTER_UID"
+OBSERVER_NAMESPACES_ENV = "PREFECT_INTEGRATIONS_KUBERNETES_OBSERVER_NAMESPACES"
+PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
+"""The cluster UID deployments/prefect-worker.yaml ships with, to be replaced by kube-system's UID."""
+WORKLOAD_KINDS = ("Deployment", "Job", "Pod")
+PREFECT_POD_FIELDS = {"parallelism": 1, "completions": 1}
+"""prefect-kubernetes refuses a job manifest without these in spec.template.spec (its own default template has
+them there, though a PodSpec has no such fields; the API server drops them with a warning)."""
 _PLACEHOLDER = re.compile(r"^\{\{\s*[\w.]+\s*\}\}$")
 _VERSION_PREFIX = re.compile(r"^v?(\d+\.\d+\.\d+)")
+_DLC_VERSION = re.compile(r"^v(\d+)\.(\d+)(?:\.(\d+))?$")
+_QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)([a-zA-Z]*)$")
+_MEMORY_UNITS = {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 
 
 @dataclass(frozen=True)
@@ -72,16 +114,22 @@ class Doc:
 
     @property
     def kind(self) -> str:
-        return self.obj.get("kind", "") if not is_job_template(self.obj) else "PrefectBaseJobTemplate"
+        if is_job_template(self.obj):
+            return "PrefectBaseJobTemplate"
+        return "PrefectProject" if is_prefect_project(self.obj) else self.obj.get("kind", "")
 
     @property
     def name(self) -> str:
         return (self.obj.get("metadata") or {}).get("name", "?")
 
     @property
+    def namespace(self) -> str | None:
+        return (self.obj.get("metadata") or {}).get("namespace")
+
+    @property
     def subject(self) -> str:
-        if is_job_template(self.obj):
-            return f"{self.file}: Prefect base job template"
+        if self.kind.startswith("Prefect"):
+            return f"{self.file}: " + ("Prefect base job template" if is_job_template(self.obj) else "Prefect project")
         return f"{self.file}: {self.kind}/{self.name}"
 
 
@@ -93,13 +141,23 @@ def lint_paths(paths: list[str], config: PipelineConfig | None) -> list[Finding]
         findings += schema
         if any(f.severity == "error" for f in schema):
             continue  # the other checks read typed fields; a broken object is reported by its schema alone
-        if doc.kind == "RayCluster":
-            findings += raycluster_findings(doc, docs, config)
-        elif doc.kind in ("Deployment", "Job", "Pod"):
-            findings += workload_image_findings(doc)
-        elif doc.kind == "PrefectBaseJobTemplate":
-            findings += job_template_findings(doc, docs, config)
+        findings += object_findings(doc, docs, config)
     return findings
+
+
+def object_findings(doc: Doc, docs: list[Doc], config: PipelineConfig | None) -> list[Finding]:
+    """The checks for one object, by kind; the other linted objects are its context (claims, roles, the worker)."""
+    if doc.kind == "RayCluster":
+        return raycluster_findings(doc, docs, config)
+    if doc.kind in WORKLOAD_KINDS:
+        return workload_findings(doc, docs)
+    if doc.kind == "StorageClass":
+        return storage_class_findings(doc)
+    if doc.kind == "PrefectBaseJobTemplate":
+        return job_template_findings(doc, docs, config)
+    if doc.kind == "PrefectProject":
+        return prefect_project_findings(doc, docs, config)
+    return []
 
 
 # ---------------------------------------------------------------- reading
@@ -114,9 +172,10 @@ def load_documents(paths: list[str]) -> tuple[list[Doc], list[Finding]]:
             findings.append(Finding(str(file), "content", "unparseable", "YAML or JSON", str(e).splitlines()[0]))
             continue
         for obj in objects:
-            if not isinstance(obj, dict) or not (is_job_template(obj) or ("kind" in obj and "apiVersion" in obj)):
-                findings.append(Finding(str(file), "document", type(obj).__name__,
-                                        "a Kubernetes object (apiVersion, kind) or a Prefect base job template"))
+            known = is_job_template(obj) or is_prefect_project(obj) or ("kind" in obj and "apiVersion" in obj)
+            if not isinstance(obj, dict) or not known:
+                findings.append(Finding(str(file), "document", type(obj).__name__, "a Kubernetes object "
+                                        "(apiVersion, kind), a Prefect base job template or a Prefect project file"))
                 continue
             docs.append(Doc(str(file), obj))
     return docs, findings
@@ -149,12 +208,17 @@ def is_job_template(obj: dict) -> bool:
     return isinstance(obj, dict) and "job_configuration" in obj and "variables" in obj
 
 
+def is_prefect_project(obj: dict) -> bool:
+    """prefect.yaml: a deployments list and no Kubernetes kind."""
+    return isinstance(obj, dict) and isinstance(obj.get("deployments"), list) and "kind" not in obj
+
+
 # ---------------------------------------------------------------- schemas
 
 
 def schema_findings(doc: Doc) -> list[Finding]:
-    if doc.kind == "PrefectBaseJobTemplate":
-        return []  # validated as the Job it renders, in job_template_findings
+    if doc.kind.startswith("Prefect"):
+        return []  # a base job template is validated as the Job it renders, in job_template_findings
     validator = schema_validator(doc.obj.get("apiVersion", ""), doc.kind)
     if validator is None:
         return [Finding(doc.subject, "apiVersion/kind", f"{doc.obj.get('apiVersion')}/{doc.kind}",
@@ -201,11 +265,16 @@ def raycluster_findings(doc: Doc, docs: list[Doc], config: PipelineConfig | None
     for where, group in groups:
         findings += ray_image_findings(doc, where, group, config)
         findings += gpu_setting_findings(doc, where, group)
+        findings += shm_findings(doc, where, group)
+        findings += node_fit_findings(doc, where, group)
+        findings += efa_env_findings(doc, where, group)
+        findings += claim_findings(doc, docs, f"{where}.template.spec", _pod_spec(group))
     findings += ray_version_findings(doc, groups, config)
     if config is not None:
         findings += worker_expectation_findings(doc, config)
         findings += capacity_findings(doc, config)
         findings += storage_findings(doc, docs, config)
+        findings += ray_identity_findings(doc, docs, groups, config)
     return findings
 
 
@@ -237,14 +306,14 @@ def ray_image_findings(doc: Doc, where: str, group: dict, config: PipelineConfig
     return findings
 
 
-def _digest_findings(subject: str, field: str, image: str) -> list[Finding]:
+def _digest_findings(subject: str, field: str, image: str, unpinned: str = "error") -> list[Finding]:
     digest = image_digest(image)
     if digest is None or not image.endswith("@" + digest):
         return [Finding(subject, field, image, f"{image.split('@')[0]}@sha256:<64 hex>",
-                        "pin the image by digest: a tag can move to different bytes")]
+                        "pin the image by digest: a tag can move to different bytes", unpinned)]
     if digest == PLACEHOLDER_DIGEST:
         return [Finding(subject, field, digest, "the image's real digest",
-                        "placeholder digest: get the real one with `aws ecr describe-images` or `crane digest`",
+                        "placeholder digest: put the real one here (deployments/README.md, \"The two images\")",
                         "warning")]
     return []
 
@@ -269,10 +338,14 @@ def ray_version_findings(doc: Doc, groups: list[tuple[str, dict]], config: Pipel
     findings = []
     for where, group in groups:
         image = ray_container(_pod_spec(group)).get("image", "")
-        in_tag = ray_version_in_image(image)
+        in_tag, why_not = image_ray_version(image)
         if in_tag and declared != in_tag:
             findings.append(Finding(doc.subject, "spec.rayVersion", declared, in_tag,
                                     f"the Ray version in {where}'s image tag ({image.split('@')[0]})"))
+        elif why_not:
+            findings.append(Finding(doc.subject, f"{where}.template.spec.containers[0].image tag", image_tag(image),
+                                    "a tag naming a Ray version (X.Y.Z-..., or train-ml-cuda-vX.Y)",
+                                    f"{why_not}: rayVersion {declared} is not checked against the image", "warning"))
     expected = config.cluster.expect.ray_version if config else None
     if expected and declared != expected:
         findings.append(Finding(doc.subject, "spec.rayVersion", declared, expected,
@@ -281,10 +354,44 @@ def ray_version_findings(doc: Doc, groups: list[tuple[str, dict]], config: Pipel
 
 
 def ray_version_in_image(image: str) -> str | None:
-    """'.../ray-train:2.58.0-gpu-py313-cu130@sha256:...' -> '2.58.0' (Ray images only, version-first tags)."""
-    repository = image.split("@", 1)[0].rsplit("/", 1)[-1].split(":", 1)[0]
-    match = _VERSION_PREFIX.match(image_tag(image) or "")
-    return match.group(1) if match and "ray" in repository.lower() else None
+    """'.../ray-train:2.58.0-gpu-py313-cu130@sha256:...' -> '2.58.0'; '.../ray:train-ml-cuda-v1.1' -> '2.58.0'."""
+    return image_ray_version(image)[0]
+
+
+def image_ray_version(image: str) -> tuple[str | None, str]:
+    """(the Ray version the image's tag names, or None and why not; '' when it is not a Ray image)."""
+    repository = image.split("@", 1)[0].rsplit("/", 1)[-1].split(":", 1)[0].lower()
+    tag = image_tag(image) or ""
+    if "ray" not in repository:
+        return None, ""
+    if match := _VERSION_PREFIX.match(tag):
+        return match.group(1), ""
+    table = ray_train_dlc()
+    if tag.startswith(table["tag_prefix"]):
+        return dlc_ray_version(tag, table)
+    if not tag:
+        return None, "no tag, only a digest"
+    return None, f"tag {tag!r} names no Ray version tuneproof can read"
+
+
+def dlc_ray_version(tag: str, table: dict) -> tuple[str | None, str]:
+    """A Ray Train DLC tag's Ray version from the changelog table; floating and unknown tags say why not."""
+    if tag in table["floating"]:
+        return None, f"{tag} is a floating DLC tag (it follows the newest release)"
+    match = _DLC_VERSION.match(tag.removeprefix(table["tag_prefix"] + "-"))
+    if match is None:
+        return None, f"{tag} is not a versioned DLC tag ({table['tag_prefix']}-vX.Y[.Z])"
+    major, minor, patch = match.groups()
+    wanted = f"v{major}.{minor}." + (patch or "")
+    rays = {r["ray"] for v, r in table["releases"].items() if (v == wanted if patch else v.startswith(wanted))}
+    if len(rays) == 1:
+        return rays.pop(), ""
+    return None, f"{tag} is not in {DLC_TABLE.name}: add its release from the DLC changelog"
+
+
+@lru_cache(maxsize=1)
+def ray_train_dlc() -> dict:
+    return yaml.safe_load(DLC_TABLE.read_text())
 
 
 def worker_expectation_findings(doc: Doc, config: PipelineConfig) -> list[Finding]:
@@ -341,6 +448,165 @@ def capacity_findings(doc: Doc, config: PipelineConfig) -> list[Finding]:
                     "the ScalingConfig asks for more GPU workers than the cluster can place")]
 
 
+# ---------------------------------------------------------------- Ray pods on their nodes
+
+
+def shm_findings(doc: Doc, where: str, group: dict) -> list[Finding]:
+    """/dev/shm is a memory-backed emptyDir of 30-50% of the Ray container's memory limit."""
+    pod_spec = _pod_spec(group)
+    container = ray_container(pod_spec)
+    mount = next((m for m in container.get("volumeMounts") or [] if m.get("mountPath") == "/dev/shm"), None)
+    if mount is None:
+        return [Finding(doc.subject, f"{where}.template.spec.containers[{container.get('name')}].volumeMounts", None,
+                        "an emptyDir with medium Memory mounted at /dev/shm", "the runtime's 64 MiB /dev/shm pushes "
+                        "Ray's object store to disk and starves NCCL's shared-memory transport")]
+    volume = _volume(pod_spec, mount.get("name"))
+    field = f"{where}.template.spec.volumes[{mount.get('name')}]"
+    empty_dir = volume.get("emptyDir")
+    if empty_dir is None or empty_dir.get("medium") != "Memory":
+        return [Finding(doc.subject, field, _volume_kind(volume) if empty_dir is None else empty_dir, "emptyDir medium: Memory",
+                        "/dev/shm must be memory-backed: on disk, Ray's object store and NCCL's SHM transport crawl")]
+    return _shm_size_findings(doc.subject, f"{field}.emptyDir.sizeLimit", empty_dir.get("sizeLimit"), container)
+
+
+def _shm_size_findings(subject: str, field: str, size_limit, container: dict) -> list[Finding]:
+    limit = memory_gib(((container.get("resources") or {}).get("limits") or {}).get("memory"))
+    size, (low, high) = memory_gib(size_limit), SHM_FRACTION
+    if limit is None:
+        return []  # no memory limit: nothing to size against (Guaranteed QoS is the manifests' own choice)
+    wanted = f"{low * limit:.1f}Gi to {high * limit:.1f}Gi (30-50% of the {limit:g}Gi memory limit)"
+    if size is None:
+        return [Finding(subject, field, size_limit, wanted, "an unbounded tmpfs can fill the whole memory limit")]
+    if low * limit <= size <= high * limit:
+        return []
+    why = ("below Ray's default object store (30% of memory): Ray spills it to disk" if size < low * limit
+           else "tmpfs pages count against the memory limit: more leaves Ray's processes too little")
+    return [Finding(subject, field, size_limit, wanted, why)]
+
+
+def node_fit_findings(doc: Doc, where: str, group: dict) -> list[Finding]:
+    """The group's pod fits the allocatable of the instance type its nodeSelector names."""
+    pod_spec = _pod_spec(group)
+    instance_type = (pod_spec.get("nodeSelector") or {}).get(INSTANCE_TYPE_LABEL)
+    if instance_type is None:
+        return []
+    instance = eks_instance_types().get(instance_type)
+    field = f"{where}.template.spec.nodeSelector[{INSTANCE_TYPE_LABEL}]"
+    if instance is None:
+        return [Finding(doc.subject, field, instance_type, f"a type in {INSTANCE_TABLE.name}",
+                        "unknown instance type: requests not checked against its allocatable", "warning")]
+    requests = pod_requests(pod_spec)
+    where_requests = f"{where}.template.spec.containers[*].resources.requests"
+    return [*_fit(doc.subject, where_requests, instance_type, "cpu", requests["cpu"], allocatable(instance)[0],
+                  DAEMONSET_ALLOWANCE[0], "cores"),
+            *_fit(doc.subject, where_requests, instance_type, "memory", requests["memory"], allocatable(instance)[1],
+                  DAEMONSET_ALLOWANCE[1], "GiB"),
+            *_fit(doc.subject, where_requests, instance_type, GPU_RESOURCE, requests[GPU_RESOURCE], instance["gpus"], 0, ""),
+            *_fit(doc.subject, where_requests, instance_type, EFA_RESOURCE, requests[EFA_RESOURCE], instance["efa"], 0, "")]
+
+
+def _fit(subject: str, field: str, instance_type: str, resource: str, need: float, have: float, kept: float,
+         unit: str) -> list[Finding]:
+    if need <= have - kept:
+        return []
+    kept_note = f", {kept:g} {unit} of it kept for the node's DaemonSets" if kept else ""
+    return [Finding(subject, f"{field}[{resource}]", round(need, 2), f"<= {have - kept:.2f}",
+                    f"{instance_type} offers about {have:.2f} {unit or resource} to pods{kept_note}: "
+                    "the pod would stay Pending")]
+
+
+def pod_requests(pod_spec: dict) -> dict[str, float]:
+    """Summed container requests (limits where a request is unset, as the API server defaults them)."""
+    total = {"cpu": 0.0, "memory": 0.0, GPU_RESOURCE: 0.0, EFA_RESOURCE: 0.0}
+    for container in pod_spec.get("containers") or []:
+        resources = container.get("resources") or {}
+        wanted = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
+        total["cpu"] += cpu_cores(wanted.get("cpu")) or 0.0
+        total["memory"] += memory_gib(wanted.get("memory")) or 0.0
+        for extended in (GPU_RESOURCE, EFA_RESOURCE):
+            total[extended] += resource_count(container, extended)
+    return total
+
+
+def allocatable(instance: dict) -> tuple[float, float]:
+    """(cores, GiB) an EKS AMI node of this type offers pods: the kubelet's reservations (see the table's header)."""
+    cores = instance["vcpu"]
+    reserved_milli = 60 + 10 * min(max(cores - 1, 0), 1) + 5 * min(max(cores - 2, 0), 2) + 2.5 * max(cores - 4, 0)
+    memory_mib = instance["memory_gib"] * 1024 * 0.96 - (255 + 11 * instance["max_pods"]) - 100
+    return cores - reserved_milli / 1000, memory_mib / 1024
+
+
+@lru_cache(maxsize=1)
+def eks_instance_types() -> dict[str, dict]:
+    return yaml.safe_load(INSTANCE_TABLE.read_text())
+
+
+def cpu_cores(quantity) -> float | None:
+    """'44' -> 44.0, '500m' -> 0.5; None when unset or not a quantity."""
+    match = _QUANTITY.match(str(quantity)) if quantity is not None else None
+    if match is None or match.group(2) not in ("", "m"):
+        return None
+    return float(match.group(1)) / (1000 if match.group(2) == "m" else 1)
+
+
+def memory_gib(quantity) -> float | None:
+    """'170Gi' -> 170.0, '512Mi' -> 0.5; None when unset or not a quantity."""
+    match = _QUANTITY.match(str(quantity)) if quantity is not None else None
+    if match is None or match.group(2) not in _MEMORY_UNITS:
+        return None
+    return float(match.group(1)) * _MEMORY_UNITS[match.group(2)] / 2**30
+
+
+def efa_env_findings(doc: Doc, where: str, group: dict) -> list[Finding]:
+    """EFA and NCCL settings that break a multi-node run whatever the config expects."""
+    pod_spec = _pod_spec(group)
+    container = ray_container(pod_spec)
+    env = _env(container)
+    field = f"{where}.template.spec.containers[{container.get('name')}].env"
+    findings = _device_rdma_findings(doc.subject, field, env, (pod_spec.get("nodeSelector") or {}).get(INSTANCE_TYPE_LABEL))
+    has_efa = resource_count(container, EFA_RESOURCE) > 0 or bool(pod_spec.get("resourceClaims"))
+    if has_efa and (env.get("FI_PROVIDER") or "").strip() != "efa":
+        findings.append(Finding(doc.subject, f"{field}[FI_PROVIDER]", env.get("FI_PROVIDER"), "efa",
+                                "the pod owns an EFA device: any other libfabric provider (tcp, shm) leaves it unused"))
+    ifname = env.get("NCCL_SOCKET_IFNAME")
+    if ifname and names_loopback(ifname):
+        findings.append(Finding(doc.subject, f"{field}[NCCL_SOCKET_IFNAME]", ifname, "eth0 (the pod's VPC CNI interface)",
+                                "NCCL would bootstrap over loopback: ranks on other nodes can never connect"))
+    return findings
+
+
+def _device_rdma_findings(subject: str, field: str, env: dict, instance_type: str | None) -> list[Finding]:
+    if (env.get("FI_EFA_USE_DEVICE_RDMA") or "").strip() != "1":
+        return []
+    instance = eks_instance_types().get(instance_type or "")
+    if instance is None:
+        return [Finding(subject, f"{field}[FI_EFA_USE_DEVICE_RDMA]", "1", "1 only on GPUDirect RDMA instance types",
+                        f"cannot tell whether {instance_type or 'an unselected node type'} has GPUDirect RDMA", "warning")]
+    if instance["gpudirect_rdma"]:
+        return []
+    return [Finding(subject, f"{field}[FI_EFA_USE_DEVICE_RDMA]", "1", "unset (or 0)",
+                    f"{instance_type} has EFA but no GPUDirect RDMA (p4d/p5 class do): libfabric cannot register GPU "
+                    "memory with the NIC and NCCL's EFA transport fails")]
+
+
+def names_loopback(ifname: str) -> bool:
+    """NCCL_SOCKET_IFNAME selects a loopback interface: 'lo', '=lo', 'lo,eth0' (not an exclusion '^lo,docker')."""
+    value = ifname.strip()
+    return not value.startswith("^") and any(item.strip().lstrip("=").startswith("lo") for item in value.split(","))
+
+
+def _env(container: dict) -> dict:
+    return {e.get("name"): e.get("value") for e in container.get("env") or []}
+
+
+def _volume(pod_spec: dict, name: str | None) -> dict:
+    return next((v for v in pod_spec.get("volumes") or [] if v.get("name") == name), {})
+
+
+def _volume_kind(volume: dict) -> str:
+    return next((k for k in volume if k != "name"), "unknown")
+
+
 # ---------------------------------------------------------------- storage
 
 
@@ -369,7 +635,7 @@ def _group_storage(doc: Doc, docs: list[Doc], where: str, group: dict, root: str
     if mount is None:
         return [Finding(doc.subject, field, None, f"a shared volume mounted at a parent of {root}",
                         f"storage.root {root} is on each pod's own disk: {nodes} nodes would each see different files")]
-    volume = next((v for v in pod_spec.get("volumes") or [] if v.get("name") == mount.get("name")), {})
+    volume = _volume(pod_spec, mount.get("name"))
     kind, ok, why = _volume_sharing(volume, docs, doc.obj)
     if ok:
         return []
@@ -389,53 +655,294 @@ def _volume_sharing(volume: dict, docs: list[Doc], raycluster: dict) -> tuple[st
     """(volume type, shared? True/False/None for unknown, why)."""
     if "persistentVolumeClaim" in volume:
         claim = volume["persistentVolumeClaim"].get("claimName")
-        namespace = (raycluster.get("metadata") or {}).get("namespace")
-        pvc = next((d.obj for d in docs if d.kind == "PersistentVolumeClaim" and d.name == claim
-                    and (d.obj.get("metadata") or {}).get("namespace") in (namespace, None)), None)
+        pvc = find_claim(docs, claim, (raycluster.get("metadata") or {}).get("namespace"))
         if pvc is None:
             return (f"persistentVolumeClaim {claim}", None,
                     "the claim is not among the linted files, its access mode is unknown")
-        modes = (pvc.get("spec") or {}).get("accessModes") or []
+        modes = (pvc.obj.get("spec") or {}).get("accessModes") or []
+        driver = claim_driver(pvc, docs)
+        if driver == S3_CSI_DRIVER:
+            return f"persistentVolumeClaim {claim} (csi {driver})", False, MOUNTPOINT_WHY
         return f"persistentVolumeClaim {claim} {modes}", "ReadWriteMany" in modes, "the claim is not ReadWriteMany"
     if any(key in volume for key in SHARED_VOLUME_KEYS):
         return "nfs", True, ""
     if "csi" in volume:
         driver = volume["csi"].get("driver")
-        return f"csi {driver}", driver in SHARED_CSI_DRIVERS, "not a known shared file system driver"
-    kind = next((k for k in volume if k != "name"), "unknown")
+        why = MOUNTPOINT_WHY if driver == S3_CSI_DRIVER else "not a known shared file system driver"
+        return f"csi {driver}", driver in SHARED_CSI_DRIVERS, why
+    kind = _volume_kind(volume)
     return kind, False, f"a {kind} volume is local to one node"
+
+
+def find_claim(docs: list[Doc], claim: str | None, namespace: str | None) -> Doc | None:
+    return next((d for d in docs if d.kind == "PersistentVolumeClaim" and d.name == claim
+                 and d.namespace in (namespace, None)), None)
+
+
+def claim_driver(pvc: Doc, docs: list[Doc]) -> str | None:
+    """The CSI driver behind a claim: its bound PersistentVolume's, else its StorageClass's provisioner."""
+    spec = pvc.obj.get("spec") or {}
+    for pv in (d for d in docs if d.kind == "PersistentVolume"):
+        claim_ref = (pv.obj.get("spec") or {}).get("claimRef") or {}
+        if pv.name == spec.get("volumeName") or (claim_ref.get("name") == pvc.name
+                                                 and claim_ref.get("namespace") in (pvc.namespace, None)):
+            return ((pv.obj.get("spec") or {}).get("csi") or {}).get("driver")
+    storage_class = next((d for d in docs if d.kind == "StorageClass" and d.name == spec.get("storageClassName")), None)
+    return storage_class.obj.get("provisioner") if storage_class else None
+
+
+def claim_findings(doc: Doc, docs: list[Doc], where: str, pod_spec: dict) -> list[Finding]:
+    """Every claim a pod mounts exists in its namespace, and names a StorageClass that exists."""
+    findings = []
+    for volume in pod_spec.get("volumes") or []:
+        claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
+        if claim is None:
+            continue
+        field = f"{where}.volumes[{volume.get('name')}].persistentVolumeClaim.claimName"
+        pvc = find_claim(docs, claim, doc.namespace)
+        if pvc is None:
+            findings.append(Finding(doc.subject, field, claim, f"a PersistentVolumeClaim {claim} in namespace "
+                                    f"{doc.namespace} among the linted files", "the pod would stay Pending"))
+            continue
+        findings += _storage_class_exists(pvc, docs)
+    return _unique(findings)
+
+
+def _storage_class_exists(pvc: Doc, docs: list[Doc]) -> list[Finding]:
+    name = (pvc.obj.get("spec") or {}).get("storageClassName")
+    if not name or any(d.kind == "StorageClass" and d.name == name for d in docs):
+        return []
+    return [Finding(pvc.subject, "spec.storageClassName", name, "a StorageClass among the linted files",
+                    "not linted here: it must exist in the cluster, or the claim stays Pending", "warning")]
+
+
+def storage_class_findings(doc: Doc) -> list[Finding]:
+    """FSx for Lustre mounts need `flock`: the Hugging Face cache (HF_HOME on FSx) locks its files."""
+    if doc.obj.get("provisioner") != FSX_CSI_DRIVER or "flock" in (doc.obj.get("mountOptions") or []):
+        return []
+    return [Finding(doc.subject, "mountOptions", doc.obj.get("mountOptions"), ["flock"],
+                    "without it Lustre answers flock() with ENOSYS: the first Hugging Face download on the volume fails")]
+
+
+# ---------------------------------------------------------------- identities for s3:// storage
+
+
+def ray_identity_findings(doc: Doc, docs: list[Doc], groups: list[tuple[str, dict]], config: PipelineConfig) -> list[Finding]:
+    """With an s3:// root, every Ray group runs as a service account with an IAM role (IRSA)."""
+    root = config.storage.root
+    if not root.startswith("s3://"):
+        return []
+    return [f for where, group in groups
+            for f in irsa_findings(doc.subject, f"{where}.template.spec.serviceAccountName",
+                                   _pod_spec(group).get("serviceAccountName") or "default", doc.namespace, docs,
+                                   f"storage.root {root}: the Ray pods read and write it")]
+
+
+def irsa_findings(subject: str, field: str, account: str | None, namespace: str | None, docs: list[Doc],
+                  why: str) -> list[Finding]:
+    """The service account exists among the linted files with the IRSA role annotation."""
+    sa = next((d for d in docs if d.kind == "ServiceAccount" and d.name == account and d.namespace in (namespace, None)), None)
+    annotations = ((sa.obj.get("metadata") or {}).get("annotations") or {}) if sa else {}
+    if annotations.get(IRSA_ANNOTATION):
+        return []
+    seen = f"{account} (not among the linted files)" if sa is None else f"{account} (no {IRSA_ANNOTATION} annotation)"
+    return [Finding(subject, field, seen, f"a service account annotated {IRSA_ANNOTATION}",
+                    f"{why}, and without an IAM role (IRSA) the pods have no S3 credentials")]
 
 
 # ---------------------------------------------------------------- other workloads and the Prefect template
 
 
-def workload_image_findings(doc: Doc) -> list[Finding]:
-    """Non-Ray workloads: a tag-only image is a warning (they never train, but they do run code)."""
+def workload_findings(doc: Doc, docs: list[Doc]) -> list[Finding]:
+    """Non-Ray workloads: pinned images (a tag is a warning: they never train), claims, a Prefect worker's settings."""
+    pod_spec = workload_pod_spec(doc)
+    where = "spec" if doc.kind == "Pod" else "spec.template.spec"
+    findings = [f for c in _containers(pod_spec)
+                for f in _workload_image(doc.subject, f"containers[{c.get('name')}].image", c.get("image", ""))]
+    findings += claim_findings(doc, docs, where, pod_spec)
+    return findings + prefect_worker_findings(doc, docs)
+
+
+def workload_pod_spec(doc: Doc) -> dict:
     spec = doc.obj.get("spec") or {}
-    pod_spec = spec if doc.kind == "Pod" else (spec.get("template") or {}).get("spec") or {}
-    return [f for c in _containers(pod_spec)
-            for f in _tag_only(doc.subject, f"containers[{c.get('name')}].image", c.get("image", ""))]
+    return spec if doc.kind == "Pod" else (spec.get("template") or {}).get("spec") or {}
 
 
-def _tag_only(subject: str, field: str, image: str) -> list[Finding]:
-    if image_digest(image) is not None or _PLACEHOLDER.match(image):
+def _workload_image(subject: str, field: str, image: str) -> list[Finding]:
+    if _PLACEHOLDER.match(image):
         return []
-    return [Finding(subject, field, image, f"{image.split('@')[0]}@sha256:<64 hex>",
-                    "tag only: the pod may run different code after a re-push", "warning")]
+    return _digest_findings(subject, field, image, unpinned="warning")
+
+
+# ---------------------------------------------------------------- the Prefect Kubernetes worker
+
+
+def kubernetes_worker_pool(container: dict) -> str | None:
+    """The work pool a `prefect worker start --type kubernetes --pool P` container polls, else None."""
+    words = [str(w) for w in [*(container.get("command") or []), *(container.get("args") or [])]]
+    options = {words[i]: words[i + 1] for i in range(len(words) - 1) if words[i].startswith("-")}
+    if "worker" not in words or "start" not in words:
+        return None
+    if options.get("--type", options.get("-t")) != "kubernetes":
+        return None
+    return options.get("--pool", options.get("-p"))
+
+
+def prefect_worker_findings(doc: Doc, docs: list[Doc]) -> list[Finding]:
+    """A worker bound only by namespaced Roles: cluster UID and observer namespaces set, Roles where the Jobs go."""
+    pod_spec = workload_pod_spec(doc)
+    account = pod_spec.get("serviceAccountName") or "default"
+    workers = [c for c in pod_spec.get("containers") or [] if kubernetes_worker_pool(c)]
+    if not workers or _bound_cluster_wide(docs, account, doc.namespace):
+        return []  # cluster-wide rights: it may read kube-system and watch every namespace itself
+    role_namespaces = {r.namespace for r in _roles_bound_to(docs, account, doc.namespace) if r.kind == "Role"}
+    findings = []
+    for container in workers:
+        field = f"spec.template.spec.containers[{container.get('name')}].env"
+        findings += _cluster_uid_findings(doc.subject, field, _env(container).get(CLUSTER_UID_ENV))
+        findings += _observer_findings(doc.subject, field, _env(container).get(OBSERVER_NAMESPACES_ENV), role_namespaces)
+    findings += _job_namespace_findings(doc, docs, account, role_namespaces)
+    return findings
+
+
+def _cluster_uid_findings(subject: str, field: str, uid: str | None) -> list[Finding]:
+    expected = "kube-system's UID: kubectl get namespace kube-system -o jsonpath='{.metadata.uid}'"
+    if not uid:
+        return [Finding(subject, f"{field}[{CLUSTER_UID_ENV}]", None, expected,
+                        "a namespaced worker cannot read the kube-system namespace: prefect-kubernetes versions that "
+                        "build a run's infrastructure id from it fail every submission with 403")]
+    if uid == PLACEHOLDER_UID:
+        return [Finding(subject, f"{field}[{CLUSTER_UID_ENV}]", uid, expected,
+                        "placeholder UID: two clusters with the same UID could cancel each other's flow runs", "warning")]
+    return []
+
+
+def _observer_findings(subject: str, field: str, raw: str | None, role_namespaces: set) -> list[Finding]:
+    watched = {n.strip() for n in (raw or "").split(",") if n.strip()}
+    if role_namespaces <= watched and watched:
+        return []
+    expected = ",".join(sorted(role_namespaces)) or "the flow-run namespace"
+    why = ("unset, the observer watches pods and jobs cluster-wide, which a namespaced Role forbids (403): crashed "
+           "flow runs are never marked") if not watched else "the observer must watch every namespace the worker's Roles cover"
+    return [Finding(subject, f"{field}[{OBSERVER_NAMESPACES_ENV}]", raw, expected, why)]
+
+
+def _job_namespace_findings(doc: Doc, docs: list[Doc], account: str, role_namespaces: set) -> list[Finding]:
+    """The base job template's namespace, where the worker creates flow-run Jobs, has one of its Roles."""
+    findings = []
+    for template in (d for d in docs if d.kind == "PrefectBaseJobTemplate"):
+        namespace = template_defaults(template).get("namespace")
+        if namespace and namespace not in role_namespaces:
+            findings.append(Finding(doc.subject, f"Roles bound to {account}", sorted(role_namespaces), namespace,
+                                    f"{template.file} creates flow-run Jobs in {namespace}: the worker gets 403 there"))
+    return findings
+
+
+def _bound_cluster_wide(docs: list[Doc], account: str, namespace: str | None) -> bool:
+    return any(d.kind == "ClusterRoleBinding" and _binds(d, account, namespace) for d in docs)
+
+
+def worker_role_namespaces(docs: list[Doc]) -> dict[str, set]:
+    """{work pool: namespaces of the Roles bound to the Kubernetes worker polling it}."""
+    pools: dict[str, set] = {}
+    for doc in (d for d in docs if d.kind in WORKLOAD_KINDS):
+        pod_spec = workload_pod_spec(doc)
+        account = pod_spec.get("serviceAccountName") or "default"
+        for container in pod_spec.get("containers") or []:
+            if pool := kubernetes_worker_pool(container):
+                roles = _roles_bound_to(docs, account, doc.namespace)
+                pools.setdefault(pool, set()).update(r.namespace for r in roles if r.kind == "Role")
+    return pools
+
+
+# ---------------------------------------------------------------- prefect.yaml
+
+
+def prefect_project_findings(doc: Doc, docs: list[Doc], config: PipelineConfig | None) -> list[Finding]:
+    """Deployments on a pool a Kubernetes worker here polls: flow-run image, namespace, S3 identity."""
+    pools = worker_role_namespaces(docs)
+    defaults = next((template_defaults(d) for d in docs if d.kind == "PrefectBaseJobTemplate"), {})
+    findings = []
+    for deployment in doc.obj.get("deployments") or []:
+        work_pool = deployment.get("work_pool") or {}
+        if work_pool.get("name") in pools:
+            findings += _deployment_findings(doc, docs, deployment, {**defaults, **(work_pool.get("job_variables") or {})},
+                                             pools[work_pool["name"]], config)
+    return findings
+
+
+def _deployment_findings(doc: Doc, docs: list[Doc], deployment: dict, variables: dict, role_namespaces: set,
+                         config: PipelineConfig | None) -> list[Finding]:
+    subject = f"{doc.file}: deployment {deployment.get('name')}"
+    field = "work_pool.job_variables"
+    findings = flow_run_image_findings(subject, f"{field}.image", variables.get("image"))
+    namespace = variables.get("namespace")
+    if namespace not in role_namespaces:
+        findings.append(Finding(subject, f"{field}.namespace", namespace, sorted(role_namespaces),
+                                "the namespaces the worker's Roles cover: it could not create the flow-run Job"))
+    root = (((deployment.get("parameters") or {}).get("config") or {}).get("storage") or {}).get("root") \
+        or (config.storage.root if config else "")
+    if str(root).startswith("s3://"):
+        findings += irsa_findings(subject, f"{field}.service_account_name", variables.get("service_account_name"),
+                                  namespace, docs, f"storage.root {root}: the flow writes the run record there")
+    return findings
+
+
+def flow_run_image_findings(subject: str, field: str, image: str | None) -> list[Finding]:
+    """The image a flow run gets: set, not the stock Prefect image, pinned by digest."""
+    if not image:
+        return [Finding(subject, field, image, "the flow-run image (deployments/flow-run-image/) by digest",
+                        "unset, the worker runs the stock Prefect image")]
+    repository = image.split("@", 1)[0].rsplit(":", 1)[0].removeprefix("docker.io/").removeprefix("index.docker.io/")
+    if repository in STOCK_PREFECT_REPOSITORIES:
+        return [Finding(subject, field, image, "the flow-run image (deployments/flow-run-image/) by digest",
+                        "the stock Prefect image has neither this project nor ray, kubernetes and s3fs: "
+                        "the flow run dies with ModuleNotFoundError")]
+    return _digest_findings(subject, field, image)
+
+
+# ---------------------------------------------------------------- the Prefect base job template
 
 
 def job_template_findings(doc: Doc, docs: list[Doc], config: PipelineConfig | None) -> list[Finding]:
     manifest = (doc.obj.get("job_configuration") or {}).get("job_manifest") or {}
-    defaults = {k: v.get("default") for k, v in ((doc.obj.get("variables") or {}).get("properties") or {}).items()}
-    fixed = drop_placeholders(manifest)
-    validator = schema_validator("batch/v1", "Job")
-    findings = [_schema_finding(doc.subject, e) for e in validator.iter_errors(fixed)]
+    defaults = template_defaults(doc)
     pod_spec = ((manifest.get("spec") or {}).get("template") or {}).get("spec") or {}
-    findings += _tag_only(doc.subject, "variables.properties.image.default", defaults.get("image") or "{{ image }}")
+    findings = prefect_pod_field_findings(doc.subject, pod_spec)
+    validator = schema_validator("batch/v1", "Job")
+    findings += [_schema_finding(doc.subject, e) for e in validator.iter_errors(without_prefect_pod_fields(drop_placeholders(manifest)))]
+    if defaults.get("image"):  # a default a deployment falls back to: a warning here, an error per deployment
+        findings += [replace(f, severity="warning")
+                     for f in flow_run_image_findings(doc.subject, "variables.properties.image.default", defaults["image"])]
     if config is not None and config.cluster.auth_token_file:
         findings += _token_mount_findings(doc, docs, pod_spec, defaults, config.cluster.auth_token_file)
+    if config is not None and config.storage.root.startswith("s3://"):
+        findings += irsa_findings(doc.subject, "variables.properties.service_account_name.default",
+                                  defaults.get("service_account_name"), defaults.get("namespace"), docs,
+                                  f"storage.root {config.storage.root}: the flow writes the run record there")
     findings += _read_only_findings(doc, docs, defaults.get("service_account_name"), defaults.get("namespace"))
     return findings
+
+
+def prefect_pod_field_findings(subject: str, pod_spec: dict) -> list[Finding]:
+    """The worker validates the manifest before creating the Job: without these every submission fails."""
+    return [Finding(subject, f"job_manifest spec.template.spec.{key}", pod_spec.get(key), value,
+                    "prefect-kubernetes rejects the job manifest without it: every flow-run submission fails")
+            for key, value in PREFECT_POD_FIELDS.items() if pod_spec.get(key) != value]
+
+
+def without_prefect_pod_fields(job: dict) -> dict:
+    """The Job as the API server keeps it: the PodSpec fields prefect-kubernetes insists on are dropped."""
+    pod_spec = ((job.get("spec") or {}).get("template") or {}).get("spec")
+    if not isinstance(pod_spec, dict):
+        return job
+    kept = {k: v for k, v in pod_spec.items() if k not in PREFECT_POD_FIELDS}
+    return {**job, "spec": {**job["spec"], "template": {**job["spec"]["template"], "spec": kept}}}
+
+
+def template_defaults(doc: Doc) -> dict:
+    """The base job template's variable defaults: what a deployment gets for what it does not set."""
+    return {k: v.get("default") for k, v in ((doc.obj.get("variables") or {}).get("properties") or {}).items()}
 
 
 def drop_placeholders(node):
@@ -455,7 +962,7 @@ def _token_mount_findings(doc: Doc, docs: list[Doc], pod_spec: dict, defaults: d
         return [Finding(doc.subject, "job_manifest containers[0].volumeMounts", None,
                         f"a mount at {PurePosixPath(token_file).parent}",
                         f"config cluster.auth_token_file {token_file} would not exist in the flow-run pod")]
-    volume = next((v for v in pod_spec.get("volumes") or [] if v.get("name") == mount.get("name")), {})
+    volume = _volume(pod_spec, mount.get("name"))
     secret = _resolve((volume.get("secret") or {}).get("secretName"), defaults)
     wanted = {((d.obj.get("spec") or {}).get("authOptions") or {}).get("secretName")
               for d in docs if d.kind == "RayCluster"} - {None}
@@ -489,13 +996,16 @@ def _read_only_findings(doc: Doc, docs: list[Doc], account: str | None, namespac
 
 def _roles_bound_to(docs: list[Doc], account: str, namespace: str | None) -> list[Doc]:
     refs = set()
-    for binding in (d for d in docs if d.kind in ("RoleBinding", "ClusterRoleBinding")):
-        if any(s.get("kind") == "ServiceAccount" and s.get("name") == account
-               and s.get("namespace", (binding.obj.get("metadata") or {}).get("namespace")) == namespace
-               for s in binding.obj.get("subjects") or []):
-            ref = binding.obj.get("roleRef") or {}
-            refs.add((ref.get("kind"), ref.get("name")))
-    return [d for d in docs if (d.kind, d.name) in refs]
+    for binding in (d for d in docs if d.kind in ("RoleBinding", "ClusterRoleBinding") and _binds(d, account, namespace)):
+        ref = binding.obj.get("roleRef") or {}
+        # a RoleBinding grants its Role in the binding's own namespace
+        refs.add((ref.get("kind"), ref.get("name"), binding.namespace if binding.kind == "RoleBinding" else None))
+    return [d for d in docs if (d.kind, d.name, d.namespace if d.kind == "Role" else None) in refs]
+
+
+def _binds(binding: Doc, account: str, namespace: str | None) -> bool:
+    return any(s.get("kind") == "ServiceAccount" and s.get("name") == account
+               and s.get("namespace", binding.namespace) == namespace for s in binding.obj.get("subjects") or [])
 
 
 def _unique(findings: list[Finding]) -> list[Finding]:
