@@ -34,7 +34,7 @@ POD_SCRIPT = """
 import asyncio, importlib.util, json, os, sys
 from prefect.deployments.steps.core import run_steps
 asyncio.run(run_steps(json.loads(sys.argv[1])))
-import flows.pipeline, tasks.rayjob, tasks.stages
+import flows.pipeline, tasks.rayjob, tasks.jobs
 from tuneproof.control.identity import git_identity
 print(json.dumps({
     "cwd": os.getcwd(),

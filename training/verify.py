@@ -1,6 +1,6 @@
 """Stage 1, verify: every alive Ray node runs what the pipeline expects, and storage works from a worker.
 
-Runs as a Ray job: `python -m training.verify` with TUNEPROOF_JOB set (tasks/stages.py submits it).
+Runs as a Ray job: `python -m training.verify` with TUNEPROOF_JOB set (tasks/jobs.py submits it).
 One probe task per alive node, pinned to it, collects versions, GPU counts and an environment
 digest; tuneproof.core.checks compares them with cluster.expect and across nodes. A second task, on a
 worker node when there is one, writes, reads back and deletes a small object under this stage's
