@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TP := $(VENV)/bin/tuneproof
 PYTHON ?= python3
 
-.PHONY: setup browser demo test test-fast up down clean
+.PHONY: setup browser demo test test-fast lint up down clean
 
 setup: $(VENV)/.installed
 
@@ -21,8 +21,13 @@ demo: setup
 	$(TP) local up
 	$(TP) run
 
-test: setup browser
+test: setup browser lint
 	$(PY) -m pytest -q
+
+# Lint, format and types before any test: the same checks a reviewer would make, in seconds.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 # The browser test drives Debian's Chromium (Playwright's own browser download cannot work offline).
 browser:
@@ -31,7 +36,7 @@ browser:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	  else echo "chromium is not installed and cannot be installed here: the browser test will be skipped"; fi; }
 
-test-fast: setup
+test-fast: setup lint
 	$(PY) -m pytest -q -m "not integration and not browser"
 
 up: setup

@@ -131,7 +131,7 @@ def measure(config, device: torch.device, checkpointing: bool, args, rank: int, 
         result.error = f"out of memory at batch {args.batch} x {args.seq_len}: {str(e).splitlines()[0]}"
         return result
     finally:
-        model = optimizer = batch = None
+        del model, optimizer, batch  # free the GPU before the next configuration
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -271,7 +271,7 @@ def dry_run(args) -> None:
     print(table(results))
     expected = math.log(config.vocab_size)  # a random init predicts about uniformly
     for r in results:
-        if r.error or not math.isfinite(r.loss) or abs(r.loss - expected) > 1.0:
+        if r.error or r.loss is None or not math.isfinite(r.loss) or abs(r.loss - expected) > 1.0:
             sys.exit(f"dry run failed: {r} (expected a finite loss near ln(vocab) = {expected:.2f})")
     print(f"dry run ok in {time.perf_counter() - started:.0f} s")
 

@@ -53,9 +53,9 @@ def sh(*command: str | Path, check: bool = True) -> int:
     return code
 
 
-def timed(label: str, fn, *args):
+def timed(label: str, fn, *args, **kwargs):
     began = time.monotonic()
-    result = fn(*args)
+    result = fn(*args, **kwargs)
     print(f"== {label}: {time.monotonic() - began:.0f} s", flush=True)
     return result
 

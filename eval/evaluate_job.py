@@ -30,10 +30,9 @@ from training.jobkit import JobContext, run_stage
 from training.modeling import load_model, load_tokenizer, materialize
 from training.train_data import read_split
 from tuneproof.core.results import FailureClass, StageFailure
-from tuneproof.core.summaries import EvaluateSummary, ModelScore, Role
+from tuneproof.core.summaries import ROLES, EvaluateSummary, ModelScore
 
 STAGE = "evaluate"
-ROLES: tuple[Role, ...] = ("candidate", "base", "incumbent")  # the order eval.gates.decide takes them in
 
 
 class Incumbent(BaseModel):
@@ -91,7 +90,8 @@ def evaluate_body(ctx: JobContext) -> EvaluateSummary:
     counter = _Progress(total=len(sources) * len(data.prompts))
     results = {s.role: evaluate_model(ctx, s, data, metrics, counter) for s in sources}
     predictions_uri = save_predictions(ctx, data, results)
-    decision = decide(*(results[r].metrics if r in results else None for r in ROLES), cfg.gates)
+    incumbent = results["incumbent"].metrics if "incumbent" in results else None
+    decision = decide(results["candidate"].metrics, results["base"].metrics, incumbent, cfg.gates)
     for line in decision.lines:
         jobkit.log(f"gate: {line}")
     summary = EvaluateSummary(
@@ -138,7 +138,7 @@ def model_sources(ctx: JobContext, params: EvalParams) -> list[ModelSource]:
     return sources
 
 
-def evaluate_model(ctx: JobContext, source: ModelSource, data: EvalSet, metrics: dict, counter: "_Progress") -> ModelEval:
+def evaluate_model(ctx: JobContext, source: ModelSource, data: EvalSet, metrics: dict, counter: _Progress) -> ModelEval:
     cfg = ctx.config.eval
     started = time.monotonic()
     model, tokenizer = load_for_eval(ctx, source)
@@ -169,7 +169,7 @@ def load_for_eval(ctx: JobContext, source: ModelSource):
 def score(metrics: dict, answers: list[str], references: list[str]) -> dict[str, float]:
     """Every numeric value each metric module reports, by its own key."""
     values: dict[str, float] = {}
-    for name, metric in metrics.items():
+    for metric in metrics.values():
         for key, value in metric.compute(predictions=answers, references=references).items():
             if isinstance(value, (int, float)):
                 values[key] = float(value)
@@ -181,7 +181,7 @@ def save_predictions(ctx: JobContext, data: EvalSet, results: dict[str, ModelEva
     cap = min(ctx.config.eval.predictions_cap, len(data.prompts))
     lines = []
     for i in range(cap):
-        row = {"prompt": data.prompts[i], "reference": data.references[i]}
+        row: dict[str, str | None] = {"prompt": data.prompts[i], "reference": data.references[i]}
         row.update({role: (results[role].answers[i] if role in results else None) for role in ROLES})
         lines.append(json.dumps(row, ensure_ascii=False))
     parts = ctx.stage_parts("predictions.jsonl")

@@ -12,20 +12,19 @@ A missing or NaN value fails its gate: a metric that could not be computed prove
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from tuneproof.core.summaries import GateDecision, Verdict
+from tuneproof.core.config import Gate
+from tuneproof.core.summaries import GateDecision, GateKind, Verdict
+
+Metrics = Mapping[str, Any]
 
 # Metric arithmetic in floats: 0.85 - 0.35 is 0.4999999999999999, which must still meet 0.5.
 TOLERANCE = 1e-9
 
 
-def decide(
-    candidate: Mapping[str, Any],
-    base: Mapping[str, Any],
-    incumbent: Mapping[str, Any] | None,
-    policy: Mapping[str, Any],
-) -> GateDecision:
+def decide(candidate: Metrics, base: Metrics, incumbent: Metrics | None, policy: Mapping[str, Gate]) -> GateDecision:
     """Apply every threshold of every gate in `policy` (metric name -> config.Gate or alike).
 
     Passes only when every verdict passes; an empty policy passes with a line saying so.
@@ -36,70 +35,80 @@ def decide(
     return GateDecision(passed=all(v.passed for v in verdicts), lines=[v.line for v in verdicts], verdicts=verdicts)
 
 
-def _metric_verdicts(metric, gate, candidate, base, incumbent) -> list[Verdict]:
+def _metric_verdicts(metric: str, gate: Gate, candidate: Metrics, base: Metrics, incumbent: Metrics | None) -> list[Verdict]:
     verdicts = []
     if gate.min is not None:
-        verdicts.append(_min_verdict(metric, gate, candidate))
+        verdicts.append(_min_verdict(metric, gate, gate.min, candidate))
     if gate.min_improvement is not None:
-        verdicts.append(_improvement_verdict(metric, gate, candidate, base))
+        verdicts.append(_improvement_verdict(metric, gate, gate.min_improvement, candidate, base))
     if gate.max_regression is not None:
-        verdicts.append(_regression_verdict(metric, gate, candidate, incumbent))
+        verdicts.append(_regression_verdict(metric, gate, gate.max_regression, candidate, incumbent))
     return verdicts
 
 
-def _min_verdict(metric, gate, candidate) -> Verdict:
+def _min_verdict(metric: str, gate: Gate, threshold: float, candidate: Metrics) -> Verdict:
     op = ">=" if gate.higher_is_better else "<="
-    head = f"{metric} {op} {fmt(gate.min)}"
-    value, missing = _read(candidate, metric, "candidate")
-    if missing:
-        return _verdict(metric, "min", None, gate.min, False, f"{head}: {missing} (fail)")
-    passed = value >= gate.min - TOLERANCE if gate.higher_is_better else value <= gate.min + TOLERANCE
-    return _verdict(metric, "min", value, gate.min, passed, f"{head}: {fmt(value)} ({_word(passed)})")
+    head = f"{metric} {op} {fmt(threshold)}"
+    value = _read(candidate, metric, "candidate")
+    if isinstance(value, str):
+        return _verdict(metric, "min", None, threshold, False, f"{head}: {value} (fail)")
+    passed = value >= threshold - TOLERANCE if gate.higher_is_better else value <= threshold + TOLERANCE
+    return _verdict(metric, "min", value, threshold, passed, f"{head}: {fmt(value)} ({_word(passed)})")
 
 
-def _improvement_verdict(metric, gate, candidate, base) -> Verdict:
-    head = f"{metric} improvement over base >= {fmt(gate.min_improvement)}"
-    return _delta_verdict(metric, "min_improvement", head, gate, candidate, base, "base", at_least=gate.min_improvement)
+def _improvement_verdict(metric: str, gate: Gate, at_least: float, candidate: Metrics, base: Metrics) -> Verdict:
+    head = f"{metric} improvement over base >= {fmt(at_least)}"
+    gain = _gain(metric, gate, candidate, base, "base")
+    if isinstance(gain, str):
+        return _verdict(metric, "min_improvement", None, at_least, False, f"{head}: {gain} (fail)")
+    value, detail = gain
+    passed = value >= at_least - TOLERANCE
+    return _verdict(metric, "min_improvement", value, at_least, passed,
+                    f"{head}: {fmt(value, signed=True)} ({detail}) ({_word(passed)})")
 
 
-def _regression_verdict(metric, gate, candidate, incumbent) -> Verdict:
-    head = f"{metric} regression vs incumbent <= {fmt(gate.max_regression)}"
+def _regression_verdict(metric: str, gate: Gate, at_most: float, candidate: Metrics, incumbent: Metrics | None) -> Verdict:
+    head = f"{metric} regression vs incumbent <= {fmt(at_most)}"
     if incumbent is None:
-        return _verdict(metric, "max_regression", None, gate.max_regression, True,
+        return _verdict(metric, "max_regression", None, at_most, True,
                         f"{head}: no incumbent: first model, regression gate not applicable")
-    return _delta_verdict(metric, "max_regression", head, gate, candidate, incumbent, "incumbent", at_most=gate.max_regression)
+    gain = _gain(metric, gate, candidate, incumbent, "incumbent")
+    if isinstance(gain, str):
+        return _verdict(metric, "max_regression", None, at_most, False, f"{head}: {gain} (fail)")
+    value, detail = -gain[0], gain[1]  # the regression is the gain lost
+    passed = value <= at_most + TOLERANCE
+    return _verdict(metric, "max_regression", value, at_most, passed,
+                    f"{head}: {fmt(value, signed=True)} ({detail}) ({_word(passed)})")
 
 
-def _delta_verdict(metric, kind, head, gate, candidate, other, other_role, at_least=None, at_most=None) -> Verdict:
-    threshold = at_least if at_least is not None else at_most
-    cand, missing = _read(candidate, metric, "candidate")
-    ref, ref_missing = _read(other, metric, other_role)
-    if missing or ref_missing:
-        return _verdict(metric, kind, None, threshold, False, f"{head}: {missing or ref_missing} (fail)")
+def _gain(metric: str, gate: Gate, candidate: Metrics, other: Metrics, other_role: str) -> tuple[float, str] | str:
+    """(how much better the candidate is than `other`, 'candidate x, <role> y'), or why it cannot be said."""
+    cand = _read(candidate, metric, "candidate")
+    ref = _read(other, metric, other_role)
+    if isinstance(cand, str):
+        return cand
+    if isinstance(ref, str):
+        return ref
     gain = cand - ref if gate.higher_is_better else ref - cand
-    # Improvement is the gain itself; regression is the gain lost.
-    value = gain if at_least is not None else -gain
-    passed = value >= at_least - TOLERANCE if at_least is not None else value <= at_most + TOLERANCE
-    line = f"{head}: {fmt(value, signed=True)} (candidate {fmt(cand)}, {other_role} {fmt(ref)}) ({_word(passed)})"
-    return _verdict(metric, kind, value, threshold, passed, line)
+    return gain, f"candidate {fmt(cand)}, {other_role} {fmt(ref)}"
 
 
-def _verdict(metric, gate, value, threshold, passed, line) -> Verdict:
+def _verdict(metric: str, gate: GateKind, value: float | None, threshold: float, passed: bool, line: str) -> Verdict:
     return Verdict(metric=metric, gate=gate, value=value, threshold=threshold, passed=passed, line=line)
 
 
-def _read(metrics: Mapping[str, Any], metric: str, role: str) -> tuple[float | None, str | None]:
-    """(value, None) or (None, why it cannot be compared)."""
+def _read(metrics: Metrics, metric: str, role: str) -> float | str:
+    """The value, or why it cannot be compared."""
     raw = metrics.get(metric)
     if raw is None:
-        return None, f"{role} value missing (have: {', '.join(sorted(metrics)) or 'none'})"
+        return f"{role} value missing (have: {', '.join(sorted(metrics)) or 'none'})"
     try:
         value = float(raw)
     except (TypeError, ValueError):
-        return None, f"{role} value is not a number ({raw!r})"
+        return f"{role} value is not a number ({raw!r})"
     if math.isnan(value):
-        return None, f"{role} value is NaN"
-    return value, None
+        return f"{role} value is NaN"
+    return value
 
 
 def _word(passed: bool) -> str:

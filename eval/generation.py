@@ -9,7 +9,7 @@ where its answer starts); the loss batches pad on the right with labels -100, wh
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F

@@ -26,7 +26,14 @@ from tuneproof.core.config import PipelineConfig
 from tuneproof.core.results import FailureClass
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import (
-    ConnectivitySummary, DataSummary, EvaluateSummary, FinetuneSummary, PromoteSummary, ResumeSummary, Summary,
+    ROLES,
+    ConnectivitySummary,
+    DataSummary,
+    EvaluateSummary,
+    FinetuneSummary,
+    PromoteSummary,
+    ResumeSummary,
+    Summary,
     VerifySummary,
 )
 
@@ -141,8 +148,8 @@ def evaluate_evidence(s: EvaluateSummary) -> str:
     parts = []
     for name in names:
         values = []
-        for role in ("candidate", "base", "incumbent"):
-            score = s.models.get(role)  # type: ignore[call-overload]
+        for role in ROLES:
+            score = s.models.get(role)
             value = score.metrics.get(name) if score else None
             values.append(f"{role} {_num(value) if value is not None else '-'}")
         parts.append(f"{name}: " + ", ".join(values))

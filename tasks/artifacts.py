@@ -27,7 +27,14 @@ from tuneproof.control.record import RunRecord, StageEntry
 from tuneproof.core.envelope import ProgressEvent
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import (
-    ConnectivitySummary, DataSummary, EvaluateSummary, FinetuneSummary, LossPoint, ModelScore, Verdict, VerifySummary,
+    ConnectivitySummary,
+    DataSummary,
+    EvaluateSummary,
+    FinetuneSummary,
+    LossPoint,
+    ModelScore,
+    Verdict,
+    VerifySummary,
 )
 
 
@@ -214,7 +221,7 @@ class Progress:
     def __init__(self, run_id: str, stage: str):
         self.key = key(f"{stage}-progress", run_id)
         self.stage = stage
-        self.artifact_id = None
+        self.artifact_id: Any = None
         self.last = -1.0
 
     def update(self, event: ProgressEvent) -> None:

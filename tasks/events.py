@@ -6,7 +6,8 @@ Events are plain dicts: {"kind": "stage", "stage", "status"}, {"kind": "job", "s
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _subscribers: list[Callable[[dict[str, Any]], None]] = []
 

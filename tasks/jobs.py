@@ -12,8 +12,9 @@ what only they need (the Kubernetes half, NCCL logging, the incumbent from the r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE

@@ -7,8 +7,8 @@ import pytest
 from ray.job_submission import JobSubmissionClient
 from typer.testing import CliRunner
 
-from tuneproof.control import record as records
 from tuneproof.app.cli import app
+from tuneproof.control import record as records
 from tuneproof.core.config import load_config
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import ConnectivitySummary, VerifySummary

@@ -9,13 +9,23 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import TEST_BUCKET
 from training.checkpointing import (
-    MARKER, TrainingProgress, capture_rng, check_complete, checkpoint_dir_name, complete_checkpoints,
-    latest_complete_checkpoint, load_shards, missing_files, restore_rng, save_shards, step_of, write_marker,
+    MARKER,
+    TrainingProgress,
+    capture_rng,
+    check_complete,
+    checkpoint_dir_name,
+    complete_checkpoints,
+    latest_complete_checkpoint,
+    load_shards,
+    missing_files,
+    restore_rng,
+    save_shards,
+    step_of,
+    write_marker,
 )
 from tuneproof.core.storage import Storage
-
-from tests.conftest import TEST_BUCKET
 
 RUN = ("runs", "r1", "train", "r1")
 

@@ -6,9 +6,9 @@ import json
 
 from typer.testing import CliRunner
 
-from tuneproof.control import record as records
 from flows import stages as table
 from tuneproof.app.cli import app, run_exit_code
+from tuneproof.control import record as records
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.storage import Storage
 

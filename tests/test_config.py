@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from tuneproof.core.config import DEFAULT_PROFILE, PROJECT_ROOT, ConfigError, PipelineConfig, load_config, parse_override
+from tuneproof.core.config import (
+    DEFAULT_PROFILE,
+    PROJECT_ROOT,
+    ConfigError,
+    PipelineConfig,
+    load_config,
+    parse_override,
+)
 
 
 def test_local_profile_loads_with_absolute_paths():

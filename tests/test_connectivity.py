@@ -6,15 +6,20 @@ import os
 
 import pytest
 
+from tests.test_verify_probe import ray_connected  # noqa: F401 - the shared Ray driver fixture
+from training.connectivity import (
+    bandwidth,
+    check_ranks,
+    check_transport,
+    connectivity,
+    own_nccl_lines,
+    transport_verdict,
+)
+from training.jobkit import JobContext
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.results import StageFailure
 from tuneproof.core.summaries import ConnectivitySummary, FsdpProbe, TransportVerdict
-from training.connectivity import (
-    bandwidth, check_ranks, check_transport, connectivity, own_nccl_lines, transport_verdict,
-)
-from training.jobkit import JobContext
 from tuneproof.core.transport import nccl_env
-from tests.test_verify_probe import ray_connected  # noqa: F401 - the shared Ray driver fixture
 
 
 def test_bandwidth_takes_slowest_rank_and_ring_factor():

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests.conftest import TEST_BUCKET
 from training.data_prep import SCHEMA, prepare_data, read_split
 from training.jobkit import ENV_VAR, JobContext, encode_job
 from tuneproof.app.tiny_model import DEFAULT_DATA, build_tiny_model, task_corpus
@@ -23,8 +24,6 @@ from tuneproof.core import datahash
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
-
-from tests.conftest import TEST_BUCKET
 
 PROJECT = Path(__file__).resolve().parent.parent
 DATES = [json.loads(line) for line in DEFAULT_DATA.read_text().splitlines()]

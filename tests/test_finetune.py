@@ -20,21 +20,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.conftest import TEST_BUCKET, ray_driver
+from tests.datasets import write_prepared
+from tests.test_checkpointing import RUN, fake_checkpoint
 from training import jobkit
 from training.checkpointing import MARKER, CheckpointRef, check_complete, latest_complete_checkpoint
 from training.data_prep import Example
-from tests.datasets import write_prepared
 from training.finetune import TrainParams, Worker, divergence, finetune, loss_curve, resolve_start
 from training.jobkit import JobContext
 from training.train_data import BatchLayout, StepBatches, load_examples, rank_slices
-from tuneproof.core.config import PROJECT_ROOT, PipelineConfig
-from tests.conftest import ray_driver
 from tuneproof.control.resume_evidence import compare_losses
+from tuneproof.core.config import PROJECT_ROOT, PipelineConfig
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
-
-from tests.conftest import TEST_BUCKET
-from tests.test_checkpointing import RUN, fake_checkpoint
 
 DATASET = "datasets/reverse/abc123"
 DIGIT0, SEP, EOS = 3, 13, 14  # token ids of the synthetic task (digits are 3..12)

@@ -8,7 +8,12 @@ from __future__ import annotations
 import pytest
 
 from training.flops import (
-    ModelShape, attention_flops_per_token, matmul_weights, mfu, peak_bf16_flops, train_flops_per_token,
+    ModelShape,
+    attention_flops_per_token,
+    matmul_weights,
+    mfu,
+    peak_bf16_flops,
+    train_flops_per_token,
 )
 
 # A tiny Qwen2: hidden 64, 2 layers, 4 heads of 16, 2 KV heads, SwiGLU width 128, vocab 100, tied.

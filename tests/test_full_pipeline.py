@@ -18,10 +18,10 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.conftest import _wait_http
-from tuneproof.control import record as records
 from tuneproof.app.cli import app
-from tuneproof.core.config import PROJECT_ROOT
 from tuneproof.app.local import free_port, stop_group
+from tuneproof.control import record as records
+from tuneproof.core.config import PROJECT_ROOT
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import DataSummary, EvaluateSummary, FinetuneSummary, ResumeSummary
 
@@ -39,7 +39,7 @@ def prefect_server(tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_API_URL": f"{url}/api", "PREFECT_UI_API_URL": f"{url}/api"}
-    log = open(home / "server.log", "wb")
+    log = open(home / "server.log", "wb")  # noqa: SIM115 - the server writes to it until the fixture's end
     proc = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1",
                              "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:

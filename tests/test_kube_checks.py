@@ -15,10 +15,10 @@ import pytest
 import yaml
 
 from tuneproof.app.cli_eks import verify_from_files_command
-from tuneproof.core.config import PROJECT_ROOT, load_config
-from tuneproof.core.findings import errors
 from tuneproof.control.kube import load_objects_from_dir
 from tuneproof.control.kube_checks import check_cluster, normalize_ray_nodes, operator_version, summarize
+from tuneproof.core.config import PROJECT_ROOT, load_config
+from tuneproof.core.findings import errors
 
 FIXTURE = Path(__file__).parent / "fixtures" / "k8s" / "cluster"
 EKS = PROJECT_ROOT / "configs" / "eks.yaml"

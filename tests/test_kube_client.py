@@ -16,10 +16,10 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 import yaml
 
-from tuneproof.core.config import PROJECT_ROOT, KubernetesConfig, load_config
-from tuneproof.core.findings import errors
 from tuneproof.control.kube import fetch_cluster_objects, load_objects_from_dir
 from tuneproof.control.kube_checks import check_cluster
+from tuneproof.core.config import PROJECT_ROOT, KubernetesConfig, load_config
+from tuneproof.core.findings import errors
 from tuneproof.core.results import FailureClass, StageFailure
 
 FIXTURE = Path(__file__).parent / "fixtures" / "k8s" / "cluster"

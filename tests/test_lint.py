@@ -14,12 +14,17 @@ import pytest
 import yaml
 
 from tuneproof.app.cli_eks import lint_command
-from tuneproof.core.config import PROJECT_ROOT, load_config
-from tuneproof.core.findings import errors
 from tuneproof.app.lint import (
-    PLACEHOLDER_DIGEST, PLACEHOLDER_UID, cluster_gpu_capacity, lint_paths, node_count, ray_version_in_image,
+    PLACEHOLDER_DIGEST,
+    PLACEHOLDER_UID,
+    cluster_gpu_capacity,
+    lint_paths,
+    node_count,
+    ray_version_in_image,
 )
 from tuneproof.app.schemas.build import _strict
+from tuneproof.core.config import PROJECT_ROOT, load_config
+from tuneproof.core.findings import errors
 
 DEPLOYMENTS = PROJECT_ROOT / "deployments"
 EKS = PROJECT_ROOT / "configs" / "eks.yaml"

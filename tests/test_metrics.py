@@ -7,11 +7,16 @@ import os
 import pytest
 
 from eval.metrics_loader import load_metric
+from tuneproof.core.config import EvalConfig, Gate
 from tuneproof.core.metric_names import (
-    METRICS_DIR, MetricNotFound, check_eval_config, check_gate_names, check_metric_names, local_metrics,
+    METRICS_DIR,
+    MetricNotFound,
+    check_eval_config,
+    check_gate_names,
+    check_metric_names,
+    local_metrics,
     resolve_metric,
 )
-from tuneproof.core.config import EvalConfig, Gate
 
 
 def test_the_hub_is_off_in_tests():

@@ -7,7 +7,6 @@ import json
 import threading
 
 import pytest
-
 from typer.testing import CliRunner
 
 from tasks.promote import forced_promotion, move_pointer, refusal_reasons

@@ -2,8 +2,8 @@
 
 import math
 
-from tuneproof.core.findings import Finding
 from tuneproof.control.resume_evidence import check_restart, compare_losses
+from tuneproof.core.findings import Finding
 
 
 def test_identical_losses_pass_with_zero_tolerance():

@@ -22,8 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_finetune import context, make_config, write_dataset, write_tiny_model
-from tests.test_finetune import ray_cluster  # noqa: F401 - the fixture: this process as a Ray driver
+from tests.test_finetune import (
+    context,
+    make_config,
+    ray_cluster,  # noqa: F401 - the fixture: this process as a Ray driver
+    write_dataset,
+    write_tiny_model,
+)
 from training.fsdp import mesh_shape
 from tuneproof.core.config import ConfigError, validate
 
@@ -173,7 +178,7 @@ def test_a_training_step_gives_the_same_weights_under_every_sharding(four_ranks)
         assert rank0[sharding]["loss"] == rank0["full"]["loss"]  # the same initial weights and batch
         for name, full in rank0["full"]["weights"].items():
             torch.testing.assert_close(rank0[sharding]["weights"][name], full, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{sharding} {name}: {m}")
+                                       msg=lambda m, sharding=sharding, name=name: f"{sharding} {name}: {m}")
 
 
 def test_a_checkpoint_saved_under_full_loads_under_hybrid_exactly(four_ranks):

@@ -11,7 +11,14 @@ import pytest
 
 from training.modeling import load_config, load_model, load_tokenizer
 from tuneproof.app.tiny_model import (
-    CHAT_TEMPLATE, DEFAULT_DATA, IM_END, ENDOFTEXT, build_tiny_model, ensure_tiny_model, main, task_corpus,
+    CHAT_TEMPLATE,
+    DEFAULT_DATA,
+    ENDOFTEXT,
+    IM_END,
+    build_tiny_model,
+    ensure_tiny_model,
+    main,
+    task_corpus,
 )
 from tuneproof.core.config import DataConfig
 

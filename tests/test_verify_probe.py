@@ -8,15 +8,20 @@ import pytest
 import torch
 
 from tests.conftest import ray_driver
-
+from training.jobkit import JobContext
+from training.verify import (
+    fail_on_errors,
+    installed_distributions,
+    nccl_version,
+    node_facts,
+    storage_findings,
+    storage_roundtrip,
+    verify,
+)
 from tuneproof.core.checks import environment_digest
 from tuneproof.core.config import PipelineConfig, StorageConfig
 from tuneproof.core.findings import Finding
 from tuneproof.core.results import StageFailure
-from training.jobkit import JobContext
-from training.verify import (
-    fail_on_errors, installed_distributions, node_facts, nccl_version, storage_findings, storage_roundtrip, verify,
-)
 
 
 def test_node_facts_on_this_machine():

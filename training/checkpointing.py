@@ -26,9 +26,10 @@ import random
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from tuneproof.core.results import now_iso
 from tuneproof.core.storage import Storage
@@ -155,9 +156,8 @@ def load_shards(model, optimizer, local_dir: str | Path, rank: int) -> TrainingP
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(local_dir))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(local_dir))  # fills both dicts in place
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     own = Path(local_dir, progress_file(rank))
     source = own if own.exists() else Path(local_dir, progress_file(0))
     return TrainingProgress(**json.loads(source.read_text()))

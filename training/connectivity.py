@@ -21,12 +21,12 @@ import os
 import time
 from typing import Any
 
+from training.jobkit import JobContext, log, run_stage
 from tuneproof.core import transport
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.results import StageFailure, now_iso
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import AllreduceRow, ConnectivitySummary, FsdpProbe, RankStatus, TransportVerdict
-from training.jobkit import JobContext, log, run_stage
 
 MAX_NCCL_LINES = 2000
 """NCCL lines a rank keeps: the transport is decided during the first communicator's init."""
@@ -111,7 +111,8 @@ class RankReport:
     """rank-<r>.json under the stage prefix, rewritten whole on every update."""
 
     def __init__(self, storage: Storage, parts: list[str], rank: int):
-        self.storage, self.parts, self.doc = storage, [*parts, f"rank-{rank}.json"], {}
+        self.storage, self.parts = storage, [*parts, f"rank-{rank}.json"]
+        self.doc: dict[str, Any] = {}
 
     def update(self, **fields: Any) -> None:
         self.doc.update(fields)

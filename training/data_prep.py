@@ -34,7 +34,7 @@ from tuneproof.core import datahash
 from tuneproof.core.config import DataConfig
 from tuneproof.core.results import FailureClass, StageFailure, now_iso, one_line
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import DataSummary, DatasetManifest, Shard, SourceIdentity, SplitMeta
+from tuneproof.core.summaries import DatasetManifest, DataSummary, Shard, SourceIdentity, SplitMeta
 
 SCHEMA = pa.schema([
     ("input_ids", pa.list_(pa.int32())),

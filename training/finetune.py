@@ -29,9 +29,21 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from training import jobkit
 from training.checkpointing import (
-    CheckpointRef, TrainingProgress, capture_rng, check_complete, checkpoint_dir_name, complete_checkpoints,
-    latest_complete_checkpoint, load_shards, local_copy, read_step, restore_rng, save_shards, seed_everything,
-    write_hf_export, write_marker,
+    CheckpointRef,
+    TrainingProgress,
+    capture_rng,
+    check_complete,
+    checkpoint_dir_name,
+    complete_checkpoints,
+    latest_complete_checkpoint,
+    load_shards,
+    local_copy,
+    read_step,
+    restore_rng,
+    save_shards,
+    seed_everything,
+    write_hf_export,
+    write_marker,
 )
 from training.jobkit import JobContext, run_stage
 from training.schedule import WarmupCosine
@@ -73,7 +85,7 @@ class TrainParams(BaseModel):
     """Test hook: make the loss NaN at this step."""
 
     @model_validator(mode="after")
-    def _hold_on_a_checkpoint(self) -> "TrainParams":
+    def _hold_on_a_checkpoint(self) -> TrainParams:
         hold = self.hold_after_checkpoint_step
         if hold is not None and hold % self.checkpoint_every and hold != self.max_steps:
             raise ValueError(f"hold_after_checkpoint_step must be a checkpoint step (a multiple of checkpoint_every "
@@ -81,7 +93,7 @@ class TrainParams(BaseModel):
         return self
 
     @classmethod
-    def resolve(cls, ctx: JobContext) -> "TrainParams":
+    def resolve(cls, ctx: JobContext) -> TrainParams:
         defaults = {"run_name": ctx.run_id, "max_steps": ctx.config.train.max_steps,
                     "checkpoint_every": ctx.config.train.checkpoint_every}
         return cls.model_validate({**defaults, **ctx.params})
@@ -314,7 +326,7 @@ def resolve_start(w: Worker) -> CheckpointRef | None:
         if problem and latest is None:
             raise StageFailure(FailureClass.infrastructure,
                                f"run {w.params.run_name} has no complete checkpoint to resume from: {problem}")
-        if problem:
+        if problem and latest is not None:
             w.log(f"Ray's latest checkpoint is incomplete ({problem}); resuming from {latest.uri} instead")
     if latest is not None:
         if w.params.init_from:
@@ -364,7 +376,7 @@ def train_step(w: Worker, step: int) -> dict[str, Any]:
     targets, tokens = global_counts(micro, w.device)
     loss_sum = torch.zeros((), device=w.device)
     for i, batch in enumerate(micro):
-        w.model.set_requires_gradient_sync(i == len(micro) - 1)  # reduce-scatter once per step
+        w.model.set_requires_gradient_sync(i == len(micro) - 1)  # type: ignore[operator]  # FSDP2: reduce-scatter once per step
         summed = token_loss_sum(w.model, batch)
         if step == w.params.inject_nan_at_step:
             summed = summed * float("nan")
@@ -445,7 +457,7 @@ def save_checkpoint(w: Worker, step: int, loss: float) -> None:
     flush_metrics(w)  # metrics survive an interruption at least up to this checkpoint
     with tempfile.TemporaryDirectory(prefix="tuneproof-save-") as local_dir:
         files = save_shards(w.model, w.optimizer, progress_at(w, step), local_dir)
-        every_rank = [None] * w.world_size
+        every_rank: list[dict[str, int]] = [{} for _ in range(w.world_size)]
         dist.all_gather_object(every_rank, files)
         ray.train.report({"step": step, "loss": finite_or_none(loss)},
                          checkpoint=ray.train.Checkpoint.from_directory(local_dir),

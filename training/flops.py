@@ -42,7 +42,7 @@ class ModelShape:
     """The lm_head shares the embedding's weight: one fewer parameter matrix, the same FLOPs."""
 
     @classmethod
-    def from_hf(cls, config) -> "ModelShape":
+    def from_hf(cls, config) -> ModelShape:
         """From a Qwen2/Llama-style config (head_dim when it sets one, else hidden / heads)."""
         heads = config.num_attention_heads
         return cls(

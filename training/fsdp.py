@@ -16,6 +16,7 @@ the same way, and a checkpoint saved under one resumes under another.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -96,7 +97,7 @@ def clip_gradients(model, max_norm: float) -> float:
     return float(norm)
 
 
-def full_state_dict(model) -> dict[str, torch.Tensor]:
+def full_state_dict(model) -> dict[str, Any]:
     """The unsharded state dict, on CPU, on rank 0 (other ranks get an empty dict). Collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

@@ -27,7 +27,6 @@ from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
 
 
-
 @dataclass(frozen=True)
 class TrainExample:
     input_ids: np.ndarray

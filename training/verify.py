@@ -18,13 +18,13 @@ import time
 import uuid
 from typing import Any
 
+from training.jobkit import JobContext, log, run_stage
 from tuneproof.core.checks import check_nodes, environment_digest, node_subject, summarize_cluster
 from tuneproof.core.config import StorageConfig
 from tuneproof.core.findings import Finding, errors
 from tuneproof.core.results import StageFailure, first_and_more
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import ClusterFacts, NodeFacts, StorageProbe, VerifySummary
-from training.jobkit import JobContext, log, run_stage
 
 HEAD_RESOURCE = "node:__internal_head__"
 
@@ -163,9 +163,9 @@ def storage_roundtrip(storage_cfg: dict, parts: list[str]) -> dict[str, Any]:
     read = storage.read_bytes(*parts)
     storage.remove(*parts)
     if read != payload:
-        raise IOError(f"read back {len(read)} bytes that differ from the {len(payload)} bytes written")
+        raise OSError(f"read back {len(read)} bytes that differ from the {len(payload)} bytes written")
     if storage.exists(*parts):
-        raise IOError("the object still exists after delete")
+        raise OSError("the object still exists after delete")
     return {"ok": True, "seconds": round(time.monotonic() - start, 3)}
 
 

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from enum import Enum
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -47,7 +46,7 @@ def main() -> None:
     app()
 
 
-def config_or_exit(config: Optional[Path], sets: list[str]) -> PipelineConfig:
+def config_or_exit(config: Path | None, sets: list[str]) -> PipelineConfig:
     """Load and validate the config; on any problem print them all and exit 3 before anything runs."""
     try:
         cfg = load_config(config, sets)
@@ -74,10 +73,10 @@ def preflight(cfg: PipelineConfig) -> list[str]:
 
 @app.command()
 def run(
-    config: Optional[Path] = ConfigOpt,
+    config: Path | None = ConfigOpt,
     sets: list[str] = SetOpt,
-    only: Optional[str] = typer.Option(None, help=f"Comma-separated subset of: {','.join(table.names())}."),
-    run_id: Optional[str] = typer.Option(None, "--run-id", help="Rerun stages against this existing run."),
+    only: str | None = typer.Option(None, help=f"Comma-separated subset of: {','.join(table.names())}."),
+    run_id: str | None = typer.Option(None, "--run-id", help="Rerun stages against this existing run."),
 ) -> None:
     """Run the pipeline; prints the run id; exit code by failure class."""
     cfg = config_or_exit(config, sets)
@@ -100,7 +99,7 @@ def run_exit_code(record: Any) -> int:
     return EXIT_INVALID_CONFIG if doc.get("status") == "failed" else 0
 
 
-def parse_only(only: Optional[str]) -> list[str] | None:
+def parse_only(only: str | None) -> list[str] | None:
     if not only:
         return None
     stages = [s.strip() for s in only.split(",") if s.strip()]
@@ -126,14 +125,14 @@ def latest_run_id(cfg: PipelineConfig) -> str:
 # ---------------------------------------------------------------- runs
 
 
-def storage_for(config: Optional[Path], sets: list[str]):
+def storage_for(config: Path | None, sets: list[str]):
     from tuneproof.core.storage import Storage
 
     return Storage.from_config(config_or_exit(config, sets).storage)
 
 
 @runs_app.command("list")
-def runs_list(as_json: bool = typer.Option(False, "--json"), config: Optional[Path] = ConfigOpt,
+def runs_list(as_json: bool = typer.Option(False, "--json"), config: Path | None = ConfigOpt,
               sets: list[str] = SetOpt) -> None:
     """Runs, newest first."""
     from tuneproof.control import record
@@ -153,7 +152,7 @@ def runs_list(as_json: bool = typer.Option(False, "--json"), config: Optional[Pa
 
 
 @runs_app.command("show")
-def runs_show(run_id: str, as_json: bool = typer.Option(False, "--json"), config: Optional[Path] = ConfigOpt,
+def runs_show(run_id: str, as_json: bool = typer.Option(False, "--json"), config: Path | None = ConfigOpt,
               sets: list[str] = SetOpt) -> None:
     """One run's record."""
     from tuneproof.control import record
@@ -173,10 +172,10 @@ def runs_show(run_id: str, as_json: bool = typer.Option(False, "--json"), config
 
 @runs_app.command("diff")
 def runs_diff(run_a: str, run_b: str, as_json: bool = typer.Option(False, "--json"),
-              config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt) -> None:
+              config: Path | None = ConfigOpt, sets: list[str] = SetOpt) -> None:
     """What changed between two runs: identity, config fields, and metric deltas."""
-    from tuneproof.control import record
     from tuneproof.app.rundiff import diff_records, render_diff
+    from tuneproof.control import record
 
     storage = storage_for(config, sets)
     try:
@@ -195,8 +194,8 @@ def runs_diff(run_a: str, run_b: str, as_json: bool = typer.Option(False, "--jso
 
 
 @app.command()
-def verify(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt,
-           from_files: Optional[Path] = typer.Option(None, "--from-files", help="Saved kubectl/ray JSON."),
+def verify(config: Path | None = ConfigOpt, sets: list[str] = SetOpt,
+           from_files: Path | None = typer.Option(None, "--from-files", help="Saved kubectl/ray JSON."),
            as_json: bool = typer.Option(False, "--json")) -> None:
     """Verify the cluster live (the verify stage), or over saved `kubectl get -o json` / `ray list nodes` output."""
     if from_files is not None:
@@ -212,7 +211,7 @@ def verify(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt,
 
 @app.command()
 def lint(paths: list[str] = typer.Argument(None, help="Manifests or folders (default deployments/)."),
-         config: Optional[Path] = typer.Option(None, "--config", "-c", help="Profile whose expectations apply (default configs/eks.yaml)."),
+         config: Path | None = typer.Option(None, "--config", "-c", help="Profile whose expectations apply (default configs/eks.yaml)."),
          sets: list[str] = SetOpt) -> None:
     """Static checks of deployments/ manifests against schemas and the pipeline's expectations."""
     from tuneproof.app.cli_eks import lint_command
@@ -238,7 +237,7 @@ def transport(logs: list[Path] = typer.Argument(..., help="NCCL log files."),
             texts[str(path)] = path.read_text(errors="replace")
         except OSError as e:
             err.print(f"cannot read {path}: {e.strerror}")
-            raise typer.Exit(2)
+            raise typer.Exit(2) from None
     verdict = verdict_for_files(texts, expect.value)
     print(json.dumps(verdict, indent=2))
     raise typer.Exit(0 if verdict["ok"] else 1)
@@ -248,7 +247,7 @@ def transport(logs: list[Path] = typer.Argument(..., help="NCCL log files."),
 
 
 @models_app.command("list")
-def models_list(as_json: bool = typer.Option(False, "--json"), config: Optional[Path] = ConfigOpt,
+def models_list(as_json: bool = typer.Option(False, "--json"), config: Path | None = ConfigOpt,
                 sets: list[str] = SetOpt) -> None:
     """Registered models and their production versions."""
     from tuneproof.control.registry import list_models
@@ -266,7 +265,7 @@ def models_list(as_json: bool = typer.Option(False, "--json"), config: Optional[
 
 
 @models_app.command("show")
-def models_show(name: str, config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt) -> None:
+def models_show(name: str, config: Path | None = ConfigOpt, sets: list[str] = SetOpt) -> None:
     """One model: the production pointer and every version with its card."""
     from tuneproof.control.registry import show_model
 
@@ -274,13 +273,13 @@ def models_show(name: str, config: Optional[Path] = ConfigOpt, sets: list[str] =
         print(json.dumps(show_model(storage_for(config, sets), name), indent=2))
     except FileNotFoundError as e:
         err.print(str(e))
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
 
 
 @app.command()
 def promote(run_id: str, force: bool = typer.Option(False, "--force", help="Required: this bypasses the gates."),
             reason: str = typer.Option("", "--reason", help="Why the gates are overridden (recorded)."),
-            config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt) -> None:
+            config: Path | None = ConfigOpt, sets: list[str] = SetOpt) -> None:
     """The logged override: promote a run's exported model regardless of its gates."""
     if not force or not reason.strip():
         err.print("promote is an override of the gates: it needs --force and a non-empty --reason")
@@ -321,4 +320,4 @@ def local_status() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

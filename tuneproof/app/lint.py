@@ -51,18 +51,26 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path, PurePosixPath
 
 import jsonschema
 import yaml
 
-from tuneproof.core.config import PipelineConfig
-from tuneproof.core.findings import Finding
 from tuneproof.control.kube_checks import (
-    EFA_RESOURCE, GPU_RESOURCE, as_count, group_pod_count, image_digest, image_tag, ray_container, ray_gpu_setting,
-    resource_count, worker_groups,
+    EFA_RESOURCE,
+    GPU_RESOURCE,
+    as_count,
+    group_pod_count,
+    image_digest,
+    image_tag,
+    ray_container,
+    ray_gpu_setting,
+    resource_count,
+    worker_groups,
 )
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.findings import Finding, Severity
 
 SCHEMA_DIR = Path(__file__).resolve().parent / "schemas"
 KUBERNETES_SCHEMA = SCHEMA_DIR / "kubernetes-v1.34.json"
@@ -197,7 +205,7 @@ def manifest_files(paths: list[str]) -> list[Path]:
 def _parse(file: Path) -> list:
     text = file.read_text()
     raw = [json.loads(text)] if file.suffix == ".json" else [d for d in yaml.safe_load_all(text) if d is not None]
-    objects = []
+    objects: list = []
     for obj in raw:
         is_list = isinstance(obj, dict) and obj.get("kind", "").endswith("List") and "items" in obj
         objects += obj["items"] if is_list else [obj]
@@ -226,7 +234,7 @@ def schema_findings(doc: Doc) -> list[Finding]:
     return [_schema_finding(doc.subject, e) for e in sorted(validator.iter_errors(doc.obj), key=lambda e: list(e.path))]
 
 
-@lru_cache(maxsize=None)
+@cache
 def schema_validator(api_version: str, kind: str) -> jsonschema.Draft202012Validator | None:
     if api_version == "ray.io/v1" and kind == "RayCluster":
         return jsonschema.Draft202012Validator(json.loads(RAYCLUSTER_SCHEMA.read_text()))
@@ -306,7 +314,7 @@ def ray_image_findings(doc: Doc, where: str, group: dict, config: PipelineConfig
     return findings
 
 
-def _digest_findings(subject: str, field: str, image: str, unpinned: str = "error") -> list[Finding]:
+def _digest_findings(subject: str, field: str, image: str, unpinned: Severity = "error") -> list[Finding]:
     digest = image_digest(image)
     if digest is None or not image.endswith("@" + digest):
         return [Finding(subject, field, image, f"{image.split('@')[0]}@sha256:<64 hex>",
@@ -910,6 +918,7 @@ def job_template_findings(doc: Doc, docs: list[Doc], config: PipelineConfig | No
     pod_spec = ((manifest.get("spec") or {}).get("template") or {}).get("spec") or {}
     findings = prefect_pod_field_findings(doc.subject, pod_spec)
     validator = schema_validator("batch/v1", "Job")
+    assert validator is not None, "the vendored Kubernetes schemas lack batch/v1 Job"
     findings += [_schema_finding(doc.subject, e) for e in validator.iter_errors(without_prefect_pod_fields(drop_placeholders(manifest)))]
     if defaults.get("image"):  # a default a deployment falls back to: a warning here, an error per deployment
         findings += [replace(f, severity="warning")
@@ -964,8 +973,8 @@ def _token_mount_findings(doc: Doc, docs: list[Doc], pod_spec: dict, defaults: d
                         f"config cluster.auth_token_file {token_file} would not exist in the flow-run pod")]
     volume = _volume(pod_spec, mount.get("name"))
     secret = _resolve((volume.get("secret") or {}).get("secretName"), defaults)
-    wanted = {((d.obj.get("spec") or {}).get("authOptions") or {}).get("secretName")
-              for d in docs if d.kind == "RayCluster"} - {None}
+    wanted: set[str] = {name for d in docs if d.kind == "RayCluster"
+                        if (name := ((d.obj.get("spec") or {}).get("authOptions") or {}).get("secretName"))}
     if wanted and secret not in wanted:
         return [Finding(doc.subject, f"job_manifest volumes[{mount.get('name')}].secret.secretName", secret,
                         sorted(wanted)[0], "the RayCluster's spec.authOptions.secretName: the flow would send a token "

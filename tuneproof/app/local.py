@@ -11,6 +11,7 @@ Ray at it with RAY_AUTH_TOKEN_PATH, so nothing is left behind in the user's home
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -166,10 +167,8 @@ def stop_group(pid: int, timeout: float) -> None:
             return
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            try:
+            with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
             if not pid_alive(pid):
                 return
             time.sleep(0.3)

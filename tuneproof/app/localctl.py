@@ -19,8 +19,8 @@ from pathlib import Path
 from rich.console import Console
 
 from tuneproof.app import local
-from tuneproof.core.config import PROJECT_ROOT, load_config
 from tuneproof.app.local import STATE_DIR, RayHead
+from tuneproof.core.config import PROJECT_ROOT, load_config
 
 PREFECT_PORT = 4200
 PREFECT_API = f"http://127.0.0.1:{PREFECT_PORT}/api"
@@ -54,7 +54,7 @@ def up(console: Console, ray_only: bool = False) -> int:
     start_ray(console)
     if not ray_only:
         start_prefect(console)
-    console.print(f"[green]ready[/]: Ray dashboard http://127.0.0.1:8265"
+    console.print("[green]ready[/]: Ray dashboard http://127.0.0.1:8265"
                   + ("" if ray_only else f", Prefect UI http://127.0.0.1:{PREFECT_PORT}"))
     return 0
 

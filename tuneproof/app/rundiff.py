@@ -72,8 +72,8 @@ def diff_records(a: RunRecord, b: RunRecord) -> dict[str, Any]:
     deltas = []
     for name in sorted(set(ma) | set(mb)):
         va, vb = ma.get(name), mb.get(name)
-        numeric = isinstance(va, (int, float)) and isinstance(vb, (int, float))
-        deltas.append({"metric": name, "a": va, "b": vb, "delta": (vb - va) if numeric else None})
+        delta = vb - va if va is not None and vb is not None else None
+        deltas.append({"metric": name, "a": va, "b": vb, "delta": delta})
     return {"a": a.run_id, "b": b.run_id, "changed": bool(changes), "changes": changes, "metrics": deltas}
 
 

@@ -114,7 +114,11 @@ def run_with_display(cfg: PipelineConfig, run_id: str | None, only: list[str] | 
     display = Display(run_id, table.names(table.plan(only)))
     quiet_prefect_console(os.environ.get("TUNEPROOF_VERBOSE") == "1")
     with Live(display.render(), console=console, refresh_per_second=4, transient=False) as live:
-        unsubscribe = events.subscribe(lambda e: (display.on_event(e), live.update(display.render())))
+        def show(event: dict[str, Any]) -> None:
+            display.on_event(event)
+            live.update(display.render())
+
+        unsubscribe = events.subscribe(show)
         try:
             state = pipeline(config=cfg, run_id=run_id, only=only, return_state=True)
         finally:

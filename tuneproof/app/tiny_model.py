@@ -20,8 +20,8 @@ import argparse
 import json
 import shutil
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
@@ -106,8 +106,8 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int = 512):
     return Qwen2Tokenizer(
         vocab=trained["vocab"],
         # tokenizers writes merges as [a, b] pairs (older releases: "a b" strings).
-        merges=[tuple(m.split(" ") if isinstance(m, str) else m) for m in trained["merges"]],
-        unk_token=None,
+        merges=[tuple(m.split(" ") if isinstance(m, str) else m) for m in trained["merges"]],  # type: ignore[misc]
+        unk_token=None,  # type: ignore[arg-type]  # byte-level BPE covers every byte: no unknown token
         eos_token=IM_END,
         pad_token=ENDOFTEXT,
         additional_special_tokens=[IM_START],

@@ -27,8 +27,8 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
-from tuneproof.core.config import KubernetesConfig
 from tuneproof.control.kube_checks import CLUSTER_LABEL
+from tuneproof.core.config import KubernetesConfig
 from tuneproof.core.results import FailureClass, StageFailure
 
 RESOURCE_API_VERSIONS = ("v1", "v1beta2", "v1beta1")

@@ -221,7 +221,7 @@ def node_devices(pods: list[dict], nodes: list[dict], resourceslices: list[dict]
         if not limit or node_name in seen:
             continue
         seen.add(node_name)
-        node = by_name.get(node_name)
+        node = by_name.get(node_name) if node_name else None
         if node is None:
             findings.append(Finding(f"pod {_name(pod)}", "spec.nodeName", node_name, "a node in the node list"))
             continue
@@ -269,8 +269,9 @@ def operator_version(raycluster: dict, pods: list[dict], operator: dict | None) 
     if operator:
         spec = operator.get("spec") or {}
         image = ray_container((spec.get("template") or {}).get("spec") or spec).get("image", "")
-        if image_tag(image):
-            return image_tag(image), f"operator image {image}"
+        tag = image_tag(image)
+        if tag:
+            return tag, f"operator image {image}"
     return "unknown", "no annotation and no readable operator Deployment"
 
 

@@ -14,10 +14,10 @@ releases still show.
 from __future__ import annotations
 
 import secrets
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.results import FailureClass, JsonDict, StageResult, now_iso, one_line
@@ -184,7 +184,7 @@ class RunRecord(Model):
 
 def make_run_id() -> str:
     """Sortable and unique: UTC time plus random bytes."""
-    return f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
+    return f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
 
 
 def new_record(run_id: str, cfg: PipelineConfig, code: CodeIdentity, flow_run_id: str | None) -> RunRecord:

@@ -24,9 +24,10 @@ import re
 import socket
 import time
 import uuid
-from contextlib import contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from tuneproof.core.results import now_iso
 from tuneproof.core.storage import Storage
@@ -110,8 +111,8 @@ def _version_row(storage: Storage, name: str, version: str, current: str | None)
 
 def _versions(storage: Storage, name: str) -> list[str]:
     """Version directories in promotion order."""
-    found = [v for v in storage.listdir(MODELS, name) if _VERSION.match(v)]
-    return sorted(found, key=lambda v: int(_VERSION.match(v).group(1)))
+    numbered = [(int(m.group(1)), v) for v in storage.listdir(MODELS, name) if (m := _VERSION.match(v))]
+    return [v for _, v in sorted(numbered)]
 
 
 def next_version(existing: list[str], run_id: str) -> str:
@@ -145,7 +146,7 @@ def promote(
     if pointer is not None and pointer.get("run_id") == run_id:
         return pointer
     if token != expected_token:
-        raise PromotionConflict(name, expected_token, token, pointer and pointer.get("version"))
+        raise PromotionConflict(name, expected_token, token, _version_of(pointer))
     version = next_version(storage.listdir(MODELS, name), run_id)
     _copy_model(storage, source_path, (MODELS, name, version))
     full_card = {**card, "name": name, "version": version, "run_id": run_id, "source_path": source_path}
@@ -191,8 +192,12 @@ def _swap_pointer(storage: Storage, name: str, pointer: dict, expected_token: st
     with file_lock(lock, lock_timeout_s, stale_lock_s):
         current, token = read_pointer(storage, name)
         if token != expected_token:
-            raise PromotionConflict(name, expected_token, token, current and current.get("version"))
+            raise PromotionConflict(name, expected_token, token, _version_of(current))
         storage.write_bytes(data, *_pointer_parts(name))  # temp file + os.replace: readers see old or new
+
+
+def _version_of(pointer: dict | None) -> str | None:
+    return pointer.get("version") if pointer else None
 
 
 def _pointer_parts(name: str) -> tuple[str, str, str]:
@@ -254,10 +259,8 @@ def _break_if_stale(path: Path, stale_s: float) -> None:
     if grave.stat().st_ino != seen.st_ino:
         # Between our stat and rename another process broke the stale lock and a new holder took a
         # fresh one, which we just moved: give it back (link fails only if yet another holder exists).
-        try:
+        with suppress(FileExistsError):
             os.link(grave, path)
-        except FileExistsError:
-            pass
     grave.unlink(missing_ok=True)
 
 
@@ -308,7 +311,7 @@ def _swap_s3(storage: Storage, name: str, data: bytes, expected_token: str | Non
         if e.response["Error"]["Code"] not in ("PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey"):
             raise
         current, token = _read_s3_pointer(storage, name)
-        raise PromotionConflict(name, expected_token, token, current and current.get("version")) from None
+        raise PromotionConflict(name, expected_token, token, _version_of(current)) from None
 
 
 # ---- the model card (pure) -------------------------------------------------------------------

@@ -14,7 +14,8 @@ from __future__ import annotations
 import hashlib
 import re
 from collections import Counter
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from tuneproof.core.config import ClusterExpect
 from tuneproof.core.findings import Finding

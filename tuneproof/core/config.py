@@ -10,6 +10,7 @@ pydantic and yaml, which the published Ray image has.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -166,7 +167,7 @@ class TrainConfig(Strict):
     """A loss above this (or NaN/inf) stops training as a modeling failure."""
 
     @model_validator(mode="after")
-    def _shard_groups_tile_the_workers(self) -> "TrainConfig":
+    def _shard_groups_tile_the_workers(self) -> TrainConfig:
         group, workers = self.shard_group_size, self.num_workers
         if self.sharding == "hybrid" and group is not None and workers % group:
             raise ValueError(f"hybrid sharding needs shard_group_size to divide num_workers, "
@@ -212,7 +213,7 @@ class Gate(Strict):
     """False for losses and perplexity: every comparison flips."""
 
     @model_validator(mode="after")
-    def _some_threshold(self) -> "Gate":
+    def _some_threshold(self) -> Gate:
         if self.min is None and self.min_improvement is None and self.max_regression is None:
             raise ValueError("a gate needs at least one of min, min_improvement, max_regression (got none)")
         return self
@@ -268,7 +269,7 @@ class PipelineConfig(Strict):
     runtime_env: RuntimeEnvAdditions = RuntimeEnvAdditions()
 
     @model_validator(mode="after")
-    def _cross_field(self) -> "PipelineConfig":
+    def _cross_field(self) -> PipelineConfig:
         if self.cluster.backend == "eks" and self.cluster.expect.image is None:
             raise ValueError("cluster.expect.image: the eks backend needs the image pinned by digest, got None")
         if self.cluster.backend == "eks" and not self.storage.root.startswith(("s3://", "/")):
@@ -286,7 +287,7 @@ class PipelineConfig(Strict):
     def config_hash(self) -> str:
         return sha256_json(self.model_dump(mode="json"))
 
-    def resolved(self, base: Path | None = None) -> "PipelineConfig":
+    def resolved(self, base: Path | None = None) -> PipelineConfig:
         """Copy with relative local paths made absolute against `base` (the project root)."""
         base = base or PROJECT_ROOT
         data = self.model_dump(mode="json")
@@ -359,7 +360,7 @@ def format_errors(e: ValidationError) -> list[str]:
     return problems
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = (), resolve: bool = True) -> PipelineConfig:
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), resolve: bool = True) -> PipelineConfig:
     """Read a YAML profile, apply --set overrides, validate, resolve relative paths."""
     path = Path(path) if path else DEFAULT_PROFILE
     try:

@@ -7,8 +7,9 @@ through these functions, which take and return plain values and are unit-tested 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from tuneproof.core.hashing import IGNORE_INDEX, files_sha256, sha256_bytes, sha256_json
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+Severity = Literal["error", "warning", "info"]
+
 
 @dataclass(frozen=True)
 class Finding:
@@ -18,7 +20,7 @@ class Finding:
     seen: Any
     expected: Any
     message: str = ""
-    severity: Literal["error", "warning", "info"] = "error"
+    severity: Severity = "error"
 
     def line(self) -> str:
         text = f"{self.subject}: {self.field} is {self.seen!r}, expected {self.expected!r}"

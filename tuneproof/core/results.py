@@ -7,7 +7,7 @@ everywhere: in results, in the run record, in the flow's final state and in exit
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from enum import Enum
 from typing import Any, Literal
 
@@ -64,7 +64,7 @@ class StageResult(BaseModel):
 
 
 def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
 def one_line(text: str, limit: int = 400) -> str:

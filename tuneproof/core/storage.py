@@ -39,7 +39,7 @@ class Storage:
             self.fs = fsspec.filesystem("file")
 
     @classmethod
-    def from_config(cls, storage_cfg) -> "Storage":
+    def from_config(cls, storage_cfg) -> Storage:
         return cls(storage_cfg.root, storage_cfg.endpoint_url)
 
     def path(self, *parts: str) -> str:

@@ -272,6 +272,8 @@ class ResumeSummary(Summary):
 # ---- 6 evaluate ------------------------------------------------------------------------------
 
 Role = Literal["candidate", "base", "incumbent"]
+ROLES: tuple[Role, ...] = ("candidate", "base", "incumbent")
+"""The order the gate decision takes the models in."""
 
 
 class ModelScore(Summary):
@@ -280,11 +282,14 @@ class ModelScore(Summary):
     seconds: float
 
 
+GateKind = Literal["min", "min_improvement", "max_regression"]
+
+
 class Verdict(Summary):
     """One threshold of one gate, with its human line, e.g. 'exact_match >= 0.8: 0.93 (pass)'."""
 
     metric: str
-    gate: Literal["min", "min_improvement", "max_regression"]
+    gate: GateKind
     value: float | None
     """What was compared: the candidate's value, its improvement over base, or its regression vs the incumbent."""
     threshold: float

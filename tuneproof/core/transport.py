@@ -19,7 +19,7 @@ Used by the connectivity stage (per rank, then `combine`) and by `tuneproof tran
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 KINDS = ("efa", "socket-fallback", "inconclusive", "gloo")
 EXPECTATIONS = ("any", "gloo", "efa")
