@@ -297,7 +297,7 @@ def promote(run_id: str, force: bool = typer.Option(False, "--force", help="Requ
 
 @local_app.command("up")
 def local_up(ray_only: bool = typer.Option(False, "--ray-only", help="Start only the Ray head.")) -> None:
-    """Start the Ray head (127.0.0.1:8265), prepare storage and the tiny base model; Prefect server + worker."""
+    """Start the Ray head (at cluster.address), prepare storage and the tiny base model; Prefect server + worker."""
     from tuneproof.app import localctl
 
     raise typer.Exit(localctl.up(console, ray_only=ray_only))

@@ -86,7 +86,7 @@ def start_ray_head(
     state_dir: Path,
     *,
     num_cpus: int | None = None,
-    dashboard_port: int = 8265,
+    dashboard_port: int,
     gcs_port: int | None = None,
     temp_dir: str | None = None,
     wait_s: float = 120.0,

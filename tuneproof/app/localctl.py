@@ -1,9 +1,11 @@
-"""`tuneproof local up|down|status`: the embedded default on 127.0.0.1.
+"""`tuneproof local up|down|status`: the embedded default on loopback.
 
-up: the tiny base model (created locally, never downloaded), the storage root, a Ray head
-(dashboard/job API on 127.0.0.1:8265, token auth with the token kept under .tuneproof/local),
-a Prefect server (SQLite, 127.0.0.1:4200) and a process worker on the `local-process` pool.
-Pids and ports live in .tuneproof/local/*.json so `down` stops exactly what `up` started.
+up: the tiny base model (created locally, never downloaded), the storage root, a Ray head (its
+dashboard/job API at the profile's cluster.address, token auth with the token kept under
+.tuneproof/local), a Prefect server (SQLite, at the API URL Prefect's settings name: prefect.toml)
+and a process worker on the `local-process` pool. No address is written here: they come from the
+profile and from Prefect's settings, so changing a port is one edit. Pids and ports live in
+.tuneproof/local/*.json so `down` stops exactly what `up` started.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 from rich.console import Console
 
@@ -22,8 +25,6 @@ from tuneproof.app import local
 from tuneproof.app.local import STATE_DIR, RayHead
 from tuneproof.core.config import PROJECT_ROOT, load_config
 
-PREFECT_PORT = 4200
-PREFECT_API = f"http://127.0.0.1:{PREFECT_PORT}/api"
 WORK_POOL = "local-process"
 EKS_WORK_POOL = "tuneproof-eks"
 PREFECT_HOME = STATE_DIR / "prefect"
@@ -38,11 +39,30 @@ class Proc:
         return local.pid_alive(self.pid)
 
 
+def prefect_api() -> str:
+    """The Prefect API URL from Prefect's own settings (prefect.toml in the project root)."""
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        raise SystemExit("PREFECT_API_URL is not set: prefect.toml names the local API (api.url)")
+    return url.rstrip("/")
+
+
+def loopback_endpoint(url: str, what: str) -> tuple[str, int]:
+    """(host, port) of an http URL on this machine; the embedded default never listens elsewhere."""
+    parsed = urlparse(url)
+    if parsed.hostname not in ("127.0.0.1", "localhost") or parsed.port is None:
+        raise SystemExit(f"{what} is {url!r}: the embedded default needs http://127.0.0.1:<port>")
+    return "127.0.0.1", parsed.port
+
+
 def prefect_env() -> dict[str, str]:
     """Environment for the Prefect processes we start: our own home, analytics off, our API."""
+    api = prefect_api()
     return {
-        **os.environ, "PREFECT_HOME": str(PREFECT_HOME), "PREFECT_API_URL": PREFECT_API,
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_API_URL": PREFECT_API,
+        **os.environ, "PREFECT_HOME": str(PREFECT_HOME), "PREFECT_API_URL": api,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_API_URL": api,
         # prefect.yaml's pull step runs flows in "{{ $PWD }}": the worker's, i.e. the project root.
         "PWD": str(PROJECT_ROOT),
     }
@@ -51,11 +71,11 @@ def prefect_env() -> dict[str, str]:
 def up(console: Console, ray_only: bool = False) -> int:
     cfg = load_config()
     prepare_model_and_storage(cfg, console)
-    start_ray(console)
+    start_ray(console, cfg.cluster.address)
     if not ray_only:
         start_prefect(console)
-    console.print("[green]ready[/]: Ray dashboard http://127.0.0.1:8265"
-                  + ("" if ray_only else f", Prefect UI http://127.0.0.1:{PREFECT_PORT}"))
+    ui = "" if ray_only else f", Prefect UI {prefect_api().removesuffix('/api')}"
+    console.print(f"[green]ready[/]: Ray dashboard {cfg.cluster.address}{ui}")
     return 0
 
 
@@ -67,23 +87,25 @@ def prepare_model_and_storage(cfg, console: Console) -> None:
         console.print(f"created the tiny base model at {cfg.model.source}")
 
 
-def start_ray(console: Console) -> None:
+def start_ray(console: Console, address: str) -> None:
     head = local.load_state("ray", RayHead)
     if head and head.alive():
         console.print(f"Ray head already running (pid {head.pid}) at {head.address}")
         return
-    console.print("starting the Ray head on 127.0.0.1:8265 …")
+    _, port = loopback_endpoint(address, "cluster.address")
+    console.print(f"starting the Ray head at {address} …")
     # One CPU more than the training workers need: the job drivers and probes share the node.
-    head = local.start_ray_head(STATE_DIR, num_cpus=max(os.cpu_count() or 2, 4), dashboard_port=8265)
+    head = local.start_ray_head(STATE_DIR, num_cpus=max(os.cpu_count() or 2, 4), dashboard_port=port)
     local.save_state("ray", head)
 
 
 def start_prefect(console: Console) -> None:
     server = local.load_state("prefect-server", Proc)
     if not (server and server.alive()):
-        console.print(f"starting the Prefect server on 127.0.0.1:{PREFECT_PORT} …")
-        server = spawn("prefect-server", [prefect_bin(), "server", "start", "--host", "127.0.0.1", "--port", str(PREFECT_PORT)])
-        wait_http(f"{PREFECT_API}/health", 90, server)
+        host, port = loopback_endpoint(prefect_api(), "PREFECT_API_URL")
+        console.print(f"starting the Prefect server at {prefect_api()} …")
+        server = spawn("prefect-server", [prefect_bin(), "server", "start", "--host", host, "--port", str(port)])
+        wait_http(f"{prefect_api()}/health", 90, server)
     ensure_work_pools()
     worker = local.load_state("prefect-worker", Proc)
     if not (worker and worker.alive()):
@@ -150,7 +172,7 @@ def down(console: Console) -> int:
 def status(console: Console) -> int:
     head = local.load_state("ray", RayHead)
     rows = [("ray head", head.alive() if head else False, head.address if head else "-")]
-    for name, where in (("prefect-server", f"http://127.0.0.1:{PREFECT_PORT}"), ("prefect-worker", f"pool {WORK_POOL}")):
+    for name, where in (("prefect-server", prefect_api()), ("prefect-worker", f"pool {WORK_POOL}")):
         proc = local.load_state(name, Proc)
         rows.append((name, proc.alive() if proc else False, where))
     for name, alive, where in rows:
