@@ -4,6 +4,8 @@
     python -m tuneproof.app.schemas.build /tmp/kv/x/kubernetes_validate/kubernetes-json-schema/v1.34.0-local-strict \
         /path/to/ray.io_rayclusters.yaml
 
+Without the CRD path only kubernetes-v1.34.json is rewritten (adding a core kind needs no KubeRay checkout).
+
 Writes two self-contained JSON Schemas (draft 2020-12), descriptions stripped to keep them small:
 - kubernetes-v1.34.json: the core kinds our manifests use, from kubernetes-validate's
   "local-strict" schemas (generated from the Kubernetes OpenAPI; unknown fields are errors).
@@ -40,6 +42,7 @@ KINDS = {
     "rbac.authorization.k8s.io/v1/RoleBinding": "rolebinding-rbac-v1.json",
     "rbac.authorization.k8s.io/v1/ClusterRoleBinding": "clusterrolebinding-rbac-v1.json",
     "storage.k8s.io/v1/StorageClass": "storageclass-storage-v1.json",
+    "networking.k8s.io/v1/NetworkPolicy": "networkpolicy-networking-v1.json",
 }
 
 
@@ -120,11 +123,9 @@ def _strict(node):
 
 
 def main(argv: list[str]) -> None:
-    schema_dir, crd_path = Path(argv[0]), Path(argv[1])
-    outputs = {
-        f"kubernetes-{KUBERNETES_VERSION}.json": build_kubernetes(schema_dir),
-        "raycluster-v1.json": build_raycluster(crd_path),
-    }
+    outputs = {f"kubernetes-{KUBERNETES_VERSION}.json": build_kubernetes(Path(argv[0]))}
+    if len(argv) > 1:
+        outputs["raycluster-v1.json"] = build_raycluster(Path(argv[1]))
     for name, schema in outputs.items():
         (HERE / name).write_text(json.dumps(schema, indent=None, separators=(",", ":"), sort_keys=True) + "\n")
         print(f"wrote {HERE / name}")
