@@ -295,7 +295,8 @@ def test_strict_crd_conversion():
 def test_flow_pods_mount_the_clusters_token_secret(deploy):
     path = deploy / "prefect-k8s-base-job-template.json"
     template = json.loads(path.read_text())
-    template["variables"]["properties"]["ray_auth_secret"]["default"] = "some-other-secret"
+    volume = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["volumes"][0]
+    volume["secret"]["secretName"] = "some-other-secret"
     path.write_text(json.dumps(template))
     finding = only(lint_paths([str(deploy)], eks()), field="secret.secretName")
     assert (finding.seen, finding.expected) == ("some-other-secret", "tuneproof-ray-auth")

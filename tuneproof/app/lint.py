@@ -106,6 +106,27 @@ WORKLOAD_KINDS = ("Deployment", "Job", "Pod")
 PREFECT_POD_FIELDS = {"parallelism": 1, "completions": 1}
 """prefect-kubernetes refuses a job manifest without these in spec.template.spec (its own default template has
 them there, though a PodSpec has no such fields; the API server drops them with a warning)."""
+RESTRICTED = "restricted"
+PSA_LABELS = {
+    "pod-security.kubernetes.io/enforce": "unenforced, the API server admits a root or privileged pod into the namespace",
+    "pod-security.kubernetes.io/audit": "a violation (e.g. in a Job template) leaves no audit record",
+    "pod-security.kubernetes.io/warn": "kubectl apply gives no warning for a workload the profile refuses",
+}
+RESTRICTED_VOLUMES = ("configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected",
+                      "secret")
+RESTRICTED_WHY = ("the restricted pod security profile (pod or container securityContext; namespace.yaml enforces it): "
+                  "the API server refuses the pod")
+RAY_CLUSTER_LABEL = "ray.io/cluster"
+PINNED_FIELDS = {"image": "image", "serviceAccountName": "service account", "serviceAccount": "service account",
+                 "namespace": "namespace"}
+"""Job-manifest fields a work-pool variable may fill only when its schema pins it to one value (const)."""
+PREFECT_CREDENTIALS = ("PREFECT_API_KEY", "PREFECT_API_AUTH_STRING", "PREFECT_SERVER_API_AUTH_STRING")
+CREDENTIAL_SECRET_SETTINGS = {
+    "PREFECT_API_AUTH_STRING": "PREFECT_INTEGRATIONS_KUBERNETES_WORKER_API_AUTH_STRING_SECRET",
+    "PREFECT_API_KEY": "PREFECT_INTEGRATIONS_KUBERNETES_WORKER_API_KEY_SECRET",
+}
+"""prefect-kubernetes (0.8.0) rewrites a flow-run Job's credential into a secretKeyRef when the worker has <setting>_NAME
+and <setting>_KEY; otherwise it copies the worker's own value into the Job manifest."""
 _PLACEHOLDER = re.compile(r"^\{\{\s*[\w.]+\s*\}\}$")
 _VERSION_PREFIX = re.compile(r"^v?(\d+\.\d+\.\d+)")
 _DLC_VERSION = re.compile(r"^v(\d+)\.(\d+)(?:\.(\d+))?$")
@@ -161,6 +182,10 @@ def object_findings(doc: Doc, docs: list[Doc], config: PipelineConfig | None) ->
         return workload_findings(doc, docs)
     if doc.kind == "StorageClass":
         return storage_class_findings(doc)
+    if doc.kind == "Namespace":
+        return namespace_findings(doc)
+    if doc.kind == "NetworkPolicy":
+        return network_policy_findings(doc, docs)
     if doc.kind == "PrefectBaseJobTemplate":
         return job_template_findings(doc, docs, config)
     if doc.kind == "PrefectProject":
@@ -277,7 +302,10 @@ def raycluster_findings(doc: Doc, docs: list[Doc], config: PipelineConfig | None
         findings += node_fit_findings(doc, where, group)
         findings += efa_env_findings(doc, where, group)
         findings += claim_findings(doc, docs, f"{where}.template.spec", _pod_spec(group))
+        findings += pod_security_findings(doc.subject, f"{where}.template.spec", _pod_spec(group))
+        findings += ray_token_findings(doc, where, group)
     findings += ray_version_findings(doc, groups, config)
+    findings += ray_network_findings(doc, docs, groups)
     if config is not None:
         findings += worker_expectation_findings(doc, config)
         findings += capacity_findings(doc, config)
@@ -768,6 +796,7 @@ def workload_findings(doc: Doc, docs: list[Doc]) -> list[Finding]:
     findings = [f for c in _containers(pod_spec)
                 for f in _workload_image(doc.subject, f"containers[{c.get('name')}].image", c.get("image", ""))]
     findings += claim_findings(doc, docs, where, pod_spec)
+    findings += pod_security_findings(doc.subject, where, pod_spec)
     return findings + prefect_worker_findings(doc, docs)
 
 
@@ -801,8 +830,13 @@ def prefect_worker_findings(doc: Doc, docs: list[Doc]) -> list[Finding]:
     pod_spec = workload_pod_spec(doc)
     account = pod_spec.get("serviceAccountName") or "default"
     workers = [c for c in pod_spec.get("containers") or [] if kubernetes_worker_pool(c)]
-    if not workers or _bound_cluster_wide(docs, account, doc.namespace):
-        return []  # cluster-wide rights: it may read kube-system and watch every namespace itself
+    if not workers:
+        return []
+    auth = [f for c in workers for f in prefect_auth_findings(
+        doc.subject, f"spec.template.spec.containers[{c.get('name')}].env", c)]
+    auth += api_token_findings(doc.subject, "spec.template.spec", pod_spec, "the worker creates and watches Jobs")
+    if _bound_cluster_wide(docs, account, doc.namespace):
+        return auth  # cluster-wide rights: it may read kube-system and watch every namespace itself
     role_namespaces = {r.namespace for r in _roles_bound_to(docs, account, doc.namespace) if r.kind == "Role"}
     findings = []
     for container in workers:
@@ -810,7 +844,7 @@ def prefect_worker_findings(doc: Doc, docs: list[Doc]) -> list[Finding]:
         findings += _cluster_uid_findings(doc.subject, field, _env(container).get(CLUSTER_UID_ENV))
         findings += _observer_findings(doc.subject, field, _env(container).get(OBSERVER_NAMESPACES_ENV), role_namespaces)
     findings += _job_namespace_findings(doc, docs, account, role_namespaces)
-    return findings
+    return auth + findings
 
 
 def _cluster_uid_findings(subject: str, field: str, uid: str | None) -> list[Finding]:
@@ -869,13 +903,19 @@ def worker_role_namespaces(docs: list[Doc]) -> dict[str, set]:
 def prefect_project_findings(doc: Doc, docs: list[Doc], config: PipelineConfig | None) -> list[Finding]:
     """Deployments on a pool a Kubernetes worker here polls: flow-run image, namespace, S3 identity."""
     pools = worker_role_namespaces(docs)
-    defaults = next((template_defaults(d) for d in docs if d.kind == "PrefectBaseJobTemplate"), {})
+    template = next((d for d in docs if d.kind == "PrefectBaseJobTemplate"), None)
+    defaults = template_defaults(template) if template else {}
     findings = []
     for deployment in doc.obj.get("deployments") or []:
         work_pool = deployment.get("work_pool") or {}
         if work_pool.get("name") in pools:
-            findings += _deployment_findings(doc, docs, deployment, {**defaults, **(work_pool.get("job_variables") or {})},
+            job_variables = work_pool.get("job_variables") or {}
+            findings += _deployment_findings(doc, docs, deployment, {**defaults, **job_variables},
                                              pools[work_pool["name"]], config)
+            subject = f"{doc.file}: deployment {deployment.get('name')}"
+            findings += literal_credential_findings(subject, "work_pool.job_variables.env", job_variables.get("env"))
+            if template is not None:
+                findings += job_variables_schema_findings(subject, job_variables, template)
     return findings
 
 
@@ -930,6 +970,15 @@ def job_template_findings(doc: Doc, docs: list[Doc], config: PipelineConfig | No
                                   defaults.get("service_account_name"), defaults.get("namespace"), docs,
                                   f"storage.root {config.storage.root}: the flow writes the run record there")
     findings += _read_only_findings(doc, docs, defaults.get("service_account_name"), defaults.get("namespace"))
+    findings += pod_security_findings(doc.subject, "job_manifest spec.template.spec", pod_spec)
+    findings += api_token_findings(doc.subject, "job_manifest spec.template.spec", pod_spec,
+                                   "the verify stage reads the RayCluster, pods and nodes")
+    findings += pinned_variable_findings(doc)
+    findings += literal_credential_findings(doc.subject, "variables.properties.env.default", defaults.get("env"))
+    for container in _containers(pod_spec):
+        if isinstance(container.get("env"), list):
+            findings += literal_credential_findings(doc.subject, f"job_manifest containers[{container.get('name')}].env",
+                                                    {e.get("name"): e.get("value") for e in container["env"] if "value" in e})
     return findings
 
 
@@ -1019,3 +1068,245 @@ def _binds(binding: Doc, account: str, namespace: str | None) -> bool:
 
 def _unique(findings: list[Finding]) -> list[Finding]:
     return list(dict.fromkeys(findings))
+
+
+# ---------------------------------------------------------------- pod security and service-account tokens
+
+
+def namespace_findings(doc: Doc) -> list[Finding]:
+    """The namespace holds every pod to the restricted Pod Security Standard (enforce, audit and warn)."""
+    labels = (doc.obj.get("metadata") or {}).get("labels") or {}
+    return [Finding(doc.subject, f"metadata.labels[{key}]", labels.get(key), RESTRICTED, why)
+            for key, why in PSA_LABELS.items() if labels.get(key) != RESTRICTED]
+
+
+def pod_security_findings(subject: str, where: str, pod_spec: dict) -> list[Finding]:
+    """Every container passes the restricted Pod Security Standard, as far as the manifest shows it."""
+    findings = [Finding(subject, f"{where}.{key}", True, False, RESTRICTED_WHY)
+                for key in ("hostNetwork", "hostPID", "hostIPC") if pod_spec.get(key) is True]
+    findings += [Finding(subject, f"{where}.volumes[{v.get('name')}]", _volume_kind(v), list(RESTRICTED_VOLUMES),
+                         RESTRICTED_WHY) for v in pod_spec.get("volumes") or [] if _volume_kind(v) not in RESTRICTED_VOLUMES]
+    pod_context = pod_spec.get("securityContext") or {}
+    for container in _containers(pod_spec):
+        findings += _container_security(subject, f"{where}.containers[{container.get('name')}]", container, pod_context)
+    return findings
+
+
+def _container_security(subject: str, field: str, container: dict, pod_context: dict) -> list[Finding]:
+    """The restricted profile's container rules; runAsNonRoot, runAsUser and seccomp may come from the pod."""
+    own = container.get("securityContext") or {}
+    effective = {key: own.get(key, pod_context.get(key)) for key in ("runAsNonRoot", "runAsUser", "seccompProfile")}
+    capabilities = own.get("capabilities") or {}
+    seccomp = (effective["seccompProfile"] or {}).get("type")
+    checks = [  # (field under securityContext, seen, expected, passes)
+        ("runAsNonRoot", effective["runAsNonRoot"], True, effective["runAsNonRoot"] is True),
+        ("runAsUser", effective["runAsUser"], "a non-zero uid", effective["runAsUser"] != 0),
+        ("allowPrivilegeEscalation", own.get("allowPrivilegeEscalation"), False, own.get("allowPrivilegeEscalation") is False),
+        ("privileged", own.get("privileged"), False, own.get("privileged") is not True),
+        ("capabilities.drop", capabilities.get("drop"), ["ALL"], "ALL" in (capabilities.get("drop") or [])),
+        ("capabilities.add", capabilities.get("add"), "nothing but NET_BIND_SERVICE",
+         set(capabilities.get("add") or []) <= {"NET_BIND_SERVICE"}),
+        ("seccompProfile.type", seccomp, "RuntimeDefault", seccomp in ("RuntimeDefault", "Localhost")),
+    ]
+    findings = [Finding(subject, f"{field}.securityContext.{name}", seen, expected, RESTRICTED_WHY)
+                for name, seen, expected, passes in checks if not passes]
+    findings += [Finding(subject, f"{field}.ports[{p.get('containerPort')}].hostPort", p["hostPort"], None, RESTRICTED_WHY)
+                 for p in container.get("ports") or [] if p.get("hostPort")]
+    return findings
+
+
+def ray_token_findings(doc: Doc, where: str, group: dict) -> list[Finding]:
+    """Ray pods never call the Kubernetes API (only the in-tree autoscaler on the head would): no token mounted."""
+    autoscaler = where == "spec.headGroupSpec" and bool((doc.obj.get("spec") or {}).get("enableInTreeAutoscaling"))
+    seen = _pod_spec(group).get("automountServiceAccountToken")
+    if autoscaler or seen is False:
+        return []
+    return [Finding(doc.subject, f"{where}.template.spec.automountServiceAccountToken", seen, False,
+                    "Ray never calls the Kubernetes API: a mounted token hands the service account's Kubernetes "
+                    "identity to the code of every Ray job (IRSA's STS token is a separate volume and stays)")]
+
+
+def api_token_findings(subject: str, where: str, pod_spec: dict, why: str) -> list[Finding]:
+    """A pod that does call the Kubernetes API keeps its service-account token."""
+    if pod_spec.get("automountServiceAccountToken") is not False:
+        return []
+    return [Finding(subject, f"{where}.automountServiceAccountToken", False, True,
+                    f"{why} with its service-account token: without it every such call fails")]
+
+
+# ---------------------------------------------------------------- the Ray ports: NetworkPolicy
+
+
+def ray_pod_labels(raycluster: Doc, where: str, group: dict) -> dict[str, str]:
+    """The labels a group's pods carry: the template's, plus those KubeRay sets on every Ray pod."""
+    head = where == "spec.headGroupSpec"
+    labels = dict(((group.get("template") or {}).get("metadata") or {}).get("labels") or {})
+    labels.update({RAY_CLUSTER_LABEL: raycluster.name, "ray.io/node-type": "head" if head else "worker",
+                   "ray.io/group": "headgroup" if head else str(group.get("groupName"))})
+    return labels
+
+
+def selects(selector: dict | None, labels: dict) -> bool:
+    """A LabelSelector (matchLabels, matchExpressions) matches these labels; an empty selector matches all."""
+    selector = selector or {}
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expression in selector.get("matchExpressions") or []:
+        key, values = expression.get("key"), expression.get("values") or []
+        outcome = {"In": labels.get(key) in values, "NotIn": labels.get(key) not in values,
+                   "Exists": key in labels, "DoesNotExist": key not in labels}
+        if not outcome.get(expression.get("operator"), False):
+            return False
+    return True
+
+
+def _limits_ingress(policy: Doc) -> bool:
+    types = (policy.obj.get("spec") or {}).get("policyTypes")
+    return types is None or "Ingress" in types  # unset, Kubernetes counts the policy as an Ingress policy
+
+
+def ray_network_findings(doc: Doc, docs: list[Doc], groups: list[tuple[str, dict]]) -> list[Finding]:
+    """Some NetworkPolicy limits ingress to every group's pods (what it admits: network_policy_findings)."""
+    policies = [d for d in docs if d.kind == "NetworkPolicy" and d.namespace == doc.namespace and _limits_ingress(d)]
+    return [Finding(doc.subject, f"{where} pods ({RAY_CLUSTER_LABEL}={doc.name})", None,
+                    f"a NetworkPolicy in namespace {doc.namespace} whose podSelector matches them, limiting Ingress",
+                    "without one every Ray port (GCS 6379, dashboard and job API 8265, client 10001, raylets, object "
+                    "managers, metrics) is open to every pod in the cluster")
+            for where, group in groups
+            if not any(selects((p.obj.get("spec") or {}).get("podSelector"), ray_pod_labels(doc, where, group))
+                       for p in policies)]
+
+
+def network_policy_findings(doc: Doc, docs: list[Doc]) -> list[Finding]:
+    """A policy that selects Ray pods admits only the pipeline's pods: the RayCluster's own and the flow runs'."""
+    spec = doc.obj.get("spec") or {}
+    clusters = [d for d in docs if d.kind == "RayCluster" and d.namespace == doc.namespace
+                and any(selects(spec.get("podSelector"), ray_pod_labels(d, w, g)) for w, g in ray_groups(d.obj))]
+    if not clusters or not _limits_ingress(doc):
+        return []
+    allowed = [{RAY_CLUSTER_LABEL: c.name} for c in clusters] + flow_run_pod_labels(docs)
+    expected = " or ".join(f"podSelector.matchLabels including {labels}" for labels in allowed)
+    why = f"policies add up: this one opens the Ray ports of {', '.join(c.subject for c in clusters)}"
+    findings = []
+    for i, rule in enumerate(spec.get("ingress") or []):
+        peers = rule.get("from") or []
+        if not peers:
+            findings.append(Finding(doc.subject, f"spec.ingress[{i}].from", None, expected,
+                                    f"{why} to every source, in the cluster or outside it"))
+        for j, peer in enumerate(peers):
+            labels = (peer.get("podSelector") or {}).get("matchLabels") or {}
+            if "ipBlock" in peer or "namespaceSelector" in peer:
+                findings.append(Finding(doc.subject, f"spec.ingress[{i}].from[{j}]", peer, expected,
+                                        f"{why} to addresses or other namespaces"))
+            elif not any(all(labels.get(k) == v for k, v in wanted.items()) for wanted in allowed):
+                findings.append(Finding(doc.subject, f"spec.ingress[{i}].from[{j}].podSelector", peer.get("podSelector"),
+                                        expected, f"{why} to pods that are not the pipeline's"))
+    return findings
+
+
+def flow_run_pod_labels(docs: list[Doc]) -> list[dict]:
+    """The fixed labels of the flow-run pods each Prefect base job template creates."""
+    found = []
+    for template in (d for d in docs if d.kind == "PrefectBaseJobTemplate"):
+        manifest = (template.obj.get("job_configuration") or {}).get("job_manifest") or {}
+        labels = drop_placeholders(((((manifest.get("spec") or {}).get("template") or {}).get("metadata") or {})
+                                    .get("labels")) or {})
+        if isinstance(labels, dict) and labels:
+            found.append(labels)
+    return found
+
+
+# ---------------------------------------------------------------- work-pool job variables and Prefect credentials
+
+
+def pinned_variable_findings(doc: Doc) -> list[Finding]:
+    """No job variable can name a Secret or a cluster, and image, service account and namespace are pinned."""
+    variables = doc.obj.get("variables") or {}
+    properties = variables.get("properties") or {}
+    findings = []
+    if variables.get("additionalProperties") is not False:
+        findings.append(Finding(doc.subject, "variables.additionalProperties", variables.get("additionalProperties"),
+                                False, "the Prefect server then accepts job variables the schema does not list"))
+    for path, var in _placeholders(doc.obj.get("job_configuration") or {}, ["job_configuration"]):
+        field, key, parent = _dotted(path), path[-1], path[-2]
+        schema = properties.get(var) or {}
+        if var not in properties:
+            findings.append(Finding(doc.subject, f"variables.properties.{var}", None, "a declared variable",
+                                    f"{field} uses it: an undeclared variable is never validated"))
+        if key in ("secretName", "cluster_config") or (key == "name" and parent in ("secretKeyRef", "secretRef")):
+            what = ("a KubernetesClusterConfig block would point the worker at another cluster with other credentials"
+                    if key == "cluster_config" else "a deployment or flow run could mount any Secret in the namespace")
+            findings.append(Finding(doc.subject, field, "{{ " + var + " }}", "a fixed value, no variable", what))
+        elif key in PINNED_FIELDS and not _pinned(schema):
+            findings.append(Finding(doc.subject, f"variables.properties.{var}", schema.get("default"),
+                                    "const: the one allowed value", f"it fills {field}: a deployment or flow run "
+                                    f"could name any {PINNED_FIELDS[key]}"))
+        elif key in PINNED_FIELDS and "default" in schema and schema["default"] != _pinned_value(schema):
+            findings.append(Finding(doc.subject, f"variables.properties.{var}.default", schema["default"],
+                                    _pinned_value(schema), "the Prefect server refuses a work pool whose default "
+                                    "breaks its own schema"))
+    return findings
+
+
+def _placeholders(node, path: list) -> list[tuple[list, str]]:
+    """(path, variable) of every whole-value '{{ variable }}' in a job configuration."""
+    if isinstance(node, str) and _PLACEHOLDER.match(node):
+        return [(path, node.strip("{} "))]
+    if isinstance(node, dict):
+        return [found for k, v in node.items() for found in _placeholders(v, [*path, k])]
+    if isinstance(node, list):
+        return [found for i, v in enumerate(node) for found in _placeholders(v, [*path, i])]
+    return []
+
+
+def _pinned(schema: dict) -> bool:
+    return "const" in schema or len(schema.get("enum") or []) == 1
+
+
+def _pinned_value(schema: dict):
+    return schema["const"] if "const" in schema else (schema.get("enum") or [None])[0]
+
+
+def job_variables_schema_findings(subject: str, job_variables: dict, template: Doc) -> list[Finding]:
+    """A deployment's job variables against the template's schema, as the Prefect server checks them on deploy."""
+    schema = {k: v for k, v in (template.obj.get("variables") or {}).items() if k != "required"}  # required: at run time
+    validator = jsonschema.Draft202012Validator(schema)
+    return [Finding(subject, "work_pool.job_variables" + (f".{_dotted(e.absolute_path)}" if e.absolute_path else ""),
+                    e.instance if not isinstance(e.instance, (dict, list)) else type(e.instance).__name__,
+                    f"{e.validator}: {json.dumps(e.validator_value)[:120]}",
+                    f"{template.file}'s variables schema: the Prefect server refuses the deployment (422): {e.message[:200]}")
+            for e in validator.iter_errors(job_variables)]
+
+
+def literal_credential_findings(subject: str, field: str, env) -> list[Finding]:
+    """A Prefect API credential written as a value, where anyone who can read the object reads it."""
+    if not isinstance(env, dict):
+        return []
+    return [Finding(subject, f"{field}[{name}]", "a literal value (not shown)", "valueFrom.secretKeyRef",
+                    "a credential in a manifest or job variables is readable by whoever can read the object (the "
+                    "built-in view role reads pods, Jobs and Deployments but not Secrets)")
+            for name in PREFECT_CREDENTIALS if name in env]
+
+
+def prefect_auth_findings(subject: str, field: str, container: dict) -> list[Finding]:
+    """The worker authenticates from a Secret, and hands flow runs a reference to that Secret, not its value."""
+    env = {e.get("name"): e for e in container.get("env") or []}
+    findings = literal_credential_findings(subject, field, {n: e["value"] for n, e in env.items() if "value" in e})
+    refs = {name: ((env.get(name) or {}).get("valueFrom") or {}).get("secretKeyRef") for name in PREFECT_CREDENTIALS}
+    if refs["PREFECT_SERVER_API_AUTH_STRING"]:
+        findings.append(Finding(subject, f"{field}[PREFECT_SERVER_API_AUTH_STRING]", "set", None,
+                                "the server's setting: prefect-kubernetes copies every Prefect setting the worker has "
+                                "into each flow-run Job's env as a literal"))
+    if not any(refs[name] for name in CREDENTIAL_SECRET_SETTINGS) and not findings:
+        findings.append(Finding(subject, f"{field}[PREFECT_API_AUTH_STRING]", None,
+                                "valueFrom.secretKeyRef (or PREFECT_API_KEY from one, for Prefect Cloud)",
+                                "the Prefect API runs code on this cluster: the worker and the server must authenticate"))
+    for name, setting in CREDENTIAL_SECRET_SETTINGS.items():
+        ref = refs[name] or {}
+        for suffix, wanted in (("NAME", ref.get("name")), ("KEY", ref.get("key"))):
+            seen = (env.get(f"{setting}_{suffix}") or {}).get("value")
+            if ref and seen != wanted:
+                findings.append(Finding(subject, f"{field}[{setting}_{suffix}]", seen, wanted,
+                                        f"unset, prefect-kubernetes writes the worker's {name} as a literal into every "
+                                        "flow-run Job manifest instead of a secretKeyRef to the same Secret"))
+    return findings
