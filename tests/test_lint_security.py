@@ -236,3 +236,35 @@ def test_no_prefect_credential_in_job_variables(project, capsys):
     assert code == 1
     assert "deployment eks-manual: work_pool.job_variables.env[PREFECT_API_KEY] is 'a literal value (not shown)'" in out
     assert "pnu_literal" not in out
+
+
+# ---------------------------------------------------------------- the cluster-side admission policy
+
+
+def test_the_worker_s_jobs_are_held_by_an_admission_policy(project, capsys):
+    deploy(project, "flow-run-admission.yaml").unlink()
+    code, out = lint(project, capsys)
+    assert code == 1
+    assert "Prefect base job template: ValidatingAdmissionPolicy for the worker's Jobs is None" in out
+    assert "POST /flow_runs/" in out
+
+    shutil.copy(PROJECT_ROOT / "deployments" / "flow-run-admission.yaml", deploy(project, "flow-run-admission.yaml"))
+    edit(deploy(project, "flow-run-admission.yaml"),
+         lambda d: d["spec"].update(validationActions=["Audit"]) if d["kind"].endswith("Binding") else None)
+    assert "ValidatingAdmissionPolicy for the worker's Jobs is None" in lint(project, capsys)[1]  # audit refuses nothing
+
+
+def test_the_admission_policy_follows_the_pinned_image(project, capsys):
+    new = "123456789012.dkr.ecr.us-west-2.amazonaws.com/tuneproof-flow-run:0.2.0@sha256:" + "1" * 64
+
+    def repin(template):
+        template["variables"]["properties"]["image"].update(const=new, default=new)
+    def repin_deployments(doc):
+        for name in ("eks-manual", "eks-nightly"):
+            eks_deployment(doc, name)["work_pool"]["job_variables"].update(image=new)
+    edit(deploy(project, TEMPLATE), repin)
+    edit(project / "prefect.yaml", repin_deployments)
+    code, out = lint(project, capsys)
+    assert code == 1
+    assert f"ValidatingAdmissionPolicy/tuneproof-flow-run-jobs: spec.validations is \"no expression naming '{new}'\"" in out
+    assert "pins the flow runs' image to it" in out

@@ -41,7 +41,16 @@ field, and both values:
   Roles cover the namespace the flow-run Jobs are created in;
 - a Prefect project file (prefect.yaml): every deployment on a pool such a worker polls runs a
   non-stock flow-run image pinned by digest, in a namespace the worker's Role covers, as a service
-  account with IRSA when its storage root is s3://.
+  account with IRSA when its storage root is s3://, with job variables the template's schema accepts;
+- hardening (SECURITY.md): a Namespace enforces, audits and warns the restricted Pod Security profile,
+  and every container of every pod spec here (Ray groups, workloads, the job template) passes it
+  (non-root, no privilege escalation, capabilities dropped, RuntimeDefault seccomp, no host namespaces,
+  ports or hostPath); Ray pods mount no service-account token, the worker and flow-run pods keep theirs;
+  a NetworkPolicy limits ingress to every Ray group's pods, and every policy selecting them admits only
+  the RayCluster's own pods or the flow-run pods; the job template pins image, service account and
+  namespace (const), lets no variable name a Secret or a cluster, and lists every variable it takes;
+  a Prefect Kubernetes worker takes its API credential from a secretKeyRef and names that Secret for
+  the flow runs, and no credential is written as a value in the worker, the template or job variables.
 
 Without a config only the manifest-internal checks run. Pure apart from reading the files.
 """
@@ -974,6 +983,7 @@ def job_template_findings(doc: Doc, docs: list[Doc], config: PipelineConfig | No
     findings += api_token_findings(doc.subject, "job_manifest spec.template.spec", pod_spec,
                                    "the verify stage reads the RayCluster, pods and nodes")
     findings += pinned_variable_findings(doc)
+    findings += admission_policy_findings(doc, docs, pod_spec)
     findings += literal_credential_findings(doc.subject, "variables.properties.env.default", defaults.get("env"))
     for container in _containers(pod_spec):
         if isinstance(container.get("env"), list):
@@ -1310,3 +1320,50 @@ def prefect_auth_findings(subject: str, field: str, container: dict) -> list[Fin
                                         f"unset, prefect-kubernetes writes the worker's {name} as a literal into every "
                                         "flow-run Job manifest instead of a secretKeyRef to the same Secret"))
     return findings
+
+
+def admission_policy_findings(doc: Doc, docs: list[Doc], pod_spec: dict) -> list[Finding]:
+    """A ValidatingAdmissionPolicy, bound with Deny, holds the worker's Jobs to what the template pins.
+
+    The Prefect server checks deployments and a deployment's flow runs against the variables schema, but
+    not a flow run created directly, and whoever holds the API credential can rewrite the work pool: only
+    the API server can refuse a Job that runs another image, as another account, with other Secrets.
+    """
+    users = {f"system:serviceaccount:{w.namespace}:{workload_pod_spec(w).get('serviceAccountName') or 'default'}"
+             for w in docs if w.kind in WORKLOAD_KINDS
+             and any(kubernetes_worker_pool(c) for c in workload_pod_spec(w).get("containers") or [])}
+    if not users:
+        return []  # no worker among the linted files: whose Jobs to hold is unknown
+    denied = {(b.obj.get("spec") or {}).get("policyName") for b in docs if b.kind == "ValidatingAdmissionPolicyBinding"
+              and "Deny" in ((b.obj.get("spec") or {}).get("validationActions") or [])}
+    policies = [d for d in docs if d.kind == "ValidatingAdmissionPolicy" and d.name in denied and _matches_job_creation(d)
+                and any(f"'{user}'" in str((d.obj.get("spec") or {}).get("matchConditions")) for user in users)]
+    if not policies:
+        return [Finding(doc.subject, "ValidatingAdmissionPolicy for the worker's Jobs", None,
+                        f"a policy bound with validationActions [Deny] matching batch/v1 jobs CREATE by {sorted(users)[0]}",
+                        "without it a flow run created directly through the Prefect API (POST /flow_runs/, which the "
+                        "server does not check against the variables schema) can choose any image, account or Secret")]
+    text = " ".join(str(v.get("expression")) for p in policies for v in (p.obj.get("spec") or {}).get("validations") or [])
+    return [Finding(policies[0].subject, "spec.validations", f"no expression naming '{value}'", value,
+                    f"{doc.file} pins the flow runs' {what} to it: the policy must admit exactly that")
+            for what, value in _flow_run_pins(doc, docs, pod_spec).items() if value and f"'{value}'" not in text]
+
+
+def _matches_job_creation(policy: Doc) -> bool:
+    rules = (((policy.obj.get("spec") or {}).get("matchConstraints") or {}).get("resourceRules")) or []
+    return any({"batch", "*"} & set(r.get("apiGroups") or []) and {"jobs", "*"} & set(r.get("resources") or [])
+               and {"CREATE", "*"} & set(r.get("operations") or []) for r in rules)
+
+
+def _flow_run_pins(doc: Doc, docs: list[Doc], pod_spec: dict) -> dict[str, str | None]:
+    """What a flow-run Job may run and reference: the pinned image and account, the fixed Secrets."""
+    properties = (doc.obj.get("variables") or {}).get("properties") or {}
+    secrets = {f"Secret of volume {v.get('name')}": v["secret"]["secretName"] for v in pod_spec.get("volumes") or []
+               if isinstance((v.get("secret") or {}).get("secretName"), str) and not _PLACEHOLDER.match(v["secret"]["secretName"])}
+    auth = [_env(c).get(f"{setting}_NAME") for w in docs if w.kind in WORKLOAD_KINDS
+            for c in workload_pod_spec(w).get("containers") or [] if kubernetes_worker_pool(c)
+            for setting in CREDENTIAL_SECRET_SETTINGS.values()]
+    return {"image": _pinned_value(properties.get("image") or {}),
+            "service account": _pinned_value(properties.get("service_account_name") or {}),
+            **secrets,
+            "Prefect API credential Secret": next((a for a in auth if a), None)}

@@ -43,6 +43,9 @@ KINDS = {
     "rbac.authorization.k8s.io/v1/ClusterRoleBinding": "clusterrolebinding-rbac-v1.json",
     "storage.k8s.io/v1/StorageClass": "storageclass-storage-v1.json",
     "networking.k8s.io/v1/NetworkPolicy": "networkpolicy-networking-v1.json",
+    "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy": "validatingadmissionpolicy-admissionregistration-v1.json",
+    "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicyBinding":
+        "validatingadmissionpolicybinding-admissionregistration-v1.json",
 }
 
 
