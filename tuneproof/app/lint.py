@@ -50,7 +50,9 @@ field, and both values:
   the RayCluster's own pods or the flow-run pods; the job template pins image, service account and
   namespace (const), lets no variable name a Secret or a cluster, and lists every variable it takes;
   a Prefect Kubernetes worker takes its API credential from a secretKeyRef and names that Secret for
-  the flow runs, and no credential is written as a value in the worker, the template or job variables.
+  the flow runs, and no credential is written as a value in the worker, the template or job variables;
+  with such a worker linted, a ValidatingAdmissionPolicy bound with Deny holds the Jobs its service
+  account creates to the template's pinned image and account and to the Secrets the flow runs use.
 
 Without a config only the manifest-internal checks run. Pure apart from reading the files.
 """
