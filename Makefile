@@ -27,6 +27,7 @@ test: setup browser lint
 # Lint, format and types before any test: the same checks a reviewer would make, in seconds.
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
 # The browser test drives Debian's Chromium (Playwright's own browser download cannot work offline).

@@ -28,8 +28,12 @@ DATA = PROJECT_ROOT / "data" / "dates" / "dates.jsonl"
 
 def prompts(tokenizer, n: int) -> list[str]:
     rows = [json.loads(line) for line in DATA.read_text().splitlines()[:n]]
-    return [tokenizer.apply_chat_template([{"role": "user", "content": r["input"]}], tokenize=False,
-                                          add_generation_prompt=True) for r in rows]
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": r["input"]}], tokenize=False, add_generation_prompt=True
+        )
+        for r in rows
+    ]
 
 
 def timed(fn) -> tuple[float, list[str]]:

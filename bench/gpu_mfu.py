@@ -40,10 +40,20 @@ from training.fsdp import clip_gradients, shard_model  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out" / "gpu_mfu.json"
 QWEN25_1_5B = dict(
-    vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-    num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=131072, rope_theta=1e6,
-    rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=True, use_sliding_window=False,
-    max_window_layers=28, use_cache=False,  # training: no KV cache
+    vocab_size=151936,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    max_position_embeddings=131072,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    hidden_act="silu",
+    tie_word_embeddings=True,
+    use_sliding_window=False,
+    max_window_layers=28,
+    use_cache=False,  # training: no KV cache
 )
 """Qwen/Qwen2.5-1.5B's config.json less its token ids (random tokens need none). Its model card:
 1.54B parameters (1.31B non-embedding), 28 layers, 12 query and 2 KV heads. The base model sets
@@ -159,6 +169,7 @@ def peak_memory_gib(device: torch.device) -> float | None:
 
 # ---------------------------------------------------------------- report
 
+
 def print0(*values) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*values, flush=True)
@@ -166,8 +177,11 @@ def print0(*values) -> None:
 
 def flops_summary(seq_len: int) -> dict:
     shape = ModelShape.from_hf(model_config())
-    return {"seq_len": seq_len, "matmul_weights": matmul_weights(shape),
-            "train_flops_per_token": train_flops_per_token(shape, seq_len)}
+    return {
+        "seq_len": seq_len,
+        "matmul_weights": matmul_weights(shape),
+        "train_flops_per_token": train_flops_per_token(shape, seq_len),
+    }
 
 
 def table(results: list[Measurement]) -> str:
@@ -176,23 +190,33 @@ def table(results: list[Measurement]) -> str:
 
     lines = [f"{'activation ckpt':<16} {'tokens/s/GPU':>13} {'MFU':>7} {'peak mem GiB':>13} {'s/step':>8} {'loss':>7}"]
     for r in results:
-        lines.append(f"{'on' if r.activation_checkpointing else 'off':<16} {cell(r.tokens_per_s_per_gpu, 13, ',.0f')} "
-                     f"{cell(r.mfu, 7, '.1%')} {cell(r.peak_memory_gib, 13, '.1f')} {cell(r.step_seconds, 8, '.3f')} "
-                     f"{cell(r.loss, 7, '.3f')}" + (f"  {r.error}" if r.error else ""))
+        lines.append(
+            f"{'on' if r.activation_checkpointing else 'off':<16} {cell(r.tokens_per_s_per_gpu, 13, ',.0f')} "
+            f"{cell(r.mfu, 7, '.1%')} {cell(r.peak_memory_gib, 13, '.1f')} {cell(r.step_seconds, 8, '.3f')} "
+            f"{cell(r.loss, 7, '.3f')}" + (f"  {r.error}" if r.error else "")
+        )
     return "\n".join(lines)
 
 
 def report(results: list[Measurement], args, device_name: str, peak: float | None, world: int) -> None:
     summary = {
-        "model": "Qwen2.5-1.5B architecture, random init", "gpu": device_name, "gpus": world,
-        "peak_bf16_dense_flops": peak, "batch_per_gpu": args.batch, "steps_timed": args.steps,
-        "flops": flops_summary(args.seq_len), "torch": torch.__version__, "sharding": "full",
+        "model": "Qwen2.5-1.5B architecture, random init",
+        "gpu": device_name,
+        "gpus": world,
+        "peak_bf16_dense_flops": peak,
+        "batch_per_gpu": args.batch,
+        "steps_timed": args.steps,
+        "flops": flops_summary(args.seq_len),
+        "torch": torch.__version__,
+        "sharding": "full",
         "precision": "bf16 params, fp32 reduce, fp32 master weights (AdamW)",
         "results": [asdict(r) for r in results],
     }
-    print0(f"{device_name} x {world}, batch {args.batch} x {args.seq_len} tokens per GPU, "
-           f"{summary['flops']['train_flops_per_token'] / 1e9:.3f} GFLOP/token, "
-           f"peak {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s bf16 dense")
+    print0(
+        f"{device_name} x {world}, batch {args.batch} x {args.seq_len} tokens per GPU, "
+        f"{summary['flops']['train_flops_per_token'] / 1e9:.3f} GFLOP/token, "
+        f"peak {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s bf16 dense"
+    )
     print0(table(results))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=1) + "\n")
@@ -200,6 +224,7 @@ def report(results: list[Measurement], args, device_name: str, peak: float | Non
 
 
 # ---------------------------------------------------------------- GPU ranks
+
 
 def gpu_rank(local_rank: int, args) -> None:
     """One rank per GPU: both configurations, then rank 0 reports."""
@@ -210,8 +235,9 @@ def gpu_rank(local_rank: int, args) -> None:
         name = torch.cuda.get_device_name(device)
         peak = peak_bf16_flops(name)
         config = model_config()
-        results = [measure(config, device, checkpointing, args, dist.get_rank(), peak)
-                   for checkpointing in (False, True)]
+        results = [
+            measure(config, device, checkpointing, args, dist.get_rank(), peak) for checkpointing in (False, True)
+        ]
         if dist.get_rank() == 0:
             report(results, args, name, peak, dist.get_world_size())
     finally:
@@ -220,8 +246,14 @@ def gpu_rank(local_rank: int, args) -> None:
 
 def spawned_rank(local_rank: int, world: int, port: int, args) -> None:
     """A rank started by this script itself: the environment torchrun would have set."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
-                      LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     gpu_rank(local_rank, args)
 
 
@@ -258,14 +290,17 @@ def dry_run(args) -> None:
     started = time.perf_counter()
     check_real_shapes(args.seq_len)
     summary = flops_summary(args.seq_len)
-    print(f"Qwen2.5-1.5B at seq_len {args.seq_len}: {summary['train_flops_per_token'] / 1e9:.3f} GFLOP/token "
-          f"(6N = {6 * summary['matmul_weights'] / 1e9:.3f}, N = {summary['matmul_weights']:,} matmul weights)")
+    print(
+        f"Qwen2.5-1.5B at seq_len {args.seq_len}: {summary['train_flops_per_token'] / 1e9:.3f} GFLOP/token "
+        f"(6N = {6 * summary['matmul_weights'] / 1e9:.3f}, N = {summary['matmul_weights']:,} matmul weights)"
+    )
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         config = model_config(**DRY_RUN_SIZE)
         small = argparse.Namespace(batch=DRY_BATCH, seq_len=DRY_SEQ, warmup=0, steps=1)
-        results = [measure(config, torch.device("cpu"), checkpointing, small, 0, None)
-                   for checkpointing in (False, True)]
+        results = [
+            measure(config, torch.device("cpu"), checkpointing, small, 0, None) for checkpointing in (False, True)
+        ]
     finally:
         dist.destroy_process_group()
     print(table(results))
@@ -299,8 +334,10 @@ def check_real_shapes(seq_len: int) -> None:
         problems.append(f"logits {tuple(logits.shape)}, expected {expected_logits}")
     if problems:
         sys.exit("Qwen2.5-1.5B shapes: " + "; ".join(problems))
-    print(f"Qwen2.5-1.5B: {params:,} parameters, {linear:,} matmul weights (lm_head tied), "
-          f"logits {tuple(logits.shape)}: shapes ok")
+    print(
+        f"Qwen2.5-1.5B: {params:,} parameters, {linear:,} matmul weights (lm_head tied), "
+        f"logits {tuple(logits.shape)}: shapes ok"
+    )
 
 
 def main() -> None:

@@ -74,9 +74,13 @@ def install(venv: Path) -> None:
 
 
 def check_gpu(python: Path) -> None:
-    sh(python, "-c", "import torch; assert torch.cuda.is_available(), f'torch {torch.__version__} sees no GPU'; "
-                     "print('GPU:', torch.cuda.get_device_name(0), '| torch', torch.__version__, "
-                     "'| CUDA', torch.version.cuda, '| NCCL', torch.cuda.nccl.version())")
+    sh(
+        python,
+        "-c",
+        "import torch; assert torch.cuda.is_available(), f'torch {torch.__version__} sees no GPU'; "
+        "print('GPU:', torch.cuda.get_device_name(0), '| torch', torch.__version__, "
+        "'| CUDA', torch.version.cuda, '| NCCL', torch.cuda.nccl.version())",
+    )
 
 
 def run_pipeline(tuneproof: Path) -> int:
@@ -86,15 +90,18 @@ def run_pipeline(tuneproof: Path) -> int:
 
 def latest_record(tuneproof: Path) -> dict:
     """The run just made: `runs list` is newest first; `runs show --json` is its whole record."""
-    listed = subprocess.run([str(tuneproof), "runs", "list", "--json"], cwd=ROOT, capture_output=True, text=True,
-                            check=True)
+    listed = subprocess.run(
+        [str(tuneproof), "runs", "list", "--json"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
     run_id = json.loads(listed.stdout)[0]["run_id"]
-    shown = subprocess.run([str(tuneproof), "runs", "show", run_id, "--json"], cwd=ROOT, capture_output=True,
-                           text=True, check=True)
+    shown = subprocess.run(
+        [str(tuneproof), "runs", "show", run_id, "--json"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
     return json.loads(shown.stdout)
 
 
 # ---------------------------------------------------------------- figures (pure: record -> lines)
+
 
 def seconds(stage: dict) -> float:
     started, ended = (datetime.fromisoformat(stage[k]) for k in ("started_at", "ended_at"))
@@ -103,35 +110,49 @@ def seconds(stage: dict) -> float:
 
 def stage_lines(record: dict) -> list[str]:
     in_order = sorted(record["stages"].items(), key=lambda item: item[1]["started_at"])
-    return [f"{name:<13} {stage['status']:<10} {seconds(stage):6.0f} s  {stage['cause'] or ''}"
-            for name, stage in in_order]
+    return [
+        f"{name:<13} {stage['status']:<10} {seconds(stage):6.0f} s  {stage['cause'] or ''}" for name, stage in in_order
+    ]
 
 
 def connectivity_lines(summary: dict) -> list[str]:
     verdict, largest = summary["transport"], summary["allreduce"][-1]
-    return [f"transport: {verdict['kind']} ({verdict['evidence'][0]}), backend {summary['backend']}",
-            f"all-reduce {largest['size_bytes']:,} B: busbw {largest['busbw_GBps']:.1f} GB/s"]
+    return [
+        f"transport: {verdict['kind']} ({verdict['evidence'][0]}), backend {summary['backend']}",
+        f"all-reduce {largest['size_bytes']:,} B: busbw {largest['busbw_GBps']:.1f} GB/s",
+    ]
 
 
 def finetune_lines(summary: dict) -> list[str]:
     mfu = f"{summary['mfu']:.1%}" if "mfu" in summary else "n/a (CPU, or a GPU training/flops.py has no peak for)"
-    return [f"fine-tune: {summary['steps']} steps in {summary['seconds']:.0f} s, "
-            f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, "
-            f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"]
+    return [
+        f"fine-tune: {summary['steps']} steps in {summary['seconds']:.0f} s, "
+        f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, "
+        f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
+    ]
 
 
 def resume_lines(summary: dict) -> list[str]:
-    return [f"resume: restored step {summary['restored_step']}, max loss diff {summary['max_loss_diff']:.3g} "
-            f"(rtol {summary['loss_rtol']})"]
+    return [
+        f"resume: restored step {summary['restored_step']}, max loss diff {summary['max_loss_diff']:.3g} "
+        f"(rtol {summary['loss_rtol']})"
+    ]
 
 
 def evaluate_lines(summary: dict) -> list[str]:
-    return [f"evaluate ({summary['device']}): {role} " + ", ".join(f"{k}={v:.3f}" for k, v in model["metrics"].items())
-            for role, model in summary["models"].items() if model]
+    return [
+        f"evaluate ({summary['device']}): {role} " + ", ".join(f"{k}={v:.3f}" for k, v in model["metrics"].items())
+        for role, model in summary["models"].items()
+        if model
+    ]
 
 
-FIGURES = {"connectivity": connectivity_lines, "finetune": finetune_lines, "resume": resume_lines,
-           "evaluate": evaluate_lines}
+FIGURES = {
+    "connectivity": connectivity_lines,
+    "finetune": finetune_lines,
+    "resume": resume_lines,
+    "evaluate": evaluate_lines,
+}
 """Stage -> the lines its summary gives, printed for each stage that succeeded."""
 
 
@@ -146,11 +167,16 @@ def figures(record: dict) -> list[str]:
 
 # ---------------------------------------------------------------- the story
 
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # Under .tuneproof/ (git-ignored) and apart from .venv, which `make setup` fills with the CPU wheel.
-    parser.add_argument("--venv", type=Path, default=ROOT / ".tuneproof" / "venv-gpu",
-                        help="installed into when it has no bin/tuneproof yet")
+    parser.add_argument(
+        "--venv",
+        type=Path,
+        default=ROOT / ".tuneproof" / "venv-gpu",
+        help="installed into when it has no bin/tuneproof yet",
+    )
     args = parser.parse_args()
     venv = args.venv.resolve()
     python, tuneproof = venv / "bin" / "python", venv / "bin" / "tuneproof"

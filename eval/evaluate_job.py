@@ -115,7 +115,9 @@ def read_eval_set(ctx: JobContext, dataset: str) -> EvalSet:
     if missing:
         raise ValueError(f"eval split of {dataset} lacks columns {missing}; has {table.column_names}")
     if table.num_rows == 0:
-        raise StageFailure(FailureClass.data, f"eval split of {ctx.storage.uri(dataset)} has no rows: nothing to evaluate on")
+        raise StageFailure(
+            FailureClass.data, f"eval split of {ctx.storage.uri(dataset)} has no rows: nothing to evaluate on"
+        )
     cols = {name: table.column(name).to_pylist() for name in ("prompt", "reference", "input_ids", "labels")}
     return EvalSet(cols["prompt"], cols["reference"], cols["input_ids"], cols["labels"])
 
@@ -143,8 +145,14 @@ def evaluate_model(ctx: JobContext, source: ModelSource, data: EvalSet, metrics:
     started = time.monotonic()
     model, tokenizer = load_for_eval(ctx, source)
     jobkit.log(f"{source.role}: {source.path} on {model.device} ({model.dtype})")
-    answers = generate(model, tokenizer, data.prompts, cfg.max_new_tokens, cfg.batch_size,
-                       on_batch=lambda n: counter.advance(n, source.role))
+    answers = generate(
+        model,
+        tokenizer,
+        data.prompts,
+        cfg.max_new_tokens,
+        cfg.batch_size,
+        on_batch=lambda n: counter.advance(n, source.role),
+    )
     values = score(metrics, answers, data.references)
     values.update(eval_loss(model, data.input_ids, data.labels, cfg.batch_size, pad_token_id(tokenizer)))
     del model, tokenizer
@@ -161,8 +169,11 @@ def load_for_eval(ctx: JobContext, source: ModelSource):
     local = Path(materialize(source.uri, endpoint))
     has_tokenizer = not local.is_dir() or (local / "tokenizer_config.json").exists()
     base = ctx.config.model
-    tokenizer = (load_tokenizer(source.uri, source.revision, endpoint) if has_tokenizer
-                 else load_tokenizer(base.source, base.revision, endpoint))
+    tokenizer = (
+        load_tokenizer(source.uri, source.revision, endpoint)
+        if has_tokenizer
+        else load_tokenizer(base.source, base.revision, endpoint)
+    )
     return model, tokenizer
 
 

@@ -29,13 +29,17 @@ def decide(candidate: Metrics, base: Metrics, incumbent: Metrics | None, policy:
 
     Passes only when every verdict passes; an empty policy passes with a line saying so.
     """
-    verdicts = [v for metric, gate in policy.items() for v in _metric_verdicts(metric, gate, candidate, base, incumbent)]
+    verdicts = [
+        v for metric, gate in policy.items() for v in _metric_verdicts(metric, gate, candidate, base, incumbent)
+    ]
     if not verdicts:
         return GateDecision(passed=True, lines=["no gates configured: nothing to check"], verdicts=[])
     return GateDecision(passed=all(v.passed for v in verdicts), lines=[v.line for v in verdicts], verdicts=verdicts)
 
 
-def _metric_verdicts(metric: str, gate: Gate, candidate: Metrics, base: Metrics, incumbent: Metrics | None) -> list[Verdict]:
+def _metric_verdicts(
+    metric: str, gate: Gate, candidate: Metrics, base: Metrics, incumbent: Metrics | None
+) -> list[Verdict]:
     verdicts = []
     if gate.min is not None:
         verdicts.append(_min_verdict(metric, gate, gate.min, candidate))
@@ -63,22 +67,42 @@ def _improvement_verdict(metric: str, gate: Gate, at_least: float, candidate: Me
         return _verdict(metric, "min_improvement", None, at_least, False, f"{head}: {gain} (fail)")
     value, detail = gain
     passed = value >= at_least - TOLERANCE
-    return _verdict(metric, "min_improvement", value, at_least, passed,
-                    f"{head}: {fmt(value, signed=True)} ({detail}) ({_word(passed)})")
+    return _verdict(
+        metric,
+        "min_improvement",
+        value,
+        at_least,
+        passed,
+        f"{head}: {fmt(value, signed=True)} ({detail}) ({_word(passed)})",
+    )
 
 
-def _regression_verdict(metric: str, gate: Gate, at_most: float, candidate: Metrics, incumbent: Metrics | None) -> Verdict:
+def _regression_verdict(
+    metric: str, gate: Gate, at_most: float, candidate: Metrics, incumbent: Metrics | None
+) -> Verdict:
     head = f"{metric} regression vs incumbent <= {fmt(at_most)}"
     if incumbent is None:
-        return _verdict(metric, "max_regression", None, at_most, True,
-                        f"{head}: no incumbent: first model, regression gate not applicable")
+        return _verdict(
+            metric,
+            "max_regression",
+            None,
+            at_most,
+            True,
+            f"{head}: no incumbent: first model, regression gate not applicable",
+        )
     gain = _gain(metric, gate, candidate, incumbent, "incumbent")
     if isinstance(gain, str):
         return _verdict(metric, "max_regression", None, at_most, False, f"{head}: {gain} (fail)")
     value, detail = -gain[0], gain[1]  # the regression is the gain lost
     passed = value <= at_most + TOLERANCE
-    return _verdict(metric, "max_regression", value, at_most, passed,
-                    f"{head}: {fmt(value, signed=True)} ({detail}) ({_word(passed)})")
+    return _verdict(
+        metric,
+        "max_regression",
+        value,
+        at_most,
+        passed,
+        f"{head}: {fmt(value, signed=True)} ({detail}) ({_word(passed)})",
+    )
 
 
 def _gain(metric: str, gate: Gate, candidate: Metrics, other: Metrics, other_role: str) -> tuple[float, str] | str:

@@ -34,7 +34,9 @@ def stop_token_ids(tokenizer) -> list[int]:
         if token_id is not None and token_id != tokenizer.unk_token_id and token_id not in ids:
             ids.append(token_id)
     if not ids:
-        raise ValueError(f"tokenizer has neither an eos_token nor {IM_END} (eos_token={tokenizer.eos_token!r}): generation would never stop")
+        raise ValueError(
+            f"tokenizer has neither an eos_token nor {IM_END} (eos_token={tokenizer.eos_token!r}): generation would never stop"
+        )
     return ids
 
 
@@ -45,7 +47,11 @@ def pad_token_id(tokenizer) -> int:
 
 @torch.no_grad()
 def generate(
-    model, tokenizer, prompts: Sequence[str], max_new_tokens: int, batch_size: int,
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    max_new_tokens: int,
+    batch_size: int,
     on_batch: Callable[[int], None] | None = None,
 ) -> list[str]:
     """Greedy answers, one per prompt, stripped; `on_batch(n)` after each batch of n prompts."""
@@ -53,7 +59,7 @@ def generate(
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     answers = [""] * len(prompts)
     for start in range(0, len(order), batch_size):
-        rows = order[start:start + batch_size]
+        rows = order[start : start + batch_size]
         for row, text in zip(rows, _generate_batch(model, tokenizer, [prompts[i] for i in rows], max_new_tokens)):
             answers[row] = text
         if on_batch:
@@ -62,19 +68,28 @@ def generate(
 
 
 def _generate_batch(model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[str]:
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False).to(model.device)
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False).to(
+        model.device
+    )
     # Explicit greedy settings: a model's generation_config (Qwen instruct ships sampling and
     # repetition_penalty=1.05) would otherwise fill them in and change the answers.
     out = model.generate(
-        **enc, do_sample=False, num_beams=1, repetition_penalty=1.0, max_new_tokens=max_new_tokens,
-        pad_token_id=pad_token_id(tokenizer), eos_token_id=stop_token_ids(tokenizer),
+        **enc,
+        do_sample=False,
+        num_beams=1,
+        repetition_penalty=1.0,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=pad_token_id(tokenizer),
+        eos_token_id=stop_token_ids(tokenizer),
     )
-    answers = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    answers = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     return [a.strip() for a in answers]
 
 
 @torch.no_grad()
-def eval_loss(model, input_ids: Sequence[Sequence[int]], labels: Sequence[Sequence[int]], batch_size: int, pad_id: int) -> dict[str, float]:
+def eval_loss(
+    model, input_ids: Sequence[Sequence[int]], labels: Sequence[Sequence[int]], batch_size: int, pad_id: int
+) -> dict[str, float]:
     """Token-weighted mean cross-entropy over unmasked labels, and its exp as perplexity.
 
     Labels follow the Hugging Face convention: aligned with input_ids (the model predicts
@@ -82,7 +97,7 @@ def eval_loss(model, input_ids: Sequence[Sequence[int]], labels: Sequence[Sequen
     """
     total_nll, total_tokens = 0.0, 0
     for start in range(0, len(input_ids), batch_size):
-        ids, lab, mask = right_padded(input_ids[start:start + batch_size], labels[start:start + batch_size], pad_id)
+        ids, lab, mask = right_padded(input_ids[start : start + batch_size], labels[start : start + batch_size], pad_id)
         logits = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).logits
         nll, tokens = _summed_nll(logits, lab.to(model.device))
         total_nll, total_tokens = total_nll + nll, total_tokens + tokens
@@ -99,9 +114,9 @@ def right_padded(input_ids, labels, pad_id: int) -> tuple[torch.Tensor, torch.Te
     for i, (row, row_labels) in enumerate(zip(input_ids, labels)):
         if len(row) != len(row_labels):
             raise ValueError(f"eval row {i}: {len(row)} input_ids but {len(row_labels)} labels; expected equal lengths")
-        ids[i, :len(row)] = torch.as_tensor(row)
-        lab[i, :len(row)] = torch.as_tensor(row_labels)
-        mask[i, :len(row)] = 1
+        ids[i, : len(row)] = torch.as_tensor(row)
+        lab[i, : len(row)] = torch.as_tensor(row_labels)
+        mask[i, : len(row)] = 1
     return ids, lab, mask
 
 

@@ -31,8 +31,9 @@ StageName = Annotated[str, WithJsonSchema({"type": "string", "enum": table.names
 
 
 @flow(name="tuneproof-pipeline", log_prints=True)
-def pipeline(config: PipelineConfig = PipelineConfig(), run_id: str | None = None,
-             only: list[StageName] | None = None) -> State:
+def pipeline(
+    config: PipelineConfig = PipelineConfig(), run_id: str | None = None, only: list[StageName] | None = None
+) -> State:
     """Fine-tune and promote only on evidence. `only` reruns a subset against an existing run's outputs."""
     try:
         plan = table.plan(only)
@@ -52,8 +53,12 @@ def pipeline(config: PipelineConfig = PipelineConfig(), run_id: str | None = Non
         record_stage(record, stage, entry)
         records.save(storage, record)
         publish(stage.artifact, record, entry, storage)
-        events.publish("stage", stage=stage.name, status=entry.status,
-                       failure_class=entry.failure_class.value if entry.failure_class else None)
+        events.publish(
+            "stage",
+            stage=stage.name,
+            status=entry.status,
+            failure_class=entry.failure_class.value if entry.failure_class else None,
+        )
         if entry.status == "failed":
             return finish(storage, record, entry)
     return finish(storage, record, None)
@@ -64,9 +69,16 @@ def run_stage(stage: Stage, cfg: PipelineConfig, record: RunRecord) -> StageEntr
     why_not = stage.skip(cfg) if stage.skip else None
     if why_not:
         return StageEntry.skipped(stage.name, why_not)
-    call = StageCall(stage=stage.name, cfg=cfg, run_id=record.run_id, invocation=len(record.invocations),
-                     timeout_s=stage.timeout_s(cfg), summary=stage.summary,
-                     inputs=table.inputs_for(stage, record), record=record.model_copy(deep=True))
+    call = StageCall(
+        stage=stage.name,
+        cfg=cfg,
+        run_id=record.run_id,
+        invocation=len(record.invocations),
+        timeout_s=stage.timeout_s(cfg),
+        summary=stage.summary,
+        inputs=table.inputs_for(stage, record),
+        record=record.model_copy(deep=True),
+    )
     try:
         return stage.run(call)
     except Exception as e:  # noqa: BLE001 - the record must say how the stage ended, whatever happened
@@ -74,8 +86,9 @@ def run_stage(stage: Stage, cfg: PipelineConfig, record: RunRecord) -> StageEntr
         return StageEntry.failed(stage.name, FailureClass.infrastructure, f"{type(e).__name__}: {e}")
 
 
-def open_record(storage: Storage, cfg: PipelineConfig, run_id: str, plan: list[Stage],
-                only: list[str] | None) -> RunRecord:
+def open_record(
+    storage: Storage, cfg: PipelineConfig, run_id: str, plan: list[Stage], only: list[str] | None
+) -> RunRecord:
     """A fresh record, or the existing one when a subset of stages reruns against a run."""
     if storage.exists("runs", run_id, records.RECORD):
         record = records.load(storage, run_id)
@@ -89,8 +102,15 @@ def open_record(storage: Storage, cfg: PipelineConfig, run_id: str, plan: list[S
     else:
         code = CodeIdentity.model_validate(git_identity())
         record = records.new_record(run_id, cfg, code, str(flow_run.get_id()))
-    record.invocations.append(Invocation(number=len(record.invocations) + 1, flow_run_id=str(flow_run.get_id()),
-                                         only=only, at=now_iso(), config_hash=cfg.config_hash()))
+    record.invocations.append(
+        Invocation(
+            number=len(record.invocations) + 1,
+            flow_run_id=str(flow_run.get_id()),
+            only=only,
+            at=now_iso(),
+            config_hash=cfg.config_hash(),
+        )
+    )
     records.save(storage, record)
     return record
 
@@ -137,13 +157,17 @@ def finish(storage: Storage, record: RunRecord, failed: StageEntry | None) -> St
     publish(artifacts.run_report, record)
     if failed is None:
         return Completed(message=f"run {record.run_id} succeeded", data=summary_of(record))
-    return Failed(message=f"{record.failure_class.value if record.failure_class else ''} failure in {record.cause}",
-                  data=summary_of(record))
+    return Failed(
+        message=f"{record.failure_class.value if record.failure_class else ''} failure in {record.cause}",
+        data=summary_of(record),
+    )
 
 
 def summary_of(record: RunRecord) -> dict[str, Any]:
     return {
-        "run_id": record.run_id, "status": record.status,
+        "run_id": record.run_id,
+        "status": record.status,
         "failure_class": record.failure_class.value if record.failure_class else None,
-        "cause": record.cause, "stages": {name: entry.status for name, entry in record.stages.items()},
+        "cause": record.cause,
+        "stages": {name: entry.status for name, entry in record.stages.items()},
     }

@@ -117,8 +117,9 @@ def data_evidence(s: DataSummary) -> str:
 
 def lift_data(record: RunRecord, s: DataSummary) -> None:
     if s.content_hash:
-        record.data = DataIdentity(dataset_path=s.dataset_path, dataset_uri=s.dataset_uri,
-                                   content_hash=s.content_hash, cache_hit=s.cache_hit)
+        record.data = DataIdentity(
+            dataset_path=s.dataset_path, dataset_uri=s.dataset_uri, content_hash=s.content_hash, cache_hit=s.cache_hit
+        )
 
 
 def finetune_evidence(s: FinetuneSummary) -> str:
@@ -157,8 +158,12 @@ def evaluate_evidence(s: EvaluateSummary) -> str:
 
 
 def evaluate_metrics(s: EvaluateSummary) -> Metrics:
-    return {f"eval.{role}.{name}": value for role, score in s.models.items() if score
-            for name, value in score.metrics.items()}
+    return {
+        f"eval.{role}.{name}": value
+        for role, score in s.models.items()
+        if score
+        for name, value in score.metrics.items()
+    }
 
 
 def promote_evidence(s: PromoteSummary) -> str:
@@ -184,37 +189,76 @@ def promote_stage(call: StageCall) -> StageEntry:
 
 STAGES: tuple[Stage, ...] = (
     Stage(
-        name="verify", run=verify, summary=VerifySummary, evidence=verify_evidence, fails_as=(INFRA,),
-        timeout="verify", artifact=artifacts.verify_findings, lift=lift_cluster,
+        name="verify",
+        run=verify,
+        summary=VerifySummary,
+        evidence=verify_evidence,
+        fails_as=(INFRA,),
+        timeout="verify",
+        artifact=artifacts.verify_findings,
+        lift=lift_cluster,
     ),
     Stage(
-        name="connectivity", run=connectivity, summary=ConnectivitySummary, evidence=connectivity_evidence,
-        fails_as=(INFRA,), timeout="connectivity", artifact=artifacts.connectivity_table, metrics=connectivity_metrics,
+        name="connectivity",
+        run=connectivity,
+        summary=ConnectivitySummary,
+        evidence=connectivity_evidence,
+        fails_as=(INFRA,),
+        timeout="connectivity",
+        artifact=artifacts.connectivity_table,
+        metrics=connectivity_metrics,
     ),
     Stage(
-        name="data", run=job_stage("training.data_prep"), summary=DataSummary, evidence=data_evidence,
-        fails_as=(DATA, INFRA), timeout="data", artifact=artifacts.dataset_summary, lift=lift_data,
+        name="data",
+        run=job_stage("training.data_prep"),
+        summary=DataSummary,
+        evidence=data_evidence,
+        fails_as=(DATA, INFRA),
+        timeout="data",
+        artifact=artifacts.dataset_summary,
+        lift=lift_data,
     ),
     Stage(
-        name="finetune", run=job_stage("training.finetune", lambda inputs: {"dataset": inputs["dataset_path"]}),
-        summary=FinetuneSummary, evidence=finetune_evidence, fails_as=(INFRA, MODELING, DATA), timeout="finetune",
-        needs=(Need("data", "dataset_path"),), artifact=artifacts.loss_image, metrics=finetune_metrics,
+        name="finetune",
+        run=job_stage("training.finetune", lambda inputs: {"dataset": inputs["dataset_path"]}),
+        summary=FinetuneSummary,
+        evidence=finetune_evidence,
+        fails_as=(INFRA, MODELING, DATA),
+        timeout="finetune",
+        needs=(Need("data", "dataset_path"),),
+        artifact=artifacts.loss_image,
+        metrics=finetune_metrics,
     ),
     Stage(
-        name="resume", run=resume_tasks.resume_test, summary=ResumeSummary, evidence=resume_evidence, fails_as=(INFRA,),
-        timeout="resume", needs=(Need("data", "dataset_path"), Need("finetune", "checkpoints"),
-                                 Need("finetune", "loss_curve")),
-        metrics=resume_metrics, skip=resume_disabled,
+        name="resume",
+        run=resume_tasks.resume_test,
+        summary=ResumeSummary,
+        evidence=resume_evidence,
+        fails_as=(INFRA,),
+        timeout="resume",
+        needs=(Need("data", "dataset_path"), Need("finetune", "checkpoints"), Need("finetune", "loss_curve")),
+        metrics=resume_metrics,
+        skip=resume_disabled,
     ),
     Stage(
-        name="evaluate", run=evaluate, summary=EvaluateSummary, evidence=evaluate_evidence,
-        fails_as=(MODELING, INFRA, DATA), timeout="evaluate",
+        name="evaluate",
+        run=evaluate,
+        summary=EvaluateSummary,
+        evidence=evaluate_evidence,
+        fails_as=(MODELING, INFRA, DATA),
+        timeout="evaluate",
         needs=(Need("data", "dataset_path"), Need("finetune", "export_path")),
-        artifact=artifacts.evaluation_table, metrics=evaluate_metrics,
+        artifact=artifacts.evaluation_table,
+        metrics=evaluate_metrics,
     ),
     Stage(
-        name="promote", run=promote_stage, summary=PromoteSummary, evidence=promote_evidence,
-        fails_as=(MODELING, INFRA), reads=("finetune", "resume", "evaluate"), lift=lift_promotion,
+        name="promote",
+        run=promote_stage,
+        summary=PromoteSummary,
+        evidence=promote_evidence,
+        fails_as=(MODELING, INFRA),
+        reads=("finetune", "resume", "evaluate"),
+        lift=lift_promotion,
     ),
 )
 
@@ -322,11 +366,15 @@ def record_schema() -> dict[str, Any]:
         model_schema = stage.summary.model_json_schema(mode="serialization", ref_template="#/$defs/{model}")
         defs.update(model_schema.pop("$defs", {}))
         defs[stage.summary.__name__] = model_schema
-        conditions.append({
-            "if": {"properties": {"stage": {"const": stage.name}, "summary": {"type": "object"}},
-                   "required": ["stage", "summary"]},
-            "then": {"properties": {"summary": {"$ref": f"#/$defs/{stage.summary.__name__}"}}},
-        })
+        conditions.append(
+            {
+                "if": {
+                    "properties": {"stage": {"const": stage.name}, "summary": {"type": "object"}},
+                    "required": ["stage", "summary"],
+                },
+                "then": {"properties": {"summary": {"$ref": f"#/$defs/{stage.summary.__name__}"}}},
+            }
+        )
     defs["StageEntry"]["allOf"] = conditions
     return schema
 

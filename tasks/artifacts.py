@@ -53,15 +53,23 @@ def safe_cell(value: Any) -> Any:
 
 def table(kind: str, run_id: str, rows: list[dict[str, Any]], description: str) -> None:
     if rows:
-        create_table_artifact([{k: safe_cell(v) for k, v in r.items()} for r in rows],
-                              key=key(kind, run_id), description=description)
+        create_table_artifact(
+            [{k: safe_cell(v) for k, v in r.items()} for r in rows], key=key(kind, run_id), description=description
+        )
 
 
 def stage_table(record: RunRecord, order: list[str]) -> None:
     """Every stage of the run in pipeline order: status, failure class, seconds, cause."""
-    rows = [{"stage": name, "status": entry.status, "failure class": entry.failure_class.value if entry.failure_class else "",
-             "seconds": duration(entry), "cause": entry.cause or ""}
-            for name, entry in sorted(record.stages.items(), key=lambda item: _position(order, item[0]))]
+    rows = [
+        {
+            "stage": name,
+            "status": entry.status,
+            "failure class": entry.failure_class.value if entry.failure_class else "",
+            "seconds": duration(entry),
+            "cause": entry.cause or "",
+        }
+        for name, entry in sorted(record.stages.items(), key=lambda item: _position(order, item[0]))
+    ]
     table("stages", record.run_id, rows, f"Stages of run {record.run_id}")
 
 
@@ -71,7 +79,9 @@ def _position(order: list[str], name: str) -> int:
 
 def duration(entry: StageEntry) -> float | None:
     try:
-        return round((datetime.fromisoformat(entry.ended_at) - datetime.fromisoformat(entry.started_at)).total_seconds(), 1)
+        return round(
+            (datetime.fromisoformat(entry.ended_at) - datetime.fromisoformat(entry.started_at)).total_seconds(), 1
+        )
     except ValueError:
         return None
 
@@ -85,14 +95,21 @@ def verify_findings(record: RunRecord, entry: StageEntry, storage: Storage) -> N
     if summary is None:
         lines.append(f"No findings were collected: {entry.cause}")
     else:
-        lines += [f"- **{f.severity}** {f.subject}: `{f.field}` is `{f.seen}`, expected `{f.expected}` {f.message}"
-                  for f in summary.findings] or ["No findings: every node matches what the config expects."]
-        lines += ["", "| node | head | ray | torch | python | cuda | nccl | GPUs (visible/Ray) | env digest |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"- **{f.severity}** {f.subject}: `{f.field}` is `{f.seen}`, expected `{f.expected}` {f.message}"
+            for f in summary.findings
+        ] or ["No findings: every node matches what the config expects."]
+        lines += [
+            "",
+            "| node | head | ray | torch | python | cuda | nccl | GPUs (visible/Ray) | env digest |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for n in summary.nodes:
-            lines.append(f"| {n.node_ip} | {n.is_head} | {n.ray_version} | {n.torch_version} | {n.python_version} | "
-                         f"{n.cuda_version} | {n.nccl_version} | {n.gpus_visible}/{n.gpus_advertised} | "
-                         f"{str(n.environment_digest)[:12]} |")
+            lines.append(
+                f"| {n.node_ip} | {n.is_head} | {n.ray_version} | {n.torch_version} | {n.python_version} | "
+                f"{n.cuda_version} | {n.nccl_version} | {n.gpus_visible}/{n.gpus_advertised} | "
+                f"{str(n.environment_digest)[:12]} |"
+            )
     create_markdown_artifact("\n".join(lines), key=key("verify", record.run_id), description="Cluster verification")
 
 
@@ -102,8 +119,12 @@ def connectivity_table(record: RunRecord, entry: StageEntry, storage: Storage) -
         return
     kind = summary.transport.kind
     rows = [{**row.to_json(), "transport": kind} for row in summary.allreduce]
-    table("connectivity", record.run_id, rows,
-          f"All-reduce over {summary.world_size} ranks ({summary.backend}); transport {kind}")
+    table(
+        "connectivity",
+        record.run_id,
+        rows,
+        f"All-reduce over {summary.world_size} ranks ({summary.backend}); transport {kind}",
+    )
 
 
 def dataset_summary(record: RunRecord, entry: StageEntry, storage: Storage) -> None:
@@ -111,12 +132,19 @@ def dataset_summary(record: RunRecord, entry: StageEntry, storage: Storage) -> N
     if summary is None or summary.manifest is None:
         return
     m = summary.manifest
-    lines = [f"# Dataset `{m.name}` {m.content_hash[:16]}" + (" (cache hit)" if summary.cache_hit else ""),
-             "", f"Source: `{m.source.uri}`; {m.total_rows} rows; dropped {m.dropped_fraction:.2%}", "",
-             "| split | rows | tokens | shards |", "|---|---|---|---|"]
+    lines = [
+        f"# Dataset `{m.name}` {m.content_hash[:16]}" + (" (cache hit)" if summary.cache_hit else ""),
+        "",
+        f"Source: `{m.source.uri}`; {m.total_rows} rows; dropped {m.dropped_fraction:.2%}",
+        "",
+        "| split | rows | tokens | shards |",
+        "|---|---|---|---|",
+    ]
     lines += [f"| {name} | {s.rows} | {s.tokens} | {len(s.shards)} |" for name, s in m.splits.items()]
     if m.dropped:
-        lines += ["", "| dropped because | rows |", "|---|---|"] + [f"| {r} | {d.count} |" for r, d in m.dropped.items()]
+        lines += ["", "| dropped because | rows |", "|---|---|"] + [
+            f"| {r} | {d.count} |" for r, d in m.dropped.items()
+        ]
     create_markdown_artifact("\n".join(lines), key=key("dataset", record.run_id), description="Prepared dataset")
 
 
@@ -149,8 +177,11 @@ def loss_image(record: RunRecord, entry: StageEntry, storage: Storage) -> None:
     png = loss_png(summary.loss_curve)
     parts = ("runs", record.run_id, "stages", "finetune", "loss.png")
     storage.write_bytes(png, *parts)
-    create_image_artifact("data:image/png;base64," + base64.b64encode(png).decode(), key=key("loss-curve", record.run_id),
-                          description=f"Training loss ({storage.uri(*parts)})")
+    create_image_artifact(
+        "data:image/png;base64," + base64.b64encode(png).decode(),
+        key=key("loss-curve", record.run_id),
+        description=f"Training loss ({storage.uri(*parts)})",
+    )
 
 
 def evaluation_table(record: RunRecord, entry: StageEntry, storage: Storage) -> None:
@@ -162,15 +193,21 @@ def evaluation_table(record: RunRecord, entry: StageEntry, storage: Storage) -> 
     rows = []
     for name in names:
         verdicts = [v for v in summary.gates.verdicts if v.metric == name]
-        rows.append({
-            "metric": name,
-            **{role: metric_cell(summary.models.get(role), name) for role in ("candidate", "base", "incumbent")},
-            "gates": ", ".join(f"{v.gate}: {verdict_word(v)}" for v in verdicts) or "not gated",
-        })
+        rows.append(
+            {
+                "metric": name,
+                **{role: metric_cell(summary.models.get(role), name) for role in ("candidate", "base", "incumbent")},
+                "gates": ", ".join(f"{v.gate}: {verdict_word(v)}" for v in verdicts) or "not gated",
+            }
+        )
     verdict = "passed" if summary.gates.passed else "failed"
-    table("evaluation", record.run_id, rows,
-          f"Candidate vs base vs incumbent ({summary.incumbent_version or 'no incumbent'}); gates {verdict}:\n\n"
-          + "\n".join(f"* {line}" for line in summary.gates.lines))
+    table(
+        "evaluation",
+        record.run_id,
+        rows,
+        f"Candidate vs base vs incumbent ({summary.incumbent_version or 'no incumbent'}); gates {verdict}:\n\n"
+        + "\n".join(f"* {line}" for line in summary.gates.lines),
+    )
 
 
 def verdict_word(v: Verdict) -> str:
@@ -201,7 +238,9 @@ def run_report(record: RunRecord) -> None:
         verdict = "refused: " + "; ".join(promotion.reasons)
     lines = [
         f"# Run {record.run_id}: {record.status}{failure}",
-        "", "| identity | value |", "|---|---|",
+        "",
+        "| identity | value |",
+        "|---|---|",
         f"| image digest | {(cluster.image_digest if cluster else None) or 'n/a (local profile)'} |",
         f"| cluster | Ray {cluster.ray_version if cluster else None} on {len(cluster.nodes) if cluster else 0} node(s), "
         f"environment {str(cluster.environment_digest if cluster else None)[:16]} |",
@@ -210,7 +249,8 @@ def run_report(record: RunRecord) -> None:
         f"| config hash | {record.config_hash} |",
         f"| runtime_env additions | {record.runtime_env_additions.model_dump()} |",
         f"| dataset hash | {data.content_hash if data else None} |",
-        "", f"Promotion: {verdict}",
+        "",
+        f"Promotion: {verdict}",
     ]
     create_markdown_artifact("\n".join(lines), key=key("run-report", record.run_id), description="Run report")
 

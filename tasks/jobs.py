@@ -56,8 +56,14 @@ class StageCall:
         name = f"{self.stage}-{suffix}" if suffix else self.stage
         return name if self.invocation <= 1 else f"{name}-r{self.invocation}"
 
-    def spec(self, module: str, params: dict[str, Any] | None = None, env: dict[str, str] | None = None,
-             suffix: str = "", summary: type[Summary] | None = None) -> JobSpec:
+    def spec(
+        self,
+        module: str,
+        params: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
+        suffix: str = "",
+        summary: type[Summary] | None = None,
+    ) -> JobSpec:
         """A job of this stage; its summary is the stage's model unless the job is another stage's kind
         (the resume test runs fine-tune jobs)."""
         return JobSpec(self.job_name(suffix), module, self.timeout_s, summary or self.summary, params or {}, env or {})
@@ -100,7 +106,9 @@ def run_job_stage(call: StageCall, module: str, params: dict[str, Any]) -> Stage
     return run_single_job(call, call.spec(module, params))
 
 
-def job_stage(module: str, params: Callable[[dict[str, Any]], dict[str, Any]] = dict) -> Callable[[StageCall], StageEntry]:
+def job_stage(
+    module: str, params: Callable[[dict[str, Any]], dict[str, Any]] = dict
+) -> Callable[[StageCall], StageEntry]:
     """The run function of a stage that is one job: its params are built from the stage's inputs."""
 
     def run(call: StageCall) -> StageEntry:
@@ -143,8 +151,9 @@ def add_kubernetes_half(cfg: PipelineConfig, entry: StageEntry) -> StageEntry:
     update: dict[str, Any] = {"summary": summary.to_json()}
     failed = errors(findings)
     if failed and entry.ok:
-        update.update(status="failed", failure_class=FailureClass.infrastructure,
-                      cause=first_and_more([f.line() for f in failed]))
+        update.update(
+            status="failed", failure_class=FailureClass.infrastructure, cause=first_and_more([f.line() for f in failed])
+        )
     return entry.model_copy(update=update)
 
 

@@ -46,17 +46,22 @@ def model_card(cfg: PipelineConfig, record: RunRecord, forced: Forced | None = N
     resume = record.summary("resume", ResumeSummary)
     cluster = record.cluster
     return {
-        "name": cfg.model.name, "run_id": record.run_id, "base_model": cfg.model.source,
+        "name": cfg.model.name,
+        "run_id": record.run_id,
+        "base_model": cfg.model.source,
         "metrics": {role: (score.metrics if score else None) for role, score in evaluation.models.items()}
-        if evaluation else {},
+        if evaluation
+        else {},
         "incumbent_version": evaluation.incumbent_version if evaluation else None,
         "gates": evaluation.gates.lines if evaluation else [],
         "dataset_hash": record.data.content_hash if record.data else None,
         "image": cfg.cluster.expect.image,
         "image_digest": cluster.image_digest if cluster else None,
         "environment_digest": cluster.environment_digest if cluster else None,
-        "code_sha": record.code.git_sha, "code_dirty": record.code.dirty,
-        "working_dir_hash": record.code.working_dir_hash, "config_hash": record.config_hash,
+        "code_sha": record.code.git_sha,
+        "code_dirty": record.code.dirty,
+        "working_dir_hash": record.code.working_dir_hash,
+        "config_hash": record.config_hash,
         "resume": {"restored_step": resume.restored_step, "max_loss_diff": resume.max_loss_diff} if resume else {},
         "forced": forced.to_json() if forced else None,
     }
@@ -79,14 +84,18 @@ def move_pointer(cfg: PipelineConfig, record: RunRecord, started: str, forced: F
     pointer, token = registry.read_pointer(storage, cfg.model.name)
     current = (pointer or {}).get("version")
     if forced is None and current != evaluated:
-        return refused(started, [f"the production model changed since evaluation ({evaluated} -> {current}); re-evaluate"],
-                       FailureClass.infrastructure)
+        return refused(
+            started,
+            [f"the production model changed since evaluation ({evaluated} -> {current}); re-evaluate"],
+            FailureClass.infrastructure,
+        )
     finetune = record.summary("finetune", FinetuneSummary)
     if finetune is None or finetune.export_path is None:
         return refused(started, [f"run {record.run_id} has no exported model"], FailureClass.infrastructure)
     try:
-        result = registry.promote(storage, cfg.model.name, record.run_id, finetune.export_path,
-                                  model_card(cfg, record, forced), token)
+        result = registry.promote(
+            storage, cfg.model.name, record.run_id, finetune.export_path, model_card(cfg, record, forced), token
+        )
     except registry.PromotionConflict as e:
         return refused(started, [f"lost a concurrent promotion: {e}"], FailureClass.infrastructure)
     logging.getLogger("tuneproof.promote").info(f"promoted {cfg.model.name} {result['version']} (previous: {current})")
@@ -95,13 +104,15 @@ def move_pointer(cfg: PipelineConfig, record: RunRecord, started: str, forced: F
 
 
 def approval_refused(started: str, approver: str, comment: str) -> StageEntry:
-    return refused(started, [f"approval refused by {approver or 'an approver'}: {comment or 'no comment'}"],
-                   FailureClass.modeling)
+    return refused(
+        started, [f"approval refused by {approver or 'an approver'}: {comment or 'no comment'}"], FailureClass.modeling
+    )
 
 
 def refused(started: str, reasons: list[str], failure_class: FailureClass) -> StageEntry:
-    return StageEntry.failed("promote", failure_class, "; ".join(reasons), started,
-                             summary=PromoteSummary(promoted=False, reasons=reasons))
+    return StageEntry.failed(
+        "promote", failure_class, "; ".join(reasons), started, summary=PromoteSummary(promoted=False, reasons=reasons)
+    )
 
 
 def forced_promotion(cfg: PipelineConfig, run_id: str, reason: str, user: str) -> PromoteSummary:
@@ -115,8 +126,11 @@ def forced_promotion(cfg: PipelineConfig, run_id: str, reason: str, user: str) -
     forced = Forced(by=user, reason=reason, at=now_iso(), bypassed=refusal_reasons(cfg, record))
     entry = move_pointer(cfg, record, now_iso(), forced)
     result = entry.summary_as(PromoteSummary) or PromoteSummary(promoted=False, reasons=[entry.cause or ""])
-    record.overrides.append(Override(action="promote --force", by=user, reason=reason, at=forced.at,
-                                     bypassed=forced.bypassed, result=result))
+    record.overrides.append(
+        Override(
+            action="promote --force", by=user, reason=reason, at=forced.at, bypassed=forced.bypassed, result=result
+        )
+    )
     record.promotion = result
     records.save(storage, record)
     return result

@@ -119,10 +119,16 @@ class LogStream:
 class RayJobRunner:
     """Runs JobSpecs for one pipeline run against the configured cluster."""
 
-    def __init__(self, cfg: PipelineConfig, run_id: str, on_line: Callable[[str], None] = print,
-                 on_progress: Callable[[ProgressEvent], None] | None = None,
-                 on_status: Callable[[str, str], None] | None = None, poll_s: float = 1.0,
-                 client: JobSubmissionClient | None = None):
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        run_id: str,
+        on_line: Callable[[str], None] = print,
+        on_progress: Callable[[ProgressEvent], None] | None = None,
+        on_status: Callable[[str, str], None] | None = None,
+        poll_s: float = 1.0,
+        client: JobSubmissionClient | None = None,
+    ):
         self.cfg = cfg
         self.run_id = run_id
         self.on_line = on_line
@@ -141,13 +147,25 @@ class RayJobRunner:
             result = self.read_result(spec, sid, status)
         except JobTimeout as e:
             status = self.client.get_job_status(sid)
-            result = StageResult(stage=spec.job, status="failed", failure_class=FailureClass.infrastructure,
-                                 cause=str(e), started_at=submitted_at, ended_at=now_iso())
+            result = StageResult(
+                stage=spec.job,
+                status="failed",
+                failure_class=FailureClass.infrastructure,
+                cause=str(e),
+                started_at=submitted_at,
+                ended_at=now_iso(),
+            )
         return JobEntry(
-            submission_id=sid, entrypoint=entrypoint, job_status=status.value, attached=attached,
+            submission_id=sid,
+            entrypoint=entrypoint,
+            job_status=status.value,
+            attached=attached,
             working_dir_hash=wd_hash,
             runtime_env_additions=RuntimeEnvAdditions.model_validate(self.cfg.runtime_env.model_dump()),
-            pipeline_env=spec.env, submitted_at=submitted_at, ended_at=now_iso(), result=result,
+            pipeline_env=spec.env,
+            submitted_at=submitted_at,
+            ended_at=now_iso(),
+            result=result,
         )
 
     def submit_or_attach(self, spec: JobSpec) -> tuple[str, bool, str, str]:
@@ -160,7 +178,8 @@ class RayJobRunner:
                 # A result left by an earlier, failed attempt must not be mistaken for this one's.
                 self.storage.remove("runs", self.run_id, "stages", spec.job, "result.json")
                 self.client.submit_job(
-                    entrypoint=entrypoint, submission_id=sid,
+                    entrypoint=entrypoint,
+                    submission_id=sid,
                     runtime_env=self.runtime_env(spec, str(workdir)),
                     metadata={"tuneproof_run": self.run_id, "tuneproof_job": spec.job, "working_dir_hash": wd_hash},
                 )
@@ -273,15 +292,22 @@ class RayJobRunner:
             if result.summary is not None:
                 spec.summary.model_validate(result.summary)
         except ValidationError as e:
-            return self._failed(spec, f"Ray job {sid} wrote a result that is not a {spec.summary.__name__}: "
-                                      f"{validation_problem(e)}")
+            return self._failed(
+                spec, f"Ray job {sid} wrote a result that is not a {spec.summary.__name__}: {validation_problem(e)}"
+            )
         except ValueError as e:
             return self._failed(spec, f"Ray job {sid} wrote an unreadable {'/'.join(parts)}: {e}")
         return result
 
     def _failed(self, spec: JobSpec, cause: str) -> StageResult:
-        return StageResult(stage=spec.job, status="failed", failure_class=FailureClass.infrastructure,
-                           cause=one_line(cause), started_at=now_iso(), ended_at=now_iso())
+        return StageResult(
+            stage=spec.job,
+            status="failed",
+            failure_class=FailureClass.infrastructure,
+            cause=one_line(cause),
+            started_at=now_iso(),
+            ended_at=now_iso(),
+        )
 
 
 def validation_problem(e: ValidationError) -> str:

@@ -42,20 +42,27 @@ def resume_test(call: StageCall) -> StageEntry:
     final_step = int(max(step for step, _ in loss_curve))
     seed = pick_checkpoint(checkpoints, final_step, extra, replay)
     if seed is None:
-        cause = (f"no main-run checkpoint leaves {extra}+{replay} steps before step {final_step} "
-                 f"(checkpoints at {[c.step for c in checkpoints]}); lower train.checkpoint_every")
+        cause = (
+            f"no main-run checkpoint leaves {extra}+{replay} steps before step {final_step} "
+            f"(checkpoints at {[c.step for c in checkpoints]}); lower train.checkpoint_every"
+        )
         return StageEntry.failed("resume", FailureClass.infrastructure, cause, started)
 
     hold = seed.step + extra
     params = {
-        "dataset": call.inputs["dataset_path"], "run_name": f"{call.run_id}-{call.job_name()}", "init_from": seed.uri,
+        "dataset": call.inputs["dataset_path"],
+        "run_name": f"{call.run_id}-{call.job_name()}",
+        "init_from": seed.uri,
         # max_steps here is where the job stops; the LR schedule still spans train.max_steps,
         # so the resumed trajectory is comparable step for step with the main run.
-        "max_steps": hold + replay, "checkpoint_every": extra, "export": False,
+        "max_steps": hold + replay,
+        "checkpoint_every": extra,
+        "export": False,
     }
     runner = runner_for(call)
-    interrupt_spec = call.spec("training.finetune", {**params, "hold_after_checkpoint_step": hold}, suffix="interrupt",
-                               summary=FinetuneSummary)
+    interrupt_spec = call.spec(
+        "training.finetune", {**params, "hold_after_checkpoint_step": hold}, suffix="interrupt", summary=FinetuneSummary
+    )
     marker = f"HOLDING after checkpoint step {hold}"
     interrupt = runner.run(interrupt_spec, stop_when=lambda line: marker in line)
     if interrupt.result.ok or interrupt.job_status != "STOPPED":
@@ -63,23 +70,42 @@ def resume_test(call: StageCall) -> StageEntry:
         return entry_from_jobs(call, [interrupt], started, ResumeSummary(seed_checkpoint=seed, interrupted=False))
 
     resubmitted_at = time.time()
-    resumed = runner.run(call.spec("training.finetune", {**params, "first_step_marker": True}, suffix="continue",
-                                   summary=FinetuneSummary))
+    resumed = runner.run(
+        call.spec(
+            "training.finetune", {**params, "first_step_marker": True}, suffix="continue", summary=FinetuneSummary
+        )
+    )
     if not resumed.result.ok:
-        return entry_from_jobs(call, [interrupt, resumed], started, ResumeSummary(seed_checkpoint=seed, interrupted=True,
-                                                                                  interrupted_at_step=hold))
+        return entry_from_jobs(
+            call,
+            [interrupt, resumed],
+            started,
+            ResumeSummary(seed_checkpoint=seed, interrupted=True, interrupted_at_step=hold),
+        )
 
     continued = FinetuneSummary.model_validate(resumed.result.summary)
     evidence = judge(call, interrupt_spec.job, seed, hold, loss_curve, continued, resubmitted_at)
     outcome = entry_from_jobs(call, [interrupt, resumed], started, evidence)
     if evidence.problems:
-        outcome = outcome.model_copy(update={"status": "failed", "failure_class": FailureClass.infrastructure,
-                                             "cause": "; ".join(evidence.problems)})
+        outcome = outcome.model_copy(
+            update={
+                "status": "failed",
+                "failure_class": FailureClass.infrastructure,
+                "cause": "; ".join(evidence.problems),
+            }
+        )
     return outcome
 
 
-def judge(call: StageCall, interrupt_job: str, seed: CheckpointRef, hold: int, main_curve: list[LossPoint],
-          resumed: FinetuneSummary, resubmitted_at: float) -> ResumeSummary:
+def judge(
+    call: StageCall,
+    interrupt_job: str,
+    seed: CheckpointRef,
+    hold: int,
+    main_curve: list[LossPoint],
+    resumed: FinetuneSummary,
+    resubmitted_at: float,
+) -> ResumeSummary:
     """Compare the resumed trajectory with the main run: restored step, and losses step for step."""
     cfg = call.cfg
     storage = Storage.from_config(cfg.storage)
@@ -90,13 +116,20 @@ def judge(call: StageCall, interrupt_job: str, seed: CheckpointRef, hold: int, m
     first_at = resumed.first_step_completed_at
     problems = [restart.line()] if restart else []
     if not comparison.ok:
-        problems.append(f"replayed losses differ from the main run: max relative difference "
-                        f"{comparison.max_rel_diff:.3g} > tolerance {cfg.resume.loss_rtol}")
+        problems.append(
+            f"replayed losses differ from the main run: max relative difference "
+            f"{comparison.max_rel_diff:.3g} > tolerance {cfg.resume.loss_rtol}"
+        )
     return ResumeSummary(
-        seed_checkpoint=seed, interrupted=True, interrupted_at_step=hold, restored_step=resumed.restored_step,
+        seed_checkpoint=seed,
+        interrupted=True,
+        interrupted_at_step=hold,
+        restored_step=resumed.restored_step,
         restored_from=resumed.restored_from,
         seconds_to_first_resumed_step=round(first_at - resubmitted_at, 2) if first_at else None,
-        loss_comparison=comparison, max_loss_diff=comparison.max_abs_diff, loss_rtol=cfg.resume.loss_rtol,
+        loss_comparison=comparison,
+        max_loss_diff=comparison.max_abs_diff,
+        loss_rtol=cfg.resume.loss_rtol,
         problems=problems,
     )
 

@@ -6,8 +6,15 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 
 def settle(page) -> None:
@@ -22,7 +29,8 @@ def capture_flow_run(ui_url: str, flow_run_id: str, run_id: str, chromium: str, 
 
     with sync_playwright() as p, tempfile.TemporaryDirectory() as profile:
         browser = p.chromium.launch_persistent_context(
-            profile, executable_path=chromium, args=CHROMIUM_FLAGS, viewport={"width": 1400, "height": 1600})
+            profile, executable_path=chromium, args=CHROMIUM_FLAGS, viewport={"width": 1400, "height": 1600}
+        )
         page = browser.new_page()
         page.goto(f"{ui_url}/runs/flow-run/{flow_run_id}", wait_until="networkidle")
         page.get_by_text("Artifacts", exact=True).first.click()

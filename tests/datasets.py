@@ -8,15 +8,23 @@ from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import DatasetManifest, SourceIdentity
 
 
-def write_prepared(storage: Storage, path: str, name: str, splits: dict[str, list[Example]],
-                   shard_rows: int = 4096) -> DatasetManifest:
+def write_prepared(
+    storage: Storage, path: str, name: str, splits: dict[str, list[Example]], shard_rows: int = 4096
+) -> DatasetManifest:
     """Parquet shards per split, then manifest.json last; the source identity is a stand-in."""
     meta = write_splits(storage, path, splits, shard_rows)
     total = sum(len(examples) for examples in splits.values())
     manifest = DatasetManifest(
-        name=name, content_hash=path.rsplit("/", 1)[-1], created_at=now_iso(), seed=0,
-        source=SourceIdentity(uri="generated-by-test", sha256="0" * 64, bytes=0), tokenizer_sha256="0" * 64,
-        settings={}, splits=meta, total_rows=total, dropped_fraction=0.0,
+        name=name,
+        content_hash=path.rsplit("/", 1)[-1],
+        created_at=now_iso(),
+        seed=0,
+        source=SourceIdentity(uri="generated-by-test", sha256="0" * 64, bytes=0),
+        tokenizer_sha256="0" * 64,
+        settings={},
+        splits=meta,
+        total_rows=total,
+        dropped_fraction=0.0,
     )
     storage.write_json(manifest.to_json(), path, "manifest.json")
     return manifest

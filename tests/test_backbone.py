@@ -37,9 +37,12 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture
 def overrides(ray_head, tmp_path, tiny_model_dir):
     return [
-        f"cluster.address={ray_head.address}", f"cluster.auth_token_file={ray_head.token_file}",
-        f"storage.root={tmp_path / 'storage'}", f"model.source={tiny_model_dir}",
-        "connectivity.sizes_bytes=[1024, 65536]", "connectivity.fsdp_steps=2",
+        f"cluster.address={ray_head.address}",
+        f"cluster.auth_token_file={ray_head.token_file}",
+        f"storage.root={tmp_path / 'storage'}",
+        f"model.source={tiny_model_dir}",
+        "connectivity.sizes_bytes=[1024, 65536]",
+        "connectivity.fsdp_steps=2",
     ]
 
 
@@ -71,9 +74,19 @@ def test_verify_and_connectivity_through_the_flow(prefect_harness, overrides, ra
 
 
 def test_wrong_ray_version_fails_verify_as_infrastructure(prefect_harness, overrides, ray_head, tmp_path):
-    result = CliRunner().invoke(app, ["run", "--only", "verify,connectivity", "--run-id", "bb-badver",
-                                      *sum((["--set", o] for o in overrides), []),
-                                      "--set", "cluster.expect.ray_version=2.0.0"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "run",
+            "--only",
+            "verify,connectivity",
+            "--run-id",
+            "bb-badver",
+            *sum((["--set", o] for o in overrides), []),
+            "--set",
+            "cluster.expect.ray_version=2.0.0",
+        ],
+    )
     assert result.exit_code == 4, result.output
     rec = records.load(Storage(str(tmp_path / "storage")), "bb-badver")
     verify = rec.stages["verify"]
@@ -87,9 +100,19 @@ def test_wrong_ray_version_fails_verify_as_infrastructure(prefect_harness, overr
 
 def test_invalid_config_is_rejected_before_anything_is_submitted(ray_head, overrides):
     before = len(jobs_for(ray_head, ""))
-    result = CliRunner().invoke(app, ["run", *sum((["--set", o] for o in overrides), []),
-                                      "--set", "train.lr=-1", "--set", "data.eval_fraction=2",
-                                      "--set", "train.learning_rate=0.1"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "run",
+            *sum((["--set", o] for o in overrides), []),
+            "--set",
+            "train.lr=-1",
+            "--set",
+            "data.eval_fraction=2",
+            "--set",
+            "train.learning_rate=0.1",
+        ],
+    )
     assert result.exit_code == 3
     for name in ("train.lr", "data.eval_fraction", "train.learning_rate"):
         assert name in result.output
@@ -118,8 +141,16 @@ def test_a_prefect_retry_attaches_to_the_same_ray_submission(prefect_harness, ov
     cfg = load_config(overrides=overrides)
 
     stage = by_name("verify")
-    call = StageCall(stage="verify", cfg=cfg, run_id="bb-retry", invocation=1, timeout_s=stage.timeout_s(cfg),
-                     summary=stage.summary, inputs={}, record=new_record("bb-retry", cfg, CodeIdentity(), None))
+    call = StageCall(
+        stage="verify",
+        cfg=cfg,
+        run_id="bb-retry",
+        invocation=1,
+        timeout_s=stage.timeout_s(cfg),
+        summary=stage.summary,
+        inputs={},
+        record=new_record("bb-retry", cfg, CodeIdentity(), None),
+    )
 
     @flow
     def only_verify():
@@ -137,7 +168,8 @@ def test_a_stage_past_its_timeout_is_stopped_and_is_an_infrastructure_failure(ov
 
     cfg = load_config(overrides=overrides)
     outcome = RayJobRunner(cfg, "bb-timeout", on_line=lambda line: None, poll_s=0.2).run(
-        JobSpec("verify", "training.verify", timeout_s=1, summary=VerifySummary))
+        JobSpec("verify", "training.verify", timeout_s=1, summary=VerifySummary)
+    )
     assert outcome.result.failure_class.value == "infrastructure"
     assert "timed out after 1s" in outcome.result.cause
     assert outcome.job_status == "STOPPED"

@@ -33,8 +33,13 @@ RUN = ("runs", "r1", "train", "r1")
 def fake_checkpoint(storage: Storage, step: int, marked: bool = True) -> tuple[str, ...]:
     """A checkpoint directory with DCP-like files from two ranks, marked complete unless told not to."""
     parts = (*RUN, checkpoint_dir_name(step))
-    files = {".metadata": b"m" * 10, "__0_0.distcp": b"a" * 100, "__1_0.distcp": b"b" * 100,
-             "progress-rank0.json": b"{}", "progress-rank1.json": b"{}"}
+    files = {
+        ".metadata": b"m" * 10,
+        "__0_0.distcp": b"a" * 100,
+        "__1_0.distcp": b"b" * 100,
+        "progress-rank0.json": b"{}",
+        "progress-rank1.json": b"{}",
+    }
     for name, data in files.items():
         storage.write_bytes(data, *parts, name)
     if marked:
@@ -51,7 +56,9 @@ def test_dir_names_carry_the_step():
 def test_missing_files_names_each_absent_or_short_file():
     expected = {"a": 10, "b": 20, "c": 5}
     assert missing_files(expected, {"a": 10, "b": 19, "extra": 1}) == [
-        "b (size 19 bytes, expected 20)", "c (missing, expected 5 bytes)"]
+        "b (size 19 bytes, expected 20)",
+        "c (missing, expected 5 bytes)",
+    ]
     assert missing_files(expected, {**expected, "extra": 3}) == []
 
 
@@ -61,7 +68,8 @@ def test_a_checkpoint_with_a_deleted_shard_is_never_the_latest(tmp_path):
         fake_checkpoint(storage, step)
     storage.remove(*RUN, checkpoint_dir_name(12), "__1_0.distcp")
     assert check_complete(storage, *RUN, "checkpoint_000012") == (
-        f"{storage.uri(*RUN, 'checkpoint_000012')}: __1_0.distcp (missing, expected 100 bytes)")
+        f"{storage.uri(*RUN, 'checkpoint_000012')}: __1_0.distcp (missing, expected 100 bytes)"
+    )
     latest = latest_complete_checkpoint(storage, *RUN)
     assert (latest.step, latest.uri) == (8, storage.uri(*RUN, "checkpoint_000008"))
     assert [c.step for c in complete_checkpoints(storage, *RUN)] == [8, 4]
@@ -131,8 +139,15 @@ def tiny_sharded_model(seed: int):
 
     from training.fsdp import shard_model
 
-    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(seed)
     model = shard_model(Qwen2ForCausalLM(config), torch.device("cpu"), activation_checkpointing=False)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -143,8 +158,9 @@ def test_dcp_round_trip_restores_weights_optimizer_and_progress(single_rank_grou
     batch = torch.randint(0, 64, (2, 8))
     model(input_ids=batch, labels=batch).loss.backward()
     optimizer.step()
-    progress = TrainingProgress(step=1, epoch=0, batch_in_epoch=1, seed=0, rank=0, world_size=1,
-                                schedule={"peak_lr": 1e-2}, rng=capture_rng())
+    progress = TrainingProgress(
+        step=1, epoch=0, batch_in_epoch=1, seed=0, rank=0, world_size=1, schedule={"peak_lr": 1e-2}, rng=capture_rng()
+    )
     files = save_shards(model, optimizer, progress, tmp_path / "ckpt")
     assert {".metadata", "progress-rank0.json"} <= set(files) and any(f.endswith(".distcp") for f in files)
 

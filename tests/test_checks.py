@@ -10,10 +10,19 @@ DIGEST = environment_digest([("torch", "2.13.0+cpu"), ("ray", "2.60.0")])
 
 def node(ip: str, node_id: str, is_head: bool = False, **overrides) -> dict:
     facts = {
-        "node_id": node_id, "node_ip": ip, "is_head": is_head, "alive": True,
-        "ray_version": "2.60.0", "python_version": "3.11.9", "torch_version": "2.13.0+cpu",
-        "transformers_version": "5.24.0", "cuda_version": None, "nccl_version": None,
-        "gpus_visible": 0, "gpus_advertised": 0.0, "environment_digest": DIGEST,
+        "node_id": node_id,
+        "node_ip": ip,
+        "is_head": is_head,
+        "alive": True,
+        "ray_version": "2.60.0",
+        "python_version": "3.11.9",
+        "torch_version": "2.13.0+cpu",
+        "transformers_version": "5.24.0",
+        "cuda_version": None,
+        "nccl_version": None,
+        "gpus_visible": 0,
+        "gpus_advertised": 0.0,
+        "environment_digest": DIGEST,
     }
     return {**facts, **overrides}
 
@@ -61,18 +70,28 @@ def test_worker_gpus_expected():
     short = node("10.0.0.7", "99999999", gpus_visible=4, gpus_advertised=4.0)
     (finding,) = check_nodes([HEAD, good, short], ClusterExpect(gpus_per_worker=8))
     assert (finding.subject, finding.field, finding.seen, finding.expected) == (
-        "node 10.0.0.7 (99999999)", "gpus_advertised", 4.0, 8)
+        "node 10.0.0.7 (99999999)",
+        "gpus_advertised",
+        4.0,
+        8,
+    )
     assert check_nodes([HEAD, short], ClusterExpect(gpus_per_worker=8), worker_gpus_expected=4) == []
     (finding,) = check_nodes([HEAD], ClusterExpect(gpus_per_worker=1))
     assert (finding.subject, finding.field) == ("cluster", "worker_nodes")
 
 
 def test_cross_node_disagreement_names_odd_node_and_majority():
-    odd = node("10.0.0.9", "12345678abcd", transformers_version="5.13.0",
-               environment_digest=environment_digest([("torch", "2.13.0+cpu")]))
+    odd = node(
+        "10.0.0.9",
+        "12345678abcd",
+        transformers_version="5.13.0",
+        environment_digest=environment_digest([("torch", "2.13.0+cpu")]),
+    )
     findings = check_nodes([HEAD, WORKER, odd], ClusterExpect(transformers_version=None))
     assert {(f.subject, f.field) for f in findings} == {
-        ("node 10.0.0.9 (12345678)", "transformers_version"), ("node 10.0.0.9 (12345678)", "environment_digest")}
+        ("node 10.0.0.9 (12345678)", "transformers_version"),
+        ("node 10.0.0.9 (12345678)", "environment_digest"),
+    }
     by_field = {f.field: f for f in findings}
     assert by_field["transformers_version"].seen == "5.13.0"
     assert by_field["transformers_version"].expected == "5.24.0"
@@ -81,8 +100,9 @@ def test_cross_node_disagreement_names_odd_node_and_majority():
 
 def test_two_nodes_tie_goes_to_head_value():
     worker = node("10.0.0.2", "bbbbbbbb", nccl_version="2.27.3")
-    (finding,) = check_nodes([node("10.0.0.1", "aaaaaaaa", is_head=True, nccl_version="2.29.7"), worker],
-                             ClusterExpect())
+    (finding,) = check_nodes(
+        [node("10.0.0.1", "aaaaaaaa", is_head=True, nccl_version="2.29.7"), worker], ClusterExpect()
+    )
     assert (finding.subject, finding.seen, finding.expected) == ("node 10.0.0.2 (bbbbbbbb)", "2.27.3", "2.29.7")
 
 

@@ -67,7 +67,9 @@ def test_runs_list_is_newest_first_and_show_reads_one(tmp_path):
         records.save(storage, rec)
     listed = CliRunner().invoke(app, ["runs", "list", "--json", "--set", f"storage.root={tmp_path}"])
     assert [r["run_id"] for r in json.loads(listed.output)] == ["20261130-110000-bbbbbb", "20261130-100000-aaaaaa"]
-    shown = CliRunner().invoke(app, ["runs", "show", "20261130-100000-aaaaaa", "--json", "--set", f"storage.root={tmp_path}"])
+    shown = CliRunner().invoke(
+        app, ["runs", "show", "20261130-100000-aaaaaa", "--json", "--set", f"storage.root={tmp_path}"]
+    )
     assert json.loads(shown.output)["config_hash"] == cfg.config_hash()
     missing = CliRunner().invoke(app, ["runs", "show", "nope", "--set", f"storage.root={tmp_path}"])
     assert missing.exit_code == 1 and "nope" in missing.output

@@ -28,8 +28,14 @@ def test_eks_profile_loads():
 
 
 def test_override_types_are_parsed_as_yaml():
-    cfg = load_config(overrides=["cluster.expect.ray_version=2.0.0", "train.lr=0.01", "train.use_gpu=true",
-                                 "eval.metrics=[exact_match, accuracy]"])
+    cfg = load_config(
+        overrides=[
+            "cluster.expect.ray_version=2.0.0",
+            "train.lr=0.01",
+            "train.use_gpu=true",
+            "eval.metrics=[exact_match, accuracy]",
+        ]
+    )
     assert cfg.cluster.expect.ray_version == "2.0.0"
     assert cfg.train.lr == 0.01 and cfg.train.use_gpu is True
     assert cfg.eval.metrics == ["exact_match", "accuracy"]
@@ -58,8 +64,10 @@ def test_wrong_type_names_field_and_value():
 
 def test_eks_requires_a_digest_pinned_image():
     with pytest.raises(ConfigError) as e:
-        load_config(PROJECT_ROOT / "configs" / "eks.yaml",
-                    overrides=["cluster.expect.image=123.dkr.ecr.us-west-2.amazonaws.com/ray-train:2.58.0"])
+        load_config(
+            PROJECT_ROOT / "configs" / "eks.yaml",
+            overrides=["cluster.expect.image=123.dkr.ecr.us-west-2.amazonaws.com/ray-train:2.58.0"],
+        )
     assert any("cluster.expect.image" in p and "tag" in p for p in e.value.problems)
 
 

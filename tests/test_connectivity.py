@@ -47,10 +47,13 @@ def test_rank_reads_only_its_own_nccl_file(tmp_path, monkeypatch):
 
 
 def test_transport_verdict_worst_rank_wins_and_fails_efa():
-    verdict = transport_verdict("nccl", {
-        "rank-0": ["h:1:1 [0] NCCL INFO NET/OFI Selected provider is efa, fabric is efa (found 1 nics)"],
-        "rank-1": ["h:2:2 [0] NCCL INFO NET/Socket : Using [0]eth0:10.0.0.1<0>"],
-    })
+    verdict = transport_verdict(
+        "nccl",
+        {
+            "rank-0": ["h:1:1 [0] NCCL INFO NET/OFI Selected provider is efa, fabric is efa (found 1 nics)"],
+            "rank-1": ["h:2:2 [0] NCCL INFO NET/Socket : Using [0]eth0:10.0.0.1<0>"],
+        },
+    )
     assert verdict["kind"] == "socket-fallback"
     with pytest.raises(StageFailure, match=r"transport is socket-fallback, expected efa: rank-1: .*NET/Socket"):
         check_transport(with_transport(verdict), "efa")
@@ -58,21 +61,30 @@ def test_transport_verdict_worst_rank_wins_and_fails_efa():
 
 
 def with_transport(verdict: dict) -> ConnectivitySummary:
-    return ConnectivitySummary(backend="nccl", world_size=2, ranks=[], allreduce=[],
-                               fsdp=FsdpProbe(steps=0, losses=[]), transport=TransportVerdict.model_validate(verdict))
+    return ConnectivitySummary(
+        backend="nccl",
+        world_size=2,
+        ranks=[],
+        allreduce=[],
+        fsdp=FsdpProbe(steps=0, losses=[]),
+        transport=TransportVerdict.model_validate(verdict),
+    )
 
 
 def with_losses(losses: list[float]) -> ConnectivitySummary:
-    return with_transport({"kind": "gloo", "evidence": []}).model_copy(update={"fsdp": FsdpProbe(steps=len(losses),
-                                                                                                   losses=losses)})
+    return with_transport({"kind": "gloo", "evidence": []}).model_copy(
+        update={"fsdp": FsdpProbe(steps=len(losses), losses=losses)}
+    )
 
 
 def test_unfinished_ranks_are_named():
     reports = {0: {"rank": 0, "finished": "t"}, 1: {"rank": 1, "started": "t", "joined": "t"}, 2: None}
     with pytest.raises(StageFailure) as info:
         check_ranks(with_losses([4.8]), reports, "TrainingFailedError: worker died")
-    assert info.value.cause == ("2 of 3 ranks did not finish: rank 1 (joined, not finished), rank 2 (no rank report); "
-                                "trainer: TrainingFailedError: worker died")
+    assert info.value.cause == (
+        "2 of 3 ranks did not finish: rank 1 (joined, not finished), rank 2 (no rank report); "
+        "trainer: TrainingFailedError: worker died"
+    )
 
 
 def test_non_finite_fsdp_loss_fails():
@@ -85,20 +97,34 @@ def tiny_model_dir(tmp_path):
     from transformers import Qwen2Config
 
     path = tmp_path / "tiny-qwen2"
-    Qwen2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                intermediate_size=64, vocab_size=128, tie_word_embeddings=True).save_pretrained(path)
+    Qwen2Config(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        vocab_size=128,
+        tie_word_embeddings=True,
+    ).save_pretrained(path)
     return path
 
 
 @pytest.mark.integration
 def test_connectivity_two_cpu_workers(ray_connected, tmp_path, tiny_model_dir):
-    config = PipelineConfig.model_validate({
-        "storage": {"root": str(tmp_path / "storage")},
-        "model": {"source": str(tiny_model_dir)},
-        "train": {"num_workers": 2, "use_gpu": False},
-        "connectivity": {"sizes_bytes": [1024, 65536], "iters": 3, "warmup_iters": 1, "fsdp_steps": 2,
-                         "expect_transport": "gloo"},
-    })
+    config = PipelineConfig.model_validate(
+        {
+            "storage": {"root": str(tmp_path / "storage")},
+            "model": {"source": str(tiny_model_dir)},
+            "train": {"num_workers": 2, "use_gpu": False},
+            "connectivity": {
+                "sizes_bytes": [1024, 65536],
+                "iters": 3,
+                "warmup_iters": 1,
+                "fsdp_steps": 2,
+                "expect_transport": "gloo",
+            },
+        }
+    )
     ctx = JobContext("run-conn", "connectivity", config)
     summary = connectivity(ctx)
     assert summary.backend == "gloo" and summary.world_size == 2

@@ -38,10 +38,13 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 def config(root, model_dir, source, **data) -> PipelineConfig:
-    return PipelineConfig.model_validate({
-        "storage": {"root": str(root)}, "model": {"source": str(model_dir)},
-        "data": {"source": str(source), "system_prompt": SYSTEM, **data},
-    })
+    return PipelineConfig.model_validate(
+        {
+            "storage": {"root": str(root)},
+            "model": {"source": str(model_dir)},
+            "data": {"source": str(source), "system_prompt": SYSTEM, **data},
+        }
+    )
 
 
 def prepare(cfg: PipelineConfig) -> dict:
@@ -60,8 +63,9 @@ def write_jsonl(path: Path, rows: list, raw_lines: list[bytes] = ()) -> Path:
 
 def test_committed_dates_file_is_the_generators_output():
     make_dates = runpy.run_path(str(PROJECT / "data" / "dates" / "make_dates.py"))
-    assert DEFAULT_DATA.read_text() == make_dates["render"](make_dates["make_rows"]()), \
+    assert DEFAULT_DATA.read_text() == make_dates["render"](make_dates["make_rows"]()), (
         "regenerate: python data/dates/make_dates.py > data/dates/dates.jsonl"
+    )
 
 
 def test_dates_are_valid_iso_in_range_and_formats_are_balanced():
@@ -84,14 +88,17 @@ def test_dates_are_valid_iso_in_range_and_formats_are_balanced():
 FIELDS = {"prompt": "input", "response": "output", "system": None}
 
 
-@pytest.mark.parametrize("row, reason", [
-    ({"input": "5 Mar 2021", "output": "2021-03-05"}, None),
-    ({"input": "5 Mar 2021"}, "missing_field"),
-    ({"input": "5 Mar 2021", "output": None}, "missing_field"),
-    ({"input": 20210305, "output": "2021-03-05"}, "wrong_type"),
-    (["5 Mar 2021", "2021-03-05"], "wrong_type"),
-    ({"input": "  ", "output": "2021-03-05"}, "empty"),
-])
+@pytest.mark.parametrize(
+    "row, reason",
+    [
+        ({"input": "5 Mar 2021", "output": "2021-03-05"}, None),
+        ({"input": "5 Mar 2021"}, "missing_field"),
+        ({"input": "5 Mar 2021", "output": None}, "missing_field"),
+        ({"input": 20210305, "output": "2021-03-05"}, "wrong_type"),
+        (["5 Mar 2021", "2021-03-05"], "wrong_type"),
+        ({"input": "  ", "output": "2021-03-05"}, "empty"),
+    ],
+)
 def test_check_row_reasons(row, reason):
     assert datahash.check_row(row, FIELDS)[0] == reason
 
@@ -104,7 +111,9 @@ def test_drops_keep_three_examples_and_the_failure_names_every_count():
     assert drops.to_json()["empty"]["count"] == 5 and len(drops.to_json()["empty"]["examples"]) == 3
     assert drops.to_json()["too_long"]["examples"] == [{"source": "eval_source", "row": 9, "value": "'80 tokens > 64'"}]
     assert datahash.drop_failure(drops, 100, 0.06) is None
-    assert datahash.drop_failure(drops, 50, 0.05) == "12.0% of rows malformed (limit 5.0%): empty=5, too_long=1 of 50 rows"
+    assert (
+        datahash.drop_failure(drops, 50, 0.05) == "12.0% of rows malformed (limit 5.0%): empty=5, too_long=1 of 50 rows"
+    )
     with pytest.raises(ValueError, match="drop reason"):
         drops.add("ugly", "source", 0, None)
 
@@ -133,10 +142,22 @@ def test_fit_and_pack():
 
 
 def test_content_hash_moves_with_every_input():
-    base = dict(source_sha256="a", eval_source_sha256=None, fields=FIELDS, system_prompt="s",
-                tokenizer_sha256="t", settings={"max_seq_len": 64})
-    variants = [{"source_sha256": "b"}, {"eval_source_sha256": "e"}, {"fields": {**FIELDS, "prompt": "q"}},
-                {"system_prompt": None}, {"tokenizer_sha256": "u"}, {"settings": {"max_seq_len": 65}}]
+    base = dict(
+        source_sha256="a",
+        eval_source_sha256=None,
+        fields=FIELDS,
+        system_prompt="s",
+        tokenizer_sha256="t",
+        settings={"max_seq_len": 64},
+    )
+    variants = [
+        {"source_sha256": "b"},
+        {"eval_source_sha256": "e"},
+        {"fields": {**FIELDS, "prompt": "q"}},
+        {"system_prompt": None},
+        {"tokenizer_sha256": "u"},
+        {"settings": {"max_seq_len": 65}},
+    ]
     hashes = {datahash.content_hash(**{**base, **v}) for v in variants} | {datahash.content_hash(**base)}
     assert len(hashes) == len(variants) + 1
 
@@ -169,7 +190,7 @@ def test_prepares_splits_with_masked_prompts_then_hits_the_cache(tmp_path, tiny_
         target = [t for t, label in zip(row["input_ids"], row["labels"]) if label != -100]
         assert len(row["input_ids"]) == len(row["labels"]) <= 64
         assert row["labels"][: len(row["input_ids"]) - len(target)] == [-100] * (len(row["input_ids"]) - len(target))
-        assert target == row["input_ids"][-len(target):]  # the answer and <|im_end|>, at the end
+        assert target == row["input_ids"][-len(target) :]  # the answer and <|im_end|>, at the end
 
     shard = Path(summary["dataset_uri"]) / "train" / "part-00000.parquet"
     mtime = shard.stat().st_mtime_ns
@@ -184,16 +205,21 @@ def test_changing_one_row_changes_the_hash(tmp_path, tiny_dir):
     edited = [*rows[:50], {"input": rows[50]["input"], "output": "1999-01-01"}, *rows[51:]]
     second = prepare(config(tmp_path / "store", tiny_dir, write_jsonl(tmp_path / "b.jsonl", edited)))
     assert second["content_hash"] != first["content_hash"] and second["cache_hit"] is False
-    assert sorted(Storage(str(tmp_path / "store")).listdir("datasets", "dates")) == \
-        sorted([first["content_hash"], second["content_hash"]])
+    assert sorted(Storage(str(tmp_path / "store")).listdir("datasets", "dates")) == sorted(
+        [first["content_hash"], second["content_hash"]]
+    )
 
 
 def malformed_rows(n_each: int) -> tuple[list[dict], list[bytes]]:
     """n_each rows of every kind of malformed row: (json rows, raw undecodable lines)."""
     bad = []
     for i in range(n_each):
-        bad += [{"input": DATES[i]["input"]}, {"input": 20210305 + i, "output": "2021-03-05"},
-                {"input": " ", "output": "2021-03-05"}, {"input": "March 5, 2021 " * 20, "output": "2021-03-05"}]
+        bad += [
+            {"input": DATES[i]["input"]},
+            {"input": 20210305 + i, "output": "2021-03-05"},
+            {"input": " ", "output": "2021-03-05"},
+            {"input": "March 5, 2021 " * 20, "output": "2021-03-05"},
+        ]
     not_utf8, not_json = b'{"input": "5 M\xe4r 2021", "output": "2021-03-05"}', b'{"input": "5 Mar 2021", "output": '
     return bad, [not_utf8, not_json] * (n_each // 2)
 
@@ -205,22 +231,28 @@ def test_thirty_percent_malformed_is_a_data_failure_with_counts(tmp_path, tiny_d
         prepare(config(tmp_path / "store", tiny_dir, source))
     failure = info.value
     assert failure.failure_class is FailureClass.data
-    assert failure.cause == ("30.0% of rows malformed (limit 5.0%): undecodable=6, wrong_type=6, missing_field=6, "
-                             "empty=6, too_long=6 of 100 rows")
+    assert failure.cause == (
+        "30.0% of rows malformed (limit 5.0%): undecodable=6, wrong_type=6, missing_field=6, "
+        "empty=6, too_long=6 of 100 rows"
+    )
     assert {r: d.count for r, d in failure.summary.dropped.items()} == dict.fromkeys(datahash.REASONS, 6)
     assert failure.summary.manifest is None and failure.summary.total_rows == 100
     assert not Storage(str(tmp_path / "store")).exists("datasets")
 
 
 def test_two_percent_malformed_trains_and_the_manifest_lists_them(tmp_path, tiny_dir):
-    source = write_jsonl(tmp_path / "mostly.jsonl", DATES[:49] + [{"input": "5 Mar 2021"}] + DATES[49:97],
-                         [b"{not json at all"])
+    source = write_jsonl(
+        tmp_path / "mostly.jsonl", DATES[:49] + [{"input": "5 Mar 2021"}] + DATES[49:97], [b"{not json at all"]
+    )
     summary = prepare(config(tmp_path / "store", tiny_dir, source))
     manifest = summary["manifest"]
     assert manifest["total_rows"] == 99 and manifest["dropped_fraction"] == pytest.approx(2 / 99)
     assert manifest["dropped"] == {
         "undecodable": {"count": 1, "examples": [{"source": "source", "row": 98, "value": "b'{not json at all'"}]},
-        "missing_field": {"count": 1, "examples": [{"source": "source", "row": 49, "value": "{'input': '5 Mar 2021'}"}]},
+        "missing_field": {
+            "count": 1,
+            "examples": [{"source": "source", "row": 49, "value": "{'input': '5 Mar 2021'}"}],
+        },
     }
     assert manifest["splits"]["train"]["rows"] + manifest["splits"]["eval"]["rows"] == 97
 
@@ -276,11 +308,14 @@ def test_separate_eval_source(tmp_path, tiny_dir):
     assert manifest["settings"]["eval_fraction"] is None
 
 
-@pytest.mark.parametrize("source, match", [
-    ("{tmp}/missing.jsonl", "missing.jsonl is unreadable: FileNotFoundError"),
-    ("{tmp}/data.txt", "cannot tell the format of .*data.txt from its extension '.txt'"),
-    ("hf://tuneproof/no-such-dataset:train", "could not be loaded from the Hugging Face hub"),
-])
+@pytest.mark.parametrize(
+    "source, match",
+    [
+        ("{tmp}/missing.jsonl", "missing.jsonl is unreadable: FileNotFoundError"),
+        ("{tmp}/data.txt", "cannot tell the format of .*data.txt from its extension '.txt'"),
+        ("hf://tuneproof/no-such-dataset:train", "could not be loaded from the Hugging Face hub"),
+    ],
+)
 def test_unreadable_sources_are_data_failures(tmp_path, tiny_dir, source, match):
     (tmp_path / "data.txt").write_text("5 Mar 2021\n")
     with pytest.raises(StageFailure, match=match) as info:
@@ -307,8 +342,9 @@ def test_read_split_rejects_missing_manifest_and_corrupt_or_missing_shards(tmp_p
 def test_entrypoint_writes_a_stage_result(tmp_path, tiny_dir):
     cfg = config(tmp_path / "store", tiny_dir, write_jsonl(tmp_path / "d.jsonl", DATES[:40]))
     env = {**os.environ, ENV_VAR: encode_job("run-7", "data", cfg)}
-    proc = subprocess.run([sys.executable, "-m", "training.data_prep"], cwd=PROJECT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "training.data_prep"], cwd=PROJECT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = Storage(str(tmp_path / "store")).read_json("runs", "run-7", "stages", "data", "result.json")
     assert result["status"] == "succeeded" and result["summary"]["manifest"]["splits"]["eval"]["rows"] == 4
@@ -321,11 +357,13 @@ def test_entrypoint_writes_a_stage_result(tmp_path, tiny_dir):
 def test_prepare_on_s3_and_read_back(s3_endpoint, tmp_path, tiny_dir):
     bucket = Storage(f"s3://{TEST_BUCKET}", s3_endpoint)
     bucket.write_bytes(write_jsonl(tmp_path / "d.jsonl", DATES[:100]).read_bytes(), "sources", "dates.jsonl")
-    cfg = PipelineConfig.model_validate({
-        "storage": {"root": f"s3://{TEST_BUCKET}/prep", "endpoint_url": s3_endpoint},
-        "model": {"source": str(tiny_dir)},
-        "data": {"source": f"s3://{TEST_BUCKET}/sources/dates.jsonl", "shard_rows": 50, "system_prompt": SYSTEM},
-    })
+    cfg = PipelineConfig.model_validate(
+        {
+            "storage": {"root": f"s3://{TEST_BUCKET}/prep", "endpoint_url": s3_endpoint},
+            "model": {"source": str(tiny_dir)},
+            "data": {"source": f"s3://{TEST_BUCKET}/sources/dates.jsonl", "shard_rows": 50, "system_prompt": SYSTEM},
+        }
+    )
     summary = prepare(cfg)
     assert summary["dataset_uri"] == f"s3://{TEST_BUCKET}/prep/{summary['dataset_path']}"
     local = prepare(config(tmp_path / "store", tiny_dir, tmp_path / "d.jsonl", shard_rows=50))

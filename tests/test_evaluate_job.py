@@ -36,7 +36,9 @@ GATES = {"exact_match": {"min": 0.8, "min_improvement": 0.5, "max_regression": 0
 
 
 def chat_prompt(tokenizer, text: str) -> str:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
 
 
 def encode(tokenizer, text: str, answer: str) -> dict:
@@ -44,8 +46,12 @@ def encode(tokenizer, text: str, answer: str) -> dict:
     prompt = chat_prompt(tokenizer, text)
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     answer_ids = tokenizer(answer + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
-    return {"prompt": prompt, "reference": answer, "input_ids": prompt_ids + answer_ids,
-            "labels": [-100] * len(prompt_ids) + answer_ids}
+    return {
+        "prompt": prompt,
+        "reference": answer,
+        "input_ids": prompt_ids + answer_ids,
+        "labels": [-100] * len(prompt_ids) + answer_ids,
+    }
 
 
 def write_dataset(storage: Storage, rows: list[dict]) -> None:
@@ -62,7 +68,9 @@ def train_constant_answer(base: Path, rows: list[dict], out: Path, steps: int = 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(base)
     tokenizer = AutoTokenizer.from_pretrained(base)
-    ids, labels, mask = right_padded([r["input_ids"] for r in rows], [r["labels"] for r in rows], tokenizer.pad_token_id)
+    ids, labels, mask = right_padded(
+        [r["input_ids"] for r in rows], [r["labels"] for r in rows], tokenizer.pad_token_id
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(steps):
         model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
@@ -87,12 +95,21 @@ def world(tmp_path_factory):
 
 
 def make_ctx(world, run_id: str, storage_root: str, endpoint: str | None = None, **eval_overrides) -> JobContext:
-    cfg = PipelineConfig.model_validate({
-        "storage": {"root": storage_root, "endpoint_url": endpoint},
-        "model": {"name": "dates-qwen2-tiny", "source": str(world["base"])},
-        "eval": {"metrics": ["exact_match", "rouge_l"], "max_new_tokens": 16, "batch_size": 5,
-                 "max_examples": 10, "predictions_cap": 4, "gates": GATES, **eval_overrides},
-    })
+    cfg = PipelineConfig.model_validate(
+        {
+            "storage": {"root": storage_root, "endpoint_url": endpoint},
+            "model": {"name": "dates-qwen2-tiny", "source": str(world["base"])},
+            "eval": {
+                "metrics": ["exact_match", "rouge_l"],
+                "max_new_tokens": 16,
+                "batch_size": 5,
+                "max_examples": 10,
+                "predictions_cap": 4,
+                "gates": GATES,
+                **eval_overrides,
+            },
+        }
+    )
     return JobContext(run_id, "evaluate", cfg, {"candidate": f"runs/{run_id}/model", "dataset": DATASET})
 
 
@@ -125,15 +142,20 @@ def test_trained_candidate_passes_as_the_first_model(world, store, capsys):
     assert summary["gates"]["lines"][0] == "exact_match >= 0.8: 1 (pass)"
     assert summary["gates"]["lines"][2].endswith("no incumbent: first model, regression gate not applicable")
 
-    predictions = [json.loads(line) for line in store.read_text("runs/good/stages/evaluate/predictions.jsonl").splitlines()]
+    predictions = [
+        json.loads(line) for line in store.read_text("runs/good/stages/evaluate/predictions.jsonl").splitlines()
+    ]
     assert summary["predictions_uri"] == store.uri("runs/good/stages/evaluate/predictions.jsonl")
     assert len(predictions) == 4
     assert set(predictions[0]) == {"prompt", "reference", "candidate", "base", "incumbent"}
     assert predictions[0]["candidate"] == ANSWER and predictions[0]["incumbent"] is None
     assert predictions[0]["prompt"] == world["rows"][0]["prompt"]
 
-    progress = [json.loads(line.removeprefix(jobkit.PROGRESS_PREFIX))
-                for line in capsys.readouterr().out.splitlines() if line.startswith(jobkit.PROGRESS_PREFIX)]
+    progress = [
+        json.loads(line.removeprefix(jobkit.PROGRESS_PREFIX))
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith(jobkit.PROGRESS_PREFIX)
+    ]
     assert progress[-1] == {"stage": "evaluate", "done": 20, "total": 20, "model": "base"}
 
 
@@ -151,8 +173,9 @@ def test_untrained_candidate_fails_as_modeling_with_the_evidence(world, store):
 
 def test_the_production_model_is_the_incumbent(world, store):
     upload_export(store, world["trained"], "first")
-    registry.promote(store, "dates-qwen2-tiny", "first", "runs/first/model",
-                     {"metrics": {}, "gates": []}, expected_token=None)
+    registry.promote(
+        store, "dates-qwen2-tiny", "first", "runs/first/model", {"metrics": {}, "gates": []}, expected_token=None
+    )
     upload_export(store, world["trained"], "second")
     ctx = make_ctx(world, "second", store.root)
     pointer, _ = registry.read_pointer(store, "dates-qwen2-tiny")
@@ -161,7 +184,10 @@ def test_the_production_model_is_the_incumbent(world, store):
     assert summary["incumbent_version"] == "v0001-first"
     assert summary["models"]["incumbent"]["path"] == "models/dates-qwen2-tiny/v0001-first"
     assert summary["models"]["incumbent"]["metrics"]["exact_match"] == 1.0
-    assert summary["gates"]["lines"][2] == "exact_match regression vs incumbent <= 0.02: +0 (candidate 1, incumbent 1) (pass)"
+    assert (
+        summary["gates"]["lines"][2]
+        == "exact_match regression vs incumbent <= 0.02: +0 (candidate 1, incumbent 1) (pass)"
+    )
     first = json.loads(store.read_text("runs/second/stages/evaluate/predictions.jsonl").splitlines()[0])
     assert first["incumbent"] == ANSWER
 
@@ -171,8 +197,14 @@ def test_the_entrypoint_writes_a_classified_result(world, store):
     upload_export(store, world["base"], "cli")
     ctx = make_ctx(world, "cli", store.root, max_examples=3)
     env = {**os.environ, jobkit.ENV_VAR: jobkit.encode_job(ctx.run_id, ctx.job, ctx.config, ctx.params)}
-    proc = subprocess.run([sys.executable, "-m", "eval.evaluate_job"], cwd=PROJECT_ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "eval.evaluate_job"],
+        cwd=PROJECT_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1, proc.stderr[-2000:]
     result = store.read_json("runs/cli/stages/evaluate/result.json")
     assert result["status"] == "failed" and result["failure_class"] == "modeling"
@@ -202,10 +234,13 @@ def test_candidate_and_dataset_on_s3(world, s3_endpoint, tmp_path, monkeypatch):
     upload_export(storage, world["trained"], "s3run")
     summary = evaluate_body(make_ctx(world, "s3run", storage.root, s3_endpoint, max_examples=5))
     assert summary.models["candidate"].metrics["exact_match"] == 1.0
-    assert summary.predictions_uri.startswith("s3://") and storage.exists("runs/s3run/stages/evaluate/predictions.jsonl")
+    assert summary.predictions_uri.startswith("s3://") and storage.exists(
+        "runs/s3run/stages/evaluate/predictions.jsonl"
+    )
 
 
 # ---- generation ---------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def base_model(world):
@@ -229,7 +264,9 @@ def test_eval_loss_matches_the_models_own_loss(world, base_model):
     rows = world["rows"][:3]
     tokenizer = world["tokenizer"]
     ours = eval_loss(base_model, [r["input_ids"] for r in rows], [r["labels"] for r in rows], 2, tokenizer.pad_token_id)
-    ids, labels, mask = right_padded([r["input_ids"] for r in rows], [r["labels"] for r in rows], tokenizer.pad_token_id)
+    ids, labels, mask = right_padded(
+        [r["input_ids"] for r in rows], [r["labels"] for r in rows], tokenizer.pad_token_id
+    )
     with torch.no_grad():
         theirs = base_model(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
     assert ours["eval_loss"] == pytest.approx(theirs, rel=1e-5)

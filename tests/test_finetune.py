@@ -40,6 +40,7 @@ DIGIT0, SEP, EOS = 3, 13, 14  # token ids of the synthetic task (digits are 3..1
 
 # ---------------------------------------------------------------- builders
 
+
 def reverse_task(n: int, seed: int) -> list[dict]:
     """Rows of 'reverse these digits': prompt ids masked with -100 in labels, no padding."""
     rng = np.random.default_rng(seed)
@@ -48,16 +49,23 @@ def reverse_task(n: int, seed: int) -> list[dict]:
         digits = rng.integers(0, 10, size=int(rng.integers(3, 7))).tolist()
         prompt = [DIGIT0 + d for d in digits] + [SEP]
         answer = [DIGIT0 + d for d in reversed(digits)] + [EOS]
-        rows.append({"input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer,
-                     "prompt": "".join(map(str, digits)), "reference": "".join(map(str, reversed(digits)))})
+        rows.append(
+            {
+                "input_ids": prompt + answer,
+                "labels": [-100] * len(prompt) + answer,
+                "prompt": "".join(map(str, digits)),
+                "reference": "".join(map(str, reversed(digits))),
+            }
+        )
     return rows
 
 
 def write_dataset(storage: Storage, path: str = DATASET, n_train: int = 256, n_eval: int = 32) -> str:
     """A prepared dataset as the data stage writes it: parquet shards per split, manifest.json last."""
     splits = {"train": reverse_task(n_train, 0), "eval": reverse_task(n_eval, 1)}
-    write_prepared(storage, path, "reverse", {k: [Example(**row) for row in rows] for k, rows in splits.items()},
-                   shard_rows=100)
+    write_prepared(
+        storage, path, "reverse", {k: [Example(**row) for row in rows] for k, rows in splits.items()}, shard_rows=100
+    )
     return path
 
 
@@ -69,14 +77,25 @@ def write_tiny_model(out_dir: Path) -> Path:
 
 
 def make_config(root: str, model_dir: Path, endpoint_url: str | None = None, **train) -> PipelineConfig:
-    train = {"num_workers": 2, "max_steps": 12, "micro_batch_size": 8, "lr": 3e-3, "warmup_steps": 2,
-             "checkpoint_every": 4, "num_to_keep": 5, "log_every": 4, **train}
-    return PipelineConfig.model_validate({
-        "storage": {"root": root, "endpoint_url": endpoint_url},
-        "model": {"source": str(model_dir)},
-        "train": train,
-        "resume": {"extra_steps": 1, "replay_steps": 1},
-    })
+    train = {
+        "num_workers": 2,
+        "max_steps": 12,
+        "micro_batch_size": 8,
+        "lr": 3e-3,
+        "warmup_steps": 2,
+        "checkpoint_every": 4,
+        "num_to_keep": 5,
+        "log_every": 4,
+        **train,
+    }
+    return PipelineConfig.model_validate(
+        {
+            "storage": {"root": root, "endpoint_url": endpoint_url},
+            "model": {"source": str(model_dir)},
+            "train": train,
+            "resume": {"extra_steps": 1, "replay_steps": 1},
+        }
+    )
 
 
 def context(config: PipelineConfig, run_id: str, job: str = "finetune", **params) -> JobContext:
@@ -93,6 +112,7 @@ def losses(summary: dict) -> dict[int, float]:
 
 
 # ---------------------------------------------------------------- unit tests
+
 
 def test_params_default_to_the_config_and_reject_unknown_keys(tmp_path):
     config = make_config(str(tmp_path), tmp_path)
@@ -155,8 +175,19 @@ def test_a_dataset_without_its_manifest_is_refused(tmp_path):
 def worker_for(config: PipelineConfig, **params) -> Worker:
     """A Worker with only what choosing the start point reads (storage, run name, init_from)."""
     ctx = context(config, "r1", **params)
-    return Worker(ctx, TrainParams.resolve(ctx), rank=0, world_size=2, device=None, model=None, optimizer=None,
-                  batches=None, schedule=None, flops_per_token=0.0, peak_flops=None)
+    return Worker(
+        ctx,
+        TrainParams.resolve(ctx),
+        rank=0,
+        world_size=2,
+        device=None,
+        model=None,
+        optimizer=None,
+        batches=None,
+        schedule=None,
+        flops_per_token=0.0,
+        peak_flops=None,
+    )
 
 
 def test_start_falls_back_from_an_incomplete_reported_checkpoint(tmp_path, monkeypatch):
@@ -191,12 +222,17 @@ def test_start_is_init_from_only_when_the_run_has_no_checkpoint(tmp_path, monkey
 
 # ---------------------------------------------------------------- integration: Ray Train on CPU
 
+
 @pytest.fixture(scope="module")
 def ray_cluster(ray_head, s3_endpoint):
     """This process as a driver of the session Ray head; its workers import the project and get S3 creds."""
     # Ray Train's print patch would echo every worker line twice (its logger plus the original stream).
-    env_vars = {"PYTHONPATH": str(PROJECT_ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+    env_vars = {
+        "PYTHONPATH": str(PROJECT_ROOT),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+    }
     env_vars.update({k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")})
     with ray_driver(ray_head, runtime_env={"env_vars": env_vars}):
         yield ray_head
@@ -241,8 +277,18 @@ def test_straight_run_trains_checkpoints_and_exports(local_run):
 def test_replay_from_a_checkpoint_reproduces_the_logged_losses(local_run):
     config, main = local_run
     step4 = next(c["uri"] for c in main["checkpoints"] if c["step"] == 4)
-    replay = train(context(config, "run-a", job="resume", run_name="run-a-resume", init_from=step4,
-                              max_steps=12, export=False, first_step_marker=True))
+    replay = train(
+        context(
+            config,
+            "run-a",
+            job="resume",
+            run_name="run-a-resume",
+            init_from=step4,
+            max_steps=12,
+            export=False,
+            first_step_marker=True,
+        )
+    )
     assert replay["start_step"] == 4 and replay["restored_step"] == 4 and replay["restored_from"] == step4
     assert replay["first_step_completed_at"] > 0 and replay["export_path"] is None
     assert [s for s, _ in replay["loss_curve"]] == list(range(5, 13))
@@ -267,20 +313,29 @@ def test_init_from_an_incomplete_checkpoint_is_an_infrastructure_failure(local_r
 def test_a_stopped_run_resumes_under_its_name_at_the_saved_step(local_run, ray_cluster):
     """Hold after the step-8 checkpoint, kill the driver, restart: steps 9..12 equal the straight run."""
     config, main = local_run
-    job = jobkit.encode_job("run-a", "held", config, {"dataset": DATASET, "run_name": "run-a-held",
-                                                       "hold_after_checkpoint_step": 8, "export": False})
-    env = {**os.environ, jobkit.ENV_VAR: job, "RAY_ADDRESS": ray_cluster.gcs_address,
-           "PYTHONPATH": str(PROJECT_ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "training.finetune"], cwd=PROJECT_ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    job = jobkit.encode_job(
+        "run-a",
+        "held",
+        config,
+        {"dataset": DATASET, "run_name": "run-a-held", "hold_after_checkpoint_step": 8, "export": False},
+    )
+    env = {**os.environ, jobkit.ENV_VAR: job, "RAY_ADDRESS": ray_cluster.gcs_address, "PYTHONPATH": str(PROJECT_ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "training.finetune"],
+        cwd=PROJECT_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         seen = wait_for_line(proc, "HOLDING after checkpoint step 8", timeout=240)
     finally:
         os.killpg(proc.pid, 9)
         proc.wait(30)
     assert any(jobkit.PROGRESS_PREFIX in line and '"holding": true' in line for line in seen)
-    resumed = train(context(config, "run-a", job="held", run_name="run-a-held", export=False,
-                               first_step_marker=True))
+    resumed = train(context(config, "run-a", job="held", run_name="run-a-held", export=False, first_step_marker=True))
     assert resumed["restored_step"] == 8 and resumed["start_step"] == 8
     curve = losses(resumed)
     assert sorted(curve) == list(range(1, 13))  # steps 1..8 from the stopped attempt, 9..12 after restart
@@ -328,22 +383,34 @@ def test_data_prep_and_fine_tune_on_s3_read_back_from_the_bucket(ray_cluster, tm
     root = f"s3://{TEST_BUCKET}/ft-{int(time.time())}"
     storage = Storage(root, s3_endpoint)
     storage.write_bytes(b"\n".join(DEFAULT_DATA.read_bytes().splitlines()[:300]) + b"\n", "sources", "dates.jsonl")
-    config = PipelineConfig.model_validate({
-        **make_config(root, model, s3_endpoint, max_steps=4, checkpoint_every=2).model_dump(),
-        "data": {"source": f"{root}/sources/dates.jsonl"},
-    })
+    config = PipelineConfig.model_validate(
+        {
+            **make_config(root, model, s3_endpoint, max_steps=4, checkpoint_every=2).model_dump(),
+            "data": {"source": f"{root}/sources/dates.jsonl"},
+        }
+    )
     data = prepare_data(JobContext("run-s3", "data", config)).to_json()
     summary = train(JobContext("run-s3", "finetune", config, {"dataset": data["dataset_path"]}))
 
     assert data["dataset_uri"].startswith(f"{root}/datasets/dates/")
-    assert read_split(storage, data["dataset_path"], "train").num_rows == data["manifest"]["splits"]["train"]["rows"] == 270
+    assert (
+        read_split(storage, data["dataset_path"], "train").num_rows
+        == data["manifest"]["splits"]["train"]["rows"]
+        == 270
+    )
     assert [c["step"] for c in summary["checkpoints"]] == [2, 4]
     assert summary["export_uri"].startswith(f"s3://{TEST_BUCKET}/")
     s3 = boto3.client("s3", endpoint_url=s3_endpoint)
     prefix = root.removeprefix(f"s3://{TEST_BUCKET}/")
-    marker = json.loads(s3.get_object(Bucket=TEST_BUCKET, Key=f"{prefix}/runs/run-s3/train/run-s3/checkpoint_000004/{MARKER}")["Body"].read())
+    marker = json.loads(
+        s3.get_object(Bucket=TEST_BUCKET, Key=f"{prefix}/runs/run-s3/train/run-s3/checkpoint_000004/{MARKER}")[
+            "Body"
+        ].read()
+    )
     assert marker["step"] == 4 and ".metadata" in marker["files"]
-    exported = json.loads(s3.get_object(Bucket=TEST_BUCKET, Key=f"{prefix}/runs/run-s3/model/config.json")["Body"].read())
+    exported = json.loads(
+        s3.get_object(Bucket=TEST_BUCKET, Key=f"{prefix}/runs/run-s3/model/config.json")["Body"].read()
+    )
     assert exported["tie_word_embeddings"] is True
     assert latest_complete_checkpoint(storage, "runs", "run-s3", "train", "run-s3").step == 4
     assert all(math.isfinite(loss) for _, loss in summary["loss_curve"])

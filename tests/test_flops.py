@@ -1,6 +1,6 @@
 """training/flops.py: the FLOP count against a hand count and against torch's FLOP counter; the peak table.
 
-    .venv/bin/python -m pytest -q tests/test_flops.py
+.venv/bin/python -m pytest -q tests/test_flops.py
 """
 
 from __future__ import annotations
@@ -17,18 +17,27 @@ from training.flops import (
 )
 
 # A tiny Qwen2: hidden 64, 2 layers, 4 heads of 16, 2 KV heads, SwiGLU width 128, vocab 100, tied.
-TINY = ModelShape(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=100,
-                  tied_embeddings=True)
-QWEN25_1_5B = ModelShape(hidden=1536, layers=28, heads=12, kv_heads=2, head_dim=128, intermediate=8960,
-                         vocab=151936, tied_embeddings=True)
+TINY = ModelShape(
+    hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=100, tied_embeddings=True
+)
+QWEN25_1_5B = ModelShape(
+    hidden=1536, layers=28, heads=12, kv_heads=2, head_dim=128, intermediate=8960, vocab=151936, tied_embeddings=True
+)
 
 
 def tiny_hf_config(attn_implementation: str = "eager"):
     from transformers import Qwen2Config
 
-    return Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                       attn_implementation=attn_implementation)
+    return Qwen2Config(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        attn_implementation=attn_implementation,
+    )
 
 
 def test_the_tiny_config_matches_a_hand_count():
@@ -84,19 +93,22 @@ def test_mfu_is_achieved_flops_over_the_peak():
     assert mfu(flops_per_token=1e9, tokens_per_s_per_device=450_000, peak_flops=1e15) == pytest.approx(0.45)
 
 
-@pytest.mark.parametrize("name, peak", [
-    ("NVIDIA H200", 989e12),
-    ("NVIDIA H200 NVL", 835e12),
-    ("NVIDIA H100 80GB HBM3", 989e12),
-    ("NVIDIA H100 PCIe", 756e12),
-    ("NVIDIA H100 NVL", 835e12),
-    ("NVIDIA A100-SXM4-80GB", 312e12),
-    ("NVIDIA A100 80GB PCIe", 312e12),
-    ("NVIDIA A10G", 70e12),
-    ("NVIDIA L4", 121e12),
-    ("NVIDIA L40S", 362e12),
-    ("NVIDIA GeForce RTX 4090", None),
-    ("Tesla T4", None),
-])
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA H200 NVL", 835e12),
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA A100 80GB PCIe", 312e12),
+        ("NVIDIA A10G", 70e12),
+        ("NVIDIA L4", 121e12),
+        ("NVIDIA L40S", 362e12),
+        ("NVIDIA GeForce RTX 4090", None),
+        ("Tesla T4", None),
+    ],
+)
 def test_peak_is_looked_up_by_whole_name_tokens(name, peak):
     assert peak_bf16_flops(name) == peak

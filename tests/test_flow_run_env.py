@@ -59,29 +59,40 @@ def dockerfile_python() -> str:
 
 def run(cmd: list[str], env: dict, cwd: Path) -> str:
     out = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    assert out.returncode == 0, (
+        f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    )
     return out.stdout
 
 
 def test_the_pull_step_builds_a_flow_run_environment_that_imports_the_flow(tmp_path):
-    assert f"{sys.version_info.major}.{sys.version_info.minor}" == dockerfile_python(), \
+    assert f"{sys.version_info.major}.{sys.version_info.minor}" == dockerfile_python(), (
         "build the venv with the interpreter the image uses"
+    )
     head = run(["git", "rev-parse", "HEAD"], dict(os.environ), PROJECT_ROOT).strip()
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", str(venv)], dict(os.environ), tmp_path)
-    env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ['PATH']}", "VIRTUAL_ENV": str(venv),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           # the worker gives every flow-run pod an API URL; these steps name no block or variable, so the
-           # step runner never calls it (unset, it would start a temporary server instead)
-           "PREFECT_API_URL": "http://127.0.0.1:9/api",
-           "TUNEPROOF_GIT_URL": str(PROJECT_ROOT), "TUNEPROOF_GIT_COMMIT": head}
+    env = {
+        **os.environ,
+        "PATH": f"{venv / 'bin'}:{os.environ['PATH']}",
+        "VIRTUAL_ENV": str(venv),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        # the worker gives every flow-run pod an API URL; these steps name no block or variable, so the
+        # step runner never calls it (unset, it would start a temporary server instead)
+        "PREFECT_API_URL": "http://127.0.0.1:9/api",
+        "TUNEPROOF_GIT_URL": str(PROJECT_ROOT),
+        "TUNEPROOF_GIT_COMMIT": head,
+    }
     env.pop("PYTHONPATH", None)  # nothing of this checkout may leak in: the clone is the only source
 
-    run(["sh", str(IMAGE_DIR / "install.sh")], env, tmp_path)          # the Dockerfile's RUN
+    run(["sh", str(IMAGE_DIR / "install.sh")], env, tmp_path)  # the Dockerfile's RUN
     pod = tmp_path / "pod"
     pod.mkdir()
-    report = json.loads(run([str(venv / "bin" / "python"), "-c", POD_SCRIPT, json.dumps(eks_pull_steps())],
-                            env, pod).strip().splitlines()[-1])
+    report = json.loads(
+        run([str(venv / "bin" / "python"), "-c", POD_SCRIPT, json.dumps(eks_pull_steps())], env, pod)
+        .strip()
+        .splitlines()[-1]
+    )
 
     clone = Path(report["cwd"])
     assert clone.parent == pod and (clone / "flows" / "pipeline.py").is_file()

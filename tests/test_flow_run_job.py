@@ -51,8 +51,10 @@ def rendered_job(monkeypatch) -> dict:
 def test_the_rendered_flow_run_job_validates_and_runs_the_pinned_image(monkeypatch):
     job = rendered_job(monkeypatch)
     # the worker insists on parallelism/completions inside the PodSpec; the API server drops them (with a warning)
-    assert {k: job["spec"]["template"]["spec"][k] for k in ("parallelism", "completions")} == \
-        {"parallelism": 1, "completions": 1}
+    assert {k: job["spec"]["template"]["spec"][k] for k in ("parallelism", "completions")} == {
+        "parallelism": 1,
+        "completions": 1,
+    }
     kept = without_prefect_pod_fields(job)
     problems = [f"{list(e.absolute_path)}: {e.message}" for e in schema_validator("batch/v1", "Job").iter_errors(kept)]
     assert problems == []

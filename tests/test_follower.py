@@ -48,14 +48,15 @@ class FakeClient:
 
 def follower(client: FakeClient) -> tuple[RayJobRunner, list[str], list[ProgressEvent]]:
     lines, events = [], []
-    runner = RayJobRunner(PipelineConfig(), "r1", on_line=lines.append, on_progress=events.append, poll_s=0.05,
-                          client=client)  # type: ignore[arg-type]
+    runner = RayJobRunner(
+        PipelineConfig(), "r1", on_line=lines.append, on_progress=events.append, poll_s=0.05, client=client
+    )  # type: ignore[arg-type]
     return runner, lines, events
 
 
 def test_the_follower_delivers_each_line_once_even_when_a_chunk_ends_mid_line():
     progress = 'TUNEPROOF_PROGRESS {"stage": "finetune", "done": 120, "total": 400, "loss": 0.5312}'
-    chunks = ["starting\n(RayTrainWorker pid=7) TUNEPROOF_PRO", progress[len("TUNEPROOF_PRO"):], "\nfinished"]
+    chunks = ["starting\n(RayTrainWorker pid=7) TUNEPROOF_PRO", progress[len("TUNEPROOF_PRO") :], "\nfinished"]
     runner, lines, events = follower(FakeClient(chunks))
     assert runner.follow("r1-finetune", timeout_s=30) == JobStatus.SUCCEEDED
     assert lines == ["starting", "(RayTrainWorker pid=7) progress finetune 120/400 loss=0.5312", "finished"]
@@ -65,8 +66,9 @@ def test_the_follower_delivers_each_line_once_even_when_a_chunk_ends_mid_line():
 def test_a_stop_marker_split_across_chunks_still_stops_the_job():
     client = FakeClient(["step 303\n[tuneproof] HOLDING after che", "ckpoint step 304\n", "never read\n"], delay_s=0.05)
     runner, lines, _ = follower(client)
-    status = runner.follow("r1-resume-interrupt", timeout_s=30,
-                           stop_when=lambda line: "HOLDING after checkpoint step 304" in line)
+    status = runner.follow(
+        "r1-resume-interrupt", timeout_s=30, stop_when=lambda line: "HOLDING after checkpoint step 304" in line
+    )
     assert status == JobStatus.STOPPED and client.stopped == ["r1-resume-interrupt"]
     assert "[tuneproof] HOLDING after checkpoint step 304" in lines and "never read" not in lines
 

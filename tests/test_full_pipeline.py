@@ -37,11 +37,21 @@ def prefect_server(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-home")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_API_URL": f"{url}/api", "PREFECT_UI_API_URL": f"{url}/api"}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_API_URL": f"{url}/api",
+        "PREFECT_UI_API_URL": f"{url}/api",
+    }
     log = open(home / "server.log", "wb")  # noqa: SIM115 - the server writes to it until the fixture's end
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1",
-                             "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         _wait_http(f"{url}/api/health", 120)
         with temporary_settings({PREFECT_API_URL: f"{url}/api", PREFECT_UI_API_URL: f"{url}/api"}):
@@ -65,8 +75,12 @@ def base_args(ray_head, tmp_path_factory):
     root = tmp_path_factory.mktemp("demo")
     model = root / "base-models" / "tiny-qwen2"
     ensure_tiny_model(str(model), str(PROJECT_ROOT / "data" / "dates" / "dates.jsonl"))
-    sets = [f"cluster.address={ray_head.address}", f"cluster.auth_token_file={ray_head.token_file}",
-            f"storage.root={root / 'storage'}", f"model.source={model}"]
+    sets = [
+        f"cluster.address={ray_head.address}",
+        f"cluster.auth_token_file={ray_head.token_file}",
+        f"storage.root={root / 'storage'}",
+        f"model.source={model}",
+    ]
     return sum((["--set", s] for s in sets), [])
 
 
@@ -120,8 +134,9 @@ def test_unchanged_inputs_reuse_the_prepared_dataset(demo, base_args, storage):
 def test_an_unreachable_gate_is_a_modeling_failure_and_nothing_moves(demo, base_args, storage):
     before = pointer_bytes(storage)
     versions = storage.listdir("models", "dates-qwen2-tiny")
-    result = tuneproof("run", "--only", "evaluate,promote", "--run-id", "demo", *base_args,
-                       "--set", "eval.gates.exact_match.min=1.01")
+    result = tuneproof(
+        "run", "--only", "evaluate,promote", "--run-id", "demo", *base_args, "--set", "eval.gates.exact_match.min=1.01"
+    )
     assert result.exit_code == 6, result.output
     rec = records.load(storage, "demo")
     assert rec.failure_class == "modeling"
@@ -135,7 +150,9 @@ def test_the_flow_run_page_shows_the_evidence(demo, prefect_server):
     """Headless Chromium (Debian's) on the flow run page: the evaluation table and the loss image."""
     chromium = shutil.which("chromium")
     if chromium is None and not os.environ.get("CI"):
-        pytest.skip("Debian's chromium is not installed (`make test` installs it where it can: apt-get install chromium)")
+        pytest.skip(
+            "Debian's chromium is not installed (`make test` installs it where it can: apt-get install chromium)"
+        )
     from tests.browser import capture_flow_run
 
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,11 @@ def test_passes_when_every_threshold_is_met():
         "exact_match improvement over base >= 0.5: +0.93 (candidate 0.93, base 0) (pass)",
         "exact_match regression vs incumbent <= 0.02: +0.01 (candidate 0.93, incumbent 0.94) (pass)",
     ]
-    assert [(v.gate, v.passed) for v in d.verdicts] == [("min", True), ("min_improvement", True), ("max_regression", True)]
+    assert [(v.gate, v.passed) for v in d.verdicts] == [
+        ("min", True),
+        ("min_improvement", True),
+        ("max_regression", True),
+    ]
     assert d.failure_cause() == ""
 
 
@@ -40,7 +44,9 @@ def test_min_improvement_fails_alone():
 def test_regression_vs_incumbent_fails_alone():
     d = decide({"exact_match": 0.9}, {"exact_match": 0.1}, {"exact_match": 0.95}, EM)
     assert not d.passed
-    assert d.failure_cause() == "exact_match regression vs incumbent <= 0.02: +0.05 (candidate 0.9, incumbent 0.95) (fail)"
+    assert (
+        d.failure_cause() == "exact_match regression vs incumbent <= 0.02: +0.05 (candidate 0.9, incumbent 0.95) (fail)"
+    )
 
 
 def test_no_incumbent_makes_regression_not_applicable():
@@ -104,4 +110,9 @@ def test_the_decision_is_the_summary_shape():
 
 def test_number_format():
     assert fmt(0.93) == "0.93" and fmt(0.123456) == "0.1235" and fmt(12345.6) == "12346"
-    assert fmt(-0.0, signed=True) == "+0" and fmt(0.01, signed=True) == "+0.01" and fmt(-0.05, signed=True) == "-0.05" and fmt(float("inf")) == "inf"
+    assert (
+        fmt(-0.0, signed=True) == "+0"
+        and fmt(0.01, signed=True) == "+0.01"
+        and fmt(-0.05, signed=True) == "-0.05"
+        and fmt(float("inf")) == "inf"
+    )

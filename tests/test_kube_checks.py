@@ -70,8 +70,12 @@ def test_healthy_cluster_passes_and_notes_the_operator_version():
 
 
 def test_pod_running_a_different_digest_is_named(saved):
-    edit(saved / "pods.json", lambda pods: pod(pods, "tuneproof-gpu-worker-9tlwz")["status"]["containerStatuses"][0]
-         .update({"imageID": f"123456789012.dkr.ecr.us-west-2.amazonaws.com/ray-train@{OTHER_DIGEST}"}))
+    edit(
+        saved / "pods.json",
+        lambda pods: pod(pods, "tuneproof-gpu-worker-9tlwz")["status"]["containerStatuses"][0].update(
+            {"imageID": f"123456789012.dkr.ecr.us-west-2.amazonaws.com/ray-train@{OTHER_DIGEST}"}
+        ),
+    )
     finding = only(check(saved), subject="pod tuneproof-gpu-worker-9tlwz")
     assert finding.field == "status.containerStatuses[ray-worker].imageID"
     assert finding.seen.endswith(OTHER_DIGEST) and finding.expected == "sha256:" + "0" * 64
@@ -89,6 +93,7 @@ def test_pod_gpu_limit_disagreeing_with_num_gpus(saved):
     def shrink(pods):
         limits = pod(pods, "tuneproof-gpu-worker-4qj8n")["spec"]["containers"][0]["resources"]
         limits["limits"]["nvidia.com/gpu"] = limits["requests"]["nvidia.com/gpu"] = "2"
+
     edit(saved / "pods.json", shrink)
     findings = check(saved)
     by_spec = only(findings, subject="pod tuneproof-gpu-worker-4qj8n (group gpu)")
@@ -108,16 +113,25 @@ def test_efa_from_a_dra_resourceslice_is_accepted(saved):
     def no_device_plugin(nodes):
         for node in nodes["items"]:
             node["status"]["allocatable"].pop("vpc.amazonaws.com/efa", None)
+
     edit(saved / "nodes.json", no_device_plugin)
     finding = only(check(saved), subject="node ip-10-0-2-20.us-west-2.compute.internal")
     assert finding.seen == 0 and "EFA" in finding.message
 
-    slices = [{"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
-               "metadata": {"name": f"{node}-dra.net-efa"},
-               "spec": {"driver": "dra.net", "nodeName": node, "pool": {"name": node, "generation": 1,
-                                                                          "resourceSliceCount": 1},
-                        "devices": [{"name": "rdmap0s26", "attributes": {"dra.net/rdma": {"bool": True}}}]}}
-              for node in ("ip-10-0-2-20.us-west-2.compute.internal", "ip-10-0-2-21.us-west-2.compute.internal")]
+    slices = [
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceSlice",
+            "metadata": {"name": f"{node}-dra.net-efa"},
+            "spec": {
+                "driver": "dra.net",
+                "nodeName": node,
+                "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                "devices": [{"name": "rdmap0s26", "attributes": {"dra.net/rdma": {"bool": True}}}],
+            },
+        }
+        for node in ("ip-10-0-2-20.us-west-2.compute.internal", "ip-10-0-2-21.us-west-2.compute.internal")
+    ]
     edit(saved / "resourceslices.json", lambda data: data.update({"items": slices}))
     assert errors(check(saved)) == []
     assert summarize(load_objects_from_dir(saved))["nodes"][0]["efa_dra_slices"] == 1
@@ -136,15 +150,24 @@ def test_cluster_not_ready_or_missing(saved):
     def not_ready(rc):
         rc["status"]["state"] = "suspended"
         rc["status"]["conditions"][1].update({"status": "False", "reason": "RayClusterPodsProvisioning"})
+
     edit(saved / "raycluster.json", not_ready)
     finding = only(check(saved), field="status.state")
-    assert (finding.seen, finding.expected) == ("suspended", "ready") and "RayClusterPodsProvisioning" in finding.message
+    assert (finding.seen, finding.expected) == (
+        "suspended",
+        "ready",
+    ) and "RayClusterPodsProvisioning" in finding.message
     objects = load_objects_from_dir(FIXTURE) | {"raycluster": None}
-    assert only(check_cluster(objects, load_config(EKS)), field="metadata.name").subject == "RayCluster tuneproof/tuneproof"
+    assert (
+        only(check_cluster(objects, load_config(EKS)), field="metadata.name").subject
+        == "RayCluster tuneproof/tuneproof"
+    )
 
 
 def test_pending_worker_pod(saved):
-    edit(saved / "pods.json", lambda pods: pod(pods, "tuneproof-gpu-worker-9tlwz")["status"].update({"phase": "Pending"}))
+    edit(
+        saved / "pods.json", lambda pods: pod(pods, "tuneproof-gpu-worker-9tlwz")["status"].update({"phase": "Pending"})
+    )
     findings = check(saved)
     assert only(findings, subject="pod tuneproof-gpu-worker-9tlwz", field="status.phase").seen == "Pending"
     running = only(findings, field="workerGroupSpecs[gpu] running pods")
@@ -166,20 +189,44 @@ def test_saved_files_as_lists_or_single_objects(saved):
 
 def test_ray_node_listing_formats():
     cli = json.loads((FIXTURE / "ray-nodes.json").read_text())
-    dashboard = {"result": True, "data": {"summary": [
-        {"ip": n["node_ip"], "raylet": {"nodeManagerAddress": n["node_ip"], "resourcesTotal": n["resources_total"],
-                                        "state": n["state"], "nodeId": n["node_id"], "isHeadNode": n["is_head_node"]}}
-        for n in cli]}}
-    verify_facts = [{"node_id": n["node_id"], "node_ip": n["node_ip"], "is_head": n["is_head_node"], "alive": True,
-                     "gpus_advertised": n["resources_total"].get("GPU", 0)} for n in cli]
+    dashboard = {
+        "result": True,
+        "data": {
+            "summary": [
+                {
+                    "ip": n["node_ip"],
+                    "raylet": {
+                        "nodeManagerAddress": n["node_ip"],
+                        "resourcesTotal": n["resources_total"],
+                        "state": n["state"],
+                        "nodeId": n["node_id"],
+                        "isHeadNode": n["is_head_node"],
+                    },
+                }
+                for n in cli
+            ]
+        },
+    }
+    verify_facts = [
+        {
+            "node_id": n["node_id"],
+            "node_ip": n["node_ip"],
+            "is_head": n["is_head_node"],
+            "alive": True,
+            "gpus_advertised": n["resources_total"].get("GPU", 0),
+        }
+        for n in cli
+    ]
     assert normalize_ray_nodes(cli) == normalize_ray_nodes(dashboard) == normalize_ray_nodes(verify_facts)
     assert [n["gpus"] for n in normalize_ray_nodes(cli)] == [0, 4, 4]
 
 
 def test_operator_version_sources():
     objects = load_objects_from_dir(FIXTURE)
-    annotated = {**objects["raycluster"], "metadata": {**objects["raycluster"]["metadata"],
-                                                       "annotations": {"ray.io/kuberay-version": "v1.6.1"}}}
+    annotated = {
+        **objects["raycluster"],
+        "metadata": {**objects["raycluster"]["metadata"], "annotations": {"ray.io/kuberay-version": "v1.6.1"}},
+    }
     assert operator_version(annotated, objects["pods"], None)[0] == "v1.6.1"
     assert operator_version(objects["raycluster"], objects["pods"], objects["operator"])[0] == "v1.6.0"
     assert operator_version(objects["raycluster"], objects["pods"], None)[0] == "unknown"
@@ -189,9 +236,16 @@ def test_summary_for_the_run_record():
     summary = summarize(load_objects_from_dir(FIXTURE), load_config(EKS))
     assert summary["operator_version"] == "v1.6.0"
     assert set(summary["image_digests"].values()) == {"sha256:" + "0" * 64}
-    assert summary["raycluster"]["worker_groups"] == [{
-        "name": "gpu", "pods": 2, "ray_gpus": "4", "gpu_limit": 4, "efa_limit": 1,
-        "image": load_config(EKS).cluster.expect.image}]
+    assert summary["raycluster"]["worker_groups"] == [
+        {
+            "name": "gpu",
+            "pods": 2,
+            "ray_gpus": "4",
+            "gpu_limit": 4,
+            "efa_limit": 1,
+            "image": load_config(EKS).cluster.expect.image,
+        }
+    ]
     assert [n["gpu_allocatable"] for n in summary["nodes"]] == [4, 4]
     json.dumps(summary)
 
@@ -203,7 +257,10 @@ def test_verify_from_files_command(saved, capsys):
 
     edit(saved / "ray-nodes.json", lambda nodes: nodes[1]["resources_total"].update({"GPU": 8.0}))
     assert verify_from_files_command(str(saved), None, [], as_json=False) == 4
-    assert "Ray node 10.0.2.20 (pod tuneproof-gpu-worker-4qj8n): resources_total.GPU is 8, expected 4" in capsys.readouterr().out
+    assert (
+        "Ray node 10.0.2.20 (pod tuneproof-gpu-worker-4qj8n): resources_total.GPU is 8, expected 4"
+        in capsys.readouterr().out
+    )
 
     (saved / "pods.json").unlink()
     assert verify_from_files_command(str(saved), None, [], as_json=False) == 4

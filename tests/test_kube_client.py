@@ -35,9 +35,9 @@ class FakeApi:
         self.raycluster = saved["raycluster"]
         self.pods = saved["pods"]
         self.nodes = saved["nodes"]
-        self.slices: list[dict] | None = []   # None: the resource.k8s.io API is not served (404)
+        self.slices: list[dict] | None = []  # None: the resource.k8s.io API is not served (404)
         self.operator = saved["operator"]
-        self.status: dict[str, int] = {}      # path -> forced HTTP status
+        self.status: dict[str, int] = {}  # path -> forced HTTP status
         self.requests: list[tuple[str, dict, str | None]] = []
 
     def answer(self, path: str, query: dict) -> tuple[int, dict]:
@@ -47,8 +47,9 @@ class FakeApi:
             "/apis/ray.io/v1/namespaces/tuneproof/rayclusters/tuneproof": lambda: self.raycluster,
             "/api/v1/namespaces/tuneproof/pods": lambda: _list("PodList", _select(self.pods, query)),
             "/api/v1/nodes": lambda: _list("NodeList", self.nodes),
-            "/apis/resource.k8s.io/v1/resourceslices":
-                lambda: None if self.slices is None else _list("ResourceSliceList", self.slices),
+            "/apis/resource.k8s.io/v1/resourceslices": lambda: (
+                None if self.slices is None else _list("ResourceSliceList", self.slices)
+            ),
             "/apis/apps/v1/deployments": lambda: _list("DeploymentList", _select([self.operator], query)),
         }
         body = routes[path]() if path in routes else None
@@ -67,8 +68,14 @@ def _select(objects: list[dict], query: dict) -> list[dict]:
 
 def _status(code: int, path: str) -> dict:
     reason = {403: "Forbidden", 404: "NotFound"}.get(code, "InternalError")
-    return {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": reason, "code": code,
-            "message": f"{reason}: {path}"}
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure",
+        "reason": reason,
+        "code": code,
+        "message": f"{reason}: {path}",
+    }
 
 
 @pytest.fixture
@@ -81,8 +88,11 @@ def api(tmp_path):
             url = urlparse(self.path)
             query = parse_qs(url.query)
             fake.requests.append((url.path, query, self.headers.get("Authorization")))
-            code, body = fake.answer(url.path, query) if self.headers.get("Authorization") == f"Bearer {TOKEN}" \
+            code, body = (
+                fake.answer(url.path, query)
+                if self.headers.get("Authorization") == f"Bearer {TOKEN}"
                 else (401, _status(401, url.path))
+            )
             data = json.dumps(body).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
@@ -97,12 +107,20 @@ def api(tmp_path):
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "test",
-        "clusters": [{"name": "test", "cluster": {"server": f"http://127.0.0.1:{server.server_address[1]}"}}],
-        "users": [{"name": "test", "user": {"token": TOKEN}}],
-        "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test", "namespace": "tuneproof"}}],
-    }))
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "test",
+                "clusters": [{"name": "test", "cluster": {"server": f"http://127.0.0.1:{server.server_address[1]}"}}],
+                "users": [{"name": "test", "user": {"token": TOKEN}}],
+                "contexts": [
+                    {"name": "test", "context": {"cluster": "test", "user": "test", "namespace": "tuneproof"}}
+                ],
+            }
+        )
+    )
     try:
         yield fake, kubeconfig
     finally:
@@ -139,7 +157,9 @@ def test_different_digest_served_live_is_named(api):
     fake, kubeconfig = api
     fake.pods[1]["status"]["containerStatuses"][0]["imageID"] = "ray-train@sha256:" + "c" * 64
     finding = errors(check_cluster(fetch_cluster_objects(kcfg(kubeconfig)), eks()))
-    assert [(f.subject, f.seen) for f in finding] == [("pod tuneproof-gpu-worker-4qj8n", "ray-train@sha256:" + "c" * 64)]
+    assert [(f.subject, f.seen) for f in finding] == [
+        ("pod tuneproof-gpu-worker-4qj8n", "ray-train@sha256:" + "c" * 64)
+    ]
 
 
 def test_resourceslice_api_not_served(api):
@@ -156,9 +176,20 @@ def test_efa_published_only_by_the_dra_driver(api):
     fake, kubeconfig = api
     for node in fake.nodes:
         node["status"]["allocatable"].pop("vpc.amazonaws.com/efa", None)
-    fake.slices = [{"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": f"{n}-efa"},
-                    "spec": {"driver": "dra.net", "nodeName": n, "pool": {"name": n, "generation": 1, "resourceSliceCount": 1},
-                             "devices": [{"name": "rdmap0s26"}]}} for n in EFA_SLICE_NODES]
+    fake.slices = [
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceSlice",
+            "metadata": {"name": f"{n}-efa"},
+            "spec": {
+                "driver": "dra.net",
+                "nodeName": n,
+                "pool": {"name": n, "generation": 1, "resourceSliceCount": 1},
+                "devices": [{"name": "rdmap0s26"}],
+            },
+        }
+        for n in EFA_SLICE_NODES
+    ]
     assert errors(check_cluster(fetch_cluster_objects(kcfg(kubeconfig)), eks())) == []
     fake.slices = None
     findings = errors(check_cluster(fetch_cluster_objects(kcfg(kubeconfig)), eks()))
@@ -192,11 +223,18 @@ def test_unreachable_api_server_is_an_infrastructure_failure(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "t",
-        "clusters": [{"name": "t", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
-        "users": [{"name": "t", "user": {"token": TOKEN}}],
-        "contexts": [{"name": "t", "context": {"cluster": "t", "user": "t"}}]}))
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "t",
+                "clusters": [{"name": "t", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+                "users": [{"name": "t", "user": {"token": TOKEN}}],
+                "contexts": [{"name": "t", "context": {"cluster": "t", "user": "t"}}],
+            }
+        )
+    )
     with pytest.raises(StageFailure, match="unreachable") as caught:
         fetch_cluster_objects(kcfg(kubeconfig))
     assert f"127.0.0.1:{port}" in caught.value.cause

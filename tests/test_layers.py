@@ -121,7 +121,9 @@ def test_an_upward_import_is_caught(tmp_path, monkeypatch):
 def test_the_working_dir_holds_exactly_the_job_side():
     shipped = {p.relative_to(PROJECT_ROOT).parts[0] for p in job_files()}
     assert shipped == {"tuneproof", "training", "eval"}
-    tuneproof_parts = {p.relative_to(PROJECT_ROOT).parts[:2] for p in job_files() if p.parts[-2:] != ("tuneproof", "__init__.py")}
+    tuneproof_parts = {
+        p.relative_to(PROJECT_ROOT).parts[:2] for p in job_files() if p.parts[-2:] != ("tuneproof", "__init__.py")
+    }
     assert {parts for parts in tuneproof_parts if parts[0] == "tuneproof"} == {("tuneproof", "core")}
 
 

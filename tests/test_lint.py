@@ -81,8 +81,9 @@ def test_committed_deployments_pass_with_and_without_the_eks_profile():
         findings = lint_paths([str(DEPLOYMENTS)], cfg)
         assert errors(findings) == [], "\n".join(f.line() for f in errors(findings))
     # The only warnings: the placeholders to replace (image digests, the cluster UID).
-    warnings = [f for f in lint_paths([str(DEPLOYMENTS), str(PROJECT_ROOT / "prefect.yaml")], eks())
-                if f.severity == "warning"]
+    warnings = [
+        f for f in lint_paths([str(DEPLOYMENTS), str(PROJECT_ROOT / "prefect.yaml")], eks()) if f.severity == "warning"
+    ]
     assert {f.seen for f in warnings} == {PLACEHOLDER_DIGEST, PLACEHOLDER_UID}
 
 
@@ -112,7 +113,9 @@ def test_lint_command_exit_codes(deploy, capsys):
 def test_a_tag_instead_of_a_digest_is_an_error(deploy):
     tagged = "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.1"
     edit_rc(deploy, lambda rc: worker_container(rc).update({"image": tagged}))
-    finding = only(lint_paths([str(deploy)], None), field="workerGroupSpecs[gpu].template.spec.containers[ray-worker].image")
+    finding = only(
+        lint_paths([str(deploy)], None), field="workerGroupSpecs[gpu].template.spec.containers[ray-worker].image"
+    )
     assert finding.subject == f"{deploy / RC}: RayCluster/tuneproof"
     assert finding.seen == tagged and finding.expected.endswith("@sha256:<64 hex>")
 
@@ -188,6 +191,7 @@ def test_autoscaling_counts_max_replicas(deploy):
     def autoscale(rc):
         rc["spec"]["enableInTreeAutoscaling"] = True
         worker(rc).update({"replicas": 0, "minReplicas": 0, "maxReplicas": 3})
+
     edit_rc(deploy, autoscale)
     rc = yaml.safe_load((deploy / RC).read_text())
     assert cluster_gpu_capacity(rc) == 12
@@ -200,6 +204,7 @@ def test_efa_and_pinned_nccl_net_are_required_when_expected(deploy):
         for part in ("limits", "requests"):
             container["resources"][part].pop("vpc.amazonaws.com/efa")
         container["env"] = [e for e in container["env"] if e["name"] != "NCCL_NET"]
+
     edit_rc(deploy, drop)
     findings = lint_paths([str(deploy)], eks())
     assert only(findings, field="[vpc.amazonaws.com/efa]").seen == 0
@@ -225,13 +230,18 @@ def test_node_local_storage_with_several_nodes_is_an_error(deploy):
 def test_hostpath_and_readwriteonce_claims_are_not_shared(deploy):
     def host_path(rc):
         worker(rc)["template"]["spec"]["volumes"][2] = {"name": "fsx", "hostPath": {"path": "/mnt/fsx"}}
+
     edit_rc(deploy, host_path)
     finding = only(lint_paths([str(deploy)], eks("storage.root=/mnt/fsx/tuneproof")), field="volumes[fsx]")
     assert finding.seen == "hostPath" and "workerGroupSpecs[gpu]" in finding.field
 
     shutil.copy(DEPLOYMENTS / RC, deploy / RC)
-    edit_yaml(deploy / "storage.yaml",
-              lambda d: d["spec"].update({"accessModes": ["ReadWriteOnce"]}) if d["kind"] == "PersistentVolumeClaim" else None)
+    edit_yaml(
+        deploy / "storage.yaml",
+        lambda d: (
+            d["spec"].update({"accessModes": ["ReadWriteOnce"]}) if d["kind"] == "PersistentVolumeClaim" else None
+        ),
+    )
     finding = only(lint_paths([str(deploy)], eks("storage.root=/mnt/fsx/tuneproof")), field="volumes[fsx]")
     assert "ReadWriteOnce" in finding.seen
 
@@ -246,8 +256,9 @@ def test_fsx_and_s3_roots_are_shared():
 
 def test_a_manifest_that_breaks_the_crd_schema_is_an_error(deploy):
     def break_it(rc):
-        worker(rc)["rayStartParams"]["num-gpus"] = 4          # the CRD wants strings
-        rc["spec"]["workerGroupSpec"] = []                    # a typo of workerGroupSpecs
+        worker(rc)["rayStartParams"]["num-gpus"] = 4  # the CRD wants strings
+        rc["spec"]["workerGroupSpec"] = []  # a typo of workerGroupSpecs
+
     edit_rc(deploy, break_it)
     findings = lint_paths([str(deploy)], None)
     assert only(findings, field="spec.workerGroupSpecs[0].rayStartParams.num-gpus").seen == 4
@@ -259,6 +270,7 @@ def test_core_objects_are_checked_against_the_kubernetes_schema(deploy):
         if doc["kind"] == "Deployment":
             doc["spec"]["replicas"] = "one"
             doc["spec"]["template"]["spec"]["containers"][0]["resource"] = {}
+
     edit_yaml(deploy / "prefect-worker.yaml", bad)
     findings = lint_paths([str(deploy / "prefect-worker.yaml")], None)
     assert only(findings, field="spec.replicas").seen == "one"
@@ -278,10 +290,18 @@ def test_unparseable_and_unknown_documents(tmp_path):
 
 
 def test_strict_crd_conversion():
-    crd = {"type": "object", "properties": {
-        "a": {"type": "string", "nullable": True},
-        "open": {"type": "object", "x-kubernetes-preserve-unknown-fields": True, "properties": {"x": {"type": "string"}}},
-        "map": {"type": "object", "additionalProperties": {"type": "string"}}}}
+    crd = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "string", "nullable": True},
+            "open": {
+                "type": "object",
+                "x-kubernetes-preserve-unknown-fields": True,
+                "properties": {"x": {"type": "string"}},
+            },
+            "map": {"type": "object", "additionalProperties": {"type": "string"}},
+        },
+    }
     strict = _strict(crd)
     assert strict["additionalProperties"] is False
     assert strict["properties"]["a"]["type"] == ["string", "null"]
@@ -311,6 +331,7 @@ def test_the_pipeline_service_account_only_reads(deploy):
     def add_write(doc):
         if doc["kind"] == "Role" and doc["metadata"]["name"] == "tuneproof-pipeline-read":
             doc["rules"][1]["verbs"].append("delete")
+
     edit_yaml(deploy / "rbac.yaml", add_write)
     finding = only(lint_paths([str(deploy)], None), subject="Role/tuneproof-pipeline-read")
     assert (finding.field, finding.seen) == ("rules[1].verbs", ["delete"])

@@ -87,8 +87,11 @@ def test_the_committed_files_lint_clean(project, capsys):
 
 def test_eks_deployments_need_a_non_stock_digest_pinned_flow_run_image(project, capsys):
     def stock(doc):
-        eks_deployment(doc)["work_pool"]["job_variables"] = {**eks_deployment(doc)["work_pool"]["job_variables"],
-                                                             "image": STOCK_PREFECT}
+        eks_deployment(doc)["work_pool"]["job_variables"] = {
+            **eks_deployment(doc)["work_pool"]["job_variables"],
+            "image": STOCK_PREFECT,
+        }
+
     edit(project / "prefect.yaml", stock)
     code, out = lint(project, capsys)
     assert code == 1
@@ -110,6 +113,7 @@ def test_a_namespaced_worker_needs_the_cluster_uid_and_observer_namespaces(proje
             container = doc["spec"]["template"]["spec"]["containers"][0]
             set_env(container, "PREFECT_KUBERNETES_CLUSTER_UID", None)
             set_env(container, "PREFECT_INTEGRATIONS_KUBERNETES_OBSERVER_NAMESPACES", None)
+
     edit(project / "deployments" / "prefect-worker.yaml", drop)
     code, out = lint(project, capsys)
     assert code == 1
@@ -119,8 +123,10 @@ def test_a_namespaced_worker_needs_the_cluster_uid_and_observer_namespaces(proje
 
 
 def test_flow_runs_go_where_the_workers_role_is(project, capsys):
-    edit(project / "prefect.yaml",
-         lambda doc: eks_deployment(doc)["work_pool"]["job_variables"].update(namespace="default"))
+    edit(
+        project / "prefect.yaml",
+        lambda doc: eks_deployment(doc)["work_pool"]["job_variables"].update(namespace="default"),
+    )
     code, out = lint(project, capsys)
     assert code == 1 and "job_variables.namespace is 'default', expected ['tuneproof']" in out
     assert "could not create the flow-run Job" in out
@@ -129,6 +135,7 @@ def test_flow_runs_go_where_the_workers_role_is(project, capsys):
 def test_the_base_job_template_carries_what_the_worker_validates(project, capsys):
     def drop(template):
         template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"].pop("completions")
+
     edit(project / "deployments" / "prefect-k8s-base-job-template.json", drop)
     code, out = lint(project, capsys)
     assert code == 1 and "job_manifest spec.template.spec.completions is None, expected 1" in out
@@ -145,40 +152,55 @@ def test_ray_pods_need_a_memory_backed_dev_shm_of_a_sane_size(project, capsys):
     assert code == 1 and "spec.headGroupSpec.template.spec.volumes[shm]" in out and "must be memory-backed" in out
 
     shutil.copy(PROJECT_ROOT / "deployments" / "raycluster.yaml", rc)
-    edit(rc, in_raycluster(lambda doc: gpu_group(doc)["template"]["spec"]["volumes"][0]["emptyDir"]
-                           .update(sizeLimit="160Gi")))
+    edit(
+        rc,
+        in_raycluster(
+            lambda doc: gpu_group(doc)["template"]["spec"]["volumes"][0]["emptyDir"].update(sizeLimit="160Gi")
+        ),
+    )
     code, out = lint(project, capsys)
     assert code == 1 and "emptyDir.sizeLimit is '160Gi', expected '51.0Gi to 85.0Gi" in out
     assert "count against the memory limit" in out
 
 
 def test_device_rdma_is_an_error_on_instance_types_without_gpudirect(project, capsys):
-    edit(project / "deployments" / "raycluster.yaml",
-         in_raycluster(lambda doc: set_env(ray_container(gpu_group(doc)), "FI_EFA_USE_DEVICE_RDMA", "1")))
+    edit(
+        project / "deployments" / "raycluster.yaml",
+        in_raycluster(lambda doc: set_env(ray_container(gpu_group(doc)), "FI_EFA_USE_DEVICE_RDMA", "1")),
+    )
     code, out = lint(project, capsys)
     assert code == 1 and "env[FI_EFA_USE_DEVICE_RDMA] is '1', expected 'unset (or 0)'" in out
     assert "g6.12xlarge has EFA but no GPUDirect RDMA" in out
 
     def on_p5(doc):
         gpu_group(doc)["template"]["spec"]["nodeSelector"]["node.kubernetes.io/instance-type"] = "p5.48xlarge"
+
     edit(project / "deployments" / "raycluster.yaml", in_raycluster(on_p5))
     assert "FI_EFA_USE_DEVICE_RDMA" not in lint(project, capsys)[1]
 
 
 def test_an_efa_device_needs_fi_provider_efa(project, capsys):
-    edit(project / "deployments" / "raycluster.yaml",
-         in_raycluster(lambda doc: set_env(ray_container(gpu_group(doc)), "FI_PROVIDER", "tcp")))
+    edit(
+        project / "deployments" / "raycluster.yaml",
+        in_raycluster(lambda doc: set_env(ray_container(gpu_group(doc)), "FI_PROVIDER", "tcp")),
+    )
     code, out = lint(project, capsys)
     assert code == 1 and "env[FI_PROVIDER] is 'tcp', expected 'efa'" in out and "leaves it unused" in out
 
 
 def test_nccl_socket_ifname_is_never_loopback(project, capsys):
-    edit(project / "deployments" / "raycluster.yaml",
-         in_raycluster(lambda doc: set_env(ray_container(gpu_group(doc)), "NCCL_SOCKET_IFNAME", "lo")))
+    edit(
+        project / "deployments" / "raycluster.yaml",
+        in_raycluster(lambda doc: set_env(ray_container(gpu_group(doc)), "NCCL_SOCKET_IFNAME", "lo")),
+    )
     code, out = lint(project, capsys)
     assert code == 1 and "env[NCCL_SOCKET_IFNAME] is 'lo'" in out and "bootstrap over loopback" in out
-    assert names_loopback("=lo") and names_loopback("eth0,lo0") and not names_loopback("^lo,docker") \
+    assert (
+        names_loopback("=lo")
+        and names_loopback("eth0,lo0")
+        and not names_loopback("^lo,docker")
         and not names_loopback("eth0")
+    )
 
 
 def test_requests_must_fit_the_instance_types_allocatable(project, capsys):
@@ -186,6 +208,7 @@ def test_requests_must_fit_the_instance_types_allocatable(project, capsys):
         resources = ray_container(head(doc))["resources"]
         for part in ("requests", "limits"):
             resources[part]["cpu"] = "8"
+
     edit(project / "deployments" / "raycluster.yaml", in_raycluster(greedy_head))
     code, out = lint(project, capsys)
     assert code == 1 and "resources.requests[cpu] is 8.0, expected '<= 7.41'" in out
@@ -201,9 +224,14 @@ def test_allocatable_estimates_follow_the_eks_ami_reservations():
 
 
 def test_every_mounted_claim_resolves(project, capsys):
-    edit(project / "deployments" / "raycluster.yaml",
-         in_raycluster(lambda doc: gpu_group(doc)["template"]["spec"]["volumes"][2]["persistentVolumeClaim"]
-                       .update(claimName="tuneproof-fxs")))
+    edit(
+        project / "deployments" / "raycluster.yaml",
+        in_raycluster(
+            lambda doc: gpu_group(doc)["template"]["spec"]["volumes"][2]["persistentVolumeClaim"].update(
+                claimName="tuneproof-fxs"
+            )
+        ),
+    )
     code, out = lint(project, capsys)
     assert code == 1
     assert "volumes[fsx].persistentVolumeClaim.claimName is 'tuneproof-fxs'" in out and "would stay Pending" in out
@@ -216,16 +244,23 @@ def test_an_s3_root_needs_irsa_for_every_ray_group_and_for_flow_runs(project, ca
     def no_role(doc):
         if doc["kind"] == "ServiceAccount":
             doc["metadata"].pop("annotations")
+
     edit(project / "deployments" / "storage.yaml", no_role)
     code, out = lint(project, capsys)
     assert code == 1
-    assert "spec.workerGroupSpecs[gpu].template.spec.serviceAccountName is 'tuneproof-ray (no eks.amazonaws.com/role-arn" in out
+    assert (
+        "spec.workerGroupSpecs[gpu].template.spec.serviceAccountName is 'tuneproof-ray (no eks.amazonaws.com/role-arn"
+        in out
+    )
     assert "spec.headGroupSpec.template.spec.serviceAccountName" in out and "no S3 credentials" in out
 
     shutil.copy(PROJECT_ROOT / "deployments" / "storage.yaml", project / "deployments" / "storage.yaml")
     edit(project / "deployments" / "rbac.yaml", no_role)
     code, out = lint(project, capsys)
-    assert code == 1 and "deployment eks-manual: work_pool.job_variables.service_account_name is 'tuneproof-pipeline" in out
+    assert (
+        code == 1
+        and "deployment eks-manual: work_pool.job_variables.service_account_name is 'tuneproof-pipeline" in out
+    )
     assert "the flow writes the run record there" in out
     assert lint(project, capsys, "storage.root=/mnt/fsx/tuneproof")[0] == 1  # the deployments still carry s3:// roots
 
@@ -236,14 +271,17 @@ def test_the_s3_csi_driver_is_refused_as_checkpoint_storage(project, capsys):
             doc["provisioner"] = "s3.csi.aws.com"
             doc["parameters"] = {}
             doc.pop("mountOptions")
+
     edit(project / "deployments" / "storage.yaml", mountpoint)
     code, out = lint(project, capsys, "storage.root=/mnt/fsx/tuneproof")
     assert code == 1 and "(csi s3.csi.aws.com)" in out and "supports no rename and no append" in out
 
 
 def test_fsx_storage_class_mounts_with_flock(project, capsys):
-    edit(project / "deployments" / "storage.yaml",
-         lambda doc: doc.pop("mountOptions") if doc["kind"] == "StorageClass" else None)
+    edit(
+        project / "deployments" / "storage.yaml",
+        lambda doc: doc.pop("mountOptions") if doc["kind"] == "StorageClass" else None,
+    )
     code, out = lint(project, capsys)
     assert code == 1 and "StorageClass/tuneproof-fsx: mountOptions is None, expected ['flock']" in out
     assert "ENOSYS" in out

@@ -45,10 +45,14 @@ def in_policy(change):
 
 
 def test_the_namespace_enforces_the_restricted_profile(project, capsys):
-    edit(deploy(project, "namespace.yaml"), lambda ns: ns["metadata"]["labels"].pop("pod-security.kubernetes.io/enforce"))
+    edit(
+        deploy(project, "namespace.yaml"), lambda ns: ns["metadata"]["labels"].pop("pod-security.kubernetes.io/enforce")
+    )
     code, out = lint(project, capsys)
     assert code == 1
-    assert "Namespace/tuneproof: metadata.labels[pod-security.kubernetes.io/enforce] is None, expected 'restricted'" in out
+    assert (
+        "Namespace/tuneproof: metadata.labels[pod-security.kubernetes.io/enforce] is None, expected 'restricted'" in out
+    )
     assert "admits a root or privileged pod" in out
 
 
@@ -56,40 +60,52 @@ def test_ray_containers_pass_the_restricted_profile(project, capsys):
     def add_ipc_lock(rc):
         ray_container(gpu_group(rc))["securityContext"]["capabilities"]["add"] = ["IPC_LOCK"]
         head(rc)["template"]["spec"]["securityContext"].pop("runAsNonRoot")
+
     edit(deploy(project, "raycluster.yaml"), in_raycluster(add_ipc_lock))
     code, out = lint(project, capsys)
     assert code == 1
-    assert ("workerGroupSpecs[gpu].template.spec.containers[ray-worker].securityContext.capabilities.add is "
-            "['IPC_LOCK'], expected 'nothing but NET_BIND_SERVICE'") in out
+    assert (
+        "workerGroupSpecs[gpu].template.spec.containers[ray-worker].securityContext.capabilities.add is "
+        "['IPC_LOCK'], expected 'nothing but NET_BIND_SERVICE'"
+    ) in out
     assert "headGroupSpec.template.spec.containers[ray-head].securityContext.runAsNonRoot is None, expected True" in out
     assert "the API server refuses the pod" in out
 
 
 def test_the_worker_and_flow_run_containers_pass_the_restricted_profile(project, capsys):
-    edit(deploy(project, "prefect-worker.yaml"),
-         in_worker(lambda d: worker_container(d)["securityContext"].update(allowPrivilegeEscalation=True)))
+    edit(
+        deploy(project, "prefect-worker.yaml"),
+        in_worker(lambda d: worker_container(d)["securityContext"].update(allowPrivilegeEscalation=True)),
+    )
     edit(deploy(project, TEMPLATE), lambda t: template_pod(t)["securityContext"].pop("seccompProfile"))
     code, out = lint(project, capsys)
     assert code == 1
     assert "containers[prefect-worker].securityContext.allowPrivilegeEscalation is True, expected False" in out
-    assert ("job_manifest spec.template.spec.containers[prefect-job].securityContext.seccompProfile.type is None, "
-            "expected 'RuntimeDefault'") in out
+    assert (
+        "job_manifest spec.template.spec.containers[prefect-job].securityContext.seccompProfile.type is None, "
+        "expected 'RuntimeDefault'"
+    ) in out
 
 
 def test_host_path_volumes_break_the_profile(project, capsys):
     def host_tmp(rc):
         gpu_group(rc)["template"]["spec"]["volumes"][1] = {"name": "ray-tmp", "hostPath": {"path": "/tmp/ray"}}
+
     edit(deploy(project, "raycluster.yaml"), in_raycluster(host_tmp))
     code, out = lint(project, capsys)
-    assert code == 1 and "workerGroupSpecs[gpu].template.spec.volumes[ray-tmp] is 'hostPath', expected ['configMap'" in out
+    assert (
+        code == 1 and "workerGroupSpecs[gpu].template.spec.volumes[ray-tmp] is 'hostPath', expected ['configMap'" in out
+    )
 
 
 # ---------------------------------------------------------------- service-account tokens
 
 
 def test_ray_pods_mount_no_service_account_token(project, capsys):
-    edit(deploy(project, "raycluster.yaml"),
-         in_raycluster(lambda rc: gpu_group(rc)["template"]["spec"].pop("automountServiceAccountToken")))
+    edit(
+        deploy(project, "raycluster.yaml"),
+        in_raycluster(lambda rc: gpu_group(rc)["template"]["spec"].pop("automountServiceAccountToken")),
+    )
     code, out = lint(project, capsys)
     assert code == 1
     assert "workerGroupSpecs[gpu].template.spec.automountServiceAccountToken is None, expected False" in out
@@ -98,6 +114,7 @@ def test_ray_pods_mount_no_service_account_token(project, capsys):
     def autoscaling_head(rc):  # the in-tree autoscaler on the head does call the API: its token is allowed
         rc["spec"]["enableInTreeAutoscaling"] = True
         head(rc)["template"]["spec"].pop("automountServiceAccountToken")
+
     edit(deploy(project, "raycluster.yaml"), in_raycluster(autoscaling_head))
     assert "headGroupSpec.template.spec.automountServiceAccountToken" not in lint(project, capsys)[1]
 
@@ -130,15 +147,20 @@ def test_an_egress_only_policy_does_not_count(project, capsys):
 
 def test_the_ray_policy_admits_only_the_pipelines_pods(project, capsys):
     def widen(policy):
-        policy["spec"]["ingress"][1]["from"][0]["podSelector"] = {"matchLabels": {"app.kubernetes.io/part-of": "tuneproof"}}
+        policy["spec"]["ingress"][1]["from"][0]["podSelector"] = {
+            "matchLabels": {"app.kubernetes.io/part-of": "tuneproof"}
+        }
+
     edit(deploy(project, "networkpolicy.yaml"), in_policy(widen))
     code, out = lint(project, capsys)
     assert code == 1
     assert "NetworkPolicy/tuneproof-ray: spec.ingress[1].from[0].podSelector is" in out
     assert "to pods that are not the pipeline's" in out  # part-of alone also selects the Prefect worker
 
-    edit(deploy(project, "networkpolicy.yaml"),
-         in_policy(lambda p: p["spec"]["ingress"][0]["from"][0].update(namespaceSelector={})))
+    edit(
+        deploy(project, "networkpolicy.yaml"),
+        in_policy(lambda p: p["spec"]["ingress"][0]["from"][0].update(namespaceSelector={})),
+    )
     code, out = lint(project, capsys)
     assert code == 1 and "spec.ingress[0].from[0] is" in out and "to addresses or other namespaces" in out
 
@@ -147,7 +169,8 @@ def test_policies_add_up_so_an_open_one_elsewhere_is_named(project, capsys):
     deploy(project, "allow-all.yaml").write_text(
         "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\n"
         "metadata: {name: allow-all, namespace: tuneproof}\n"
-        "spec: {podSelector: {}, ingress: [{}]}\n")
+        "spec: {podSelector: {}, ingress: [{}]}\n"
+    )
     code, out = lint(project, capsys)
     assert code == 1
     assert "NetworkPolicy/allow-all: spec.ingress[0].from is None" in out and "to every source" in out
@@ -172,11 +195,13 @@ def test_job_variables_cannot_name_another_account_secret_or_cluster(project, ca
         variables["properties"]["ray_auth_secret"] = {"type": "string", "default": "tuneproof-ray-auth"}
         template_pod(template)["volumes"][0]["secret"]["secretName"] = "{{ ray_auth_secret }}"
         template["job_configuration"]["cluster_config"] = "{{ cluster_config }}"
+
     edit(deploy(project, TEMPLATE), loosen)
     code, out = lint(project, capsys)
     assert code == 1
-    assert ("variables.properties.service_account_name is 'tuneproof-pipeline', expected 'const: the one allowed "
-            "value'") in out and "could name any service account" in out
+    assert (
+        "variables.properties.service_account_name is 'tuneproof-pipeline', expected 'const: the one allowed value'"
+    ) in out and "could name any service account" in out
     assert "volumes[0].secret.secretName is '{{ ray_auth_secret }}', expected 'a fixed value, no variable'" in out
     assert "could mount any Secret in the namespace" in out
     assert "job_configuration.cluster_config is '{{ cluster_config }}'" in out and "another cluster" in out
@@ -185,12 +210,16 @@ def test_job_variables_cannot_name_another_account_secret_or_cluster(project, ca
 
 
 def test_eks_deployments_obey_the_templates_variables_schema(project, capsys):
-    edit(project / "prefect.yaml",
-         lambda doc: eks_deployment(doc)["work_pool"]["job_variables"].update(service_account_name="prefect-worker"))
+    edit(
+        project / "prefect.yaml",
+        lambda doc: eks_deployment(doc)["work_pool"]["job_variables"].update(service_account_name="prefect-worker"),
+    )
     code, out = lint(project, capsys)
     assert code == 1
-    assert "deployment eks-manual: work_pool.job_variables.service_account_name is 'prefect-worker', expected " \
-           "'const: \"tuneproof-pipeline\"'" in out
+    assert (
+        "deployment eks-manual: work_pool.job_variables.service_account_name is 'prefect-worker', expected "
+        "'const: \"tuneproof-pipeline\"'" in out
+    )
     assert "the Prefect server refuses the deployment (422)" in out
 
 
@@ -203,6 +232,7 @@ def test_the_worker_authenticates_from_a_secret_and_passes_a_reference_on(projec
         auth = next(e for e in env if e["name"] == "PREFECT_API_AUTH_STRING")
         auth.pop("valueFrom")
         auth["value"] = "admin:hunter2"
+
     edit(deploy(project, "prefect-worker.yaml"), in_worker(literal))
     code, out = lint(project, capsys)
     assert code == 1
@@ -210,19 +240,23 @@ def test_the_worker_authenticates_from_a_secret_and_passes_a_reference_on(projec
     assert "hunter2" not in out
 
     def no_reference(doc):
-        worker_container(doc)["env"] = [e for e in worker_container(doc)["env"]
-                                        if not e["name"].endswith("API_AUTH_STRING_SECRET_NAME")]
+        worker_container(doc)["env"] = [
+            e for e in worker_container(doc)["env"] if not e["name"].endswith("API_AUTH_STRING_SECRET_NAME")
+        ]
+
     shutil.copy(PROJECT_ROOT / "deployments" / "prefect-worker.yaml", deploy(project, "prefect-worker.yaml"))
     edit(deploy(project, "prefect-worker.yaml"), in_worker(no_reference))
     code, out = lint(project, capsys)
     assert code == 1
-    assert ("env[PREFECT_INTEGRATIONS_KUBERNETES_WORKER_API_AUTH_STRING_SECRET_NAME] is None, expected "
-            "'prefect-api-auth'") in out and "as a literal into every flow-run Job manifest" in out
+    assert (
+        "env[PREFECT_INTEGRATIONS_KUBERNETES_WORKER_API_AUTH_STRING_SECRET_NAME] is None, expected 'prefect-api-auth'"
+    ) in out and "as a literal into every flow-run Job manifest" in out
 
 
 def test_an_unauthenticated_worker_is_an_error(project, capsys):
     def no_auth(doc):
         worker_container(doc)["env"] = [e for e in worker_container(doc)["env"] if "AUTH_STRING" not in e["name"]]
+
     edit(deploy(project, "prefect-worker.yaml"), in_worker(no_auth))
     code, out = lint(project, capsys)
     assert code == 1
@@ -230,8 +264,10 @@ def test_an_unauthenticated_worker_is_an_error(project, capsys):
 
 
 def test_no_prefect_credential_in_job_variables(project, capsys):
-    edit(project / "prefect.yaml", lambda doc: eks_deployment(doc)["work_pool"]["job_variables"]["env"]
-         .update(PREFECT_API_KEY="pnu_literal"))
+    edit(
+        project / "prefect.yaml",
+        lambda doc: eks_deployment(doc)["work_pool"]["job_variables"]["env"].update(PREFECT_API_KEY="pnu_literal"),
+    )
     code, out = lint(project, capsys)
     assert code == 1
     assert "deployment eks-manual: work_pool.job_variables.env[PREFECT_API_KEY] is 'a literal value (not shown)'" in out
@@ -249,9 +285,13 @@ def test_the_worker_s_jobs_are_held_by_an_admission_policy(project, capsys):
     assert "POST /flow_runs/" in out
 
     shutil.copy(PROJECT_ROOT / "deployments" / "flow-run-admission.yaml", deploy(project, "flow-run-admission.yaml"))
-    edit(deploy(project, "flow-run-admission.yaml"),
-         lambda d: d["spec"].update(validationActions=["Audit"]) if d["kind"].endswith("Binding") else None)
-    assert "ValidatingAdmissionPolicy for the worker's Jobs is None" in lint(project, capsys)[1]  # audit refuses nothing
+    edit(
+        deploy(project, "flow-run-admission.yaml"),
+        lambda d: d["spec"].update(validationActions=["Audit"]) if d["kind"].endswith("Binding") else None,
+    )
+    assert (
+        "ValidatingAdmissionPolicy for the worker's Jobs is None" in lint(project, capsys)[1]
+    )  # audit refuses nothing
 
 
 def test_the_admission_policy_follows_the_pinned_image(project, capsys):
@@ -259,12 +299,17 @@ def test_the_admission_policy_follows_the_pinned_image(project, capsys):
 
     def repin(template):
         template["variables"]["properties"]["image"].update(const=new, default=new)
+
     def repin_deployments(doc):
         for name in ("eks-manual", "eks-nightly"):
             eks_deployment(doc, name)["work_pool"]["job_variables"].update(image=new)
+
     edit(deploy(project, TEMPLATE), repin)
     edit(project / "prefect.yaml", repin_deployments)
     code, out = lint(project, capsys)
     assert code == 1
-    assert f"ValidatingAdmissionPolicy/tuneproof-flow-run-jobs: spec.validations is \"no expression naming '{new}'\"" in out
+    assert (
+        f"ValidatingAdmissionPolicy/tuneproof-flow-run-jobs: spec.validations is \"no expression naming '{new}'\""
+        in out
+    )
     assert "pins the flow runs' image to it" in out

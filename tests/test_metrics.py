@@ -32,13 +32,17 @@ def test_shipped_modules_follow_evaluates_local_layout():
 
 def test_exact_match_strips_whitespace_only():
     m = load_metric("exact_match")
-    assert m.compute(predictions=[" 2024-01-05\n", "2024-1-5", "A"], references=["2024-01-05", "2024-01-05", "a"]) == {"exact_match": pytest.approx(1 / 3)}
+    assert m.compute(predictions=[" 2024-01-05\n", "2024-1-5", "A"], references=["2024-01-05", "2024-01-05", "a"]) == {
+        "exact_match": pytest.approx(1 / 3)
+    }
     assert m.compute(predictions=[], references=[]) == {"exact_match": 0.0}
 
 
 def test_accuracy_compares_first_line_labels():
     m = load_metric("accuracy")
-    assert m.compute(predictions=["Positive\nbecause", "negative", "neutral"], references=["positive", "positive", " Neutral "]) == {"accuracy": pytest.approx(2 / 3)}
+    assert m.compute(
+        predictions=["Positive\nbecause", "negative", "neutral"], references=["positive", "positive", " Neutral "]
+    ) == {"accuracy": pytest.approx(2 / 3)}
     weighted = m.compute(predictions=["a", "b"], references=["a", "a"], sample_weight=[3, 1])
     assert weighted == {"accuracy": pytest.approx(0.75)}
     assert m.compute(predictions=["a", "b"], references=["a", "a"], normalize=False) == {"accuracy": 1.0}
@@ -49,8 +53,12 @@ def test_rouge_l_is_lcs_f1():
     # LCS("the cat sat", "the cat sat down") = 3: P = 1, R = 3/4, F1 = 6/7.
     assert m.compute(predictions=["the cat sat"], references=["the cat sat down"]) == {"rouge_l": pytest.approx(6 / 7)}
     # Punctuation separates tokens; case is ignored: 2024-01-05 vs 2024/01/06 share 2 of 3.
-    assert m.compute(predictions=["2024-01-05", ""], references=["2024/01/06", "x"]) == {"rouge_l": pytest.approx((2 / 3) / 2)}
-    assert m.compute(predictions=["A B C D"], references=["a x c y d"])["rouge_l"] == pytest.approx(2 * (3 / 4) * (3 / 5) / (3 / 4 + 3 / 5))
+    assert m.compute(predictions=["2024-01-05", ""], references=["2024/01/06", "x"]) == {
+        "rouge_l": pytest.approx((2 / 3) / 2)
+    }
+    assert m.compute(predictions=["A B C D"], references=["a x c y d"])["rouge_l"] == pytest.approx(
+        2 * (3 / 4) * (3 / 5) / (3 / 4 + 3 / 5)
+    )
 
 
 def test_unknown_metric_is_a_problem_naming_it():

@@ -22,15 +22,31 @@ from tuneproof.core.summaries import EvaluateSummary, FinetuneSummary, GateDecis
 def passed_record(cfg: PipelineConfig, run_id: str = "r1") -> RunRecord:
     """A run whose fine-tune, resume test and evaluation all passed."""
     rec = new_record(run_id, cfg, CodeIdentity(git_sha="abc", dirty=False), None)
-    rec.stages["finetune"] = StageEntry.succeeded("finetune", FinetuneSummary(
-        run_name=run_id, train_storage_uri="t", checkpoints=[], start_step=0, steps=400, seconds=1.0,
-        export_path=f"runs/{run_id}/model"), "a")
-    rec.stages["resume"] = StageEntry.succeeded("resume", ResumeSummary(interrupted=True, restored_step=304,
-                                                                         max_loss_diff=0.0), "a")
+    rec.stages["finetune"] = StageEntry.succeeded(
+        "finetune",
+        FinetuneSummary(
+            run_name=run_id,
+            train_storage_uri="t",
+            checkpoints=[],
+            start_step=0,
+            steps=400,
+            seconds=1.0,
+            export_path=f"runs/{run_id}/model",
+        ),
+        "a",
+    )
+    rec.stages["resume"] = StageEntry.succeeded(
+        "resume", ResumeSummary(interrupted=True, restored_step=304, max_loss_diff=0.0), "a"
+    )
     gates = GateDecision(passed=True, lines=["exact_match >= 0.8: 1 (pass)"], verdicts=[])
-    models = {"candidate": ModelScore(path=f"runs/{run_id}/model", metrics={"exact_match": 1.0}, seconds=1.0),
-              "base": ModelScore(path="base", metrics={"exact_match": 0.0}, seconds=1.0), "incumbent": None}
-    rec.stages["evaluate"] = StageEntry.succeeded("evaluate", EvaluateSummary(models=models, gates=gates, examples=300), "a")
+    models = {
+        "candidate": ModelScore(path=f"runs/{run_id}/model", metrics={"exact_match": 1.0}, seconds=1.0),
+        "base": ModelScore(path="base", metrics={"exact_match": 0.0}, seconds=1.0),
+        "incumbent": None,
+    }
+    rec.stages["evaluate"] = StageEntry.succeeded(
+        "evaluate", EvaluateSummary(models=models, gates=gates, examples=300), "a"
+    )
     return rec
 
 
@@ -101,8 +117,9 @@ def test_approval_pauses_the_flow_before_the_pointer_moves(prefect_harness, tmp_
 
     from flows.pipeline import pipeline
 
-    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}, "promote": {"require_approval": True,
-                                                                                        "approval_timeout_s": 120}})
+    cfg = PipelineConfig.model_validate(
+        {"storage": {"root": str(tmp_path)}, "promote": {"require_approval": True, "approval_timeout_s": 120}}
+    )
     storage = Storage(str(tmp_path))
     with_export(storage, "r1")
     records.save(storage, passed_record(cfg))
@@ -115,8 +132,14 @@ def test_approval_pauses_the_flow_before_the_pointer_moves(prefect_harness, tmp_
                     runs = await client.read_flow_runs()
                     paused = [r for r in runs if r.state and r.state.is_paused()]
                     if paused:
-                        await resume_flow_run(paused[0].id, run_input={"approve": approve, "approver": "bob",
-                                                                        "comment": "looks right" if approve else "not yet"})
+                        await resume_flow_run(
+                            paused[0].id,
+                            run_input={
+                                "approve": approve,
+                                "approver": "bob",
+                                "comment": "looks right" if approve else "not yet",
+                            },
+                        )
                         answered["id"] = paused[0].id
                         return
                     await asyncio.sleep(0.5)

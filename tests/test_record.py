@@ -62,8 +62,13 @@ def test_a_first_release_record_still_shows_its_evidence(v1_storage):
     shown = tuneproof("runs", "show", V1_RUNS["v1-demo"], "--set", f"storage.root={v1_storage}")
     assert shown.exit_code == 0, shown.output
     text = shown.output
-    for evidence in ("2 ranks, transport gloo", "loss 5.943 -> 0.020 in 400 steps", "restored step 304",
-                     "promotion: promoted v0001-20261201-041236-af7799", "run 20261201-041236-af7799 succeeded"):
+    for evidence in (
+        "2 ranks, transport gloo",
+        "loss 5.943 -> 0.020 in 400 steps",
+        "restored step 304",
+        "promotion: promoted v0001-20261201-041236-af7799",
+        "run 20261201-041236-af7799 succeeded",
+    ):
         assert evidence in " ".join(text.split()), evidence
 
 

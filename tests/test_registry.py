@@ -24,13 +24,24 @@ NAME = "dates-qwen2-tiny"
 
 def card(run_id: str = "r1", **extra) -> dict:
     return {
-        "name": NAME, "run_id": run_id, "base_model": "tiny-qwen2",
-        "metrics": {"candidate": {"exact_match": 0.93, "eval_loss": 0.2}, "base": {"exact_match": 0.0, "eval_loss": 4.1},
-                    "incumbent": None},
+        "name": NAME,
+        "run_id": run_id,
+        "base_model": "tiny-qwen2",
+        "metrics": {
+            "candidate": {"exact_match": 0.93, "eval_loss": 0.2},
+            "base": {"exact_match": 0.0, "eval_loss": 4.1},
+            "incumbent": None,
+        },
         "incumbent_version": None,
         "gates": ["exact_match >= 0.8: 0.93 (pass)"],
-        "dataset_hash": "abc123", "image_digest": "sha256:feed", "code_sha": "c0de", "code_dirty": False,
-        "config_hash": "cf9", "resume": {"restored_step": 100, "max_loss_diff": 0.0}, "forced": None, **extra,
+        "dataset_hash": "abc123",
+        "image_digest": "sha256:feed",
+        "code_sha": "c0de",
+        "code_dirty": False,
+        "config_hash": "cf9",
+        "resume": {"restored_step": 100, "max_loss_diff": 0.0},
+        "forced": None,
+        **extra,
     }
 
 
@@ -77,7 +88,9 @@ def test_list_and_show(local):
     assert row["versions"] == ["v0001-runA", "v0002-runB"]
     shown = registry.show_model(local, NAME)
     assert [(v["version"], v["production"], v["complete"]) for v in shown["versions"]] == [
-        ("v0001-runA", False, True), ("v0002-runB", True, True)]
+        ("v0001-runA", False, True),
+        ("v0002-runB", True, True),
+    ]
     assert shown["versions"][0]["card"]["run_id"] == "runA"
     with pytest.raises(FileNotFoundError, match="no model 'other'.*registered: dates-qwen2-tiny"):
         registry.show_model(local, "other")
@@ -173,7 +186,10 @@ def test_a_crashed_holders_lock_is_broken(local):
     old = time.time() - 120
     os.utime(lock, (old, old))
     _, token = read_pointer(local, NAME)
-    assert promote(local, NAME, "runB", export(local, "runB"), card("runB"), token, stale_lock_s=60)["version"] == "v0002-runB"
+    assert (
+        promote(local, NAME, "runB", export(local, "runB"), card("runB"), token, stale_lock_s=60)["version"]
+        == "v0002-runB"
+    )
     assert not os.path.exists(lock)
 
 
@@ -190,18 +206,37 @@ def test_a_live_lock_times_out_and_the_copy_is_kept_unpointed(local):
 
 
 def test_model_card_renders_provenance_metrics_and_gates():
-    text = render_model_card({**card("runB", incumbent_version="v0001-runA"), "version": "v0002-runB",
-                              "source_path": "runs/runB/model",
-                              "metrics": {"candidate": {"exact_match": 0.93}, "base": {"exact_match": 0.0},
-                                          "incumbent": {"exact_match": 0.9}}})
+    text = render_model_card(
+        {
+            **card("runB", incumbent_version="v0001-runA"),
+            "version": "v0002-runB",
+            "source_path": "runs/runB/model",
+            "metrics": {
+                "candidate": {"exact_match": 0.93},
+                "base": {"exact_match": 0.0},
+                "incumbent": {"exact_match": 0.9},
+            },
+        }
+    )
     assert text.startswith("# dates-qwen2-tiny v0002-runB\n")
     assert "after every gate and the resume test passed, replacing v0001-runA" in text
-    for needle in ("| dataset hash | `abc123` |", "| image digest | `sha256:feed` |", "| code SHA | `c0de` |",
-                   "| config hash | `cf9` |", "| run | `runB` |", "restored at step 100",
-                   "| exact_match | 0.93 | 0 | 0.9 | +0.93 | +0.03 |", "- exact_match >= 0.8: 0.93 (pass)"):
+    for needle in (
+        "| dataset hash | `abc123` |",
+        "| image digest | `sha256:feed` |",
+        "| code SHA | `c0de` |",
+        "| config hash | `cf9` |",
+        "| run | `runB` |",
+        "restored at step 100",
+        "| exact_match | 0.93 | 0 | 0.9 | +0.93 | +0.03 |",
+        "- exact_match >= 0.8: 0.93 (pass)",
+    ):
         assert needle in text, needle
-    forced = render_model_card({**card("runC", forced={"by": "ana", "reason": "hotfix", "bypassed": ["gates not passed"]}),
-                                "version": "v0003-runC"})
+    forced = render_model_card(
+        {
+            **card("runC", forced={"by": "ana", "reason": "hotfix", "bypassed": ["gates not passed"]}),
+            "version": "v0003-runC",
+        }
+    )
     assert "Promoted by override from run `runC`, the first production model, by ana: hotfix" in forced
     assert "Checks bypassed: gates not passed." in forced and "| incumbent | `" not in forced
 

@@ -9,8 +9,14 @@ from tuneproof.core.findings import Finding
 def test_identical_losses_pass_with_zero_tolerance():
     reference = {1: 3.0, 2: 2.5, 3: 2.25, 4: 2.0}
     verdict = compare_losses(reference, {3: 2.25, 4: 2.0, 5: 1.9}, rtol=0.0)
-    assert verdict == {"steps_compared": 2, "max_abs_diff": 0.0, "max_rel_diff": 0.0, "ok": True,
-                       "mismatches": [], "reason": None}
+    assert verdict == {
+        "steps_compared": 2,
+        "max_abs_diff": 0.0,
+        "max_rel_diff": 0.0,
+        "ok": True,
+        "mismatches": [],
+        "reason": None,
+    }
 
 
 def test_a_difference_beyond_rtol_is_a_mismatch_naming_the_step():
@@ -36,6 +42,7 @@ def test_no_common_step_is_not_evidence():
 
 def test_check_restart_flags_a_fresh_start_or_another_step():
     assert check_restart(8, 8) is None
-    assert check_restart(8, None) == Finding("resumed run", "restored_step", None, 8,
-                                             "it started from scratch instead of a checkpoint")
+    assert check_restart(8, None) == Finding(
+        "resumed run", "restored_step", None, 8, "it started from scratch instead of a checkpoint"
+    )
     assert check_restart(8, 4).seen == 4

@@ -39,6 +39,7 @@ TINY_VOCAB = 64
 
 # ---------------------------------------------------------------- unit: the mesh and the config
 
+
 def test_mesh_shape_per_sharding_choice():
     assert mesh_shape("full", 8, None, 4) == (8,)
     assert mesh_shape("hybrid", 8, None, 4) == (2, 4)  # default group: the ranks on one node
@@ -72,24 +73,41 @@ def test_config_checks_that_the_shard_group_divides_the_workers():
 
 # ---------------------------------------------------------------- four gloo ranks, in-process FSDP2
 
+
 def tiny_model(sharding: str, seed: int = 0):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from training.fsdp import shard_model
 
-    config = Qwen2Config(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=TINY_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(seed)  # the same initial weights on every rank
-    return shard_model(Qwen2ForCausalLM(config), torch.device("cpu"), activation_checkpointing=False,
-                       sharding=sharding, shard_group_size=GROUP)
+    return shard_model(
+        Qwen2ForCausalLM(config),
+        torch.device("cpu"),
+        activation_checkpointing=False,
+        sharding=sharding,
+        shard_group_size=GROUP,
+    )
 
 
 def mesh_facts(model) -> dict:
     """How one weight (layer 0's q_proj, 32 x 32) is laid out on this rank."""
     weight = model.model.layers[0].self_attn.q_proj.weight
-    return {"mesh": tuple(weight.device_mesh.shape), "dims": weight.device_mesh.mesh_dim_names,
-            "placements": tuple(weight.placements), "local": weight.to_local().detach().clone(),
-            "tied": model.lm_head.weight is model.model.embed_tokens.weight}
+    return {
+        "mesh": tuple(weight.device_mesh.shape),
+        "dims": weight.device_mesh.mesh_dim_names,
+        "placements": tuple(weight.placements),
+        "local": weight.to_local().detach().clone(),
+        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+    }
 
 
 def one_sgd_step(model, rank: int) -> dict:
@@ -113,17 +131,23 @@ def reshard_full_to_hybrid(workdir: Path, rank: int) -> dict:
     batch = torch.randint(0, TINY_VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
     saved(input_ids=batch, labels=batch).loss.backward()
     saved_optimizer.step()
-    progress = TrainingProgress(step=1, epoch=0, batch_in_epoch=1, seed=0, rank=rank, world_size=WORLD,
-                                schedule={}, rng=capture_rng())
+    progress = TrainingProgress(
+        step=1, epoch=0, batch_in_epoch=1, seed=0, rank=rank, world_size=WORLD, schedule={}, rng=capture_rng()
+    )
     save_shards(saved, saved_optimizer, progress, workdir / "ckpt")
     loaded = tiny_model("hybrid", seed=1)
     loaded_optimizer = torch.optim.AdamW(loaded.parameters(), lr=1e-2)
     restored = load_shards(loaded, loaded_optimizer, workdir / "ckpt", rank)
     moments = zip(saved_optimizer.state.values(), loaded_optimizer.state.values())
-    return {"step": restored.step, "mesh": mesh_facts(loaded)["mesh"],
-            "before": full_state_dict(saved), "after": full_state_dict(loaded),
-            "moments_equal": all(torch.equal(a[k].full_tensor(), b[k].full_tensor())
-                                 for a, b in moments for k in ("exp_avg", "exp_avg_sq"))}
+    return {
+        "step": restored.step,
+        "mesh": mesh_facts(loaded)["mesh"],
+        "before": full_state_dict(saved),
+        "after": full_state_dict(loaded),
+        "moments_equal": all(
+            torch.equal(a[k].full_tensor(), b[k].full_tensor()) for a, b in moments for k in ("exp_avg", "exp_avg_sq")
+        ),
+    }
 
 
 def rank_main(rank: int, workdir: Path) -> None:
@@ -177,8 +201,13 @@ def test_a_training_step_gives_the_same_weights_under_every_sharding(four_ranks)
     for sharding in ("hybrid", "ddp"):
         assert rank0[sharding]["loss"] == rank0["full"]["loss"]  # the same initial weights and batch
         for name, full in rank0["full"]["weights"].items():
-            torch.testing.assert_close(rank0[sharding]["weights"][name], full, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, sharding=sharding, name=name: f"{sharding} {name}: {m}")
+            torch.testing.assert_close(
+                rank0[sharding]["weights"][name],
+                full,
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda m, sharding=sharding, name=name: f"{sharding} {name}: {m}",
+            )
 
 
 def test_a_checkpoint_saved_under_full_loads_under_hybrid_exactly(four_ranks):
@@ -191,6 +220,7 @@ def test_a_checkpoint_saved_under_full_loads_under_hybrid_exactly(four_ranks):
 
 
 # ---------------------------------------------------------------- integration: the fine-tune resumes resharded
+
 
 @pytest.fixture(scope="module")
 def reshard_runs(ray_cluster, tmp_path_factory):
@@ -206,12 +236,32 @@ def reshard_runs(ray_cluster, tmp_path_factory):
     two = make_config(str(root), model, num_workers=2, micro_batch_size=8, max_steps=6, checkpoint_every=2)
     saved = finetune(context(two, "reshard", run_name="saved", export=False))
     four = make_config(str(root), model, num_workers=4, micro_batch_size=4, max_steps=6, checkpoint_every=2)
-    wider = finetune(context(four, "reshard", job="wider", run_name="wider", export=False, max_steps=4,
-                             init_from=checkpoint_uri(saved, 2)))
-    hybrid_config = make_config(str(root), model, num_workers=4, micro_batch_size=4, max_steps=6,
-                                checkpoint_every=2, sharding="hybrid", shard_group_size=2)
-    hybrid = finetune(context(hybrid_config, "reshard", job="hybrid", run_name="hybrid", export=False,
-                              init_from=checkpoint_uri(wider, 4)))
+    wider = finetune(
+        context(
+            four,
+            "reshard",
+            job="wider",
+            run_name="wider",
+            export=False,
+            max_steps=4,
+            init_from=checkpoint_uri(saved, 2),
+        )
+    )
+    hybrid_config = make_config(
+        str(root),
+        model,
+        num_workers=4,
+        micro_batch_size=4,
+        max_steps=6,
+        checkpoint_every=2,
+        sharding="hybrid",
+        shard_group_size=2,
+    )
+    hybrid = finetune(
+        context(
+            hybrid_config, "reshard", job="hybrid", run_name="hybrid", export=False, init_from=checkpoint_uri(wider, 4)
+        )
+    )
     return saved, wider, hybrid
 
 

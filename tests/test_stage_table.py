@@ -36,8 +36,12 @@ def toy_task(call: StageCall) -> StageEntry:
 
 
 TOY = Stage(
-    name="toy", run=toy_task, summary=ToySummary, evidence=lambda s: f"{s.letters} letters in {s.dataset_path}",
-    fails_as=(FailureClass.infrastructure,), needs=(Need("data", "dataset_path"),),
+    name="toy",
+    run=toy_task,
+    summary=ToySummary,
+    evidence=lambda s: f"{s.letters} letters in {s.dataset_path}",
+    fails_as=(FailureClass.infrastructure,),
+    needs=(Need("data", "dataset_path"),),
     metrics=lambda s: {"toy.letters": float(s.letters)},
 )
 
@@ -123,12 +127,15 @@ def test_a_toy_stage_without_its_input_is_a_usage_error(prefect_harness, with_to
 @pytest.mark.integration
 def test_a_flow_run_with_an_unknown_stage_fails_before_anything_is_submitted(prefect_harness, tmp_path):
     """`only` is checked by the flow itself (a deployment run has no CLI in front of it)."""
-    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)},
-                                         "cluster": {"address": "http://127.0.0.1:9"}})  # nothing answers there
+    cfg = PipelineConfig.model_validate(
+        {"storage": {"root": str(tmp_path)}, "cluster": {"address": "http://127.0.0.1:9"}}
+    )  # nothing answers there
     state = pipeline(config=cfg, run_id="typo", only=["verify", "evalute"], return_state=True)
     assert state.is_failed()
-    assert state.message == ("nothing ran: unknown stage(s) evalute; expected some of verify, connectivity, data, "
-                             "finetune, resume, evaluate, promote")
+    assert state.message == (
+        "nothing ran: unknown stage(s) evalute; expected some of verify, connectivity, data, "
+        "finetune, resume, evaluate, promote"
+    )
     assert not Storage(str(tmp_path)).exists("runs")
 
 

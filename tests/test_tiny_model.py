@@ -45,8 +45,9 @@ def test_build_is_deterministic_and_seed_changes_only_weights(tiny_dir, tmp_path
     first = file_hashes(tiny_dir)
     assert again == first
     assert other_seed["model.safetensors"] != first["model.safetensors"]
-    assert {k: v for k, v in other_seed.items() if k != "model.safetensors"} == \
-        {k: v for k, v in first.items() if k != "model.safetensors"}
+    assert {k: v for k, v in other_seed.items() if k != "model.safetensors"} == {
+        k: v for k, v in first.items() if k != "model.safetensors"
+    }
 
 
 def test_config_is_a_tiny_tied_qwen2(tiny_dir):
@@ -64,8 +65,10 @@ def test_tokenizer_speaks_chatml_and_round_trips(tiny_dir):
     tok = load_tokenizer(str(tiny_dir))
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Friday, March 5, 2021"}]
     prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert prompt == (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n"
-                      "<|im_start|>user\nFriday, March 5, 2021<|im_end|>\n<|im_start|>assistant\n")
+    assert prompt == (
+        f"<|im_start|>system\n{SYSTEM}<|im_end|>\n"
+        "<|im_start|>user\nFriday, March 5, 2021<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert tok.chat_template == CHAT_TEMPLATE
     assert (tok.eos_token, tok.pad_token) == (IM_END, ENDOFTEXT)
     ids = tok(prompt + "2021-03-05<|im_end|>", add_special_tokens=False)["input_ids"]
@@ -82,8 +85,11 @@ def test_untrained_model_generates_from_a_prompt(tiny_dir):
     import torch
 
     tok, model = load_tokenizer(str(tiny_dir)), load_model(str(tiny_dir))
-    batch = tok(["<|im_start|>user\n5 Mar 2021<|im_end|>\n<|im_start|>assistant\n"], return_tensors="pt",
-                add_special_tokens=False)
+    batch = tok(
+        ["<|im_start|>user\n5 Mar 2021<|im_end|>\n<|im_start|>assistant\n"],
+        return_tensors="pt",
+        add_special_tokens=False,
+    )
     with torch.no_grad():
         out = model.generate(**batch, max_new_tokens=4, do_sample=False)
     assert out.shape[1] <= batch["input_ids"].shape[1] + 4
@@ -100,11 +106,19 @@ def test_ensure_creates_once_and_bundled_task_fits_max_seq_len(tmp_path, capsys)
     demo = DataConfig()  # the chat the demo trains on: its system prompt (none by default) and limit
     system = [{"role": "system", "content": demo.system_prompt}] if demo.system_prompt else []
     lengths = [
-        len(tok(tok.apply_chat_template([
-            *system,
-            {"role": "user", "content": row["input"]},
-            {"role": "assistant", "content": row["output"]},
-        ], tokenize=False), add_special_tokens=False)["input_ids"])
+        len(
+            tok(
+                tok.apply_chat_template(
+                    [
+                        *system,
+                        {"role": "user", "content": row["input"]},
+                        {"role": "assistant", "content": row["output"]},
+                    ],
+                    tokenize=False,
+                ),
+                add_special_tokens=False,
+            )["input_ids"]
+        )
         for row in rows
     ]
     assert len(lengths) == 3000

@@ -13,7 +13,9 @@ ip-10-0-1-5:4121:4121 [0] NCCL INFO NCCL version 2.29.7+cuda13.0
 ip-10-0-1-5:4121:4121 [0] NCCL INFO NCCL_SOCKET_IFNAME set by environment to eth0
 """
 
-EFA_LOG = BANNER + """\
+EFA_LOG = (
+    BANNER
+    + """\
 ip-10-0-1-5:4121:4180 [0] NCCL INFO NET/Plugin: Loaded net plugin Libfabric (v10)
 ip-10-0-1-5:4121:4180 [0] NCCL INFO NET/OFI Initializing aws-ofi-nccl 1.20.0
 ip-10-0-1-5:4121:4180 [0] NCCL INFO NET/OFI Using Libfabric version 2.1
@@ -26,8 +28,11 @@ ip-10-0-1-5:4121:4180 [0] NCCL INFO Channel 00/0 : 1[0] -> 0[0] [receive] via NE
 ip-10-0-1-5:4121:4180 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[0] [send] via NET/Libfabric/0/GDRDMA
 ip-10-0-1-5:4121:4180 [0] NCCL INFO Connected all rings, use ring PXN 0 GDR 1
 """
+)
 
-SOCKET_LOG = BANNER + """\
+SOCKET_LOG = (
+    BANNER
+    + """\
 ip-10-0-1-5:4121:4180 [0] NCCL INFO NET/Plugin: Loaded net plugin Libfabric (v10)
 ip-10-0-1-5:4121:4180 [0] NCCL INFO NET/OFI Initializing aws-ofi-nccl 1.20.0
 ip-10-0-1-5:4121:4180 [0] NCCL INFO NET/OFI No eligible providers were found
@@ -37,13 +42,17 @@ ip-10-0-1-5:4121:4180 [0] NCCL INFO NET/Socket : Using [0]eth0:10.0.1.5<0>
 ip-10-0-1-5:4121:4180 [0] NCCL INFO Using network Socket
 ip-10-0-1-5:4121:4180 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[0] [send] via NET/Socket/0
 """
+)
 
 # A single-node run: every channel is intra-node, no NET transport decides anything.
-INTRA_NODE_LOG = BANNER + """\
+INTRA_NODE_LOG = (
+    BANNER
+    + """\
 ip-10-0-1-5:4121:4180 [0] NCCL INFO comm 0x55d1 rank 0 nRanks 2 nNodes 1 localRanks 2 localRank 0 MNNVL 0
 ip-10-0-1-5:4121:4180 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read
 ip-10-0-1-5:4121:4180 [0] NCCL INFO Connected all rings, use ring PXN 0 GDR 0
 """
+)
 
 
 def test_efa_selected_provider_and_libfabric_channels():
@@ -66,11 +75,14 @@ def test_socket_fallback_after_ofi_failure():
     assert any("NET/Socket : Using [0]eth0" in line for line in verdict["evidence"])
 
 
-@pytest.mark.parametrize("line", [
-    "h:1:1 [0] NCCL INFO NET/OFI aws-ofi-nccl initialization failed",
-    "h:1:1 [0] NCCL WARN Failed to initialize any NET plugin",
-    "h:1:1 [0] NCCL INFO NET/OFI Selected provider is tcp, fabric is 10.0.0.0/16 (found 1 nics)",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "h:1:1 [0] NCCL INFO NET/OFI aws-ofi-nccl initialization failed",
+        "h:1:1 [0] NCCL WARN Failed to initialize any NET plugin",
+        "h:1:1 [0] NCCL INFO NET/OFI Selected provider is tcp, fabric is 10.0.0.0/16 (found 1 nics)",
+    ],
+)
 def test_each_fallback_sign_alone(line):
     assert classify([line])["kind"] == "socket-fallback"
 
@@ -120,6 +132,9 @@ def test_verdict_for_files_document():
     assert doc["verdict"] == "socket-fallback"
     assert doc["ok"] is False
     assert doc["expect"] == "efa"
-    assert doc["files"] == [{"name": "nccl.a.1.log", "kind": "efa"}, {"name": "nccl.b.2.log", "kind": "socket-fallback"}]
+    assert doc["files"] == [
+        {"name": "nccl.a.1.log", "kind": "efa"},
+        {"name": "nccl.b.2.log", "kind": "socket-fallback"},
+    ]
     assert all(line.startswith(("nccl.b.2.log: ", "nccl.a.1.log: efa")) for line in doc["evidence"])
     assert verdict_for_files({"only.log": EFA_LOG}, expect="efa")["ok"] is True

@@ -55,15 +55,25 @@ def test_storage_roundtrip_error_on_unwritable_root(tmp_path):
 
 
 def test_storage_failure_names_uri_and_error():
-    (finding,) = storage_findings({"uri": "s3://b/runs/r/stages/verify/probe-1", "node_ip": "10.0.0.2",
-                                   "ok": False, "error": "PermissionError: Access Denied", "seconds": None})
+    (finding,) = storage_findings(
+        {
+            "uri": "s3://b/runs/r/stages/verify/probe-1",
+            "node_ip": "10.0.0.2",
+            "ok": False,
+            "error": "PermissionError: Access Denied",
+            "seconds": None,
+        }
+    )
     assert "s3://b/runs/r/stages/verify/probe-1" in finding.line()
     assert "Access Denied" in finding.line()
 
 
 def test_failure_cause_is_first_finding_plus_count():
-    findings = [Finding("node a", "ray_version", "2.58.0", "2.60.0"), Finding("node b", "x", 1, 2),
-                Finding("node c", "y", 1, 2, severity="warning")]
+    findings = [
+        Finding("node a", "ray_version", "2.58.0", "2.60.0"),
+        Finding("node b", "x", 1, 2),
+        Finding("node c", "y", 1, 2, severity="warning"),
+    ]
     with pytest.raises(StageFailure) as info:
         fail_on_errors(findings, {"findings": []})
     assert info.value.failure_class.value == "infrastructure"
@@ -80,7 +90,8 @@ def ray_connected(ray_head):
 
 def _context(tmp_path, ray_version: str) -> JobContext:
     config = PipelineConfig.model_validate(
-        {"storage": {"root": str(tmp_path / "storage")}, "cluster": {"expect": {"ray_version": ray_version}}})
+        {"storage": {"root": str(tmp_path / "storage")}, "cluster": {"expect": {"ray_version": ray_version}}}
+    )
     return JobContext("run-verify", "verify", config)
 
 

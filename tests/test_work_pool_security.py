@@ -64,13 +64,19 @@ def created_job_env(monkeypatch, worker_settings: dict[str, str]) -> dict[str, d
         config.prepare_for_flow_run(FlowRun(id=uuid.uuid4(), name="tireless-otter", flow_id=uuid.uuid4()))
         await kubernetes_worker.KubernetesWorker(work_pool_name="tuneproof-eks")._create_job(config, client=None)
 
-    with temporary_settings({PREFECT_API_AUTH_STRING: "admin:not-in-any-manifest"}):  # what the worker read from its Secret
+    with temporary_settings(
+        {PREFECT_API_AUTH_STRING: "admin:not-in-any-manifest"}
+    ):  # what the worker read from its Secret
         asyncio.run(create())
     return {e["name"]: e for e in sent["job"]["spec"]["template"]["spec"]["containers"][0]["env"]}
 
 
 def test_the_worker_hands_flow_runs_a_reference_to_its_auth_secret(monkeypatch):
-    shipped = {name: e["value"] for name, e in worker_env().items() if name.startswith("PREFECT_INTEGRATIONS_KUBERNETES_WORKER_")}
+    shipped = {
+        name: e["value"]
+        for name, e in worker_env().items()
+        if name.startswith("PREFECT_INTEGRATIONS_KUBERNETES_WORKER_")
+    }
     env = created_job_env(monkeypatch, shipped)
     assert "value" not in env[AUTH]
     assert env[AUTH]["valueFrom"] == worker_env()[AUTH]["valueFrom"]  # the same Secret and key the worker reads
@@ -100,14 +106,20 @@ async def _eks_pool_and_deployment(client) -> tuple:
     doc = yaml.safe_load((PROJECT_ROOT / "prefect.yaml").read_text())
     variables = next(d for d in doc["deployments"] if d["name"] == "eks-manual")["work_pool"]["job_variables"]
     variables = apply_values(variables, DEPLOY_ENV, remove_notset=False)  # as `prefect deploy` resolves them
-    deployment_id = await client.create_deployment(flow_id=flow_id, name="eks-manual", work_pool_name=pool,
-                                                   job_variables=variables)
+    deployment_id = await client.create_deployment(
+        flow_id=flow_id, name="eks-manual", work_pool_name=pool, job_variables=variables
+    )
     return pool, flow_id, deployment_id
 
 
-OVERRIDES = [{"service_account_name": "prefect-worker"}, {"image": "attacker.example/image:latest"},
-             {"namespace": "default"}, {"env": {AUTH: "admin:guess"}}, {"labels": {"ray.io/cluster": "tuneproof"}},
-             {"cluster_config": {"config": {}, "context_name": "elsewhere"}}]
+OVERRIDES = [
+    {"service_account_name": "prefect-worker"},
+    {"image": "attacker.example/image:latest"},
+    {"namespace": "default"},
+    {"env": {AUTH: "admin:guess"}},
+    {"labels": {"ray.io/cluster": "tuneproof"}},
+    {"cluster_config": {"config": {}, "context_name": "elsewhere"}},
+]
 
 
 @pytest.mark.integration
@@ -123,8 +135,10 @@ def test_the_server_holds_deployments_and_their_runs_to_the_pinned_variables(pre
                 with pytest.raises(PrefectHTTPStatusError, match="422"):
                     await client.create_flow_run_from_deployment(deployment_id, job_variables=override)
                 with pytest.raises(PrefectHTTPStatusError, match="422"):
-                    await client.create_deployment(flow_id=flow_id, name="other", work_pool_name=pool,
-                                                   job_variables=override)
+                    await client.create_deployment(
+                        flow_id=flow_id, name="other", work_pool_name=pool, job_variables=override
+                    )
+
     asyncio.run(check())
 
 
@@ -136,10 +150,15 @@ def test_a_flow_run_created_directly_is_not_held_to_the_schema(prefect_server):
         async with get_client() as client:
             pool, _, _ = await _eks_pool_and_deployment(client)
             flow = SimpleNamespace(name="tuneproof-pipeline", version=None, retries=0, retry_delay_seconds=0)
-            direct = await client.create_flow_run(flow=flow, work_pool_name=pool,  # type: ignore[arg-type]
-                                                  job_variables={"service_account_name": "prefect-worker"})
+            direct = await client.create_flow_run(
+                flow=flow,
+                work_pool_name=pool,  # type: ignore[arg-type]
+                job_variables={"service_account_name": "prefect-worker"},
+            )
             config = await kubernetes_worker.KubernetesWorkerJobConfiguration.resolve_for_flow_run(
-                direct, client=client, work_pool=await client.read_work_pool(pool), worker_name="worker")
+                direct, client=client, work_pool=await client.read_work_pool(pool), worker_name="worker"
+            )
             return config.job_manifest["spec"]["template"]["spec"]
+
     pod = asyncio.run(check())
     assert pod["serviceAccountName"] == "prefect-worker"  # only the cluster side bounds this (SECURITY.md)

@@ -40,8 +40,10 @@ __all__ = ["CheckpointRef"]  # re-exported: workers and tests name checkpoints t
 MARKER = "tuneproof_complete.json"
 _DIR_PATTERN = re.compile(r"^checkpoint_(\d+)$")
 # Files of a base model directory that the export carries over unchanged (all but weights and config).
-_BASE_FILES = re.compile(r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)|merges\.txt"
-                         r"|chat_template\.(jinja|json)|.*\.model|.*\.tiktoken|generation_config\.json)$")
+_BASE_FILES = re.compile(
+    r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)|merges\.txt"
+    r"|chat_template\.(jinja|json)|.*\.model|.*\.tiktoken|generation_config\.json)$"
+)
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -81,6 +83,7 @@ def progress_file(rank: int) -> str:
 
 
 # ---- RNG state (JSON-able, so progress files stay readable) ----
+
 
 def capture_rng() -> dict[str, Any]:
     import numpy as np
@@ -135,6 +138,7 @@ def _jsonable(value: Any) -> Any:
 
 # ---- save / load (collective: every rank calls these) ----
 
+
 def save_shards(model, optimizer, progress: TrainingProgress, local_dir: str | Path) -> dict[str, int]:
     """DCP-save this rank's shards of model + optimizer and its progress; returns its files with sizes."""
     import torch.distributed.checkpoint as dcp
@@ -170,6 +174,7 @@ def local_files(local_dir: str | Path) -> dict[str, int]:
 
 # ---- completeness (the marker) ----
 
+
 def missing_files(expected: dict[str, int], present: dict[str, int]) -> list[str]:
     """Each listed file that is absent or has another size, as 'name (why)'. Pure."""
     problems = []
@@ -188,8 +193,11 @@ def stored_files(storage: Storage, *parts: str) -> dict[str, int]:
         found = storage.fs.find(base, detail=True)
     except FileNotFoundError:
         return {}
-    return {path[len(base):].lstrip("/"): int(info["size"]) for path, info in found.items()
-            if info.get("type") != "directory" and path.startswith(base + "/")}
+    return {
+        path[len(base) :].lstrip("/"): int(info["size"])
+        for path, info in found.items()
+        if info.get("type") != "directory" and path.startswith(base + "/")
+    }
 
 
 def check_complete(storage: Storage, *parts: str) -> str | None:
@@ -250,6 +258,7 @@ def local_copy(uri: str, endpoint_url: str | None) -> Iterator[Path]:
 
 
 # ---- the Hugging Face export ----
+
 
 def write_hf_export(state: dict, step: int, model_cfg, endpoint_url: str | None, storage: Storage, path: str) -> None:
     """Write the full state dict as a Hugging Face model at storage `path`, marker last.

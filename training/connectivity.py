@@ -45,8 +45,10 @@ def connectivity(ctx: JobContext) -> ConnectivitySummary:
     check_transport(summary, cfg.connectivity.expect_transport)
     verdict = summary.transport
     # The evidence goes into the job log too, so `tuneproof transport <job log>` finds it there.
-    log(f"connectivity: transport {verdict.kind} ({verdict.evidence[0]}); "
-        f"largest all-reduce busbw {summary.allreduce[-1].busbw_GBps:.3f} GB/s")
+    log(
+        f"connectivity: transport {verdict.kind} ({verdict.evidence[0]}); "
+        f"largest all-reduce busbw {summary.allreduce[-1].busbw_GBps:.3f} GB/s"
+    )
     return summary
 
 
@@ -64,8 +66,11 @@ def run_trainer(ctx: JobContext, backend: str) -> str | None:
 
     cfg = ctx.config
     filesystem, storage_path = ctx.storage.train_storage(*ctx.run_parts("train"))
-    run_config = RunConfig(name=f"{ctx.run_id}-{ctx.job}", storage_path=storage_path,
-                           **({"storage_filesystem": filesystem} if filesystem is not None else {}))
+    run_config = RunConfig(
+        name=f"{ctx.run_id}-{ctx.job}",
+        storage_path=storage_path,
+        **({"storage_filesystem": filesystem} if filesystem is not None else {}),
+    )
     trainer = TorchTrainer(
         rank_main,
         train_loop_config={"config": cfg.model_dump(mode="json"), "report_parts": list(ctx.stage_parts())},
@@ -83,6 +88,7 @@ def run_trainer(ctx: JobContext, backend: str) -> str | None:
 
 # ---------------------------------------------------------------- per worker (inside Ray Train)
 
+
 def rank_main(loop_config: dict) -> None:
     """One rank's story: started -> joined (first barrier) -> all-reduce sweep -> FSDP steps -> finished."""
     import ray
@@ -95,8 +101,15 @@ def rank_main(loop_config: dict) -> None:
     context = train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     report = RankReport(Storage.from_config(cfg.storage), loop_config["report_parts"], rank)
-    report.update(rank=rank, world_size=world, node_ip=ray.util.get_node_ip_address(), pid=os.getpid(),
-                  started=now_iso(), joined=None, finished=None)
+    report.update(
+        rank=rank,
+        world_size=world,
+        node_ip=ray.util.get_node_ip_address(),
+        pid=os.getpid(),
+        started=now_iso(),
+        joined=None,
+        finished=None,
+    )
     prepare_nccl_log_dir()  # before the first collective: NCCL opens its debug file then
     device = worker_device(cfg.train.use_gpu)
     dist.barrier()
@@ -174,8 +187,13 @@ def fsdp_losses(cfg: PipelineConfig, device, steps: int, rank: int) -> list[floa
     torch.manual_seed(0)  # the same initial weights on every rank
     # The same sharding as fine-tuning: a group per decoder layer, tied embeddings in the root group.
     model = AutoModelForCausalLM.from_config(model_config).to(device)
-    model = shard_model(model, device, activation_checkpointing=False, sharding=cfg.train.sharding,
-                        shard_group_size=cfg.train.shard_group_size)
+    model = shard_model(
+        model,
+        device,
+        activation_checkpointing=False,
+        sharding=cfg.train.sharding,
+        shard_group_size=cfg.train.shard_group_size,
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.Generator().manual_seed(rank)
     losses = []
@@ -198,10 +216,12 @@ def _synchronize(device) -> None:
 
 # ---------------------------------------------------------------- driver: read, summarise, judge
 
+
 def read_rank_reports(ctx: JobContext, world_size: int) -> dict[int, dict | None]:
     return {
         rank: ctx.storage.read_json(*ctx.stage_parts(f"rank-{rank}.json"))
-        if ctx.storage.exists(*ctx.stage_parts(f"rank-{rank}.json")) else None
+        if ctx.storage.exists(*ctx.stage_parts(f"rank-{rank}.json"))
+        else None
         for rank in range(world_size)
     }
 
@@ -213,12 +233,15 @@ def summarize(backend: str, world_size: int, reports: dict[int, dict | None]) ->
     return ConnectivitySummary(
         backend=backend,
         world_size=world_size,
-        ranks=[RankStatus(rank=rank, **{k: (r or {}).get(k) for k in ("node_ip", "pid", "started", "joined", "finished")})
-               for rank, r in reports.items()],
+        ranks=[
+            RankStatus(rank=rank, **{k: (r or {}).get(k) for k in ("node_ip", "pid", "started", "joined", "finished")})
+            for rank, r in reports.items()
+        ],
         allreduce=[AllreduceRow(**row) for row in bandwidth([r["allreduce"] for r in finished], world_size)],
         fsdp=FsdpProbe(steps=len(losses), losses=losses),
         transport=TransportVerdict.model_validate(
-            transport_verdict(backend, {f"rank-{r['rank']}": r.get("nccl_lines", []) for r in finished})),
+            transport_verdict(backend, {f"rank-{r['rank']}": r.get("nccl_lines", []) for r in finished})
+        ),
     )
 
 
@@ -235,8 +258,9 @@ def bandwidth(rows_by_rank: list[list[dict]], world_size: int) -> list[dict]:
     for rows in zip(*rows_by_rank):
         size, time_ms = rows[0]["size_bytes"], max(r["time_ms"] for r in rows)
         algbw = size / (time_ms / 1e3) / 1e9
-        table.append({"size_bytes": size, "time_ms": round(time_ms, 4),
-                      "algbw_GBps": algbw, "busbw_GBps": algbw * factor})
+        table.append(
+            {"size_bytes": size, "time_ms": round(time_ms, 4), "algbw_GBps": algbw, "busbw_GBps": algbw * factor}
+        )
     return table
 
 

@@ -36,12 +36,14 @@ from tuneproof.core.results import FailureClass, StageFailure, now_iso, one_line
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import DatasetManifest, DataSummary, Shard, SourceIdentity, SplitMeta
 
-SCHEMA = pa.schema([
-    ("input_ids", pa.list_(pa.int32())),
-    ("labels", pa.list_(pa.int32())),
-    ("prompt", pa.string()),      # the rendered chat prompt with the generation prompt, for evaluation
-    ("reference", pa.string()),   # the response text
-])
+SCHEMA = pa.schema(
+    [
+        ("input_ids", pa.list_(pa.int32())),
+        ("labels", pa.list_(pa.int32())),
+        ("prompt", pa.string()),  # the rendered chat prompt with the generation prompt, for evaluation
+        ("reference", pa.string()),  # the response text
+    ]
+)
 EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
 
 
@@ -57,8 +59,8 @@ class Source:
 
 @dataclass
 class Conversation:
-    where: str        # "source" or "eval_source"
-    row: int          # row index in that file, for drop evidence
+    where: str  # "source" or "eval_source"
+    row: int  # row index in that file, for drop evidence
     parts: dict[str, str]
 
 
@@ -80,8 +82,12 @@ def prepare_data(ctx: JobContext) -> DataSummary:
     tokenizer_sha = tokenizer_sha256(tokenizer)
     source_id, eval_source_id = source.identity(), eval_source.identity() if eval_source else None
     content_hash = datahash.content_hash(
-        source_id.sha256, eval_source_id.sha256 if eval_source_id else None,
-        cfg.data.fields.model_dump(), cfg.data.system_prompt, tokenizer_sha, prep_settings(cfg.data),
+        source_id.sha256,
+        eval_source_id.sha256 if eval_source_id else None,
+        cfg.data.fields.model_dump(),
+        cfg.data.system_prompt,
+        tokenizer_sha,
+        prep_settings(cfg.data),
     )
     dataset_path = posixpath.join("datasets", cfg.data.name, content_hash)
     if storage.exists(dataset_path, "manifest.json"):
@@ -91,29 +97,47 @@ def prepare_data(ctx: JobContext) -> DataSummary:
     splits, drops, total_rows = build_splits(cfg.data, tokenizer, source, eval_source)
     enforce_limits(splits, drops, total_rows, cfg.data.max_dropped_fraction)
     manifest = DatasetManifest(
-        name=cfg.data.name, content_hash=content_hash, created_at=now_iso(), seed=cfg.data.seed,
-        source=source_id, eval_source=eval_source_id, tokenizer_sha256=tokenizer_sha, settings=prep_settings(cfg.data),
+        name=cfg.data.name,
+        content_hash=content_hash,
+        created_at=now_iso(),
+        seed=cfg.data.seed,
+        source=source_id,
+        eval_source=eval_source_id,
+        tokenizer_sha256=tokenizer_sha,
+        settings=prep_settings(cfg.data),
         splits=write_splits(storage, dataset_path, splits, cfg.data.shard_rows),
-        dropped=drops.to_json(), total_rows=total_rows, dropped_fraction=drops.total / total_rows,
+        dropped=drops.to_json(),
+        total_rows=total_rows,
+        dropped_fraction=drops.total / total_rows,
     )
     storage.write_json(manifest.to_json(), dataset_path, "manifest.json")  # last: the dataset counts only from here on
-    log(f"dataset {dataset_path}: train {len(splits['train'])} rows, eval {len(splits['eval'])} rows, dropped {drops.total}")
+    log(
+        f"dataset {dataset_path}: train {len(splits['train'])} rows, eval {len(splits['eval'])} rows, dropped {drops.total}"
+    )
     return stage_summary(storage, dataset_path, manifest, cache_hit=False)
 
 
 def prep_settings(data: DataConfig) -> dict[str, Any]:
     """Settings that change what is written (max_dropped_fraction only decides pass/fail)."""
     return {
-        "format": data.format, "max_seq_len": data.max_seq_len, "overflow": data.overflow,
+        "format": data.format,
+        "max_seq_len": data.max_seq_len,
+        "overflow": data.overflow,
         "eval_fraction": None if data.eval_source else data.eval_fraction,
-        "seed": data.seed, "shard_rows": data.shard_rows,
+        "seed": data.seed,
+        "shard_rows": data.shard_rows,
     }
 
 
 def stage_summary(storage: Storage, dataset_path: str, manifest: DatasetManifest, cache_hit: bool) -> DataSummary:
     return DataSummary(
-        dataset_path=dataset_path, dataset_uri=storage.uri(dataset_path), content_hash=manifest.content_hash,
-        cache_hit=cache_hit, manifest=manifest, total_rows=manifest.total_rows, dropped=manifest.dropped,
+        dataset_path=dataset_path,
+        dataset_uri=storage.uri(dataset_path),
+        content_hash=manifest.content_hash,
+        cache_hit=cache_hit,
+        manifest=manifest,
+        total_rows=manifest.total_rows,
+        dropped=manifest.dropped,
         dropped_fraction=manifest.dropped_fraction,
     )
 
@@ -138,7 +162,8 @@ def format_from_extension(uri: str) -> str:
     ext = posixpath.splitext(uri)[1].lower()
     if ext not in EXTENSIONS:
         raise StageFailure(
-            "data", f"cannot tell the format of {uri} from its extension {ext!r}; expected one of "
+            "data",
+            f"cannot tell the format of {uri} from its extension {ext!r}; expected one of "
             f"{sorted(EXTENSIONS)} or set data.format to jsonl, csv or parquet",
         )
     return EXTENSIONS[ext]
@@ -155,7 +180,8 @@ def read_hub_dataset(uri: str) -> Source:
         ds.to_parquet(buf)
     except Exception as e:  # noqa: BLE001 - offline, unknown name, no such split: all mean "cannot read the source"
         raise StageFailure(
-            "data", f"data source {uri} could not be loaded from the Hugging Face hub (is a hub reachable "
+            "data",
+            f"data source {uri} could not be loaded from the Hugging Face hub (is a hub reachable "
             f"from the cluster, and does dataset {name!r} have split {split or 'train'!r}?): {type(e).__name__}: {e}",
         ) from e
     return Source(uri, buf.getvalue(), "parquet")
@@ -233,14 +259,21 @@ def build_splits(data: DataConfig, tokenizer, source: Source, eval_source: Sourc
     splits = {
         "train": fit_split(encode(tokenizer, train_convs, data.system_prompt), train_convs, data, drops, data.overflow),
         # Packing serves training only; evaluation needs one prompt per row.
-        "eval": fit_split(encode(tokenizer, eval_convs, data.system_prompt), eval_convs, data, drops,
-                          "drop" if data.overflow == "pack" else data.overflow),
+        "eval": fit_split(
+            encode(tokenizer, eval_convs, data.system_prompt),
+            eval_convs,
+            data,
+            drops,
+            "drop" if data.overflow == "pack" else data.overflow,
+        ),
     }
     progress("data", 2, 3, rows=total, dropped=drops.total)
     return splits, drops, total
 
 
-def conversations(source: Source, data: DataConfig, drops: datahash.Drops, where: str) -> tuple[list[Conversation], int]:
+def conversations(
+    source: Source, data: DataConfig, drops: datahash.Drops, where: str
+) -> tuple[list[Conversation], int]:
     fields = data.fields.model_dump()
     rows, total = parse_rows(source, drops, where)
     convs = []
@@ -259,17 +292,22 @@ def encode(tokenizer, convs: list[Conversation], system_prompt: str | None) -> l
     for conv in convs:
         system = conv.parts.get("system") or system_prompt
         messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": conv.parts["prompt"]}]
+            {"role": "user", "content": conv.parts["prompt"]}
+        ]
         prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         full = tokenizer.apply_chat_template(
-            messages + [{"role": "assistant", "content": conv.parts["response"]}], tokenize=False)
+            messages + [{"role": "assistant", "content": conv.parts["response"]}], tokenize=False
+        )
         if not full.startswith(prompt):
-            raise StageFailure("data", f"the chat template of the base model does not render the generation prompt "
-                               f"as a prefix of the full conversation (prompt {prompt[-60:]!r}, full {full[-80:]!r}); "
-                               "prompt tokens cannot be masked")
+            raise StageFailure(
+                "data",
+                f"the chat template of the base model does not render the generation prompt "
+                f"as a prefix of the full conversation (prompt {prompt[-60:]!r}, full {full[-80:]!r}); "
+                "prompt tokens cannot be masked",
+            )
         prompts.append(prompt)
         # What follows the end-of-turn token (a newline in ChatML) is not something to learn to generate.
-        completions.append(full[len(prompt):].rstrip())
+        completions.append(full[len(prompt) :].rstrip())
     if not convs:
         return []
     prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
@@ -280,8 +318,9 @@ def encode(tokenizer, convs: list[Conversation], system_prompt: str | None) -> l
     ]
 
 
-def fit_split(examples: list[Example], convs: list[Conversation], data: DataConfig,
-              drops: datahash.Drops, overflow: str) -> list[Example]:
+def fit_split(
+    examples: list[Example], convs: list[Conversation], data: DataConfig, drops: datahash.Drops, overflow: str
+) -> list[Example]:
     """Apply the overflow policy: too-long rows are dropped (counted), truncated, or packed together."""
     fitted = []
     for ex, conv in zip(examples, convs):
@@ -298,15 +337,22 @@ def fit_split(examples: list[Example], convs: list[Conversation], data: DataConf
 
 def enforce_limits(splits: dict[str, list[Example]], drops: datahash.Drops, total_rows: int, limit: float) -> None:
     """Too many dropped rows, or an empty split, is a data failure; the summary keeps the counts."""
-    evidence = DataSummary(total_rows=total_rows, dropped=drops.to_json(),
-                           dropped_fraction=drops.total / total_rows if total_rows else None)
+    evidence = DataSummary(
+        total_rows=total_rows,
+        dropped=drops.to_json(),
+        dropped_fraction=drops.total / total_rows if total_rows else None,
+    )
     cause = datahash.drop_failure(drops, total_rows, limit)
     if cause:
         raise StageFailure("data", cause, evidence)
     for name, examples in splits.items():
         if not examples:
-            raise StageFailure("data", f"the {name} split is empty ({total_rows} rows read, {drops.total} dropped); "
-                               "expected at least one row: use a larger source or eval_fraction", evidence)
+            raise StageFailure(
+                "data",
+                f"the {name} split is empty ({total_rows} rows read, {drops.total} dropped); "
+                "expected at least one row: use a larger source or eval_fraction",
+                evidence,
+            )
 
 
 # ---- writing and reading the dataset -----------------------------------------------------------
@@ -316,12 +362,17 @@ def tokenizer_sha256(tokenizer) -> str:
     """A hash over the files the tokenizer saves: what tokenizes, not where it was loaded from."""
     with tempfile.TemporaryDirectory(prefix="tuneproof-tok-") as tmp:
         tokenizer.save_pretrained(tmp)
-        files = {p.relative_to(tmp).as_posix(): datahash.sha256_bytes(p.read_bytes())
-                 for p in Path(tmp).rglob("*") if p.is_file()}
+        files = {
+            p.relative_to(tmp).as_posix(): datahash.sha256_bytes(p.read_bytes())
+            for p in Path(tmp).rglob("*")
+            if p.is_file()
+        }
     return datahash.files_sha256(files)
 
 
-def write_splits(storage: Storage, dataset_path: str, splits: dict[str, list[Example]], shard_rows: int) -> dict[str, SplitMeta]:
+def write_splits(
+    storage: Storage, dataset_path: str, splits: dict[str, list[Example]], shard_rows: int
+) -> dict[str, SplitMeta]:
     meta = {}
     for split, examples in splits.items():
         shards = []
@@ -336,10 +387,15 @@ def write_splits(storage: Storage, dataset_path: str, splits: dict[str, list[Exa
 
 
 def parquet_bytes(examples: list[Example]) -> bytes:
-    table = pa.table({
-        "input_ids": [e.input_ids for e in examples], "labels": [e.labels for e in examples],
-        "prompt": [e.prompt for e in examples], "reference": [e.reference for e in examples],
-    }, schema=SCHEMA)
+    table = pa.table(
+        {
+            "input_ids": [e.input_ids for e in examples],
+            "labels": [e.labels for e in examples],
+            "prompt": [e.prompt for e in examples],
+            "reference": [e.reference for e in examples],
+        },
+        schema=SCHEMA,
+    )
     buf = io.BytesIO()
     pq.write_table(table, buf)
     return buf.getvalue()
@@ -348,21 +404,29 @@ def parquet_bytes(examples: list[Example]) -> bytes:
 def read_manifest(storage: Storage, dataset_path: str) -> DatasetManifest:
     """The manifest of a complete dataset; a missing one means the dataset is absent or half-written."""
     if not storage.exists(dataset_path, "manifest.json"):
-        raise StageFailure(FailureClass.infrastructure, f"dataset {storage.uri(dataset_path)} has no manifest.json: "
-                           "it is missing or was never completed; rerun the data stage")
+        raise StageFailure(
+            FailureClass.infrastructure,
+            f"dataset {storage.uri(dataset_path)} has no manifest.json: "
+            "it is missing or was never completed; rerun the data stage",
+        )
     try:
         return DatasetManifest.model_validate(storage.read_json(dataset_path, "manifest.json"))
     except ValueError as e:
-        raise StageFailure(FailureClass.infrastructure, f"dataset {storage.uri(dataset_path)}: manifest.json is not "
-                           f"a dataset manifest ({one_line(str(e), 200)}); rerun the data stage") from None
+        raise StageFailure(
+            FailureClass.infrastructure,
+            f"dataset {storage.uri(dataset_path)}: manifest.json is not "
+            f"a dataset manifest ({one_line(str(e), 200)}); rerun the data stage",
+        ) from None
 
 
 def read_split(storage: Storage, dataset_path: str, split: str) -> pa.Table:
     """One split of a prepared dataset, every shard checked against the manifest's sha256."""
     manifest = read_manifest(storage, dataset_path)
     if split not in manifest.splits:
-        raise StageFailure(FailureClass.infrastructure, f"dataset {storage.uri(dataset_path)} has no split "
-                           f"{split!r}; expected one of {sorted(manifest.splits)}")
+        raise StageFailure(
+            FailureClass.infrastructure,
+            f"dataset {storage.uri(dataset_path)} has no split {split!r}; expected one of {sorted(manifest.splits)}",
+        )
     tables = [read_shard(storage, dataset_path, shard) for shard in manifest.splits[split].shards]
     return pa.concat_tables(tables) if tables else SCHEMA.empty_table()
 
@@ -375,8 +439,10 @@ def read_shard(storage: Storage, dataset_path: str, shard: Shard) -> pa.Table:
         raise StageFailure(FailureClass.infrastructure, f"dataset shard {uri} is missing; the manifest lists it") from e
     seen = datahash.sha256_bytes(data)
     if seen != shard.sha256:
-        raise StageFailure(FailureClass.infrastructure, f"dataset shard {uri} is corrupt: sha256 {seen[:16]}…, "
-                           f"manifest expects {shard.sha256[:16]}…")
+        raise StageFailure(
+            FailureClass.infrastructure,
+            f"dataset shard {uri} is corrupt: sha256 {seen[:16]}…, manifest expects {shard.sha256[:16]}…",
+        )
     return pq.read_table(io.BytesIO(data), schema=SCHEMA)
 
 

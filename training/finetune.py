@@ -88,14 +88,19 @@ class TrainParams(BaseModel):
     def _hold_on_a_checkpoint(self) -> TrainParams:
         hold = self.hold_after_checkpoint_step
         if hold is not None and hold % self.checkpoint_every and hold != self.max_steps:
-            raise ValueError(f"hold_after_checkpoint_step must be a checkpoint step (a multiple of checkpoint_every "
-                             f"{self.checkpoint_every}, or max_steps {self.max_steps}), got {hold}")
+            raise ValueError(
+                f"hold_after_checkpoint_step must be a checkpoint step (a multiple of checkpoint_every "
+                f"{self.checkpoint_every}, or max_steps {self.max_steps}), got {hold}"
+            )
         return self
 
     @classmethod
     def resolve(cls, ctx: JobContext) -> TrainParams:
-        defaults = {"run_name": ctx.run_id, "max_steps": ctx.config.train.max_steps,
-                    "checkpoint_every": ctx.config.train.checkpoint_every}
+        defaults = {
+            "run_name": ctx.run_id,
+            "max_steps": ctx.config.train.max_steps,
+            "checkpoint_every": ctx.config.train.checkpoint_every,
+        }
         return cls.model_validate({**defaults, **ctx.params})
 
     def export_dir(self, run_id: str) -> str:
@@ -104,6 +109,7 @@ class TrainParams(BaseModel):
 
 
 # ---------------------------------------------------------------- driver
+
 
 def finetune(ctx: JobContext) -> FinetuneSummary:
     """Stage body: run the trainer, then read back what the workers wrote and summarize it."""
@@ -138,7 +144,9 @@ def run_trainer(ctx: JobContext, params: TrainParams) -> Exception | None:
         train_loop_config={"job": jobkit.encode_job(ctx.run_id, ctx.job, ctx.config, params.model_dump())},
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu),
         run_config=ray.train.RunConfig(
-            name=params.run_name, storage_path=storage_path, storage_filesystem=filesystem,
+            name=params.run_name,
+            storage_path=storage_path,
+            storage_filesystem=filesystem,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.num_to_keep),
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
         ),
@@ -152,14 +160,17 @@ def run_trainer(ctx: JobContext, params: TrainParams) -> Exception | None:
 
 def read_outcome(ctx: JobContext, error: Exception | None) -> dict[str, Any]:
     """The workers' outcome.json; a classified failure in it wins over the bare Ray error."""
-    outcome = ctx.storage.read_json(*ctx.stage_parts(OUTCOME)) if ctx.storage.exists(*ctx.stage_parts(OUTCOME)) else None
+    outcome = (
+        ctx.storage.read_json(*ctx.stage_parts(OUTCOME)) if ctx.storage.exists(*ctx.stage_parts(OUTCOME)) else None
+    )
     if outcome and outcome["status"] == "failed":
         raise StageFailure(outcome["failure_class"], outcome["cause"])
     if error is not None:
         raise StageFailure(FailureClass.infrastructure, f"Ray Train run failed: {error}")
     if outcome is None:
-        raise StageFailure(FailureClass.infrastructure,
-                           f"training ended without writing {ctx.storage.uri(*ctx.stage_parts(OUTCOME))}")
+        raise StageFailure(
+            FailureClass.infrastructure, f"training ended without writing {ctx.storage.uri(*ctx.stage_parts(OUTCOME))}"
+        )
     return outcome
 
 
@@ -210,6 +221,7 @@ def loss_curve(rows: list[dict[str, Any]]) -> list[LossPoint]:
 
 
 # ---------------------------------------------------------------- workers
+
 
 @dataclass
 class Worker:
@@ -277,8 +289,10 @@ def outcome_on_failure(ctx: JobContext, rank: int):
         yield
     except StageFailure as f:
         if rank == 0:
-            ctx.storage.write_json({"status": "failed", "failure_class": f.failure_class.value, "cause": f.cause},
-                                   *ctx.stage_parts(OUTCOME))
+            ctx.storage.write_json(
+                {"status": "failed", "failure_class": f.failure_class.value, "cause": f.cause},
+                *ctx.stage_parts(OUTCOME),
+            )
         raise RuntimeError(f"{f.failure_class.value}: {f.cause}") from None
 
 
@@ -296,8 +310,9 @@ def setup(ctx: JobContext, params: TrainParams) -> Worker:
     cfg, rank, world = ctx.config.train, dist.get_rank(), dist.get_world_size()
     device = worker_device(cfg.use_gpu)
     # fp32 master weights everywhere; on GPU FSDP2 computes in bf16.
-    model = load_model(ctx.config.model.source, ctx.config.model.revision, ctx.config.storage.endpoint_url,
-                       dtype=torch.float32)
+    model = load_model(
+        ctx.config.model.source, ctx.config.model.revision, ctx.config.storage.endpoint_url, dtype=torch.float32
+    )
     # Attention counted at data.max_seq_len: an upper bound when the sequences are shorter.
     flops_per_token = train_flops_per_token(ModelShape.from_hf(model.config), ctx.config.data.max_seq_len)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
@@ -306,8 +321,9 @@ def setup(ctx: JobContext, params: TrainParams) -> Worker:
     layout = BatchLayout(cfg.micro_batch_size, cfg.grad_accum_steps, world)
     batches = StepBatches(load_examples(ctx.storage, params.dataset, "train"), layout, cfg.seed, rank, pad_id)
     schedule = WarmupCosine(cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
-    return Worker(ctx, params, rank, world, device, model, optimizer, batches, schedule, flops_per_token,
-                  peak_flops(device))
+    return Worker(
+        ctx, params, rank, world, device, model, optimizer, batches, schedule, flops_per_token, peak_flops(device)
+    )
 
 
 def resolve_start(w: Worker) -> CheckpointRef | None:
@@ -324,8 +340,10 @@ def resolve_start(w: Worker) -> CheckpointRef | None:
         name = posixpath.basename(reported.path.rstrip("/"))
         problem = check_complete(w.storage, *w.run_parts, name)
         if problem and latest is None:
-            raise StageFailure(FailureClass.infrastructure,
-                               f"run {w.params.run_name} has no complete checkpoint to resume from: {problem}")
+            raise StageFailure(
+                FailureClass.infrastructure,
+                f"run {w.params.run_name} has no complete checkpoint to resume from: {problem}",
+            )
         if problem and latest is not None:
             w.log(f"Ray's latest checkpoint is incomplete ({problem}); resuming from {latest.uri} instead")
     if latest is not None:
@@ -333,8 +351,9 @@ def resolve_start(w: Worker) -> CheckpointRef | None:
             w.log(f"run {w.params.run_name} has its own checkpoints; params.init_from {w.params.init_from} is not used")
         return latest
     if w.params.init_from:
-        return CheckpointRef(read_step(Storage(w.params.init_from, w.ctx.config.storage.endpoint_url)),
-                             w.params.init_from)
+        return CheckpointRef(
+            read_step(Storage(w.params.init_from, w.ctx.config.storage.endpoint_url)), w.params.init_from
+        )
     return None
 
 
@@ -347,8 +366,10 @@ def restore(w: Worker, ref: CheckpointRef | None) -> int:
     with local_copy(ref.uri, w.ctx.config.storage.endpoint_url) as local_dir:
         progress = load_shards(w.model, w.optimizer, local_dir, w.rank)
     if progress.world_size != w.world_size:
-        w.log(f"checkpoint was written by {progress.world_size} ranks, now {w.world_size}: DCP reshards the state; "
-              "ranks the checkpoint did not have start from rank 0's RNG state, so replay is not exact")
+        w.log(
+            f"checkpoint was written by {progress.world_size} ranks, now {w.world_size}: DCP reshards the state; "
+            "ranks the checkpoint did not have start from rank 0's RNG state, so replay is not exact"
+        )
     restore_rng(progress.rng)
     w.restored_from = ref.uri
     w.log(f"RESUMED at step {progress.step} from {ref.uri}")
@@ -388,8 +409,13 @@ def train_step(w: Worker, step: int) -> dict[str, Any]:
     w.optimizer.step()
     w.optimizer.zero_grad(set_to_none=True)
     seconds = time.perf_counter() - began
-    stats = {"loss": float(loss_sum) / targets, "lr": lr, "grad_norm": grad_norm,
-             "tokens_per_s": tokens / seconds, "step_seconds": seconds}
+    stats = {
+        "loss": float(loss_sum) / targets,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "tokens_per_s": tokens / seconds,
+        "step_seconds": seconds,
+    }
     if w.peak_flops:
         stats["mfu"] = mfu(w.flops_per_token, tokens / seconds / w.world_size, w.peak_flops)
     return stats
@@ -400,8 +426,14 @@ def global_counts(micro: list[dict], device) -> tuple[int, int]:
     import torch
     import torch.distributed as dist
 
-    counts = torch.tensor([sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro),
-                           sum(int(b["attention_mask"].sum()) for b in micro)], dtype=torch.float64, device=device)
+    counts = torch.tensor(
+        [
+            sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro),
+            sum(int(b["attention_mask"].sum()) for b in micro),
+        ],
+        dtype=torch.float64,
+        device=device,
+    )
     dist.all_reduce(counts)
     return max(int(counts[0]), 1), int(counts[1])
 
@@ -411,8 +443,12 @@ def token_loss_sum(model, batch: dict):
     import torch.nn.functional as F
 
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), batch["labels"][:, 1:].flatten(),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+    return F.cross_entropy(
+        logits[:, :-1].float().flatten(0, 1),
+        batch["labels"][:, 1:].flatten(),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
 
 
 def divergence(loss: float, step: int, limit: float) -> str | None:
@@ -459,9 +495,12 @@ def save_checkpoint(w: Worker, step: int, loss: float) -> None:
         files = save_shards(w.model, w.optimizer, progress_at(w, step), local_dir)
         every_rank: list[dict[str, int]] = [{} for _ in range(w.world_size)]
         dist.all_gather_object(every_rank, files)
-        ray.train.report({"step": step, "loss": finite_or_none(loss)},
-                         checkpoint=ray.train.Checkpoint.from_directory(local_dir),
-                         checkpoint_dir_name=checkpoint_dir_name(step), delete_local_checkpoint_after_upload=False)
+        ray.train.report(
+            {"step": step, "loss": finite_or_none(loss)},
+            checkpoint=ray.train.Checkpoint.from_directory(local_dir),
+            checkpoint_dir_name=checkpoint_dir_name(step),
+            delete_local_checkpoint_after_upload=False,
+        )
     dist.barrier()  # report returns before other ranks finish uploading: wait for all of them
     if w.rank == 0:
         listed = {name: size for files_of_rank in every_rank for name, size in files_of_rank.items()}
@@ -473,8 +512,16 @@ def progress_at(w: Worker, step: int) -> TrainingProgress:
     from training.train_data import position
 
     epoch, batch_in_epoch = position(step + 1, w.batches.per_epoch)
-    return TrainingProgress(step=step, epoch=epoch, batch_in_epoch=batch_in_epoch, seed=w.ctx.config.train.seed,
-                            rank=w.rank, world_size=w.world_size, schedule=w.schedule.to_dict(), rng=capture_rng())
+    return TrainingProgress(
+        step=step,
+        epoch=epoch,
+        batch_in_epoch=batch_in_epoch,
+        seed=w.ctx.config.train.seed,
+        rank=w.rank,
+        world_size=w.world_size,
+        schedule=w.schedule.to_dict(),
+        rng=capture_rng(),
+    )
 
 
 def hold(w: Worker, step: int) -> None:
@@ -501,16 +548,24 @@ def export_model(w: Worker, step: int) -> str:
     return path
 
 
-def finish(w: Worker, start: int, step: int, status: str, cause: str | None = None,
-           export_path: str | None = None) -> None:
+def finish(
+    w: Worker, start: int, step: int, status: str, cause: str | None = None, export_path: str | None = None
+) -> None:
     """Rank 0 saves the metrics and writes outcome.json, which the driver reads."""
     flush_metrics(w)
     if w.rank != 0:
         return
     if cause:
         jobkit.log(f"training stopped: {cause}")
-    outcome = {"status": status, "cause": cause, "start_step": start, "steps": step, "restored_from": w.restored_from,
-               "first_step_completed_at": w.first_step_completed_at, "export_path": export_path}
+    outcome = {
+        "status": status,
+        "cause": cause,
+        "start_step": start,
+        "steps": step,
+        "restored_from": w.restored_from,
+        "first_step_completed_at": w.first_step_completed_at,
+        "export_path": export_path,
+    }
     w.storage.write_json(outcome, *w.ctx.stage_parts(OUTCOME))
 
 

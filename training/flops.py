@@ -46,10 +46,13 @@ class ModelShape:
         """From a Qwen2/Llama-style config (head_dim when it sets one, else hidden / heads)."""
         heads = config.num_attention_heads
         return cls(
-            hidden=config.hidden_size, layers=config.num_hidden_layers, heads=heads,
+            hidden=config.hidden_size,
+            layers=config.num_hidden_layers,
+            heads=heads,
             kv_heads=config.num_key_value_heads or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            intermediate=config.intermediate_size, vocab=config.vocab_size,
+            intermediate=config.intermediate_size,
+            vocab=config.vocab_size,
             tied_embeddings=bool(config.tie_word_embeddings),
         )
 

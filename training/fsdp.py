@@ -56,8 +56,10 @@ def mesh_shape(sharding: str, world_size: int, shard_group_size: int | None, loc
     group = shard_group_size or local_world_size
     if world_size % group:
         source = "train.shard_group_size" if shard_group_size else "the workers on this node"
-        raise ValueError(f"hybrid sharding needs the shard group size to divide the world size, "
-                         f"got a group of {group} ({source}) and world size {world_size}")
+        raise ValueError(
+            f"hybrid sharding needs the shard group size to divide the world size, "
+            f"got a group of {group} ({source}) and world size {world_size}"
+        )
     return (world_size // group, group)
 
 
@@ -66,8 +68,13 @@ def local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
 
 
-def shard_model(model, device: torch.device, activation_checkpointing: bool, sharding: str = "full",
-                shard_group_size: int | None = None):
+def shard_model(
+    model,
+    device: torch.device,
+    activation_checkpointing: bool,
+    sharding: str = "full",
+    shard_group_size: int | None = None,
+):
     """fully_shard each decoder layer, then the root, on the mesh `sharding` asks for; bf16 compute
     with fp32 reduction on GPU, fp32 on CPU. Collective: every rank calls it with the same choice."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -76,8 +76,9 @@ def run_stage(body: Callable[[JobContext], Summary]) -> None:
     started = now_iso()
     try:
         summary = body(ctx)
-        result = StageResult(stage=ctx.job, status="succeeded", summary=summary.to_json(), started_at=started,
-                             ended_at=now_iso())
+        result = StageResult(
+            stage=ctx.job, status="succeeded", summary=summary.to_json(), started_at=started, ended_at=now_iso()
+        )
     except StageFailure as f:
         log(f"stage failed ({f.failure_class.value}): {f.cause}")
         result = _failed(ctx, started, f.failure_class, f.cause, f.summary)
@@ -90,6 +91,11 @@ def run_stage(body: Callable[[JobContext], Summary]) -> None:
 
 def _failed(ctx: JobContext, started: str, cls: FailureClass, cause: str, summary: BaseModel | None) -> StageResult:
     return StageResult(
-        stage=ctx.job, status="failed", failure_class=cls, cause=one_line(cause),
-        summary=summary.model_dump(mode="json") if summary is not None else None, started_at=started, ended_at=now_iso(),
+        stage=ctx.job,
+        status="failed",
+        failure_class=cls,
+        cause=one_line(cause),
+        summary=summary.model_dump(mode="json") if summary is not None else None,
+        started_at=started,
+        ended_at=now_iso(),
     )

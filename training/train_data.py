@@ -59,10 +59,14 @@ class BatchLayout:
 def steps_per_epoch(num_examples: int, layout: BatchLayout) -> int:
     steps = num_examples // layout.global_batch
     if steps < 1:
-        raise StageFailure(FailureClass.data, (
-            f"train split has {num_examples} examples, fewer than one global batch of {layout.global_batch} "
-            f"(micro_batch_size {layout.micro_batch_size} x grad_accum_steps {layout.grad_accum_steps} "
-            f"x {layout.world_size} workers)"))
+        raise StageFailure(
+            FailureClass.data,
+            (
+                f"train split has {num_examples} examples, fewer than one global batch of {layout.global_batch} "
+                f"(micro_batch_size {layout.micro_batch_size} x grad_accum_steps {layout.grad_accum_steps} "
+                f"x {layout.world_size} workers)"
+            ),
+        )
     return steps
 
 
@@ -79,8 +83,8 @@ def epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:
 def rank_slices(order: np.ndarray, batch_in_epoch: int, layout: BatchLayout, rank: int) -> list[np.ndarray]:
     """This rank's micro-batches (index arrays) of one global batch."""
     start = batch_in_epoch * layout.global_batch + rank * layout.per_rank
-    mine = order[start:start + layout.per_rank]
-    return [mine[i:i + layout.micro_batch_size] for i in range(0, layout.per_rank, layout.micro_batch_size)]
+    mine = order[start : start + layout.per_rank]
+    return [mine[i : i + layout.micro_batch_size] for i in range(0, layout.per_rank, layout.micro_batch_size)]
 
 
 def collate(examples: list[TrainExample], pad_id: int) -> dict:

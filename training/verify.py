@@ -69,7 +69,8 @@ def alive_nodes() -> list[dict[str, Any]]:
             "alive": True,
             "gpus_advertised": n["Resources"].get("GPU", 0.0),
         }
-        for n in ray.nodes() if n["Alive"]
+        for n in ray.nodes()
+        if n["Alive"]
     ]
 
 
@@ -85,7 +86,9 @@ def probe_nodes(nodes: list[dict], timeout_s: float) -> tuple[list[dict], list[F
         error = _probe_error(ref, ready, timeout_s)
         if error:
             facts.append({**node, "probe_error": error})
-            findings.append(Finding(node_subject(node), "probe", error, "node facts", "the probe task did not complete"))
+            findings.append(
+                Finding(node_subject(node), "probe", error, "node facts", "the probe task did not complete")
+            )
         else:
             facts.append({**node, **ray.get(ref)})
     return facts, findings
@@ -132,10 +135,7 @@ def nccl_version() -> str | None:
 
 
 def installed_distributions() -> list[tuple[str, str]]:
-    return [
-        (d.metadata["Name"], d.version)
-        for d in importlib.metadata.distributions() if d.metadata["Name"]
-    ]
+    return [(d.metadata["Name"], d.version) for d in importlib.metadata.distributions() if d.metadata["Name"]]
 
 
 def probe_storage(storage_cfg: StorageConfig, parts: tuple[str, ...], nodes: list[dict], timeout_s: float) -> dict:
@@ -172,8 +172,15 @@ def storage_roundtrip(storage_cfg: dict, parts: list[str]) -> dict[str, Any]:
 def storage_findings(probe: dict) -> list[Finding]:
     if probe["ok"]:
         return []
-    return [Finding(f"storage {probe['uri']}", "write/read/delete", probe["error"], "ok",
-                    f"from a task on node {probe['node_ip']}")]
+    return [
+        Finding(
+            f"storage {probe['uri']}",
+            "write/read/delete",
+            probe["error"],
+            "ok",
+            f"from a task on node {probe['node_ip']}",
+        )
+    ]
 
 
 def fail_on_errors(findings: list[Finding], summary: VerifySummary) -> None:
@@ -186,8 +193,9 @@ def _pinned(remote, node_id: str):
     """Hard-pinned to one node, and zero CPUs so it schedules while training holds every CPU."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    return remote.options(num_cpus=0, max_retries=0,
-                          scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+    return remote.options(
+        num_cpus=0, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
+    )
 
 
 def _probe_error(ref, ready: list, timeout_s: float) -> str | None:

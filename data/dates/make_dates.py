@@ -20,8 +20,20 @@ ROWS = 3000
 FIRST_DAY = dt.date(1950, 1, 1)
 LAST_DAY = dt.date(2049, 12, 31)
 
-MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August",
-          "September", "October", "November", "December")
+MONTHS = (
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+)
 WEEKDAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
 
 
@@ -33,12 +45,12 @@ def ordinal(day: int) -> str:
 
 # Month and weekday names are spelled out here rather than taken from strftime, which follows the locale.
 FORMATS = (
-    lambda d: f"{MONTHS[d.month - 1]} {d.day}, {d.year}",                                  # March 5, 2021
-    lambda d: f"{d.day} {MONTHS[d.month - 1][:3]} {d.year}",                               # 5 Mar 2021
-    lambda d: f"{d.year}/{d.month:02d}/{d.day:02d}",                                        # 2021/03/05
-    lambda d: f"{WEEKDAYS[d.weekday()]}, {MONTHS[d.month - 1]} {d.day}, {d.year}",         # Friday, March 5, 2021
-    lambda d: f"{d.year}{d.month:02d}{d.day:02d}",                                          # 20210305
-    lambda d: f"the {ordinal(d.day)} of {MONTHS[d.month - 1]} {d.year}",                    # the 5th of March 2021
+    lambda d: f"{MONTHS[d.month - 1]} {d.day}, {d.year}",  # March 5, 2021
+    lambda d: f"{d.day} {MONTHS[d.month - 1][:3]} {d.year}",  # 5 Mar 2021
+    lambda d: f"{d.year}/{d.month:02d}/{d.day:02d}",  # 2021/03/05
+    lambda d: f"{WEEKDAYS[d.weekday()]}, {MONTHS[d.month - 1]} {d.day}, {d.year}",  # Friday, March 5, 2021
+    lambda d: f"{d.year}{d.month:02d}{d.day:02d}",  # 20210305
+    lambda d: f"the {ordinal(d.day)} of {MONTHS[d.month - 1]} {d.year}",  # the 5th of March 2021
 )
 
 

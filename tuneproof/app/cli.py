@@ -83,7 +83,9 @@ def run(
     stages = parse_only(only)
     if stages and not run_id and table.needs_an_earlier_run(table.plan(stages)):
         run_id = latest_run_id(cfg)
-        console.print(f"--only {','.join(stages)} reruns against the latest run, {run_id} (use --run-id to pick another)")
+        console.print(
+            f"--only {','.join(stages)} reruns against the latest run, {run_id} (use --run-id to pick another)"
+        )
     from tuneproof.app.terminal import run_with_display
 
     record = run_with_display(cfg, run_id, stages, console)
@@ -132,28 +134,42 @@ def storage_for(config: Path | None, sets: list[str]):
 
 
 @runs_app.command("list")
-def runs_list(as_json: bool = typer.Option(False, "--json"), config: Path | None = ConfigOpt,
-              sets: list[str] = SetOpt) -> None:
+def runs_list(
+    as_json: bool = typer.Option(False, "--json"), config: Path | None = ConfigOpt, sets: list[str] = SetOpt
+) -> None:
     """Runs, newest first."""
     from tuneproof.control import record
 
     recs, unreadable = record.list_records(storage_for(config, sets))
-    rows = [record.RecordRow(run_id=r.run_id, created_at=r.created_at, status=r.status,
-                             failure_class=r.failure_class.value if r.failure_class else None, cause=r.cause)
-            for r in recs] + unreadable
+    rows = [
+        record.RecordRow(
+            run_id=r.run_id,
+            created_at=r.created_at,
+            status=r.status,
+            failure_class=r.failure_class.value if r.failure_class else None,
+            cause=r.cause,
+        )
+        for r in recs
+    ] + unreadable
     if as_json:
         print(json.dumps([r.model_dump() for r in rows], indent=2))
         return
     from tuneproof.app.terminal import whole_table
 
-    cells = [[r.run_id, (r.created_at or "")[:16].replace("T", " "), r.status, r.failure_class or "", r.cause or ""]
-             for r in rows]
+    cells = [
+        [r.run_id, (r.created_at or "")[:16].replace("T", " "), r.status, r.failure_class or "", r.cause or ""]
+        for r in rows
+    ]
     console.print(whole_table(["run", "created", "status", "failure", "cause"], cells, keep=("run",)))
 
 
 @runs_app.command("show")
-def runs_show(run_id: str, as_json: bool = typer.Option(False, "--json"), config: Path | None = ConfigOpt,
-              sets: list[str] = SetOpt) -> None:
+def runs_show(
+    run_id: str,
+    as_json: bool = typer.Option(False, "--json"),
+    config: Path | None = ConfigOpt,
+    sets: list[str] = SetOpt,
+) -> None:
     """One run's record."""
     from tuneproof.control import record
 
@@ -171,8 +187,13 @@ def runs_show(run_id: str, as_json: bool = typer.Option(False, "--json"), config
 
 
 @runs_app.command("diff")
-def runs_diff(run_a: str, run_b: str, as_json: bool = typer.Option(False, "--json"),
-              config: Path | None = ConfigOpt, sets: list[str] = SetOpt) -> None:
+def runs_diff(
+    run_a: str,
+    run_b: str,
+    as_json: bool = typer.Option(False, "--json"),
+    config: Path | None = ConfigOpt,
+    sets: list[str] = SetOpt,
+) -> None:
     """What changed between two runs: identity, config fields, and metric deltas."""
     from tuneproof.app.rundiff import diff_records, render_diff
     from tuneproof.control import record
@@ -194,9 +215,12 @@ def runs_diff(run_a: str, run_b: str, as_json: bool = typer.Option(False, "--jso
 
 
 @app.command()
-def verify(config: Path | None = ConfigOpt, sets: list[str] = SetOpt,
-           from_files: Path | None = typer.Option(None, "--from-files", help="Saved kubectl/ray JSON."),
-           as_json: bool = typer.Option(False, "--json")) -> None:
+def verify(
+    config: Path | None = ConfigOpt,
+    sets: list[str] = SetOpt,
+    from_files: Path | None = typer.Option(None, "--from-files", help="Saved kubectl/ray JSON."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
     """Verify the cluster live (the verify stage), or over saved `kubectl get -o json` / `ray list nodes` output."""
     if from_files is not None:
         from tuneproof.app.cli_eks import verify_from_files_command
@@ -210,9 +234,13 @@ def verify(config: Path | None = ConfigOpt, sets: list[str] = SetOpt,
 
 
 @app.command()
-def lint(paths: list[str] = typer.Argument(None, help="Manifests or folders (default deployments/)."),
-         config: Path | None = typer.Option(None, "--config", "-c", help="Profile whose expectations apply (default configs/eks.yaml)."),
-         sets: list[str] = SetOpt) -> None:
+def lint(
+    paths: list[str] = typer.Argument(None, help="Manifests or folders (default deployments/)."),
+    config: Path | None = typer.Option(
+        None, "--config", "-c", help="Profile whose expectations apply (default configs/eks.yaml)."
+    ),
+    sets: list[str] = SetOpt,
+) -> None:
     """Static checks of deployments/ manifests against schemas and the pipeline's expectations."""
     from tuneproof.app.cli_eks import lint_command
 
@@ -226,8 +254,10 @@ class TransportExpect(str, Enum):
 
 
 @app.command()
-def transport(logs: list[Path] = typer.Argument(..., help="NCCL log files."),
-              expect: TransportExpect = typer.Option(TransportExpect.any, help="What the logs must show.")) -> None:
+def transport(
+    logs: list[Path] = typer.Argument(..., help="NCCL log files."),
+    expect: TransportExpect = typer.Option(TransportExpect.any, help="What the logs must show."),
+) -> None:
     """Classify NCCL logs: efa | socket-fallback | inconclusive | gloo. Non-zero exit when --expect is not met."""
     from tuneproof.core.transport import verdict_for_files
 
@@ -247,8 +277,9 @@ def transport(logs: list[Path] = typer.Argument(..., help="NCCL log files."),
 
 
 @models_app.command("list")
-def models_list(as_json: bool = typer.Option(False, "--json"), config: Path | None = ConfigOpt,
-                sets: list[str] = SetOpt) -> None:
+def models_list(
+    as_json: bool = typer.Option(False, "--json"), config: Path | None = ConfigOpt, sets: list[str] = SetOpt
+) -> None:
     """Registered models and their production versions."""
     from tuneproof.control.registry import list_models
 
@@ -259,8 +290,9 @@ def models_list(as_json: bool = typer.Option(False, "--json"), config: Path | No
     from tuneproof.app.terminal import whole_table
 
     # A version is named v<NNNN>-<run id>: the run that produced it needs no column of its own.
-    cells = [[m["name"], (m.get("production") or {}).get("version", "-"), str(len(m.get("versions", [])))]
-             for m in models]
+    cells = [
+        [m["name"], (m.get("production") or {}).get("version", "-"), str(len(m.get("versions", [])))] for m in models
+    ]
     console.print(whole_table(["model", "production version", "versions"], cells, keep=("model", "production version")))
 
 
@@ -277,9 +309,13 @@ def models_show(name: str, config: Path | None = ConfigOpt, sets: list[str] = Se
 
 
 @app.command()
-def promote(run_id: str, force: bool = typer.Option(False, "--force", help="Required: this bypasses the gates."),
-            reason: str = typer.Option("", "--reason", help="Why the gates are overridden (recorded)."),
-            config: Path | None = ConfigOpt, sets: list[str] = SetOpt) -> None:
+def promote(
+    run_id: str,
+    force: bool = typer.Option(False, "--force", help="Required: this bypasses the gates."),
+    reason: str = typer.Option("", "--reason", help="Why the gates are overridden (recorded)."),
+    config: Path | None = ConfigOpt,
+    sets: list[str] = SetOpt,
+) -> None:
     """The logged override: promote a run's exported model regardless of its gates."""
     if not force or not reason.strip():
         err.print("promote is an override of the gates: it needs --force and a non-empty --reason")

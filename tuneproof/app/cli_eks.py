@@ -57,8 +57,17 @@ def verify_from_files_command(directory: str, config_path: str | None, sets: lis
         return EXIT_BY_CLASS[FailureClass.infrastructure]
     findings = check_cluster(objects, cfg)
     if as_json:
-        print(json.dumps({"ok": not errors(findings), "findings": [f.to_json() for f in findings],
-                          "summary": summarize(objects, cfg)}, indent=2, default=str))
+        print(
+            json.dumps(
+                {
+                    "ok": not errors(findings),
+                    "findings": [f.to_json() for f in findings],
+                    "summary": summarize(objects, cfg),
+                },
+                indent=2,
+                default=str,
+            )
+        )
     else:
         _print_findings(findings)
         print(_tally(findings, f"verify of {directory} against profile {cfg.profile}"))

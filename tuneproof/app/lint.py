@@ -98,8 +98,10 @@ SHARED_VOLUME_KEYS = ("nfs",)
 SHARED_CSI_DRIVERS = ("fsx.csi.aws.com", "efs.csi.aws.com")
 S3_CSI_DRIVER = "s3.csi.aws.com"
 FSX_CSI_DRIVER = "fsx.csi.aws.com"
-MOUNTPOINT_WHY = ("the S3 CSI driver (Mountpoint for Amazon S3) supports no rename and no append: checkpoints, "
-                  "completion markers and the record's atomic writes need both; use s3:// or FSx/EFS")
+MOUNTPOINT_WHY = (
+    "the S3 CSI driver (Mountpoint for Amazon S3) supports no rename and no append: checkpoints, "
+    "completion markers and the record's atomic writes need both; use s3:// or FSx/EFS"
+)
 IRSA_ANNOTATION = "eks.amazonaws.com/role-arn"
 INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
 DAEMONSET_ALLOWANCE = (0.5, 1.0)
@@ -123,13 +125,27 @@ PSA_LABELS = {
     "pod-security.kubernetes.io/audit": "a violation (e.g. in a Job template) leaves no audit record",
     "pod-security.kubernetes.io/warn": "kubectl apply gives no warning for a workload the profile refuses",
 }
-RESTRICTED_VOLUMES = ("configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected",
-                      "secret")
-RESTRICTED_WHY = ("the restricted pod security profile (pod or container securityContext; namespace.yaml enforces it): "
-                  "the API server refuses the pod")
+RESTRICTED_VOLUMES = (
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+)
+RESTRICTED_WHY = (
+    "the restricted pod security profile (pod or container securityContext; namespace.yaml enforces it): "
+    "the API server refuses the pod"
+)
 RAY_CLUSTER_LABEL = "ray.io/cluster"
-PINNED_FIELDS = {"image": "image", "serviceAccountName": "service account", "serviceAccount": "service account",
-                 "namespace": "namespace"}
+PINNED_FIELDS = {
+    "image": "image",
+    "serviceAccountName": "service account",
+    "serviceAccount": "service account",
+    "namespace": "namespace",
+}
 """Job-manifest fields a work-pool variable may fill only when its schema pins it to one value (const)."""
 PREFECT_CREDENTIALS = ("PREFECT_API_KEY", "PREFECT_API_AUTH_STRING", "PREFECT_SERVER_API_AUTH_STRING")
 CREDENTIAL_SECRET_SETTINGS = {
@@ -218,8 +234,14 @@ def load_documents(paths: list[str]) -> tuple[list[Doc], list[Finding]]:
         for obj in objects:
             known = is_job_template(obj) or is_prefect_project(obj) or ("kind" in obj and "apiVersion" in obj)
             if not isinstance(obj, dict) or not known:
-                findings.append(Finding(str(file), "document", type(obj).__name__, "a Kubernetes object "
-                                        "(apiVersion, kind), a Prefect base job template or a Prefect project file"))
+                findings.append(
+                    Finding(
+                        str(file),
+                        "document",
+                        type(obj).__name__,
+                        "a Kubernetes object (apiVersion, kind), a Prefect base job template or a Prefect project file",
+                    )
+                )
                 continue
             docs.append(Doc(str(file), obj))
     return docs, findings
@@ -265,8 +287,16 @@ def schema_findings(doc: Doc) -> list[Finding]:
         return []  # a base job template is validated as the Job it renders, in job_template_findings
     validator = schema_validator(doc.obj.get("apiVersion", ""), doc.kind)
     if validator is None:
-        return [Finding(doc.subject, "apiVersion/kind", f"{doc.obj.get('apiVersion')}/{doc.kind}",
-                        "a kind with an offline schema", "not schema-checked", "warning")]
+        return [
+            Finding(
+                doc.subject,
+                "apiVersion/kind",
+                f"{doc.obj.get('apiVersion')}/{doc.kind}",
+                "a kind with an offline schema",
+                "not schema-checked",
+                "warning",
+            )
+        ]
     return [_schema_finding(doc.subject, e) for e in sorted(validator.iter_errors(doc.obj), key=lambda e: list(e.path))]
 
 
@@ -327,9 +357,11 @@ def raycluster_findings(doc: Doc, docs: list[Doc], config: PipelineConfig | None
 
 def ray_groups(raycluster: dict) -> list[tuple[str, dict]]:
     """(field prefix, group spec) for the head group and every worker group."""
-    head = ((raycluster.get("spec") or {}).get("headGroupSpec") or {})
-    return [("spec.headGroupSpec", head),
-            *((f"spec.workerGroupSpecs[{g.get('groupName')}]", g) for g in worker_groups(raycluster))]
+    head = (raycluster.get("spec") or {}).get("headGroupSpec") or {}
+    return [
+        ("spec.headGroupSpec", head),
+        *((f"spec.workerGroupSpecs[{g.get('groupName')}]", g) for g in worker_groups(raycluster)),
+    ]
 
 
 def _pod_spec(group: dict) -> dict:
@@ -348,20 +380,42 @@ def ray_image_findings(doc: Doc, where: str, group: dict, config: PipelineConfig
         findings += _digest_findings(doc.subject, field, container.get("image", ""))
         digest = image_digest(container.get("image"))
         if expected and digest and digest != image_digest(expected):
-            findings.append(Finding(doc.subject, field, container.get("image"), expected,
-                                    "differs from the config's cluster.expect.image: verify would fail every pod"))
+            findings.append(
+                Finding(
+                    doc.subject,
+                    field,
+                    container.get("image"),
+                    expected,
+                    "differs from the config's cluster.expect.image: verify would fail every pod",
+                )
+            )
     return findings
 
 
 def _digest_findings(subject: str, field: str, image: str, unpinned: Severity = "error") -> list[Finding]:
     digest = image_digest(image)
     if digest is None or not image.endswith("@" + digest):
-        return [Finding(subject, field, image, f"{image.split('@')[0]}@sha256:<64 hex>",
-                        "pin the image by digest: a tag can move to different bytes", unpinned)]
+        return [
+            Finding(
+                subject,
+                field,
+                image,
+                f"{image.split('@')[0]}@sha256:<64 hex>",
+                "pin the image by digest: a tag can move to different bytes",
+                unpinned,
+            )
+        ]
     if digest == PLACEHOLDER_DIGEST:
-        return [Finding(subject, field, digest, "the image's real digest",
-                        "placeholder digest: put the real one here (deployments/README.md, \"The two images\")",
-                        "warning")]
+        return [
+            Finding(
+                subject,
+                field,
+                digest,
+                "the image's real digest",
+                'placeholder digest: put the real one here (deployments/README.md, "The two images")',
+                "warning",
+            )
+        ]
     return []
 
 
@@ -375,9 +429,16 @@ def gpu_setting_findings(doc: Doc, where: str, group: dict) -> list[Finding]:
     limit = resource_count(container, GPU_RESOURCE)
     if as_count(raw) == limit:
         return []
-    return [Finding(doc.subject, f"{where}.{field}", raw, str(limit),
-                    f"the Ray container {container.get('name')}'s {GPU_RESOURCE} limit is {limit}: "
-                    "Ray must advertise exactly the GPUs the pod owns")]
+    return [
+        Finding(
+            doc.subject,
+            f"{where}.{field}",
+            raw,
+            str(limit),
+            f"the Ray container {container.get('name')}'s {GPU_RESOURCE} limit is {limit}: "
+            "Ray must advertise exactly the GPUs the pod owns",
+        )
+    ]
 
 
 def ray_version_findings(doc: Doc, groups: list[tuple[str, dict]], config: PipelineConfig | None) -> list[Finding]:
@@ -387,16 +448,31 @@ def ray_version_findings(doc: Doc, groups: list[tuple[str, dict]], config: Pipel
         image = ray_container(_pod_spec(group)).get("image", "")
         in_tag, why_not = image_ray_version(image)
         if in_tag and declared != in_tag:
-            findings.append(Finding(doc.subject, "spec.rayVersion", declared, in_tag,
-                                    f"the Ray version in {where}'s image tag ({image.split('@')[0]})"))
+            findings.append(
+                Finding(
+                    doc.subject,
+                    "spec.rayVersion",
+                    declared,
+                    in_tag,
+                    f"the Ray version in {where}'s image tag ({image.split('@')[0]})",
+                )
+            )
         elif why_not:
-            findings.append(Finding(doc.subject, f"{where}.template.spec.containers[0].image tag", image_tag(image),
-                                    "a tag naming a Ray version (X.Y.Z-..., or train-ml-cuda-vX.Y)",
-                                    f"{why_not}: rayVersion {declared} is not checked against the image", "warning"))
+            findings.append(
+                Finding(
+                    doc.subject,
+                    f"{where}.template.spec.containers[0].image tag",
+                    image_tag(image),
+                    "a tag naming a Ray version (X.Y.Z-..., or train-ml-cuda-vX.Y)",
+                    f"{why_not}: rayVersion {declared} is not checked against the image",
+                    "warning",
+                )
+            )
     expected = config.cluster.expect.ray_version if config else None
     if expected and declared != expected:
-        findings.append(Finding(doc.subject, "spec.rayVersion", declared, expected,
-                                "config cluster.expect.ray_version"))
+        findings.append(
+            Finding(doc.subject, "spec.rayVersion", declared, expected, "config cluster.expect.ray_version")
+        )
     return _unique(findings)
 
 
@@ -453,11 +529,25 @@ def worker_expectation_findings(doc: Doc, config: PipelineConfig) -> list[Findin
             continue
         limits_field = f"{where}.template.spec.containers[{container.get('name')}].resources.limits"
         if expect.gpus_per_worker and gpus != expect.gpus_per_worker:
-            findings.append(Finding(doc.subject, f"{limits_field}[{GPU_RESOURCE}]", gpus, expect.gpus_per_worker,
-                                    "config cluster.expect.gpus_per_worker"))
+            findings.append(
+                Finding(
+                    doc.subject,
+                    f"{limits_field}[{GPU_RESOURCE}]",
+                    gpus,
+                    expect.gpus_per_worker,
+                    "config cluster.expect.gpus_per_worker",
+                )
+            )
         if expect.efa and not resource_count(container, EFA_RESOURCE) and not _pod_spec(group).get("resourceClaims"):
-            findings.append(Finding(doc.subject, f"{limits_field}[{EFA_RESOURCE}]", 0, ">= 1 (or a DRA resourceClaim)",
-                                    "config cluster.expect.efa: without an EFA device NCCL can only use sockets"))
+            findings.append(
+                Finding(
+                    doc.subject,
+                    f"{limits_field}[{EFA_RESOURCE}]",
+                    0,
+                    ">= 1 (or a DRA resourceClaim)",
+                    "config cluster.expect.efa: without an EFA device NCCL can only use sockets",
+                )
+            )
         if config.connectivity.expect_transport == "efa":
             findings += _nccl_net_findings(doc, where, container)
     return findings
@@ -467,10 +557,16 @@ def _nccl_net_findings(doc: Doc, where: str, container: dict) -> list[Finding]:
     env = {e.get("name"): e.get("value") for e in container.get("env") or []}
     if (env.get("NCCL_NET") or "").strip().lower() in OFI_NET_NAMES:
         return []
-    return [Finding(doc.subject, f"{where}.template.spec.containers[{container.get('name')}].env[NCCL_NET]",
-                    env.get("NCCL_NET"), "Libfabric",
-                    "connectivity.expect_transport efa: unpinned, NCCL silently falls back to sockets when the "
-                    "OFI plugin fails to load")]
+    return [
+        Finding(
+            doc.subject,
+            f"{where}.template.spec.containers[{container.get('name')}].env[NCCL_NET]",
+            env.get("NCCL_NET"),
+            "Libfabric",
+            "connectivity.expect_transport efa: unpinned, NCCL silently falls back to sockets when the "
+            "OFI plugin fails to load",
+        )
+    ]
 
 
 def cluster_gpu_capacity(raycluster: dict) -> int:
@@ -490,9 +586,16 @@ def capacity_findings(doc: Doc, config: PipelineConfig) -> list[Finding]:
     capacity = cluster_gpu_capacity(doc.obj)
     if train.num_workers <= capacity:
         return []
-    return [Finding(doc.subject, "GPUs over workerGroupSpecs (pods x GPUs per pod)", capacity,
-                    f">= {train.num_workers}", f"config train.num_workers={train.num_workers} with use_gpu: "
-                    "the ScalingConfig asks for more GPU workers than the cluster can place")]
+    return [
+        Finding(
+            doc.subject,
+            "GPUs over workerGroupSpecs (pods x GPUs per pod)",
+            capacity,
+            f">= {train.num_workers}",
+            f"config train.num_workers={train.num_workers} with use_gpu: "
+            "the ScalingConfig asks for more GPU workers than the cluster can place",
+        )
+    ]
 
 
 # ---------------------------------------------------------------- Ray pods on their nodes
@@ -504,15 +607,29 @@ def shm_findings(doc: Doc, where: str, group: dict) -> list[Finding]:
     container = ray_container(pod_spec)
     mount = next((m for m in container.get("volumeMounts") or [] if m.get("mountPath") == "/dev/shm"), None)
     if mount is None:
-        return [Finding(doc.subject, f"{where}.template.spec.containers[{container.get('name')}].volumeMounts", None,
-                        "an emptyDir with medium Memory mounted at /dev/shm", "the runtime's 64 MiB /dev/shm pushes "
-                        "Ray's object store to disk and starves NCCL's shared-memory transport")]
+        return [
+            Finding(
+                doc.subject,
+                f"{where}.template.spec.containers[{container.get('name')}].volumeMounts",
+                None,
+                "an emptyDir with medium Memory mounted at /dev/shm",
+                "the runtime's 64 MiB /dev/shm pushes "
+                "Ray's object store to disk and starves NCCL's shared-memory transport",
+            )
+        ]
     volume = _volume(pod_spec, mount.get("name"))
     field = f"{where}.template.spec.volumes[{mount.get('name')}]"
     empty_dir = volume.get("emptyDir")
     if empty_dir is None or empty_dir.get("medium") != "Memory":
-        return [Finding(doc.subject, field, _volume_kind(volume) if empty_dir is None else empty_dir, "emptyDir medium: Memory",
-                        "/dev/shm must be memory-backed: on disk, Ray's object store and NCCL's SHM transport crawl")]
+        return [
+            Finding(
+                doc.subject,
+                field,
+                _volume_kind(volume) if empty_dir is None else empty_dir,
+                "emptyDir medium: Memory",
+                "/dev/shm must be memory-backed: on disk, Ray's object store and NCCL's SHM transport crawl",
+            )
+        ]
     return _shm_size_findings(doc.subject, f"{field}.emptyDir.sizeLimit", empty_dir.get("sizeLimit"), container)
 
 
@@ -526,8 +643,11 @@ def _shm_size_findings(subject: str, field: str, size_limit, container: dict) ->
         return [Finding(subject, field, size_limit, wanted, "an unbounded tmpfs can fill the whole memory limit")]
     if low * limit <= size <= high * limit:
         return []
-    why = ("below Ray's default object store (30% of memory): Ray spills it to disk" if size < low * limit
-           else "tmpfs pages count against the memory limit: more leaves Ray's processes too little")
+    why = (
+        "below Ray's default object store (30% of memory): Ray spills it to disk"
+        if size < low * limit
+        else "tmpfs pages count against the memory limit: more leaves Ray's processes too little"
+    )
     return [Finding(subject, field, size_limit, wanted, why)]
 
 
@@ -540,26 +660,62 @@ def node_fit_findings(doc: Doc, where: str, group: dict) -> list[Finding]:
     instance = eks_instance_types().get(instance_type)
     field = f"{where}.template.spec.nodeSelector[{INSTANCE_TYPE_LABEL}]"
     if instance is None:
-        return [Finding(doc.subject, field, instance_type, f"a type in {INSTANCE_TABLE.name}",
-                        "unknown instance type: requests not checked against its allocatable", "warning")]
+        return [
+            Finding(
+                doc.subject,
+                field,
+                instance_type,
+                f"a type in {INSTANCE_TABLE.name}",
+                "unknown instance type: requests not checked against its allocatable",
+                "warning",
+            )
+        ]
     requests = pod_requests(pod_spec)
     where_requests = f"{where}.template.spec.containers[*].resources.requests"
-    return [*_fit(doc.subject, where_requests, instance_type, "cpu", requests["cpu"], allocatable(instance)[0],
-                  DAEMONSET_ALLOWANCE[0], "cores"),
-            *_fit(doc.subject, where_requests, instance_type, "memory", requests["memory"], allocatable(instance)[1],
-                  DAEMONSET_ALLOWANCE[1], "GiB"),
-            *_fit(doc.subject, where_requests, instance_type, GPU_RESOURCE, requests[GPU_RESOURCE], instance["gpus"], 0, ""),
-            *_fit(doc.subject, where_requests, instance_type, EFA_RESOURCE, requests[EFA_RESOURCE], instance["efa"], 0, "")]
+    return [
+        *_fit(
+            doc.subject,
+            where_requests,
+            instance_type,
+            "cpu",
+            requests["cpu"],
+            allocatable(instance)[0],
+            DAEMONSET_ALLOWANCE[0],
+            "cores",
+        ),
+        *_fit(
+            doc.subject,
+            where_requests,
+            instance_type,
+            "memory",
+            requests["memory"],
+            allocatable(instance)[1],
+            DAEMONSET_ALLOWANCE[1],
+            "GiB",
+        ),
+        *_fit(
+            doc.subject, where_requests, instance_type, GPU_RESOURCE, requests[GPU_RESOURCE], instance["gpus"], 0, ""
+        ),
+        *_fit(doc.subject, where_requests, instance_type, EFA_RESOURCE, requests[EFA_RESOURCE], instance["efa"], 0, ""),
+    ]
 
 
-def _fit(subject: str, field: str, instance_type: str, resource: str, need: float, have: float, kept: float,
-         unit: str) -> list[Finding]:
+def _fit(
+    subject: str, field: str, instance_type: str, resource: str, need: float, have: float, kept: float, unit: str
+) -> list[Finding]:
     if need <= have - kept:
         return []
     kept_note = f", {kept:g} {unit} of it kept for the node's DaemonSets" if kept else ""
-    return [Finding(subject, f"{field}[{resource}]", round(need, 2), f"<= {have - kept:.2f}",
-                    f"{instance_type} offers about {have:.2f} {unit or resource} to pods{kept_note}: "
-                    "the pod would stay Pending")]
+    return [
+        Finding(
+            subject,
+            f"{field}[{resource}]",
+            round(need, 2),
+            f"<= {have - kept:.2f}",
+            f"{instance_type} offers about {have:.2f} {unit or resource} to pods{kept_note}: "
+            "the pod would stay Pending",
+        )
+    ]
 
 
 def pod_requests(pod_spec: dict) -> dict[str, float]:
@@ -610,15 +766,31 @@ def efa_env_findings(doc: Doc, where: str, group: dict) -> list[Finding]:
     container = ray_container(pod_spec)
     env = _env(container)
     field = f"{where}.template.spec.containers[{container.get('name')}].env"
-    findings = _device_rdma_findings(doc.subject, field, env, (pod_spec.get("nodeSelector") or {}).get(INSTANCE_TYPE_LABEL))
+    findings = _device_rdma_findings(
+        doc.subject, field, env, (pod_spec.get("nodeSelector") or {}).get(INSTANCE_TYPE_LABEL)
+    )
     has_efa = resource_count(container, EFA_RESOURCE) > 0 or bool(pod_spec.get("resourceClaims"))
     if has_efa and (env.get("FI_PROVIDER") or "").strip() != "efa":
-        findings.append(Finding(doc.subject, f"{field}[FI_PROVIDER]", env.get("FI_PROVIDER"), "efa",
-                                "the pod owns an EFA device: any other libfabric provider (tcp, shm) leaves it unused"))
+        findings.append(
+            Finding(
+                doc.subject,
+                f"{field}[FI_PROVIDER]",
+                env.get("FI_PROVIDER"),
+                "efa",
+                "the pod owns an EFA device: any other libfabric provider (tcp, shm) leaves it unused",
+            )
+        )
     ifname = env.get("NCCL_SOCKET_IFNAME")
     if ifname and names_loopback(ifname):
-        findings.append(Finding(doc.subject, f"{field}[NCCL_SOCKET_IFNAME]", ifname, "eth0 (the pod's VPC CNI interface)",
-                                "NCCL would bootstrap over loopback: ranks on other nodes can never connect"))
+        findings.append(
+            Finding(
+                doc.subject,
+                f"{field}[NCCL_SOCKET_IFNAME]",
+                ifname,
+                "eth0 (the pod's VPC CNI interface)",
+                "NCCL would bootstrap over loopback: ranks on other nodes can never connect",
+            )
+        )
     return findings
 
 
@@ -627,13 +799,28 @@ def _device_rdma_findings(subject: str, field: str, env: dict, instance_type: st
         return []
     instance = eks_instance_types().get(instance_type or "")
     if instance is None:
-        return [Finding(subject, f"{field}[FI_EFA_USE_DEVICE_RDMA]", "1", "1 only on GPUDirect RDMA instance types",
-                        f"cannot tell whether {instance_type or 'an unselected node type'} has GPUDirect RDMA", "warning")]
+        return [
+            Finding(
+                subject,
+                f"{field}[FI_EFA_USE_DEVICE_RDMA]",
+                "1",
+                "1 only on GPUDirect RDMA instance types",
+                f"cannot tell whether {instance_type or 'an unselected node type'} has GPUDirect RDMA",
+                "warning",
+            )
+        ]
     if instance["gpudirect_rdma"]:
         return []
-    return [Finding(subject, f"{field}[FI_EFA_USE_DEVICE_RDMA]", "1", "unset (or 0)",
-                    f"{instance_type} has EFA but no GPUDirect RDMA (p4d/p5 class do): libfabric cannot register GPU "
-                    "memory with the NIC and NCCL's EFA transport fails")]
+    return [
+        Finding(
+            subject,
+            f"{field}[FI_EFA_USE_DEVICE_RDMA]",
+            "1",
+            "unset (or 0)",
+            f"{instance_type} has EFA but no GPUDirect RDMA (p4d/p5 class do): libfabric cannot register GPU "
+            "memory with the NIC and NCCL's EFA transport fails",
+        )
+    ]
 
 
 def names_loopback(ifname: str) -> bool:
@@ -680,21 +867,38 @@ def _group_storage(doc: Doc, docs: list[Doc], where: str, group: dict, root: str
     mount = _mount_for(container, root)
     field = f"{where}.template.spec.containers[{container.get('name')}].volumeMounts"
     if mount is None:
-        return [Finding(doc.subject, field, None, f"a shared volume mounted at a parent of {root}",
-                        f"storage.root {root} is on each pod's own disk: {nodes} nodes would each see different files")]
+        return [
+            Finding(
+                doc.subject,
+                field,
+                None,
+                f"a shared volume mounted at a parent of {root}",
+                f"storage.root {root} is on each pod's own disk: {nodes} nodes would each see different files",
+            )
+        ]
     volume = _volume(pod_spec, mount.get("name"))
     kind, ok, why = _volume_sharing(volume, docs, doc.obj)
     if ok:
         return []
-    return [Finding(doc.subject, f"{where}.template.spec.volumes[{mount.get('name')}]", kind,
-                    "ReadWriteMany PVC, NFS or FSx/EFS CSI", f"storage.root {root} with {nodes} nodes: {why}",
-                    "warning" if ok is None else "error")]
+    return [
+        Finding(
+            doc.subject,
+            f"{where}.template.spec.volumes[{mount.get('name')}]",
+            kind,
+            "ReadWriteMany PVC, NFS or FSx/EFS CSI",
+            f"storage.root {root} with {nodes} nodes: {why}",
+            "warning" if ok is None else "error",
+        )
+    ]
 
 
 def _mount_for(container: dict, root: str) -> dict | None:
     """The deepest volumeMount whose mountPath is root or a parent of it."""
-    mounts = [m for m in container.get("volumeMounts") or []
-              if m.get("mountPath") and PurePosixPath(root).is_relative_to(m["mountPath"])]
+    mounts = [
+        m
+        for m in container.get("volumeMounts") or []
+        if m.get("mountPath") and PurePosixPath(root).is_relative_to(m["mountPath"])
+    ]
     return max(mounts, key=lambda m: len(m.get("mountPath", "")), default=None)
 
 
@@ -704,8 +908,11 @@ def _volume_sharing(volume: dict, docs: list[Doc], raycluster: dict) -> tuple[st
         claim = volume["persistentVolumeClaim"].get("claimName")
         pvc = find_claim(docs, claim, (raycluster.get("metadata") or {}).get("namespace"))
         if pvc is None:
-            return (f"persistentVolumeClaim {claim}", None,
-                    "the claim is not among the linted files, its access mode is unknown")
+            return (
+                f"persistentVolumeClaim {claim}",
+                None,
+                "the claim is not among the linted files, its access mode is unknown",
+            )
         modes = (pvc.obj.get("spec") or {}).get("accessModes") or []
         driver = claim_driver(pvc, docs)
         if driver == S3_CSI_DRIVER:
@@ -722,8 +929,10 @@ def _volume_sharing(volume: dict, docs: list[Doc], raycluster: dict) -> tuple[st
 
 
 def find_claim(docs: list[Doc], claim: str | None, namespace: str | None) -> Doc | None:
-    return next((d for d in docs if d.kind == "PersistentVolumeClaim" and d.name == claim
-                 and d.namespace in (namespace, None)), None)
+    return next(
+        (d for d in docs if d.kind == "PersistentVolumeClaim" and d.name == claim and d.namespace in (namespace, None)),
+        None,
+    )
 
 
 def claim_driver(pvc: Doc, docs: list[Doc]) -> str | None:
@@ -731,8 +940,9 @@ def claim_driver(pvc: Doc, docs: list[Doc]) -> str | None:
     spec = pvc.obj.get("spec") or {}
     for pv in (d for d in docs if d.kind == "PersistentVolume"):
         claim_ref = (pv.obj.get("spec") or {}).get("claimRef") or {}
-        if pv.name == spec.get("volumeName") or (claim_ref.get("name") == pvc.name
-                                                 and claim_ref.get("namespace") in (pvc.namespace, None)):
+        if pv.name == spec.get("volumeName") or (
+            claim_ref.get("name") == pvc.name and claim_ref.get("namespace") in (pvc.namespace, None)
+        ):
             return ((pv.obj.get("spec") or {}).get("csi") or {}).get("driver")
     storage_class = next((d for d in docs if d.kind == "StorageClass" and d.name == spec.get("storageClassName")), None)
     return storage_class.obj.get("provisioner") if storage_class else None
@@ -748,8 +958,15 @@ def claim_findings(doc: Doc, docs: list[Doc], where: str, pod_spec: dict) -> lis
         field = f"{where}.volumes[{volume.get('name')}].persistentVolumeClaim.claimName"
         pvc = find_claim(docs, claim, doc.namespace)
         if pvc is None:
-            findings.append(Finding(doc.subject, field, claim, f"a PersistentVolumeClaim {claim} in namespace "
-                                    f"{doc.namespace} among the linted files", "the pod would stay Pending"))
+            findings.append(
+                Finding(
+                    doc.subject,
+                    field,
+                    claim,
+                    f"a PersistentVolumeClaim {claim} in namespace {doc.namespace} among the linted files",
+                    "the pod would stay Pending",
+                )
+            )
             continue
         findings += _storage_class_exists(pvc, docs)
     return _unique(findings)
@@ -759,42 +976,77 @@ def _storage_class_exists(pvc: Doc, docs: list[Doc]) -> list[Finding]:
     name = (pvc.obj.get("spec") or {}).get("storageClassName")
     if not name or any(d.kind == "StorageClass" and d.name == name for d in docs):
         return []
-    return [Finding(pvc.subject, "spec.storageClassName", name, "a StorageClass among the linted files",
-                    "not linted here: it must exist in the cluster, or the claim stays Pending", "warning")]
+    return [
+        Finding(
+            pvc.subject,
+            "spec.storageClassName",
+            name,
+            "a StorageClass among the linted files",
+            "not linted here: it must exist in the cluster, or the claim stays Pending",
+            "warning",
+        )
+    ]
 
 
 def storage_class_findings(doc: Doc) -> list[Finding]:
     """FSx for Lustre mounts need `flock`: the Hugging Face cache (HF_HOME on FSx) locks its files."""
     if doc.obj.get("provisioner") != FSX_CSI_DRIVER or "flock" in (doc.obj.get("mountOptions") or []):
         return []
-    return [Finding(doc.subject, "mountOptions", doc.obj.get("mountOptions"), ["flock"],
-                    "without it Lustre answers flock() with ENOSYS: the first Hugging Face download on the volume fails")]
+    return [
+        Finding(
+            doc.subject,
+            "mountOptions",
+            doc.obj.get("mountOptions"),
+            ["flock"],
+            "without it Lustre answers flock() with ENOSYS: the first Hugging Face download on the volume fails",
+        )
+    ]
 
 
 # ---------------------------------------------------------------- identities for s3:// storage
 
 
-def ray_identity_findings(doc: Doc, docs: list[Doc], groups: list[tuple[str, dict]], config: PipelineConfig) -> list[Finding]:
+def ray_identity_findings(
+    doc: Doc, docs: list[Doc], groups: list[tuple[str, dict]], config: PipelineConfig
+) -> list[Finding]:
     """With an s3:// root, every Ray group runs as a service account with an IAM role (IRSA)."""
     root = config.storage.root
     if not root.startswith("s3://"):
         return []
-    return [f for where, group in groups
-            for f in irsa_findings(doc.subject, f"{where}.template.spec.serviceAccountName",
-                                   _pod_spec(group).get("serviceAccountName") or "default", doc.namespace, docs,
-                                   f"storage.root {root}: the Ray pods read and write it")]
+    return [
+        f
+        for where, group in groups
+        for f in irsa_findings(
+            doc.subject,
+            f"{where}.template.spec.serviceAccountName",
+            _pod_spec(group).get("serviceAccountName") or "default",
+            doc.namespace,
+            docs,
+            f"storage.root {root}: the Ray pods read and write it",
+        )
+    ]
 
 
-def irsa_findings(subject: str, field: str, account: str | None, namespace: str | None, docs: list[Doc],
-                  why: str) -> list[Finding]:
+def irsa_findings(
+    subject: str, field: str, account: str | None, namespace: str | None, docs: list[Doc], why: str
+) -> list[Finding]:
     """The service account exists among the linted files with the IRSA role annotation."""
-    sa = next((d for d in docs if d.kind == "ServiceAccount" and d.name == account and d.namespace in (namespace, None)), None)
+    sa = next(
+        (d for d in docs if d.kind == "ServiceAccount" and d.name == account and d.namespace in (namespace, None)), None
+    )
     annotations = ((sa.obj.get("metadata") or {}).get("annotations") or {}) if sa else {}
     if annotations.get(IRSA_ANNOTATION):
         return []
     seen = f"{account} (not among the linted files)" if sa is None else f"{account} (no {IRSA_ANNOTATION} annotation)"
-    return [Finding(subject, field, seen, f"a service account annotated {IRSA_ANNOTATION}",
-                    f"{why}, and without an IAM role (IRSA) the pods have no S3 credentials")]
+    return [
+        Finding(
+            subject,
+            field,
+            seen,
+            f"a service account annotated {IRSA_ANNOTATION}",
+            f"{why}, and without an IAM role (IRSA) the pods have no S3 credentials",
+        )
+    ]
 
 
 # ---------------------------------------------------------------- other workloads and the Prefect template
@@ -804,8 +1056,11 @@ def workload_findings(doc: Doc, docs: list[Doc]) -> list[Finding]:
     """Non-Ray workloads: pinned images (a tag is a warning: they never train), claims, a Prefect worker's settings."""
     pod_spec = workload_pod_spec(doc)
     where = "spec" if doc.kind == "Pod" else "spec.template.spec"
-    findings = [f for c in _containers(pod_spec)
-                for f in _workload_image(doc.subject, f"containers[{c.get('name')}].image", c.get("image", ""))]
+    findings = [
+        f
+        for c in _containers(pod_spec)
+        for f in _workload_image(doc.subject, f"containers[{c.get('name')}].image", c.get("image", ""))
+    ]
     findings += claim_findings(doc, docs, where, pod_spec)
     findings += pod_security_findings(doc.subject, where, pod_spec)
     return findings + prefect_worker_findings(doc, docs)
@@ -843,8 +1098,11 @@ def prefect_worker_findings(doc: Doc, docs: list[Doc]) -> list[Finding]:
     workers = [c for c in pod_spec.get("containers") or [] if kubernetes_worker_pool(c)]
     if not workers:
         return []
-    auth = [f for c in workers for f in prefect_auth_findings(
-        doc.subject, f"spec.template.spec.containers[{c.get('name')}].env", c)]
+    auth = [
+        f
+        for c in workers
+        for f in prefect_auth_findings(doc.subject, f"spec.template.spec.containers[{c.get('name')}].env", c)
+    ]
     auth += api_token_findings(doc.subject, "spec.template.spec", pod_spec, "the worker creates and watches Jobs")
     if _bound_cluster_wide(docs, account, doc.namespace):
         return auth  # cluster-wide rights: it may read kube-system and watch every namespace itself
@@ -853,7 +1111,9 @@ def prefect_worker_findings(doc: Doc, docs: list[Doc]) -> list[Finding]:
     for container in workers:
         field = f"spec.template.spec.containers[{container.get('name')}].env"
         findings += _cluster_uid_findings(doc.subject, field, _env(container).get(CLUSTER_UID_ENV))
-        findings += _observer_findings(doc.subject, field, _env(container).get(OBSERVER_NAMESPACES_ENV), role_namespaces)
+        findings += _observer_findings(
+            doc.subject, field, _env(container).get(OBSERVER_NAMESPACES_ENV), role_namespaces
+        )
     findings += _job_namespace_findings(doc, docs, account, role_namespaces)
     return auth + findings
 
@@ -861,12 +1121,27 @@ def prefect_worker_findings(doc: Doc, docs: list[Doc]) -> list[Finding]:
 def _cluster_uid_findings(subject: str, field: str, uid: str | None) -> list[Finding]:
     expected = "kube-system's UID: kubectl get namespace kube-system -o jsonpath='{.metadata.uid}'"
     if not uid:
-        return [Finding(subject, f"{field}[{CLUSTER_UID_ENV}]", None, expected,
-                        "a namespaced worker cannot read the kube-system namespace: prefect-kubernetes versions that "
-                        "build a run's infrastructure id from it fail every submission with 403")]
+        return [
+            Finding(
+                subject,
+                f"{field}[{CLUSTER_UID_ENV}]",
+                None,
+                expected,
+                "a namespaced worker cannot read the kube-system namespace: prefect-kubernetes versions that "
+                "build a run's infrastructure id from it fail every submission with 403",
+            )
+        ]
     if uid == PLACEHOLDER_UID:
-        return [Finding(subject, f"{field}[{CLUSTER_UID_ENV}]", uid, expected,
-                        "placeholder UID: two clusters with the same UID could cancel each other's flow runs", "warning")]
+        return [
+            Finding(
+                subject,
+                f"{field}[{CLUSTER_UID_ENV}]",
+                uid,
+                expected,
+                "placeholder UID: two clusters with the same UID could cancel each other's flow runs",
+                "warning",
+            )
+        ]
     return []
 
 
@@ -875,8 +1150,14 @@ def _observer_findings(subject: str, field: str, raw: str | None, role_namespace
     if role_namespaces <= watched and watched:
         return []
     expected = ",".join(sorted(role_namespaces)) or "the flow-run namespace"
-    why = ("unset, the observer watches pods and jobs cluster-wide, which a namespaced Role forbids (403): crashed "
-           "flow runs are never marked") if not watched else "the observer must watch every namespace the worker's Roles cover"
+    why = (
+        (
+            "unset, the observer watches pods and jobs cluster-wide, which a namespaced Role forbids (403): crashed "
+            "flow runs are never marked"
+        )
+        if not watched
+        else "the observer must watch every namespace the worker's Roles cover"
+    )
     return [Finding(subject, f"{field}[{OBSERVER_NAMESPACES_ENV}]", raw, expected, why)]
 
 
@@ -886,8 +1167,15 @@ def _job_namespace_findings(doc: Doc, docs: list[Doc], account: str, role_namesp
     for template in (d for d in docs if d.kind == "PrefectBaseJobTemplate"):
         namespace = template_defaults(template).get("namespace")
         if namespace and namespace not in role_namespaces:
-            findings.append(Finding(doc.subject, f"Roles bound to {account}", sorted(role_namespaces), namespace,
-                                    f"{template.file} creates flow-run Jobs in {namespace}: the worker gets 403 there"))
+            findings.append(
+                Finding(
+                    doc.subject,
+                    f"Roles bound to {account}",
+                    sorted(role_namespaces),
+                    namespace,
+                    f"{template.file} creates flow-run Jobs in {namespace}: the worker gets 403 there",
+                )
+            )
     return findings
 
 
@@ -921,8 +1209,9 @@ def prefect_project_findings(doc: Doc, docs: list[Doc], config: PipelineConfig |
         work_pool = deployment.get("work_pool") or {}
         if work_pool.get("name") in pools:
             job_variables = work_pool.get("job_variables") or {}
-            findings += _deployment_findings(doc, docs, deployment, {**defaults, **job_variables},
-                                             pools[work_pool["name"]], config)
+            findings += _deployment_findings(
+                doc, docs, deployment, {**defaults, **job_variables}, pools[work_pool["name"]], config
+            )
             subject = f"{doc.file}: deployment {deployment.get('name')}"
             findings += literal_credential_findings(subject, "work_pool.job_variables.env", job_variables.get("env"))
             if template is not None:
@@ -930,33 +1219,62 @@ def prefect_project_findings(doc: Doc, docs: list[Doc], config: PipelineConfig |
     return findings
 
 
-def _deployment_findings(doc: Doc, docs: list[Doc], deployment: dict, variables: dict, role_namespaces: set,
-                         config: PipelineConfig | None) -> list[Finding]:
+def _deployment_findings(
+    doc: Doc, docs: list[Doc], deployment: dict, variables: dict, role_namespaces: set, config: PipelineConfig | None
+) -> list[Finding]:
     subject = f"{doc.file}: deployment {deployment.get('name')}"
     field = "work_pool.job_variables"
     findings = flow_run_image_findings(subject, f"{field}.image", variables.get("image"))
     namespace = variables.get("namespace")
     if namespace not in role_namespaces:
-        findings.append(Finding(subject, f"{field}.namespace", namespace, sorted(role_namespaces),
-                                "the namespaces the worker's Roles cover: it could not create the flow-run Job"))
-    root = (((deployment.get("parameters") or {}).get("config") or {}).get("storage") or {}).get("root") \
-        or (config.storage.root if config else "")
+        findings.append(
+            Finding(
+                subject,
+                f"{field}.namespace",
+                namespace,
+                sorted(role_namespaces),
+                "the namespaces the worker's Roles cover: it could not create the flow-run Job",
+            )
+        )
+    root = (((deployment.get("parameters") or {}).get("config") or {}).get("storage") or {}).get("root") or (
+        config.storage.root if config else ""
+    )
     if str(root).startswith("s3://"):
-        findings += irsa_findings(subject, f"{field}.service_account_name", variables.get("service_account_name"),
-                                  namespace, docs, f"storage.root {root}: the flow writes the run record there")
+        findings += irsa_findings(
+            subject,
+            f"{field}.service_account_name",
+            variables.get("service_account_name"),
+            namespace,
+            docs,
+            f"storage.root {root}: the flow writes the run record there",
+        )
     return findings
 
 
 def flow_run_image_findings(subject: str, field: str, image: str | None) -> list[Finding]:
     """The image a flow run gets: set, not the stock Prefect image, pinned by digest."""
     if not image:
-        return [Finding(subject, field, image, "the flow-run image (deployments/flow-run-image/) by digest",
-                        "unset, the worker runs the stock Prefect image")]
+        return [
+            Finding(
+                subject,
+                field,
+                image,
+                "the flow-run image (deployments/flow-run-image/) by digest",
+                "unset, the worker runs the stock Prefect image",
+            )
+        ]
     repository = image.split("@", 1)[0].rsplit(":", 1)[0].removeprefix("docker.io/").removeprefix("index.docker.io/")
     if repository in STOCK_PREFECT_REPOSITORIES:
-        return [Finding(subject, field, image, "the flow-run image (deployments/flow-run-image/) by digest",
-                        "the stock Prefect image has neither this project nor ray, kubernetes and s3fs: "
-                        "the flow run dies with ModuleNotFoundError")]
+        return [
+            Finding(
+                subject,
+                field,
+                image,
+                "the flow-run image (deployments/flow-run-image/) by digest",
+                "the stock Prefect image has neither this project nor ray, kubernetes and s3fs: "
+                "the flow run dies with ModuleNotFoundError",
+            )
+        ]
     return _digest_findings(subject, field, image)
 
 
@@ -970,35 +1288,60 @@ def job_template_findings(doc: Doc, docs: list[Doc], config: PipelineConfig | No
     findings = prefect_pod_field_findings(doc.subject, pod_spec)
     validator = schema_validator("batch/v1", "Job")
     assert validator is not None, "the vendored Kubernetes schemas lack batch/v1 Job"
-    findings += [_schema_finding(doc.subject, e) for e in validator.iter_errors(without_prefect_pod_fields(drop_placeholders(manifest)))]
+    findings += [
+        _schema_finding(doc.subject, e)
+        for e in validator.iter_errors(without_prefect_pod_fields(drop_placeholders(manifest)))
+    ]
     if defaults.get("image"):  # a default a deployment falls back to: a warning here, an error per deployment
-        findings += [replace(f, severity="warning")
-                     for f in flow_run_image_findings(doc.subject, "variables.properties.image.default", defaults["image"])]
+        findings += [
+            replace(f, severity="warning")
+            for f in flow_run_image_findings(doc.subject, "variables.properties.image.default", defaults["image"])
+        ]
     if config is not None and config.cluster.auth_token_file:
         findings += _token_mount_findings(doc, docs, pod_spec, defaults, config.cluster.auth_token_file)
     if config is not None and config.storage.root.startswith("s3://"):
-        findings += irsa_findings(doc.subject, "variables.properties.service_account_name.default",
-                                  defaults.get("service_account_name"), defaults.get("namespace"), docs,
-                                  f"storage.root {config.storage.root}: the flow writes the run record there")
+        findings += irsa_findings(
+            doc.subject,
+            "variables.properties.service_account_name.default",
+            defaults.get("service_account_name"),
+            defaults.get("namespace"),
+            docs,
+            f"storage.root {config.storage.root}: the flow writes the run record there",
+        )
     findings += _read_only_findings(doc, docs, defaults.get("service_account_name"), defaults.get("namespace"))
     findings += pod_security_findings(doc.subject, "job_manifest spec.template.spec", pod_spec)
-    findings += api_token_findings(doc.subject, "job_manifest spec.template.spec", pod_spec,
-                                   "the verify stage reads the RayCluster, pods and nodes")
+    findings += api_token_findings(
+        doc.subject,
+        "job_manifest spec.template.spec",
+        pod_spec,
+        "the verify stage reads the RayCluster, pods and nodes",
+    )
     findings += pinned_variable_findings(doc)
     findings += admission_policy_findings(doc, docs, pod_spec)
     findings += literal_credential_findings(doc.subject, "variables.properties.env.default", defaults.get("env"))
     for container in _containers(pod_spec):
         if isinstance(container.get("env"), list):
-            findings += literal_credential_findings(doc.subject, f"job_manifest containers[{container.get('name')}].env",
-                                                    {e.get("name"): e.get("value") for e in container["env"] if "value" in e})
+            findings += literal_credential_findings(
+                doc.subject,
+                f"job_manifest containers[{container.get('name')}].env",
+                {e.get("name"): e.get("value") for e in container["env"] if "value" in e},
+            )
     return findings
 
 
 def prefect_pod_field_findings(subject: str, pod_spec: dict) -> list[Finding]:
     """The worker validates the manifest before creating the Job: without these every submission fails."""
-    return [Finding(subject, f"job_manifest spec.template.spec.{key}", pod_spec.get(key), value,
-                    "prefect-kubernetes rejects the job manifest without it: every flow-run submission fails")
-            for key, value in PREFECT_POD_FIELDS.items() if pod_spec.get(key) != value]
+    return [
+        Finding(
+            subject,
+            f"job_manifest spec.template.spec.{key}",
+            pod_spec.get(key),
+            value,
+            "prefect-kubernetes rejects the job manifest without it: every flow-run submission fails",
+        )
+        for key, value in PREFECT_POD_FIELDS.items()
+        if pod_spec.get(key) != value
+    ]
 
 
 def without_prefect_pod_fields(job: dict) -> dict:
@@ -1029,17 +1372,33 @@ def _token_mount_findings(doc: Doc, docs: list[Doc], pod_spec: dict, defaults: d
     container = ray_container(pod_spec)
     mount = _mount_for(container, str(PurePosixPath(token_file).parent))
     if mount is None:
-        return [Finding(doc.subject, "job_manifest containers[0].volumeMounts", None,
-                        f"a mount at {PurePosixPath(token_file).parent}",
-                        f"config cluster.auth_token_file {token_file} would not exist in the flow-run pod")]
+        return [
+            Finding(
+                doc.subject,
+                "job_manifest containers[0].volumeMounts",
+                None,
+                f"a mount at {PurePosixPath(token_file).parent}",
+                f"config cluster.auth_token_file {token_file} would not exist in the flow-run pod",
+            )
+        ]
     volume = _volume(pod_spec, mount.get("name"))
     secret = _resolve((volume.get("secret") or {}).get("secretName"), defaults)
-    wanted: set[str] = {name for d in docs if d.kind == "RayCluster"
-                        if (name := ((d.obj.get("spec") or {}).get("authOptions") or {}).get("secretName"))}
+    wanted: set[str] = {
+        name
+        for d in docs
+        if d.kind == "RayCluster"
+        if (name := ((d.obj.get("spec") or {}).get("authOptions") or {}).get("secretName"))
+    }
     if wanted and secret not in wanted:
-        return [Finding(doc.subject, f"job_manifest volumes[{mount.get('name')}].secret.secretName", secret,
-                        sorted(wanted)[0], "the RayCluster's spec.authOptions.secretName: the flow would send a token "
-                        "the cluster rejects")]
+        return [
+            Finding(
+                doc.subject,
+                f"job_manifest volumes[{mount.get('name')}].secret.secretName",
+                secret,
+                sorted(wanted)[0],
+                "the RayCluster's spec.authOptions.secretName: the flow would send a token the cluster rejects",
+            )
+        ]
     return []
 
 
@@ -1058,15 +1417,24 @@ def _read_only_findings(doc: Doc, docs: list[Doc], account: str | None, namespac
         for i, rule in enumerate(role.obj.get("rules") or []):
             writes = sorted(set(rule.get("verbs") or []) - READ_VERBS)
             if writes:
-                findings.append(Finding(role.subject, f"rules[{i}].verbs", writes, sorted(READ_VERBS),
-                                        f"bound to {account}, the flow-run service account of {doc.file}: "
-                                        "the pipeline only reads the cluster"))
+                findings.append(
+                    Finding(
+                        role.subject,
+                        f"rules[{i}].verbs",
+                        writes,
+                        sorted(READ_VERBS),
+                        f"bound to {account}, the flow-run service account of {doc.file}: "
+                        "the pipeline only reads the cluster",
+                    )
+                )
     return findings
 
 
 def _roles_bound_to(docs: list[Doc], account: str, namespace: str | None) -> list[Doc]:
     refs = set()
-    for binding in (d for d in docs if d.kind in ("RoleBinding", "ClusterRoleBinding") and _binds(d, account, namespace)):
+    for binding in (
+        d for d in docs if d.kind in ("RoleBinding", "ClusterRoleBinding") and _binds(d, account, namespace)
+    ):
         ref = binding.obj.get("roleRef") or {}
         # a RoleBinding grants its Role in the binding's own namespace
         refs.add((ref.get("kind"), ref.get("name"), binding.namespace if binding.kind == "RoleBinding" else None))
@@ -1074,8 +1442,12 @@ def _roles_bound_to(docs: list[Doc], account: str, namespace: str | None) -> lis
 
 
 def _binds(binding: Doc, account: str, namespace: str | None) -> bool:
-    return any(s.get("kind") == "ServiceAccount" and s.get("name") == account
-               and s.get("namespace", binding.namespace) == namespace for s in binding.obj.get("subjects") or [])
+    return any(
+        s.get("kind") == "ServiceAccount"
+        and s.get("name") == account
+        and s.get("namespace", binding.namespace) == namespace
+        for s in binding.obj.get("subjects") or []
+    )
 
 
 def _unique(findings: list[Finding]) -> list[Finding]:
@@ -1088,16 +1460,25 @@ def _unique(findings: list[Finding]) -> list[Finding]:
 def namespace_findings(doc: Doc) -> list[Finding]:
     """The namespace holds every pod to the restricted Pod Security Standard (enforce, audit and warn)."""
     labels = (doc.obj.get("metadata") or {}).get("labels") or {}
-    return [Finding(doc.subject, f"metadata.labels[{key}]", labels.get(key), RESTRICTED, why)
-            for key, why in PSA_LABELS.items() if labels.get(key) != RESTRICTED]
+    return [
+        Finding(doc.subject, f"metadata.labels[{key}]", labels.get(key), RESTRICTED, why)
+        for key, why in PSA_LABELS.items()
+        if labels.get(key) != RESTRICTED
+    ]
 
 
 def pod_security_findings(subject: str, where: str, pod_spec: dict) -> list[Finding]:
     """Every container passes the restricted Pod Security Standard, as far as the manifest shows it."""
-    findings = [Finding(subject, f"{where}.{key}", True, False, RESTRICTED_WHY)
-                for key in ("hostNetwork", "hostPID", "hostIPC") if pod_spec.get(key) is True]
-    findings += [Finding(subject, f"{where}.volumes[{v.get('name')}]", _volume_kind(v), list(RESTRICTED_VOLUMES),
-                         RESTRICTED_WHY) for v in pod_spec.get("volumes") or [] if _volume_kind(v) not in RESTRICTED_VOLUMES]
+    findings = [
+        Finding(subject, f"{where}.{key}", True, False, RESTRICTED_WHY)
+        for key in ("hostNetwork", "hostPID", "hostIPC")
+        if pod_spec.get(key) is True
+    ]
+    findings += [
+        Finding(subject, f"{where}.volumes[{v.get('name')}]", _volume_kind(v), list(RESTRICTED_VOLUMES), RESTRICTED_WHY)
+        for v in pod_spec.get("volumes") or []
+        if _volume_kind(v) not in RESTRICTED_VOLUMES
+    ]
     pod_context = pod_spec.get("securityContext") or {}
     for container in _containers(pod_spec):
         findings += _container_security(subject, f"{where}.containers[{container.get('name')}]", container, pod_context)
@@ -1113,17 +1494,32 @@ def _container_security(subject: str, field: str, container: dict, pod_context: 
     checks = [  # (field under securityContext, seen, expected, passes)
         ("runAsNonRoot", effective["runAsNonRoot"], True, effective["runAsNonRoot"] is True),
         ("runAsUser", effective["runAsUser"], "a non-zero uid", effective["runAsUser"] != 0),
-        ("allowPrivilegeEscalation", own.get("allowPrivilegeEscalation"), False, own.get("allowPrivilegeEscalation") is False),
+        (
+            "allowPrivilegeEscalation",
+            own.get("allowPrivilegeEscalation"),
+            False,
+            own.get("allowPrivilegeEscalation") is False,
+        ),
         ("privileged", own.get("privileged"), False, own.get("privileged") is not True),
         ("capabilities.drop", capabilities.get("drop"), ["ALL"], "ALL" in (capabilities.get("drop") or [])),
-        ("capabilities.add", capabilities.get("add"), "nothing but NET_BIND_SERVICE",
-         set(capabilities.get("add") or []) <= {"NET_BIND_SERVICE"}),
+        (
+            "capabilities.add",
+            capabilities.get("add"),
+            "nothing but NET_BIND_SERVICE",
+            set(capabilities.get("add") or []) <= {"NET_BIND_SERVICE"},
+        ),
         ("seccompProfile.type", seccomp, "RuntimeDefault", seccomp in ("RuntimeDefault", "Localhost")),
     ]
-    findings = [Finding(subject, f"{field}.securityContext.{name}", seen, expected, RESTRICTED_WHY)
-                for name, seen, expected, passes in checks if not passes]
-    findings += [Finding(subject, f"{field}.ports[{p.get('containerPort')}].hostPort", p["hostPort"], None, RESTRICTED_WHY)
-                 for p in container.get("ports") or [] if p.get("hostPort")]
+    findings = [
+        Finding(subject, f"{field}.securityContext.{name}", seen, expected, RESTRICTED_WHY)
+        for name, seen, expected, passes in checks
+        if not passes
+    ]
+    findings += [
+        Finding(subject, f"{field}.ports[{p.get('containerPort')}].hostPort", p["hostPort"], None, RESTRICTED_WHY)
+        for p in container.get("ports") or []
+        if p.get("hostPort")
+    ]
     return findings
 
 
@@ -1133,17 +1529,31 @@ def ray_token_findings(doc: Doc, where: str, group: dict) -> list[Finding]:
     seen = _pod_spec(group).get("automountServiceAccountToken")
     if autoscaler or seen is False:
         return []
-    return [Finding(doc.subject, f"{where}.template.spec.automountServiceAccountToken", seen, False,
-                    "Ray never calls the Kubernetes API: a mounted token hands the service account's Kubernetes "
-                    "identity to the code of every Ray job (IRSA's STS token is a separate volume and stays)")]
+    return [
+        Finding(
+            doc.subject,
+            f"{where}.template.spec.automountServiceAccountToken",
+            seen,
+            False,
+            "Ray never calls the Kubernetes API: a mounted token hands the service account's Kubernetes "
+            "identity to the code of every Ray job (IRSA's STS token is a separate volume and stays)",
+        )
+    ]
 
 
 def api_token_findings(subject: str, where: str, pod_spec: dict, why: str) -> list[Finding]:
     """A pod that does call the Kubernetes API keeps its service-account token."""
     if pod_spec.get("automountServiceAccountToken") is not False:
         return []
-    return [Finding(subject, f"{where}.automountServiceAccountToken", False, True,
-                    f"{why} with its service-account token: without it every such call fails")]
+    return [
+        Finding(
+            subject,
+            f"{where}.automountServiceAccountToken",
+            False,
+            True,
+            f"{why} with its service-account token: without it every such call fails",
+        )
+    ]
 
 
 # ---------------------------------------------------------------- the Ray ports: NetworkPolicy
@@ -1153,8 +1563,13 @@ def ray_pod_labels(raycluster: Doc, where: str, group: dict) -> dict[str, str]:
     """The labels a group's pods carry: the template's, plus those KubeRay sets on every Ray pod."""
     head = where == "spec.headGroupSpec"
     labels = dict(((group.get("template") or {}).get("metadata") or {}).get("labels") or {})
-    labels.update({RAY_CLUSTER_LABEL: raycluster.name, "ray.io/node-type": "head" if head else "worker",
-                   "ray.io/group": "headgroup" if head else str(group.get("groupName"))})
+    labels.update(
+        {
+            RAY_CLUSTER_LABEL: raycluster.name,
+            "ray.io/node-type": "head" if head else "worker",
+            "ray.io/group": "headgroup" if head else str(group.get("groupName")),
+        }
+    )
     return labels
 
 
@@ -1165,8 +1580,12 @@ def selects(selector: dict | None, labels: dict) -> bool:
         return False
     for expression in selector.get("matchExpressions") or []:
         key, values = expression.get("key"), expression.get("values") or []
-        outcome = {"In": labels.get(key) in values, "NotIn": labels.get(key) not in values,
-                   "Exists": key in labels, "DoesNotExist": key not in labels}
+        outcome = {
+            "In": labels.get(key) in values,
+            "NotIn": labels.get(key) not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }
         if not outcome.get(expression.get("operator"), False):
             return False
     return True
@@ -1180,20 +1599,32 @@ def _limits_ingress(policy: Doc) -> bool:
 def ray_network_findings(doc: Doc, docs: list[Doc], groups: list[tuple[str, dict]]) -> list[Finding]:
     """Some NetworkPolicy limits ingress to every group's pods (what it admits: network_policy_findings)."""
     policies = [d for d in docs if d.kind == "NetworkPolicy" and d.namespace == doc.namespace and _limits_ingress(d)]
-    return [Finding(doc.subject, f"{where} pods ({RAY_CLUSTER_LABEL}={doc.name})", None,
-                    f"a NetworkPolicy in namespace {doc.namespace} whose podSelector matches them, limiting Ingress",
-                    "without one every Ray port (GCS 6379, dashboard and job API 8265, client 10001, raylets, object "
-                    "managers, metrics) is open to every pod in the cluster")
-            for where, group in groups
-            if not any(selects((p.obj.get("spec") or {}).get("podSelector"), ray_pod_labels(doc, where, group))
-                       for p in policies)]
+    return [
+        Finding(
+            doc.subject,
+            f"{where} pods ({RAY_CLUSTER_LABEL}={doc.name})",
+            None,
+            f"a NetworkPolicy in namespace {doc.namespace} whose podSelector matches them, limiting Ingress",
+            "without one every Ray port (GCS 6379, dashboard and job API 8265, client 10001, raylets, object "
+            "managers, metrics) is open to every pod in the cluster",
+        )
+        for where, group in groups
+        if not any(
+            selects((p.obj.get("spec") or {}).get("podSelector"), ray_pod_labels(doc, where, group)) for p in policies
+        )
+    ]
 
 
 def network_policy_findings(doc: Doc, docs: list[Doc]) -> list[Finding]:
     """A policy that selects Ray pods admits only the pipeline's pods: the RayCluster's own and the flow runs'."""
     spec = doc.obj.get("spec") or {}
-    clusters = [d for d in docs if d.kind == "RayCluster" and d.namespace == doc.namespace
-                and any(selects(spec.get("podSelector"), ray_pod_labels(d, w, g)) for w, g in ray_groups(d.obj))]
+    clusters = [
+        d
+        for d in docs
+        if d.kind == "RayCluster"
+        and d.namespace == doc.namespace
+        and any(selects(spec.get("podSelector"), ray_pod_labels(d, w, g)) for w, g in ray_groups(d.obj))
+    ]
     if not clusters or not _limits_ingress(doc):
         return []
     allowed = [{RAY_CLUSTER_LABEL: c.name} for c in clusters] + flow_run_pod_labels(docs)
@@ -1203,16 +1634,37 @@ def network_policy_findings(doc: Doc, docs: list[Doc]) -> list[Finding]:
     for i, rule in enumerate(spec.get("ingress") or []):
         peers = rule.get("from") or []
         if not peers:
-            findings.append(Finding(doc.subject, f"spec.ingress[{i}].from", None, expected,
-                                    f"{why} to every source, in the cluster or outside it"))
+            findings.append(
+                Finding(
+                    doc.subject,
+                    f"spec.ingress[{i}].from",
+                    None,
+                    expected,
+                    f"{why} to every source, in the cluster or outside it",
+                )
+            )
         for j, peer in enumerate(peers):
             labels = (peer.get("podSelector") or {}).get("matchLabels") or {}
             if "ipBlock" in peer or "namespaceSelector" in peer:
-                findings.append(Finding(doc.subject, f"spec.ingress[{i}].from[{j}]", peer, expected,
-                                        f"{why} to addresses or other namespaces"))
+                findings.append(
+                    Finding(
+                        doc.subject,
+                        f"spec.ingress[{i}].from[{j}]",
+                        peer,
+                        expected,
+                        f"{why} to addresses or other namespaces",
+                    )
+                )
             elif not any(all(labels.get(k) == v for k, v in wanted.items()) for wanted in allowed):
-                findings.append(Finding(doc.subject, f"spec.ingress[{i}].from[{j}].podSelector", peer.get("podSelector"),
-                                        expected, f"{why} to pods that are not the pipeline's"))
+                findings.append(
+                    Finding(
+                        doc.subject,
+                        f"spec.ingress[{i}].from[{j}].podSelector",
+                        peer.get("podSelector"),
+                        expected,
+                        f"{why} to pods that are not the pipeline's",
+                    )
+                )
     return findings
 
 
@@ -1221,8 +1673,9 @@ def flow_run_pod_labels(docs: list[Doc]) -> list[dict]:
     found = []
     for template in (d for d in docs if d.kind == "PrefectBaseJobTemplate"):
         manifest = (template.obj.get("job_configuration") or {}).get("job_manifest") or {}
-        labels = drop_placeholders(((((manifest.get("spec") or {}).get("template") or {}).get("metadata") or {})
-                                    .get("labels")) or {})
+        labels = drop_placeholders(
+            ((((manifest.get("spec") or {}).get("template") or {}).get("metadata") or {}).get("labels")) or {}
+        )
         if isinstance(labels, dict) and labels:
             found.append(labels)
     return found
@@ -1237,26 +1690,55 @@ def pinned_variable_findings(doc: Doc) -> list[Finding]:
     properties = variables.get("properties") or {}
     findings = []
     if variables.get("additionalProperties") is not False:
-        findings.append(Finding(doc.subject, "variables.additionalProperties", variables.get("additionalProperties"),
-                                False, "the Prefect server then accepts job variables the schema does not list"))
+        findings.append(
+            Finding(
+                doc.subject,
+                "variables.additionalProperties",
+                variables.get("additionalProperties"),
+                False,
+                "the Prefect server then accepts job variables the schema does not list",
+            )
+        )
     for path, var in _placeholders(doc.obj.get("job_configuration") or {}, ["job_configuration"]):
         field, key, parent = _dotted(path), path[-1], path[-2]
         schema = properties.get(var) or {}
         if var not in properties:
-            findings.append(Finding(doc.subject, f"variables.properties.{var}", None, "a declared variable",
-                                    f"{field} uses it: an undeclared variable is never validated"))
+            findings.append(
+                Finding(
+                    doc.subject,
+                    f"variables.properties.{var}",
+                    None,
+                    "a declared variable",
+                    f"{field} uses it: an undeclared variable is never validated",
+                )
+            )
         if key in ("secretName", "cluster_config") or (key == "name" and parent in ("secretKeyRef", "secretRef")):
-            what = ("a KubernetesClusterConfig block would point the worker at another cluster with other credentials"
-                    if key == "cluster_config" else "a deployment or flow run could mount any Secret in the namespace")
+            what = (
+                "a KubernetesClusterConfig block would point the worker at another cluster with other credentials"
+                if key == "cluster_config"
+                else "a deployment or flow run could mount any Secret in the namespace"
+            )
             findings.append(Finding(doc.subject, field, "{{ " + var + " }}", "a fixed value, no variable", what))
         elif key in PINNED_FIELDS and not _pinned(schema):
-            findings.append(Finding(doc.subject, f"variables.properties.{var}", schema.get("default"),
-                                    "const: the one allowed value", f"it fills {field}: a deployment or flow run "
-                                    f"could name any {PINNED_FIELDS[key]}"))
+            findings.append(
+                Finding(
+                    doc.subject,
+                    f"variables.properties.{var}",
+                    schema.get("default"),
+                    "const: the one allowed value",
+                    f"it fills {field}: a deployment or flow run could name any {PINNED_FIELDS[key]}",
+                )
+            )
         elif key in PINNED_FIELDS and "default" in schema and schema["default"] != _pinned_value(schema):
-            findings.append(Finding(doc.subject, f"variables.properties.{var}.default", schema["default"],
-                                    _pinned_value(schema), "the Prefect server refuses a work pool whose default "
-                                    "breaks its own schema"))
+            findings.append(
+                Finding(
+                    doc.subject,
+                    f"variables.properties.{var}.default",
+                    schema["default"],
+                    _pinned_value(schema),
+                    "the Prefect server refuses a work pool whose default breaks its own schema",
+                )
+            )
     return findings
 
 
@@ -1281,23 +1763,38 @@ def _pinned_value(schema: dict):
 
 def job_variables_schema_findings(subject: str, job_variables: dict, template: Doc) -> list[Finding]:
     """A deployment's job variables against the template's schema, as the Prefect server checks them on deploy."""
-    schema = {k: v for k, v in (template.obj.get("variables") or {}).items() if k != "required"}  # required: at run time
+    schema = {
+        k: v for k, v in (template.obj.get("variables") or {}).items() if k != "required"
+    }  # required: at run time
     validator = jsonschema.Draft202012Validator(schema)
-    return [Finding(subject, "work_pool.job_variables" + (f".{_dotted(e.absolute_path)}" if e.absolute_path else ""),
-                    e.instance if not isinstance(e.instance, (dict, list)) else type(e.instance).__name__,
-                    f"{e.validator}: {json.dumps(e.validator_value)[:120]}",
-                    f"{template.file}'s variables schema: the Prefect server refuses the deployment (422): {e.message[:200]}")
-            for e in validator.iter_errors(job_variables)]
+    return [
+        Finding(
+            subject,
+            "work_pool.job_variables" + (f".{_dotted(e.absolute_path)}" if e.absolute_path else ""),
+            e.instance if not isinstance(e.instance, (dict, list)) else type(e.instance).__name__,
+            f"{e.validator}: {json.dumps(e.validator_value)[:120]}",
+            f"{template.file}'s variables schema: the Prefect server refuses the deployment (422): {e.message[:200]}",
+        )
+        for e in validator.iter_errors(job_variables)
+    ]
 
 
 def literal_credential_findings(subject: str, field: str, env) -> list[Finding]:
     """A Prefect API credential written as a value, where anyone who can read the object reads it."""
     if not isinstance(env, dict):
         return []
-    return [Finding(subject, f"{field}[{name}]", "a literal value (not shown)", "valueFrom.secretKeyRef",
-                    "a credential in a manifest or job variables is readable by whoever can read the object (the "
-                    "built-in view role reads pods, Jobs and Deployments but not Secrets)")
-            for name in PREFECT_CREDENTIALS if name in env]
+    return [
+        Finding(
+            subject,
+            f"{field}[{name}]",
+            "a literal value (not shown)",
+            "valueFrom.secretKeyRef",
+            "a credential in a manifest or job variables is readable by whoever can read the object (the "
+            "built-in view role reads pods, Jobs and Deployments but not Secrets)",
+        )
+        for name in PREFECT_CREDENTIALS
+        if name in env
+    ]
 
 
 def prefect_auth_findings(subject: str, field: str, container: dict) -> list[Finding]:
@@ -1306,21 +1803,41 @@ def prefect_auth_findings(subject: str, field: str, container: dict) -> list[Fin
     findings = literal_credential_findings(subject, field, {n: e["value"] for n, e in env.items() if "value" in e})
     refs = {name: ((env.get(name) or {}).get("valueFrom") or {}).get("secretKeyRef") for name in PREFECT_CREDENTIALS}
     if refs["PREFECT_SERVER_API_AUTH_STRING"]:
-        findings.append(Finding(subject, f"{field}[PREFECT_SERVER_API_AUTH_STRING]", "set", None,
-                                "the server's setting: prefect-kubernetes copies every Prefect setting the worker has "
-                                "into each flow-run Job's env as a literal"))
+        findings.append(
+            Finding(
+                subject,
+                f"{field}[PREFECT_SERVER_API_AUTH_STRING]",
+                "set",
+                None,
+                "the server's setting: prefect-kubernetes copies every Prefect setting the worker has "
+                "into each flow-run Job's env as a literal",
+            )
+        )
     if not any(refs[name] for name in CREDENTIAL_SECRET_SETTINGS) and not findings:
-        findings.append(Finding(subject, f"{field}[PREFECT_API_AUTH_STRING]", None,
-                                "valueFrom.secretKeyRef (or PREFECT_API_KEY from one, for Prefect Cloud)",
-                                "the Prefect API runs code on this cluster: the worker and the server must authenticate"))
+        findings.append(
+            Finding(
+                subject,
+                f"{field}[PREFECT_API_AUTH_STRING]",
+                None,
+                "valueFrom.secretKeyRef (or PREFECT_API_KEY from one, for Prefect Cloud)",
+                "the Prefect API runs code on this cluster: the worker and the server must authenticate",
+            )
+        )
     for name, setting in CREDENTIAL_SECRET_SETTINGS.items():
         ref = refs[name] or {}
         for suffix, wanted in (("NAME", ref.get("name")), ("KEY", ref.get("key"))):
             seen = (env.get(f"{setting}_{suffix}") or {}).get("value")
             if ref and seen != wanted:
-                findings.append(Finding(subject, f"{field}[{setting}_{suffix}]", seen, wanted,
-                                        f"unset, prefect-kubernetes writes the worker's {name} as a literal into every "
-                                        "flow-run Job manifest instead of a secretKeyRef to the same Secret"))
+                findings.append(
+                    Finding(
+                        subject,
+                        f"{field}[{setting}_{suffix}]",
+                        seen,
+                        wanted,
+                        f"unset, prefect-kubernetes writes the worker's {name} as a literal into every "
+                        "flow-run Job manifest instead of a secretKeyRef to the same Secret",
+                    )
+                )
     return findings
 
 
@@ -1331,41 +1848,85 @@ def admission_policy_findings(doc: Doc, docs: list[Doc], pod_spec: dict) -> list
     not a flow run created directly, and whoever holds the API credential can rewrite the work pool: only
     the API server can refuse a Job that runs another image, as another account, with other Secrets.
     """
-    users = {f"system:serviceaccount:{w.namespace}:{workload_pod_spec(w).get('serviceAccountName') or 'default'}"
-             for w in docs if w.kind in WORKLOAD_KINDS
-             and any(kubernetes_worker_pool(c) for c in workload_pod_spec(w).get("containers") or [])}
+    users = {
+        f"system:serviceaccount:{w.namespace}:{workload_pod_spec(w).get('serviceAccountName') or 'default'}"
+        for w in docs
+        if w.kind in WORKLOAD_KINDS
+        and any(kubernetes_worker_pool(c) for c in workload_pod_spec(w).get("containers") or [])
+    }
     if not users:
         return []  # no worker among the linted files: whose Jobs to hold is unknown
-    denied = {(b.obj.get("spec") or {}).get("policyName") for b in docs if b.kind == "ValidatingAdmissionPolicyBinding"
-              and "Deny" in ((b.obj.get("spec") or {}).get("validationActions") or [])}
-    policies = [d for d in docs if d.kind == "ValidatingAdmissionPolicy" and d.name in denied and _matches_job_creation(d)
-                and any(f"'{user}'" in str((d.obj.get("spec") or {}).get("matchConditions")) for user in users)]
+    denied = {
+        (b.obj.get("spec") or {}).get("policyName")
+        for b in docs
+        if b.kind == "ValidatingAdmissionPolicyBinding"
+        and "Deny" in ((b.obj.get("spec") or {}).get("validationActions") or [])
+    }
+    policies = [
+        d
+        for d in docs
+        if d.kind == "ValidatingAdmissionPolicy"
+        and d.name in denied
+        and _matches_job_creation(d)
+        and any(f"'{user}'" in str((d.obj.get("spec") or {}).get("matchConditions")) for user in users)
+    ]
     if not policies:
-        return [Finding(doc.subject, "ValidatingAdmissionPolicy for the worker's Jobs", None,
-                        f"a policy bound with validationActions [Deny] matching batch/v1 jobs CREATE by {sorted(users)[0]}",
-                        "without it a flow run created directly through the Prefect API (POST /flow_runs/, which the "
-                        "server does not check against the variables schema) can choose any image, account or Secret")]
-    text = " ".join(str(v.get("expression")) for p in policies for v in (p.obj.get("spec") or {}).get("validations") or [])
-    return [Finding(policies[0].subject, "spec.validations", f"no expression naming '{value}'", value,
-                    f"{doc.file} pins the flow runs' {what} to it: the policy must admit exactly that")
-            for what, value in _flow_run_pins(doc, docs, pod_spec).items() if value and f"'{value}'" not in text]
+        return [
+            Finding(
+                doc.subject,
+                "ValidatingAdmissionPolicy for the worker's Jobs",
+                None,
+                f"a policy bound with validationActions [Deny] matching batch/v1 jobs CREATE by {sorted(users)[0]}",
+                "without it a flow run created directly through the Prefect API (POST /flow_runs/, which the "
+                "server does not check against the variables schema) can choose any image, account or Secret",
+            )
+        ]
+    text = " ".join(
+        str(v.get("expression")) for p in policies for v in (p.obj.get("spec") or {}).get("validations") or []
+    )
+    return [
+        Finding(
+            policies[0].subject,
+            "spec.validations",
+            f"no expression naming '{value}'",
+            value,
+            f"{doc.file} pins the flow runs' {what} to it: the policy must admit exactly that",
+        )
+        for what, value in _flow_run_pins(doc, docs, pod_spec).items()
+        if value and f"'{value}'" not in text
+    ]
 
 
 def _matches_job_creation(policy: Doc) -> bool:
     rules = (((policy.obj.get("spec") or {}).get("matchConstraints") or {}).get("resourceRules")) or []
-    return any({"batch", "*"} & set(r.get("apiGroups") or []) and {"jobs", "*"} & set(r.get("resources") or [])
-               and {"CREATE", "*"} & set(r.get("operations") or []) for r in rules)
+    return any(
+        {"batch", "*"} & set(r.get("apiGroups") or [])
+        and {"jobs", "*"} & set(r.get("resources") or [])
+        and {"CREATE", "*"} & set(r.get("operations") or [])
+        for r in rules
+    )
 
 
 def _flow_run_pins(doc: Doc, docs: list[Doc], pod_spec: dict) -> dict[str, str | None]:
     """What a flow-run Job may run and reference: the pinned image and account, the fixed Secrets."""
     properties = (doc.obj.get("variables") or {}).get("properties") or {}
-    secrets = {f"Secret of volume {v.get('name')}": v["secret"]["secretName"] for v in pod_spec.get("volumes") or []
-               if isinstance((v.get("secret") or {}).get("secretName"), str) and not _PLACEHOLDER.match(v["secret"]["secretName"])}
-    auth = [_env(c).get(f"{setting}_NAME") for w in docs if w.kind in WORKLOAD_KINDS
-            for c in workload_pod_spec(w).get("containers") or [] if kubernetes_worker_pool(c)
-            for setting in CREDENTIAL_SECRET_SETTINGS.values()]
-    return {"image": _pinned_value(properties.get("image") or {}),
-            "service account": _pinned_value(properties.get("service_account_name") or {}),
-            **secrets,
-            "Prefect API credential Secret": next((a for a in auth if a), None)}
+    secrets = {
+        f"Secret of volume {v.get('name')}": v["secret"]["secretName"]
+        for v in pod_spec.get("volumes") or []
+        if isinstance((v.get("secret") or {}).get("secretName"), str)
+        and not _PLACEHOLDER.match(v["secret"]["secretName"])
+    }
+    auth = [
+        _env(c).get(f"{setting}_NAME")
+        for w in docs
+        if w.kind in WORKLOAD_KINDS
+        for c in workload_pod_spec(w).get("containers") or []
+        if kubernetes_worker_pool(c)
+        for setting in CREDENTIAL_SECRET_SETTINGS.values()
+    ]
+    return {
+        "image": _pinned_value(properties.get("image") or {}),
+        "service account": _pinned_value(properties.get("service_account_name") or {}),
+        **secrets,
+        "Prefect API credential Secret": next((a for a in auth if a), None),
+    }

@@ -100,21 +100,36 @@ def start_ray_head(
     temp_dir = temp_dir or f"/tmp/tp-ray-{gcs_port}"
     ray_bin = str(Path(sys.executable).parent / "ray")
     cmd = [
-        ray_bin, "start", "--head", "--block", "--disable-usage-stats",
-        "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
-        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
-        f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
-        f"--dashboard-agent-grpc-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
-        f"--metrics-export-port={free_port()}", f"--temp-dir={temp_dir}",
+        ray_bin,
+        "start",
+        "--head",
+        "--block",
+        "--disable-usage-stats",
+        "--node-ip-address=127.0.0.1",
+        f"--port={gcs_port}",
+        "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dashboard_port}",
+        f"--ray-client-server-port={free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--dashboard-agent-grpc-port={free_port()}",
+        f"--runtime-env-agent-port={free_port()}",
+        f"--metrics-export-port={free_port()}",
+        f"--temp-dir={temp_dir}",
     ]
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")
     log_file = state_dir / "ray-head.log"
     # No drain on stop: nothing serves traffic here, and the default drain waits 30 s.
-    env = {**os.environ, **ray_env(token_file), "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
-           # Job entrypoints run `python -m ...` from PATH: it must be this environment's Python,
-           # also when `tuneproof` was started without activating the virtualenv.
-           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    env = {
+        **os.environ,
+        **ray_env(token_file),
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+        # Job entrypoints run `python -m ...` from PATH: it must be this environment's Python,
+        # also when `tuneproof` was started without activating the virtualenv.
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+    }
     with open(log_file, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     head = RayHead(proc.pid, dashboard_port, gcs_port, temp_dir, str(token_file), str(log_file))

@@ -61,8 +61,11 @@ def prefect_env() -> dict[str, str]:
     """Environment for the Prefect processes we start: our own home, analytics off, our API."""
     api = prefect_api()
     return {
-        **os.environ, "PREFECT_HOME": str(PREFECT_HOME), "PREFECT_API_URL": api,
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_API_URL": api,
+        **os.environ,
+        "PREFECT_HOME": str(PREFECT_HOME),
+        "PREFECT_API_URL": api,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_API_URL": api,
         # prefect.yaml's pull step runs flows in "{{ $PWD }}": the worker's, i.e. the project root.
         "PWD": str(PROJECT_ROOT),
     }
@@ -118,12 +121,22 @@ def ensure_work_pools() -> None:
     on EKS the same command with the same base job template creates it)."""
     pools = [
         [WORK_POOL, "--type", "process"],
-        [EKS_WORK_POOL, "--type", "kubernetes", "--base-job-template", str(PROJECT_ROOT / "deployments" / "prefect-k8s-base-job-template.json")],
+        [
+            EKS_WORK_POOL,
+            "--type",
+            "kubernetes",
+            "--base-job-template",
+            str(PROJECT_ROOT / "deployments" / "prefect-k8s-base-job-template.json"),
+        ],
     ]
     for args in pools:
         # Exits non-zero when the pool already exists, which is fine.
-        subprocess.run([prefect_bin(), "--no-prompt", "work-pool", "create", *args],
-                       env=prefect_env(), capture_output=True, cwd=PROJECT_ROOT)
+        subprocess.run(
+            [prefect_bin(), "--no-prompt", "work-pool", "create", *args],
+            env=prefect_env(),
+            capture_output=True,
+            cwd=PROJECT_ROOT,
+        )
 
 
 def prefect_bin() -> str:
@@ -134,8 +147,9 @@ def spawn(name: str, cmd: list[str]) -> Proc:
     STATE_DIR.mkdir(parents=True, exist_ok=True)
     log_file = STATE_DIR / f"{name}.log"
     with open(log_file, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=prefect_env(),
-                                cwd=PROJECT_ROOT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=prefect_env(), cwd=PROJECT_ROOT, start_new_session=True
+        )
     state = Proc(proc.pid, str(log_file))
     local.save_state(name, state)
     return state

@@ -15,8 +15,16 @@ from flows.stages import diff_metrics
 from tuneproof.control.record import RunRecord
 from tuneproof.core.summaries import NodeFacts
 
-NODE_FIELDS = ("ray_version", "torch_version", "cuda_version", "nccl_version", "python_version",
-               "transformers_version", "environment_digest", "gpus_advertised")
+NODE_FIELDS = (
+    "ray_version",
+    "torch_version",
+    "cuda_version",
+    "nccl_version",
+    "python_version",
+    "transformers_version",
+    "environment_digest",
+    "gpus_advertised",
+)
 
 
 def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
@@ -66,8 +74,11 @@ def _same(a: Any, b: Any) -> bool:
 def diff_records(a: RunRecord, b: RunRecord) -> dict[str, Any]:
     """Changed choices and metric deltas; the metrics are each stage's own (flows.stages.diff_metrics)."""
     ida, idb = identity(a), identity(b)
-    changes = [{"field": k, "a": ida.get(k), "b": idb.get(k)}
-               for k in sorted(set(ida) | set(idb)) if not _same(ida.get(k), idb.get(k))]
+    changes = [
+        {"field": k, "a": ida.get(k), "b": idb.get(k)}
+        for k in sorted(set(ida) | set(idb))
+        if not _same(ida.get(k), idb.get(k))
+    ]
     ma, mb = diff_metrics(a), diff_metrics(b)
     deltas = []
     for name in sorted(set(ma) | set(mb)):

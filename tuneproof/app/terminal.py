@@ -25,8 +25,16 @@ from tuneproof.core.config import PipelineConfig
 from tuneproof.core.envelope import ProgressEvent, format_metrics
 from tuneproof.core.summaries import EvaluateSummary
 
-STATUS_STYLE = {"succeeded": "green", "failed": "bold red", "running": "yellow", "skipped": "dim", "pending": "dim",
-                "crashed": "bold red", "cancelled": "bold red", "unreadable": "bold red"}
+STATUS_STYLE = {
+    "succeeded": "green",
+    "failed": "bold red",
+    "running": "yellow",
+    "skipped": "dim",
+    "pending": "dim",
+    "crashed": "bold red",
+    "cancelled": "bold red",
+    "unreadable": "bold red",
+}
 
 
 def whole_table(columns: list[str], rows: list[list[str]], keep: tuple[str, ...] = (), **kwargs: Any) -> Table:
@@ -88,16 +96,20 @@ def quiet_prefect_console(verbose: bool) -> None:
     if verbose:
         return
     # Ray's SDK announces every working_dir upload and every closed log stream; the record holds what matters.
-    for name in ("ray.dashboard.modules.dashboard_sdk", "ray._private.runtime_env.packaging",
-                 "ray.dashboard.modules.job.sdk"):
+    for name in (
+        "ray.dashboard.modules.dashboard_sdk",
+        "ray._private.runtime_env.packaging",
+        "ray.dashboard.modules.job.sdk",
+    ):
         logging.getLogger(name).setLevel(logging.WARNING)
     for handler in logging.getLogger().handlers:
         if type(handler).__name__ == "PrefectConsoleHandler":
             handler.setLevel(logging.WARNING)
 
 
-def run_with_display(cfg: PipelineConfig, run_id: str | None, only: list[str] | None,
-                     console: Console) -> RunRecord | dict[str, Any]:
+def run_with_display(
+    cfg: PipelineConfig, run_id: str | None, only: list[str] | None, console: Console
+) -> RunRecord | dict[str, Any]:
     """Run the flow in-process with a live display; returns the run record (or, when the flow
     ended before writing one, a minimal failure document)."""
     from flows.pipeline import pipeline
@@ -114,6 +126,7 @@ def run_with_display(cfg: PipelineConfig, run_id: str | None, only: list[str] | 
     display = Display(run_id, table.names(table.plan(only)))
     quiet_prefect_console(os.environ.get("TUNEPROOF_VERBOSE") == "1")
     with Live(display.render(), console=console, refresh_per_second=4, transient=False) as live:
+
         def show(event: dict[str, Any]) -> None:
             display.on_event(event)
             live.update(display.render())
@@ -147,8 +160,10 @@ def prefect_api_problem() -> str | None:
         with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=5):
             return None
     except OSError as e:
-        return (f"the Prefect API at {url} does not answer ({getattr(e, 'reason', e)}); start the local one with "
-                "`tuneproof local up`, or point PREFECT_API_URL at yours")
+        return (
+            f"the Prefect API at {url} does not answer ({getattr(e, 'reason', e)}); start the local one with "
+            "`tuneproof local up`, or point PREFECT_API_URL at yours"
+        )
 
 
 def print_summary(rec: RunRecord, console: Console) -> None:
@@ -158,8 +173,12 @@ def print_summary(rec: RunRecord, console: Console) -> None:
     statuses = [e.status + (f" ({e.failure_class.value})" if e.failure_class else "") for _, e in entries]
     name_width, status_width = max(map(len, names)) + 2, max(map(len, statuses), default=0) + 2
     for (name, entry), status in zip(entries, statuses):
-        print_line(console, f"  {name:<{name_width}}", (f"{status:<{status_width}}", STATUS_STYLE.get(entry.status, "")),
-                   table.evidence_line(entry))
+        print_line(
+            console,
+            f"  {name:<{name_width}}",
+            (f"{status:<{status_width}}", STATUS_STYLE.get(entry.status, "")),
+            table.evidence_line(entry),
+        )
     evaluation = rec.summary("evaluate", EvaluateSummary)
     for line in evaluation.gates.lines if evaluation else []:
         print_line(console, f"  gate: {line}")
@@ -183,9 +202,11 @@ def print_record(rec: RunRecord, console: Console) -> None:
         ("data", str(data.content_hash if data else "-")),
     ]
     if cluster:
-        facts += [("cluster", f"Ray {cluster.ray_version}, {len(cluster.nodes)} node(s)"),
-                  ("image", str(cluster.image_digest or "-")),
-                  ("environment", str(cluster.environment_digest))]
+        facts += [
+            ("cluster", f"Ray {cluster.ray_version}, {len(cluster.nodes)} node(s)"),
+            ("image", str(cluster.image_digest or "-")),
+            ("environment", str(cluster.environment_digest)),
+        ]
     for label, value in facts:
         print_line(console, (f"{label:<13}", "bold"), value)
     print_summary(rec, console)

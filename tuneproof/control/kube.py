@@ -57,11 +57,21 @@ def fetch_cluster_objects(kcfg: KubernetesConfig) -> dict[str, Any]:
     try:
         return {
             "raycluster": _raycluster(api, kcfg),
-            "pods": _required(lambda: _items(client.CoreV1Api(api).list_namespaced_pod(
-                kcfg.namespace, label_selector=f"{CLUSTER_LABEL}={kcfg.raycluster}",
-                _preload_content=False, _request_timeout=TIMEOUT_S)), f"pods in namespace {kcfg.namespace}"),
-            "nodes": _required(lambda: _items(client.CoreV1Api(api).list_node(
-                _preload_content=False, _request_timeout=TIMEOUT_S)), "nodes"),
+            "pods": _required(
+                lambda: _items(
+                    client.CoreV1Api(api).list_namespaced_pod(
+                        kcfg.namespace,
+                        label_selector=f"{CLUSTER_LABEL}={kcfg.raycluster}",
+                        _preload_content=False,
+                        _request_timeout=TIMEOUT_S,
+                    )
+                ),
+                f"pods in namespace {kcfg.namespace}",
+            ),
+            "nodes": _required(
+                lambda: _items(client.CoreV1Api(api).list_node(_preload_content=False, _request_timeout=TIMEOUT_S)),
+                "nodes",
+            ),
             "resourceslices": _resourceslices(api),
             "ray_nodes": None,
             "operator": _operator(api),
@@ -80,15 +90,25 @@ def api_client(kcfg: KubernetesConfig) -> client.ApiClient:
         return config.new_client_from_config(config_file=kcfg.kubeconfig)
     except (ConfigException, OSError) as e:
         where = kcfg.kubeconfig or "in-cluster service account / ~/.kube/config"
-        raise StageFailure(FailureClass.infrastructure,
-                           f"no Kubernetes credentials from {where}: {e} (set cluster.kubernetes.kubeconfig)") from e
+        raise StageFailure(
+            FailureClass.infrastructure,
+            f"no Kubernetes credentials from {where}: {e} (set cluster.kubernetes.kubeconfig)",
+        ) from e
 
 
 def _raycluster(api: client.ApiClient, kcfg: KubernetesConfig) -> dict | None:
     try:
-        return _json(client.CustomObjectsApi(api).get_namespaced_custom_object(
-            "ray.io", "v1", kcfg.namespace, "rayclusters", kcfg.raycluster,
-            _preload_content=False, _request_timeout=TIMEOUT_S))
+        return _json(
+            client.CustomObjectsApi(api).get_namespaced_custom_object(
+                "ray.io",
+                "v1",
+                kcfg.namespace,
+                "rayclusters",
+                kcfg.raycluster,
+                _preload_content=False,
+                _request_timeout=TIMEOUT_S,
+            )
+        )
     except ApiException as e:
         if e.status == 404:
             return None
@@ -110,8 +130,11 @@ def _resourceslices(api: client.ApiClient) -> list[dict] | None:
     """DRA ResourceSlices from the newest served resource.k8s.io version; None when none is served or readable."""
     for version in RESOURCE_API_VERSIONS:
         try:
-            return _items(client.CustomObjectsApi(api).list_cluster_custom_object(
-                "resource.k8s.io", version, "resourceslices", _preload_content=False, _request_timeout=TIMEOUT_S))
+            return _items(
+                client.CustomObjectsApi(api).list_cluster_custom_object(
+                    "resource.k8s.io", version, "resourceslices", _preload_content=False, _request_timeout=TIMEOUT_S
+                )
+            )
         except ApiException as e:
             if e.status == 404:
                 continue
@@ -124,8 +147,11 @@ def _resourceslices(api: client.ApiClient) -> list[dict] | None:
 def _operator(api: client.ApiClient) -> dict | None:
     """The KubeRay operator Deployment when the pipeline may list Deployments cluster-wide; else None."""
     try:
-        items = _items(client.AppsV1Api(api).list_deployment_for_all_namespaces(
-            label_selector=OPERATOR_SELECTOR, _preload_content=False, _request_timeout=TIMEOUT_S))
+        items = _items(
+            client.AppsV1Api(api).list_deployment_for_all_namespaces(
+                label_selector=OPERATOR_SELECTOR, _preload_content=False, _request_timeout=TIMEOUT_S
+            )
+        )
     except ApiException as e:
         if e.status in (403, 404):
             return None
@@ -143,8 +169,9 @@ def _items(response) -> list[dict]:
 
 def _refused(what: str, e: ApiException) -> StageFailure:
     hint = " (the service account needs deployments/rbac.yaml)" if e.status in (401, 403) else ""
-    return StageFailure(FailureClass.infrastructure,
-                        f"Kubernetes API refused reading {what}: HTTP {e.status} {e.reason}{hint}")
+    return StageFailure(
+        FailureClass.infrastructure, f"Kubernetes API refused reading {what}: HTTP {e.status} {e.reason}{hint}"
+    )
 
 
 def _unreachable(api: client.ApiClient, e: Exception) -> StageFailure:
@@ -162,8 +189,9 @@ def load_objects_from_dir(directory: str | Path) -> dict[str, Any]:
         path = directory / name
         if not path.exists():
             if required:
-                raise FileNotFoundError(f"{path}: missing; save it with the command in deployments/README.md "
-                                        f"(\"Verifying from saved files\")")
+                raise FileNotFoundError(
+                    f'{path}: missing; save it with the command in deployments/README.md ("Verifying from saved files")'
+                )
             objects[key] = None
             continue
         try:

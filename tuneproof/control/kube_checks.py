@@ -112,8 +112,15 @@ def check_cluster(objects: dict, cfg: PipelineConfig) -> list[Finding]:
     kcfg = cfg.cluster.kubernetes
     raycluster = objects.get("raycluster")
     if raycluster is None:
-        return [Finding(f"RayCluster {kcfg.namespace}/{kcfg.raycluster}", "metadata.name", None, kcfg.raycluster,
-                        "not found: apply deployments/raycluster.yaml or fix cluster.kubernetes")]
+        return [
+            Finding(
+                f"RayCluster {kcfg.namespace}/{kcfg.raycluster}",
+                "metadata.name",
+                None,
+                kcfg.raycluster,
+                "not found: apply deployments/raycluster.yaml or fix cluster.kubernetes",
+            )
+        ]
     pods = objects.get("pods") or []
     return [
         *readiness(raycluster),
@@ -131,14 +138,20 @@ def readiness(raycluster: dict) -> list[Finding]:
     provisioned = all(conditions.get(t, {}).get("status") == "True" for t in ("RayClusterProvisioned", "HeadPodReady"))
     if status.get("state") == "ready" or provisioned:
         return []
-    why = "; ".join(f"{t}={c.get('status')} {c.get('reason', '')}".strip() for t, c in conditions.items()
-                    if c.get("status") != "True")
+    why = "; ".join(
+        f"{t}={c.get('status')} {c.get('reason', '')}".strip()
+        for t, c in conditions.items()
+        if c.get("status") != "True"
+    )
     return [Finding(_rc_subject(raycluster), "status.state", status.get("state"), "ready", why)]
 
 
 def pod_presence(raycluster: dict, pods: list[dict]) -> list[Finding]:
-    findings = [Finding(f"pod {_name(p)}", "status.phase", p.get("status", {}).get("phase"), "Running")
-                for p in pods if p.get("status", {}).get("phase") != "Running"]
+    findings = [
+        Finding(f"pod {_name(p)}", "status.phase", p.get("status", {}).get("phase"), "Running")
+        for p in pods
+        if p.get("status", {}).get("phase") != "Running"
+    ]
     running = [p for p in pods if p.get("status", {}).get("phase") == "Running"]
     if not any(_labels(p).get(NODE_TYPE_LABEL) == "head" for p in running):
         findings.append(Finding(_rc_subject(raycluster), "head pod", "none running", "1 running"))
@@ -146,8 +159,15 @@ def pod_presence(raycluster: dict, pods: list[dict]) -> list[Finding]:
         desired = group_pod_count(raycluster, group)
         have = sum(1 for p in running if _labels(p).get(GROUP_LABEL) == group.get("groupName"))
         if have < desired:
-            findings.append(Finding(_rc_subject(raycluster), f"workerGroupSpecs[{group.get('groupName')}] running pods",
-                                    have, desired, "fewer worker pods than the group asks for"))
+            findings.append(
+                Finding(
+                    _rc_subject(raycluster),
+                    f"workerGroupSpecs[{group.get('groupName')}] running pods",
+                    have,
+                    desired,
+                    "fewer worker pods than the group asks for",
+                )
+            )
     return findings
 
 
@@ -160,18 +180,32 @@ def image_digests(raycluster: dict, pods: list[dict], expected_image: str | None
         status = _container_status(pod, container.get("name"))
         field = f"status.containerStatuses[{container.get('name')}].imageID"
         if expected is None:
-            findings.append(Finding(f"pod {_name(pod)}", f"spec.containers[{container.get('name')}].image",
-                                    container.get("image"), "an image pinned by digest (repo@sha256:...)"))
+            findings.append(
+                Finding(
+                    f"pod {_name(pod)}",
+                    f"spec.containers[{container.get('name')}].image",
+                    container.get("image"),
+                    "an image pinned by digest (repo@sha256:...)",
+                )
+            )
         elif status is None or not status.get("imageID"):
             findings.append(Finding(f"pod {_name(pod)}", field, None, expected, "the Ray container has not started"))
         elif image_digest(status["imageID"]) != expected:
-            findings.append(Finding(f"pod {_name(pod)}", field, status["imageID"], expected,
-                                    "the pod runs a different image than the pinned digest"))
+            findings.append(
+                Finding(
+                    f"pod {_name(pod)}",
+                    field,
+                    status["imageID"],
+                    expected,
+                    "the pod runs a different image than the pinned digest",
+                )
+            )
     return findings
 
 
-def gpu_agreement(raycluster: dict, pods: list[dict], ray_nodes: list | dict | None,
-                  gpus_per_worker: int) -> list[Finding]:
+def gpu_agreement(
+    raycluster: dict, pods: list[dict], ray_nodes: list | dict | None, gpus_per_worker: int
+) -> list[Finding]:
     """rayStartParams num-gpus == pod nvidia.com/gpu limit == GPUs the Ray node on the pod advertises."""
     by_ip = {n["ip"]: n for n in normalize_ray_nodes(ray_nodes)} if ray_nodes is not None else None
     findings = []
@@ -180,12 +214,21 @@ def gpu_agreement(raycluster: dict, pods: list[dict], ray_nodes: list | dict | N
         limit = resource_count(ray_container(pod.get("spec") or {}), GPU_RESOURCE)
         findings += _spec_vs_limit(pod, group_spec(raycluster, group_name), group_name, limit)
         if gpus_per_worker and _labels(pod).get(NODE_TYPE_LABEL) == "worker" and limit and limit != gpus_per_worker:
-            findings.append(Finding(f"pod {_name(pod)}", f"{GPU_RESOURCE} limit", limit, gpus_per_worker,
-                                    "cluster.expect.gpus_per_worker"))
+            findings.append(
+                Finding(
+                    f"pod {_name(pod)}",
+                    f"{GPU_RESOURCE} limit",
+                    limit,
+                    gpus_per_worker,
+                    "cluster.expect.gpus_per_worker",
+                )
+            )
         if by_ip is not None:
             findings += _ray_node_vs_limit(pod, by_ip, limit)
-    if gpus_per_worker and not any(_labels(p).get(NODE_TYPE_LABEL) == "worker"
-                                   and resource_count(ray_container(p.get("spec") or {}), GPU_RESOURCE) for p in pods):
+    if gpus_per_worker and not any(
+        _labels(p).get(NODE_TYPE_LABEL) == "worker" and resource_count(ray_container(p.get("spec") or {}), GPU_RESOURCE)
+        for p in pods
+    ):
         findings.append(Finding(_rc_subject(raycluster), "worker pods with GPUs", 0, f">= 1 with {gpus_per_worker}"))
     return findings
 
@@ -195,8 +238,15 @@ def _spec_vs_limit(pod: dict, group: dict | None, group_name: str, limit: int) -
     if setting is None or as_count(setting[1]) == limit:
         return []
     field, raw = setting
-    return [Finding(f"pod {_name(pod)} (group {group_name})", f"{GPU_RESOURCE} limit", limit, raw,
-                    f"the RayCluster's {field} for this group")]
+    return [
+        Finding(
+            f"pod {_name(pod)} (group {group_name})",
+            f"{GPU_RESOURCE} limit",
+            limit,
+            raw,
+            f"the RayCluster's {field} for this group",
+        )
+    ]
 
 
 def _ray_node_vs_limit(pod: dict, by_ip: dict, limit: int) -> list[Finding]:
@@ -205,13 +255,21 @@ def _ray_node_vs_limit(pod: dict, by_ip: dict, limit: int) -> list[Finding]:
     if node is None:
         return [Finding(f"pod {_name(pod)}", "Ray node on the pod IP", None, ip, "no alive Ray node runs on this pod")]
     if node["gpus"] != limit:
-        return [Finding(f"Ray node {ip} (pod {_name(pod)})", "resources_total.GPU", node["gpus"], limit,
-                        f"the pod's {GPU_RESOURCE} limit: Ray advertises GPUs the pod does not own")]
+        return [
+            Finding(
+                f"Ray node {ip} (pod {_name(pod)})",
+                "resources_total.GPU",
+                node["gpus"],
+                limit,
+                f"the pod's {GPU_RESOURCE} limit: Ray advertises GPUs the pod does not own",
+            )
+        ]
     return []
 
 
-def node_devices(pods: list[dict], nodes: list[dict], resourceslices: list[dict] | None,
-                 expect_efa: bool) -> list[Finding]:
+def node_devices(
+    pods: list[dict], nodes: list[dict], resourceslices: list[dict] | None, expect_efa: bool
+) -> list[Finding]:
     """Each GPU pod's node offers the GPUs it uses and, when expected, EFA (device plugin or DRA)."""
     by_name = {_name(n): n for n in nodes}
     findings, seen = [], set()
@@ -235,24 +293,41 @@ def _node_gpus(node: dict, needed: int) -> list[Finding]:
     have = _allocatable(node, GPU_RESOURCE)
     if have >= needed:
         return []
-    return [Finding(f"node {_name(node)}", f"status.allocatable[{GPU_RESOURCE}]", have, f">= {needed}",
-                    "the NVIDIA device plugin does not offer the GPUs the pod uses")]
+    return [
+        Finding(
+            f"node {_name(node)}",
+            f"status.allocatable[{GPU_RESOURCE}]",
+            have,
+            f">= {needed}",
+            "the NVIDIA device plugin does not offer the GPUs the pod uses",
+        )
+    ]
 
 
 def _node_efa(node: dict, resourceslices: list[dict] | None) -> list[Finding]:
     if _allocatable(node, EFA_RESOURCE) > 0 or efa_dra_slices(resourceslices or [], _name(node)):
         return []
     unread = " (ResourceSlices could not be read, so a DRA-published EFA is unknown)" if resourceslices is None else ""
-    return [Finding(f"node {_name(node)}", f"status.allocatable[{EFA_RESOURCE}] or an EFA ResourceSlice", 0,
-                    ">= 1", "cluster.expect.efa: no EFA device on this GPU node" + unread)]
+    return [
+        Finding(
+            f"node {_name(node)}",
+            f"status.allocatable[{EFA_RESOURCE}] or an EFA ResourceSlice",
+            0,
+            ">= 1",
+            "cluster.expect.efa: no EFA device on this GPU node" + unread,
+        )
+    ]
 
 
 def efa_dra_slices(resourceslices: list[dict], node_name: str) -> list[dict]:
     """ResourceSlices the EFA DRA driver published for the node, with at least one device."""
-    return [s for s in resourceslices
-            if (s.get("spec") or {}).get("nodeName") == node_name
-            and (s.get("spec") or {}).get("driver") in EFA_DRA_DRIVERS
-            and (s.get("spec") or {}).get("devices")]
+    return [
+        s
+        for s in resourceslices
+        if (s.get("spec") or {}).get("nodeName") == node_name
+        and (s.get("spec") or {}).get("driver") in EFA_DRA_DRIVERS
+        and (s.get("spec") or {}).get("devices")
+    ]
 
 
 def operator_finding(raycluster: dict, pods: list[dict], operator: dict | None) -> Finding:
@@ -296,10 +371,12 @@ def _ray_node(row: dict) -> dict | None:
     if not alive:
         return None
     resources = raylet.get("resourcesTotal") or row.get("resources_total") or {"GPU": row.get("gpus_advertised") or 0}
-    return {"ip": raylet.get("nodeManagerAddress") or row.get("node_ip"),
-            "gpus": int(float(resources.get("GPU", 0))),
-            "node_id": raylet.get("nodeId") or row.get("node_id"),
-            "is_head": bool(raylet.get("isHeadNode", row.get("is_head_node", row.get("is_head", False))))}
+    return {
+        "ip": raylet.get("nodeManagerAddress") or row.get("node_ip"),
+        "gpus": int(float(resources.get("GPU", 0))),
+        "node_id": raylet.get("nodeId") or row.get("node_id"),
+        "is_head": bool(raylet.get("isHeadNode", row.get("is_head_node", row.get("is_head", False)))),
+    }
 
 
 # ---------------------------------------------------------------- summary for the run record
@@ -315,11 +392,18 @@ def summarize(objects: dict, cfg: PipelineConfig | None = None) -> dict[str, Any
         "operator_version": version,
         "operator_version_source": source,
         "expected_image": cfg.cluster.expect.image if cfg else None,
-        "image_digests": {_name(p): image_digest((_container_status(p, ray_container(p.get("spec") or {}).get("name"))
-                                                  or {}).get("imageID")) for p in pods},
+        "image_digests": {
+            _name(p): image_digest(
+                (_container_status(p, ray_container(p.get("spec") or {}).get("name")) or {}).get("imageID")
+            )
+            for p in pods
+        },
         "pods": [_pod_summary(p) for p in pods],
-        "nodes": [_node_summary(n, objects.get("resourceslices")) for n in objects.get("nodes") or []
-                  if _allocatable(n, GPU_RESOURCE)],
+        "nodes": [
+            _node_summary(n, objects.get("resourceslices"))
+            for n in objects.get("nodes") or []
+            if _allocatable(n, GPU_RESOURCE)
+        ],
         "ray_nodes": normalize_ray_nodes(objects["ray_nodes"]) if objects.get("ray_nodes") is not None else None,
     }
 
@@ -327,32 +411,48 @@ def summarize(objects: dict, cfg: PipelineConfig | None = None) -> dict[str, Any
 def _cluster_summary(raycluster: dict) -> dict:
     spec = raycluster.get("spec") or {}
     return {
-        "name": _name(raycluster), "namespace": (raycluster.get("metadata") or {}).get("namespace"),
-        "state": (raycluster.get("status") or {}).get("state"), "ray_version": spec.get("rayVersion"),
-        "worker_groups": [{
-            "name": g.get("groupName"), "pods": group_pod_count(raycluster, g),
-            "ray_gpus": (ray_gpu_setting(g) or (None, None))[1],
-            "gpu_limit": resource_count(ray_container((g.get("template") or {}).get("spec") or {}), GPU_RESOURCE),
-            "efa_limit": resource_count(ray_container((g.get("template") or {}).get("spec") or {}), EFA_RESOURCE),
-            "image": ray_container((g.get("template") or {}).get("spec") or {}).get("image"),
-        } for g in worker_groups(raycluster)],
+        "name": _name(raycluster),
+        "namespace": (raycluster.get("metadata") or {}).get("namespace"),
+        "state": (raycluster.get("status") or {}).get("state"),
+        "ray_version": spec.get("rayVersion"),
+        "worker_groups": [
+            {
+                "name": g.get("groupName"),
+                "pods": group_pod_count(raycluster, g),
+                "ray_gpus": (ray_gpu_setting(g) or (None, None))[1],
+                "gpu_limit": resource_count(ray_container((g.get("template") or {}).get("spec") or {}), GPU_RESOURCE),
+                "efa_limit": resource_count(ray_container((g.get("template") or {}).get("spec") or {}), EFA_RESOURCE),
+                "image": ray_container((g.get("template") or {}).get("spec") or {}).get("image"),
+            }
+            for g in worker_groups(raycluster)
+        ],
     }
 
 
 def _pod_summary(pod: dict) -> dict:
     container = ray_container(pod.get("spec") or {})
-    return {"name": _name(pod), "node_type": _labels(pod).get(NODE_TYPE_LABEL), "group": _labels(pod).get(GROUP_LABEL),
-            "node": (pod.get("spec") or {}).get("nodeName"), "ip": (pod.get("status") or {}).get("podIP"),
-            "phase": (pod.get("status") or {}).get("phase"), "image": container.get("image"),
-            "image_id": (_container_status(pod, container.get("name")) or {}).get("imageID"),
-            "gpu_limit": resource_count(container, GPU_RESOURCE)}
+    return {
+        "name": _name(pod),
+        "node_type": _labels(pod).get(NODE_TYPE_LABEL),
+        "group": _labels(pod).get(GROUP_LABEL),
+        "node": (pod.get("spec") or {}).get("nodeName"),
+        "ip": (pod.get("status") or {}).get("podIP"),
+        "phase": (pod.get("status") or {}).get("phase"),
+        "image": container.get("image"),
+        "image_id": (_container_status(pod, container.get("name")) or {}).get("imageID"),
+        "gpu_limit": resource_count(container, GPU_RESOURCE),
+    }
 
 
 def _node_summary(node: dict, resourceslices: list[dict] | None) -> dict:
     labels = _labels(node)
-    return {"name": _name(node), "instance_type": labels.get("node.kubernetes.io/instance-type"),
-            "gpu_allocatable": _allocatable(node, GPU_RESOURCE), "efa_allocatable": _allocatable(node, EFA_RESOURCE),
-            "efa_dra_slices": len(efa_dra_slices(resourceslices or [], _name(node)))}
+    return {
+        "name": _name(node),
+        "instance_type": labels.get("node.kubernetes.io/instance-type"),
+        "gpu_allocatable": _allocatable(node, GPU_RESOURCE),
+        "efa_allocatable": _allocatable(node, EFA_RESOURCE),
+        "efa_dra_slices": len(efa_dra_slices(resourceslices or [], _name(node))),
+    }
 
 
 # ---------------------------------------------------------------- small accessors

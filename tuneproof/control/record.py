@@ -98,24 +98,52 @@ class StageEntry(Model):
         return model.model_validate(self.summary) if self.summary is not None else None
 
     @classmethod
-    def from_jobs(cls, stage: str, result: StageResult, jobs: list[JobEntry], started_at: str,
-                  summary: Summary | None = None) -> StageEntry:
+    def from_jobs(
+        cls, stage: str, result: StageResult, jobs: list[JobEntry], started_at: str, summary: Summary | None = None
+    ) -> StageEntry:
         """An entry whose verdict is `result` (usually the last job's); `summary` replaces the job's own."""
-        return cls(stage=stage, status=result.status, failure_class=result.failure_class, cause=result.cause,
-                   started_at=started_at, ended_at=now_iso(),
-                   summary=summary.to_json() if summary is not None else result.summary, jobs=jobs)
+        return cls(
+            stage=stage,
+            status=result.status,
+            failure_class=result.failure_class,
+            cause=result.cause,
+            started_at=started_at,
+            ended_at=now_iso(),
+            summary=summary.to_json() if summary is not None else result.summary,
+            jobs=jobs,
+        )
 
     @classmethod
-    def failed(cls, stage: str, failure_class: FailureClass, cause: str, started_at: str | None = None,
-               summary: Summary | None = None, jobs: list[JobEntry] | None = None) -> StageEntry:
-        return cls(stage=stage, status="failed", failure_class=failure_class, cause=one_line(cause),
-                   started_at=started_at or now_iso(), ended_at=now_iso(),
-                   summary=summary.to_json() if summary is not None else None, jobs=jobs or [])
+    def failed(
+        cls,
+        stage: str,
+        failure_class: FailureClass,
+        cause: str,
+        started_at: str | None = None,
+        summary: Summary | None = None,
+        jobs: list[JobEntry] | None = None,
+    ) -> StageEntry:
+        return cls(
+            stage=stage,
+            status="failed",
+            failure_class=failure_class,
+            cause=one_line(cause),
+            started_at=started_at or now_iso(),
+            ended_at=now_iso(),
+            summary=summary.to_json() if summary is not None else None,
+            jobs=jobs or [],
+        )
 
     @classmethod
     def succeeded(cls, stage: str, summary: Summary, started_at: str, jobs: list[JobEntry] | None = None) -> StageEntry:
-        return cls(stage=stage, status="succeeded", started_at=started_at, ended_at=now_iso(),
-                   summary=summary.to_json(), jobs=jobs or [])
+        return cls(
+            stage=stage,
+            status="succeeded",
+            started_at=started_at,
+            ended_at=now_iso(),
+            summary=summary.to_json(),
+            jobs=jobs or [],
+        )
 
     @classmethod
     def skipped(cls, stage: str, why: str) -> StageEntry:
@@ -189,8 +217,15 @@ def make_run_id() -> str:
 
 def new_record(run_id: str, cfg: PipelineConfig, code: CodeIdentity, flow_run_id: str | None) -> RunRecord:
     return RunRecord(
-        run_id=run_id, flow_run_id=flow_run_id, created_at=now_iso(), updated_at=now_iso(), status="running",
-        profile=cfg.profile, code=code, config=cfg.model_dump(mode="json"), config_hash=cfg.config_hash(),
+        run_id=run_id,
+        flow_run_id=flow_run_id,
+        created_at=now_iso(),
+        updated_at=now_iso(),
+        status="running",
+        profile=cfg.profile,
+        code=code,
+        config=cfg.model_dump(mode="json"),
+        config_hash=cfg.config_hash(),
         runtime_env_additions=RuntimeEnvAdditions.model_validate(cfg.runtime_env.model_dump()),
     )
 
@@ -210,8 +245,9 @@ def load(storage: Storage, run_id: str) -> RunRecord:
     try:
         return parse(storage.read_json("runs", run_id, RECORD))
     except (ValueError, UnicodeDecodeError) as e:
-        raise RecordUnreadable(f"{storage.uri('runs', run_id, RECORD)} is not a readable run record: "
-                               f"{one_line(str(e), 300)}") from None
+        raise RecordUnreadable(
+            f"{storage.uri('runs', run_id, RECORD)} is not a readable run record: {one_line(str(e), 300)}"
+        ) from None
 
 
 def parse(doc: Any) -> RunRecord:

@@ -44,7 +44,12 @@ class PromotionConflict(RuntimeError):
     """The production pointer moved since the candidate was evaluated; nothing was pointed at the candidate."""
 
     def __init__(self, name: str, expected_token: str | None, seen_token: str | None, seen_version: str | None):
-        self.name, self.expected_token, self.seen_token, self.seen_version = name, expected_token, seen_token, seen_version
+        self.name, self.expected_token, self.seen_token, self.seen_version = (
+            name,
+            expected_token,
+            seen_token,
+            seen_version,
+        )
         expected = "no production model" if expected_token is None else f"pointer token {expected_token}"
         seen = "no production model" if seen_token is None else f"{seen_version} (token {seen_token})"
         super().__init__(
@@ -54,6 +59,7 @@ class PromotionConflict(RuntimeError):
 
 
 # ---- reading ---------------------------------------------------------------------------------
+
 
 def read_pointer(storage: Storage, name: str) -> tuple[dict | None, str | None]:
     """(pointer, token) for models/<name>/production.json, or (None, None) when there is none.
@@ -123,6 +129,7 @@ def next_version(existing: list[str], run_id: str) -> str:
 
 # ---- promotion -------------------------------------------------------------------------------
 
+
 def promote(
     storage: Storage,
     name: str,
@@ -153,8 +160,12 @@ def promote(
     storage.write_bytes(render_model_card(full_card).encode(), MODELS, name, version, CARD_MD)
     storage.write_json(full_card, MODELS, name, version, CARD_JSON)
     new_pointer = {
-        "name": name, "version": version, "path": posixpath.join(MODELS, name, version), "run_id": run_id,
-        "promoted_at": now_iso(), "previous_version": pointer["version"] if pointer else None,
+        "name": name,
+        "version": version,
+        "path": posixpath.join(MODELS, name, version),
+        "run_id": run_id,
+        "promoted_at": now_iso(),
+        "previous_version": pointer["version"] if pointer else None,
     }
     try:
         _swap_pointer(storage, name, new_pointer, expected_token, lock_timeout_s, stale_lock_s)
@@ -167,10 +178,12 @@ def promote(
 def _copy_model(storage: Storage, source_path: str, dest_parts: tuple[str, ...]) -> None:
     """File by file (server-side copies on S3), so a large model never passes through this process."""
     if not storage.exists(source_path, "config.json"):
-        raise FileNotFoundError(f"{storage.uri(source_path)} has no config.json: expected an exported Hugging Face model")
+        raise FileNotFoundError(
+            f"{storage.uri(source_path)} has no config.json: expected an exported Hugging Face model"
+        )
     src = storage.path(source_path).rstrip("/")
     for remote in storage.fs.find(src):
-        dest = storage.path(*dest_parts, remote[len(src):].lstrip("/"))
+        dest = storage.path(*dest_parts, remote[len(src) :].lstrip("/"))
         if not storage.is_s3:
             os.makedirs(os.path.dirname(dest), exist_ok=True)
         storage.fs.copy(remote, dest)
@@ -183,7 +196,9 @@ def _remove_unpointed(storage: Storage, name: str, version: str) -> None:
         storage.remove(MODELS, name, version, recursive=True)
 
 
-def _swap_pointer(storage: Storage, name: str, pointer: dict, expected_token: str | None, lock_timeout_s: float, stale_lock_s: float) -> None:
+def _swap_pointer(
+    storage: Storage, name: str, pointer: dict, expected_token: str | None, lock_timeout_s: float, stale_lock_s: float
+) -> None:
     data = json.dumps(pointer, indent=2, sort_keys=True).encode()
     if storage.is_s3:
         _swap_s3(storage, name, data, expected_token)
@@ -210,6 +225,7 @@ def _content_token(data: bytes) -> str:
 
 # ---- local compare-and-swap: an O_EXCL lock file ---------------------------------------------
 
+
 @contextmanager
 def file_lock(path: Path, timeout_s: float, stale_s: float) -> Iterator[None]:
     """Hold `path` (created with O_EXCL) for the block; a lock older than stale_s is a crashed holder's.
@@ -224,8 +240,10 @@ def file_lock(path: Path, timeout_s: float, stale_s: float) -> Iterator[None]:
     while not _try_create(path, nonce):
         _break_if_stale(path, stale_s)
         if time.monotonic() > deadline:
-            raise TimeoutError(f"registry lock {path} still held after {timeout_s}s by {_holder(path)}; "
-                               f"it is broken automatically once {stale_s}s old")
+            raise TimeoutError(
+                f"registry lock {path} still held after {timeout_s}s by {_holder(path)}; "
+                f"it is broken automatically once {stale_s}s old"
+            )
         time.sleep(0.02)
     try:
         yield
@@ -273,6 +291,7 @@ def _holder(path: Path) -> dict:
 
 # ---- S3 compare-and-swap: conditional writes --------------------------------------------------
 
+
 def _s3_client(storage: Storage):
     import boto3
 
@@ -316,6 +335,7 @@ def _swap_s3(storage: Storage, name: str, data: bytes, expected_token: str | Non
 
 # ---- the model card (pure) -------------------------------------------------------------------
 
+
 def render_model_card(card: dict) -> str:
     """MODEL_CARD.md from a card dict (pure).
 
@@ -323,36 +343,42 @@ def render_model_card(card: dict) -> str:
     and gates (the gate lines); shows incumbent_version, forced ({"by", "reason", "bypassed"}),
     dataset_hash, base_model, image_digest, code_sha, config_hash, resume when present.
     """
-    return "\n".join([
-        f"# {card['name']} {card['version']}",
-        "",
-        _promotion_sentence(card),
-        "",
-        "## Provenance",
-        "",
-        "| | |",
-        "|---|---|",
-        *_provenance_rows(card),
-        "",
-        "## Metrics",
-        "",
-        *_metric_table(card["metrics"], card.get("incumbent_version")),
-        "",
-        "## Gates",
-        "",
-        *([f"- {line}" for line in card["gates"]] or ["- no gate lines recorded"]),
-        "",
-    ])
+    return "\n".join(
+        [
+            f"# {card['name']} {card['version']}",
+            "",
+            _promotion_sentence(card),
+            "",
+            "## Provenance",
+            "",
+            "| | |",
+            "|---|---|",
+            *_provenance_rows(card),
+            "",
+            "## Metrics",
+            "",
+            *_metric_table(card["metrics"], card.get("incumbent_version")),
+            "",
+            "## Gates",
+            "",
+            *([f"- {line}" for line in card["gates"]] or ["- no gate lines recorded"]),
+            "",
+        ]
+    )
 
 
 def _promotion_sentence(card: dict) -> str:
-    replaced = f"replacing {card['incumbent_version']}" if card.get("incumbent_version") else "the first production model"
+    replaced = (
+        f"replacing {card['incumbent_version']}" if card.get("incumbent_version") else "the first production model"
+    )
     forced = card.get("forced")
     if not forced:
         return f"Promoted from run `{card['run_id']}` after every gate and the resume test passed, {replaced}."
     bypassed = "; ".join(forced.get("bypassed") or []) or "nothing (all checks had passed)"
-    return (f"Promoted by override from run `{card['run_id']}`, {replaced}, by {forced.get('by', 'unknown')}: "
-            f"{forced.get('reason', '')}. Checks bypassed: {bypassed}.")
+    return (
+        f"Promoted by override from run `{card['run_id']}`, {replaced}, by {forced.get('by', 'unknown')}: "
+        f"{forced.get('reason', '')}. Checks bypassed: {bypassed}."
+    )
 
 
 def _provenance_rows(card: dict) -> list[str]:
@@ -365,8 +391,11 @@ def _provenance_rows(card: dict) -> list[str]:
         ("image digest", card.get("image_digest")),
         ("code SHA", card.get("code_sha") and card["code_sha"] + (" (dirty)" if card.get("code_dirty") else "")),
         ("config hash", card.get("config_hash")),
-        ("resume", resume.get("restored_step") is not None and
-         f"restored at step {resume['restored_step']}, max replay loss diff {resume.get('max_loss_diff')}"),
+        (
+            "resume",
+            resume.get("restored_step") is not None
+            and f"restored at step {resume['restored_step']}, max replay loss diff {resume.get('max_loss_diff')}",
+        ),
     ]
     return [f"| {label} | {f'`{value}`' if value else 'not recorded'} |" for label, value in rows]
 

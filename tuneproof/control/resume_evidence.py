@@ -24,16 +24,21 @@ def compare_losses(reference: dict[int, float], replay: dict[int, float], rtol: 
         raise ValueError(f"rtol must be >= 0, got {rtol}")
     common = sorted(set(reference) & set(replay))
     if not common:
-        return _verdict(common, [], [], reason=(
-            f"no common steps: reference logged {_span(reference)}, replay logged {_span(replay)}"
-        ))
+        return _verdict(
+            common,
+            [],
+            [],
+            reason=(f"no common steps: reference logged {_span(reference)}, replay logged {_span(replay)}"),
+        )
     diffs = [_diff(step, reference[step], replay[step]) for step in common]
     mismatches = [d for d in diffs if not _within(d, rtol)]
     reason = None
     if mismatches:
         first = mismatches[0]
-        reason = (f"{len(mismatches)} of {len(common)} replayed steps differ; first at step {first['step']}: "
-                  f"replay {first['replay']!r}, reference {first['reference']!r} (rtol {rtol})")
+        reason = (
+            f"{len(mismatches)} of {len(common)} replayed steps differ; first at step {first['step']}: "
+            f"replay {first['replay']!r}, reference {first['reference']!r} (rtol {rtol})"
+        )
     return _verdict(common, diffs, mismatches, reason)
 
 
@@ -41,8 +46,11 @@ def check_restart(expected_step: int, restored_step: int | None, subject: str = 
     """A Finding when the restarted run did not restore the checkpoint step it was stopped after."""
     if restored_step == expected_step:
         return None
-    message = ("it started from scratch instead of a checkpoint" if restored_step is None
-               else "it restored a different checkpoint than the one saved before the stop")
+    message = (
+        "it started from scratch instead of a checkpoint"
+        if restored_step is None
+        else "it restored a different checkpoint than the one saved before the stop"
+    )
     return Finding(subject=subject, field="restored_step", seen=restored_step, expected=expected_step, message=message)
 
 

@@ -21,7 +21,12 @@ from tuneproof.core.config import ClusterExpect
 from tuneproof.core.findings import Finding
 
 VERSION_FIELDS = (
-    "ray_version", "torch_version", "python_version", "transformers_version", "cuda_version", "nccl_version",
+    "ray_version",
+    "torch_version",
+    "python_version",
+    "transformers_version",
+    "cuda_version",
+    "nccl_version",
 )
 AGREEMENT_FIELDS = VERSION_FIELDS + ("environment_digest",)
 
@@ -66,7 +71,8 @@ def check_expected_versions(nodes: list[dict], expect: ClusterExpect) -> list[Fi
         same = _MATCHERS.get(field, _exact)
         findings += [
             Finding(node_subject(n), field, n.get(field), expected, "version differs from cluster.expect")
-            for n in nodes if not same(n.get(field), expected)
+            for n in nodes
+            if not same(n.get(field), expected)
         ]
     return findings
 
@@ -74,9 +80,15 @@ def check_expected_versions(nodes: list[dict], expect: ClusterExpect) -> list[Fi
 def check_gpus_visible(nodes: list[dict]) -> list[Finding]:
     """What torch sees on a node must equal what Ray hands out from it."""
     return [
-        Finding(node_subject(n), "gpus_visible", n.get("gpus_visible"), n.get("gpus_advertised"),
-                "GPUs torch sees on the node differ from the GPUs Ray advertises for it")
-        for n in nodes if _number(n.get("gpus_visible")) != _number(n.get("gpus_advertised"))
+        Finding(
+            node_subject(n),
+            "gpus_visible",
+            n.get("gpus_visible"),
+            n.get("gpus_advertised"),
+            "GPUs torch sees on the node differ from the GPUs Ray advertises for it",
+        )
+        for n in nodes
+        if _number(n.get("gpus_visible")) != _number(n.get("gpus_advertised"))
     ]
 
 
@@ -85,12 +97,19 @@ def check_worker_gpus(nodes: list[dict], gpus_per_worker: int) -> list[Finding]:
         return []
     workers = [n for n in nodes if not n.get("is_head")]
     if not workers:
-        return [Finding("cluster", "worker_nodes", 0, ">= 1",
-                        f"no alive worker node to advertise {gpus_per_worker} GPU(s)")]
+        return [
+            Finding("cluster", "worker_nodes", 0, ">= 1", f"no alive worker node to advertise {gpus_per_worker} GPU(s)")
+        ]
     return [
-        Finding(node_subject(n), "gpus_advertised", n.get("gpus_advertised"), gpus_per_worker,
-                "worker node advertises a different GPU count than cluster.expect.gpus_per_worker")
-        for n in workers if _number(n.get("gpus_advertised")) != gpus_per_worker
+        Finding(
+            node_subject(n),
+            "gpus_advertised",
+            n.get("gpus_advertised"),
+            gpus_per_worker,
+            "worker node advertises a different GPU count than cluster.expect.gpus_per_worker",
+        )
+        for n in workers
+        if _number(n.get("gpus_advertised")) != gpus_per_worker
     ]
 
 
@@ -100,9 +119,15 @@ def check_agreement(nodes: list[dict], fields: Iterable[str] = AGREEMENT_FIELDS)
     for field in fields:
         reference = _majority(nodes, field)
         findings += [
-            Finding(node_subject(n), field, n.get(field), reference,
-                    f"differs from the other nodes ({_count(nodes, field, reference)} of {len(nodes)} report the expected value)")
-            for n in nodes if n.get(field) != reference
+            Finding(
+                node_subject(n),
+                field,
+                n.get(field),
+                reference,
+                f"differs from the other nodes ({_count(nodes, field, reference)} of {len(nodes)} report the expected value)",
+            )
+            for n in nodes
+            if n.get(field) != reference
         ]
     return findings
 
@@ -115,12 +140,14 @@ def summarize_cluster(nodes: list[dict]) -> dict[str, Any]:
     return {
         "ray_version": head.get("ray_version"),
         "nodes": [
-            {k: n.get(k) for k in ("node_id", "node_ip", "is_head", "alive", "gpus_advertised", "gpus_visible", *VERSION_FIELDS)}
+            {
+                k: n.get(k)
+                for k in ("node_id", "node_ip", "is_head", "alive", "gpus_advertised", "gpus_visible", *VERSION_FIELDS)
+            }
             for n in nodes
         ],
         "environment_digest": (
-            digests.pop() if len(digests) == 1
-            else {node_subject(n): n.get("environment_digest") for n in alive}
+            digests.pop() if len(digests) == 1 else {node_subject(n): n.get("environment_digest") for n in alive}
         ),
     }
 

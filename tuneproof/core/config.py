@@ -170,8 +170,10 @@ class TrainConfig(Strict):
     def _shard_groups_tile_the_workers(self) -> TrainConfig:
         group, workers = self.shard_group_size, self.num_workers
         if self.sharding == "hybrid" and group is not None and workers % group:
-            raise ValueError(f"hybrid sharding needs shard_group_size to divide num_workers, "
-                             f"got shard_group_size={group} and num_workers={workers}")
+            raise ValueError(
+                f"hybrid sharding needs shard_group_size to divide num_workers, "
+                f"got shard_group_size={group} and num_workers={workers}"
+            )
         return self
 
 
@@ -273,10 +275,17 @@ class PipelineConfig(Strict):
         if self.cluster.backend == "eks" and self.cluster.expect.image is None:
             raise ValueError("cluster.expect.image: the eks backend needs the image pinned by digest, got None")
         if self.cluster.backend == "eks" and not self.storage.root.startswith(("s3://", "/")):
-            raise ValueError(f"storage.root: the eks backend needs s3:// or a shared mount's absolute path, got {self.storage.root!r}")
+            raise ValueError(
+                f"storage.root: the eks backend needs s3:// or a shared mount's absolute path, got {self.storage.root!r}"
+            )
         if self.cluster.backend == "eks" and self.train.num_workers > 1 and not self.storage.shared:
-            raise ValueError("storage.shared: more than one node needs shared storage (S3 or FSx), got a node-local root")
-        if self.resume.enabled and self.train.checkpoint_every + self.resume.extra_steps + self.resume.replay_steps > self.train.max_steps:
+            raise ValueError(
+                "storage.shared: more than one node needs shared storage (S3 or FSx), got a node-local root"
+            )
+        if (
+            self.resume.enabled
+            and self.train.checkpoint_every + self.resume.extra_steps + self.resume.replay_steps > self.train.max_steps
+        ):
             raise ValueError(
                 "resume: the resume test needs a checkpoint followed by resume.extra_steps + resume.replay_steps "
                 f"steps of the main run, got checkpoint_every={self.train.checkpoint_every} + "

@@ -32,15 +32,17 @@ def content_hash(
     settings: dict[str, Any],
 ) -> str:
     """The dataset's identity: equal inputs give an equal hash, so a rerun reuses the written dataset."""
-    return sha256_json({
-        "prep_version": PREP_VERSION,
-        "source": source_sha256,
-        "eval_source": eval_source_sha256,
-        "fields": fields,
-        "system_prompt": system_prompt,
-        "tokenizer": tokenizer_sha256,
-        "settings": settings,
-    })
+    return sha256_json(
+        {
+            "prep_version": PREP_VERSION,
+            "source": source_sha256,
+            "eval_source": eval_source_sha256,
+            "fields": fields,
+            "system_prompt": system_prompt,
+            "tokenizer": tokenizer_sha256,
+            "settings": settings,
+        }
+    )
 
 
 @dataclass

@@ -51,7 +51,9 @@ class ProgressEvent(BaseModel):
 
     def line(self) -> str:
         """The machine-readable line a job prints."""
-        return PROGRESS_PREFIX + json.dumps({"stage": self.stage, "done": self.done, "total": self.total, **self.metrics})
+        return PROGRESS_PREFIX + json.dumps(
+            {"stage": self.stage, "done": self.done, "total": self.total, **self.metrics}
+        )
 
     def text(self) -> str:
         """'finetune 120/400 loss=0.5312 lr=0.00194': how people see it."""

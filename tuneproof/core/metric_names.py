@@ -46,7 +46,9 @@ def check_metric_names(names: list[str], allow_hub: bool = False) -> list[str]:
     problems = []
     for name in names:
         if name in LOSS_METRICS:
-            problems.append(f"metric {name!r} is computed for every model already ({', '.join(LOSS_METRICS)}); remove it from the list")
+            problems.append(
+                f"metric {name!r} is computed for every model already ({', '.join(LOSS_METRICS)}); remove it from the list"
+            )
             continue
         try:
             source = resolve_metric(name, allow_hub)
@@ -70,7 +72,8 @@ def check_gate_names(metric_names: list[str], gate_names: list[str]) -> list[str
     produced = [*metric_names, *LOSS_METRICS]
     return [
         f"eval.gates.{gate}: no configured metric produces {gate!r} (computed: {', '.join(produced)})"
-        for gate in gate_names if gate not in produced
+        for gate in gate_names
+        if gate not in produced
     ]
 
 

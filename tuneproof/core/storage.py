@@ -26,7 +26,7 @@ class Storage:
         self.is_s3 = root.startswith("s3://")
         if self.is_s3:
             self.root = root.rstrip("/")
-            self._base = self.root[len("s3://"):]
+            self._base = self.root[len("s3://") :]
             kwargs = {"client_kwargs": {"endpoint_url": endpoint_url}} if endpoint_url else {}
             # Listings must not be cached: stages poll for markers other processes write.
             self.fs = fsspec.filesystem("s3", use_listings_cache=False, skip_instance_cache=True, **kwargs)
@@ -103,7 +103,7 @@ class Storage:
         local_dir = Path(local_dir)
         base = self.path(*parts).rstrip("/")
         for remote in self.fs.find(base):
-            rel = remote[len(base):].lstrip("/")
+            rel = remote[len(base) :].lstrip("/")
             dest = local_dir / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
             with self.fs.open(remote, "rb") as src:

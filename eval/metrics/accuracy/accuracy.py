@@ -38,13 +38,17 @@ class Accuracy(evaluate.Metric):
             description=_DESCRIPTION,
             citation="",
             inputs_description=_KWARGS,
-            features=datasets.Features({"predictions": datasets.Value("string"), "references": datasets.Value("string")}),
+            features=datasets.Features(
+                {"predictions": datasets.Value("string"), "references": datasets.Value("string")}
+            ),
         )
 
     def _compute(self, predictions, references, sample_weight=None, normalize=True):
         weights = [1.0] * len(predictions) if sample_weight is None else [float(w) for w in sample_weight]
         if len(weights) != len(predictions):
-            raise ValueError(f"sample_weight has {len(weights)} values, expected one per prediction ({len(predictions)})")
+            raise ValueError(
+                f"sample_weight has {len(weights)} values, expected one per prediction ({len(predictions)})"
+            )
         correct = sum(w for p, r, w in zip(predictions, references, weights) if _label(p) == _label(r))
         if not normalize:
             return {"accuracy": float(correct)}

@@ -29,7 +29,9 @@ class ExactMatch(evaluate.Metric):
             description=_DESCRIPTION,
             citation="",
             inputs_description=_KWARGS,
-            features=datasets.Features({"predictions": datasets.Value("string"), "references": datasets.Value("string")}),
+            features=datasets.Features(
+                {"predictions": datasets.Value("string"), "references": datasets.Value("string")}
+            ),
         )
 
     def _compute(self, predictions, references):

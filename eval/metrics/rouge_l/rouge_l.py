@@ -58,7 +58,9 @@ class RougeL(evaluate.Metric):
             description=_DESCRIPTION,
             citation="Lin, C.-Y. (2004). ROUGE: A Package for Automatic Evaluation of Summaries.",
             inputs_description=_KWARGS,
-            features=datasets.Features({"predictions": datasets.Value("string"), "references": datasets.Value("string")}),
+            features=datasets.Features(
+                {"predictions": datasets.Value("string"), "references": datasets.Value("string")}
+            ),
         )
 
     def _compute(self, predictions, references):
