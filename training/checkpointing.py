@@ -26,7 +26,7 @@ import random
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -139,32 +139,57 @@ def _jsonable(value: Any) -> Any:
 # ---- save / load (collective: every rank calls these) ----
 
 
-def save_shards(model, optimizer, progress: TrainingProgress, local_dir: str | Path) -> dict[str, int]:
-    """DCP-save this rank's shards of model + optimizer and its progress; returns its files with sizes."""
+def save_shards(
+    model, optimizer, progress: TrainingProgress, local_dir: str | Path, trainable_only: bool = False
+) -> dict[str, int]:
+    """DCP-save this rank's shards of model + optimizer and its progress; returns its files with sizes.
+
+    trainable_only (LoRA): the frozen base is left out; it is reloaded from the base model on resume.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_state_options(trainable_only))
+    if trainable_only:
+        model_sd = without_frozen(model, model_sd)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(local_dir))
     Path(local_dir, progress.file_name()).write_text(json.dumps(asdict(progress), indent=1))
     return local_files(local_dir)
 
 
-def load_shards(model, optimizer, local_dir: str | Path, rank: int) -> TrainingProgress:
+def load_shards(model, optimizer, local_dir: str | Path, rank: int, trainable_only: bool = False) -> TrainingProgress:
     """DCP-load model + optimizer (resharding if the world size changed) and this rank's progress.
 
     A rank the checkpoint did not have (a larger world size) takes rank 0's progress; its RNG
-    state then comes from rank 0, which the caller logs.
+    state then comes from rank 0, which the caller logs. With trainable_only the frozen parameters
+    keep the values they were loaded with; dcp.load still fails on any trained one the checkpoint lacks.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    options = _state_options(trainable_only)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    if trainable_only:
+        model_sd = without_frozen(model, model_sd)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(local_dir))  # fills both dicts in place
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
     own = Path(local_dir, progress_file(rank))
     source = own if own.exists() else Path(local_dir, progress_file(0))
     return TrainingProgress(**json.loads(source.read_text()))
+
+
+def _state_options(trainable_only: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # strict=False only so the frozen keys may be absent from what is set back.
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+
+
+def without_frozen(model, state: dict) -> dict:
+    """`state` without any frozen parameter. StateDictOptions(ignore_frozen_params) misses the second name
+    of a tied weight (lm_head.weight, tied to the frozen embedding), which would save the whole embedding."""
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {key: value for key, value in state.items() if key not in frozen}
 
 
 def local_files(local_dir: str | Path) -> dict[str, int]:
@@ -260,11 +285,20 @@ def local_copy(uri: str, endpoint_url: str | None) -> Iterator[Path]:
 # ---- the Hugging Face export ----
 
 
-def write_hf_export(state: dict, step: int, model_cfg, endpoint_url: str | None, storage: Storage, path: str) -> None:
+def write_hf_export(
+    state: dict,
+    step: int,
+    model_cfg,
+    endpoint_url: str | None,
+    storage: Storage,
+    path: str,
+    also: Callable[[Path], None] | None = None,
+) -> None:
     """Write the full state dict as a Hugging Face model at storage `path`, marker last.
 
     The weights take the base config's dtype (fp32 when it names none); tokenizer and generation
     config come from the base model, so the export loads and generates like the base does.
+    `also` writes further files into the export directory (the LoRA adapter); the marker covers them.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -280,6 +314,8 @@ def write_hf_export(state: dict, step: int, model_cfg, endpoint_url: str | None,
     with tempfile.TemporaryDirectory(prefix="tuneproof-export-") as tmp:
         model.to(dtype).save_pretrained(tmp, safe_serialization=True)
         copy_base_files(materialize(model_cfg.source, endpoint_url), model_cfg, endpoint_url, Path(tmp))
+        if also is not None:
+            also(Path(tmp))
         storage.remove(path, MARKER)  # an earlier, superseded export stops counting before any file changes
         storage.upload_dir(tmp, path)
         write_marker(storage, step, local_files(tmp), path)

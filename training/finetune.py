@@ -46,6 +46,7 @@ from training.checkpointing import (
     write_marker,
 )
 from training.jobkit import JobContext, run_stage
+from training.lora import ADAPTER_DIR
 from training.schedule import WarmupCosine
 from tuneproof.core.hashing import IGNORE_INDEX
 from tuneproof.core.results import FailureClass, StageFailure
@@ -201,6 +202,10 @@ def summarize(ctx: JobContext, params: TrainParams, outcome: dict, seconds: floa
         mfu=sum(mfus) / len(mfus) if mfus else None,
         restored_step=outcome["start_step"] if restored else None,
         first_step_completed_at=outcome["first_step_completed_at"] if restored else None,
+        method=ctx.config.train.method,
+        trainable_params=outcome["trainable_params"],
+        total_params=outcome["total_params"],
+        adapter_path=posixpath.join(export, ADAPTER_DIR) if export and ctx.config.train.method == "lora" else None,
     )
 
 
@@ -244,6 +249,8 @@ class Worker:
     """Rank 0: every metrics row of this job so far, rewritten whole to metrics.jsonl."""
     restored_from: str | None = None
     first_step_completed_at: float | None = None
+    param_counts: tuple[int, int] = (0, 0)
+    """(trainable, total) parameters of the model as set up (base + adapters under LoRA)."""
 
     def log(self, message: str) -> None:
         if self.rank == 0:
@@ -256,6 +263,11 @@ class Worker:
     @property
     def run_parts(self) -> tuple[str, ...]:
         return self.ctx.run_parts("train", self.params.run_name)
+
+    @property
+    def lora(self) -> bool:
+        """Only the adapters train: checkpoints hold them (and their optimizer state), not the frozen base."""
+        return self.ctx.config.train.method == "lora"
 
 
 def train_loop(loop_config: dict) -> None:
@@ -303,6 +315,7 @@ def setup(ctx: JobContext, params: TrainParams) -> Worker:
 
     from training.flops import ModelShape, train_flops_per_token
     from training.fsdp import peak_flops, shard_model, worker_device
+    from training.lora import parameter_counts
     from training.modeling import load_model
     from training.train_data import BatchLayout, StepBatches, load_examples
 
@@ -316,14 +329,23 @@ def setup(ctx: JobContext, params: TrainParams) -> Worker:
     # Attention counted at data.max_seq_len: an upper bound when the sequences are shorter.
     flops_per_token = train_flops_per_token(ModelShape.from_hf(model.config), ctx.config.data.max_seq_len)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    if cfg.method == "lora":
+        from training.lora import apply_lora
+
+        apply_lora(model, cfg.lora, cfg.seed)  # in place: `model` now carries the adapters, its base frozen
+    counts = parameter_counts(model)
     shard_model(model, device, cfg.activation_checkpointing, cfg.sharding, cfg.shard_group_size).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     layout = BatchLayout(cfg.micro_batch_size, cfg.grad_accum_steps, world)
     batches = StepBatches(load_examples(ctx.storage, params.dataset, "train"), layout, cfg.seed, rank, pad_id)
     schedule = WarmupCosine(cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
-    return Worker(
+    w = Worker(
         ctx, params, rank, world, device, model, optimizer, batches, schedule, flops_per_token, peak_flops(device)
     )
+    w.param_counts = counts
+    w.log(f"method {cfg.method}: {counts[0]:,} of {counts[1]:,} parameters train")
+    return w
 
 
 def resolve_start(w: Worker) -> CheckpointRef | None:
@@ -364,7 +386,7 @@ def restore(w: Worker, ref: CheckpointRef | None) -> int:
         w.log(f"starting fresh from the base model {w.ctx.config.model.source}")
         return 0
     with local_copy(ref.uri, w.ctx.config.storage.endpoint_url) as local_dir:
-        progress = load_shards(w.model, w.optimizer, local_dir, w.rank)
+        progress = load_shards(w.model, w.optimizer, local_dir, w.rank, trainable_only=w.lora)
     if progress.world_size != w.world_size:
         w.log(
             f"checkpoint was written by {progress.world_size} ranks, now {w.world_size}: DCP reshards the state; "
@@ -492,7 +514,7 @@ def save_checkpoint(w: Worker, step: int, loss: float) -> None:
 
     flush_metrics(w)  # metrics survive an interruption at least up to this checkpoint
     with tempfile.TemporaryDirectory(prefix="tuneproof-save-") as local_dir:
-        files = save_shards(w.model, w.optimizer, progress_at(w, step), local_dir)
+        files = save_shards(w.model, w.optimizer, progress_at(w, step), local_dir, trainable_only=w.lora)
         every_rank: list[dict[str, int]] = [{} for _ in range(w.world_size)]
         dist.all_gather_object(every_rank, files)
         ray.train.report(
@@ -538,10 +560,13 @@ def export_model(w: Worker, step: int) -> str:
     import torch.distributed as dist
 
     from training.fsdp import full_state_dict
+    from training.lora import trained_state_dict, write_lora_export
 
-    state = full_state_dict(w.model)
+    state = trained_state_dict(w.model) if w.lora else full_state_dict(w.model)
     path = posixpath.join(*w.ctx.run_parts(w.params.export_dir(w.ctx.run_id)))
-    if w.rank == 0:
+    if w.rank == 0 and w.lora:
+        write_lora_export(state, step, w.ctx.config, w.storage, path)  # merged model, adapter/ inside it
+    elif w.rank == 0:
         write_hf_export(state, step, w.ctx.config.model, w.ctx.config.storage.endpoint_url, w.storage, path)
         w.log(f"exported the model to {w.storage.uri(path)}")
     dist.barrier()
@@ -565,6 +590,8 @@ def finish(
         "restored_from": w.restored_from,
         "first_step_completed_at": w.first_step_completed_at,
         "export_path": export_path,
+        "trainable_params": w.param_counts[0],
+        "total_params": w.param_counts[1],
     }
     w.storage.write_json(outcome, *w.ctx.stage_parts(OUTCOME))
 

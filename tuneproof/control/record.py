@@ -50,6 +50,11 @@ class RuntimeEnvAdditions(Model):
     pip: list[str] = []
     env_vars: dict[str, str] = {}
 
+    @classmethod
+    def of(cls, cfg: PipelineConfig) -> RuntimeEnvAdditions:
+        """What a run of `cfg` adds to each job's runtime_env: the user's additions and the method's (peft)."""
+        return cls(pip=cfg.job_pip(), env_vars=dict(cfg.runtime_env.env_vars))
+
 
 class DataIdentity(Model):
     dataset_path: str | None = None
@@ -226,7 +231,7 @@ def new_record(run_id: str, cfg: PipelineConfig, code: CodeIdentity, flow_run_id
         code=code,
         config=cfg.model_dump(mode="json"),
         config_hash=cfg.config_hash(),
-        runtime_env_additions=RuntimeEnvAdditions.model_validate(cfg.runtime_env.model_dump()),
+        runtime_env_additions=RuntimeEnvAdditions.of(cfg),
     )
 
 

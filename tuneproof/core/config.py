@@ -135,7 +135,41 @@ class DataConfig(Strict):
     shard_rows: int = Field(4096, ge=1)
 
 
+PEFT_REQUIREMENT = "peft==0.21.2"
+"""What a LoRA run's jobs add to their runtime_env: peft is not in the published Ray image (exact pin,
+so every node resolves the same version and the record names it)."""
+LORA_ADAPTER_DIR = "adapter"
+"""Where a LoRA export keeps its peft adapter: a folder inside the merged model's (runs/<run>/model/adapter,
+models/<name>/<version>/adapter)."""
+QWEN2_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraSettings(Strict):
+    """Low-rank adapters (peft LoRA) on the base model's linear layers; read when train.method is lora."""
+
+    rank: int = Field(8, ge=1)
+    """r: the rank of each adapter's A (r x in) and B (out x r) matrices."""
+    alpha: int = Field(16, ge=1)
+    """lora_alpha: the adapter's output is scaled by alpha / rank."""
+    dropout: float = Field(0.05, ge=0.0, lt=1.0)
+    """lora_dropout on the adapter's input (its RNG state is checkpointed, so a resume replays it exactly)."""
+    target_modules: list[str] = QWEN2_LINEAR
+    """Names (last path component) of the linear layers that get adapters: every projection of a Qwen2
+    block by default; attention only is q_proj, k_proj, v_proj, o_proj."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _named(cls, v: list[str]) -> list[str]:
+        if not v or any(not name.strip() for name in v) or len(set(v)) != len(v):
+            raise ValueError(f"target_modules must be a non-empty list of distinct module names, got {v!r}")
+        return v
+
+
 class TrainConfig(Strict):
+    method: Literal["full", "lora"] = "full"
+    """full: every weight trains. lora: the base is frozen and only low-rank adapters (train.lora) train;
+    checkpoints hold the adapters and their optimizer state, the export the adapter and a merged model."""
+    lora: LoraSettings = LoraSettings()
     num_workers: int = Field(2, ge=1)
     use_gpu: bool = False
     max_steps: int = Field(400, ge=1)
@@ -282,6 +316,12 @@ class PipelineConfig(Strict):
             raise ValueError(
                 "storage.shared: more than one node needs shared storage (S3 or FSx), got a node-local root"
             )
+        other_peft = [r for r in self.runtime_env.pip if _requirement_name(r) == "peft" and r != PEFT_REQUIREMENT]
+        if self.train.method == "lora" and other_peft:
+            raise ValueError(
+                f"runtime_env.pip: train.method lora adds {PEFT_REQUIREMENT} (the version the fine-tune is tested "
+                f"with), got another peft requirement {other_peft[0]!r}: remove it"
+            )
         if (
             self.resume.enabled
             and self.train.checkpoint_every + self.resume.extra_steps + self.resume.replay_steps > self.train.max_steps
@@ -292,6 +332,13 @@ class PipelineConfig(Strict):
                 f"{self.resume.extra_steps} + {self.resume.replay_steps} > train.max_steps={self.train.max_steps}"
             )
         return self
+
+    def job_pip(self) -> list[str]:
+        """The pip requirements every job of this run gets through its runtime_env (and the record shows):
+        runtime_env.pip, plus peft when train.method is lora."""
+        if self.train.method == "lora" and PEFT_REQUIREMENT not in self.runtime_env.pip:
+            return [*self.runtime_env.pip, PEFT_REQUIREMENT]
+        return list(self.runtime_env.pip)
 
     def config_hash(self) -> str:
         return sha256_json(self.model_dump(mode="json"))
@@ -314,6 +361,14 @@ class ConfigError(ValueError):
     def __init__(self, problems: list[str]):
         self.problems = problems
         super().__init__("invalid config:\n  " + "\n  ".join(problems))
+
+
+def _requirement_name(requirement: str) -> str:
+    """'peft==0.21.2' -> 'peft', 'PEFT[extra]>=1' -> 'peft'. Pure."""
+    for i, ch in enumerate(requirement):
+        if not (ch.isalnum() or ch in "-_."):
+            return requirement[:i].strip().lower().replace("_", "-")
+    return requirement.strip().lower().replace("_", "-")
 
 
 def _is_relative_local_path(value: str) -> bool:

@@ -232,6 +232,14 @@ class FinetuneSummary(Summary):
     restored_step: int | None = None
     first_step_completed_at: float | None = None
     """Unix time the first step after a restore completed (resume test)."""
+    method: Literal["full", "lora"] = "full"
+    """train.method: every weight trained, or LoRA adapters on a frozen base."""
+    trainable_params: int | None = None
+    """Parameters the optimizer updated (the adapters under LoRA)."""
+    total_params: int | None = None
+    """Every parameter of the trained model (under LoRA: base + adapters), a tied weight once."""
+    adapter_path: str | None = None
+    """LoRA: storage path of the peft adapter (<export_path>/adapter); export_path is the merged model."""
 
 
 # ---- 5 resume --------------------------------------------------------------------------------
