@@ -18,7 +18,7 @@ from tasks.jobs import StageCall
 from tuneproof.control import record as records
 from tuneproof.control import registry
 from tuneproof.control.record import Override, RunRecord, StageEntry
-from tuneproof.core.config import PipelineConfig
+from tuneproof.core.config import LORA_ADAPTER_DIR, PipelineConfig
 from tuneproof.core.results import FailureClass, now_iso
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import EvaluateSummary, FinetuneSummary, Forced, PromoteSummary, ResumeSummary
@@ -49,6 +49,7 @@ def model_card(cfg: PipelineConfig, record: RunRecord, forced: Forced | None = N
         "name": cfg.model.name,
         "run_id": record.run_id,
         "base_model": cfg.model.source,
+        **method_facts(record),
         "metrics": {role: (score.metrics if score else None) for role, score in evaluation.models.items()}
         if evaluation
         else {},
@@ -64,6 +65,19 @@ def model_card(cfg: PipelineConfig, record: RunRecord, forced: Forced | None = N
         "config_hash": record.config_hash,
         "resume": {"restored_step": resume.restored_step, "max_loss_diff": resume.max_loss_diff} if resume else {},
         "forced": forced.to_json() if forced else None,
+    }
+
+
+def method_facts(record: RunRecord) -> dict[str, Any]:
+    """How the promoted model was trained: method, parameter counts and, for LoRA, the adapter's folder."""
+    finetune = record.summary("finetune", FinetuneSummary)
+    if finetune is None:
+        return {}
+    return {
+        "method": finetune.method,
+        "trainable_params": finetune.trainable_params,
+        "total_params": finetune.total_params,
+        "adapter": LORA_ADAPTER_DIR if finetune.adapter_path else None,
     }
 
 

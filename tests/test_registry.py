@@ -96,6 +96,30 @@ def test_list_and_show(local):
         registry.show_model(local, "other")
 
 
+def test_a_lora_version_shows_its_merged_model_and_its_adapter(local):
+    """`tuneproof models show NAME` lists, per version, the merged model and (LoRA) the adapter."""
+    from typer.testing import CliRunner
+
+    from tuneproof.app.cli import app
+
+    promote(local, NAME, "full", export(local, "full"), card("full", method="full"), None)
+    lora = export(local, "lora")
+    local.write_json({"peft_type": "LORA", "r": 8}, lora, "adapter", "adapter_config.json")
+    local.write_bytes(b"adapter weights", lora, "adapter", "adapter_model.safetensors")
+    lora_card = card("lora", method="lora", trainable_params=1234, total_params=56789, adapter="adapter")
+    promote(local, NAME, "lora", lora, lora_card, read_pointer(local, NAME)[1])
+
+    shown = CliRunner().invoke(app, ["models", "show", NAME, "--set", f"storage.root={local.root}"])
+    assert shown.exit_code == 0, shown.output
+    rows = {v["version"]: v for v in json.loads(shown.output)["versions"]}
+    assert (rows["v0001-full"]["merged"], rows["v0001-full"]["adapter"]) == ("models/dates-qwen2-tiny/v0001-full", None)
+    assert rows["v0002-lora"]["merged"] == "models/dates-qwen2-tiny/v0002-lora"
+    assert rows["v0002-lora"]["adapter"] == "models/dates-qwen2-tiny/v0002-lora/adapter"
+    assert local.read_bytes(rows["v0002-lora"]["adapter"], "adapter_model.safetensors") == b"adapter weights"
+    text = render_model_card({**lora_card, "version": "v0002-lora"})
+    assert "| method | `lora: 1,234 of 56,789 parameters trained; adapter in adapter/` |" in text
+
+
 def test_stale_token_is_refused_before_copying(local):
     promote(local, NAME, "runA", export(local, "runA"), card("runA"), None)
     with pytest.raises(PromotionConflict, match="expected no production model, found v0001-runA"):

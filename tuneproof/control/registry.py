@@ -4,6 +4,8 @@ Runs on the Prefect side (the promote task, `tuneproof models list|show`); the e
 reads the pointer. Layout under the storage root:
 
     models/<name>/<version>/        HF model files + MODEL_CARD.md + card.json (card.json last: the completion marker)
+    models/<name>/<version>/adapter/  a LoRA run's peft adapter (adapter_config.json, adapter_model.safetensors);
+                                    the version's own files are then the merged model
     models/<name>/production.json   the pointer, written last, only on promotion
 
 Versions are `v<NNNN>-<run_id>`, NNNN one above the highest existing version, so they sort in
@@ -29,6 +31,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+from tuneproof.core.config import LORA_ADAPTER_DIR
 from tuneproof.core.results import now_iso
 from tuneproof.core.storage import Storage
 
@@ -111,7 +114,19 @@ def _version_row(storage: Storage, name: str, version: str, current: str | None)
         "version": version,
         "production": version == current,
         "complete": complete,
+        **model_parts(storage, name, version),
         "card": storage.read_json(MODELS, name, version, CARD_JSON) if complete else None,
+    }
+
+
+def model_parts(storage: Storage, name: str, version: str) -> dict[str, str | None]:
+    """Where a version's models are: "merged" (the full HF model the version is, what evaluation and
+    serving load) and "adapter" (a LoRA run's peft adapter, in its adapter/ folder; None for full fine-tunes)."""
+    path = posixpath.join(MODELS, name, version)
+    adapter = posixpath.join(path, LORA_ADAPTER_DIR)
+    return {
+        "merged": path if storage.exists(path, "config.json") else None,
+        "adapter": adapter if storage.exists(adapter, "adapter_config.json") else None,
     }
 
 
@@ -387,6 +402,7 @@ def _provenance_rows(card: dict) -> list[str]:
         ("run", card["run_id"]),
         ("source", card.get("source_path")),
         ("base model", card.get("base_model")),
+        ("method", card.get("method") and _method_line(card)),
         ("dataset hash", card.get("dataset_hash")),
         ("image digest", card.get("image_digest")),
         ("code SHA", card.get("code_sha") and card["code_sha"] + (" (dirty)" if card.get("code_dirty") else "")),
@@ -398,6 +414,13 @@ def _provenance_rows(card: dict) -> list[str]:
         ),
     ]
     return [f"| {label} | {f'`{value}`' if value else 'not recorded'} |" for label, value in rows]
+
+
+def _method_line(card: dict) -> str:
+    """'lora: 12,345 of 1,234,567 parameters trained; adapter in adapter/' (pure)."""
+    counts = card.get("trainable_params"), card.get("total_params")
+    line = card["method"] + (f": {counts[0]:,} of {counts[1]:,} parameters trained" if None not in counts else "")
+    return line + (f"; adapter in {card['adapter']}/" if card.get("adapter") else "")
 
 
 def _metric_table(metrics: dict, incumbent_version: str | None) -> list[str]:
