@@ -161,7 +161,7 @@ class RayJobRunner:
             job_status=status.value,
             attached=attached,
             working_dir_hash=wd_hash,
-            runtime_env_additions=RuntimeEnvAdditions.of(self.cfg),
+            runtime_env_additions=RuntimeEnvAdditions.of(self.cfg, spec.module),
             pipeline_env=spec.env,
             submitted_at=submitted_at,
             ended_at=now_iso(),
@@ -195,7 +195,7 @@ class RayJobRunner:
         env = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", **self.cfg.runtime_env.env_vars, **spec.env}
         env[ENV_VAR] = JobEnvelope(run_id=self.run_id, job=spec.job, config=self.cfg, params=spec.params).encode()
         runtime_env: dict[str, Any] = {"working_dir": workdir, "env_vars": env}
-        if pip := self.cfg.job_pip():  # the user's additions, and peft for a LoRA run
+        if pip := self.cfg.job_pip(spec.module):  # the user's additions, and peft for a LoRA fine-tune
             runtime_env["pip"] = pip
         return runtime_env
 

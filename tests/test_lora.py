@@ -54,7 +54,7 @@ def test_bad_lora_settings_are_named():
         validate({"train": {"method": "qlora"}})
 
 
-def test_only_a_lora_run_adds_peft_to_the_jobs_runtime_env(tmp_path):
+def test_only_a_lora_runs_fine_tune_jobs_get_peft_in_their_runtime_env(tmp_path):
     full = validate({"storage": {"root": str(tmp_path)}, "runtime_env": {"pip": ["emoji==2.0.0"]}})
     lora = validate({**full.model_dump(), "train": {"method": "lora"}})
     assert PEFT_REQUIREMENT == "peft==0.21.2"
@@ -63,11 +63,15 @@ def test_only_a_lora_run_adds_peft_to_the_jobs_runtime_env(tmp_path):
     client = object()  # runtime_env() builds the request only; nothing is submitted
     assert RayJobRunner(lora, "r1", client=client).runtime_env(spec, "/wd")["pip"] == ["emoji==2.0.0", "peft==0.21.2"]
     assert RayJobRunner(full, "r1", client=client).runtime_env(spec, "/wd")["pip"] == ["emoji==2.0.0"]
+    evaluate = JobSpec("evaluate", "eval.evaluate_job", 60, FinetuneSummary)  # loads the merged model: no peft
+    assert RayJobRunner(lora, "r1", client=client).runtime_env(evaluate, "/wd")["pip"] == ["emoji==2.0.0"]
     assert "pip" not in RayJobRunner(validate({"storage": {"root": str(tmp_path)}}), "r1", client=client).runtime_env(
         spec, "/wd"
     )
     # The record's "dependencies added at submission" (per job and for the run) come from the same place.
+    assert RuntimeEnvAdditions.of(lora).pip == RuntimeEnvAdditions.of(lora, "training.finetune").pip
     assert RuntimeEnvAdditions.of(lora).pip == ["emoji==2.0.0", "peft==0.21.2"]
+    assert RuntimeEnvAdditions.of(lora, "eval.evaluate_job").pip == ["emoji==2.0.0"]
     same_pin = validate({"train": {"method": "lora"}, "runtime_env": {"pip": ["peft==0.21.2"]}})
     assert same_pin.job_pip() == ["peft==0.21.2"]
 

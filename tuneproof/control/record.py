@@ -51,9 +51,10 @@ class RuntimeEnvAdditions(Model):
     env_vars: dict[str, str] = {}
 
     @classmethod
-    def of(cls, cfg: PipelineConfig) -> RuntimeEnvAdditions:
-        """What a run of `cfg` adds to each job's runtime_env: the user's additions and the method's (peft)."""
-        return cls(pip=cfg.job_pip(), env_vars=dict(cfg.runtime_env.env_vars))
+    def of(cls, cfg: PipelineConfig, module: str | None = None) -> RuntimeEnvAdditions:
+        """What a run of `cfg` adds to the runtime_env of a job running `module` (None: of any of its jobs):
+        the user's additions and the method's (peft for a LoRA fine-tune)."""
+        return cls(pip=cfg.job_pip(module), env_vars=dict(cfg.runtime_env.env_vars))
 
 
 class DataIdentity(Model):

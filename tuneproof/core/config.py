@@ -138,6 +138,9 @@ class DataConfig(Strict):
 PEFT_REQUIREMENT = "peft==0.21.2"
 """What a LoRA run's jobs add to their runtime_env: peft is not in the published Ray image (exact pin,
 so every node resolves the same version and the record names it)."""
+LORA_JOB_MODULES = ("training.finetune",)
+"""Jobs that build the LoRA model: the fine-tune and the resume test's fine-tune jobs. The others get no
+peft (a pip runtime_env costs each job a virtualenv set-up; evaluation loads the merged export)."""
 LORA_ADAPTER_DIR = "adapter"
 """Where a LoRA export keeps its peft adapter: a folder inside the merged model's (runs/<run>/model/adapter,
 models/<name>/<version>/adapter)."""
@@ -333,10 +336,12 @@ class PipelineConfig(Strict):
             )
         return self
 
-    def job_pip(self) -> list[str]:
-        """The pip requirements every job of this run gets through its runtime_env (and the record shows):
-        runtime_env.pip, plus peft when train.method is lora."""
-        if self.train.method == "lora" and PEFT_REQUIREMENT not in self.runtime_env.pip:
+    def job_pip(self, module: str | None = None) -> list[str]:
+        """The pip requirements a job running `module` gets through its runtime_env (and its record entry
+        shows): runtime_env.pip, plus peft for a LoRA run's fine-tune jobs. module None: what the run adds
+        to any of its jobs (the record's run-level identity)."""
+        needs_peft = self.train.method == "lora" and (module is None or module in LORA_JOB_MODULES)
+        if needs_peft and PEFT_REQUIREMENT not in self.runtime_env.pip:
             return [*self.runtime_env.pip, PEFT_REQUIREMENT]
         return list(self.runtime_env.pip)
 
