@@ -165,3 +165,21 @@ def test_a_tied_head_does_not_smuggle_the_frozen_embedding_into_a_checkpoint(bas
     kept = without_frozen(model, model.state_dict())
     assert "lm_head.weight" in model.state_dict() and "lm_head.weight" not in kept
     assert kept and all(".lora_A." in k or ".lora_B." in k for k in kept)
+
+
+def test_modules_to_save_train_in_full_and_land_in_the_merged_export(base_dir, tmp_path):
+    """The tiny random base needs its RMSNorms trainable (train.lora.modules_to_save: [norm]) to fit a task."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = make_config(str(tmp_path), base_dir, method="lora", lora={"modules_to_save": ["norm"]})
+    model = load_base(base_dir)
+    apply_lora(model, config.train.lora, config.train.seed)
+    saved = {n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n}
+    assert "model.norm.modules_to_save.default.weight" in saved and len(saved) == 1 + 2 * LAYERS
+    with torch.no_grad():
+        dict(model.named_parameters())["model.norm.modules_to_save.default.weight"].fill_(3.0)
+    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    write_lora_export(adapters, 1, config, Storage(str(tmp_path)), "runs/r1/model")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "runs/r1/model")
+    assert torch.equal(merged.model.norm.weight, torch.full_like(merged.model.norm.weight, 3.0))

@@ -39,6 +39,7 @@ def peft_config(settings: LoraSettings):
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         target_modules=list(settings.target_modules),
+        modules_to_save=list(settings.modules_to_save) or None,
     )
 
 

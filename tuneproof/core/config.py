@@ -159,6 +159,11 @@ class LoraSettings(Strict):
     target_modules: list[str] = QWEN2_LINEAR
     """Names (last path component) of the linear layers that get adapters: every projection of a Qwen2
     block by default; attention only is q_proj, k_proj, v_proj, o_proj."""
+    modules_to_save: list[str] = []
+    """Modules trained in full beside the adapters (peft modules_to_save; a name matches every module path
+    ending in it, so "norm" is every RMSNorm). A randomly initialised base (the tiny local model) needs
+    ["norm"]: its frozen tied head keeps the logits too small to fit any task unless the norms can grow
+    (loss stalls near 5.1 on the date task without them). A pretrained base needs none."""
 
     @field_validator("target_modules")
     @classmethod
