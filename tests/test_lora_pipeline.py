@@ -1,0 +1,70 @@
+"""A LoRA run of the whole pipeline on the embedded default, as `tuneproof run --set train.method=lora` runs it:
+real Ray job submissions (peft through the fine-tune jobs' runtime_env pip), the real resume stage with
+loss_rtol 0, evaluation of the merged export, promotion, and `models show` listing adapter and merged.
+
+Costs several minutes on 2 cores: the first fine-tune job waits for Ray to build its pip environment
+(on a local head that clones the project virtualenv, about 2 minutes; later jobs reuse it).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.test_full_pipeline import base_args, prefect_server, storage, tuneproof
+from tuneproof.control import record as records
+from tuneproof.core.config import PEFT_REQUIREMENT
+from tuneproof.core.summaries import EvaluateSummary, FinetuneSummary, ResumeSummary
+
+# The first test also runs the pipeline, whose first fine-tune job waits for Ray's pip environment.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
+__all__ = ["base_args", "prefect_server", "storage"]  # fixtures, shared with the full fine-tune's pipeline test
+
+# A short run (the mechanics, not the skill: LoRA on the tiny random-init base learns the date task far
+# more slowly than full fine-tuning), so the gate is only that the candidate was scored.
+LORA = [
+    *("--set", "train.method=lora", "--set", "model.name=dates-lora", "--set", "train.max_steps=60"),
+    *("--set", "train.checkpoint_every=20", "--set", "train.log_every=20", "--set", "eval.max_examples=64"),
+    *("--set", "eval.gates={exact_match: {min: 0.0}}"),
+]
+
+
+@pytest.fixture(scope="module")
+def lora_demo(prefect_server, base_args, storage):
+    result = tuneproof("run", "--run-id", "lora", *base_args, *LORA)
+    assert result.exit_code == 0, result.output
+    return records.load(storage, "lora")
+
+
+def test_a_lora_run_names_its_method_and_records_peft_as_a_submission_dependency(lora_demo):
+    finetune = lora_demo.summary("finetune", FinetuneSummary)
+    assert finetune.method == "lora" and 0 < finetune.trainable_params < finetune.total_params
+    assert lora_demo.runtime_env_additions.pip == [PEFT_REQUIREMENT]
+    added = {job.submission_id: job.runtime_env_additions.pip for e in lora_demo.stages.values() for job in e.jobs}
+    assert added["lora-finetune"] == [PEFT_REQUIREMENT]
+    resume_jobs = [pip for sid, pip in added.items() if sid.startswith("lora-resume")]
+    assert resume_jobs and all(pip == [PEFT_REQUIREMENT] for pip in resume_jobs)
+    assert added["lora-evaluate"] == [] and added["lora-data"] == []
+
+
+def test_a_lora_run_passes_the_resume_test_exactly_and_evaluation_scores_its_merged_export(lora_demo, storage):
+    resume = lora_demo.summary("resume", ResumeSummary)
+    assert resume.interrupted and resume.restored_step == resume.interrupted_at_step
+    assert resume.max_loss_diff == 0.0 and resume.loss_comparison.steps_compared >= 5
+    finetune = lora_demo.summary("finetune", FinetuneSummary)
+    assert storage.exists(finetune.adapter_path, "adapter_config.json")
+    evaluation = lora_demo.summary("evaluate", EvaluateSummary)
+    # Evaluation records the path it loaded (no model hash yet): the merged model, not the adapter.
+    assert evaluation.models["candidate"].path == finetune.export_path
+    assert storage.exists(finetune.export_path, "model.safetensors")
+
+
+def test_the_promoted_lora_model_shows_adapter_and_merged(lora_demo, base_args):
+    assert lora_demo.promotion.promoted is True
+    shown = tuneproof("models", "show", "dates-lora", *base_args)
+    assert shown.exit_code == 0, shown.output
+    [version] = json.loads(shown.output)["versions"]
+    assert version["merged"] == f"models/dates-lora/{version['version']}"
+    assert version["adapter"] == f"models/dates-lora/{version['version']}/adapter"
+    assert version["card"]["method"] == "lora" and version["card"]["adapter"] == "adapter"
