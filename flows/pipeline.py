@@ -93,12 +93,8 @@ def open_record(
     if storage.exists("runs", run_id, records.RECORD):
         record = records.load(storage, run_id)
         record.status, record.failure_class, record.cause = "running", None, None
-        # Stages that rerun replace their entries; the old ones stay in the record's history.
-        for stage in plan:
-            if stage.name in record.stages:
-                record.superseded.append(record.stages.pop(stage.name))
-        if "promote" in table.names(plan):
-            record.promotion = None
+        record.config, record.config_hash = cfg.model_dump(mode="json"), cfg.config_hash()
+        supersede(record, table.names(plan))
     else:
         code = CodeIdentity.model_validate(git_identity())
         record = records.new_record(run_id, cfg, code, str(flow_run.get_id()))
@@ -109,10 +105,21 @@ def open_record(
             only=only,
             at=now_iso(),
             config_hash=cfg.config_hash(),
+            config=cfg.model_dump(mode="json"),
         )
     )
     records.save(storage, record)
     return record
+
+
+def supersede(record: RunRecord, rerun: list[str]) -> None:
+    """Stages that rerun, and every stage downstream of them, leave `stages` for `superseded`: evidence
+    about an earlier model or dataset never stands beside (or passes for) evidence about the new one."""
+    for name in table.stale_after(rerun):
+        if name in record.stages:
+            record.superseded.append(record.stages.pop(name))
+    if "promote" in table.stale_after(rerun):
+        record.promotion = None
 
 
 def record_stage(record: RunRecord, stage: Stage, entry: StageEntry) -> None:

@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from tasks import artifacts
 from tasks import promote as promote_tasks
 from tasks import resume as resume_tasks
-from tasks.jobs import StageCall, connectivity, evaluate, job_stage, verify
+from tasks.jobs import StageCall, connectivity, evaluate, finetune, job_stage, verify
 from tuneproof.control.record import DataIdentity, RunRecord, StageEntry, json_schema
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.results import FailureClass
@@ -220,7 +220,7 @@ STAGES: tuple[Stage, ...] = (
     ),
     Stage(
         name="finetune",
-        run=job_stage("training.finetune", lambda inputs: {"dataset": inputs["dataset_path"]}),
+        run=finetune,
         summary=FinetuneSummary,
         evidence=finetune_evidence,
         fails_as=(INFRA, MODELING, DATA),
@@ -306,6 +306,12 @@ def downstream(name: str) -> list[str]:
         if stage.upstream() & found:
             found.add(stage.name)
     return [s.name for s in STAGES if s.name in found and s.name != name]
+
+
+def stale_after(rerun: list[str]) -> list[str]:
+    """The stages a rerun of `rerun` makes stale: themselves and everything downstream, in table order."""
+    stale = set(rerun).union(*(downstream(name) for name in rerun))
+    return [name for name in names() if name in stale]
 
 
 class MissingStageOutput(RuntimeError):

@@ -199,7 +199,7 @@ def test_a_live_lock_times_out_and_the_copy_is_kept_unpointed(local):
     with open(lock, "w") as f:
         json.dump({"nonce": "alive", "pid": os.getpid(), "host": "here"}, f)
     _, token = read_pointer(local, NAME)
-    with pytest.raises(TimeoutError, match=r"registry lock .*\.production\.json\.lock still held .*alive"):
+    with pytest.raises(TimeoutError, match=r"lock .*\.production\.json\.lock still held .*alive"):
         promote(local, NAME, "runB", export(local, "runB"), card("runB"), token, lock_timeout_s=0.3, stale_lock_s=60)
     assert read_pointer(local, NAME)[0]["version"] == "v0001-runA"
     assert [v["production"] for v in registry.show_model(local, NAME)["versions"]] == [True, False]

@@ -1,8 +1,8 @@
 """Load a Qwen model, config or tokenizer from a hub id, a local directory, or an s3:// prefix.
 
 The same path serves `Qwen/Qwen2.5-1.5B` on EKS and the tiny local model here: s3:// prefixes
-are synced to local disk first (a stable cache dir keyed by the URI), then everything goes
-through `from_pretrained`. `trust_remote_code` stays off and only safetensors weights load.
+are synced to local disk first (a cache dir keyed by the objects' content, never by the URI alone:
+a prefix rewritten by a rerun gets a new copy), then everything goes through `from_pretrained`. `trust_remote_code` stays off and only safetensors weights load.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def materialize(source: str, endpoint_url: str | None = None) -> str:
     """
     if not source.startswith("s3://"):
         return source
-    key = hashlib.sha256(f"{endpoint_url}|{source}".encode()).hexdigest()[:16]
+    key = mirror_key(Storage(source, endpoint_url), endpoint_url)
     target = CACHE_ROOT / key
     if (target / "config.json").exists():
         return str(target)
@@ -42,6 +42,21 @@ def materialize(source: str, endpoint_url: str | None = None) -> str:
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone after a rename; left over only after a failure
     return str(target)
+
+
+def mirror_key(storage: Storage, endpoint_url: str | None) -> str:
+    """The cache key of an S3 prefix: its URI plus every object's name, size and ETag (content-derived),
+    so a changed object under the same URI is a cache miss instead of a silently stale model."""
+    base = storage.path().rstrip("/")
+    try:
+        listing = storage.fs.find(base, detail=True)
+    except FileNotFoundError:
+        listing = {}
+    digest = hashlib.sha256(f"{endpoint_url}|{storage.root}".encode())
+    for path in sorted(listing):
+        info = listing[path]
+        digest.update(f"\0{path[len(base) :]}|{info.get('size')}|{info.get('ETag') or info.get('etag')}".encode())
+    return digest.hexdigest()[:16]
 
 
 def _common(revision: str | None) -> dict:

@@ -158,6 +158,8 @@ class Invocation(Model):
     only: list[str] | None = None
     at: str
     config_hash: str
+    config: JsonDict | None = None
+    """The full validated config of this invocation (None in records written before it was kept)."""
 
 
 class Override(Model):
@@ -183,7 +185,7 @@ class RunRecord(Model):
     profile: str
     code: CodeIdentity
     config: JsonDict
-    """The full validated config (PipelineConfig as JSON) of the latest invocation."""
+    """The full validated config (PipelineConfig as JSON) of the latest invocation (each one's: invocations)."""
     config_hash: str
     runtime_env_additions: RuntimeEnvAdditions
     cluster: ClusterFacts | None = None

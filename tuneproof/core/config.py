@@ -165,6 +165,10 @@ class TrainConfig(Strict):
     log_every: int = Field(10, ge=1)
     divergence_loss: float = Field(50.0, gt=0.0)
     """A loss above this (or NaN/inf) stops training as a modeling failure."""
+    continue_previous: bool = False
+    """A fine-tune rerun (`--only finetune` on an existing run) trains a fresh Ray Train run named
+    <run>-r<invocation> from the base model. true: continue the latest fine-tune's Ray Train run instead
+    (resume its last checkpoint and train on to max_steps); refused when it is already at max_steps."""
 
     @model_validator(mode="after")
     def _shard_groups_tile_the_workers(self) -> TrainConfig:

@@ -90,6 +90,8 @@ class StorageProbe(Summary):
     ok: bool
     error: str | None = None
     seconds: float | None = None
+    conditional_writes: str | None = None
+    """'honoured', or what the store got wrong (a stale If-Match accepted, ...); None when not probed."""
 
 
 class VerifySummary(Summary):
@@ -228,6 +230,10 @@ class FinetuneSummary(Summary):
     seconds: float
     export_path: str | None = None
     export_uri: str | None = None
+    export_sha256: str | None = None
+    """content_sha256 of the export's manifest (tuneproof-export.json): what evaluate must score."""
+    invocation: int | None = None
+    """The run record's invocation whose job trained this (also in the export's manifest)."""
     mfu: float | None = None
     restored_step: int | None = None
     first_step_completed_at: float | None = None
@@ -257,6 +263,12 @@ class LossComparison(Summary):
 class ResumeSummary(Summary):
     seed_checkpoint: CheckpointRef | None = None
     """The main-run checkpoint the test starts from."""
+    tested_run_name: str | None = None
+    """The fine-tune's Ray Train run whose checkpoint was tested: promotion needs it to be the promoted model's."""
+    tested_invocation: int | None = None
+    """The run record's invocation of that fine-tune."""
+    attempt_run_name: str | None = None
+    """The Ray Train run name of this attempt's interrupt and continue jobs (one per attempt, retries included)."""
     interrupted: bool = False
     """The interrupt job reached its hold point and was stopped there."""
     interrupted_at_step: int | None = None
@@ -280,6 +292,9 @@ class ModelScore(Summary):
     path: str
     metrics: dict[str, float | None]
     seconds: float
+    content_sha256: str | None = None
+    """What was scored: an export's manifest hash (checked on the loaded copy), a directory's file hash,
+    None for a hub id (its revision is in the config)."""
 
 
 GateKind = Literal["min", "min_improvement", "max_regression"]
@@ -314,6 +329,10 @@ class EvaluateSummary(Summary):
     predictions_uri: str | None = None
     examples: int
     device: str | None = None
+    eval_split_sha256: str | None = None
+    """Hash over the eval split's shards (path and sha256 from the dataset manifest)."""
+    metric_sha256: dict[str, str | None] = {}
+    """Each metric's module hash (None for a hub metric)."""
 
 
 # ---- 7 promote -------------------------------------------------------------------------------
@@ -338,4 +357,6 @@ class PromoteSummary(Summary):
     run_id: str | None = None
     promoted_at: str | None = None
     previous_version: str | None = None
+    content_sha256: str | None = None
+    """The promoted model's content hash (its export manifest's), also in the production pointer."""
     forced: Forced | None = None
