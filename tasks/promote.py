@@ -119,8 +119,15 @@ def promote(call: StageCall) -> StageEntry:
 
 
 def move_pointer(cfg: PipelineConfig, record: RunRecord, started: str, forced: Forced | None) -> StageEntry:
-    """Copy the export to a new version and CAS the pointer against the incumbent that was evaluated."""
+    """Check the export is the judged content, copy it to a new version and CAS the pointer against the
+    incumbent that was evaluated. Every refusal happens before the pointer is touched."""
     storage = Storage.from_config(cfg.storage)
+    finetune = record.summary("finetune", FinetuneSummary)
+    if finetune is None or finetune.export_path is None:
+        return refused(started, [f"run {record.run_id} has no exported model"], FailureClass.infrastructure)
+    problem, content = export_problem(storage, finetune, forced)
+    if problem or content is None:
+        return refused(started, [problem or "no content hash"], FailureClass.infrastructure)
     evaluation = record.summary("evaluate", EvaluateSummary)
     evaluated = evaluation.incumbent_version if evaluation else None
     pointer, token = registry.read_pointer(storage, cfg.model.name)
@@ -129,21 +136,6 @@ def move_pointer(cfg: PipelineConfig, record: RunRecord, started: str, forced: F
         return refused(
             started,
             [f"the production model changed since evaluation ({evaluated} -> {current}); re-evaluate"],
-            FailureClass.infrastructure,
-        )
-    finetune = record.summary("finetune", FinetuneSummary)
-    if finetune is None or finetune.export_path is None:
-        return refused(started, [f"run {record.run_id} has no exported model"], FailureClass.infrastructure)
-    try:
-        content = markers.verify_export(storage, finetune.export_path).content_sha256
-    except markers.ExportUnverified as e:
-        return refused(started, [f"the export changed since it was judged: {e}"], FailureClass.infrastructure)
-    if content != finetune.export_sha256 and forced is None:
-        return refused(
-            started,
-            [
-                f"{storage.uri(finetune.export_path)} is content {content[:12]}, not the evaluated {str(finetune.export_sha256)[:12]}"
-            ],
             FailureClass.infrastructure,
         )
     card = {**model_card(cfg, record, forced), "content_sha256": content}
@@ -158,6 +150,22 @@ def move_pointer(cfg: PipelineConfig, record: RunRecord, started: str, forced: F
     logging.getLogger("tuneproof.promote").info(f"promoted {cfg.model.name} {result['version']} (previous: {current})")
     summary = PromoteSummary(promoted=True, forced=forced, **{**result, "previous_version": current})
     return StageEntry.succeeded("promote", summary, started)
+
+
+def export_problem(storage: Storage, finetune: FinetuneSummary, forced: Forced | None) -> tuple[str | None, str | None]:
+    """(why the stored export may not be promoted, its content hash): its files must match its manifest,
+    and (unless forced past the gates) the manifest must be the content the fine-tune wrote and evaluate scored."""
+    path = finetune.export_path or ""
+    try:
+        content = markers.verify_export(storage, path).content_sha256
+    except markers.ExportUnverified as e:
+        return f"the export is not what was judged: {e}", None
+    if forced is None and content != finetune.export_sha256:
+        return (
+            f"{storage.uri(path)} is content {content[:12]}, not the evaluated {str(finetune.export_sha256)[:12]}",
+            None,
+        )
+    return None, content
 
 
 def approval_refused(started: str, approver: str, comment: str) -> StageEntry:

@@ -179,6 +179,16 @@ def print_summary(rec: RunRecord, console: Console) -> None:
             (f"{status:<{status_width}}", STATUS_STYLE.get(entry.status, "")),
             table.evidence_line(entry),
         )
+    # Evidence a rerun made stale is shown as such, never as passed: its model or data is not the current one.
+    stale = {e.stage: e for e in rec.superseded if e.stage not in rec.stages}
+    for name in [n for n in names if n in stale]:
+        print_line(
+            console,
+            f"  {name:<{name_width}}",
+            (f"{'superseded':<{status_width}}", "yellow"),
+            f"its {stale[name].status} result of invocation {stale[name].invocation} is stale: a stage it "
+            "depends on was rerun",
+        )
     evaluation = rec.summary("evaluate", EvaluateSummary)
     for line in evaluation.gates.lines if evaluation else []:
         print_line(console, f"  gate: {line}")
