@@ -116,6 +116,9 @@ def marker_fields(files: Digests) -> dict[str, dict[str, Any]]:
     }
 
 
+# ---- the edge: reading files ------------------------------------------------------------------
+
+
 def _sha256_file(f: IO[bytes]) -> tuple[int, str]:
     """(size, sha256) of an open binary file, read in chunks so a multi-GB shard never sits in memory."""
     digest, size = hashlib.sha256(), 0
@@ -123,9 +126,6 @@ def _sha256_file(f: IO[bytes]) -> tuple[int, str]:
         digest.update(chunk)
         size += len(chunk)
     return size, digest.hexdigest()
-
-
-# ---- the edge: reading files ------------------------------------------------------------------
 
 
 def local_digests(root: str | Path, names: Iterable[str] | None = None) -> Digests:
