@@ -107,8 +107,8 @@ def connectivity_evidence(s: ConnectivitySummary) -> str:
 def connectivity_metrics(s: ConnectivitySummary) -> Metrics:
     if not s.allreduce:
         return {}
-    largest = max(s.allreduce, key=lambda r: r.size_bytes)
-    return {f"connectivity.busbw_GBps@{largest.size_bytes}B": largest.busbw_GBps}
+    # Every size: small messages measure latency, large ones bandwidth; a change can show in either.
+    return {f"connectivity.busbw_GBps@{row.size_bytes}B": row.busbw_GBps for row in s.allreduce}
 
 
 def data_evidence(s: DataSummary) -> str:
@@ -127,7 +127,12 @@ def finetune_evidence(s: FinetuneSummary) -> str:
 
 
 def finetune_metrics(s: FinetuneSummary) -> Metrics:
-    return {"finetune.tokens_per_s": s.tokens_per_s, "finetune.final_loss": s.final_loss, "finetune.seconds": s.seconds}
+    return {
+        "finetune.tokens_per_s": s.tokens_per_s,
+        "finetune.final_loss": s.final_loss,
+        "finetune.seconds": s.seconds,
+        "finetune.seconds_per_step": s.seconds / s.steps if s.steps else None,
+    }
 
 
 def resume_evidence(s: ResumeSummary) -> str:

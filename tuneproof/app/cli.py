@@ -3,6 +3,7 @@
     tuneproof local up|down|status
     tuneproof run [--config F] [--set k.v=x]... [--only STAGE,...] [--run-id RUN]
     tuneproof runs list [--json] | show RUN [--json] | diff A B [--json]
+    tuneproof compare --stages S,... --a k=v... --b k=v... [--repeats N] [--json]
     tuneproof verify [--config F] [--from-files DIR]
     tuneproof lint [PATH...]
     tuneproof transport LOG... [--expect efa]
@@ -122,6 +123,57 @@ def latest_run_id(cfg: PipelineConfig) -> str:
         err.print("--only without --run-id needs an earlier run to rerun against; none found")
         raise typer.Exit(EXIT_INVALID_CONFIG)
     return recs[0].run_id
+
+
+@app.command()
+def compare(
+    stages: str = typer.Option(
+        ..., "--stages", help=f"Comma-separated stages each repeat runs: {','.join(table.names())}."
+    ),
+    a: list[str] = typer.Option([], "--a", help="An override for arm A only: dotted.key=value (repeatable)."),
+    b: list[str] = typer.Option([], "--b", help="An override for arm B only: dotted.key=value (repeatable)."),
+    repeats: int = typer.Option(3, "--repeats", help="Runs per arm, interleaved A B A B ... (at least 2)."),
+    threshold: float = typer.Option(
+        0.05, "--threshold", help="Smallest relative change a verdict may call a difference."
+    ),
+    config: Path | None = ConfigOpt,
+    sets: list[str] = SetOpt,
+    comparison_id: str | None = typer.Option(None, "--id", help="Comparison id (default: a new one)."),
+    as_json: bool = typer.Option(False, "--json", help="Print comparison.json instead of the table."),
+) -> None:
+    """The same stages under settings A and B, interleaved; medians, spread, a 95% interval of B/A, a verdict."""
+    problems = []
+    cfgs = {}
+    for arm, extra in (("A", a), ("B", b)):
+        try:
+            cfgs[arm] = load_config(config, [*sets, *extra])
+            problems += [f"arm {arm}: {p}" for p in preflight(cfgs[arm])]
+        except ConfigError as e:
+            problems += [f"arm {arm}: {p}" for p in e.problems]
+    if not 0 < threshold < 1:
+        problems.append(f"--threshold must be between 0 and 1 (got {threshold})")
+    if not problems:
+        from flows.compare import ComparisonRefused, check_request
+
+        try:
+            check_request(cfgs["A"], cfgs["B"], parse_only(stages) or [], repeats)
+        except ComparisonRefused as e:
+            problems.append(str(e))
+    if problems:
+        err.print("[bold red]invalid comparison[/] — nothing was submitted:")
+        for p in problems:
+            err.print(f"  {p}")
+        raise typer.Exit(EXIT_INVALID_CONFIG)
+    from tuneproof.app.terminal import run_comparison
+
+    result = run_comparison(
+        cfgs["A"], cfgs["B"], parse_only(stages) or [], repeats, threshold, a, b, comparison_id, console
+    )
+    if as_json:
+        print(json.dumps(result, indent=2))
+    if result.get("failure_class"):
+        raise typer.Exit(exit_code_for(result["failure_class"]))
+    raise typer.Exit(0 if result.get("status") == "succeeded" else EXIT_INVALID_CONFIG)
 
 
 # ---------------------------------------------------------------- runs

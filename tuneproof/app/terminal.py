@@ -220,3 +220,74 @@ def print_record(rec: RunRecord, console: Console) -> None:
     for label, value in facts:
         print_line(console, (f"{label:<13}", "bold"), value)
     print_summary(rec, console)
+
+
+def run_comparison(
+    cfg_a: PipelineConfig,
+    cfg_b: PipelineConfig,
+    stages: list[str],
+    repeats: int,
+    threshold: float,
+    sets_a: list[str],
+    sets_b: list[str],
+    comparison_id: str | None,
+    console: Console,
+) -> dict[str, Any]:
+    """Run the comparison flow in-process, a line per finished stage of each run, then the metric table.
+    Returns comparison.json's content, with `failure_class` set when a run failed or nothing ran."""
+    from flows.compare import compare
+    from tasks import events
+    from tuneproof.control import comparison as cmp
+    from tuneproof.control import record as records
+    from tuneproof.core.storage import Storage
+
+    problem = prefect_api_problem()
+    if problem:
+        console.print(f"[bold red]cannot run[/]: {problem}")
+        return {"status": "failed", "failure_class": "infrastructure", "cause": problem}
+    comparison_id = comparison_id or records.make_run_id()
+    console.print(f"comparison id: [bold]{comparison_id}[/] ({', '.join(stages)}; {repeats} repeats, A B A B ...)")
+    quiet_prefect_console(os.environ.get("TUNEPROOF_VERBOSE") == "1")
+
+    def show(event: dict[str, Any]) -> None:
+        if event["kind"] == "stage":
+            failure = f" ({event['failure_class']})" if event.get("failure_class") else ""
+            console.print(f"  {event['stage']:<13} {event['status']}{failure}")
+
+    unsubscribe = events.subscribe(show)
+    try:
+        state = compare(
+            config_a=cfg_a,
+            config_b=cfg_b,
+            stages=stages,
+            repeats=repeats,
+            threshold=threshold,
+            sets_a=sets_a,
+            sets_b=sets_b,
+            comparison_id=comparison_id,
+            return_state=True,
+        )
+    finally:
+        unsubscribe()
+    try:
+        result = cmp.load(Storage.from_config(cfg_a.resolved().storage), comparison_id)
+    except FileNotFoundError:
+        console.print(f"[bold red]{state.message}[/]")
+        return {"status": "failed", "cause": state.message}
+    rows = cmp.summary_rows(result)
+    cells = [[fmt_cell(v) for v in row.values()] for row in rows]
+    console.print(whole_table(list(rows[0]) if rows else ["metric"], cells, keep=("metric",)))
+    uri = Storage.from_config(cfg_a.resolved().storage).uri("comparisons", comparison_id, cmp.COMPARISON)
+    console.print(f"comparison {comparison_id} {result.status}: {uri}")
+    out = result.to_json()
+    failed = next((o for o in result.order if o.status != "succeeded"), None)
+    if failed is not None:
+        console.print(f"[bold red]{failed.run_id} {failed.status}[/]: {failed.cause}")
+        out["failure_class"] = failed.failure_class or "infrastructure"
+    return out
+
+
+def fmt_cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
