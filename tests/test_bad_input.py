@@ -105,6 +105,11 @@ CONFIG_CASES = [
     Case("set-run-with-bad-config", with_set("train.max_steps=0", command=("run",)), 3, "train.max_steps"),
 ]
 
+
+def root_file(tmp: Path) -> list[str]:
+    return ["--set", f"storage.root={write(tmp / 'a-file', 'not a folder')}"]
+
+
 # ---- storage URIs --------------------------------------------------------------------------------------
 
 STORAGE_URI_CASES = [
@@ -114,6 +119,9 @@ STORAGE_URI_CASES = [
     Case("root-http", with_set("storage.root=http://example.com/x"), 3, "scheme 'http://'"),
     Case("root-bad-bucket", with_set("storage.root=s3://Bad_Bucket/x"), 3, "not a valid S3 bucket name"),
     Case("root-empty", with_set("storage.root="), 3, "storage root '' must not be empty"),
+    Case("root-a-file-runs", lambda tmp: ["runs", "list", *root_file(tmp)], 4, "is not a directory"),
+    Case("root-a-file-models", lambda tmp: ["models", "list", *root_file(tmp)], 4, "is not a directory"),
+    Case("root-a-file-show", lambda tmp: ["models", "show", MODEL, *root_file(tmp)], 4, "is not a directory"),
 ]
 
 # ---- identifiers on the command line ---------------------------------------------------------------------
@@ -130,6 +138,18 @@ ID_CASES = [
     Case("promote-dotdot", lambda tmp: ["promote", "../x", "--force", "--reason", "r"], 2, "run id '../x'"),
     Case("models-show-escape", lambda tmp: ["models", "show", "../../etc"], 2, "model name '../../etc'"),
     Case("show-unknown-run", lambda tmp: ["runs", "show", "nosuchrun", *root_args(tmp)], 1, "no run record"),
+    Case(
+        "promote-unknown-run",
+        lambda tmp: ["promote", "nosuch", "--force", "--reason", "r", *root_args(tmp)],
+        3,
+        "promote refused: no run record for run 'nosuch'",
+    ),
+    Case(
+        "promote-unreadable-record",
+        lambda tmp: ["promote", "bad", "--force", "--reason", "r", *record_file("{")(tmp)[3:]],
+        3,
+        "not a readable run record",
+    ),
     Case("models-show-unknown", lambda tmp: ["models", "show", "nosuch", *root_args(tmp)], 1, "no model 'nosuch'"),
 ]
 
@@ -441,5 +461,13 @@ def test_s3_mirror_refuses_a_key_with_dotdot(s3_endpoint, tmp_path):
 
 
 def test_the_suite_is_big_enough():
-    total = len(CLI_CASES) + len(DATA_CASES) + len(MODEL_CASES) + len(STORAGE_PATH_CASES) + 4
+    total = len(CLI_CASES) + len(DATA_CASES) + len(MODEL_CASES) + len(STORAGE_PATH_CASES) + 4  # + the 4 Storage roots
     assert total >= 60, total
+
+
+def test_stage_names_are_slugs():
+    from flows import stages as table
+    from tuneproof.core.names import check_slug
+
+    for name in table.names():
+        check_slug("stage name", name)

@@ -30,7 +30,7 @@ from rich.console import Console
 from flows import stages as table
 from tuneproof.core.config import PROJECT_ROOT, ConfigError, PipelineConfig, load_config
 from tuneproof.core.names import slug_problem
-from tuneproof.core.results import EXIT_INVALID_CONFIG, exit_code_for
+from tuneproof.core.results import EXIT_BY_CLASS, EXIT_INVALID_CONFIG, FailureClass, exit_code_for
 
 app = typer.Typer(
     add_completion=False,
@@ -173,7 +173,11 @@ def latest_run_id(cfg: PipelineConfig) -> str:
 def storage_for(config: Path | None, sets: list[str]):
     from tuneproof.core.storage import Storage
 
-    return Storage.from_config(config_or_exit(config, sets).storage)
+    storage = Storage.from_config(config_or_exit(config, sets).storage)
+    if not storage.is_s3 and Path(storage.root).exists() and not Path(storage.root).is_dir():
+        err.print(f"storage root {storage.root} is not a directory: check storage.root", markup=False)
+        raise typer.Exit(EXIT_BY_CLASS[FailureClass.infrastructure])
+    return storage
 
 
 @runs_app.command("list")
@@ -397,8 +401,13 @@ def promote(
         raise typer.Exit(2)
     cfg = config_or_exit(config, sets)
     from tasks.promote import forced_promotion
+    from tuneproof.control.record import RecordUnreadable
 
-    result = forced_promotion(cfg, run_id, reason, os.environ.get("USER", "unknown"))
+    try:
+        result = forced_promotion(cfg, run_id, reason, os.environ.get("USER", "unknown"))
+    except (FileNotFoundError, RecordUnreadable) as e:  # nothing to promote: a refused request
+        err.print(f"promote refused: {e}", markup=False)
+        raise typer.Exit(EXIT_INVALID_CONFIG) from None
     print(json.dumps(result.to_json(), indent=2))
     raise typer.Exit(0 if result.promoted else 1)
 
