@@ -35,6 +35,10 @@ MODEL = "dates-qwen2-tiny"
 DEEP_JSON = "[" * 100_000 + "]" * 100_000
 NOT_UTF8 = b"\xff\xfe\x00bad \xc3\x28 bytes\n"
 LONG = "a" * 65
+YAML_BOMB = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
+    f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi", strict=True)
+)
+RAYCLUSTER = (PROJECT_ROOT / "deployments" / "raycluster.yaml").read_text()
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ CONFIG_CASES = [
     Case("config-nan-gate", config_file("eval:\n  gates:\n    exact_match: {min: .nan}\n"), 3, "finite number"),
     Case("config-gs-root", config_file("storage:\n  root: gs://bucket/x\n"), 3, "scheme 'gs://'"),
     Case("config-escaping-data-name", config_file("data:\n  name: ../../x\n"), 3, "dataset name '../../x'"),
+    Case("config-yaml-alias-bomb", config_file(YAML_BOMB), 3, "i: unknown key (got [[[...]"),
     Case("config-deep-yaml", config_file("a: " + "[" * 5000 + "]" * 5000 + "\n"), 3, "nested too deeply"),
     Case("set-no-equals", with_set("train.max_steps"), 3, "expected dotted.key=value"),
     Case("set-empty-segment", with_set(".max_steps=3"), 3, "empty key segment"),
@@ -273,6 +278,12 @@ VERIFY_CASES = [
     Case("raycluster-missing", saved("raycluster.json", None), 4, "raycluster.json: missing"),
     Case("raycluster-a-directory", saved("raycluster.json", None, directory=True), 4, "cannot be read"),
     Case("nodes-odd-fields", saved("nodes.json", '{"items": [{"status": "x", "metadata": 5}]}'), 4, "nodes"),
+    Case(
+        "ray-nodes-gpu-not-a-number",
+        saved("ray-nodes.json", '[{"node_ip": "10.0.1.11", "state": "ALIVE", "resources_total": {"GPU": "lots"}}]'),
+        4,
+        "saved objects have an unexpected shape",
+    ),
     Case("ray-nodes-nested", saved("ray-nodes.json", DEEP_JSON), 4, "ray-nodes.json: not JSON"),
     Case("from-files-not-a-dir", lambda tmp: ["verify", "--from-files", str(tmp / "nope"), "-c", EKS], 4, "missing"),
 ]
@@ -298,6 +309,15 @@ LINT_CASES = [
         manifest("apiVersion: example.com/v1\nkind: Widget\nmetadata: {name: w}\nspec: 5\n"),
         0,
         "not schema-checked",
+    ),
+    Case(
+        "raycluster-num-gpus-overflows",
+        lambda tmp: [
+            "lint",
+            str(write(tmp / "m" / "rc.yaml", RAYCLUSTER.replace('num-gpus: "4"', 'num-gpus: "1e400"'))),
+        ],
+        1,
+        "rayStartParams.num-gpus is '1e400', expected '4'",
     ),
     Case("lint-missing-path", lambda tmp: ["lint", str(tmp / "nope.yaml"), "-c", EKS], 1, "no such file or folder"),
 ]

@@ -204,7 +204,7 @@ def lint_paths(paths: list[str], config: PipelineConfig | None) -> list[Finding]
             continue  # the other checks read typed fields; a broken object is reported by its schema alone
         try:
             findings += object_findings(doc, docs, config)
-        except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
+        except (KeyError, TypeError, AttributeError, ValueError, IndexError, OverflowError) as e:
             # A kind without an offline schema (or a template's free-form part) can hold any shape: say so, go on.
             findings.append(Finding(doc.subject, "content", f"{type(e).__name__}: {e}", "the fields this kind has"))
     return findings

@@ -10,6 +10,7 @@ pydantic and yaml, which the published Ray image has.
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -405,8 +406,16 @@ def format_errors(e: ValidationError) -> list[str]:
         if not loc:  # cross-field checks name their fields in the message itself
             problems.append(msg)
             continue
-        problems.append(f"{loc}: {msg} (got {value!r})")
+        problems.append(f"{loc}: {msg} (got {_short_repr(value)})")
     return problems
+
+
+def _short_repr(value: Any) -> str:
+    """repr cut to a line: a pasted file or an alias-expanded YAML value must not flood the terminal."""
+    r = reprlib.Repr()
+    r.maxstring, r.maxother, r.maxlevel = 120, 120, 2
+    text = r.repr(value)
+    return text if len(text) <= 200 else text[:199] + "…"
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), resolve: bool = True) -> PipelineConfig:
