@@ -173,7 +173,7 @@ def record_file(data: str | bytes, command: str = "show") -> Callable[[Path], li
     def build(tmp: Path) -> list[str]:
         good_record(tmp)
         write(tmp / "store" / "runs" / "bad" / "record.json", data)
-        return ["runs", command, *(["bad"] if command == "show" else []), *root_args(tmp)]
+        return ["runs", *command.split(), *(["bad"] if command == "show" else []), *root_args(tmp)]
 
     return build
 
@@ -231,6 +231,11 @@ def models_cmd(command: str, pointer=None, card=None, stray: bool = False) -> Ca
     return build
 
 
+def pointer_dir(tmp: Path) -> list[str]:
+    (registry(tmp) / MODEL / "production.json").mkdir()
+    return ["models", "list", *root_args(tmp)]
+
+
 STORAGE_FILE_CASES = [
     Case("record-truncated-listed", record_file('{"schema_version": 2, "run_id": "ba', "list"), 0, "unreadable"),
     Case("record-truncated-show", record_file('{"schema_version": 2, "run_id": "ba'), 1, "not a readable run record"),
@@ -248,6 +253,8 @@ STORAGE_FILE_CASES = [
     Case("pointer-corrupt-show", models_cmd("show", pointer="{not json"), 1, "not a JSON production pointer"),
     Case("pointer-wrong-shape", models_cmd("show", pointer="[1]"), 1, "object with a 'version' string"),
     Case("pointer-not-utf8", models_cmd("show", pointer=NOT_UTF8), 1, "not a JSON production pointer"),
+    Case("pointer-is-a-directory", pointer_dir, 0, "cannot be read as the production pointer"),
+    Case("record-truncated-json-list", record_file("{", "list --json"), 0, '"status": "unreadable"'),
     Case("card-corrupt", models_cmd("show", card="{"), 0, "card.json is unreadable"),
 ]
 
@@ -491,3 +498,13 @@ def test_stage_names_are_slugs():
 
     for name in table.names():
         check_slug("stage name", name)
+
+
+@pytest.mark.parametrize("run_id", ["a/b", "../x", "", "-x"])
+def test_the_flow_refuses_a_bad_run_id_before_anything_runs(run_id: str, tmp_path):
+    from flows.pipeline import pipeline
+
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path / "store")}})
+    state = pipeline.fn(cfg, run_id=run_id)
+    assert state.is_failed() and f"run id {run_id!r}" in state.message and "nothing ran" in state.message
+    assert not (tmp_path / "store").exists()  # no record, no lease, no job
