@@ -22,6 +22,7 @@ from tuneproof.control import record as records
 from tuneproof.control.identity import git_identity
 from tuneproof.control.record import CodeIdentity, Invocation, RunRecord, StageEntry
 from tuneproof.core.config import PipelineConfig
+from tuneproof.core.names import slug_problem
 from tuneproof.core.results import FailureClass, now_iso
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import PromoteSummary
@@ -39,6 +40,9 @@ def pipeline(
         plan = table.plan(only)
     except UnknownStages as e:
         return Failed(message=f"nothing ran: {e}")
+    # A run id becomes a storage prefix and part of Ray job routes: refuse a bad one before anything is submitted.
+    if run_id is not None and (problem := slug_problem(run_id)):
+        return Failed(message=f"nothing ran: run id {run_id!r} {problem}")
     cfg = config.resolved()
     run_id = run_id or records.make_run_id()
     storage = Storage.from_config(cfg.storage)

@@ -206,7 +206,7 @@ def parse_jsonl(source: Source):
     for index, line in enumerate(lines):
         try:
             yield index, json.loads(line.decode("utf-8")), None
-        except (UnicodeDecodeError, ValueError):
+        except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: absurdly nested JSON
             yield index, None, line
 
 

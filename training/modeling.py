@@ -59,6 +59,26 @@ def mirror_key(storage: Storage, endpoint_url: str | None) -> str:
     return digest.hexdigest()[:16]
 
 
+class ModelUnreadable(ValueError):
+    """A local model directory that is not a loadable Hugging Face model (no config.json, corrupt or missing weights)."""
+
+
+def _from_pretrained(loader, ref: str, **kwargs):
+    """loader.from_pretrained(ref); for a local directory, any failure becomes ModelUnreadable naming it.
+
+    transformers reports a broken directory as OSError, ValueError or safetensors' own error type,
+    often without the path: the job's one-line cause must say which directory to fix."""
+    local = Path(ref).is_dir()
+    if local and not (Path(ref) / "config.json").is_file():
+        raise ModelUnreadable(f"model directory {ref} has no config.json: not a Hugging Face model directory")
+    try:
+        return loader.from_pretrained(ref, **kwargs)
+    except Exception as e:  # noqa: BLE001 - re-raised with the directory named; hub errors pass through
+        if not local:
+            raise
+        raise ModelUnreadable(f"model directory {ref} is not a loadable model: {type(e).__name__}: {e}") from e
+
+
 def _common(revision: str | None) -> dict:
     return {"revision": revision, "trust_remote_code": False}
 
@@ -66,19 +86,19 @@ def _common(revision: str | None) -> dict:
 def load_config(source: str, revision: str | None = None, endpoint_url: str | None = None):
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(materialize(source, endpoint_url), **_common(revision))
+    return _from_pretrained(AutoConfig, materialize(source, endpoint_url), **_common(revision))
 
 
 def load_tokenizer(source: str, revision: str | None = None, endpoint_url: str | None = None):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(materialize(source, endpoint_url), **_common(revision))
+    return _from_pretrained(AutoTokenizer, materialize(source, endpoint_url), **_common(revision))
 
 
 def load_model(source: str, revision: str | None = None, endpoint_url: str | None = None, dtype=None):
     """AutoModelForCausalLM from safetensors only (use_safetensors=True refuses pickled .bin weights)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
-        materialize(source, endpoint_url), use_safetensors=True, dtype=dtype, **_common(revision)
+    return _from_pretrained(
+        AutoModelForCausalLM, materialize(source, endpoint_url), use_safetensors=True, dtype=dtype, **_common(revision)
     )

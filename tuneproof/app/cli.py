@@ -11,12 +11,16 @@
     tuneproof promote RUN --force --reason TEXT
 
 Exit codes of `run`: 0 ok, 3 invalid config, 4 infrastructure, 5 data, 6 modeling failure.
+Every command: 1 findings that are errors (or the run/model asked for is absent or unreadable), 2 a
+malformed argument (click's usage convention), 3 an invalid config or refused request, 4 storage or
+another resource that cannot be read; an unexpected exception is one `error: ...` line, exit 4.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -26,9 +30,15 @@ from rich.console import Console
 
 from flows import stages as table
 from tuneproof.core.config import PROJECT_ROOT, ConfigError, PipelineConfig, load_config
-from tuneproof.core.results import EXIT_INVALID_CONFIG, exit_code_for
+from tuneproof.core.names import slug_problem
+from tuneproof.core.results import EXIT_BY_CLASS, EXIT_INVALID_CONFIG, FailureClass, exit_code_for
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Fine-tune Qwen on Ray; promote only on evidence.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Fine-tune Qwen on Ray; promote only on evidence.",
+)
 local_app = typer.Typer(no_args_is_help=True, help="The embedded local cluster (Ray head, Prefect server + worker).")
 runs_app = typer.Typer(no_args_is_help=True, help="Read run records.")
 models_app = typer.Typer(no_args_is_help=True, help="Read the model registry.")
@@ -42,9 +52,40 @@ ConfigOpt = typer.Option(None, "--config", "-c", help="YAML profile (default con
 SetOpt = typer.Option([], "--set", "-s", help="Override a field: dotted.key=value (repeatable).")
 
 
+EXIT_UNEXPECTED = 4
+
+
 def main() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    app()
+    sys.exit(guarded(app))
+
+
+def guarded(command: Any) -> int:
+    """Run the CLI; the last resort for an exception no reader anticipated: one line, exit 4, never a traceback.
+
+    Every input the bad-input suite (tests/test_bad_input.py) feeds in gets its own message before this."""
+    try:
+        command()
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except OSError as e:  # storage or a file vanished, refused or broke mid-read: an infrastructure problem
+        err.print(f"error: cannot read {e.filename or 'storage'}: {e.strerror or e}", markup=False)
+        return EXIT_UNEXPECTED
+    except Exception as e:  # noqa: BLE001 - the point of the guard
+        err.print(f"error: {type(e).__name__}: {e} (please report)", markup=False)
+        return EXIT_UNEXPECTED
+    return 0
+
+
+def slug_arg(kind: str):
+    """A typer callback refusing an id that is not a slug (exit 2, click's convention for a bad argument)."""
+
+    def check(value: str | None) -> str | None:
+        if value is not None and (problem := slug_problem(value)):
+            raise typer.BadParameter(f"{kind} {value!r} {problem}")
+        return value
+
+    return check
 
 
 def config_or_exit(config: Path | None, sets: list[str]) -> PipelineConfig:
@@ -57,7 +98,7 @@ def config_or_exit(config: Path | None, sets: list[str]) -> PipelineConfig:
     if problems:
         err.print("[bold red]invalid config[/] — nothing was submitted:")
         for p in problems:
-            err.print(f"  {p}")
+            err.print(f"  {p}", markup=False)
         raise typer.Exit(EXIT_INVALID_CONFIG)
     return cfg
 
@@ -77,7 +118,9 @@ def run(
     config: Path | None = ConfigOpt,
     sets: list[str] = SetOpt,
     only: str | None = typer.Option(None, help=f"Comma-separated subset of: {','.join(table.names())}."),
-    run_id: str | None = typer.Option(None, "--run-id", help="Rerun stages against this existing run."),
+    run_id: str | None = typer.Option(
+        None, "--run-id", callback=slug_arg("run id"), help="Rerun stages against this existing run."
+    ),
 ) -> None:
     """Run the pipeline; prints the run id; exit code by failure class."""
     cfg = config_or_exit(config, sets)
@@ -109,7 +152,7 @@ def parse_only(only: str | None) -> list[str] | None:
     try:
         table.plan(stages)
     except table.UnknownStages as e:
-        err.print(f"--only: {e}")
+        err.print(f"--only: {e}", markup=False)
         raise typer.Exit(EXIT_INVALID_CONFIG) from None
     return stages
 
@@ -182,7 +225,11 @@ def compare(
 def storage_for(config: Path | None, sets: list[str]):
     from tuneproof.core.storage import Storage
 
-    return Storage.from_config(config_or_exit(config, sets).storage)
+    storage = Storage.from_config(config_or_exit(config, sets).storage)
+    if not storage.is_s3 and Path(storage.root).exists() and not Path(storage.root).is_dir():
+        err.print(f"storage root {storage.root} is not a directory: check storage.root", markup=False)
+        raise typer.Exit(EXIT_BY_CLASS[FailureClass.infrastructure])
+    return storage
 
 
 @runs_app.command("list")
@@ -217,7 +264,7 @@ def runs_list(
 
 @runs_app.command("show")
 def runs_show(
-    run_id: str,
+    run_id: str = typer.Argument(..., callback=slug_arg("run id")),
     as_json: bool = typer.Option(False, "--json"),
     config: Path | None = ConfigOpt,
     sets: list[str] = SetOpt,
@@ -228,20 +275,25 @@ def runs_show(
     try:
         rec = record.load(storage_for(config, sets), run_id)
     except (FileNotFoundError, record.RecordUnreadable) as e:
-        err.print(str(e))
+        err.print(str(e), markup=False)
         raise typer.Exit(1) from None
     if as_json:
         print(json.dumps(rec.to_json(), indent=2))
         return
+    from pydantic import ValidationError
+
     from tuneproof.app.terminal import print_record
 
-    print_record(rec, console)
+    try:
+        print_record(rec, console)
+    except ValidationError as e:
+        raise typer.Exit(summary_unreadable(run_id, e)) from None
 
 
 @runs_app.command("diff")
 def runs_diff(
-    run_a: str,
-    run_b: str,
+    run_a: str = typer.Argument(..., callback=slug_arg("run id")),
+    run_b: str = typer.Argument(..., callback=slug_arg("run id")),
     as_json: bool = typer.Option(False, "--json"),
     config: Path | None = ConfigOpt,
     sets: list[str] = SetOpt,
@@ -254,13 +306,28 @@ def runs_diff(
     try:
         a, b = record.load(storage, run_a), record.load(storage, run_b)
     except (FileNotFoundError, record.RecordUnreadable) as e:
-        err.print(str(e))
+        err.print(str(e), markup=False)
         raise typer.Exit(1) from None
-    result = diff_records(a, b)
+    from pydantic import ValidationError
+
+    try:
+        result = diff_records(a, b)
+    except ValidationError as e:
+        raise typer.Exit(summary_unreadable(f"{run_a} or {run_b}", e)) from None
     if as_json:
         print(json.dumps(result, indent=2))
     else:
         console.print(render_diff(result))
+
+
+def summary_unreadable(run: str, e: Any) -> int:
+    """A record that parsed but holds a stage summary its model refuses (hand-edited, another release's)."""
+    first = e.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    err.print(
+        f"run {run}: a stage summary in record.json is not readable: {e.title}.{where}: {first['msg']}", markup=False
+    )
+    return 1
 
 
 # ---------------------------------------------------------------- checks
@@ -318,7 +385,7 @@ def transport(
         try:
             texts[str(path)] = path.read_text(errors="replace")
         except OSError as e:
-            err.print(f"cannot read {path}: {e.strerror}")
+            err.print(f"cannot read {path}: {e.strerror}", markup=False)
             raise typer.Exit(2) from None
     verdict = verdict_for_files(texts, expect.value)
     print(json.dumps(verdict, indent=2))
@@ -343,26 +410,38 @@ def models_list(
 
     # A version is named v<NNNN>-<run id>: the run that produced it needs no column of its own.
     cells = [
-        [m["name"], (m.get("production") or {}).get("version", "-"), str(len(m.get("versions", [])))] for m in models
+        [
+            m["name"],
+            "unreadable" if m.get("problem") else (m.get("production") or {}).get("version", "-"),
+            str(len(m.get("versions", []))),
+        ]
+        for m in models
     ]
     console.print(whole_table(["model", "production version", "versions"], cells, keep=("model", "production version")))
+    for m in models:
+        if m.get("problem"):
+            err.print(m["problem"], markup=False)
 
 
 @models_app.command("show")
-def models_show(name: str, config: Path | None = ConfigOpt, sets: list[str] = SetOpt) -> None:
+def models_show(
+    name: str = typer.Argument(..., callback=slug_arg("model name")),
+    config: Path | None = ConfigOpt,
+    sets: list[str] = SetOpt,
+) -> None:
     """One model: the production pointer and every version with its card."""
-    from tuneproof.control.registry import show_model
+    from tuneproof.control.registry import RegistryUnreadable, show_model
 
     try:
         print(json.dumps(show_model(storage_for(config, sets), name), indent=2))
-    except FileNotFoundError as e:
-        err.print(str(e))
+    except (FileNotFoundError, RegistryUnreadable) as e:
+        err.print(str(e), markup=False)
         raise typer.Exit(1) from None
 
 
 @app.command()
 def promote(
-    run_id: str,
+    run_id: str = typer.Argument(..., callback=slug_arg("run id")),
     force: bool = typer.Option(False, "--force", help="Required: this bypasses the gates."),
     reason: str = typer.Option("", "--reason", help="Why the gates are overridden (recorded)."),
     config: Path | None = ConfigOpt,
@@ -374,8 +453,13 @@ def promote(
         raise typer.Exit(2)
     cfg = config_or_exit(config, sets)
     from tasks.promote import forced_promotion
+    from tuneproof.control.record import RecordUnreadable
 
-    result = forced_promotion(cfg, run_id, reason, os.environ.get("USER", "unknown"))
+    try:
+        result = forced_promotion(cfg, run_id, reason, os.environ.get("USER", "unknown"))
+    except (FileNotFoundError, RecordUnreadable) as e:  # nothing to promote: a refused request
+        err.print(f"promote refused: {e}", markup=False)
+        raise typer.Exit(EXIT_INVALID_CONFIG) from None
     print(json.dumps(result.to_json(), indent=2))
     raise typer.Exit(0 if result.promoted else 1)
 

@@ -175,12 +175,17 @@ class Doc:
         return "PrefectProject" if is_prefect_project(self.obj) else self.obj.get("kind", "")
 
     @property
+    def metadata(self) -> dict:
+        meta = self.obj.get("metadata")
+        return meta if isinstance(meta, dict) else {}  # a malformed one is the schema check's to report
+
+    @property
     def name(self) -> str:
-        return (self.obj.get("metadata") or {}).get("name", "?")
+        return str(self.metadata.get("name", "?"))
 
     @property
     def namespace(self) -> str | None:
-        return (self.obj.get("metadata") or {}).get("namespace")
+        return self.metadata.get("namespace")
 
     @property
     def subject(self) -> str:
@@ -197,7 +202,11 @@ def lint_paths(paths: list[str], config: PipelineConfig | None) -> list[Finding]
         findings += schema
         if any(f.severity == "error" for f in schema):
             continue  # the other checks read typed fields; a broken object is reported by its schema alone
-        findings += object_findings(doc, docs, config)
+        try:
+            findings += object_findings(doc, docs, config)
+        except (KeyError, TypeError, AttributeError, ValueError, IndexError, OverflowError) as e:
+            # A kind without an offline schema (or a template's free-form part) can hold any shape: say so, go on.
+            findings.append(Finding(doc.subject, "content", f"{type(e).__name__}: {e}", "the fields this kind has"))
     return findings
 
 
@@ -228,11 +237,26 @@ def load_documents(paths: list[str]) -> tuple[list[Doc], list[Finding]]:
     for file in manifest_files(paths):
         try:
             objects = _parse(file)
-        except (yaml.YAMLError, json.JSONDecodeError) as e:
+        except (yaml.YAMLError, json.JSONDecodeError, RecursionError) as e:
             findings.append(Finding(str(file), "content", "unparseable", "YAML or JSON", str(e).splitlines()[0]))
             continue
+        except UnicodeDecodeError as e:
+            findings.append(Finding(str(file), "content", f"not UTF-8 (byte {e.start})", "UTF-8 YAML or JSON"))
+            continue
+        except OSError as e:
+            findings.append(Finding(str(file), "file", f"unreadable: {e.strerror or e}", "a readable file"))
+            continue
         for obj in objects:
-            known = is_job_template(obj) or is_prefect_project(obj) or ("kind" in obj and "apiVersion" in obj)
+            if isinstance(obj, dict) and str(obj.get("kind", "")).endswith("List") and "items" in obj:
+                # _parse expands every well-formed List: one left over has items that are not a list.
+                findings.append(
+                    Finding(str(file), "items", type(obj["items"]).__name__, "a list of Kubernetes objects")
+                )
+                continue
+            typed = (
+                isinstance(obj, dict) and isinstance(obj.get("kind"), str) and isinstance(obj.get("apiVersion"), str)
+            )
+            known = is_job_template(obj) or is_prefect_project(obj) or typed
             if not isinstance(obj, dict) or not known:
                 findings.append(
                     Finding(
@@ -261,11 +285,12 @@ def manifest_files(paths: list[str]) -> list[Path]:
 
 
 def _parse(file: Path) -> list:
-    text = file.read_text()
+    text = file.read_text(encoding="utf-8")
     raw = [json.loads(text)] if file.suffix == ".json" else [d for d in yaml.safe_load_all(text) if d is not None]
     objects: list = []
     for obj in raw:
-        is_list = isinstance(obj, dict) and obj.get("kind", "").endswith("List") and "items" in obj
+        kind = obj.get("kind") if isinstance(obj, dict) else None
+        is_list = isinstance(kind, str) and kind.endswith("List") and isinstance(obj.get("items"), list)
         objects += obj["items"] if is_list else [obj]
     return objects
 

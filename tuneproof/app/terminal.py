@@ -48,7 +48,7 @@ def whole_table(columns: list[str], rows: list[list[str]], keep: tuple[str, ...]
         else:
             t.add_column(column, overflow="fold")
     for row in rows:
-        t.add_row(*row)
+        t.add_row(*(Text(cell) for cell in row))  # cells are data (a cause, a file name), never markup
     return t
 
 

@@ -246,9 +246,11 @@ def load(storage: Storage, run_id: str) -> RunRecord:
         raise FileNotFoundError(f"no run record for run {run_id!r} under {storage.uri('runs')}")
     try:
         return parse(storage.read_json("runs", run_id, RECORD))
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError, OSError) as e:
+        # OSError: a record.json that is a directory or unreadable; RecursionError: absurdly nested JSON.
+        why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}"
         raise RecordUnreadable(
-            f"{storage.uri('runs', run_id, RECORD)} is not a readable run record: {one_line(str(e), 300)}"
+            f"{storage.uri('runs', run_id, RECORD)} is not a readable run record: {one_line(why, 300)}"
         ) from None
 
 

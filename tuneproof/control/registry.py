@@ -26,7 +26,7 @@ from typing import Any
 
 from tuneproof.core import cas, markers
 from tuneproof.core.cas import file_lock
-from tuneproof.core.results import now_iso
+from tuneproof.core.results import now_iso, one_line
 from tuneproof.core.storage import Storage
 
 __all__ = ["file_lock"]  # re-exported: the lock moved to tuneproof.core.cas
@@ -37,6 +37,10 @@ CARD_JSON = "card.json"
 CARD_MD = "MODEL_CARD.md"
 LOCK = ".production.json.lock"
 _VERSION = re.compile(r"^v(\d{4,})-(.+)$")
+
+
+class RegistryUnreadable(ValueError):
+    """A registry file (pointer or card) that exists but cannot be read as one: corrupt, truncated, wrong shape."""
 
 
 class PromotionConflict(RuntimeError):
@@ -66,16 +70,43 @@ def read_pointer(storage: Storage, name: str) -> tuple[dict | None, str | None]:
     The token is opaque (a content hash locally, the ETag on S3); pass it back to `promote`
     as expected_token to say "the incumbent I evaluated against".
     """
-    data, token = cas.read_versioned(storage, *_pointer_parts(name))
-    return (json.loads(data), token) if data is not None else (None, None)
+    where = storage.uri(*_pointer_parts(name))
+    try:
+        data, token = cas.read_versioned(storage, *_pointer_parts(name))
+    except NotADirectoryError:  # models/<name> is a stray file, not a model
+        return None, None
+    except OSError as e:
+        raise RegistryUnreadable(f"{where}: cannot be read as the production pointer: {e.strerror or e}") from None
+    return (_parse_pointer(where, data), token) if data is not None else (None, None)
+
+
+def _parse_pointer(where: str, data: bytes) -> dict:
+    """The pointer document, or RegistryUnreadable naming the file: a promotion must never act on a guess."""
+    try:
+        pointer = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise RegistryUnreadable(f"{where}: not a JSON production pointer ({one_line(str(e), 200)})") from None
+    if not isinstance(pointer, dict) or not isinstance(pointer.get("version"), str):
+        raise RegistryUnreadable(
+            f"{where}: a production pointer is an object with a 'version' string, got {data[:80]!r}"
+        )
+    return pointer
 
 
 def list_models(storage: Storage) -> list[dict]:
-    """One row per registered name: {"name", "production": pointer dict or None, "versions": [names]}."""
-    return [
-        {"name": name, "production": read_pointer(storage, name)[0], "versions": _versions(storage, name)}
-        for name in storage.listdir(MODELS)
-    ]
+    """One row per registered name: {"name", "production": pointer dict or None, "versions": [names]}, plus
+    "problem" when its pointer is unreadable. Anything under models/ that is not a folder is skipped."""
+    rows = []
+    for name in storage.listdir(MODELS):
+        if not storage.fs.isdir(storage.path(MODELS, name)):
+            continue  # a stray file (notes, a lock) is not a registered model
+        row: dict[str, Any] = {"name": name, "production": None, "versions": _versions(storage, name)}
+        try:
+            row["production"] = read_pointer(storage, name)[0]
+        except RegistryUnreadable as e:
+            row["problem"] = str(e)
+        rows.append(row)
+    return rows
 
 
 def show_model(storage: Storage, name: str) -> dict:
@@ -100,12 +131,13 @@ def show_model(storage: Storage, name: str) -> dict:
 
 def _version_row(storage: Storage, name: str, version: str, current: str | None) -> dict:
     complete = storage.exists(MODELS, name, version, CARD_JSON)
-    return {
-        "version": version,
-        "production": version == current,
-        "complete": complete,
-        "card": storage.read_json(MODELS, name, version, CARD_JSON) if complete else None,
-    }
+    row: dict[str, Any] = {"version": version, "production": version == current, "complete": complete, "card": None}
+    if complete:
+        try:
+            row["card"] = storage.read_json(MODELS, name, version, CARD_JSON)
+        except (ValueError, OSError, RecursionError) as e:
+            row["problem"] = f"{storage.uri(MODELS, name, version, CARD_JSON)} is unreadable: {one_line(str(e), 200)}"
+    return row
 
 
 def _versions(storage: Storage, name: str) -> list[str]:

@@ -10,6 +10,7 @@ pydantic and yaml, which the published Ray image has.
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -18,15 +19,26 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tuneproof.core.hashing import sha256_json
+from tuneproof.core.names import check_slug, check_storage_root
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PROFILE = PROJECT_ROOT / "configs" / "local.yaml"
+# Upper bounds: far above any real run, low enough that a typo (an extra digit, a pasted byte count)
+# is refused at submission instead of hanging a cluster or allocating the impossible.
+MAX_STEPS = 10_000_000
+MAX_BATCH = 65_536
+MAX_SEQ_LEN = 1_048_576
+MAX_WORKERS = 4_096
+MAX_EXAMPLES = 10_000_000
+MAX_TIMEOUT_S = 7 * 24 * 3600
+MAX_ITERS = 100_000
 
 
 class Strict(BaseModel):
     """Base for config sections: unknown keys are errors, assignments re-validate."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: a NaN or inf threshold, tolerance or rate makes every comparison it enters meaningless.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ClusterExpect(Strict):
@@ -44,8 +56,8 @@ class ClusterExpect(Strict):
     nccl_version: str | None = None
     image: str | None = None
     """Pinned image reference, repository@sha256:... (eks)."""
-    gpus_per_worker: int = Field(0, ge=0)
-    """GPUs each training worker node must advertise to Ray (0 on CPU)."""
+    gpus_per_worker: int = Field(0, ge=0, le=64)
+    """GPUs each training worker node must advertise to Ray (0 on CPU; at most 64)."""
     efa: bool = False
     """Worker nodes must have the EFA device (eks)."""
 
@@ -91,6 +103,11 @@ class StorageConfig(Strict):
     shared: bool = True
     """The root is reachable from every node (S3, FSx); a node-local path is only valid on one node."""
 
+    @field_validator("root")
+    @classmethod
+    def _root(cls, v: str) -> str:
+        return check_storage_root("storage root", v)
+
 
 class ModelConfig(Strict):
     name: str = "dates-qwen2-tiny"
@@ -102,9 +119,7 @@ class ModelConfig(Strict):
     @field_validator("name")
     @classmethod
     def _slug(cls, v: str) -> str:
-        if not v or any(c in v for c in "/\\ "):
-            raise ValueError(f"name must be a non-empty slug without '/', '\\' or spaces, got {v!r}")
-        return v
+        return check_slug("model name", v)
 
 
 class FieldMap(Strict):
@@ -117,6 +132,7 @@ class FieldMap(Strict):
 
 class DataConfig(Strict):
     name: str = "dates"
+    """Dataset name: the folder under datasets/ (a slug, see tuneproof.core.names)."""
     source: str = "data/dates/dates.jsonl"
     """JSONL, CSV or parquet file (local or s3://), or hf://<dataset>[:split] where a hub is reachable."""
     format: Literal["auto", "jsonl", "csv", "parquet", "hf"] = "auto"
@@ -126,24 +142,33 @@ class DataConfig(Strict):
     system_prompt: str | None = None
     """Used when fields.system is None; None sends no system turn (the tiny demo model learns the task
     in 400 steps without one, in about 1000 with a constant system prompt)."""
-    max_seq_len: int = Field(64, ge=8)
+    max_seq_len: int = Field(64, ge=8, le=MAX_SEQ_LEN)
+    """Tokens per example, 8..1,048,576."""
     overflow: Literal["drop", "truncate", "pack"] = "drop"
     eval_fraction: float = Field(0.1, gt=0.0, lt=1.0)
     seed: int = 0
     max_dropped_fraction: float = Field(0.05, ge=0.0, le=1.0)
     """Fail the stage as a data failure when more rows than this are malformed."""
-    shard_rows: int = Field(4096, ge=1)
+    shard_rows: int = Field(4096, ge=1, le=MAX_EXAMPLES)
+
+    @field_validator("name")
+    @classmethod
+    def _slug(cls, v: str) -> str:
+        return check_slug("dataset name", v)
 
 
 class TrainConfig(Strict):
-    num_workers: int = Field(2, ge=1)
+    num_workers: int = Field(2, ge=1, le=MAX_WORKERS)
+    """Ray Train workers, 1..4096."""
     use_gpu: bool = False
-    max_steps: int = Field(400, ge=1)
-    micro_batch_size: int = Field(32, ge=1)
-    """Sequences per worker per micro-step."""
-    grad_accum_steps: int = Field(1, ge=1)
-    lr: float = Field(2e-3, gt=0.0)
-    warmup_steps: int = Field(20, ge=0)
+    max_steps: int = Field(400, ge=1, le=MAX_STEPS)
+    """Optimizer steps, 1..10,000,000."""
+    micro_batch_size: int = Field(32, ge=1, le=MAX_BATCH)
+    """Sequences per worker per micro-step, 1..65,536."""
+    grad_accum_steps: int = Field(1, ge=1, le=MAX_BATCH)
+    lr: float = Field(2e-3, gt=0.0, le=10.0)
+    """Peak learning rate, finite, in (0, 10]."""
+    warmup_steps: int = Field(20, ge=0, le=MAX_STEPS)
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
     weight_decay: float = Field(0.0, ge=0.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
@@ -158,11 +183,11 @@ class TrainConfig(Strict):
     """Workers per shard group under hybrid sharding; ignored otherwise. None: the workers on one
     node (Ray Train's local world size), which is the GPUs per node with one GPU per worker; on a
     single CPU machine that makes hybrid the same as full, so give it (e.g. 2 of 4 workers) there."""
-    checkpoint_every: int = Field(100, ge=1)
-    num_to_keep: int = Field(3, ge=1)
-    max_failures: int = Field(0, ge=0)
+    checkpoint_every: int = Field(100, ge=1, le=MAX_STEPS)
+    num_to_keep: int = Field(3, ge=1, le=1000)
+    max_failures: int = Field(0, ge=0, le=100)
     seed: int = 0
-    log_every: int = Field(10, ge=1)
+    log_every: int = Field(10, ge=1, le=MAX_STEPS)
     divergence_loss: float = Field(50.0, gt=0.0)
     """A loss above this (or NaN/inf) stops training as a modeling failure."""
     continue_previous: bool = False
@@ -183,27 +208,28 @@ class TrainConfig(Strict):
 
 class ConnectivityConfig(Strict):
     sizes_bytes: list[int] = [1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22]
-    iters: int = Field(5, ge=1)
-    warmup_iters: int = Field(2, ge=0)
-    fsdp_steps: int = Field(3, ge=1)
+    """All-reduce message sizes, each 4 bytes..16 GiB."""
+    iters: int = Field(5, ge=1, le=MAX_ITERS)
+    warmup_iters: int = Field(2, ge=0, le=MAX_ITERS)
+    fsdp_steps: int = Field(3, ge=1, le=MAX_ITERS)
     expect_transport: Literal["any", "gloo", "efa"] = "any"
     """'efa' fails the stage on socket fallback or inconclusive NCCL logs."""
 
     @field_validator("sizes_bytes")
     @classmethod
     def _positive(cls, v: list[int]) -> list[int]:
-        if not v or any(s < 4 for s in v):
-            raise ValueError(f"sizes_bytes must be non-empty, each >= 4 bytes, got {v!r}")
+        if not v or any(s < 4 or s > 1 << 34 for s in v):
+            raise ValueError(f"sizes_bytes must be non-empty, each 4 bytes..16 GiB (17179869184), got {v!r}")
         return sorted(v)
 
 
 class ResumeConfig(Strict):
     enabled: bool = True
-    extra_steps: int = Field(4, ge=1)
+    extra_steps: int = Field(4, ge=1, le=MAX_ITERS)
     """How far past the final checkpoint the interrupted continuation runs before it is stopped."""
-    replay_steps: int = Field(5, ge=1)
-    loss_rtol: float = Field(0.0, ge=0.0)
-    """Allowed relative loss difference on replay: 0 on CPU fp32; e.g. 0.02 on GPU bf16."""
+    replay_steps: int = Field(5, ge=1, le=MAX_ITERS)
+    loss_rtol: float = Field(0.0, ge=0.0, le=1.0)
+    """Allowed relative loss difference on replay, finite, 0..1: 0 on CPU fp32; e.g. 0.02 on GPU bf16."""
 
 
 class Gate(Strict):
@@ -230,25 +256,36 @@ class EvalConfig(Strict):
     """Metric names resolved first under eval/metrics/, then by evaluate.load only when hub_metrics is true."""
     hub_metrics: bool = False
     """Allow metrics that are not under eval/metrics/ to load from the Hugging Face hub (needs network on the cluster)."""
-    max_new_tokens: int = Field(16, ge=1)
-    batch_size: int = Field(64, ge=1)
-    max_examples: int = Field(300, ge=1)
-    predictions_cap: int = Field(200, ge=0)
+    max_new_tokens: int = Field(16, ge=1, le=MAX_SEQ_LEN)
+    batch_size: int = Field(64, ge=1, le=MAX_BATCH)
+    max_examples: int = Field(300, ge=1, le=MAX_EXAMPLES)
+    """Eval examples scored, 1..10,000,000."""
+    predictions_cap: int = Field(200, ge=0, le=MAX_EXAMPLES)
     gates: dict[str, Gate] = {"exact_match": Gate(min=0.8, min_improvement=0.5, max_regression=0.02)}
+    """At least one gate: with none, every candidate would pass and promotion would judge nothing."""
+
+    @field_validator("gates")
+    @classmethod
+    def _some_gate(cls, v: dict[str, Gate]) -> dict[str, Gate]:
+        if not v:
+            raise ValueError("eval.gates is empty: promotion would judge nothing; configure at least one gate")
+        return v
 
 
 class PromoteConfig(Strict):
     require_approval: bool = False
-    approval_timeout_s: int = Field(3600, ge=1)
+    approval_timeout_s: int = Field(3600, ge=1, le=MAX_TIMEOUT_S)
 
 
 class Timeouts(Strict):
-    verify: int = Field(300, ge=1)
-    connectivity: int = Field(600, ge=1)
-    data: int = Field(600, ge=1)
-    finetune: int = Field(3600, ge=1)
-    resume: int = Field(1800, ge=1)
-    evaluate: int = Field(1800, ge=1)
+    """Seconds per stage, 1..604,800 (a week)."""
+
+    verify: int = Field(300, ge=1, le=MAX_TIMEOUT_S)
+    connectivity: int = Field(600, ge=1, le=MAX_TIMEOUT_S)
+    data: int = Field(600, ge=1, le=MAX_TIMEOUT_S)
+    finetune: int = Field(3600, ge=1, le=MAX_TIMEOUT_S)
+    resume: int = Field(1800, ge=1, le=MAX_TIMEOUT_S)
+    evaluate: int = Field(1800, ge=1, le=MAX_TIMEOUT_S)
 
 
 class RuntimeEnvAdditions(Strict):
@@ -366,22 +403,42 @@ def format_errors(e: ValidationError) -> list[str]:
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
         value = err.get("input")
+        if err["type"] == "string_type" and isinstance(value, (dict, list)):
+            # `--set key={a}` or `key=[a]`: YAML read braces or brackets as a collection, not text.
+            kind = "mapping" if isinstance(value, dict) else "list"
+            msg = f"expected text, got a YAML {kind}; quote it (e.g. --set '{loc}=\"...\"')"
         if not loc:  # cross-field checks name their fields in the message itself
             problems.append(msg)
             continue
-        problems.append(f"{loc}: {msg} (got {value!r})")
+        problems.append(f"{loc}: {msg} (got {_short_repr(value)})")
     return problems
+
+
+def _short_repr(value: Any) -> str:
+    """repr cut to a line: a pasted file or an alias-expanded YAML value must not flood the terminal."""
+    r = reprlib.Repr()
+    r.maxstring, r.maxother, r.maxlevel = 120, 120, 2
+    text = r.repr(value)
+    return text if len(text) <= 200 else text[:199] + "…"
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), resolve: bool = True) -> PipelineConfig:
     """Read a YAML profile, apply --set overrides, validate, resolve relative paths."""
     path = Path(path) if path else DEFAULT_PROFILE
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except FileNotFoundError:
         raise ConfigError([f"--config: file not found (got {str(path)!r})"]) from None
+    except IsADirectoryError:
+        raise ConfigError([f"--config {path}: is a directory; give a YAML file such as configs/local.yaml"]) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"--config {path}: not UTF-8 text (byte {e.start}); save it as UTF-8 YAML"]) from None
+    except OSError as e:
+        raise ConfigError([f"--config {path}: cannot be read: {e.strerror or e}"]) from None
     except yaml.YAMLError as e:
-        raise ConfigError([f"--config {path}: not valid YAML: {e}"]) from None
+        raise ConfigError([f"--config {path}: not valid YAML: {' '.join(str(e).split())}"]) from None
+    except RecursionError:
+        raise ConfigError([f"--config {path}: nested too deeply to be a config"]) from None
     if not isinstance(data, dict):
         raise ConfigError([f"--config {path}: top level must be a mapping (got {type(data).__name__})"])
     for item in overrides:
