@@ -3,7 +3,9 @@
 - `ray_head`: a real local Ray head (dashboard + job API, token auth on) for the session.
 - `s3_endpoint`: a real S3-compatible server (moto's server mode) on 127.0.0.1, with a bucket.
 - `prefect_server`: `prefect server start` (API and UI) for the session; flows in this process report to it.
-- `demo_env`: the embedded default's overrides (the session's Ray head, a tiny base model, a storage root).
+- `demo_env`: the embedded default's overrides (the session's Ray head, a tiny base model, a storage root),
+  and a planted secret: a random TUNEPROOF_TEST_SECRET in this process's environment, forwarded to every
+  job by name (runtime_env.forward_env), which tests/test_guard.py then looks for everywhere.
 - `finished_run`: the whole pipeline run once as run id 'demo'; `clone_run`: a private copy of its storage.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -166,6 +169,8 @@ class DemoEnv:
     root: Path
     sets: tuple[str, ...]
     """`dotted.key=value` overrides every run of the session's demo passes."""
+    secret: str = ""
+    """The planted secret's value: in the environment of every run, and in nothing a run publishes."""
 
     @property
     def storage(self):
@@ -180,7 +185,10 @@ class DemoEnv:
     def at(self, root: Path) -> DemoEnv:
         """The same settings over another storage root (a clone's)."""
         sets = tuple(f"storage.root={root / 'storage'}" if s.startswith("storage.root=") else s for s in self.sets)
-        return DemoEnv(root, sets)
+        return DemoEnv(root, sets, self.secret)
+
+
+PLANTED_SECRET = "TUNEPROOF_TEST_SECRET"
 
 
 @pytest.fixture(scope="session")
@@ -196,8 +204,11 @@ def demo_env(ray_head, tmp_path_factory) -> DemoEnv:
         f"cluster.auth_token_file={ray_head.token_file}",
         f"storage.root={root / 'storage'}",
         f"model.source={model}",
+        f"runtime_env.forward_env=[{PLANTED_SECRET}]",
     )
-    return DemoEnv(root, sets)
+    # Set after the Ray head started, so a job can only have it by forwarding, not from the raylet's env.
+    secret = os.environ.setdefault(PLANTED_SECRET, f"tp-planted-{secrets.token_hex(16)}")
+    return DemoEnv(root, sets, secret)
 
 
 @pytest.fixture(scope="session")

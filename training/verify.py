@@ -21,7 +21,7 @@ import uuid
 from typing import Any
 
 from training.jobkit import JobContext, log, run_stage
-from tuneproof.core import cas
+from tuneproof.core import cas, forward_env
 from tuneproof.core.checks import check_nodes, environment_digest, node_subject, summarize_cluster
 from tuneproof.core.config import StorageConfig
 from tuneproof.core.findings import Finding, errors
@@ -49,6 +49,7 @@ def verify(ctx: JobContext) -> VerifySummary:
         findings=findings,
         cluster=ClusterFacts.model_validate(summarize_cluster(facts)),
         storage_probe=StorageProbe.model_validate(storage_probe),
+        forwarded_env=forward_env.presence(ctx.config.runtime_env.forward_env),
     )
     fail_on_errors(findings, summary)
     log(f"verify: {len(facts)} node(s) agree with cluster.expect; storage round trip {storage_probe['seconds']:.2f}s")

@@ -10,7 +10,8 @@
     tuneproof models list | show NAME
     tuneproof promote RUN --force --reason TEXT
 
-Exit codes of `run`: 0 ok, 3 invalid config, 4 infrastructure, 5 data, 6 modeling failure.
+Exit codes of `run`: 0 ok, 3 invalid config or refused request (nothing ran), 4 infrastructure failure or a
+crashed flow, 5 data, 6 modeling failure, 130 cancelled (Ctrl-C).
 Every command: 1 findings that are errors (or the run/model asked for is absent or unreadable), 2 a
 malformed argument (click's usage convention), 3 an invalid config or refused request, 4 storage or
 another resource that cannot be read; an unexpected exception is one `error: ...` line, exit 4.
@@ -32,6 +33,9 @@ from flows import stages as table
 from tuneproof.core.config import PROJECT_ROOT, ConfigError, PipelineConfig, load_config
 from tuneproof.core.names import slug_problem
 from tuneproof.core.results import EXIT_BY_CLASS, EXIT_INVALID_CONFIG, FailureClass, exit_code_for
+
+EXIT_CANCELLED = 130
+"""128 + SIGINT, as a shell reports a command stopped by Ctrl-C."""
 
 app = typer.Typer(
     add_completion=False,
@@ -132,17 +136,28 @@ def run(
         )
     from tuneproof.app.terminal import run_with_display
 
-    record = run_with_display(cfg, run_id, stages, console)
+    try:
+        record = run_with_display(cfg, run_id, stages, console)
+    except KeyboardInterrupt:
+        # The flow has marked its record cancelled, stopped its Ray job and released the run's lease.
+        err.print("[bold red]cancelled[/] (Ctrl-C): the record says `cancelled`")
+        raise typer.Exit(EXIT_CANCELLED) from None
     raise typer.Exit(run_exit_code(record))
 
 
 def run_exit_code(record: Any) -> int:
-    """By failure class; a failed run without one was a request that could not run (e.g. --only
-    without an earlier stage's output), which is a usage error like an invalid config."""
+    """By failure class; a crashed flow is an infrastructure failure (4), a cancelled one 130; a failed
+    run without a class was a request that could not run (e.g. --only without an earlier stage's output,
+    or another flow holding the run), which is a usage error like an invalid config."""
     doc = record.to_json() if hasattr(record, "to_json") else record
     if doc.get("failure_class"):
         return exit_code_for(doc["failure_class"])
-    return EXIT_INVALID_CONFIG if doc.get("status") == "failed" else 0
+    status = doc.get("status")
+    if status == "crashed":
+        return EXIT_BY_CLASS[FailureClass.infrastructure]
+    if status == "cancelled":
+        return EXIT_CANCELLED
+    return EXIT_INVALID_CONFIG if status == "failed" else 0
 
 
 def parse_only(only: str | None) -> list[str] | None:
@@ -162,10 +177,12 @@ def latest_run_id(cfg: PipelineConfig) -> str:
     from tuneproof.core.storage import Storage
 
     recs, _ = record.list_records(Storage.from_config(cfg.storage))
-    if not recs:
-        err.print("--only without --run-id needs an earlier run to rerun against; none found")
+    # A run that is still running (or whose writer died), crashed or was cancelled is no base to rerun against.
+    finished = [r for r in recs if r.status in ("succeeded", "failed")]
+    if not finished:
+        err.print("--only without --run-id needs an earlier finished run to rerun against; none found")
         raise typer.Exit(EXIT_INVALID_CONFIG)
-    return recs[0].run_id
+    return finished[0].run_id
 
 
 @app.command()
@@ -237,9 +254,10 @@ def runs_list(
     as_json: bool = typer.Option(False, "--json"), config: Path | None = ConfigOpt, sets: list[str] = SetOpt
 ) -> None:
     """Runs, newest first."""
-    from tuneproof.control import record
+    from tuneproof.control import lease, record
 
-    recs, unreadable = record.list_records(storage_for(config, sets))
+    storage = storage_for(config, sets)
+    recs, unreadable = record.list_records(storage)
     rows = [
         record.RecordRow(
             run_id=r.run_id,
@@ -250,6 +268,12 @@ def runs_list(
         )
         for r in recs
     ] + unreadable
+    for row in rows:
+        if row.status == "running":
+            # A record left "running" by a writer that died (kill -9, a lost machine) has no live lease.
+            _, why = lease.stale(storage, row.run_id)
+            if why is not None:
+                row.status, row.cause = "crashed", f"its writer is gone ({why}); the record was left running"
     if as_json:
         print(json.dumps([r.model_dump() for r in rows], indent=2))
         return
@@ -453,12 +477,21 @@ def promote(
         raise typer.Exit(2)
     cfg = config_or_exit(config, sets)
     from tasks.promote import forced_promotion
+    from tuneproof.control.lease import Lease, LeaseHeld
     from tuneproof.control.record import RecordUnreadable
+    from tuneproof.core.storage import Storage
 
+    storage = Storage.from_config(cfg.resolved().storage)
+    # The override writes the run's record: not while a flow is writing it.
+    lease = Lease(storage, run_id, None, f"tuneproof promote {run_id} --force")
     try:
-        result = forced_promotion(cfg, run_id, reason, os.environ.get("USER", "unknown"))
+        with lease.held(on_problem=err.print):
+            result = forced_promotion(cfg, run_id, reason, os.environ.get("USER", "unknown"))
     except (FileNotFoundError, RecordUnreadable) as e:  # nothing to promote: a refused request
         err.print(f"promote refused: {e}", markup=False)
+        raise typer.Exit(EXIT_INVALID_CONFIG) from None
+    except LeaseHeld as e:
+        err.print(f"promote refused, nothing was changed: {e}", markup=False)
         raise typer.Exit(EXIT_INVALID_CONFIG) from None
     print(json.dumps(result.to_json(), indent=2))
     raise typer.Exit(0 if result.promoted else 1)

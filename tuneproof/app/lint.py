@@ -377,7 +377,49 @@ def raycluster_findings(doc: Doc, docs: list[Doc], config: PipelineConfig | None
         findings += capacity_findings(doc, config)
         findings += storage_findings(doc, docs, config)
         findings += ray_identity_findings(doc, docs, groups, config)
+        findings += forwarded_env_findings(doc, docs, groups, config)
     return findings
+
+
+def forwarded_env_findings(
+    doc: Doc, docs: list[Doc], groups: list[tuple[str, dict]], config: PipelineConfig
+) -> list[Finding]:
+    """Every runtime_env.forward_env name reaches every Ray container from a Secret: a secretKeyRef, or an
+    envFrom secretRef (whose keys are checked when the Secret is among the manifests)."""
+    findings = []
+    for where, group in groups:
+        containers = (_pod_spec(group).get("containers") or [])[:1]  # the Ray container runs the jobs
+        for container in containers:
+            provided, unknown = secret_env_names(container, docs)
+            missing = [n for n in config.runtime_env.forward_env if n not in provided]
+            if missing and not unknown:
+                findings.append(
+                    Finding(
+                        doc.subject,
+                        f"{where}.template.spec.containers[{container.get('name')}]",
+                        sorted(provided),
+                        f"{', '.join(missing)} from a Secret",
+                        "runtime_env.forward_env names variables the Ray containers do not get from a Secret: add "
+                        "them to the Secret of an envFrom secretRef (deployments/README.md, 'Secrets for jobs')",
+                    )
+                )
+    return findings
+
+
+def secret_env_names(container: dict, docs: list[Doc]) -> tuple[set[str], bool]:
+    """(variable names a container gets from Secrets it references, whether an envFrom Secret is not among
+    the manifests, so that its keys cannot be known here)."""
+    names = {e.get("name") for e in container.get("env") or [] if (e.get("valueFrom") or {}).get("secretKeyRef")}
+    unknown = False
+    for source in container.get("envFrom") or []:
+        ref = source.get("secretRef") or {}
+        secret = next((d for d in docs if d.kind == "Secret" and d.name == ref.get("name")), None)
+        if secret is None:
+            unknown = True
+            continue
+        keys = {**(secret.obj.get("data") or {}), **(secret.obj.get("stringData") or {})}
+        names |= {f"{source.get('prefix') or ''}{key}" for key in keys}
+    return {n for n in names if n}, unknown
 
 
 def ray_groups(raycluster: dict) -> list[tuple[str, dict]]:

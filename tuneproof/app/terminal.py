@@ -112,7 +112,7 @@ def run_with_display(
 ) -> RunRecord | dict[str, Any]:
     """Run the flow in-process with a live display; returns the run record (or, when the flow
     ended before writing one, a minimal failure document)."""
-    from flows.pipeline import pipeline
+    from flows.pipeline import NOTHING_RAN, pipeline
     from tasks import events
     from tuneproof.control import record as records
     from tuneproof.core.storage import Storage
@@ -137,12 +137,20 @@ def run_with_display(
         finally:
             unsubscribe()
     console.print()  # the live display's last line is not terminated
+    if (state.message or "").startswith(NOTHING_RAN):
+        # Refused before any stage ran (another flow holds the run, a missing forwarded variable, ...).
+        console.print(f"[bold red]{state.message}[/]")
+        return {"run_id": run_id, "status": "failed", "failure_class": None, "cause": state.message}
     storage = Storage.from_config(cfg.resolved().storage)
     try:
         rec = records.load(storage, run_id)
     except FileNotFoundError:
         console.print(f"[bold red]the flow ended before writing a record[/]: {state.message}")
-        return {"run_id": run_id, "failure_class": "infrastructure", "cause": state.message}
+        return {"run_id": run_id, "status": "crashed", "failure_class": None, "cause": state.message}
+    if rec.status == "running":
+        # The flow raised and could not even mark its record (the storage that failed refused that too).
+        console.print(f"[bold red]run {run_id} crashed and its record could not be updated[/]: {state.message}")
+        return {"run_id": run_id, "status": "crashed", "failure_class": None, "cause": state.message}
     print_summary(rec, console)
     return rec
 

@@ -45,10 +45,17 @@ class CodeIdentity(Model):
 
 
 class RuntimeEnvAdditions(Model):
-    """Dependencies added at submission: pip packages, and environment variables by name."""
+    """Dependencies added at submission: pip packages, plain environment settings, and the names (only)
+    of the variables forwarded from the submitting environment or a Kubernetes Secret."""
 
     pip: list[str] = []
     env_vars: dict[str, str] = {}
+    forwarded_env: list[str] = []
+
+    @classmethod
+    def of(cls, cfg: PipelineConfig) -> RuntimeEnvAdditions:
+        env = cfg.runtime_env
+        return cls(pip=list(env.pip), env_vars=dict(env.env_vars), forwarded_env=list(env.forward_env))
 
 
 class DataIdentity(Model):
@@ -160,6 +167,8 @@ class Invocation(Model):
     config_hash: str
     config: JsonDict | None = None
     """The full validated config of this invocation (None in records written before it was kept)."""
+    lease_takeover: str | None = None
+    """Set when this invocation took over the lease of a writer presumed dead: whose, and why."""
 
 
 class Override(Model):
@@ -228,7 +237,7 @@ def new_record(run_id: str, cfg: PipelineConfig, code: CodeIdentity, flow_run_id
         code=code,
         config=cfg.model_dump(mode="json"),
         config_hash=cfg.config_hash(),
-        runtime_env_additions=RuntimeEnvAdditions.model_validate(cfg.runtime_env.model_dump()),
+        runtime_env_additions=RuntimeEnvAdditions.of(cfg),
     )
 
 

@@ -10,6 +10,7 @@ pydantic and yaml, which the published Ray image has.
 
 from __future__ import annotations
 
+import re
 import reprlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,10 +19,14 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tuneproof.core.credentials import credential_problems
 from tuneproof.core.hashing import sha256_json
 from tuneproof.core.names import check_slug, check_storage_root
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+RESERVED_ENV = {"TUNEPROOF_JOB", "TUNEPROOF_FORWARD_ENV_FILE"}
+"""Set by the pipeline for every job (tuneproof.core.envelope, tuneproof.core.forward_env)."""
 DEFAULT_PROFILE = PROJECT_ROOT / "configs" / "local.yaml"
 # Upper bounds: far above any real run, low enough that a typo (an extra digit, a pasted byte count)
 # is refused at submission instead of hanging a cluster or allocating the impossible.
@@ -293,10 +298,35 @@ class RuntimeEnvAdditions(Strict):
 
     pip: list[str] = []
     env_vars: dict[str, str] = {}
+    """Plain settings only: they are recorded, published and logged by Ray. Credentials are refused here."""
+    forward_env: list[str] = []
+    """Environment variables passed to every job by name: values from the submitting environment (local)
+    or a Kubernetes Secret on the Ray pods (EKS), never in the config, the record or Ray's runtime_env."""
+
+    @field_validator("forward_env")
+    @classmethod
+    def _env_names(cls, v: list[str]) -> list[str]:
+        bad = [n for n in v if not ENV_NAME.match(n) or n in RESERVED_ENV]
+        if bad:
+            raise ValueError(
+                f"forward_env takes environment variable names ([A-Za-z_][A-Za-z0-9_]*, not {sorted(RESERVED_ENV)}), "
+                f"got {bad!r}"
+            )
+        return list(dict.fromkeys(v))
+
+    @model_validator(mode="after")
+    def _not_both(self) -> RuntimeEnvAdditions:
+        both = sorted(set(self.forward_env) & set(self.env_vars))
+        if both:
+            raise ValueError(f"forward_env and env_vars both set {both}: a variable is either forwarded or given")
+        return self
 
 
 class PipelineConfig(Strict):
     """Everything one pipeline run needs; the Prefect flow's parameter."""
+
+    # A refused credential must not come back in an error's text (Prefect logs parameter errors).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, hide_input_in_errors=True)
 
     profile: str = "local"
     cluster: ClusterConfig = ClusterConfig()
@@ -310,6 +340,15 @@ class PipelineConfig(Strict):
     promote: PromoteConfig = PromoteConfig()
     timeouts: Timeouts = Timeouts()
     runtime_env: RuntimeEnvAdditions = RuntimeEnvAdditions()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_credentials(cls, data: Any) -> Any:
+        # The same check as validate()'s, for configs that arrive another way (a Prefect deployment's parameter).
+        problems = credential_problems(data)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return data
 
     @model_validator(mode="after")
     def _cross_field(self) -> PipelineConfig:
@@ -389,6 +428,9 @@ def apply_override(data: dict, parts: list[str], value: Any) -> None:
 
 def validate(data: dict) -> PipelineConfig:
     """Validate a raw mapping, reporting every problem at once."""
+    secrets = credential_problems(data)
+    if secrets:
+        raise ConfigError(secrets)
     try:
         return PipelineConfig.model_validate(data)
     except ValidationError as e:

@@ -101,6 +101,8 @@ class VerifySummary(Summary):
     storage_probe: StorageProbe | None = None
     kubernetes: dict[str, Any] | None = None
     """The Kubernetes half on eks: its findings and a summary of the RayCluster, pods and nodes."""
+    forwarded_env: dict[str, bool] = {}
+    """runtime_env.forward_env names, each with whether the job saw a value (never the value)."""
 
 
 # ---- 2 connectivity --------------------------------------------------------------------------
