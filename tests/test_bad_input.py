@@ -83,7 +83,7 @@ CONFIG_CASES = [
     Case("config-gs-root", config_file("storage:\n  root: gs://bucket/x\n"), 3, "scheme 'gs://'"),
     Case("config-escaping-data-name", config_file("data:\n  name: ../../x\n"), 3, "dataset name '../../x'"),
     Case("config-yaml-alias-bomb", config_file(YAML_BOMB), 3, "i: unknown key (got [[[...]"),
-    Case("config-deep-yaml", config_file("a: " + "[" * 5000 + "]" * 5000 + "\n"), 3, "nested too deeply"),
+    Case("config-deep-yaml", config_file("a: " + "[" * 1000 + "]" * 1000 + "\n"), 3, "nested too deeply"),
     Case("set-no-equals", with_set("train.max_steps"), 3, "expected dotted.key=value"),
     Case("set-empty-segment", with_set(".max_steps=3"), 3, "empty key segment"),
     Case("set-max-steps-absurd", with_set("train.max_steps=100000000"), 3, "less than or equal to 10000000"),
@@ -404,15 +404,25 @@ def test_bad_data_rows_are_dropped_by_reason(text: bytes, reason: str):
     assert data_drops(text) == {reason: 1}
 
 
+TINY_CONFIG = {
+    "model_type": "qwen2",
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "vocab_size": 32,
+}
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
-    import itertools
+    """A valid one-layer Qwen2 directory, written directly: a tokenizer is not needed to load weights."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from tuneproof.app.tiny_model import DEFAULT_DATA, build_tiny_model, task_corpus
-    from tuneproof.core.config import DataConfig
-
-    corpus = itertools.islice(task_corpus(DEFAULT_DATA, DataConfig().system_prompt), 100)
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", corpus, hidden=32)
+    model_dir = tmp_path_factory.mktemp("tiny") / "model"
+    Qwen2ForCausalLM(Qwen2Config(**TINY_CONFIG)).save_pretrained(model_dir)
+    return model_dir
 
 
 def broken_model(tiny: Path, tmp: Path, damage: str) -> Path:
@@ -428,6 +438,12 @@ def broken_model(tiny: Path, tmp: Path, damage: str) -> Path:
     elif damage == "config-not-json":
         (model / "config.json").write_text("{")
     return model
+
+
+def test_the_tiny_model_directory_loads(tiny_dir):
+    from training.modeling import load_model
+
+    assert load_model(str(tiny_dir)).config.num_hidden_layers == 1  # so each damage below is what breaks it
 
 
 MODEL_CASES = [

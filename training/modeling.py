@@ -59,8 +59,10 @@ def mirror_key(storage: Storage, endpoint_url: str | None) -> str:
     return digest.hexdigest()[:16]
 
 
-class ModelUnreadable(ValueError):
-    """A local model directory that is not a loadable Hugging Face model (no config.json, corrupt or missing weights)."""
+class ModelUnreadable(OSError):
+    """A local model directory that is not a loadable Hugging Face model (no config.json, corrupt or missing weights).
+
+    An OSError, as transformers raises for the same directories, so callers that caught those still do."""
 
 
 def _from_pretrained(loader, ref: str, **kwargs):

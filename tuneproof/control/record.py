@@ -255,8 +255,9 @@ def load(storage: Storage, run_id: str) -> RunRecord:
         raise FileNotFoundError(f"no run record for run {run_id!r} under {storage.uri('runs')}")
     try:
         return parse(storage.read_json("runs", run_id, RECORD))
-    except (ValueError, UnicodeDecodeError, RecursionError, OSError) as e:
-        # OSError: a record.json that is a directory or unreadable; RecursionError: absurdly nested JSON.
+    except (ValueError, UnicodeDecodeError, RecursionError, IsADirectoryError, NotADirectoryError) as e:
+        # A record.json that is a directory, or absurdly nested JSON, is this record's problem; any other
+        # OSError (credentials, network) is the store's, and stays an infrastructure error for the caller.
         why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}"
         raise RecordUnreadable(
             f"{storage.uri('runs', run_id, RECORD)} is not a readable run record: {one_line(why, 300)}"
