@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import reprlib
+import string
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -135,12 +136,46 @@ class FieldMap(Strict):
     system: str | None = None
 
 
+class PromptTemplate(Strict):
+    """The prompt of data.shape template: named columns laid into a text, e.g. an instruction and an optional input."""
+
+    prompt: str
+    """A format string over column names, e.g. "{instruction}\n\n{input}". A line, or a paragraph (lines
+    between blank lines), whose columns are all empty (or null) is left out, so an optional column leaves
+    no stray header or blank line behind."""
+    response: str = "output"
+    """The column holding the response."""
+
+    @field_validator("prompt")
+    @classmethod
+    def _named_columns(cls, v: str) -> str:
+        try:
+            names = [name for _, name, _, _ in string.Formatter().parse(v) if name is not None]
+        except ValueError as e:
+            raise ValueError(
+                f"prompt is not a valid format string ({e}); write columns as {{name}}, braces as {{{{ }}}}"
+            ) from e
+        bad = [n for n in names if not n.isidentifier()]
+        if not names or bad:
+            raise ValueError("prompt must name at least one column as {column} (plain names, no index or attribute)")
+        return v
+
+
 class DataConfig(Strict):
     name: str = "dates"
     """Dataset name: the folder under datasets/ (a slug, see tuneproof.core.names)."""
     source: str = "data/dates/dates.jsonl"
     """JSONL, CSV or parquet file (local or s3://), or hf://<dataset>[:split] where a hub is reachable."""
     format: Literal["auto", "jsonl", "csv", "parquet", "hf"] = "auto"
+    """The file format; what the rows hold is `shape`."""
+    shape: Literal["auto", "columns", "template", "messages"] = "auto"
+    """columns: fields.prompt -> fields.response. template: `template` over named columns. messages: a
+    list of {role, content} turns in `messages_column`, rendered with the model's chat template. auto:
+    messages when the first row's `messages_column` is a list, else template when `template` is set, else columns."""
+    messages_column: str = "messages"
+    loss_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
+    """messages: which assistant turns the loss covers; evaluation always answers the last one."""
+    template: PromptTemplate | None = None
     eval_source: str | None = None
     """Separate held-out file; None splits the source."""
     fields: FieldMap = FieldMap()
@@ -160,6 +195,16 @@ class DataConfig(Strict):
     @classmethod
     def _slug(cls, v: str) -> str:
         return check_slug("dataset name", v)
+
+    @model_validator(mode="after")
+    def _template_matches_shape(self) -> DataConfig:
+        if self.shape == "template" and self.template is None:
+            raise ValueError("template: shape template needs template.prompt (and template.response), got none")
+        if self.shape in ("columns", "messages") and self.template is not None:
+            raise ValueError(
+                f"template is set but shape is {self.shape!r}: set shape to template (or auto), or drop template"
+            )
+        return self
 
 
 class TrainConfig(Strict):

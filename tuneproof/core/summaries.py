@@ -191,6 +191,12 @@ class DatasetManifest(Summary):
     eval_source: SourceIdentity | None = None
     tokenizer_sha256: str
     settings: dict[str, Any]
+    shape: Literal["columns", "template", "messages"] = "columns"
+    """How rows were read (data.shape, auto resolved); manifests from before shapes were columns."""
+    template_sha256: str | None = None
+    """The template shape's prompt template and response column, hashed; the content hash covers it."""
+    loss_on: str | None = None
+    """The messages shape: all_assistant or last_assistant."""
     splits: dict[str, SplitMeta]
     dropped: dict[str, DropCount] = {}
     total_rows: int
