@@ -411,10 +411,12 @@ def test_chat_data_job_then_fine_tune_and_evaluate_read_it(ray_head, tmp_path):
         [
             f"storage.root={tmp_path / 'store'}",
             f"model.source={model}",
+            f"data.source={write_jsonl(tmp_path / 'chat.jsonl', CHAT[:400])}",  # the first 400: a quicker data job
             "train.max_steps=8",
             "train.checkpoint_every=4",
             "train.micro_batch_size=8",
             "train.log_every=4",
+            "resume.enabled=false",
             "eval.max_examples=32",
             "eval.gates={exact_match: {min: 0.0}}",
         ],
@@ -423,7 +425,7 @@ def test_chat_data_job_then_fine_tune_and_evaluate_read_it(ray_head, tmp_path):
     storage = Storage(cfg.storage.root)
     data = result["summary"]
     assert result["status"] == "succeeded" and data["manifest"]["shape"] == "messages"
-    assert (data["manifest"]["splits"]["train"]["rows"], data["manifest"]["splits"]["eval"]["rows"]) == (2700, 300)
+    assert (data["manifest"]["splits"]["train"]["rows"], data["manifest"]["splits"]["eval"]["rows"]) == (360, 40)
     assert data["dropped"] == {}
 
     runtime_env = {"env_vars": {"PYTHONPATH": str(PROJECT_ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}}
