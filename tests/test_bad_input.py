@@ -377,13 +377,14 @@ def test_the_guard_is_one_line_and_exit_4(capsys):
 
 
 def data_drops(text: bytes) -> dict[str, int]:
-    from training.data_prep import Source, conversations
+    from training.data_prep import Source, conversations, parse_rows
     from tuneproof.core import datahash
     from tuneproof.core.config import DataConfig
 
     drops = datahash.Drops()
     good = b'{"input": "1 Jan 2020", "output": "2020-01-01"}\n'
-    convs, total = conversations(Source("mem://rows.jsonl", good + text, "jsonl"), DataConfig(), drops, "train")
+    parsed = parse_rows(Source("mem://rows.jsonl", good + text, "jsonl"), drops, "train")
+    convs, total = conversations(parsed, DataConfig(), "columns", drops, "train")
     assert len(convs) == 1 and total == 2  # the good row survives the bad one
     return drops.counts
 

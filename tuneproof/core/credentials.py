@@ -18,7 +18,8 @@ VALUE_SHAPES: list[tuple[str, re.Pattern[str]]] = [
     ("an AWS access key id", re.compile(r"\b(AKIA|ASIA)[A-Z0-9]{16}\b")),
     ("a PEM private key", re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----")),
     ("a URL with a password", re.compile(r"://[^/\s:@]+:[^/\s@]+@")),
-    ("a long hexadecimal secret", re.compile(r"^[0-9a-fA-F]{64,}$")),
+    # Digits and letters both: a run of one repeated letter ('aaaa…', a too-long name) is no secret.
+    ("a long hexadecimal secret", re.compile(r"^(?=[0-9a-fA-F]*[0-9])(?=[0-9a-fA-F]*[a-fA-F])[0-9a-fA-F]{64,}$")),
 ]
 """Shapes of credential values, wherever they appear. A lone 40-hex git SHA or an image reference
 `repo@sha256:<hex>` is no secret and matches none of them."""
@@ -47,8 +48,16 @@ def why_credential(value: str) -> str | None:
     return "a long random token" if looks_like_token(value.strip()) else None
 
 
-def credential_problems(data: Any, prefix: str = "") -> list[str]:
-    """One 'dotted.key: ...' problem per credential-looking value (or env var name) in a raw config mapping."""
+def credential_problems(data: Any, prefix: str = "", _seen: set[int] | None = None) -> list[str]:
+    """One 'dotted.key: ...' problem per credential-looking value (or env var name) in a raw config mapping.
+
+    A mapping or list reached twice (YAML anchors and aliases share them) is looked at once, at the
+    first path that reaches it: an alias bomb must not turn a config check into an exponential walk."""
+    seen = set() if _seen is None else _seen
+    if isinstance(data, dict | list):
+        if id(data) in seen:
+            return []
+        seen.add(id(data))
     problems = []
     if isinstance(data, dict):
         for key, value in data.items():
@@ -56,10 +65,10 @@ def credential_problems(data: Any, prefix: str = "") -> list[str]:
             if prefix == "runtime_env.env_vars" and SECRET_NAME.search(str(key)):
                 problems.append(f"{dotted}: an environment variable named like a credential; {POINTER}")
                 continue
-            problems += credential_problems(value, dotted)
+            problems += credential_problems(value, dotted, seen)
     elif isinstance(data, list):
         for i, item in enumerate(data):
-            problems += credential_problems(item, f"{prefix}[{i}]")
+            problems += credential_problems(item, f"{prefix}[{i}]", seen)
     elif isinstance(data, str):
         why = why_credential(data)
         if why:
