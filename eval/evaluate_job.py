@@ -9,6 +9,10 @@ Each model in turn, one in memory at a time: greedy answers to the eval split's 
 configured `evaluate` metrics over them, eval loss and perplexity over input_ids/labels.
 Per-example answers go to runs/<run>/stages/<job>/predictions.jsonl. A failed gate fails the
 stage as a modeling failure whose summary still carries every number and gate line.
+
+Every verdict names what it judged: each model's content hash (candidate and incumbent checked
+against their export manifest on the copy that is loaded; the base hashed when it is a directory),
+the eval split's hash (over its shards' sha256) and each metric module's hash.
 """
 
 from __future__ import annotations
@@ -26,9 +30,12 @@ from eval.generation import eval_loss, generate, pad_token_id, pick_device
 from eval.metrics_loader import load_metric
 from training import jobkit
 from training.checkpointing import check_complete
+from training.data_prep import read_manifest
 from training.jobkit import JobContext, run_stage
 from training.modeling import load_model, load_tokenizer, materialize
 from training.train_data import read_split
+from tuneproof.core import markers
+from tuneproof.core.metric_names import resolve_metric
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.summaries import ROLES, EvaluateSummary, ModelScore
 
@@ -70,6 +77,8 @@ class ModelSource:
     uri: str
     """What from_pretrained loads (after materialize): a local dir, hub id or s3:// prefix."""
     revision: str | None = None
+    manifest: bool = False
+    """True for an export (candidate, incumbent): its files must match its tuneproof-export.json."""
 
 
 @dataclass
@@ -77,6 +86,7 @@ class ModelEval:
     answers: list[str]
     metrics: dict[str, float]
     seconds: float
+    content_sha256: str | None
 
 
 def evaluate_body(ctx: JobContext) -> EvaluateSummary:
@@ -101,6 +111,8 @@ def evaluate_body(ctx: JobContext) -> EvaluateSummary:
         predictions_uri=predictions_uri,
         examples=len(data.prompts),
         device=str(pick_device()[0]),
+        eval_split_sha256=eval_split_hash(ctx, params.dataset),
+        metric_sha256={name: metric_module_hash(name, cfg.hub_metrics) for name in cfg.metrics},
     )
     if not decision.passed:
         raise StageFailure(FailureClass.modeling, decision.failure_cause(), summary)
@@ -122,6 +134,36 @@ def read_eval_set(ctx: JobContext, dataset: str) -> EvalSet:
     return EvalSet(cols["prompt"], cols["reference"], cols["input_ids"], cols["labels"])
 
 
+def eval_split_hash(ctx: JobContext, dataset: str) -> str:
+    """One hash over the eval split's shards (their sha256 from the manifest; read_split checked each)."""
+    shards = read_manifest(ctx.storage, dataset).splits["eval"].shards
+    return markers.hash_of_hashes({shard.path: shard.sha256 for shard in shards})
+
+
+def metric_module_hash(name: str, allow_hub: bool) -> str | None:
+    """The content hash of a local metric module's files; None for a hub metric (its script is not ours)."""
+    where = Path(resolve_metric(name, allow_hub))
+    if not where.is_dir():
+        return None
+    return markers.content_sha256(markers.local_digests(where))
+
+
+def model_hash(storage, source: ModelSource, local: Path) -> str | None:
+    """The content hash of the model files that load from `local`: an export's manifest hash, after checking
+    every file of the loaded copy against it; a plain directory's hash over its files; None for a hub id."""
+    if source.manifest and (local / markers.EXPORT_MANIFEST).exists():
+        try:
+            return markers.verify_export(storage, source.path, local_dir=local).content_sha256
+        except markers.ExportUnverified as e:
+            raise StageFailure(FailureClass.infrastructure, f"{source.role} model: {e}") from None
+    if source.role == "candidate":
+        raise StageFailure(
+            FailureClass.infrastructure,
+            f"candidate export {storage.uri(source.path)} has no {markers.EXPORT_MANIFEST}: re-run finetune",
+        )
+    return markers.content_sha256(markers.local_digests(local)) if local.is_dir() else None
+
+
 def require_complete_export(ctx: JobContext, candidate: str) -> None:
     """Only a finished export counts: its completion marker lists every file with its size."""
     problem = check_complete(ctx.storage, candidate)
@@ -132,19 +174,20 @@ def require_complete_export(ctx: JobContext, candidate: str) -> None:
 def model_sources(ctx: JobContext, params: EvalParams) -> list[ModelSource]:
     storage, model_cfg = ctx.storage, ctx.config.model
     sources = [
-        ModelSource("candidate", params.candidate, storage.uri(params.candidate)),
+        ModelSource("candidate", params.candidate, storage.uri(params.candidate), manifest=True),
         ModelSource("base", model_cfg.source, model_cfg.source, model_cfg.revision),
     ]
     if params.incumbent:
-        sources.append(ModelSource("incumbent", params.incumbent.path, storage.uri(params.incumbent.path)))
+        path = params.incumbent.path
+        sources.append(ModelSource("incumbent", path, storage.uri(path), manifest=True))
     return sources
 
 
 def evaluate_model(ctx: JobContext, source: ModelSource, data: EvalSet, metrics: dict, counter: _Progress) -> ModelEval:
     cfg = ctx.config.eval
     started = time.monotonic()
-    model, tokenizer = load_for_eval(ctx, source)
-    jobkit.log(f"{source.role}: {source.path} on {model.device} ({model.dtype})")
+    model, tokenizer, content = load_for_eval(ctx, source)
+    jobkit.log(f"{source.role}: {source.path} (content {str(content)[:12]}) on {model.device} ({model.dtype})")
     answers = generate(
         model,
         tokenizer,
@@ -158,23 +201,26 @@ def evaluate_model(ctx: JobContext, source: ModelSource, data: EvalSet, metrics:
     del model, tokenizer
     _free_memory()
     jobkit.log(f"{source.role}: " + ", ".join(f"{k}={v:.4g}" for k, v in values.items()))
-    return ModelEval(answers, values, round(time.monotonic() - started, 2))
+    return ModelEval(answers, values, round(time.monotonic() - started, 2), content)
 
 
 def load_for_eval(ctx: JobContext, source: ModelSource):
-    """Model in eval mode on the device, and its own tokenizer (the base model's when it ships none)."""
+    """Model in eval mode on the device, its own tokenizer (the base model's when it ships none), and the
+    content hash of the files it loaded from (checked before loading, on the very copy that loads)."""
     endpoint = ctx.config.storage.endpoint_url
     device, dtype = pick_device()
-    model = load_model(source.uri, source.revision, endpoint, dtype=dtype).to(device).eval()
-    local = Path(materialize(source.uri, endpoint))
+    ref = materialize(source.uri, endpoint)  # loads from the very copy that is hashed below
+    local = Path(ref)
+    content = model_hash(ctx.storage, source, local)
+    model = load_model(ref, source.revision, endpoint, dtype=dtype).to(device).eval()
     has_tokenizer = not local.is_dir() or (local / "tokenizer_config.json").exists()
     base = ctx.config.model
     tokenizer = (
-        load_tokenizer(source.uri, source.revision, endpoint)
+        load_tokenizer(ref, source.revision, endpoint)
         if has_tokenizer
         else load_tokenizer(base.source, base.revision, endpoint)
     )
-    return model, tokenizer
+    return model, tokenizer, content
 
 
 def score(metrics: dict, answers: list[str], references: list[str]) -> dict[str, float]:
@@ -204,7 +250,8 @@ def _model_summary(sources: list[ModelSource], results: dict[str, ModelEval], ro
     if role not in results:
         return None
     path = next(s.path for s in sources if s.role == role)
-    return ModelScore(path=path, metrics=results[role].metrics, seconds=results[role].seconds)
+    result = results[role]
+    return ModelScore(path=path, metrics=result.metrics, seconds=result.seconds, content_sha256=result.content_sha256)
 
 
 def _free_memory() -> None:

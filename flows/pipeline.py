@@ -7,6 +7,7 @@ every result lands in the run record, and the first failed stage ends the run wi
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any
 
 from prefect import flow, get_run_logger
@@ -20,14 +21,21 @@ from tasks import artifacts, events
 from tasks.jobs import StageCall
 from tuneproof.control import record as records
 from tuneproof.control.identity import git_identity
+from tuneproof.control.lease import Lease, LeaseHeld
 from tuneproof.control.record import CodeIdentity, Invocation, RunRecord, StageEntry
+from tuneproof.core import forward_env
 from tuneproof.core.config import PipelineConfig
-from tuneproof.core.results import FailureClass, now_iso
+from tuneproof.core.names import slug_problem
+from tuneproof.core.results import FailureClass, now_iso, one_line
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import PromoteSummary
 
 StageName = Annotated[str, WithJsonSchema({"type": "string", "enum": table.names()})]
 """A stage name; the Prefect form offers the table's names, and the flow refuses any other."""
+
+
+NOTHING_RAN = "nothing ran: "
+"""The message prefix of a request refused before any stage ran (a usage error: `tuneproof run` exits 3)."""
 
 
 @flow(name="tuneproof-pipeline", log_prints=True)
@@ -38,30 +46,94 @@ def pipeline(
     try:
         plan = table.plan(only)
     except UnknownStages as e:
-        return Failed(message=f"nothing ran: {e}")
+        return Failed(message=f"{NOTHING_RAN}{e}")
+    # A run id becomes a storage prefix and part of Ray job routes: refuse a bad one before anything is submitted.
+    if run_id is not None and (problem := slug_problem(run_id)):
+        return Failed(message=f"{NOTHING_RAN}run id {run_id!r} {problem}")
     cfg = config.resolved()
     run_id = run_id or records.make_run_id()
     storage = Storage.from_config(cfg.storage)
-    record = open_record(storage, cfg, run_id, plan, only)
-    get_run_logger().info(f"run {run_id}: stages {', '.join(table.names(plan))}; storage {storage.uri('runs', run_id)}")
+    missing = missing_forwarded_env(cfg)
+    if missing:
+        return Failed(message=f"{NOTHING_RAN}{missing}")
+    logger = get_run_logger()
+    # One writer per run: the lease is taken before the record is touched or any job submitted.
+    lease = Lease(storage, run_id, str(flow_run.get_id()), holder_command(only))
+    try:
+        with lease.held(on_problem=logger.warning):
+            return run_plan(storage, cfg, run_id, plan, only, lease)
+    except LeaseHeld as e:
+        logger.error(str(e))
+        return Failed(message=f"{NOTHING_RAN}{e}")
 
-    for stage in plan:
-        try:
-            entry = run_stage(stage, cfg, record)
-        except MissingStageOutput as e:
-            return unusable_request(storage, record, str(e))
-        record_stage(record, stage, entry)
-        records.save(storage, record)
-        publish(stage.artifact, record, entry, storage)
-        events.publish(
-            "stage",
-            stage=stage.name,
-            status=entry.status,
-            failure_class=entry.failure_class.value if entry.failure_class else None,
+
+def run_plan(
+    storage: Storage, cfg: PipelineConfig, run_id: str, plan: list[Stage], only: list[str] | None, lease: Lease
+) -> State:
+    """The planned stages in order, under the lease; a flow that raises leaves its record crashed or cancelled."""
+    record = None
+    try:
+        record = open_record(storage, cfg, run_id, plan, only)
+        if lease.taken_over:
+            get_run_logger().warning(lease.taken_over)
+            record.invocations[-1].lease_takeover = lease.taken_over
+            records.save(storage, record)
+        get_run_logger().info(
+            f"run {run_id}: stages {', '.join(table.names(plan))}; storage {storage.uri('runs', run_id)}"
         )
-        if entry.status == "failed":
-            return finish(storage, record, entry)
-    return finish(storage, record, None)
+        for stage in plan:
+            try:
+                entry = run_stage(stage, cfg, record)
+            except MissingStageOutput as e:
+                return unusable_request(storage, record, str(e))
+            record_stage(record, stage, entry)
+            records.save(storage, record)
+            publish(stage.artifact, record, entry, storage)
+            events.publish(
+                "stage",
+                stage=stage.name,
+                status=entry.status,
+                failure_class=entry.failure_class.value if entry.failure_class else None,
+            )
+            if entry.status == "failed":
+                return finish(storage, record, entry)
+        return finish(storage, record, None)
+    except BaseException as e:
+        end_abnormally(storage, record, e)
+        raise
+    finally:
+        forward_env.discard(run_id)
+
+
+def end_abnormally(storage: Storage, record: RunRecord | None, e: BaseException) -> None:
+    """The flow itself raised: the record says `crashed` (an error: storage, credentials, a bug) or
+    `cancelled` (Ctrl-C, a cancelled Prefect flow run), with the cause. Best effort: the storage that
+    failed may refuse this write too; then `runs list` still shows the run crashed once its lease is gone."""
+    logger = get_run_logger()
+    if record is None:
+        return
+    record.status = "crashed" if isinstance(e, Exception) else "cancelled"
+    record.failure_class, record.cause = None, one_line(f"{type(e).__name__}: {e}".rstrip(": "))
+    try:
+        records.save(storage, record)
+    except Exception as save_error:  # noqa: BLE001 - the original exception is what propagates
+        logger.error(f"could not mark run {record.run_id} {record.status}: {type(save_error).__name__}: {save_error}")
+
+
+def missing_forwarded_env(cfg: PipelineConfig) -> str | None:
+    """Locally the submitting environment supplies forward_env's values: every name must be set here."""
+    missing = [n for n in cfg.runtime_env.forward_env if n not in os.environ]
+    if cfg.cluster.backend != "local" or not missing:
+        return None
+    return (
+        f"runtime_env.forward_env names {', '.join(missing)}, not set in the submitting environment: "
+        "export it before the run (or drop it from forward_env)"
+    )
+
+
+def holder_command(only: list[str] | None) -> str:
+    """What holds the lease, as a person would recognise it."""
+    return f"{flow_run.get_flow_name()}/{flow_run.get_name()} --only {','.join(only) if only else 'all'}"
 
 
 def run_stage(stage: Stage, cfg: PipelineConfig, record: RunRecord) -> StageEntry:
@@ -93,12 +165,8 @@ def open_record(
     if storage.exists("runs", run_id, records.RECORD):
         record = records.load(storage, run_id)
         record.status, record.failure_class, record.cause = "running", None, None
-        # Stages that rerun replace their entries; the old ones stay in the record's history.
-        for stage in plan:
-            if stage.name in record.stages:
-                record.superseded.append(record.stages.pop(stage.name))
-        if "promote" in table.names(plan):
-            record.promotion = None
+        record.config, record.config_hash = cfg.model_dump(mode="json"), cfg.config_hash()
+        supersede(record, table.names(plan))
     else:
         code = CodeIdentity.model_validate(git_identity())
         record = records.new_record(run_id, cfg, code, str(flow_run.get_id()))
@@ -109,10 +177,21 @@ def open_record(
             only=only,
             at=now_iso(),
             config_hash=cfg.config_hash(),
+            config=cfg.model_dump(mode="json"),
         )
     )
     records.save(storage, record)
     return record
+
+
+def supersede(record: RunRecord, rerun: list[str]) -> None:
+    """Stages that rerun, and every stage downstream of them, leave `stages` for `superseded`: evidence
+    about an earlier model or dataset never stands beside (or passes for) evidence about the new one."""
+    for name in table.stale_after(rerun):
+        if name in record.stages:
+            record.superseded.append(record.stages.pop(name))
+    if "promote" in table.stale_after(rerun):
+        record.promotion = None
 
 
 def record_stage(record: RunRecord, stage: Stage, entry: StageEntry) -> None:
@@ -140,7 +219,7 @@ def unusable_request(storage: Storage, record: RunRecord, cause: str) -> State:
     """A subset rerun that lacks an earlier stage's output: a usage error, not a stage failure."""
     record.status, record.failure_class, record.cause = "failed", None, cause
     records.save(storage, record)
-    return Failed(message=f"nothing ran: {cause}")
+    return Failed(message=f"{NOTHING_RAN}{cause}")
 
 
 def finish(storage: Storage, record: RunRecord, failed: StageEntry | None) -> State:

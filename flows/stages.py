@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from tasks import artifacts
 from tasks import promote as promote_tasks
 from tasks import resume as resume_tasks
-from tasks.jobs import StageCall, connectivity, evaluate, job_stage, verify
+from tasks.jobs import StageCall, connectivity, evaluate, finetune, job_stage, verify
 from tuneproof.control.record import DataIdentity, RunRecord, StageEntry, json_schema
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.results import FailureClass
@@ -107,8 +107,8 @@ def connectivity_evidence(s: ConnectivitySummary) -> str:
 def connectivity_metrics(s: ConnectivitySummary) -> Metrics:
     if not s.allreduce:
         return {}
-    largest = max(s.allreduce, key=lambda r: r.size_bytes)
-    return {f"connectivity.busbw_GBps@{largest.size_bytes}B": largest.busbw_GBps}
+    # Every size: small messages measure latency, large ones bandwidth; a change can show in either.
+    return {f"connectivity.busbw_GBps@{row.size_bytes}B": row.busbw_GBps for row in s.allreduce}
 
 
 def data_evidence(s: DataSummary) -> str:
@@ -128,7 +128,12 @@ def finetune_evidence(s: FinetuneSummary) -> str:
 
 
 def finetune_metrics(s: FinetuneSummary) -> Metrics:
-    return {"finetune.tokens_per_s": s.tokens_per_s, "finetune.final_loss": s.final_loss, "finetune.seconds": s.seconds}
+    return {
+        "finetune.tokens_per_s": s.tokens_per_s,
+        "finetune.final_loss": s.final_loss,
+        "finetune.seconds": s.seconds,
+        "finetune.seconds_per_step": s.seconds / s.steps if s.steps else None,
+    }
 
 
 def resume_evidence(s: ResumeSummary) -> str:
@@ -221,7 +226,7 @@ STAGES: tuple[Stage, ...] = (
     ),
     Stage(
         name="finetune",
-        run=job_stage("training.finetune", lambda inputs: {"dataset": inputs["dataset_path"]}),
+        run=finetune,
         summary=FinetuneSummary,
         evidence=finetune_evidence,
         fails_as=(INFRA, MODELING, DATA),
@@ -307,6 +312,12 @@ def downstream(name: str) -> list[str]:
         if stage.upstream() & found:
             found.add(stage.name)
     return [s.name for s in STAGES if s.name in found and s.name != name]
+
+
+def stale_after(rerun: list[str]) -> list[str]:
+    """The stages a rerun of `rerun` makes stale: themselves and everything downstream, in table order."""
+    stale = set(rerun).union(*(downstream(name) for name in rerun))
+    return [name for name in names() if name in stale]
 
 
 class MissingStageOutput(RuntimeError):

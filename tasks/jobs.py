@@ -28,7 +28,7 @@ from tuneproof.core.envelope import ProgressEvent
 from tuneproof.core.findings import errors
 from tuneproof.core.results import FailureClass, StageFailure, first_and_more, now_iso
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import Summary, VerifySummary
+from tuneproof.core.summaries import FinetuneSummary, Summary, VerifySummary
 from tuneproof.core.transport import nccl_env
 
 RETRY: dict[str, Any] = {"retries": 1, "retry_delay_seconds": 5, "cache_policy": NO_CACHE}
@@ -116,6 +116,28 @@ def job_stage(
 
     run.__name__ = f"job_stage[{module}]"
     return run
+
+
+def finetune(call: StageCall) -> StageEntry:
+    """The fine-tune job under this invocation's Ray Train run name (see finetune_run_name)."""
+    params = {
+        "dataset": call.inputs["dataset_path"],
+        "run_name": finetune_run_name(call.record, call.run_id, call.invocation, call.cfg.train.continue_previous),
+        "invocation": call.invocation,
+    }
+    return run_job_stage.with_options(name=call.stage)(call, "training.finetune", params)
+
+
+def finetune_run_name(record: RunRecord, run_id: str, invocation: int, continue_previous: bool) -> str:
+    """`<run>` for the run's first invocation, `<run>-r<N>` for invocation N: a rerun trains from the base
+    model under its own name instead of silently restoring the previous run's final checkpoint.
+    With train.continue_previous the latest fine-tune's run name is reused, so Ray Train resumes it. Pure."""
+    if continue_previous:
+        entries = [e for e in [*record.superseded, record.stages.get("finetune")] if e and e.stage == "finetune"]
+        summaries = [s for e in entries if (s := e.summary_as(FinetuneSummary)) is not None]
+        if summaries:
+            return summaries[-1].run_name
+    return run_id if invocation <= 1 else f"{run_id}-r{invocation}"
 
 
 @task(name="verify", **RETRY)

@@ -1,9 +1,13 @@
 """Stage 7, promote (a Prefect task, not a Ray job): only on evidence, and never over a stale incumbent.
 
-Promotion needs the resume test and every evaluation gate passed. The model is copied to
-models/<name>/<version>/ with its card, then the production pointer moves with a compare-and-swap
-on the pointer the evaluation compared against, so two concurrent runs cannot both promote over
-the same incumbent. `tuneproof promote RUN --force --reason` is the logged override.
+Promotion needs evidence about exactly the model it copies: the current (not superseded) evaluation
+passed every gate for the content hash of the current fine-tune's export, the export in storage still
+has that hash, and the resume test passed on the same fine-tune's Ray Train run. The model is copied
+to models/<name>/<version>/ with its card (the copy checked against the hash), then the production
+pointer, naming the hash, moves with a compare-and-swap on the pointer the evaluation compared
+against, so two concurrent runs cannot both promote over the same incumbent. A refusal leaves the
+pointer untouched and says why. `tuneproof promote RUN --force --reason` is the logged override
+(it bypasses the gates, never the check that the copied files are the export's own).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from tasks.jobs import StageCall
 from tuneproof.control import record as records
 from tuneproof.control import registry
 from tuneproof.control.record import Override, RunRecord, StageEntry
+from tuneproof.core import markers
 from tuneproof.core.config import LORA_ADAPTER_DIR, PipelineConfig
 from tuneproof.core.results import FailureClass, now_iso
 from tuneproof.core.storage import Storage
@@ -26,19 +31,56 @@ from tuneproof.core.summaries import EvaluateSummary, FinetuneSummary, Forced, P
 
 def refusal_reasons(cfg: PipelineConfig, record: RunRecord) -> list[str]:
     """Why this run may not be promoted (empty when it may). Pure over the record."""
-    reasons = []
+    finetune = record.summary("finetune", FinetuneSummary) if record.passed("finetune") else None
+    if finetune is None or finetune.export_sha256 is None:
+        return [f"run {record.run_id} has no succeeded fine-tune with a hashed export: run finetune first"]
+    return resume_reasons(cfg, record, finetune) + evaluation_reasons(record, finetune)
+
+
+def resume_reasons(cfg: PipelineConfig, record: RunRecord, finetune: FinetuneSummary) -> list[str]:
     resume = record.stages.get("resume")
     if not cfg.resume.enabled:
-        reasons.append("resume test disabled (resume.enabled=false): no evidence that checkpoints restore")
-    elif resume is None or not resume.ok:
-        how = "did not run" if resume is None else resume.status
-        reasons.append(f"resume test {how}: {resume.cause or ''}".rstrip(": ") if resume else f"resume test {how}")
+        return ["resume test disabled (resume.enabled=false): no evidence that checkpoints restore"]
+    if resume is None:
+        return [f"resume test did not run for the current fine-tune{superseded_note(record, 'resume')}"]
+    if not resume.ok:
+        return [f"resume test {resume.status}: {resume.cause or ''}".rstrip(": ")]
+    summary = resume.summary_as(ResumeSummary)
+    if summary is None or not summary.interrupted or summary.restored_step != summary.interrupted_at_step:
+        return ["resume test has no proof of an interruption restored at its hold step"]
+    if summary.tested_run_name != finetune.run_name:
+        return [
+            f"resume test tested Ray Train run {summary.tested_run_name}, not the fine-tune being promoted "
+            f"({finetune.run_name}): rerun the resume stage"
+        ]
+    return []
+
+
+def evaluation_reasons(record: RunRecord, finetune: FinetuneSummary) -> list[str]:
     evaluation = record.stages.get("evaluate")
     summary = record.summary("evaluate", EvaluateSummary)
-    if evaluation is None or not evaluation.ok or summary is None or not summary.gates.passed:
-        cause = evaluation.cause if evaluation is not None else "evaluate did not run"
-        reasons.append(f"evaluation gates not passed: {cause}")
-    return reasons
+    if evaluation is None:
+        return [
+            f"evaluation gates not passed: evaluate did not run for the current fine-tune{superseded_note(record, 'evaluate')}"
+        ]
+    if not evaluation.ok or summary is None or not summary.gates.passed:
+        return [f"evaluation gates not passed: {evaluation.cause or evaluation.status}"]
+    scored = summary.models.get("candidate")
+    scored_hash = scored.content_sha256 if scored else None
+    if scored_hash != finetune.export_sha256:
+        return [
+            f"evaluation scored content {str(scored_hash)[:12]}, but the current fine-tune's export "
+            f"{finetune.export_path} is content {str(finetune.export_sha256)[:12]}: re-run evaluate"
+        ]
+    return []
+
+
+def superseded_note(record: RunRecord, stage: str) -> str:
+    """' (its last result was superseded by invocation N's rerun)' when the stage's evidence went stale."""
+    stale = [e for e in record.superseded if e.stage == stage]
+    if not stale:
+        return ""
+    return f" (its last result, from invocation {stale[-1].invocation}, was superseded by a rerun of an earlier stage)"
 
 
 def model_card(cfg: PipelineConfig, record: RunRecord, forced: Forced | None = None) -> dict[str, Any]:
@@ -91,8 +133,15 @@ def promote(call: StageCall) -> StageEntry:
 
 
 def move_pointer(cfg: PipelineConfig, record: RunRecord, started: str, forced: Forced | None) -> StageEntry:
-    """Copy the export to a new version and CAS the pointer against the incumbent that was evaluated."""
+    """Check the export is the judged content, copy it to a new version and CAS the pointer against the
+    incumbent that was evaluated. Every refusal happens before the pointer is touched."""
     storage = Storage.from_config(cfg.storage)
+    finetune = record.summary("finetune", FinetuneSummary)
+    if finetune is None or finetune.export_path is None:
+        return refused(started, [f"run {record.run_id} has no exported model"], FailureClass.infrastructure)
+    problem, content = export_problem(storage, finetune, forced)
+    if problem or content is None:
+        return refused(started, [problem or "no content hash"], FailureClass.infrastructure)
     evaluation = record.summary("evaluate", EvaluateSummary)
     evaluated = evaluation.incumbent_version if evaluation else None
     pointer, token = registry.read_pointer(storage, cfg.model.name)
@@ -103,18 +152,34 @@ def move_pointer(cfg: PipelineConfig, record: RunRecord, started: str, forced: F
             [f"the production model changed since evaluation ({evaluated} -> {current}); re-evaluate"],
             FailureClass.infrastructure,
         )
-    finetune = record.summary("finetune", FinetuneSummary)
-    if finetune is None or finetune.export_path is None:
-        return refused(started, [f"run {record.run_id} has no exported model"], FailureClass.infrastructure)
+    card = {**model_card(cfg, record, forced), "content_sha256": content}
     try:
         result = registry.promote(
-            storage, cfg.model.name, record.run_id, finetune.export_path, model_card(cfg, record, forced), token
+            storage, cfg.model.name, record.run_id, finetune.export_path, card, token, content_sha256=content
         )
     except registry.PromotionConflict as e:
         return refused(started, [f"lost a concurrent promotion: {e}"], FailureClass.infrastructure)
+    except markers.ExportUnverified as e:
+        return refused(started, [f"the copied model is not the judged export: {e}"], FailureClass.infrastructure)
     logging.getLogger("tuneproof.promote").info(f"promoted {cfg.model.name} {result['version']} (previous: {current})")
     summary = PromoteSummary(promoted=True, forced=forced, **{**result, "previous_version": current})
     return StageEntry.succeeded("promote", summary, started)
+
+
+def export_problem(storage: Storage, finetune: FinetuneSummary, forced: Forced | None) -> tuple[str | None, str | None]:
+    """(why the stored export may not be promoted, its content hash): its files must match its manifest,
+    and (unless forced past the gates) the manifest must be the content the fine-tune wrote and evaluate scored."""
+    path = finetune.export_path or ""
+    try:
+        content = markers.verify_export(storage, path).content_sha256
+    except markers.ExportUnverified as e:
+        return f"the export is not what was judged: {e}", None
+    if forced is None and content != finetune.export_sha256:
+        return (
+            f"{storage.uri(path)} is content {content[:12]}, not the evaluated {str(finetune.export_sha256)[:12]}",
+            None,
+        )
+    return None, content
 
 
 def approval_refused(started: str, approver: str, comment: str) -> StageEntry:

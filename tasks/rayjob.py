@@ -24,6 +24,7 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 
 from tuneproof.control.identity import stage_working_dir
 from tuneproof.control.record import JobEntry, RuntimeEnvAdditions
+from tuneproof.core import forward_env
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.envelope import ENV_VAR, JobEnvelope, ProgressEvent, parse_progress
 from tuneproof.core.results import FailureClass, StageResult, first_and_more, now_iso, one_line
@@ -144,8 +145,10 @@ class RayJobRunner:
         sid, attached, entrypoint, wd_hash = self.submit_or_attach(spec)
         try:
             status = self.follow(sid, spec.timeout_s, stop_when)
+            forward_env.discard(self.run_id, spec.job)  # the job has ended: nothing reads its values again
             result = self.read_result(spec, sid, status)
         except JobTimeout as e:
+            forward_env.discard(self.run_id, spec.job)
             status = self.client.get_job_status(sid)
             result = StageResult(
                 stage=spec.job,
@@ -194,6 +197,11 @@ class RayJobRunner:
         # Ray Train re-prints worker output through its own logger unless told not to: lines came twice.
         env = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", **self.cfg.runtime_env.env_vars, **spec.env}
         env[ENV_VAR] = JobEnvelope(run_id=self.run_id, job=spec.job, config=self.cfg, params=spec.params).encode()
+        names = self.cfg.runtime_env.forward_env
+        if names and self.cfg.cluster.backend == "local":
+            # Values go to a private file on this machine; Ray sees (and logs) only its path. On EKS the
+            # Ray pods have them from a Kubernetes Secret.
+            env[forward_env.FILE_VAR] = str(forward_env.write_values(names, self.run_id, spec.job))
         runtime_env: dict[str, Any] = {"working_dir": workdir, "env_vars": env}
         if pip := self.cfg.job_pip(spec.module):  # the user's additions, and peft for a LoRA fine-tune
             runtime_env["pip"] = pip

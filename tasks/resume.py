@@ -1,11 +1,18 @@
 """Stage 5, the resume test: prove that a checkpoint restores, instead of assuming it.
 
-1. interrupt: a new training run "<run>-resume" starts from an intermediate checkpoint k of the
-   main run, checkpoints at k+extra, and holds; we stop its Ray job (the interruption).
+1. interrupt: a new training run "<run>-resume-t<N>" starts from an intermediate checkpoint k of
+   the main run, checkpoints at k+extra, and holds; we stop its Ray job (the interruption).
 2. continue: the same RunConfig name and storage are resubmitted; Ray Train V2 resumes from the
    latest complete checkpoint. It must restart at k+extra, not at step 0 or k.
 3. replay: the losses logged by both jobs for steps k+1 .. k+extra+replay must equal the main
    run's (within resume.loss_rtol; 0 on CPU fp32, where replays are bit for bit).
+
+The test passes only on proof: an interrupt job that was not stopped at its hold point, or a
+continue job that restored any step but the hold step, is an infrastructure failure. Every attempt
+(a Prefect retry included) trains under its own Ray Train run name and job names (-t<N>, N the
+first attempt number that left nothing in storage), so a retry can never resume an earlier
+attempt's checkpoints past the hold step and pass without a real restart. The summary names the
+fine-tune's Ray Train run it tested; promotion needs that to be the promoted model's.
 An unusable checkpoint is an infrastructure failure, and blocks promotion.
 """
 
@@ -49,9 +56,18 @@ def resume_test(call: StageCall) -> StageEntry:
         return StageEntry.failed("resume", FailureClass.infrastructure, cause, started)
 
     hold = seed.step + extra
+    storage = Storage.from_config(cfg.storage)
+    tag = f"t{first_unused_attempt(storage, call)}"
+    finetune = call.record.summary("finetune", FinetuneSummary)
+    lineage = {
+        "seed_checkpoint": seed,
+        "tested_run_name": finetune.run_name if finetune else None,
+        "tested_invocation": call.record.stages["finetune"].invocation if finetune else None,
+        "attempt_run_name": attempt_run_name(call, tag),
+    }
     params = {
         "dataset": call.inputs["dataset_path"],
-        "run_name": f"{call.run_id}-{call.job_name()}",
+        "run_name": lineage["attempt_run_name"],
         "init_from": seed.uri,
         # max_steps here is where the job stops; the LR schedule still spans train.max_steps,
         # so the resumed trajectory is comparable step for step with the main run.
@@ -61,18 +77,31 @@ def resume_test(call: StageCall) -> StageEntry:
     }
     runner = runner_for(call)
     interrupt_spec = call.spec(
-        "training.finetune", {**params, "hold_after_checkpoint_step": hold}, suffix="interrupt", summary=FinetuneSummary
+        "training.finetune",
+        {**params, "hold_after_checkpoint_step": hold},
+        suffix=f"interrupt-{tag}",
+        summary=FinetuneSummary,
     )
     marker = f"HOLDING after checkpoint step {hold}"
     interrupt = runner.run(interrupt_spec, stop_when=lambda line: marker in line)
     if interrupt.result.ok or interrupt.job_status != "STOPPED":
-        # It either failed on its own (an unusable checkpoint) or never reached the hold point.
-        return entry_from_jobs(call, [interrupt], started, ResumeSummary(seed_checkpoint=seed, interrupted=False))
+        # It failed on its own (an unusable checkpoint), or ran to its end without ever holding: no proof.
+        summary = ResumeSummary(**lineage, interrupted=False)
+        if not interrupt.result.ok:
+            return entry_from_jobs(call, [interrupt], started, summary)
+        cause = (
+            f"the interrupt job {interrupt.submission_id} was never stopped at its hold step {hold} "
+            f"(ended {interrupt.job_status}): no interruption, no evidence that a checkpoint restores"
+        )
+        return StageEntry.failed("resume", FailureClass.infrastructure, cause, started, summary, [interrupt])
 
     resubmitted_at = time.time()
     resumed = runner.run(
         call.spec(
-            "training.finetune", {**params, "first_step_marker": True}, suffix="continue", summary=FinetuneSummary
+            "training.finetune",
+            {**params, "first_step_marker": True},
+            suffix=f"continue-{tag}",
+            summary=FinetuneSummary,
         )
     )
     if not resumed.result.ok:
@@ -80,11 +109,12 @@ def resume_test(call: StageCall) -> StageEntry:
             call,
             [interrupt, resumed],
             started,
-            ResumeSummary(seed_checkpoint=seed, interrupted=True, interrupted_at_step=hold),
+            ResumeSummary(**lineage, interrupted=True, interrupted_at_step=hold),
         )
 
     continued = FinetuneSummary.model_validate(resumed.result.summary)
     evidence = judge(call, interrupt_spec.job, seed, hold, loss_curve, continued, resubmitted_at)
+    evidence = evidence.model_copy(update=lineage)
     outcome = entry_from_jobs(call, [interrupt, resumed], started, evidence)
     if evidence.problems:
         outcome = outcome.model_copy(
@@ -95,6 +125,24 @@ def resume_test(call: StageCall) -> StageEntry:
             }
         )
     return outcome
+
+
+def attempt_run_name(call: StageCall, tag: str) -> str:
+    return f"{call.run_id}-{call.job_name(tag)}"
+
+
+def first_unused_attempt(storage: Storage, call: StageCall) -> int:
+    """The lowest N whose Ray Train run and interrupt job folder do not exist yet: this attempt's t<N>.
+
+    A Prefect retry re-runs this task; an earlier attempt's run (checkpoints past the hold step,
+    a continue job that finished) must never be what the retry's jobs resume from.
+    """
+    n = 1
+    while storage.exists("runs", call.run_id, "train", attempt_run_name(call, f"t{n}")) or storage.exists(
+        "runs", call.run_id, "stages", call.job_name(f"interrupt-t{n}")
+    ):
+        n += 1
+    return n
 
 
 def judge(

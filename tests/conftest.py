@@ -2,17 +2,26 @@
 
 - `ray_head`: a real local Ray head (dashboard + job API, token auth on) for the session.
 - `s3_endpoint`: a real S3-compatible server (moto's server mode) on 127.0.0.1, with a bucket.
+- `prefect_server`: `prefect server start` (API and UI) for the session; flows in this process report to it.
+- `demo_env`: the embedded default's overrides (the session's Ray head, a tiny base model, a storage root),
+  and a planted secret: a random TUNEPROOF_TEST_SECRET in this process's environment, forwarded to every
+  job by name (runtime_env.forward_env), which tests/test_guard.py then looks for everywhere.
+- `finished_run`: the whole pipeline run once as run id 'demo'; `clone_run`: a private copy of its storage.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
+import shutil
 import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -101,3 +110,133 @@ def _wait_http(url: str, timeout: float) -> None:
         except OSError:
             time.sleep(0.2)
     raise TimeoutError(f"{url} did not answer within {timeout}s")
+
+
+def tuneproof(*args: str):
+    """The command line in this process, as a user would type it (output and exit code captured)."""
+    from typer.testing import CliRunner
+
+    from tuneproof.app.cli import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """`prefect server start` (API + UI) on 127.0.0.1 with its own home; this process's flows report to it."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_UI_API_URL, temporary_settings
+
+    from tuneproof.app.local import stop_group
+
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_API_URL": f"{url}/api",
+        "PREFECT_UI_API_URL": f"{url}/api",
+    }
+    log = open(home / "server.log", "wb")  # noqa: SIM115 - the server writes to it until the fixture's end
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        _wait_http(f"{url}/api/health", 120)
+        with temporary_settings({PREFECT_API_URL: f"{url}/api", PREFECT_UI_API_URL: f"{url}/api"}):
+            yield url
+            # Ship the last logs and events while the server is still there; a worker left holding
+            # items for a stopped server makes every later drain (e.g. a test harness's) wait on it.
+            from prefect.events.worker import EventsWorker
+            from prefect.logging.handlers import APILogWorker
+
+            APILogWorker.drain_all()
+            EventsWorker.drain_all()
+    finally:
+        stop_group(proc.pid, 10)
+        log.close()
+
+
+@dataclass(frozen=True)
+class DemoEnv:
+    """The embedded default pointed at the session's Ray head, a tiny base model and a storage root."""
+
+    root: Path
+    sets: tuple[str, ...]
+    """`dotted.key=value` overrides every run of the session's demo passes."""
+    secret: str = ""
+    """The planted secret's value: in the environment of every run, and in nothing a run publishes."""
+
+    @property
+    def storage(self):
+        from tuneproof.core.storage import Storage
+
+        return Storage(str(self.root / "storage"))
+
+    @property
+    def args(self) -> list[str]:
+        return sum((["--set", s] for s in self.sets), [])
+
+    def at(self, root: Path) -> DemoEnv:
+        """The same settings over another storage root (a clone's)."""
+        sets = tuple(f"storage.root={root / 'storage'}" if s.startswith("storage.root=") else s for s in self.sets)
+        return DemoEnv(root, sets, self.secret)
+
+
+PLANTED_SECRET = "TUNEPROOF_TEST_SECRET"
+
+
+@pytest.fixture(scope="session")
+def demo_env(ray_head, tmp_path_factory) -> DemoEnv:
+    from tuneproof.app.tiny_model import ensure_tiny_model
+    from tuneproof.core.config import PROJECT_ROOT
+
+    root = tmp_path_factory.mktemp("demo")
+    model = tmp_path_factory.mktemp("base-models") / "tiny-qwen2"
+    ensure_tiny_model(str(model), str(PROJECT_ROOT / "data" / "dates" / "dates.jsonl"))
+    sets = (
+        f"cluster.address={ray_head.address}",
+        f"cluster.auth_token_file={ray_head.token_file}",
+        f"storage.root={root / 'storage'}",
+        f"model.source={model}",
+        f"runtime_env.forward_env=[{PLANTED_SECRET}]",
+    )
+    # Set after the Ray head started, so a job can only have it by forwarding, not from the raylet's env.
+    secret = os.environ.setdefault(PLANTED_SECRET, f"tp-planted-{secrets.token_hex(16)}")
+    return DemoEnv(root, sets, secret)
+
+
+@pytest.fixture(scope="session")
+def finished_run(prefect_server, demo_env, tmp_path_factory):
+    """The whole pipeline once, as run id 'demo' (about two minutes on 2 cores), shared by the session.
+
+    Its storage root is copied as it stood when the run finished; tests that change a run take a
+    copy of that (`clone_run`) so that no test sees another's changes.
+    """
+    from tuneproof.control import record as records
+
+    result = tuneproof("run", "--run-id", "demo", *demo_env.args)
+    assert result.exit_code == 0, result.output
+    pristine = tmp_path_factory.mktemp("demo-pristine")
+    shutil.copytree(demo_env.root / "storage", pristine / "storage", symlinks=True)
+    return FinishedRun(records.load(demo_env.storage, "demo"), pristine)
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    record: Any
+    """The run record as the run left it (a RunRecord)."""
+    pristine: Path
+    """A copy of the storage root taken when the run finished."""
+
+
+@pytest.fixture
+def clone_run(finished_run, demo_env, tmp_path) -> DemoEnv:
+    """A private copy of the finished demo run's storage root, as it stood when the run finished."""
+    shutil.copytree(finished_run.pristine / "storage", tmp_path / "storage", symlinks=True)
+    return demo_env.at(tmp_path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 
@@ -25,6 +26,7 @@ from training.checkpointing import (
     step_of,
     write_marker,
 )
+from tuneproof.core.markers import FileDigest
 from tuneproof.core.storage import Storage
 
 RUN = ("runs", "r1", "train", "r1")
@@ -43,8 +45,12 @@ def fake_checkpoint(storage: Storage, step: int, marked: bool = True) -> tuple[s
     for name, data in files.items():
         storage.write_bytes(data, *parts, name)
     if marked:
-        write_marker(storage, step, {name: len(data) for name, data in files.items()}, *parts)
+        write_marker(storage, step, digests(files), *parts)
     return parts
+
+
+def digests(files: dict[str, bytes]) -> dict[str, FileDigest]:
+    return {name: FileDigest(size=len(data), sha256=hashlib.sha256(data).hexdigest()) for name, data in files.items()}
 
 
 def test_dir_names_carry_the_step():
@@ -97,7 +103,7 @@ def test_the_marker_is_refused_while_a_listed_file_is_absent(tmp_path):
     storage = Storage(str(tmp_path))
     parts = fake_checkpoint(storage, 4, marked=False)
     with pytest.raises(FileNotFoundError, match=r"not marking complete, __2_0\.distcp \(missing"):
-        write_marker(storage, 4, {"__0_0.distcp": 100, "__2_0.distcp": 100}, *parts)
+        write_marker(storage, 4, digests({"__0_0.distcp": b"a" * 100, "__2_0.distcp": b"c" * 100}), *parts)
     assert not storage.exists(*parts, MARKER)
 
 

@@ -235,7 +235,7 @@ def test_thirty_percent_malformed_is_a_data_failure_with_counts(tmp_path, tiny_d
         "30.0% of rows malformed (limit 5.0%): undecodable=6, wrong_type=6, missing_field=6, "
         "empty=6, too_long=6 of 100 rows"
     )
-    assert {r: d.count for r, d in failure.summary.dropped.items()} == dict.fromkeys(datahash.REASONS, 6)
+    assert {r: d.count for r, d in failure.summary.dropped.items()} == dict.fromkeys(datahash.COLUMN_REASONS, 6)
     assert failure.summary.manifest is None and failure.summary.total_rows == 100
     assert not Storage(str(tmp_path / "store")).exists("datasets")
 

@@ -21,7 +21,7 @@ from eval.evaluate_job import evaluate_body
 from eval.generation import eval_loss, generate, right_padded
 from tests.conftest import TEST_BUCKET
 from training import jobkit, modeling
-from training.checkpointing import local_files, write_marker
+from training.checkpointing import publish_export
 from training.jobkit import JobContext
 from tuneproof.app.tiny_model import build_tiny_model, conversation_text
 from tuneproof.control import registry
@@ -114,9 +114,8 @@ def make_ctx(world, run_id: str, storage_root: str, endpoint: str | None = None,
 
 
 def upload_export(storage: Storage, local_dir: Path, run_id: str) -> None:
-    """A finished export, as the fine-tune stage leaves it: files, then the completion marker."""
-    storage.upload_dir(local_dir, f"runs/{run_id}/model")
-    write_marker(storage, 60, local_files(local_dir), f"runs/{run_id}/model")
+    """A finished export, as the fine-tune stage leaves it: files, manifest, then the completion marker."""
+    publish_export(storage, local_dir, f"runs/{run_id}/model", 60, {"run_id": run_id, "run_name": run_id})
 
 
 @pytest.fixture

@@ -1,8 +1,9 @@
 """The whole pipeline on the embedded default, as `tuneproof run` runs it, against a real Ray head,
 a real Prefect server (its UI too) and local storage: the demo's evidence, then the ways it must refuse.
 
-One full run is shared by the module (it costs about two minutes on 2 cores); the tests after it
-rerun subsets against that run, in file order, the destructive one (a deleted shard) last.
+The full run is the session's `finished_run` (tests/conftest.py, about two minutes on 2 cores); the
+tests after it rerun subsets against it, in file order, the destructive one (a deleted shard) last.
+Tests elsewhere that change a finished run work on their own copy (`clone_run`).
 """
 
 from __future__ import annotations
@@ -10,16 +11,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from tests.conftest import _wait_http
-from tuneproof.app.cli import app
-from tuneproof.app.local import free_port, stop_group
+from tests.conftest import tuneproof
 from tuneproof.control import record as records
 from tuneproof.core.config import PROJECT_ROOT
 from tuneproof.core.storage import Storage
@@ -30,74 +26,18 @@ SCREENSHOTS = PROJECT_ROOT / "test-output" / "browser"
 
 
 @pytest.fixture(scope="module")
-def prefect_server(tmp_path_factory):
-    """`prefect server start` (API + UI) on 127.0.0.1 with its own home; this process's flows report to it."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_UI_API_URL, temporary_settings
-
-    home = tmp_path_factory.mktemp("prefect-home")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(home),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_API_URL": f"{url}/api",
-        "PREFECT_UI_API_URL": f"{url}/api",
-    }
-    log = open(home / "server.log", "wb")  # noqa: SIM115 - the server writes to it until the fixture's end
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        _wait_http(f"{url}/api/health", 120)
-        with temporary_settings({PREFECT_API_URL: f"{url}/api", PREFECT_UI_API_URL: f"{url}/api"}):
-            yield url
-            # Ship the last logs and events while the server is still there; a worker left holding
-            # items for a stopped server makes every later drain (e.g. a test harness's) wait on it.
-            from prefect.events.worker import EventsWorker
-            from prefect.logging.handlers import APILogWorker
-
-            APILogWorker.drain_all()
-            EventsWorker.drain_all()
-    finally:
-        stop_group(proc.pid, 10)
-        log.close()
+def base_args(demo_env):
+    return demo_env.args
 
 
 @pytest.fixture(scope="module")
-def base_args(ray_head, tmp_path_factory):
-    from tuneproof.app.tiny_model import ensure_tiny_model
-
-    root = tmp_path_factory.mktemp("demo")
-    model = root / "base-models" / "tiny-qwen2"
-    ensure_tiny_model(str(model), str(PROJECT_ROOT / "data" / "dates" / "dates.jsonl"))
-    sets = [
-        f"cluster.address={ray_head.address}",
-        f"cluster.auth_token_file={ray_head.token_file}",
-        f"storage.root={root / 'storage'}",
-        f"model.source={model}",
-    ]
-    return sum((["--set", s] for s in sets), [])
+def storage(demo_env):
+    return demo_env.storage
 
 
 @pytest.fixture(scope="module")
-def storage(base_args):
-    return Storage(next(a.split("=", 1)[1] for a in base_args if a.startswith("storage.root=")))
-
-
-def tuneproof(*args: str):
-    return CliRunner().invoke(app, list(args))
-
-
-@pytest.fixture(scope="module")
-def demo(prefect_server, base_args, storage):
-    result = tuneproof("run", "--run-id", "demo", *base_args)
-    assert result.exit_code == 0, result.output
-    return records.load(storage, "demo")
+def demo(finished_run):
+    return finished_run.record
 
 
 def pointer_bytes(storage: Storage) -> bytes:

@@ -7,6 +7,8 @@ export) is tests/test_lora_finetune.py.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tasks.rayjob import JobSpec, RayJobRunner
@@ -14,12 +16,14 @@ from tests.test_finetune import make_config, write_tiny_model
 from training.checkpointing import MARKER, check_complete
 from training.lora import ADAPTER_DIR, apply_lora, parameter_counts, write_lora_export
 from tuneproof.control.record import RuntimeEnvAdditions
+from tuneproof.core import forward_env, markers
 from tuneproof.core.config import PEFT_REQUIREMENT, QWEN2_LINEAR, ConfigError, LoraSettings, validate
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import FinetuneSummary
 
 HIDDEN, LAYERS, VOCAB = 32, 2, 270
+MADE_BY = {"run_id": "r1", "invocation": 1, "run_name": "r1"}
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +56,43 @@ def test_bad_lora_settings_are_named():
     assert "train.lora.dropout" in problems
     with pytest.raises(ConfigError, match="train.method: Input should be 'full' or 'lora' .*got 'qlora'"):
         validate({"train": {"method": "qlora"}})
+
+
+@pytest.mark.parametrize(
+    ("lora", "why"),
+    [
+        ({"rank": 10**9}, "train.lora.rank: Input should be less than or equal to 4096"),
+        ({"alpha": 10**9}, "train.lora.alpha: Input should be less than or equal to 65536"),
+        ({"dropout": float("nan")}, "train.lora.dropout: Input should be a finite number"),
+        ({"target_modules": ["q_proj", "../x"]}, "train.lora.target_modules: ['../x'] are not module names"),
+        ({"modules_to_save": ["norm", "norm"]}, "train.lora.modules_to_save: must list distinct module names"),
+        ({"target_modules": [f"m{i}" for i in range(300)]}, "train.lora.target_modules: 300 module names; at most 256"),
+    ],
+)
+def test_lora_settings_are_bounded(lora, why):
+    with pytest.raises(ConfigError) as info:
+        validate({"train": {"method": "lora", "lora": lora}})
+    assert why in "\n".join(info.value.problems)
+
+
+def test_a_lora_fine_tune_job_gets_peft_and_the_forwarded_env_and_records_names_only(tmp_path, monkeypatch):
+    """peft (a recorded dependency) and guard's forward_env (names recorded, values only in a private file)."""
+    monkeypatch.setenv("TUNEPROOF_TEST_FORWARDED", "value-never-recorded")
+    cfg = validate(
+        {
+            "storage": {"root": str(tmp_path)},
+            "train": {"method": "lora"},
+            "runtime_env": {"forward_env": ["TUNEPROOF_TEST_FORWARDED"], "env_vars": {"LOG_LEVEL": "info"}},
+        }
+    )
+    spec = JobSpec("finetune", "training.finetune", 60, FinetuneSummary)
+    env = RayJobRunner(cfg, "r1", client=object()).runtime_env(spec, "/wd")
+    assert env["pip"] == [PEFT_REQUIREMENT] and env["env_vars"]["LOG_LEVEL"] == "info"
+    assert "value-never-recorded" not in json.dumps(env) and forward_env.FILE_VAR in env["env_vars"]
+    added = RuntimeEnvAdditions.of(cfg, "training.finetune")
+    assert (added.pip, added.forwarded_env) == ([PEFT_REQUIREMENT], ["TUNEPROOF_TEST_FORWARDED"])
+    assert "value-never-recorded" not in added.model_dump_json()
+    assert RuntimeEnvAdditions.of(cfg, "eval.evaluate_job").forwarded_env == ["TUNEPROOF_TEST_FORWARDED"]
 
 
 def test_only_a_lora_runs_fine_tune_jobs_get_peft_in_their_runtime_env(tmp_path):
@@ -140,10 +181,13 @@ def test_export_holds_the_adapter_and_a_merged_model_with_the_same_logits(base_d
                 p.normal_(std=0.5)
     adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     storage = Storage(str(tmp_path))
-    write_lora_export(adapters, 12, config, storage, "runs/r1/model")
+    manifest = write_lora_export(adapters, 12, config, storage, "runs/r1/model", MADE_BY)
 
     export = tmp_path / "runs/r1/model"
     assert check_complete(storage, "runs/r1/model") is None
+    # One manifest, one content hash over the merged model and the adapter alike (what evaluation records).
+    assert {"model.safetensors", f"{ADAPTER_DIR}/adapter_model.safetensors"} <= set(manifest.files)
+    assert markers.verify_export(storage, "runs/r1/model").content_sha256 == manifest.content_sha256
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (export / ADAPTER_DIR).iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", MARKER} <= {p.name for p in export.iterdir()}
     merged = AutoModelForCausalLM.from_pretrained(export).eval()  # plain transformers, no peft
@@ -180,6 +224,6 @@ def test_modules_to_save_train_in_full_and_land_in_the_merged_export(base_dir, t
     with torch.no_grad():
         dict(model.named_parameters())["model.norm.modules_to_save.default.weight"].fill_(3.0)
     adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    write_lora_export(adapters, 1, config, Storage(str(tmp_path)), "runs/r1/model")
+    write_lora_export(adapters, 1, config, Storage(str(tmp_path)), "runs/r1/model", MADE_BY)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "runs/r1/model")
     assert torch.equal(merged.model.norm.weight, torch.full_like(merged.model.norm.weight, 3.0))

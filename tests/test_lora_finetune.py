@@ -8,6 +8,9 @@ plain transformers and gives the peft model's logits; and evaluation scores that
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from eval.evaluate_job import evaluate_body
@@ -15,6 +18,8 @@ from tests.test_finetune import DATASET, base_model, context, losses, make_confi
 from training.jobkit import JobContext
 from training.lora import ADAPTER_DIR
 from tuneproof.control.resume_evidence import compare_losses
+from tuneproof.core import markers
+from tuneproof.core.markers import read_export_manifest
 from tuneproof.core.results import StageFailure
 from tuneproof.core.storage import Storage
 
@@ -40,6 +45,12 @@ def test_lora_run_trains_only_the_adapters(lora_run):
     weights = {k for k in saved if k.startswith("model.")}
     assert weights and all(".lora_A." in k or ".lora_B." in k for k in weights), sorted(weights)[:5]
     assert any(k.startswith("optim.state.") for k in saved)  # the adapters' Adam moments
+    # The completion marker hashes every file the LoRA checkpoint has, every rank's shards included.
+    ckpt = Path(summary["checkpoints"][0]["uri"])
+    listed = markers.parse_digests(json.loads((ckpt / markers.COMPLETION_MARKER).read_text()))
+    on_disk = markers.local_digests(ckpt)
+    del on_disk[markers.COMPLETION_MARKER]
+    assert listed == on_disk and any(n.endswith(".distcp") for n in listed)
 
 
 def checkpoint_keys(uri: str) -> set[str]:
@@ -54,7 +65,8 @@ def test_lora_replay_from_a_checkpoint_reproduces_the_losses_exactly(lora_run):
     adapters + optimizer from DCP) and compare every replayed loss with loss_rtol 0."""
     config, main = lora_run
     step4 = next(c["uri"] for c in main["checkpoints"] if c["step"] == 4)
-    replay = train(context(config, "lora-a", job="resume", run_name="lora-a-resume", init_from=step4, export=False))
+    # The resume stage's first attempt trains under its own Ray Train run name, <run>-resume-t1.
+    replay = train(context(config, "lora-a", job="resume", run_name="lora-a-resume-t1", init_from=step4, export=False))
     assert replay["start_step"] == 4 and replay["restored_from"] == step4
     assert config.resume.loss_rtol == 0.0
     verdict = compare_losses(losses(main), losses(replay), rtol=config.resume.loss_rtol)
@@ -88,6 +100,12 @@ def test_evaluation_scores_the_merged_export(lora_run):
         evaluated = evaluate_body(ctx)
     except StageFailure as failure:  # 12 steps need not pass the gates; what was scored is the point
         evaluated = failure.summary
-    # The candidate evaluation loaded is the merged model's directory (evaluation records no model hash
-    # yet: the evidence branch adds one, then this should compare it with the merged export's).
+    # What evaluation scored is the merged export, by content: the hash it recorded is the export
+    # manifest's content_sha256, which covers the merged model's files and the adapter's alike.
+    storage = Storage(config.storage.root)
+    manifest = read_export_manifest(storage, summary["export_path"])
     assert evaluated.models["candidate"].path == summary["export_path"]
+    assert evaluated.models["candidate"].content_sha256 == manifest.content_sha256 == summary["export_sha256"]
+    assert "model.safetensors" in manifest.files
+    assert {f"{ADAPTER_DIR}/adapter_config.json", f"{ADAPTER_DIR}/adapter_model.safetensors"} <= set(manifest.files)
+    assert manifest.run_name == "lora-a" and manifest.step == 12

@@ -55,8 +55,10 @@ def test_a_lora_run_passes_the_resume_test_exactly_and_evaluation_scores_its_mer
     finetune = lora_demo.summary("finetune", FinetuneSummary)
     assert storage.exists(finetune.adapter_path, "adapter_config.json")
     evaluation = lora_demo.summary("evaluate", EvaluateSummary)
-    # Evaluation records the path it loaded (no model hash yet): the merged model, not the adapter.
+    # Evaluation scored the merged model (not the adapter), by content: the export's manifest hash.
     assert evaluation.models["candidate"].path == finetune.export_path
+    assert evaluation.models["candidate"].content_sha256 == finetune.export_sha256 is not None
+    assert resume.tested_run_name == finetune.run_name and resume.attempt_run_name == "lora-resume-t1"
     assert storage.exists(finetune.export_path, "model.safetensors")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import threading
 
@@ -15,12 +16,17 @@ from tuneproof.control import record as records
 from tuneproof.control import registry
 from tuneproof.control.record import CodeIdentity, RunRecord, StageEntry, new_record
 from tuneproof.core.config import PipelineConfig
+from tuneproof.core.markers import EXPORT_MANIFEST, ExportManifest, FileDigest, content_sha256
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import EvaluateSummary, FinetuneSummary, GateDecision, ModelScore, ResumeSummary
 
+EXPORT_FILES = {"config.json": b'{"model_type": "qwen2"}', "model.safetensors": b"weights"}
+EXPORT_DIGESTS = {n: FileDigest(size=len(d), sha256=hashlib.sha256(d).hexdigest()) for n, d in EXPORT_FILES.items()}
+EXPORT_SHA256 = content_sha256(EXPORT_DIGESTS)
+
 
 def passed_record(cfg: PipelineConfig, run_id: str = "r1") -> RunRecord:
-    """A run whose fine-tune, resume test and evaluation all passed."""
+    """A run whose fine-tune, resume test and evaluation (of the export's content hash) all passed."""
     rec = new_record(run_id, cfg, CodeIdentity(git_sha="abc", dirty=False), None)
     rec.stages["finetune"] = StageEntry.succeeded(
         "finetune",
@@ -32,15 +38,22 @@ def passed_record(cfg: PipelineConfig, run_id: str = "r1") -> RunRecord:
             steps=400,
             seconds=1.0,
             export_path=f"runs/{run_id}/model",
+            export_sha256=EXPORT_SHA256,
         ),
         "a",
     )
     rec.stages["resume"] = StageEntry.succeeded(
-        "resume", ResumeSummary(interrupted=True, restored_step=304, max_loss_diff=0.0), "a"
+        "resume",
+        ResumeSummary(
+            interrupted=True, interrupted_at_step=304, restored_step=304, max_loss_diff=0.0, tested_run_name=run_id
+        ),
+        "a",
     )
     gates = GateDecision(passed=True, lines=["exact_match >= 0.8: 1 (pass)"], verdicts=[])
     models = {
-        "candidate": ModelScore(path=f"runs/{run_id}/model", metrics={"exact_match": 1.0}, seconds=1.0),
+        "candidate": ModelScore(
+            path=f"runs/{run_id}/model", metrics={"exact_match": 1.0}, seconds=1.0, content_sha256=EXPORT_SHA256
+        ),
         "base": ModelScore(path="base", metrics={"exact_match": 0.0}, seconds=1.0),
         "incumbent": None,
     }
@@ -51,8 +64,13 @@ def passed_record(cfg: PipelineConfig, run_id: str = "r1") -> RunRecord:
 
 
 def with_export(storage: Storage, run_id: str) -> None:
-    storage.write_json({"model_type": "qwen2"}, "runs", run_id, "model", "config.json")
-    storage.write_bytes(b"weights", "runs", run_id, "model", "model.safetensors")
+    """An export as the fine-tune leaves it: its files and a manifest with their hashes."""
+    for name, data in EXPORT_FILES.items():
+        storage.write_bytes(data, "runs", run_id, "model", name)
+    manifest = ExportManifest(
+        content_sha256=EXPORT_SHA256, files=EXPORT_DIGESTS, run_id=run_id, run_name=run_id, step=400, written_at="t"
+    )
+    storage.write_bytes(manifest.model_dump_json().encode(), "runs", run_id, "model", EXPORT_MANIFEST)
 
 
 def test_promotion_needs_the_resume_test_and_every_gate():

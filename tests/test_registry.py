@@ -20,6 +20,7 @@ from tuneproof.control.registry import PromotionConflict, next_version, promote,
 from tuneproof.core.storage import Storage
 
 NAME = "dates-qwen2-tiny"
+MODELS_DIR = registry.MODELS
 
 
 def card(run_id: str = "r1", **extra) -> dict:
@@ -118,6 +119,37 @@ def test_a_lora_version_shows_its_merged_model_and_its_adapter(local):
     assert local.read_bytes(rows["v0002-lora"]["adapter"], "adapter_model.safetensors") == b"adapter weights"
     text = render_model_card({**lora_card, "version": "v0002-lora"})
     assert "| method | `lora: 1,234 of 56,789 parameters trained; adapter in adapter/` |" in text
+
+
+def test_a_lora_version_is_copied_and_verified_with_its_adapter(local, tmp_path):
+    """The export manifest covers adapter/ as well as the merged model: promotion copies both, checks
+    both against the judged content hash, and refuses (removing the copy) when an adapter file changed."""
+    from training.checkpointing import publish_export
+    from tuneproof.core import markers
+
+    built = tmp_path / "export"
+    (built / "adapter").mkdir(parents=True)
+    (built / "config.json").write_text('{"model_type": "qwen2"}')
+    (built / "model.safetensors").write_bytes(b"merged weights")
+    (built / "adapter" / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
+    (built / "adapter" / "adapter_model.safetensors").write_bytes(b"adapter weights")
+    made_by = {"run_id": "lora", "invocation": 1, "run_name": "lora"}
+    manifest = publish_export(local, built, "runs/lora/model", 12, made_by)
+    assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"} <= set(manifest.files)
+    content = manifest.content_sha256
+
+    pointer = promote(local, NAME, "lora", "runs/lora/model", card("lora"), None, content_sha256=content)
+    version = pointer["version"]
+    assert pointer["content_sha256"] == content
+    assert local.read_bytes(MODELS_DIR, NAME, version, "adapter", "adapter_model.safetensors") == b"adapter weights"
+    assert markers.verify_export(local, MODELS_DIR, NAME, version).content_sha256 == content
+
+    local.write_bytes(b"other adapter", "runs/lora/model", "adapter", "adapter_model.safetensors")
+    with pytest.raises(markers.ExportUnverified, match=r"adapter/adapter_model\.safetensors \(size"):
+        promote(
+            local, NAME, "lora2", "runs/lora/model", card("lora2"), read_pointer(local, NAME)[1], content_sha256=content
+        )
+    assert not any(v.endswith("-lora2") for v in local.listdir(MODELS_DIR, NAME))
 
 
 def test_stale_token_is_refused_before_copying(local):
@@ -223,7 +255,7 @@ def test_a_live_lock_times_out_and_the_copy_is_kept_unpointed(local):
     with open(lock, "w") as f:
         json.dump({"nonce": "alive", "pid": os.getpid(), "host": "here"}, f)
     _, token = read_pointer(local, NAME)
-    with pytest.raises(TimeoutError, match=r"registry lock .*\.production\.json\.lock still held .*alive"):
+    with pytest.raises(TimeoutError, match=r"lock .*\.production\.json\.lock still held .*alive"):
         promote(local, NAME, "runB", export(local, "runB"), card("runB"), token, lock_timeout_s=0.3, stale_lock_s=60)
     assert read_pointer(local, NAME)[0]["version"] == "v0001-runA"
     assert [v["production"] for v in registry.show_model(local, NAME)["versions"]] == [True, False]

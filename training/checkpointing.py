@@ -4,16 +4,18 @@ One checkpoint directory (runs/<run>/train/<run_name>/checkpoint_<step:06d>/) ho
 
     .metadata, __<rank>_0.distcp   torch.distributed.checkpoint (DCP) shards; every rank writes its own
     progress-rank<r>.json          TrainingProgress of rank r: step, data position, seed, RNG, schedule
-    tuneproof_complete.json        the completion marker, written LAST: every file above with its size
+    tuneproof_complete.json        the completion marker, written LAST: every file above with its size and sha256
 
 Each rank saves into its own local directory and Ray Train merges them into the storage directory
 (the Ray Train FSDP pattern); rank 0 writes the marker only after every rank's upload is done.
-A checkpoint counts only when the marker exists and every file it lists is there with its size,
-so a checkpoint cut short by an interruption is never resumed from. Used inside Ray Train workers
+A checkpoint counts only when the marker exists and every file it lists is there with its size and
+sha256, so a checkpoint cut short by an interruption, or a shard changed since, is never resumed from. Used inside Ray Train workers
 (save/load) and by the stage driver (listing, validation), on local disk or S3 alike.
 
 The export is the consolidated model as a Hugging Face directory (safetensors, config, the base's
-tokenizer and generation config), with the same kind of marker written last.
+tokenizer and generation config), with its manifest (tuneproof-export.json: every file's sha256, one
+content hash over them, the run, invocation and Ray Train run that produced it) and the same kind
+of marker written last.
 """
 
 from __future__ import annotations
@@ -31,13 +33,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tuneproof.core import markers
+from tuneproof.core.markers import Digests, ExportManifest
 from tuneproof.core.results import now_iso
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import CheckpointRef
 
 __all__ = ["CheckpointRef"]  # re-exported: workers and tests name checkpoints through this module
 
-MARKER = "tuneproof_complete.json"
+MARKER = markers.COMPLETION_MARKER
 _DIR_PATTERN = re.compile(r"^checkpoint_(\d+)$")
 # Files of a base model directory that the export carries over unchanged (all but weights and config).
 _BASE_FILES = re.compile(
@@ -141,8 +145,8 @@ def _jsonable(value: Any) -> Any:
 
 def save_shards(
     model, optimizer, progress: TrainingProgress, local_dir: str | Path, trainable_only: bool = False
-) -> dict[str, int]:
-    """DCP-save this rank's shards of model + optimizer and its progress; returns its files with sizes.
+) -> Digests:
+    """DCP-save this rank's shards of model + optimizer and its progress; returns its files with size and sha256.
 
     trainable_only (LoRA): the frozen base is left out; it is reloaded from the base model on resume.
     """
@@ -154,7 +158,7 @@ def save_shards(
         model_sd = without_frozen(model, model_sd)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(local_dir))
     Path(local_dir, progress.file_name()).write_text(json.dumps(asdict(progress), indent=1))
-    return local_files(local_dir)
+    return markers.local_digests(local_dir)
 
 
 def load_shards(model, optimizer, local_dir: str | Path, rank: int, trainable_only: bool = False) -> TrainingProgress:
@@ -226,7 +230,10 @@ def stored_files(storage: Storage, *parts: str) -> dict[str, int]:
 
 
 def check_complete(storage: Storage, *parts: str) -> str | None:
-    """None when the checkpoint at parts is complete; otherwise one line naming what is wrong."""
+    """None when the checkpoint at parts is complete and unchanged; otherwise one line naming what is wrong.
+
+    Sizes are checked first (cheap); then every listed file is read and hashed against the marker's sha256.
+    """
     where = storage.uri(*parts)
     present = stored_files(storage, *parts)
     if MARKER not in present:
@@ -235,9 +242,14 @@ def check_complete(storage: Storage, *parts: str) -> str | None:
         marker = json.loads(storage.read_bytes(*parts, MARKER))
         expected = {str(k): int(v) for k, v in marker["files"].items()}
         int(marker["step"])
+        digests = markers.parse_digests(marker) if "sha256" in marker else None
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         return f"{where}: completion marker unreadable ({type(e).__name__}: {e})"
     problems = missing_files(expected, present)
+    if not problems and digests is None:
+        problems = [f"{MARKER} lists no sha256 per file (written by an earlier release): content unverifiable"]
+    if not problems and digests is not None:
+        problems = markers.digest_problems(digests, markers.stored_digests(storage, *parts, names=digests))
     return f"{where}: {'; '.join(problems)}" if problems else None
 
 
@@ -245,12 +257,16 @@ def read_step(storage: Storage, *parts: str) -> int:
     return int(storage.read_json(*parts, MARKER)["step"])
 
 
-def write_marker(storage: Storage, step: int, files: dict[str, int], *parts: str) -> None:
-    """Write the completion marker LAST, after checking the listed files really are in storage."""
-    problems = missing_files(files, stored_files(storage, *parts))
+def write_marker(storage: Storage, step: int, files: Digests, *parts: str) -> None:
+    """Write the completion marker LAST, after checking the listed files really are in storage.
+
+    The sha256 per file comes from the writer's local copy; a reader hashes what is stored against it
+    (check_complete), so an upload that changed a file, or a later edit, makes the checkpoint unusable.
+    """
+    problems = missing_files({n: d.size for n, d in files.items()}, stored_files(storage, *parts))
     if problems:
         raise FileNotFoundError(f"{storage.uri(*parts)}: not marking complete, {'; '.join(problems)}")
-    storage.write_json({"step": step, "files": files, "written_at": now_iso()}, *parts, MARKER)
+    storage.write_json({"step": step, **markers.marker_fields(files), "written_at": now_iso()}, *parts, MARKER)
 
 
 def list_checkpoints(storage: Storage, *run_parts: str) -> list[tuple[int, str]]:
@@ -292,13 +308,17 @@ def write_hf_export(
     endpoint_url: str | None,
     storage: Storage,
     path: str,
+    made_by: dict[str, Any],
     also: Callable[[Path], None] | None = None,
-) -> None:
-    """Write the full state dict as a Hugging Face model at storage `path`, marker last.
+) -> ExportManifest:
+    """Write the full state dict as a Hugging Face model at storage `path`: files, manifest, marker last.
+
+    made_by names the producer for the manifest: run_id, invocation and run_name (the Ray Train run).
 
     The weights take the base config's dtype (fp32 when it names none); tokenizer and generation
     config come from the base model, so the export loads and generates like the base does.
-    `also` writes further files into the export directory (the LoRA adapter); the marker covers them.
+    `also` writes further files into the export directory (the LoRA adapter) before it is hashed and
+    uploaded: the manifest's content hash and the marker cover them.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -316,9 +336,28 @@ def write_hf_export(
         copy_base_files(materialize(model_cfg.source, endpoint_url), model_cfg, endpoint_url, Path(tmp))
         if also is not None:
             also(Path(tmp))
-        storage.remove(path, MARKER)  # an earlier, superseded export stops counting before any file changes
-        storage.upload_dir(tmp, path)
-        write_marker(storage, step, local_files(tmp), path)
+        return publish_export(storage, tmp, path, step, made_by)
+
+
+def publish_export(
+    storage: Storage, local_dir: str | Path, path: str, step: int, made_by: dict[str, Any]
+) -> ExportManifest:
+    """Upload a finished local export to storage `path`: files, then its manifest, then the marker last."""
+    storage.remove(path, MARKER)  # an earlier, superseded export stops counting before any file changes
+    storage.remove(path, markers.EXPORT_MANIFEST)
+    storage.upload_dir(local_dir, path)
+    files = markers.local_digests(local_dir)
+    manifest = ExportManifest(
+        content_sha256=markers.content_sha256(files),
+        files=markers.content_files(files),
+        step=step,
+        written_at=now_iso(),
+        **made_by,
+    )
+    storage.write_bytes(manifest.model_dump_json(indent=1).encode(), path, markers.EXPORT_MANIFEST)
+    listed = {**files, **markers.stored_digests(storage, path, names=[markers.EXPORT_MANIFEST])}
+    write_marker(storage, step, listed, path)
+    return manifest
 
 
 def copy_base_files(source_ref: str, model_cfg, endpoint_url: str | None, out_dir: Path) -> None:

@@ -7,9 +7,13 @@ Runs inside a Ray job, submitted by tasks/ as
 Reads config.data.source (JSONL, CSV or parquet, local or s3://; hf://<name>[:split] where a hub is
 reachable), renders each row through the base model's chat template, masks the prompt out of the
 labels and writes parquet shards to datasets/<name>/<content-hash>/{train,eval}/ with manifest.json
-written last. The hash covers the source bytes, the field mapping, the system prompt, the tokenizer
-files and the prep settings, so a rerun with equal inputs is a cache hit that rewrites nothing.
-Rows that cannot be used are counted by reason; too many of them fail the stage as a data failure.
+written last. Rows come in one of three shapes (config.data.shape, tuneproof/core/shapes.py):
+columns (a prompt and a response column), template (a prompt laid out from named columns) or
+messages (a list of role/content turns; the loss covers assistant turns only, evaluation answers the
+last one). The hash covers the source bytes, the field mapping, the system prompt, the tokenizer
+files, the prep settings and the shape (with its template), so a rerun with equal inputs is a cache
+hit that rewrites nothing. Rows that cannot be used are counted by reason; too many of them fail the
+stage as a data failure.
 
 The fine-tune and evaluate stages read the result back with `read_split`.
 """
@@ -25,12 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from training.jobkit import JobContext, log, progress, run_stage
 from training.modeling import load_tokenizer
-from tuneproof.core import datahash
+from tuneproof.core import datahash, shapes
 from tuneproof.core.config import DataConfig
 from tuneproof.core.results import FailureClass, StageFailure, now_iso, one_line
 from tuneproof.core.storage import Storage
@@ -61,7 +66,14 @@ class Source:
 class Conversation:
     where: str  # "source" or "eval_source"
     row: int  # row index in that file, for drop evidence
-    parts: dict[str, str]
+    parts: dict[str, str]  # columns and template shapes: prompt, response[, system]
+    messages: shapes.Messages | None = None  # messages shape: the turns, through the last assistant one
+
+    def split_key(self) -> str:
+        return datahash.split_key(self.parts if self.messages is None else {"messages": self.messages})
+
+
+Parsed = tuple[list[tuple[int, Any]], int]  # ([(row index, record)], rows read)
 
 
 @dataclass
@@ -80,6 +92,10 @@ def prepare_data(ctx: JobContext) -> DataSummary:
     eval_source = read_source(cfg.data.eval_source, cfg.data.format, endpoint) if cfg.data.eval_source else None
     tokenizer = load_tokenizer(cfg.model.source, cfg.model.revision, endpoint)
     tokenizer_sha = tokenizer_sha256(tokenizer)
+    drops = datahash.Drops()
+    parsed = parse_rows(source, drops, "source")
+    eval_parsed = parse_rows(eval_source, drops, "eval_source") if eval_source else None
+    shape = resolve_shape(cfg.data, parsed)
     source_id, eval_source_id = source.identity(), eval_source.identity() if eval_source else None
     content_hash = datahash.content_hash(
         source_id.sha256,
@@ -88,13 +104,14 @@ def prepare_data(ctx: JobContext) -> DataSummary:
         cfg.data.system_prompt,
         tokenizer_sha,
         prep_settings(cfg.data),
+        shape=shape_identity(cfg.data, shape),
     )
     dataset_path = posixpath.join("datasets", cfg.data.name, content_hash)
     if storage.exists(dataset_path, "manifest.json"):
         log(f"dataset {dataset_path} already prepared: cache hit, nothing rewritten")
         return stage_summary(storage, dataset_path, read_manifest(storage, dataset_path), cache_hit=True)
 
-    splits, drops, total_rows = build_splits(cfg.data, tokenizer, source, eval_source)
+    splits, total_rows = build_splits(cfg.data, shape, tokenizer, parsed, eval_parsed, drops)
     enforce_limits(splits, drops, total_rows, cfg.data.max_dropped_fraction)
     manifest = DatasetManifest(
         name=cfg.data.name,
@@ -105,6 +122,9 @@ def prepare_data(ctx: JobContext) -> DataSummary:
         eval_source=eval_source_id,
         tokenizer_sha256=tokenizer_sha,
         settings=prep_settings(cfg.data),
+        shape=shape,
+        template_sha256=shapes.template_sha256(template_dict(cfg.data)) if shape == "template" else None,
+        loss_on=cfg.data.loss_on if shape == "messages" else None,
         splits=write_splits(storage, dataset_path, splits, cfg.data.shard_rows),
         dropped=drops.to_json(),
         total_rows=total_rows,
@@ -112,7 +132,7 @@ def prepare_data(ctx: JobContext) -> DataSummary:
     )
     storage.write_json(manifest.to_json(), dataset_path, "manifest.json")  # last: the dataset counts only from here on
     log(
-        f"dataset {dataset_path}: train {len(splits['train'])} rows, eval {len(splits['eval'])} rows, dropped {drops.total}"
+        f"dataset {dataset_path} ({shape}): train {len(splits['train'])} rows, eval {len(splits['eval'])} rows, dropped {drops.total}"
     )
     return stage_summary(storage, dataset_path, manifest, cache_hit=False)
 
@@ -127,6 +147,24 @@ def prep_settings(data: DataConfig) -> dict[str, Any]:
         "seed": data.seed,
         "shard_rows": data.shard_rows,
     }
+
+
+def resolve_shape(data: DataConfig, parsed: Parsed) -> str:
+    """data.shape, or for auto the shape of the first decodable row; logged, since auto decides it."""
+    rows, _ = parsed
+    shape = shapes.resolve_shape(
+        data.shape, rows[0][1] if rows else None, data.messages_column, data.template is not None
+    )
+    log(f"rows read as shape {shape}" + (" (auto)" if data.shape == "auto" else ""))
+    return shape
+
+
+def template_dict(data: DataConfig) -> dict[str, str]:
+    return data.template.model_dump() if data.template else {}
+
+
+def shape_identity(data: DataConfig, shape: str) -> dict[str, Any] | None:
+    return shapes.shape_identity(shape, template_dict(data), data.messages_column, data.loss_on)
 
 
 def stage_summary(storage: Storage, dataset_path: str, manifest: DatasetManifest, cache_hit: bool) -> DataSummary:
@@ -206,7 +244,7 @@ def parse_jsonl(source: Source):
     for index, line in enumerate(lines):
         try:
             yield index, json.loads(line.decode("utf-8")), None
-        except (UnicodeDecodeError, ValueError):
+        except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: absurdly nested JSON
             yield index, None, line
 
 
@@ -242,48 +280,99 @@ def parse_parquet(source: Source):
 # ---- rows -> examples -> splits ----------------------------------------------------------------
 
 
-def build_splits(data: DataConfig, tokenizer, source: Source, eval_source: Source | None):
-    """({"train": [Example], "eval": [Example]}, drops, total rows read)."""
-    drops = datahash.Drops()
-    convs, total = conversations(source, data, drops, "source")
-    if eval_source is None:
-        keys = [datahash.split_key(c.parts) for c in convs]
+def build_splits(
+    data: DataConfig, shape: str, tokenizer, parsed: Parsed, eval_parsed: Parsed | None, drops: datahash.Drops
+) -> tuple[dict[str, list[Example]], int]:
+    """({"train": [Example], "eval": [Example]}, total rows read); dropped rows go to drops."""
+    convs, total = conversations(parsed, data, shape, drops, "source")
+    if eval_parsed is None:
+        keys = [c.split_key() for c in convs]
         train_idx, eval_idx = datahash.split_indices(keys, data.eval_fraction, data.seed)
         train_convs, eval_convs = [convs[i] for i in train_idx], [convs[i] for i in eval_idx]
     else:
-        eval_convs, eval_total = conversations(eval_source, data, drops, "eval_source")
+        eval_convs, eval_total = conversations(eval_parsed, data, shape, drops, "eval_source")
         total += eval_total
-        order = datahash.rank_for_split([datahash.split_key(c.parts) for c in convs], data.seed)
+        order = datahash.rank_for_split([c.split_key() for c in convs], data.seed)
         train_convs = [convs[i] for i in order]
     progress("data", 1, 3, rows=total)
     splits = {
-        "train": fit_split(encode(tokenizer, train_convs, data.system_prompt), train_convs, data, drops, data.overflow),
+        "train": fit_split(*encode_split(tokenizer, train_convs, data, drops), data, drops, data.overflow),
         # Packing serves training only; evaluation needs one prompt per row.
         "eval": fit_split(
-            encode(tokenizer, eval_convs, data.system_prompt),
-            eval_convs,
+            *encode_split(tokenizer, eval_convs, data, drops),
             data,
             drops,
             "drop" if data.overflow == "pack" else data.overflow,
         ),
     }
     progress("data", 2, 3, rows=total, dropped=drops.total)
-    return splits, drops, total
+    return splits, total
 
 
 def conversations(
-    source: Source, data: DataConfig, drops: datahash.Drops, where: str
+    parsed: Parsed, data: DataConfig, shape: str, drops: datahash.Drops, where: str
 ) -> tuple[list[Conversation], int]:
-    fields = data.fields.model_dump()
-    rows, total = parse_rows(source, drops, where)
+    rows, total = parsed
     convs = []
     for index, record in rows:
-        reason, parts = datahash.check_row(record, fields)
-        if reason:
-            drops.add(reason, where, index, record)
+        checked = check_record(record, data, shape, where, index)
+        if isinstance(checked, str):
+            drops.add(checked, where, index, record)
         else:
-            convs.append(Conversation(where, index, parts))
+            convs.append(checked)
     return convs, total
+
+
+def check_record(record: Any, data: DataConfig, shape: str, where: str, index: int) -> Conversation | str:
+    """The row's conversation, read as the shape says, or the reason to drop the row."""
+    if shape == "messages":
+        reason, messages = shapes.check_messages(record, data.messages_column)
+        return reason or Conversation(where, index, {}, messages)
+    if shape == "template" and data.template is not None:
+        reason, parts = shapes.check_template_row(
+            record, data.template.prompt, data.template.response, data.fields.system
+        )
+    else:
+        reason, parts = datahash.check_row(record, data.fields.model_dump())
+    return reason or Conversation(where, index, parts)
+
+
+def encode_split(
+    tokenizer, convs: list[Conversation], data: DataConfig, drops: datahash.Drops
+) -> tuple[list[Example], list[Conversation]]:
+    """(examples, the conversations they came from): a conversation the chat template rejects is dropped."""
+    if not convs or convs[0].messages is None:
+        return encode(tokenizer, convs, data.system_prompt), convs
+    examples, kept = [], []
+    for conv in convs:
+        try:
+            examples.append(encode_messages(tokenizer, conv.messages or [], data))
+            kept.append(conv)
+        except jinja2.TemplateError as e:
+            drops.add("template_rejected", conv.where, conv.row, f"{type(e).__name__}: {e}")
+    return examples, kept
+
+
+def encode_messages(tokenizer, messages: shapes.Messages, data: DataConfig) -> Example:
+    """One conversation rendered with the tokenizer's chat template; labels on its assistant turns only."""
+    messages = shapes.with_system(messages, data.system_prompt)
+
+    def render(turns: shapes.Messages, add_generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def tokenize(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    try:
+        ids, labels = shapes.assistant_labels(messages, render, tokenize, data.loss_on)
+    except shapes.NotAPrefix as e:
+        raise StageFailure(
+            "data",
+            f"{e}; the base model's chat template re-renders earlier turns as the conversation grows, "
+            "so the messages shape cannot mask it: use data.loss_on last_assistant, or the columns shape",
+        ) from e
+    prompt, reference = shapes.eval_pair(messages, render)
+    return Example(ids, labels, prompt, reference)
 
 
 def encode(tokenizer, convs: list[Conversation], system_prompt: str | None) -> list[Example]:

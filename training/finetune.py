@@ -11,7 +11,9 @@ model to runs/<run>/model. Workers hand results back through storage, never as e
 crossing Ray: runs/<run>/stages/<job>/metrics.jsonl (every step) and outcome.json (how it ended).
 
 Params (ctx.params), checked by TrainParams: dataset (required), run_name, init_from, max_steps,
-checkpoint_every, export, hold_after_checkpoint_step, first_step_marker, inject_nan_at_step.
+checkpoint_every, export, hold_after_checkpoint_step, first_step_marker, inject_nan_at_step, invocation.
+A job whose run already holds a complete checkpoint at max_steps would train nothing: it is refused
+(a modeling failure naming train.max_steps and train.continue_previous) instead of re-exporting old weights.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from training.jobkit import JobContext, run_stage
 from training.lora import ADAPTER_DIR
 from training.schedule import WarmupCosine
 from tuneproof.core.hashing import IGNORE_INDEX
+from tuneproof.core.markers import Digests, ExportUnverified, read_export_manifest
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import FinetuneSummary, LossPoint
@@ -84,6 +87,8 @@ class TrainParams(BaseModel):
     """Record restored_step and first_step_completed_at (unix time) in the summary."""
     inject_nan_at_step: int | None = Field(None, ge=1)
     """Test hook: make the loss NaN at this step."""
+    invocation: int | None = None
+    """The run record's invocation this job belongs to; written into the export's manifest."""
 
     @model_validator(mode="after")
     def _hold_on_a_checkpoint(self) -> TrainParams:
@@ -118,6 +123,7 @@ def finetune(ctx: JobContext) -> FinetuneSummary:
     started = time.time()
     if params.init_from:
         require_complete(params.init_from, ctx.config.storage.endpoint_url, "params.init_from")
+    refuse_nothing_to_train(ctx, params)
     ctx.storage.remove(*ctx.stage_parts(OUTCOME))  # an earlier attempt's ending says nothing about this one
     error = run_trainer(ctx, params)
     outcome = read_outcome(ctx, error)
@@ -131,6 +137,18 @@ def require_complete(uri: str, endpoint_url: str | None, what: str) -> None:
     problem = check_complete(Storage(uri, endpoint_url))
     if problem:
         raise StageFailure(FailureClass.infrastructure, f"{what} is not a complete checkpoint: {problem}")
+
+
+def refuse_nothing_to_train(ctx: JobContext, params: TrainParams) -> None:
+    """A run whose latest complete checkpoint is already at (or past) max_steps would train 0 steps."""
+    latest = latest_complete_checkpoint(ctx.storage, *ctx.run_parts("train", params.run_name))
+    if latest is not None and latest.step >= params.max_steps:
+        raise StageFailure(
+            FailureClass.modeling,
+            f"Ray Train run {params.run_name} already has a complete checkpoint at step {latest.step} >= "
+            f"max_steps {params.max_steps}: nothing to train. Raise train.max_steps to continue it "
+            "(with train.continue_previous=true), or leave continue_previous false to train a fresh run",
+        )
 
 
 def run_trainer(ctx: JobContext, params: TrainParams) -> Exception | None:
@@ -183,6 +201,7 @@ def summarize(ctx: JobContext, params: TrainParams, outcome: dict, seconds: floa
     speeds = [r["tokens_per_s"] for r in latest_rows(rows)]
     mfus = [r["mfu"] for r in latest_rows(rows) if r.get("mfu") is not None]
     export = outcome.get("export_path")
+    export_sha256 = export_content_hash(ctx.storage, export) if export else None
     restored = params.first_step_marker and outcome["restored_from"]
     return FinetuneSummary(
         run_name=params.run_name,
@@ -199,6 +218,8 @@ def summarize(ctx: JobContext, params: TrainParams, outcome: dict, seconds: floa
         seconds=round(seconds, 3),
         export_path=export,
         export_uri=ctx.storage.uri(export) if export else None,
+        export_sha256=export_sha256,
+        invocation=params.invocation,
         mfu=sum(mfus) / len(mfus) if mfus else None,
         restored_step=outcome["start_step"] if restored else None,
         first_step_completed_at=outcome["first_step_completed_at"] if restored else None,
@@ -207,6 +228,14 @@ def summarize(ctx: JobContext, params: TrainParams, outcome: dict, seconds: floa
         total_params=outcome["total_params"],
         adapter_path=posixpath.join(export, ADAPTER_DIR) if export and ctx.config.train.method == "lora" else None,
     )
+
+
+def export_content_hash(storage: Storage, export: str) -> str:
+    """The content hash in the export's manifest (just written by rank 0)."""
+    try:
+        return read_export_manifest(storage, export).content_sha256
+    except ExportUnverified as e:
+        raise StageFailure(FailureClass.infrastructure, str(e)) from None
 
 
 def read_metrics(storage: Storage, parts: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -515,7 +544,7 @@ def save_checkpoint(w: Worker, step: int, loss: float) -> None:
     flush_metrics(w)  # metrics survive an interruption at least up to this checkpoint
     with tempfile.TemporaryDirectory(prefix="tuneproof-save-") as local_dir:
         files = save_shards(w.model, w.optimizer, progress_at(w, step), local_dir, trainable_only=w.lora)
-        every_rank: list[dict[str, int]] = [{} for _ in range(w.world_size)]
+        every_rank: list[Digests] = [{} for _ in range(w.world_size)]
         dist.all_gather_object(every_rank, files)
         ray.train.report(
             {"step": step, "loss": finite_or_none(loss)},
@@ -525,7 +554,7 @@ def save_checkpoint(w: Worker, step: int, loss: float) -> None:
         )
     dist.barrier()  # report returns before other ranks finish uploading: wait for all of them
     if w.rank == 0:
-        listed = {name: size for files_of_rank in every_rank for name, size in files_of_rank.items()}
+        listed = {name: digest for files_of_rank in every_rank for name, digest in files_of_rank.items()}
         write_marker(w.storage, step, listed, *w.run_parts, checkpoint_dir_name(step))
         w.log(f"checkpoint step {step} complete: {w.storage.uri(*w.run_parts, checkpoint_dir_name(step))}")
 
@@ -564,10 +593,11 @@ def export_model(w: Worker, step: int) -> str:
 
     state = trained_state_dict(w.model) if w.lora else full_state_dict(w.model)
     path = posixpath.join(*w.ctx.run_parts(w.params.export_dir(w.ctx.run_id)))
-    if w.rank == 0 and w.lora:
-        write_lora_export(state, step, w.ctx.config, w.storage, path)  # merged model, adapter/ inside it
+    made_by = {"run_id": w.ctx.run_id, "invocation": w.params.invocation, "run_name": w.params.run_name}
+    if w.rank == 0 and w.lora:  # merged model, adapter/ inside it: one manifest over both
+        write_lora_export(state, step, w.ctx.config, w.storage, path, made_by)
     elif w.rank == 0:
-        write_hf_export(state, step, w.ctx.config.model, w.ctx.config.storage.endpoint_url, w.storage, path)
+        write_hf_export(state, step, w.ctx.config.model, w.ctx.config.storage.endpoint_url, w.storage, path, made_by)
         w.log(f"exported the model to {w.storage.uri(path)}")
     dist.barrier()
     return path

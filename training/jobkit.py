@@ -22,6 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from tuneproof.core import forward_env
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.envelope import ENV_VAR, PROGRESS_PREFIX, JobEnvelope, ProgressEvent
 from tuneproof.core.results import FailureClass, StageFailure, StageResult, now_iso, one_line
@@ -55,8 +56,12 @@ def encode_job(run_id: str, job: str, config: PipelineConfig, params: dict[str, 
     return JobEnvelope(run_id=run_id, job=job, config=config, params=params or {}).encode()
 
 
-def load_context(environ: dict[str, str] | None = None) -> JobContext:
+def load_context(environ: dict[str, str] | None = None, forwarded: bool = True) -> JobContext:
+    """The job's context from its envelope; with `forwarded`, runtime_env.forward_env's variables are put
+    into this process's environment first (every process of a job that runs user code calls this)."""
     envelope = JobEnvelope.decode((environ or os.environ).get(ENV_VAR))
+    if forwarded:
+        forward_env.load(envelope.config.runtime_env.forward_env)
     return JobContext(envelope.run_id, envelope.job, envelope.config, envelope.params)
 
 
@@ -72,9 +77,10 @@ def progress(stage: str, done: int, total: int, **metrics: Any) -> None:
 
 def run_stage(body: Callable[[JobContext], Summary]) -> None:
     """Run a stage body, write its StageResult, and exit 0 (succeeded) or 1 (failed)."""
-    ctx = load_context()
+    ctx = load_context(forwarded=False)
     started = now_iso()
     try:
+        forward_env.load(ctx.config.runtime_env.forward_env)
         summary = body(ctx)
         result = StageResult(
             stage=ctx.job, status="succeeded", summary=summary.to_json(), started_at=started, ended_at=now_iso()

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tuneproof.core.config import LORA_ADAPTER_DIR, LoraSettings, PipelineConfig
+from tuneproof.core.markers import ExportManifest
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
 
@@ -90,21 +91,26 @@ def trained_state_dict(model) -> dict[str, Any]:
     return without_frozen(model, get_model_state_dict(model, options=options))
 
 
-def write_lora_export(adapters: dict, step: int, cfg: PipelineConfig, storage: Storage, path: str) -> None:
-    """Rank 0: the adapter on a fresh base, saved in peft format, and merged into a full model beside it."""
+def write_lora_export(
+    adapters: dict, step: int, cfg: PipelineConfig, storage: Storage, path: str, made_by: dict[str, Any]
+) -> ExportManifest:
+    """Rank 0: the adapter on a fresh base, saved in peft format, and merged into a full model beside it.
+
+    One manifest (and one content hash) covers both: the merged model's files and adapter/'s."""
     from training.checkpointing import write_hf_export
 
     peft_model = adapted_base(adapters, cfg)
     with tempfile.TemporaryDirectory(prefix="tuneproof-adapter-") as adapter_dir:
         peft_model.save_pretrained(adapter_dir, safe_serialization=True)
         merged = peft_model.merge_and_unload()  # base weights += B @ A * alpha / rank; plain modules again
-        write_hf_export(
+        return write_hf_export(
             merged.state_dict(),
             step,
             cfg.model,
             cfg.storage.endpoint_url,
             storage,
             path,
+            made_by,
             also=lambda export_dir: _copy_tree(Path(adapter_dir), export_dir / ADAPTER_DIR),
         )
 

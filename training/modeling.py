@@ -1,8 +1,8 @@
 """Load a Qwen model, config or tokenizer from a hub id, a local directory, or an s3:// prefix.
 
 The same path serves `Qwen/Qwen2.5-1.5B` on EKS and the tiny local model here: s3:// prefixes
-are synced to local disk first (a stable cache dir keyed by the URI), then everything goes
-through `from_pretrained`. `trust_remote_code` stays off and only safetensors weights load.
+are synced to local disk first (a cache dir keyed by the objects' content, never by the URI alone:
+a prefix rewritten by a rerun gets a new copy), then everything goes through `from_pretrained`. `trust_remote_code` stays off and only safetensors weights load.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def materialize(source: str, endpoint_url: str | None = None) -> str:
     """
     if not source.startswith("s3://"):
         return source
-    key = hashlib.sha256(f"{endpoint_url}|{source}".encode()).hexdigest()[:16]
+    key = mirror_key(Storage(source, endpoint_url), endpoint_url)
     target = CACHE_ROOT / key
     if (target / "config.json").exists():
         return str(target)
@@ -44,6 +44,43 @@ def materialize(source: str, endpoint_url: str | None = None) -> str:
     return str(target)
 
 
+def mirror_key(storage: Storage, endpoint_url: str | None) -> str:
+    """The cache key of an S3 prefix: its URI plus every object's name, size and ETag (content-derived),
+    so a changed object under the same URI is a cache miss instead of a silently stale model."""
+    base = storage.path().rstrip("/")
+    try:
+        listing = storage.fs.find(base, detail=True)
+    except FileNotFoundError:
+        listing = {}
+    digest = hashlib.sha256(f"{endpoint_url}|{storage.root}".encode())
+    for path in sorted(listing):
+        info = listing[path]
+        digest.update(f"\0{path[len(base) :]}|{info.get('size')}|{info.get('ETag') or info.get('etag')}".encode())
+    return digest.hexdigest()[:16]
+
+
+class ModelUnreadable(OSError):
+    """A local model directory that is not a loadable Hugging Face model (no config.json, corrupt or missing weights).
+
+    An OSError, as transformers raises for the same directories, so callers that caught those still do."""
+
+
+def _from_pretrained(loader, ref: str, **kwargs):
+    """loader.from_pretrained(ref); for a local directory, any failure becomes ModelUnreadable naming it.
+
+    transformers reports a broken directory as OSError, ValueError or safetensors' own error type,
+    often without the path: the job's one-line cause must say which directory to fix."""
+    local = Path(ref).is_dir()
+    if local and not (Path(ref) / "config.json").is_file():
+        raise ModelUnreadable(f"model directory {ref} has no config.json: not a Hugging Face model directory")
+    try:
+        return loader.from_pretrained(ref, **kwargs)
+    except Exception as e:  # noqa: BLE001 - re-raised with the directory named; hub errors pass through
+        if not local:
+            raise
+        raise ModelUnreadable(f"model directory {ref} is not a loadable model: {type(e).__name__}: {e}") from e
+
+
 def _common(revision: str | None) -> dict:
     return {"revision": revision, "trust_remote_code": False}
 
@@ -51,19 +88,19 @@ def _common(revision: str | None) -> dict:
 def load_config(source: str, revision: str | None = None, endpoint_url: str | None = None):
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(materialize(source, endpoint_url), **_common(revision))
+    return _from_pretrained(AutoConfig, materialize(source, endpoint_url), **_common(revision))
 
 
 def load_tokenizer(source: str, revision: str | None = None, endpoint_url: str | None = None):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(materialize(source, endpoint_url), **_common(revision))
+    return _from_pretrained(AutoTokenizer, materialize(source, endpoint_url), **_common(revision))
 
 
 def load_model(source: str, revision: str | None = None, endpoint_url: str | None = None, dtype=None):
     """AutoModelForCausalLM from safetensors only (use_safetensors=True refuses pickled .bin weights)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
-        materialize(source, endpoint_url), use_safetensors=True, dtype=dtype, **_common(revision)
+    return _from_pretrained(
+        AutoModelForCausalLM, materialize(source, endpoint_url), use_safetensors=True, dtype=dtype, **_common(revision)
     )

@@ -4,7 +4,9 @@ Runs as a Ray job: `python -m training.verify` with TUNEPROOF_JOB set (tasks/job
 One probe task per alive node, pinned to it, collects versions, GPU counts and an environment
 digest; tuneproof.core.checks compares them with cluster.expect and across nodes. A second task, on a
 worker node when there is one, writes, reads back and deletes a small object under this stage's
-storage prefix with the worker's own identity. Any error finding fails the stage as infrastructure.
+storage prefix with the worker's own identity, and probes that the store honours conditional writes
+(a stale If-Match must be rejected: the production pointer's compare-and-swap rests on it; a store
+that ignores them is named as an error finding). Any error finding fails the stage as infrastructure.
 
 The Kubernetes half (image digests, pod GPU limits) lives elsewhere and reports Findings the same way.
 """
@@ -19,6 +21,7 @@ import uuid
 from typing import Any
 
 from training.jobkit import JobContext, log, run_stage
+from tuneproof.core import cas, forward_env
 from tuneproof.core.checks import check_nodes, environment_digest, node_subject, summarize_cluster
 from tuneproof.core.config import StorageConfig
 from tuneproof.core.findings import Finding, errors
@@ -46,6 +49,7 @@ def verify(ctx: JobContext) -> VerifySummary:
         findings=findings,
         cluster=ClusterFacts.model_validate(summarize_cluster(facts)),
         storage_probe=StorageProbe.model_validate(storage_probe),
+        forwarded_env=forward_env.presence(ctx.config.runtime_env.forward_env),
     )
     fail_on_errors(findings, summary)
     log(f"verify: {len(facts)} node(s) agree with cluster.expect; storage round trip {storage_probe['seconds']:.2f}s")
@@ -166,12 +170,14 @@ def storage_roundtrip(storage_cfg: dict, parts: list[str]) -> dict[str, Any]:
         raise OSError(f"read back {len(read)} bytes that differ from the {len(payload)} bytes written")
     if storage.exists(*parts):
         raise OSError("the object still exists after delete")
-    return {"ok": True, "seconds": round(time.monotonic() - start, 3)}
+    seconds = round(time.monotonic() - start, 3)
+    ignored = cas.honours_conditional_writes(storage, *parts[:-1], f"{parts[-1]}-cas")
+    return {"ok": True, "seconds": seconds, "conditional_writes": ignored or "honoured"}
 
 
 def storage_findings(probe: dict) -> list[Finding]:
     if probe["ok"]:
-        return []
+        return conditional_write_findings(probe)
     return [
         Finding(
             f"storage {probe['uri']}",
@@ -179,6 +185,23 @@ def storage_findings(probe: dict) -> list[Finding]:
             probe["error"],
             "ok",
             f"from a task on node {probe['node_ip']}",
+        )
+    ]
+
+
+def conditional_write_findings(probe: dict) -> list[Finding]:
+    """An error when the store accepted a write it should have refused: compare-and-swap is then a blind write."""
+    seen = probe.get("conditional_writes")
+    if seen in (None, "honoured"):
+        return []
+    return [
+        Finding(
+            f"storage {probe['uri']}",
+            "conditional writes",
+            seen,
+            "honoured",
+            "the store ignores If-Match/If-None-Match: two promotions could both move the production pointer; "
+            "use a store that honours conditional writes (S3, recent MinIO) or a local/FSx root",
         )
     ]
 

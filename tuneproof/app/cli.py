@@ -3,19 +3,25 @@
     tuneproof local up|down|status
     tuneproof run [--config F] [--set k.v=x]... [--only STAGE,...] [--run-id RUN]
     tuneproof runs list [--json] | show RUN [--json] | diff A B [--json]
+    tuneproof compare --stages S,... --a k=v... --b k=v... [--repeats N] [--json]
     tuneproof verify [--config F] [--from-files DIR]
     tuneproof lint [PATH...]
     tuneproof transport LOG... [--expect efa]
     tuneproof models list | show NAME
     tuneproof promote RUN --force --reason TEXT
 
-Exit codes of `run`: 0 ok, 3 invalid config, 4 infrastructure, 5 data, 6 modeling failure.
+Exit codes of `run`: 0 ok, 3 invalid config or refused request (nothing ran), 4 infrastructure failure or a
+crashed flow, 5 data, 6 modeling failure, 130 cancelled (Ctrl-C).
+Every command: 1 findings that are errors (or the run/model asked for is absent or unreadable), 2 a
+malformed argument (click's usage convention), 3 an invalid config or refused request, 4 storage or
+another resource that cannot be read; an unexpected exception is one `error: ...` line, exit 4.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -25,9 +31,18 @@ from rich.console import Console
 
 from flows import stages as table
 from tuneproof.core.config import PROJECT_ROOT, ConfigError, PipelineConfig, load_config
-from tuneproof.core.results import EXIT_INVALID_CONFIG, exit_code_for
+from tuneproof.core.names import slug_problem
+from tuneproof.core.results import EXIT_BY_CLASS, EXIT_INVALID_CONFIG, FailureClass, exit_code_for
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Fine-tune Qwen on Ray; promote only on evidence.")
+EXIT_CANCELLED = 130
+"""128 + SIGINT, as a shell reports a command stopped by Ctrl-C."""
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Fine-tune Qwen on Ray; promote only on evidence.",
+)
 local_app = typer.Typer(no_args_is_help=True, help="The embedded local cluster (Ray head, Prefect server + worker).")
 runs_app = typer.Typer(no_args_is_help=True, help="Read run records.")
 models_app = typer.Typer(no_args_is_help=True, help="Read the model registry.")
@@ -41,9 +56,40 @@ ConfigOpt = typer.Option(None, "--config", "-c", help="YAML profile (default con
 SetOpt = typer.Option([], "--set", "-s", help="Override a field: dotted.key=value (repeatable).")
 
 
+EXIT_UNEXPECTED = 4
+
+
 def main() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    app()
+    sys.exit(guarded(app))
+
+
+def guarded(command: Any) -> int:
+    """Run the CLI; the last resort for an exception no reader anticipated: one line, exit 4, never a traceback.
+
+    Every input the bad-input suite (tests/test_bad_input.py) feeds in gets its own message before this."""
+    try:
+        command()
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except OSError as e:  # storage or a file vanished, refused or broke mid-read: an infrastructure problem
+        err.print(f"error: cannot read {e.filename or 'storage'}: {e.strerror or e}", markup=False)
+        return EXIT_UNEXPECTED
+    except Exception as e:  # noqa: BLE001 - the point of the guard
+        err.print(f"error: {type(e).__name__}: {e} (please report)", markup=False)
+        return EXIT_UNEXPECTED
+    return 0
+
+
+def slug_arg(kind: str):
+    """A typer callback refusing an id that is not a slug (exit 2, click's convention for a bad argument)."""
+
+    def check(value: str | None) -> str | None:
+        if value is not None and (problem := slug_problem(value)):
+            raise typer.BadParameter(f"{kind} {value!r} {problem}")
+        return value
+
+    return check
 
 
 def config_or_exit(config: Path | None, sets: list[str]) -> PipelineConfig:
@@ -56,7 +102,7 @@ def config_or_exit(config: Path | None, sets: list[str]) -> PipelineConfig:
     if problems:
         err.print("[bold red]invalid config[/] — nothing was submitted:")
         for p in problems:
-            err.print(f"  {p}")
+            err.print(f"  {p}", markup=False)
         raise typer.Exit(EXIT_INVALID_CONFIG)
     return cfg
 
@@ -76,7 +122,9 @@ def run(
     config: Path | None = ConfigOpt,
     sets: list[str] = SetOpt,
     only: str | None = typer.Option(None, help=f"Comma-separated subset of: {','.join(table.names())}."),
-    run_id: str | None = typer.Option(None, "--run-id", help="Rerun stages against this existing run."),
+    run_id: str | None = typer.Option(
+        None, "--run-id", callback=slug_arg("run id"), help="Rerun stages against this existing run."
+    ),
 ) -> None:
     """Run the pipeline; prints the run id; exit code by failure class."""
     cfg = config_or_exit(config, sets)
@@ -88,17 +136,28 @@ def run(
         )
     from tuneproof.app.terminal import run_with_display
 
-    record = run_with_display(cfg, run_id, stages, console)
+    try:
+        record = run_with_display(cfg, run_id, stages, console)
+    except KeyboardInterrupt:
+        # The flow has marked its record cancelled, stopped its Ray job and released the run's lease.
+        err.print("[bold red]cancelled[/] (Ctrl-C): the record says `cancelled`")
+        raise typer.Exit(EXIT_CANCELLED) from None
     raise typer.Exit(run_exit_code(record))
 
 
 def run_exit_code(record: Any) -> int:
-    """By failure class; a failed run without one was a request that could not run (e.g. --only
-    without an earlier stage's output), which is a usage error like an invalid config."""
+    """By failure class; a crashed flow is an infrastructure failure (4), a cancelled one 130; a failed
+    run without a class was a request that could not run (e.g. --only without an earlier stage's output,
+    or another flow holding the run), which is a usage error like an invalid config."""
     doc = record.to_json() if hasattr(record, "to_json") else record
     if doc.get("failure_class"):
         return exit_code_for(doc["failure_class"])
-    return EXIT_INVALID_CONFIG if doc.get("status") == "failed" else 0
+    status = doc.get("status")
+    if status == "crashed":
+        return EXIT_BY_CLASS[FailureClass.infrastructure]
+    if status == "cancelled":
+        return EXIT_CANCELLED
+    return EXIT_INVALID_CONFIG if status == "failed" else 0
 
 
 def parse_only(only: str | None) -> list[str] | None:
@@ -108,7 +167,7 @@ def parse_only(only: str | None) -> list[str] | None:
     try:
         table.plan(stages)
     except table.UnknownStages as e:
-        err.print(f"--only: {e}")
+        err.print(f"--only: {e}", markup=False)
         raise typer.Exit(EXIT_INVALID_CONFIG) from None
     return stages
 
@@ -118,10 +177,63 @@ def latest_run_id(cfg: PipelineConfig) -> str:
     from tuneproof.core.storage import Storage
 
     recs, _ = record.list_records(Storage.from_config(cfg.storage))
-    if not recs:
-        err.print("--only without --run-id needs an earlier run to rerun against; none found")
+    # A run that is still running (or whose writer died), crashed or was cancelled is no base to rerun against.
+    finished = [r for r in recs if r.status in ("succeeded", "failed")]
+    if not finished:
+        err.print("--only without --run-id needs an earlier finished run to rerun against; none found")
         raise typer.Exit(EXIT_INVALID_CONFIG)
-    return recs[0].run_id
+    return finished[0].run_id
+
+
+@app.command()
+def compare(
+    stages: str = typer.Option(
+        ..., "--stages", help=f"Comma-separated stages each repeat runs: {','.join(table.names())}."
+    ),
+    a: list[str] = typer.Option([], "--a", help="An override for arm A only: dotted.key=value (repeatable)."),
+    b: list[str] = typer.Option([], "--b", help="An override for arm B only: dotted.key=value (repeatable)."),
+    repeats: int = typer.Option(3, "--repeats", help="Runs per arm, interleaved A B A B ... (at least 2)."),
+    threshold: float = typer.Option(
+        0.05, "--threshold", help="Smallest relative change a verdict may call a difference."
+    ),
+    config: Path | None = ConfigOpt,
+    sets: list[str] = SetOpt,
+    comparison_id: str | None = typer.Option(None, "--id", help="Comparison id (default: a new one)."),
+    as_json: bool = typer.Option(False, "--json", help="Print comparison.json instead of the table."),
+) -> None:
+    """The same stages under settings A and B, interleaved; medians, spread, a 95% interval of B/A, a verdict."""
+    problems = []
+    cfgs = {}
+    for arm, extra in (("A", a), ("B", b)):
+        try:
+            cfgs[arm] = load_config(config, [*sets, *extra])
+            problems += [f"arm {arm}: {p}" for p in preflight(cfgs[arm])]
+        except ConfigError as e:
+            problems += [f"arm {arm}: {p}" for p in e.problems]
+    if not 0 < threshold < 1:
+        problems.append(f"--threshold must be between 0 and 1 (got {threshold})")
+    if not problems:
+        from flows.compare import ComparisonRefused, check_request
+
+        try:
+            check_request(cfgs["A"], cfgs["B"], parse_only(stages) or [], repeats)
+        except ComparisonRefused as e:
+            problems.append(str(e))
+    if problems:
+        err.print("[bold red]invalid comparison[/] — nothing was submitted:")
+        for p in problems:
+            err.print(f"  {p}")
+        raise typer.Exit(EXIT_INVALID_CONFIG)
+    from tuneproof.app.terminal import run_comparison
+
+    result = run_comparison(
+        cfgs["A"], cfgs["B"], parse_only(stages) or [], repeats, threshold, a, b, comparison_id, console
+    )
+    if as_json:
+        print(json.dumps(result, indent=2))
+    if result.get("failure_class"):
+        raise typer.Exit(exit_code_for(result["failure_class"]))
+    raise typer.Exit(0 if result.get("status") == "succeeded" else EXIT_INVALID_CONFIG)
 
 
 # ---------------------------------------------------------------- runs
@@ -130,7 +242,11 @@ def latest_run_id(cfg: PipelineConfig) -> str:
 def storage_for(config: Path | None, sets: list[str]):
     from tuneproof.core.storage import Storage
 
-    return Storage.from_config(config_or_exit(config, sets).storage)
+    storage = Storage.from_config(config_or_exit(config, sets).storage)
+    if not storage.is_s3 and Path(storage.root).exists() and not Path(storage.root).is_dir():
+        err.print(f"storage root {storage.root} is not a directory: check storage.root", markup=False)
+        raise typer.Exit(EXIT_BY_CLASS[FailureClass.infrastructure])
+    return storage
 
 
 @runs_app.command("list")
@@ -138,9 +254,10 @@ def runs_list(
     as_json: bool = typer.Option(False, "--json"), config: Path | None = ConfigOpt, sets: list[str] = SetOpt
 ) -> None:
     """Runs, newest first."""
-    from tuneproof.control import record
+    from tuneproof.control import lease, record
 
-    recs, unreadable = record.list_records(storage_for(config, sets))
+    storage = storage_for(config, sets)
+    recs, unreadable = record.list_records(storage)
     rows = [
         record.RecordRow(
             run_id=r.run_id,
@@ -151,6 +268,12 @@ def runs_list(
         )
         for r in recs
     ] + unreadable
+    for row in rows:
+        if row.status == "running":
+            # A record left "running" by a writer that died (kill -9, a lost machine) has no live lease.
+            _, why = lease.stale(storage, row.run_id)
+            if why is not None:
+                row.status, row.cause = "crashed", f"its writer is gone ({why}); the record was left running"
     if as_json:
         print(json.dumps([r.model_dump() for r in rows], indent=2))
         return
@@ -165,7 +288,7 @@ def runs_list(
 
 @runs_app.command("show")
 def runs_show(
-    run_id: str,
+    run_id: str = typer.Argument(..., callback=slug_arg("run id")),
     as_json: bool = typer.Option(False, "--json"),
     config: Path | None = ConfigOpt,
     sets: list[str] = SetOpt,
@@ -176,20 +299,25 @@ def runs_show(
     try:
         rec = record.load(storage_for(config, sets), run_id)
     except (FileNotFoundError, record.RecordUnreadable) as e:
-        err.print(str(e))
+        err.print(str(e), markup=False)
         raise typer.Exit(1) from None
     if as_json:
         print(json.dumps(rec.to_json(), indent=2))
         return
+    from pydantic import ValidationError
+
     from tuneproof.app.terminal import print_record
 
-    print_record(rec, console)
+    try:
+        print_record(rec, console)
+    except ValidationError as e:
+        raise typer.Exit(summary_unreadable(run_id, e)) from None
 
 
 @runs_app.command("diff")
 def runs_diff(
-    run_a: str,
-    run_b: str,
+    run_a: str = typer.Argument(..., callback=slug_arg("run id")),
+    run_b: str = typer.Argument(..., callback=slug_arg("run id")),
     as_json: bool = typer.Option(False, "--json"),
     config: Path | None = ConfigOpt,
     sets: list[str] = SetOpt,
@@ -202,13 +330,28 @@ def runs_diff(
     try:
         a, b = record.load(storage, run_a), record.load(storage, run_b)
     except (FileNotFoundError, record.RecordUnreadable) as e:
-        err.print(str(e))
+        err.print(str(e), markup=False)
         raise typer.Exit(1) from None
-    result = diff_records(a, b)
+    from pydantic import ValidationError
+
+    try:
+        result = diff_records(a, b)
+    except ValidationError as e:
+        raise typer.Exit(summary_unreadable(f"{run_a} or {run_b}", e)) from None
     if as_json:
         print(json.dumps(result, indent=2))
     else:
         console.print(render_diff(result))
+
+
+def summary_unreadable(run: str, e: Any) -> int:
+    """A record that parsed but holds a stage summary its model refuses (hand-edited, another release's)."""
+    first = e.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    err.print(
+        f"run {run}: a stage summary in record.json is not readable: {e.title}.{where}: {first['msg']}", markup=False
+    )
+    return 1
 
 
 # ---------------------------------------------------------------- checks
@@ -266,7 +409,7 @@ def transport(
         try:
             texts[str(path)] = path.read_text(errors="replace")
         except OSError as e:
-            err.print(f"cannot read {path}: {e.strerror}")
+            err.print(f"cannot read {path}: {e.strerror}", markup=False)
             raise typer.Exit(2) from None
     verdict = verdict_for_files(texts, expect.value)
     print(json.dumps(verdict, indent=2))
@@ -291,26 +434,38 @@ def models_list(
 
     # A version is named v<NNNN>-<run id>: the run that produced it needs no column of its own.
     cells = [
-        [m["name"], (m.get("production") or {}).get("version", "-"), str(len(m.get("versions", [])))] for m in models
+        [
+            m["name"],
+            "unreadable" if m.get("problem") else (m.get("production") or {}).get("version", "-"),
+            str(len(m.get("versions", []))),
+        ]
+        for m in models
     ]
     console.print(whole_table(["model", "production version", "versions"], cells, keep=("model", "production version")))
+    for m in models:
+        if m.get("problem"):
+            err.print(m["problem"], markup=False)
 
 
 @models_app.command("show")
-def models_show(name: str, config: Path | None = ConfigOpt, sets: list[str] = SetOpt) -> None:
+def models_show(
+    name: str = typer.Argument(..., callback=slug_arg("model name")),
+    config: Path | None = ConfigOpt,
+    sets: list[str] = SetOpt,
+) -> None:
     """One model: the production pointer and every version with its card."""
-    from tuneproof.control.registry import show_model
+    from tuneproof.control.registry import RegistryUnreadable, show_model
 
     try:
         print(json.dumps(show_model(storage_for(config, sets), name), indent=2))
-    except FileNotFoundError as e:
-        err.print(str(e))
+    except (FileNotFoundError, RegistryUnreadable) as e:
+        err.print(str(e), markup=False)
         raise typer.Exit(1) from None
 
 
 @app.command()
 def promote(
-    run_id: str,
+    run_id: str = typer.Argument(..., callback=slug_arg("run id")),
     force: bool = typer.Option(False, "--force", help="Required: this bypasses the gates."),
     reason: str = typer.Option("", "--reason", help="Why the gates are overridden (recorded)."),
     config: Path | None = ConfigOpt,
@@ -322,8 +477,22 @@ def promote(
         raise typer.Exit(2)
     cfg = config_or_exit(config, sets)
     from tasks.promote import forced_promotion
+    from tuneproof.control.lease import Lease, LeaseHeld
+    from tuneproof.control.record import RecordUnreadable
+    from tuneproof.core.storage import Storage
 
-    result = forced_promotion(cfg, run_id, reason, os.environ.get("USER", "unknown"))
+    storage = Storage.from_config(cfg.resolved().storage)
+    # The override writes the run's record: not while a flow is writing it.
+    lease = Lease(storage, run_id, None, f"tuneproof promote {run_id} --force")
+    try:
+        with lease.held(on_problem=err.print):
+            result = forced_promotion(cfg, run_id, reason, os.environ.get("USER", "unknown"))
+    except (FileNotFoundError, RecordUnreadable) as e:  # nothing to promote: a refused request
+        err.print(f"promote refused: {e}", markup=False)
+        raise typer.Exit(EXIT_INVALID_CONFIG) from None
+    except LeaseHeld as e:
+        err.print(f"promote refused, nothing was changed: {e}", markup=False)
+        raise typer.Exit(EXIT_INVALID_CONFIG) from None
     print(json.dumps(result.to_json(), indent=2))
     raise typer.Exit(0 if result.promoted else 1)
 

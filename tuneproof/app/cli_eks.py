@@ -55,15 +55,21 @@ def verify_from_files_command(directory: str, config_path: str | None, sets: lis
     except (FileNotFoundError, ValueError) as e:
         print(str(e), file=sys.stderr)
         return EXIT_BY_CLASS[FailureClass.infrastructure]
-    findings = check_cluster(objects, cfg)
+    try:
+        findings = check_cluster(objects, cfg)
+        summary = summarize(objects, cfg) if as_json else None
+    except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
+        # The files parsed as Kubernetes objects, but a field holds a shape kubectl never writes.
+        print(
+            f"{directory}: saved objects have an unexpected shape ({type(e).__name__}: {e}); "
+            "save them again with the commands in deployments/README.md",
+            file=sys.stderr,
+        )
+        return EXIT_BY_CLASS[FailureClass.infrastructure]
     if as_json:
         print(
             json.dumps(
-                {
-                    "ok": not errors(findings),
-                    "findings": [f.to_json() for f in findings],
-                    "summary": summarize(objects, cfg),
-                },
+                {"ok": not errors(findings), "findings": [f.to_json() for f in findings], "summary": summary},
                 indent=2,
                 default=str,
             )

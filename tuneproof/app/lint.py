@@ -175,12 +175,17 @@ class Doc:
         return "PrefectProject" if is_prefect_project(self.obj) else self.obj.get("kind", "")
 
     @property
+    def metadata(self) -> dict:
+        meta = self.obj.get("metadata")
+        return meta if isinstance(meta, dict) else {}  # a malformed one is the schema check's to report
+
+    @property
     def name(self) -> str:
-        return (self.obj.get("metadata") or {}).get("name", "?")
+        return str(self.metadata.get("name", "?"))
 
     @property
     def namespace(self) -> str | None:
-        return (self.obj.get("metadata") or {}).get("namespace")
+        return self.metadata.get("namespace")
 
     @property
     def subject(self) -> str:
@@ -197,7 +202,11 @@ def lint_paths(paths: list[str], config: PipelineConfig | None) -> list[Finding]
         findings += schema
         if any(f.severity == "error" for f in schema):
             continue  # the other checks read typed fields; a broken object is reported by its schema alone
-        findings += object_findings(doc, docs, config)
+        try:
+            findings += object_findings(doc, docs, config)
+        except (KeyError, TypeError, AttributeError, ValueError, IndexError, OverflowError) as e:
+            # A kind without an offline schema (or a template's free-form part) can hold any shape: say so, go on.
+            findings.append(Finding(doc.subject, "content", f"{type(e).__name__}: {e}", "the fields this kind has"))
     return findings
 
 
@@ -228,11 +237,26 @@ def load_documents(paths: list[str]) -> tuple[list[Doc], list[Finding]]:
     for file in manifest_files(paths):
         try:
             objects = _parse(file)
-        except (yaml.YAMLError, json.JSONDecodeError) as e:
+        except (yaml.YAMLError, json.JSONDecodeError, RecursionError) as e:
             findings.append(Finding(str(file), "content", "unparseable", "YAML or JSON", str(e).splitlines()[0]))
             continue
+        except UnicodeDecodeError as e:
+            findings.append(Finding(str(file), "content", f"not UTF-8 (byte {e.start})", "UTF-8 YAML or JSON"))
+            continue
+        except OSError as e:
+            findings.append(Finding(str(file), "file", f"unreadable: {e.strerror or e}", "a readable file"))
+            continue
         for obj in objects:
-            known = is_job_template(obj) or is_prefect_project(obj) or ("kind" in obj and "apiVersion" in obj)
+            if isinstance(obj, dict) and str(obj.get("kind", "")).endswith("List") and "items" in obj:
+                # _parse expands every well-formed List: one left over has items that are not a list.
+                findings.append(
+                    Finding(str(file), "items", type(obj["items"]).__name__, "a list of Kubernetes objects")
+                )
+                continue
+            typed = (
+                isinstance(obj, dict) and isinstance(obj.get("kind"), str) and isinstance(obj.get("apiVersion"), str)
+            )
+            known = is_job_template(obj) or is_prefect_project(obj) or typed
             if not isinstance(obj, dict) or not known:
                 findings.append(
                     Finding(
@@ -261,11 +285,12 @@ def manifest_files(paths: list[str]) -> list[Path]:
 
 
 def _parse(file: Path) -> list:
-    text = file.read_text()
+    text = file.read_text(encoding="utf-8")
     raw = [json.loads(text)] if file.suffix == ".json" else [d for d in yaml.safe_load_all(text) if d is not None]
     objects: list = []
     for obj in raw:
-        is_list = isinstance(obj, dict) and obj.get("kind", "").endswith("List") and "items" in obj
+        kind = obj.get("kind") if isinstance(obj, dict) else None
+        is_list = isinstance(kind, str) and kind.endswith("List") and isinstance(obj.get("items"), list)
         objects += obj["items"] if is_list else [obj]
     return objects
 
@@ -352,7 +377,49 @@ def raycluster_findings(doc: Doc, docs: list[Doc], config: PipelineConfig | None
         findings += capacity_findings(doc, config)
         findings += storage_findings(doc, docs, config)
         findings += ray_identity_findings(doc, docs, groups, config)
+        findings += forwarded_env_findings(doc, docs, groups, config)
     return findings
+
+
+def forwarded_env_findings(
+    doc: Doc, docs: list[Doc], groups: list[tuple[str, dict]], config: PipelineConfig
+) -> list[Finding]:
+    """Every runtime_env.forward_env name reaches every Ray container from a Secret: a secretKeyRef, or an
+    envFrom secretRef (whose keys are checked when the Secret is among the manifests)."""
+    findings = []
+    for where, group in groups:
+        containers = (_pod_spec(group).get("containers") or [])[:1]  # the Ray container runs the jobs
+        for container in containers:
+            provided, unknown = secret_env_names(container, docs)
+            missing = [n for n in config.runtime_env.forward_env if n not in provided]
+            if missing and not unknown:
+                findings.append(
+                    Finding(
+                        doc.subject,
+                        f"{where}.template.spec.containers[{container.get('name')}]",
+                        sorted(provided),
+                        f"{', '.join(missing)} from a Secret",
+                        "runtime_env.forward_env names variables the Ray containers do not get from a Secret: add "
+                        "them to the Secret of an envFrom secretRef (deployments/README.md, 'Secrets for jobs')",
+                    )
+                )
+    return findings
+
+
+def secret_env_names(container: dict, docs: list[Doc]) -> tuple[set[str], bool]:
+    """(variable names a container gets from Secrets it references, whether an envFrom Secret is not among
+    the manifests, so that its keys cannot be known here)."""
+    names = {e.get("name") for e in container.get("env") or [] if (e.get("valueFrom") or {}).get("secretKeyRef")}
+    unknown = False
+    for source in container.get("envFrom") or []:
+        ref = source.get("secretRef") or {}
+        secret = next((d for d in docs if d.kind == "Secret" and d.name == ref.get("name")), None)
+        if secret is None:
+            unknown = True
+            continue
+        keys = {**(secret.obj.get("data") or {}), **(secret.obj.get("stringData") or {})}
+        names |= {f"{source.get('prefix') or ''}{key}" for key in keys}
+    return {n for n in names if n}, unknown
 
 
 def ray_groups(raycluster: dict) -> list[tuple[str, dict]]:

@@ -48,7 +48,7 @@ def whole_table(columns: list[str], rows: list[list[str]], keep: tuple[str, ...]
         else:
             t.add_column(column, overflow="fold")
     for row in rows:
-        t.add_row(*row)
+        t.add_row(*(Text(cell) for cell in row))  # cells are data (a cause, a file name), never markup
     return t
 
 
@@ -112,7 +112,7 @@ def run_with_display(
 ) -> RunRecord | dict[str, Any]:
     """Run the flow in-process with a live display; returns the run record (or, when the flow
     ended before writing one, a minimal failure document)."""
-    from flows.pipeline import pipeline
+    from flows.pipeline import NOTHING_RAN, pipeline
     from tasks import events
     from tuneproof.control import record as records
     from tuneproof.core.storage import Storage
@@ -137,12 +137,20 @@ def run_with_display(
         finally:
             unsubscribe()
     console.print()  # the live display's last line is not terminated
+    if (state.message or "").startswith(NOTHING_RAN):
+        # Refused before any stage ran (another flow holds the run, a missing forwarded variable, ...).
+        console.print(f"[bold red]{state.message}[/]")
+        return {"run_id": run_id, "status": "failed", "failure_class": None, "cause": state.message}
     storage = Storage.from_config(cfg.resolved().storage)
     try:
         rec = records.load(storage, run_id)
     except FileNotFoundError:
         console.print(f"[bold red]the flow ended before writing a record[/]: {state.message}")
-        return {"run_id": run_id, "failure_class": "infrastructure", "cause": state.message}
+        return {"run_id": run_id, "status": "crashed", "failure_class": None, "cause": state.message}
+    if rec.status == "running":
+        # The flow raised and could not even mark its record (the storage that failed refused that too).
+        console.print(f"[bold red]run {run_id} crashed and its record could not be updated[/]: {state.message}")
+        return {"run_id": run_id, "status": "crashed", "failure_class": None, "cause": state.message}
     print_summary(rec, console)
     return rec
 
@@ -179,6 +187,16 @@ def print_summary(rec: RunRecord, console: Console) -> None:
             (f"{status:<{status_width}}", STATUS_STYLE.get(entry.status, "")),
             table.evidence_line(entry),
         )
+    # Evidence a rerun made stale is shown as such, never as passed: its model or data is not the current one.
+    stale = {e.stage: e for e in rec.superseded if e.stage not in rec.stages}
+    for name in [n for n in names if n in stale]:
+        print_line(
+            console,
+            f"  {name:<{name_width}}",
+            (f"{'superseded':<{status_width}}", "yellow"),
+            f"its {stale[name].status} result of invocation {stale[name].invocation} is stale: a stage it "
+            "depends on was rerun",
+        )
     evaluation = rec.summary("evaluate", EvaluateSummary)
     for line in evaluation.gates.lines if evaluation else []:
         print_line(console, f"  gate: {line}")
@@ -210,3 +228,74 @@ def print_record(rec: RunRecord, console: Console) -> None:
     for label, value in facts:
         print_line(console, (f"{label:<13}", "bold"), value)
     print_summary(rec, console)
+
+
+def run_comparison(
+    cfg_a: PipelineConfig,
+    cfg_b: PipelineConfig,
+    stages: list[str],
+    repeats: int,
+    threshold: float,
+    sets_a: list[str],
+    sets_b: list[str],
+    comparison_id: str | None,
+    console: Console,
+) -> dict[str, Any]:
+    """Run the comparison flow in-process, a line per finished stage of each run, then the metric table.
+    Returns comparison.json's content, with `failure_class` set when a run failed or nothing ran."""
+    from flows.compare import compare
+    from tasks import events
+    from tuneproof.control import comparison as cmp
+    from tuneproof.control import record as records
+    from tuneproof.core.storage import Storage
+
+    problem = prefect_api_problem()
+    if problem:
+        console.print(f"[bold red]cannot run[/]: {problem}")
+        return {"status": "failed", "failure_class": "infrastructure", "cause": problem}
+    comparison_id = comparison_id or records.make_run_id()
+    console.print(f"comparison id: [bold]{comparison_id}[/] ({', '.join(stages)}; {repeats} repeats, A B A B ...)")
+    quiet_prefect_console(os.environ.get("TUNEPROOF_VERBOSE") == "1")
+
+    def show(event: dict[str, Any]) -> None:
+        if event["kind"] == "stage":
+            failure = f" ({event['failure_class']})" if event.get("failure_class") else ""
+            console.print(f"  {event['stage']:<13} {event['status']}{failure}")
+
+    unsubscribe = events.subscribe(show)
+    try:
+        state = compare(
+            config_a=cfg_a,
+            config_b=cfg_b,
+            stages=stages,
+            repeats=repeats,
+            threshold=threshold,
+            sets_a=sets_a,
+            sets_b=sets_b,
+            comparison_id=comparison_id,
+            return_state=True,
+        )
+    finally:
+        unsubscribe()
+    try:
+        result = cmp.load(Storage.from_config(cfg_a.resolved().storage), comparison_id)
+    except FileNotFoundError:
+        console.print(f"[bold red]{state.message}[/]")
+        return {"status": "failed", "cause": state.message}
+    rows = cmp.summary_rows(result)
+    cells = [[fmt_cell(v) for v in row.values()] for row in rows]
+    console.print(whole_table(list(rows[0]) if rows else ["metric"], cells, keep=("metric",)))
+    uri = Storage.from_config(cfg_a.resolved().storage).uri("comparisons", comparison_id, cmp.COMPARISON)
+    console.print(f"comparison {comparison_id} {result.status}: {uri}")
+    out = result.to_json()
+    failed = next((o for o in result.order if o.status != "succeeded"), None)
+    if failed is not None:
+        console.print(f"[bold red]{failed.run_id} {failed.status}[/]: {failed.cause}")
+        out["failure_class"] = failed.failure_class or "infrastructure"
+    return out
+
+
+def fmt_cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)

@@ -55,15 +55,23 @@ def tree_hash(files: list[Path], root: Path) -> str:
     return digest.hexdigest()
 
 
+def staged_hash(target: Path) -> str:
+    """tree_hash of a staged working_dir (its files but the .complete marker)."""
+    files = [p for p in target.rglob("*") if p.is_file() and p.name != ".complete" and p.suffix != ".pyc"]
+    return tree_hash([p for p in files if not (_SKIP_DIRS & set(p.relative_to(target).parts))], target)
+
+
 def stage_working_dir(root: Path = PROJECT_ROOT) -> tuple[Path, str]:
     """Copy the job packages into a directory named by their hash; returns (dir, hash).
 
-    The same code reuses the same directory, so Ray uploads it once per cluster.
+    The same code reuses the same directory, so Ray uploads it once per cluster (Ray names the upload
+    by its own hash of the content). A reused directory is re-hashed first: a staged copy edited since
+    (it sits in a shared temp dir) is staged again rather than shipped under the hash of other code.
     """
     files = job_files(root)
     digest = tree_hash(files, root)
     target = Path(tempfile.gettempdir()) / "tuneproof-workdir" / digest[:16]
-    if not (target / ".complete").exists():
+    if not (target / ".complete").exists() or staged_hash(target) != digest:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".stage-", dir=target.parent))
         for path in files:

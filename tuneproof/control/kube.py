@@ -195,21 +195,33 @@ def load_objects_from_dir(directory: str | Path) -> dict[str, Any]:
             objects[key] = None
             continue
         try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not JSON ({e}); save it with `-o json`") from e
-        objects[key] = _shape(key, data)
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text (byte {e.start}); save it with `-o json`") from None
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise ValueError(f"{path}: not JSON ({e}); save it with `-o json`") from None
+        except OSError as e:
+            raise ValueError(f"{path}: cannot be read: {e.strerror or e}") from None
+        objects[key] = _shape(path, key, data)
     return objects
 
 
-def _shape(key: str, data: Any) -> Any:
-    """kubectl writes a List for `get pods`, an object for `get raycluster NAME`; accept either where sensible."""
-    is_list = isinstance(data, dict) and "items" in data and data.get("kind", "List").endswith("List")
+def _shape(path: Path, key: str, data: Any) -> Any:
+    """kubectl writes a List for `get pods`, an object for `get raycluster NAME`; accept either where sensible,
+    and refuse any other shape here, naming the file, so the checks only ever see objects."""
+    if key == "ray_nodes" and isinstance(data, dict):
+        return data  # the dashboard's /nodes?view=summary document, read by kube_checks.normalize_ray_nodes
+    is_list = (
+        isinstance(data, dict)
+        and isinstance(data.get("items"), list)
+        and str(data.get("kind", "List")).endswith("List")
+    )
+    items = data["items"] if is_list else data if isinstance(data, list) else [data]
+    if not all(isinstance(item, dict) for item in items):
+        raise ValueError(
+            f"{path}: expected Kubernetes objects (JSON objects, or a List of them), got "
+            f"{', '.join(sorted({type(i).__name__ for i in items if not isinstance(i, dict)}))}; save it with `-o json`"
+        )
     if key in ("raycluster", "operator"):
-        items = data["items"] if is_list else [data]
         return items[0] if items else None
-    if key == "ray_nodes":
-        return data
-    if is_list:
-        return data["items"]
-    return [data] if isinstance(data, dict) else data
+    return items

@@ -75,10 +75,10 @@ def ray_gpu_setting(group: dict) -> tuple[str, str] | None:
 
 
 def as_count(raw: str) -> int | None:
-    """'4' or '4.0' -> 4; None when it is not a number (the schema check reports that)."""
+    """'4' or '4.0' -> 4; None when it is not a finite number (the schema check reports that)."""
     try:
         return int(float(raw))
-    except ValueError:
+    except (ValueError, TypeError, OverflowError):  # OverflowError: '1e400' parses as inf
         return None
 
 

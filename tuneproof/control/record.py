@@ -45,16 +45,20 @@ class CodeIdentity(Model):
 
 
 class RuntimeEnvAdditions(Model):
-    """Dependencies added at submission: pip packages, and environment variables by name."""
+    """Dependencies added at submission: pip packages, plain environment settings, and the names (only)
+    of the variables forwarded from the submitting environment or a Kubernetes Secret."""
 
     pip: list[str] = []
     env_vars: dict[str, str] = {}
+    forwarded_env: list[str] = []
 
     @classmethod
     def of(cls, cfg: PipelineConfig, module: str | None = None) -> RuntimeEnvAdditions:
         """What a run of `cfg` adds to the runtime_env of a job running `module` (None: of any of its jobs):
-        the user's additions and the method's (peft for a LoRA fine-tune)."""
-        return cls(pip=cfg.job_pip(module), env_vars=dict(cfg.runtime_env.env_vars))
+        the user's additions and the method's (peft for a LoRA fine-tune), and the forwarded variables'
+        names (never their values)."""
+        env = cfg.runtime_env
+        return cls(pip=cfg.job_pip(module), env_vars=dict(env.env_vars), forwarded_env=list(env.forward_env))
 
 
 class DataIdentity(Model):
@@ -164,6 +168,10 @@ class Invocation(Model):
     only: list[str] | None = None
     at: str
     config_hash: str
+    config: JsonDict | None = None
+    """The full validated config of this invocation (None in records written before it was kept)."""
+    lease_takeover: str | None = None
+    """Set when this invocation took over the lease of a writer presumed dead: whose, and why."""
 
 
 class Override(Model):
@@ -189,7 +197,7 @@ class RunRecord(Model):
     profile: str
     code: CodeIdentity
     config: JsonDict
-    """The full validated config (PipelineConfig as JSON) of the latest invocation."""
+    """The full validated config (PipelineConfig as JSON) of the latest invocation (each one's: invocations)."""
     config_hash: str
     runtime_env_additions: RuntimeEnvAdditions
     cluster: ClusterFacts | None = None
@@ -250,9 +258,12 @@ def load(storage: Storage, run_id: str) -> RunRecord:
         raise FileNotFoundError(f"no run record for run {run_id!r} under {storage.uri('runs')}")
     try:
         return parse(storage.read_json("runs", run_id, RECORD))
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError, IsADirectoryError, NotADirectoryError) as e:
+        # A record.json that is a directory, or absurdly nested JSON, is this record's problem; any other
+        # OSError (credentials, network) is the store's, and stays an infrastructure error for the caller.
+        why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}"
         raise RecordUnreadable(
-            f"{storage.uri('runs', run_id, RECORD)} is not a readable run record: {one_line(str(e), 300)}"
+            f"{storage.uri('runs', run_id, RECORD)} is not a readable run record: {one_line(why, 300)}"
         ) from None
 
 

@@ -9,31 +9,30 @@ reads the pointer. Layout under the storage root:
     models/<name>/production.json   the pointer, written last, only on promotion
 
 Versions are `v<NNNN>-<run_id>`, NNNN one above the highest existing version, so they sort in
-promotion order. The pointer moves only if it is still what the caller evaluated against (its
-token from `read_pointer`): on a local or FSx/NFS root under an O_EXCL lock file (re-read, compare,
-os.replace; a lock older than `stale_lock_s` is a crashed holder's and is broken), on S3 with a
-conditional PutObject (If-None-Match: * for the first pointer, If-Match: <ETag> afterwards).
-The loser of a race raises PromotionConflict and removes its own version copy.
+promotion order. The pointer names the model's content hash (the export manifest's content_sha256,
+checked again on the copy) and moves only if it is still what the caller evaluated against (its
+token from `read_pointer`), through tuneproof.core.cas: on a local or FSx/NFS root under an O_EXCL
+lock file, on S3 with a conditional PutObject (If-None-Match: * for the first pointer, If-Match:
+<ETag> afterwards). On a conflict the pointer is re-read: if it already names this version (a retry
+whose first write landed), that is success; otherwise the loser raises PromotionConflict and removes
+its own version copy.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import posixpath
 import re
-import socket
-import time
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
-from pathlib import Path
 from typing import Any
 
+from tuneproof.core import cas, markers
+from tuneproof.core.cas import file_lock
 from tuneproof.core.config import LORA_ADAPTER_DIR
-from tuneproof.core.results import now_iso
+from tuneproof.core.results import now_iso, one_line
 from tuneproof.core.storage import Storage
+
+__all__ = ["file_lock"]  # re-exported: the lock moved to tuneproof.core.cas
 
 MODELS = "models"
 POINTER = "production.json"
@@ -41,6 +40,10 @@ CARD_JSON = "card.json"
 CARD_MD = "MODEL_CARD.md"
 LOCK = ".production.json.lock"
 _VERSION = re.compile(r"^v(\d{4,})-(.+)$")
+
+
+class RegistryUnreadable(ValueError):
+    """A registry file (pointer or card) that exists but cannot be read as one: corrupt, truncated, wrong shape."""
 
 
 class PromotionConflict(RuntimeError):
@@ -70,22 +73,43 @@ def read_pointer(storage: Storage, name: str) -> tuple[dict | None, str | None]:
     The token is opaque (a content hash locally, the ETag on S3); pass it back to `promote`
     as expected_token to say "the incumbent I evaluated against".
     """
-    if storage.is_s3:
-        return _read_s3_pointer(storage, name)
-    path = Path(storage.path(*_pointer_parts(name)))
+    where = storage.uri(*_pointer_parts(name))
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
+        data, token = cas.read_versioned(storage, *_pointer_parts(name))
+    except NotADirectoryError:  # models/<name> is a stray file, not a model
         return None, None
-    return json.loads(data), _content_token(data)
+    except OSError as e:
+        raise RegistryUnreadable(f"{where}: cannot be read as the production pointer: {e.strerror or e}") from None
+    return (_parse_pointer(where, data), token) if data is not None else (None, None)
+
+
+def _parse_pointer(where: str, data: bytes) -> dict:
+    """The pointer document, or RegistryUnreadable naming the file: a promotion must never act on a guess."""
+    try:
+        pointer = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise RegistryUnreadable(f"{where}: not a JSON production pointer ({one_line(str(e), 200)})") from None
+    if not isinstance(pointer, dict) or not isinstance(pointer.get("version"), str):
+        raise RegistryUnreadable(
+            f"{where}: a production pointer is an object with a 'version' string, got {data[:80]!r}"
+        )
+    return pointer
 
 
 def list_models(storage: Storage) -> list[dict]:
-    """One row per registered name: {"name", "production": pointer dict or None, "versions": [names]}."""
-    return [
-        {"name": name, "production": read_pointer(storage, name)[0], "versions": _versions(storage, name)}
-        for name in storage.listdir(MODELS)
-    ]
+    """One row per registered name: {"name", "production": pointer dict or None, "versions": [names]}, plus
+    "problem" when its pointer is unreadable. Anything under models/ that is not a folder is skipped."""
+    rows = []
+    for name in storage.listdir(MODELS):
+        if not storage.fs.isdir(storage.path(MODELS, name)):
+            continue  # a stray file (notes, a lock) is not a registered model
+        row: dict[str, Any] = {"name": name, "production": None, "versions": _versions(storage, name)}
+        try:
+            row["production"] = read_pointer(storage, name)[0]
+        except RegistryUnreadable as e:
+            row["problem"] = str(e)
+        rows.append(row)
+    return rows
 
 
 def show_model(storage: Storage, name: str) -> dict:
@@ -110,13 +134,19 @@ def show_model(storage: Storage, name: str) -> dict:
 
 def _version_row(storage: Storage, name: str, version: str, current: str | None) -> dict:
     complete = storage.exists(MODELS, name, version, CARD_JSON)
-    return {
+    row: dict[str, Any] = {
         "version": version,
         "production": version == current,
         "complete": complete,
         **model_parts(storage, name, version),
-        "card": storage.read_json(MODELS, name, version, CARD_JSON) if complete else None,
+        "card": None,
     }
+    if complete:
+        try:
+            row["card"] = storage.read_json(MODELS, name, version, CARD_JSON)
+        except (ValueError, OSError, RecursionError) as e:
+            row["problem"] = f"{storage.uri(MODELS, name, version, CARD_JSON)} is unreadable: {one_line(str(e), 200)}"
+    return row
 
 
 def model_parts(storage: Storage, name: str, version: str) -> dict[str, str | None]:
@@ -155,8 +185,12 @@ def promote(
     *,
     lock_timeout_s: float = 30.0,
     stale_lock_s: float = 60.0,
+    content_sha256: str | None = None,
 ) -> dict:
     """Copy the model at `source_path` to a new version, write its card, then move the pointer to it.
+
+    content_sha256, when given, is the hash the caller's evidence is about: the copy must carry an
+    export manifest with exactly that content (checked file by file on the copy), and the pointer names it.
 
     expected_token is read_pointer's token for the incumbent the candidate was evaluated against
     (None: there was none). If the pointer has moved since, PromotionConflict is raised, before
@@ -165,12 +199,14 @@ def promote(
     Returns the new pointer.
     """
     pointer, token = read_pointer(storage, name)
-    if pointer is not None and pointer.get("run_id") == run_id:
+    if pointer is not None and pointer.get("run_id") == run_id and pointer.get("content_sha256") == content_sha256:
         return pointer
     if token != expected_token:
         raise PromotionConflict(name, expected_token, token, _version_of(pointer))
     version = next_version(storage.listdir(MODELS, name), run_id)
     _copy_model(storage, source_path, (MODELS, name, version))
+    if content_sha256 is not None:
+        _check_copy(storage, name, version, content_sha256)
     full_card = {**card, "name": name, "version": version, "run_id": run_id, "source_path": source_path}
     storage.write_bytes(render_model_card(full_card).encode(), MODELS, name, version, CARD_MD)
     storage.write_json(full_card, MODELS, name, version, CARD_JSON)
@@ -181,6 +217,7 @@ def promote(
         "run_id": run_id,
         "promoted_at": now_iso(),
         "previous_version": pointer["version"] if pointer else None,
+        "content_sha256": content_sha256,
     }
     try:
         _swap_pointer(storage, name, new_pointer, expected_token, lock_timeout_s, stale_lock_s)
@@ -204,6 +241,20 @@ def _copy_model(storage: Storage, source_path: str, dest_parts: tuple[str, ...])
         storage.fs.copy(remote, dest)
 
 
+def _check_copy(storage: Storage, name: str, version: str, content_sha256: str) -> None:
+    """The copied version must be exactly the content that was judged; otherwise it is removed."""
+    try:
+        manifest = markers.verify_export(storage, MODELS, name, version)
+        if manifest.content_sha256 != content_sha256:
+            raise markers.ExportUnverified(
+                f"{storage.uri(MODELS, name, version)} has content {manifest.content_sha256[:12]}, "
+                f"expected {content_sha256[:12]}"
+            )
+    except markers.ExportUnverified:
+        storage.remove(MODELS, name, version, recursive=True)
+        raise
+
+
 def _remove_unpointed(storage: Storage, name: str, version: str) -> None:
     """Remove a losing copy unless the pointer names it (a concurrent retry of the same run won)."""
     pointer, _ = read_pointer(storage, name)
@@ -215,15 +266,14 @@ def _swap_pointer(
     storage: Storage, name: str, pointer: dict, expected_token: str | None, lock_timeout_s: float, stale_lock_s: float
 ) -> None:
     data = json.dumps(pointer, indent=2, sort_keys=True).encode()
-    if storage.is_s3:
-        _swap_s3(storage, name, data, expected_token)
+    if cas.write_if(
+        storage, data, expected_token, *_pointer_parts(name), lock_timeout_s=lock_timeout_s, stale_lock_s=stale_lock_s
+    ):
         return
-    lock = Path(storage.path(MODELS, name, LOCK))
-    with file_lock(lock, lock_timeout_s, stale_lock_s):
-        current, token = read_pointer(storage, name)
-        if token != expected_token:
-            raise PromotionConflict(name, expected_token, token, _version_of(current))
-        storage.write_bytes(data, *_pointer_parts(name))  # temp file + os.replace: readers see old or new
+    current, token = read_pointer(storage, name)
+    if current is not None and current.get("version") == pointer["version"]:
+        return  # our own earlier write landed (a retry whose response was lost): already points at this version
+    raise PromotionConflict(name, expected_token, token, _version_of(current))
 
 
 def _version_of(pointer: dict | None) -> str | None:
@@ -232,120 +282,6 @@ def _version_of(pointer: dict | None) -> str | None:
 
 def _pointer_parts(name: str) -> tuple[str, str, str]:
     return (MODELS, name, POINTER)
-
-
-def _content_token(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()[:16]
-
-
-# ---- local compare-and-swap: an O_EXCL lock file ---------------------------------------------
-
-
-@contextmanager
-def file_lock(path: Path, timeout_s: float, stale_s: float) -> Iterator[None]:
-    """Hold `path` (created with O_EXCL) for the block; a lock older than stale_s is a crashed holder's.
-
-    O_EXCL creation is atomic on local disks, NFSv3+ and Lustre (FSx), unlike flock on some mounts.
-    The block must be short (milliseconds): breaking a lock is only safe because no live holder
-    keeps one for anywhere near stale_s.
-    """
-    nonce = uuid.uuid4().hex
-    deadline = time.monotonic() + timeout_s
-    path.parent.mkdir(parents=True, exist_ok=True)
-    while not _try_create(path, nonce):
-        _break_if_stale(path, stale_s)
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"registry lock {path} still held after {timeout_s}s by {_holder(path)}; "
-                f"it is broken automatically once {stale_s}s old"
-            )
-        time.sleep(0.02)
-    try:
-        yield
-    finally:
-        if _holder(path).get("nonce") == nonce:
-            path.unlink(missing_ok=True)
-
-
-def _try_create(path: Path, nonce: str) -> bool:
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "w") as f:
-        json.dump({"nonce": nonce, "pid": os.getpid(), "host": socket.gethostname(), "at": now_iso()}, f)
-    return True
-
-
-def _break_if_stale(path: Path, stale_s: float) -> None:
-    try:
-        seen = path.stat()
-    except FileNotFoundError:
-        return
-    if time.time() - seen.st_mtime < stale_s:
-        return
-    grave = path.with_name(f"{path.name}.stale-{uuid.uuid4().hex}")
-    try:
-        os.rename(path, grave)  # atomic: of several processes breaking the same lock, one moves it
-    except FileNotFoundError:
-        return
-    if grave.stat().st_ino != seen.st_ino:
-        # Between our stat and rename another process broke the stale lock and a new holder took a
-        # fresh one, which we just moved: give it back (link fails only if yet another holder exists).
-        with suppress(FileExistsError):
-            os.link(grave, path)
-    grave.unlink(missing_ok=True)
-
-
-def _holder(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text() or "{}")
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
-
-
-# ---- S3 compare-and-swap: conditional writes --------------------------------------------------
-
-
-def _s3_client(storage: Storage):
-    import boto3
-
-    return boto3.client("s3", endpoint_url=storage.endpoint_url)
-
-
-def _s3_location(storage: Storage, name: str) -> tuple[str, str]:
-    bucket, _, key = storage.path(*_pointer_parts(name)).partition("/")
-    return bucket, key
-
-
-def _read_s3_pointer(storage: Storage, name: str) -> tuple[dict | None, str | None]:
-    from botocore.exceptions import ClientError
-
-    bucket, key = _s3_location(storage, name)
-    try:
-        obj = _s3_client(storage).get_object(Bucket=bucket, Key=key)
-    except ClientError as e:
-        if e.response["Error"]["Code"] in ("NoSuchKey", "404"):
-            return None, None
-        raise
-    # Body and ETag come from one response, so the token is the one of the bytes we parsed.
-    return json.loads(obj["Body"].read()), obj["ETag"]
-
-
-def _swap_s3(storage: Storage, name: str, data: bytes, expected_token: str | None) -> None:
-    from botocore.exceptions import ClientError
-
-    bucket, key = _s3_location(storage, name)
-    condition = {"IfNoneMatch": "*"} if expected_token is None else {"IfMatch": expected_token}
-    try:
-        _s3_client(storage).put_object(Bucket=bucket, Key=key, Body=data, ContentType="application/json", **condition)
-    except ClientError as e:
-        # 412: the condition failed; 409: a concurrent conditional write to the key won;
-        # NoSuchKey: If-Match on a pointer that was deleted meanwhile.
-        if e.response["Error"]["Code"] not in ("PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey"):
-            raise
-        current, token = _read_s3_pointer(storage, name)
-        raise PromotionConflict(name, expected_token, token, _version_of(current)) from None
 
 
 # ---- the model card (pure) -------------------------------------------------------------------

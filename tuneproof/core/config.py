@@ -10,6 +10,9 @@ pydantic and yaml, which the published Ray image has.
 
 from __future__ import annotations
 
+import re
+import reprlib
+import string
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -17,16 +20,34 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tuneproof.core.credentials import credential_problems
 from tuneproof.core.hashing import sha256_json
+from tuneproof.core.names import check_slug, check_storage_root
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+RESERVED_ENV = {"TUNEPROOF_JOB", "TUNEPROOF_FORWARD_ENV_FILE"}
+"""Set by the pipeline for every job (tuneproof.core.envelope, tuneproof.core.forward_env)."""
 DEFAULT_PROFILE = PROJECT_ROOT / "configs" / "local.yaml"
+# Upper bounds: far above any real run, low enough that a typo (an extra digit, a pasted byte count)
+# is refused at submission instead of hanging a cluster or allocating the impossible.
+MAX_STEPS = 10_000_000
+MAX_BATCH = 65_536
+MAX_SEQ_LEN = 1_048_576
+MAX_WORKERS = 4_096
+MAX_EXAMPLES = 10_000_000
+MAX_TIMEOUT_S = 7 * 24 * 3600
+MAX_ITERS = 100_000
+MAX_LORA_RANK = 4_096
+MAX_LORA_ALPHA = 65_536
+MAX_MODULE_NAMES = 256
 
 
 class Strict(BaseModel):
     """Base for config sections: unknown keys are errors, assignments re-validate."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: a NaN or inf threshold, tolerance or rate makes every comparison it enters meaningless.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ClusterExpect(Strict):
@@ -44,8 +65,8 @@ class ClusterExpect(Strict):
     nccl_version: str | None = None
     image: str | None = None
     """Pinned image reference, repository@sha256:... (eks)."""
-    gpus_per_worker: int = Field(0, ge=0)
-    """GPUs each training worker node must advertise to Ray (0 on CPU)."""
+    gpus_per_worker: int = Field(0, ge=0, le=64)
+    """GPUs each training worker node must advertise to Ray (0 on CPU; at most 64)."""
     efa: bool = False
     """Worker nodes must have the EFA device (eks)."""
 
@@ -91,6 +112,11 @@ class StorageConfig(Strict):
     shared: bool = True
     """The root is reachable from every node (S3, FSx); a node-local path is only valid on one node."""
 
+    @field_validator("root")
+    @classmethod
+    def _root(cls, v: str) -> str:
+        return check_storage_root("storage root", v)
+
 
 class ModelConfig(Strict):
     name: str = "dates-qwen2-tiny"
@@ -102,9 +128,7 @@ class ModelConfig(Strict):
     @field_validator("name")
     @classmethod
     def _slug(cls, v: str) -> str:
-        if not v or any(c in v for c in "/\\ "):
-            raise ValueError(f"name must be a non-empty slug without '/', '\\' or spaces, got {v!r}")
-        return v
+        return check_slug("model name", v)
 
 
 class FieldMap(Strict):
@@ -115,24 +139,75 @@ class FieldMap(Strict):
     system: str | None = None
 
 
+class PromptTemplate(Strict):
+    """The prompt of data.shape template: named columns laid into a text, e.g. an instruction and an optional input."""
+
+    prompt: str
+    """A format string over column names, e.g. "{instruction}\n\n{input}". A line, or a paragraph (lines
+    between blank lines), whose columns are all empty (or null) is left out, so an optional column leaves
+    no stray header or blank line behind."""
+    response: str = "output"
+    """The column holding the response."""
+
+    @field_validator("prompt")
+    @classmethod
+    def _named_columns(cls, v: str) -> str:
+        try:
+            names = [name for _, name, _, _ in string.Formatter().parse(v) if name is not None]
+        except ValueError as e:
+            raise ValueError(
+                f"prompt is not a valid format string ({e}); write columns as {{name}}, braces as {{{{ }}}}"
+            ) from e
+        bad = [n for n in names if not n.isidentifier()]
+        if not names or bad:
+            raise ValueError("prompt must name at least one column as {column} (plain names, no index or attribute)")
+        return v
+
+
 class DataConfig(Strict):
     name: str = "dates"
+    """Dataset name: the folder under datasets/ (a slug, see tuneproof.core.names)."""
     source: str = "data/dates/dates.jsonl"
     """JSONL, CSV or parquet file (local or s3://), or hf://<dataset>[:split] where a hub is reachable."""
     format: Literal["auto", "jsonl", "csv", "parquet", "hf"] = "auto"
+    """The file format; what the rows hold is `shape`."""
+    shape: Literal["auto", "columns", "template", "messages"] = "auto"
+    """columns: fields.prompt -> fields.response. template: `template` over named columns. messages: a
+    list of {role, content} turns in `messages_column`, rendered with the model's chat template. auto:
+    messages when the first row's `messages_column` is a list, else template when `template` is set, else columns."""
+    messages_column: str = "messages"
+    loss_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
+    """messages: which assistant turns the loss covers; evaluation always answers the last one."""
+    template: PromptTemplate | None = None
     eval_source: str | None = None
     """Separate held-out file; None splits the source."""
     fields: FieldMap = FieldMap()
     system_prompt: str | None = None
     """Used when fields.system is None; None sends no system turn (the tiny demo model learns the task
     in 400 steps without one, in about 1000 with a constant system prompt)."""
-    max_seq_len: int = Field(64, ge=8)
+    max_seq_len: int = Field(64, ge=8, le=MAX_SEQ_LEN)
+    """Tokens per example, 8..1,048,576."""
     overflow: Literal["drop", "truncate", "pack"] = "drop"
     eval_fraction: float = Field(0.1, gt=0.0, lt=1.0)
     seed: int = 0
     max_dropped_fraction: float = Field(0.05, ge=0.0, le=1.0)
     """Fail the stage as a data failure when more rows than this are malformed."""
-    shard_rows: int = Field(4096, ge=1)
+    shard_rows: int = Field(4096, ge=1, le=MAX_EXAMPLES)
+
+    @field_validator("name")
+    @classmethod
+    def _slug(cls, v: str) -> str:
+        return check_slug("dataset name", v)
+
+    @model_validator(mode="after")
+    def _template_matches_shape(self) -> DataConfig:
+        if self.shape == "template" and self.template is None:
+            raise ValueError("template: shape template needs template.prompt (and template.response), got none")
+        if self.shape in ("columns", "messages") and self.template is not None:
+            raise ValueError(
+                f"template is set but shape is {self.shape!r}: set shape to template (or auto), or drop template"
+            )
+        return self
 
 
 PEFT_REQUIREMENT = "peft==0.21.2"
@@ -150,12 +225,13 @@ QWEN2_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 class LoraSettings(Strict):
     """Low-rank adapters (peft LoRA) on the base model's linear layers; read when train.method is lora."""
 
-    rank: int = Field(8, ge=1)
-    """r: the rank of each adapter's A (r x in) and B (out x r) matrices."""
-    alpha: int = Field(16, ge=1)
-    """lora_alpha: the adapter's output is scaled by alpha / rank."""
+    rank: int = Field(8, ge=1, le=MAX_LORA_RANK)
+    """r: the rank of each adapter's A (r x in) and B (out x r) matrices, 1..4096."""
+    alpha: int = Field(16, ge=1, le=MAX_LORA_ALPHA)
+    """lora_alpha: the adapter's output is scaled by alpha / rank, 1..65,536."""
     dropout: float = Field(0.05, ge=0.0, lt=1.0)
-    """lora_dropout on the adapter's input (its RNG state is checkpointed, so a resume replays it exactly)."""
+    """lora_dropout on the adapter's input, finite, [0, 1) (its RNG state is checkpointed, so a resume
+    replays it exactly)."""
     target_modules: list[str] = QWEN2_LINEAR
     """Names (last path component) of the linear layers that get adapters: every projection of a Qwen2
     block by default; attention only is q_proj, k_proj, v_proj, o_proj."""
@@ -170,7 +246,30 @@ class LoraSettings(Strict):
     def _named(cls, v: list[str]) -> list[str]:
         if not v or any(not name.strip() for name in v) or len(set(v)) != len(v):
             raise ValueError(f"target_modules must be a non-empty list of distinct module names, got {v!r}")
-        return v
+        return _module_names(v)
+
+    @field_validator("modules_to_save")
+    @classmethod
+    def _saved_named(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError("must list distinct module names")
+        return _module_names(v)
+
+
+MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]{0,127}$")
+
+
+def _module_names(v: list[str]) -> list[str]:
+    """At most MAX_MODULE_NAMES names, each a module path component (letters, digits, _ and .)."""
+    if len(v) > MAX_MODULE_NAMES:
+        raise ValueError(f"{len(v)} module names; at most {MAX_MODULE_NAMES}")
+    bad = [name for name in v if not MODULE_NAME.match(name)]
+    if bad:
+        raise ValueError(
+            f"{reprlib.repr(bad)} are not module names (a letter or _, then letters, digits, _ or ., "
+            "at most 128 characters)"
+        )
+    return v
 
 
 class TrainConfig(Strict):
@@ -178,14 +277,17 @@ class TrainConfig(Strict):
     """full: every weight trains. lora: the base is frozen and only low-rank adapters (train.lora) train;
     checkpoints hold the adapters and their optimizer state, the export the adapter and a merged model."""
     lora: LoraSettings = LoraSettings()
-    num_workers: int = Field(2, ge=1)
+    num_workers: int = Field(2, ge=1, le=MAX_WORKERS)
+    """Ray Train workers, 1..4096."""
     use_gpu: bool = False
-    max_steps: int = Field(400, ge=1)
-    micro_batch_size: int = Field(32, ge=1)
-    """Sequences per worker per micro-step."""
-    grad_accum_steps: int = Field(1, ge=1)
-    lr: float = Field(2e-3, gt=0.0)
-    warmup_steps: int = Field(20, ge=0)
+    max_steps: int = Field(400, ge=1, le=MAX_STEPS)
+    """Optimizer steps, 1..10,000,000."""
+    micro_batch_size: int = Field(32, ge=1, le=MAX_BATCH)
+    """Sequences per worker per micro-step, 1..65,536."""
+    grad_accum_steps: int = Field(1, ge=1, le=MAX_BATCH)
+    lr: float = Field(2e-3, gt=0.0, le=10.0)
+    """Peak learning rate, finite, in (0, 10]."""
+    warmup_steps: int = Field(20, ge=0, le=MAX_STEPS)
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
     weight_decay: float = Field(0.0, ge=0.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
@@ -200,13 +302,17 @@ class TrainConfig(Strict):
     """Workers per shard group under hybrid sharding; ignored otherwise. None: the workers on one
     node (Ray Train's local world size), which is the GPUs per node with one GPU per worker; on a
     single CPU machine that makes hybrid the same as full, so give it (e.g. 2 of 4 workers) there."""
-    checkpoint_every: int = Field(100, ge=1)
-    num_to_keep: int = Field(3, ge=1)
-    max_failures: int = Field(0, ge=0)
+    checkpoint_every: int = Field(100, ge=1, le=MAX_STEPS)
+    num_to_keep: int = Field(3, ge=1, le=1000)
+    max_failures: int = Field(0, ge=0, le=100)
     seed: int = 0
-    log_every: int = Field(10, ge=1)
+    log_every: int = Field(10, ge=1, le=MAX_STEPS)
     divergence_loss: float = Field(50.0, gt=0.0)
     """A loss above this (or NaN/inf) stops training as a modeling failure."""
+    continue_previous: bool = False
+    """A fine-tune rerun (`--only finetune` on an existing run) trains a fresh Ray Train run named
+    <run>-r<invocation> from the base model. true: continue the latest fine-tune's Ray Train run instead
+    (resume its last checkpoint and train on to max_steps); refused when it is already at max_steps."""
 
     @model_validator(mode="after")
     def _shard_groups_tile_the_workers(self) -> TrainConfig:
@@ -221,27 +327,28 @@ class TrainConfig(Strict):
 
 class ConnectivityConfig(Strict):
     sizes_bytes: list[int] = [1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22]
-    iters: int = Field(5, ge=1)
-    warmup_iters: int = Field(2, ge=0)
-    fsdp_steps: int = Field(3, ge=1)
+    """All-reduce message sizes, each 4 bytes..16 GiB."""
+    iters: int = Field(5, ge=1, le=MAX_ITERS)
+    warmup_iters: int = Field(2, ge=0, le=MAX_ITERS)
+    fsdp_steps: int = Field(3, ge=1, le=MAX_ITERS)
     expect_transport: Literal["any", "gloo", "efa"] = "any"
     """'efa' fails the stage on socket fallback or inconclusive NCCL logs."""
 
     @field_validator("sizes_bytes")
     @classmethod
     def _positive(cls, v: list[int]) -> list[int]:
-        if not v or any(s < 4 for s in v):
-            raise ValueError(f"sizes_bytes must be non-empty, each >= 4 bytes, got {v!r}")
+        if not v or any(s < 4 or s > 1 << 34 for s in v):
+            raise ValueError(f"sizes_bytes must be non-empty, each 4 bytes..16 GiB (17179869184), got {v!r}")
         return sorted(v)
 
 
 class ResumeConfig(Strict):
     enabled: bool = True
-    extra_steps: int = Field(4, ge=1)
+    extra_steps: int = Field(4, ge=1, le=MAX_ITERS)
     """How far past the final checkpoint the interrupted continuation runs before it is stopped."""
-    replay_steps: int = Field(5, ge=1)
-    loss_rtol: float = Field(0.0, ge=0.0)
-    """Allowed relative loss difference on replay: 0 on CPU fp32; e.g. 0.02 on GPU bf16."""
+    replay_steps: int = Field(5, ge=1, le=MAX_ITERS)
+    loss_rtol: float = Field(0.0, ge=0.0, le=1.0)
+    """Allowed relative loss difference on replay, finite, 0..1: 0 on CPU fp32; e.g. 0.02 on GPU bf16."""
 
 
 class Gate(Strict):
@@ -268,25 +375,36 @@ class EvalConfig(Strict):
     """Metric names resolved first under eval/metrics/, then by evaluate.load only when hub_metrics is true."""
     hub_metrics: bool = False
     """Allow metrics that are not under eval/metrics/ to load from the Hugging Face hub (needs network on the cluster)."""
-    max_new_tokens: int = Field(16, ge=1)
-    batch_size: int = Field(64, ge=1)
-    max_examples: int = Field(300, ge=1)
-    predictions_cap: int = Field(200, ge=0)
+    max_new_tokens: int = Field(16, ge=1, le=MAX_SEQ_LEN)
+    batch_size: int = Field(64, ge=1, le=MAX_BATCH)
+    max_examples: int = Field(300, ge=1, le=MAX_EXAMPLES)
+    """Eval examples scored, 1..10,000,000."""
+    predictions_cap: int = Field(200, ge=0, le=MAX_EXAMPLES)
     gates: dict[str, Gate] = {"exact_match": Gate(min=0.8, min_improvement=0.5, max_regression=0.02)}
+    """At least one gate: with none, every candidate would pass and promotion would judge nothing."""
+
+    @field_validator("gates")
+    @classmethod
+    def _some_gate(cls, v: dict[str, Gate]) -> dict[str, Gate]:
+        if not v:
+            raise ValueError("eval.gates is empty: promotion would judge nothing; configure at least one gate")
+        return v
 
 
 class PromoteConfig(Strict):
     require_approval: bool = False
-    approval_timeout_s: int = Field(3600, ge=1)
+    approval_timeout_s: int = Field(3600, ge=1, le=MAX_TIMEOUT_S)
 
 
 class Timeouts(Strict):
-    verify: int = Field(300, ge=1)
-    connectivity: int = Field(600, ge=1)
-    data: int = Field(600, ge=1)
-    finetune: int = Field(3600, ge=1)
-    resume: int = Field(1800, ge=1)
-    evaluate: int = Field(1800, ge=1)
+    """Seconds per stage, 1..604,800 (a week)."""
+
+    verify: int = Field(300, ge=1, le=MAX_TIMEOUT_S)
+    connectivity: int = Field(600, ge=1, le=MAX_TIMEOUT_S)
+    data: int = Field(600, ge=1, le=MAX_TIMEOUT_S)
+    finetune: int = Field(3600, ge=1, le=MAX_TIMEOUT_S)
+    resume: int = Field(1800, ge=1, le=MAX_TIMEOUT_S)
+    evaluate: int = Field(1800, ge=1, le=MAX_TIMEOUT_S)
 
 
 class RuntimeEnvAdditions(Strict):
@@ -294,10 +412,35 @@ class RuntimeEnvAdditions(Strict):
 
     pip: list[str] = []
     env_vars: dict[str, str] = {}
+    """Plain settings only: they are recorded, published and logged by Ray. Credentials are refused here."""
+    forward_env: list[str] = []
+    """Environment variables passed to every job by name: values from the submitting environment (local)
+    or a Kubernetes Secret on the Ray pods (EKS), never in the config, the record or Ray's runtime_env."""
+
+    @field_validator("forward_env")
+    @classmethod
+    def _env_names(cls, v: list[str]) -> list[str]:
+        bad = [n for n in v if not ENV_NAME.match(n) or n in RESERVED_ENV]
+        if bad:
+            raise ValueError(
+                f"forward_env takes environment variable names ([A-Za-z_][A-Za-z0-9_]*, not {sorted(RESERVED_ENV)}), "
+                f"got {bad!r}"
+            )
+        return list(dict.fromkeys(v))
+
+    @model_validator(mode="after")
+    def _not_both(self) -> RuntimeEnvAdditions:
+        both = sorted(set(self.forward_env) & set(self.env_vars))
+        if both:
+            raise ValueError(f"forward_env and env_vars both set {both}: a variable is either forwarded or given")
+        return self
 
 
 class PipelineConfig(Strict):
     """Everything one pipeline run needs; the Prefect flow's parameter."""
+
+    # A refused credential must not come back in an error's text (Prefect logs parameter errors).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, hide_input_in_errors=True)
 
     profile: str = "local"
     cluster: ClusterConfig = ClusterConfig()
@@ -311,6 +454,15 @@ class PipelineConfig(Strict):
     promote: PromoteConfig = PromoteConfig()
     timeouts: Timeouts = Timeouts()
     runtime_env: RuntimeEnvAdditions = RuntimeEnvAdditions()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_credentials(cls, data: Any) -> Any:
+        # The same check as validate()'s, for configs that arrive another way (a Prefect deployment's parameter).
+        problems = credential_problems(data)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return data
 
     @model_validator(mode="after")
     def _cross_field(self) -> PipelineConfig:
@@ -413,6 +565,9 @@ def apply_override(data: dict, parts: list[str], value: Any) -> None:
 
 def validate(data: dict) -> PipelineConfig:
     """Validate a raw mapping, reporting every problem at once."""
+    secrets = credential_problems(data)
+    if secrets:
+        raise ConfigError(secrets)
     try:
         return PipelineConfig.model_validate(data)
     except ValidationError as e:
@@ -427,22 +582,42 @@ def format_errors(e: ValidationError) -> list[str]:
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
         value = err.get("input")
+        if err["type"] == "string_type" and isinstance(value, (dict, list)):
+            # `--set key={a}` or `key=[a]`: YAML read braces or brackets as a collection, not text.
+            kind = "mapping" if isinstance(value, dict) else "list"
+            msg = f"expected text, got a YAML {kind}; quote it (e.g. --set '{loc}=\"...\"')"
         if not loc:  # cross-field checks name their fields in the message itself
             problems.append(msg)
             continue
-        problems.append(f"{loc}: {msg} (got {value!r})")
+        problems.append(f"{loc}: {msg} (got {_short_repr(value)})")
     return problems
+
+
+def _short_repr(value: Any) -> str:
+    """repr cut to a line: a pasted file or an alias-expanded YAML value must not flood the terminal."""
+    r = reprlib.Repr()
+    r.maxstring, r.maxother, r.maxlevel = 120, 120, 2
+    text = r.repr(value)
+    return text if len(text) <= 200 else text[:199] + "…"
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), resolve: bool = True) -> PipelineConfig:
     """Read a YAML profile, apply --set overrides, validate, resolve relative paths."""
     path = Path(path) if path else DEFAULT_PROFILE
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except FileNotFoundError:
         raise ConfigError([f"--config: file not found (got {str(path)!r})"]) from None
+    except IsADirectoryError:
+        raise ConfigError([f"--config {path}: is a directory; give a YAML file such as configs/local.yaml"]) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"--config {path}: not UTF-8 text (byte {e.start}); save it as UTF-8 YAML"]) from None
+    except OSError as e:
+        raise ConfigError([f"--config {path}: cannot be read: {e.strerror or e}"]) from None
     except yaml.YAMLError as e:
-        raise ConfigError([f"--config {path}: not valid YAML: {e}"]) from None
+        raise ConfigError([f"--config {path}: not valid YAML: {' '.join(str(e).split())}"]) from None
+    except RecursionError:
+        raise ConfigError([f"--config {path}: nested too deeply to be a config"]) from None
     if not isinstance(data, dict):
         raise ConfigError([f"--config {path}: top level must be a mapping (got {type(data).__name__})"])
     for item in overrides:

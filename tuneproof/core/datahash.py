@@ -16,7 +16,18 @@ from tuneproof.core.hashing import IGNORE_INDEX, files_sha256, sha256_bytes, sha
 __all__ = ["IGNORE_INDEX", "files_sha256", "sha256_bytes", "sha256_json"]  # the data stage reads them from here
 
 # Why a row was left out; every dropped row has exactly one reason, the first that applies.
-REASONS = ("undecodable", "wrong_type", "missing_field", "empty", "too_long")
+COLUMN_REASONS = ("undecodable", "wrong_type", "missing_field", "empty", "too_long")
+# The template and messages shapes add their own (tuneproof/core/shapes.py decides them).
+SHAPE_REASONS = (
+    "missing_template_column",  # a column the prompt template names is not in the row
+    "empty_conversation",  # the messages column is an empty list
+    "bad_turn",  # a turn that is not a {role, content} mapping
+    "unknown_role",  # a role other than system, user, assistant
+    "non_string_content",  # a turn whose content is not a string
+    "no_assistant_turn",  # nothing to learn and nothing to evaluate
+    "template_rejected",  # the tokenizer's chat template raised on the conversation
+)
+REASONS = COLUMN_REASONS + SHAPE_REASONS
 EXAMPLES_PER_REASON = 3
 
 # Bump when the shard layout or the meaning of a setting changes: old datasets must not be reused.
@@ -30,19 +41,25 @@ def content_hash(
     system_prompt: str | None,
     tokenizer_sha256: str,
     settings: dict[str, Any],
+    shape: dict[str, Any] | None = None,
 ) -> str:
-    """The dataset's identity: equal inputs give an equal hash, so a rerun reuses the written dataset."""
-    return sha256_json(
-        {
-            "prep_version": PREP_VERSION,
-            "source": source_sha256,
-            "eval_source": eval_source_sha256,
-            "fields": fields,
-            "system_prompt": system_prompt,
-            "tokenizer": tokenizer_sha256,
-            "settings": settings,
-        }
-    )
+    """The dataset's identity: equal inputs give an equal hash, so a rerun reuses the written dataset.
+
+    shape is the template or messages shape's identity (shapes.shape_identity); the columns shape
+    passes None and hashes exactly as before shapes existed, so its prepared datasets stay cache hits.
+    """
+    identity: dict[str, Any] = {
+        "prep_version": PREP_VERSION,
+        "source": source_sha256,
+        "eval_source": eval_source_sha256,
+        "fields": fields,
+        "system_prompt": system_prompt,
+        "tokenizer": tokenizer_sha256,
+        "settings": settings,
+    }
+    if shape is not None:
+        identity["shape"] = shape
+    return sha256_json(identity)
 
 
 @dataclass
@@ -106,7 +123,7 @@ def check_row(row: Any, fields: dict[str, str | None]) -> tuple[str | None, dict
     return None, parts
 
 
-def split_key(parts: dict[str, str]) -> str:
+def split_key(parts: dict[str, Any]) -> str:
     """What decides a row's split: its content, so identical rows always land on the same side."""
     return json.dumps(parts, sort_keys=True, ensure_ascii=False)
 

@@ -17,11 +17,14 @@ from urllib.parse import urlparse
 
 import fsspec
 
+from tuneproof.core.names import check_storage_root
+
 
 class Storage:
     """A storage root; every path argument is relative to it, joined with '/'."""
 
     def __init__(self, root: str, endpoint_url: str | None = None):
+        check_storage_root("storage root", root)
         self.endpoint_url = endpoint_url
         self.is_s3 = root.startswith("s3://")
         if self.is_s3:
@@ -30,8 +33,6 @@ class Storage:
             kwargs = {"client_kwargs": {"endpoint_url": endpoint_url}} if endpoint_url else {}
             # Listings must not be cached: stages poll for markers other processes write.
             self.fs = fsspec.filesystem("s3", use_listings_cache=False, skip_instance_cache=True, **kwargs)
-        elif "://" in root and not root.startswith("file://"):
-            raise ValueError(f"storage root must be a local path or s3://bucket/prefix, got {root!r}")
         else:
             local = root.removeprefix("file://")
             self.root = str(Path(local).expanduser().resolve())
@@ -43,10 +44,14 @@ class Storage:
         return cls(storage_cfg.root, storage_cfg.endpoint_url)
 
     def path(self, *parts: str) -> str:
-        """Filesystem path (bucket/key for S3) of a relative location."""
+        """Filesystem path (bucket/key for S3) of a relative location; refuses parts that would leave the root."""
+        for part in parts:
+            _check_part(part)
         return posixpath.join(self._base, *parts) if parts else self._base
 
     def uri(self, *parts: str) -> str:
+        for part in parts:
+            _check_part(part)
         return posixpath.join(self.root, *parts) if parts else self.root
 
     def exists(self, *parts: str) -> bool:
@@ -104,6 +109,9 @@ class Storage:
         base = self.path(*parts).rstrip("/")
         for remote in self.fs.find(base):
             rel = remote[len(base) :].lstrip("/")
+            if ".." in rel.split("/"):
+                # An object key is any string; one with '..' would be written outside local_dir.
+                raise UnsafePath(f"object {remote!r} under {self.uri(*parts)} has a '..' segment; refusing to copy it")
             dest = local_dir / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
             with self.fs.open(remote, "rb") as src:
@@ -127,6 +135,20 @@ class Storage:
         if region:
             kwargs["region"] = region
         return pafs.S3FileSystem(**kwargs), self.path(*parts)
+
+
+class UnsafePath(ValueError):
+    """A path part or object key that would reach outside the storage root (or a local mirror)."""
+
+
+def _check_part(part: str) -> None:
+    """A relative part may hold '/' (e.g. 'train/shard-0.parquet') but no absolute path and no '..' segment."""
+    if not isinstance(part, str):
+        raise UnsafePath(f"storage path part must be a string, got {type(part).__name__}: {part!r}")
+    if part.startswith("/") or ".." in part.split("/"):
+        raise UnsafePath(
+            f"storage path part {part!r} is absolute or has a '..' segment: it would leave the storage root"
+        )
 
 
 def split_s3(uri: str) -> tuple[str, str]:

@@ -90,6 +90,8 @@ class StorageProbe(Summary):
     ok: bool
     error: str | None = None
     seconds: float | None = None
+    conditional_writes: str | None = None
+    """'honoured', or what the store got wrong (a stale If-Match accepted, ...); None when not probed."""
 
 
 class VerifySummary(Summary):
@@ -99,6 +101,8 @@ class VerifySummary(Summary):
     storage_probe: StorageProbe | None = None
     kubernetes: dict[str, Any] | None = None
     """The Kubernetes half on eks: its findings and a summary of the RayCluster, pods and nodes."""
+    forwarded_env: dict[str, bool] = {}
+    """runtime_env.forward_env names, each with whether the job saw a value (never the value)."""
 
 
 # ---- 2 connectivity --------------------------------------------------------------------------
@@ -187,6 +191,12 @@ class DatasetManifest(Summary):
     eval_source: SourceIdentity | None = None
     tokenizer_sha256: str
     settings: dict[str, Any]
+    shape: Literal["columns", "template", "messages"] = "columns"
+    """How rows were read (data.shape, auto resolved); manifests from before shapes were columns."""
+    template_sha256: str | None = None
+    """The template shape's prompt template and response column, hashed; the content hash covers it."""
+    loss_on: str | None = None
+    """The messages shape: all_assistant or last_assistant."""
     splits: dict[str, SplitMeta]
     dropped: dict[str, DropCount] = {}
     total_rows: int
@@ -228,6 +238,10 @@ class FinetuneSummary(Summary):
     seconds: float
     export_path: str | None = None
     export_uri: str | None = None
+    export_sha256: str | None = None
+    """content_sha256 of the export's manifest (tuneproof-export.json): what evaluate must score."""
+    invocation: int | None = None
+    """The run record's invocation whose job trained this (also in the export's manifest)."""
     mfu: float | None = None
     restored_step: int | None = None
     first_step_completed_at: float | None = None
@@ -265,6 +279,12 @@ class LossComparison(Summary):
 class ResumeSummary(Summary):
     seed_checkpoint: CheckpointRef | None = None
     """The main-run checkpoint the test starts from."""
+    tested_run_name: str | None = None
+    """The fine-tune's Ray Train run whose checkpoint was tested: promotion needs it to be the promoted model's."""
+    tested_invocation: int | None = None
+    """The run record's invocation of that fine-tune."""
+    attempt_run_name: str | None = None
+    """The Ray Train run name of this attempt's interrupt and continue jobs (one per attempt, retries included)."""
     interrupted: bool = False
     """The interrupt job reached its hold point and was stopped there."""
     interrupted_at_step: int | None = None
@@ -288,6 +308,9 @@ class ModelScore(Summary):
     path: str
     metrics: dict[str, float | None]
     seconds: float
+    content_sha256: str | None = None
+    """What was scored: an export's manifest hash (checked on the loaded copy), a directory's file hash,
+    None for a hub id (its revision is in the config)."""
 
 
 GateKind = Literal["min", "min_improvement", "max_regression"]
@@ -322,6 +345,10 @@ class EvaluateSummary(Summary):
     predictions_uri: str | None = None
     examples: int
     device: str | None = None
+    eval_split_sha256: str | None = None
+    """Hash over the eval split's shards (path and sha256 from the dataset manifest)."""
+    metric_sha256: dict[str, str | None] = {}
+    """Each metric's module hash (None for a hub metric)."""
 
 
 # ---- 7 promote -------------------------------------------------------------------------------
@@ -346,4 +373,6 @@ class PromoteSummary(Summary):
     run_id: str | None = None
     promoted_at: str | None = None
     previous_version: str | None = None
+    content_sha256: str | None = None
+    """The promoted model's content hash (its export manifest's), also in the production pointer."""
     forced: Forced | None = None

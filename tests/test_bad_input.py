@@ -1,0 +1,527 @@
+"""Bad input, table-driven: every input a user can give, broken on purpose, gets an exit code and a message
+that names the problem; none ends in a traceback, and none reaches the CLI's last-resort guard.
+
+    .venv/bin/python -m pytest -q tests/test_bad_input.py
+
+Each row: an id, how to build the input under a temp dir (returns the CLI arguments), the exit code, and a
+phrase the output must contain. Readers that are not commands (data rows, model directories, storage paths)
+have a second table: the input, the exception (or drop reason) and the phrase. Unit tier: no Ray, no Prefect
+server; one case uses the moto S3 server for an object key only a store can hold.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tuneproof.app import cli
+from tuneproof.app.cli import app, guarded
+from tuneproof.control import record as records
+from tuneproof.control.record import CodeIdentity
+from tuneproof.core.config import PROJECT_ROOT, PipelineConfig
+from tuneproof.core.storage import Storage, UnsafePath
+
+TRACEBACK = "Traceback (most recent call last)"
+K8S_FIXTURES = Path(__file__).parent / "fixtures" / "k8s" / "cluster"
+EKS = str(PROJECT_ROOT / "configs" / "eks.yaml")
+GOOD_RUN = "20261130-103832-a31ad3"
+MODEL = "dates-qwen2-tiny"
+DEEP_JSON = "[" * 100_000 + "]" * 100_000
+NOT_UTF8 = b"\xff\xfe\x00bad \xc3\x28 bytes\n"
+LONG = "a" * 65
+YAML_BOMB = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
+    f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi", strict=True)
+)
+RAYCLUSTER = (PROJECT_ROOT / "deployments" / "raycluster.yaml").read_text()
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    build: Callable[[Path], list[str]]
+    """Writes the input under the temp dir; returns the CLI arguments."""
+    code: int
+    phrase: str
+
+
+def root_args(tmp: Path) -> list[str]:
+    return ["--set", f"storage.root={tmp / 'store'}"]
+
+
+def write(path: Path, data: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data.encode() if isinstance(data, str) else data)
+    return path
+
+
+# ---- config files and --set values -----------------------------------------------------------------
+
+
+def config_file(text: str | bytes) -> Callable[[Path], list[str]]:
+    return lambda tmp: ["runs", "list", "--config", str(write(tmp / "bad.yaml", text))]
+
+
+def with_set(*items: str, command: tuple[str, ...] = ("runs", "list")) -> Callable[[Path], list[str]]:
+    return lambda tmp: [*command, *[a for item in items for a in ("--set", item)]]
+
+
+CONFIG_CASES = [
+    Case("config-is-a-directory", lambda tmp: ["run", "--config", str(tmp)], 3, "is a directory"),
+    Case("config-missing", lambda tmp: ["run", "--config", str(tmp / "nope.yaml")], 3, "file not found"),
+    Case("config-not-utf8", config_file(NOT_UTF8), 3, "not UTF-8"),
+    Case("config-not-yaml", config_file("train: [1, 2\n"), 3, "not valid YAML"),
+    Case("config-a-list", config_file("- a\n- b\n"), 3, "top level must be a mapping"),
+    Case("config-unknown-key", config_file("train:\n  max_stepz: 3\n"), 3, "train.max_stepz: unknown key"),
+    Case("config-empty-gates", config_file("eval:\n  gates: {}\n"), 3, "eval.gates is empty"),
+    Case("config-nan-gate", config_file("eval:\n  gates:\n    exact_match: {min: .nan}\n"), 3, "finite number"),
+    Case("config-gs-root", config_file("storage:\n  root: gs://bucket/x\n"), 3, "scheme 'gs://'"),
+    Case("config-escaping-data-name", config_file("data:\n  name: ../../x\n"), 3, "dataset name '../../x'"),
+    Case("config-yaml-alias-bomb", config_file(YAML_BOMB), 3, "i: unknown key (got [[[...]"),
+    Case("config-deep-yaml", config_file("a: " + "[" * 1000 + "]" * 1000 + "\n"), 3, "nested too deeply"),
+    Case("set-no-equals", with_set("train.max_steps"), 3, "expected dotted.key=value"),
+    Case("set-empty-segment", with_set(".max_steps=3"), 3, "empty key segment"),
+    Case("set-max-steps-absurd", with_set("train.max_steps=100000000"), 3, "less than or equal to 10000000"),
+    Case("set-batch-absurd", with_set("train.micro_batch_size=1000000"), 3, "less than or equal to 65536"),
+    Case("set-seq-len-absurd", with_set("data.max_seq_len=99999999"), 3, "less than or equal to 1048576"),
+    Case("set-workers-absurd", with_set("train.num_workers=100000"), 3, "less than or equal to 4096"),
+    Case("set-eval-examples-absurd", with_set("eval.max_examples=10000000000"), 3, "eval.max_examples"),
+    Case("set-timeout-absurd", with_set("timeouts.finetune=99999999"), 3, "less than or equal to 604800"),
+    Case("set-sizes-absurd", with_set("connectivity.sizes_bytes=[99999999999999]"), 3, "16 GiB"),
+    Case("set-lr-inf", with_set("train.lr=.inf"), 3, "train.lr: Input should be a finite number"),
+    Case("set-lr-overflow", with_set("train.lr=1.0e999"), 3, "finite number"),
+    Case("set-rtol-nan", with_set("resume.loss_rtol=.nan"), 3, "resume.loss_rtol"),
+    Case("set-regression-nan", with_set("eval.gates.exact_match.max_regression=.nan"), 3, "finite number"),
+    Case("set-gates-empty", with_set("eval.gates={}"), 3, "eval.gates is empty"),
+    Case("set-gate-no-threshold", with_set("eval.gates={exact_match: {}}"), 3, "a gate needs at least one"),
+    Case("set-string-got-mapping", with_set("data.source={a}"), 3, "got a YAML mapping; quote it"),
+    Case("set-string-got-list", with_set("data.source=[a]"), 3, "got a YAML list; quote it"),
+    Case("set-markup-in-value", with_set("data.name=a[/b]"), 3, "dataset name 'a[/b]'"),
+    Case("set-data-name-escapes", with_set("data.name=../../x"), 3, "must not contain '..'"),
+    Case("set-data-name-leading-dash", with_set("data.name=-rf"), 3, "starting with a letter or digit"),
+    Case("set-data-name-too-long", with_set(f"data.name={LONG}"), 3, "at most 64"),
+    Case("set-model-name-slash", with_set("model.name=team/prod"), 3, "model name 'team/prod'"),
+    Case("set-model-name-empty", with_set("model.name="), 3, "must not be empty"),
+    Case("set-run-with-bad-config", with_set("train.max_steps=0", command=("run",)), 3, "train.max_steps"),
+]
+
+
+def root_file(tmp: Path) -> list[str]:
+    return ["--set", f"storage.root={write(tmp / 'a-file', 'not a folder')}"]
+
+
+# ---- storage URIs --------------------------------------------------------------------------------------
+
+STORAGE_URI_CASES = [
+    Case("root-s3-one-slash", with_set("storage.root=s3:/bucket"), 3, "looks like a mistyped URI"),
+    Case("root-s3-no-slash", with_set("storage.root=s3:bucket"), 3, "looks like a mistyped URI"),
+    Case("root-s3-no-bucket", with_set("storage.root=s3://"), 3, "names no bucket"),
+    Case("root-http", with_set("storage.root=http://example.com/x"), 3, "scheme 'http://'"),
+    Case("root-bad-bucket", with_set("storage.root=s3://Bad_Bucket/x"), 3, "not a valid S3 bucket name"),
+    Case("root-empty", with_set("storage.root="), 3, "storage root '' must not be empty"),
+    Case("root-a-file-runs", lambda tmp: ["runs", "list", *root_file(tmp)], 4, "is not a directory"),
+    Case("root-a-file-models", lambda tmp: ["models", "list", *root_file(tmp)], 4, "is not a directory"),
+    Case("root-a-file-show", lambda tmp: ["models", "show", MODEL, *root_file(tmp)], 4, "is not a directory"),
+]
+
+# ---- identifiers on the command line ---------------------------------------------------------------------
+
+ID_CASES = [
+    Case("show-dotdot", lambda tmp: ["runs", "show", "../x"], 2, "run id '../x'"),
+    Case("show-slash", lambda tmp: ["runs", "show", "a/b"], 2, "run id 'a/b'"),
+    Case("show-empty", lambda tmp: ["runs", "show", ""], 2, "must not be empty"),
+    Case("show-space", lambda tmp: ["runs", "show", "a b"], 2, "run id 'a b'"),
+    Case("show-hidden", lambda tmp: ["runs", "show", ".hidden"], 2, "starting with a letter or digit"),
+    Case("show-too-long", lambda tmp: ["runs", "show", LONG], 2, "at most 64"),
+    Case("diff-second-bad", lambda tmp: ["runs", "diff", GOOD_RUN, "x/../y"], 2, "run id 'x/../y'"),
+    Case("run-run-id-slash", lambda tmp: ["run", "--run-id", "a/b"], 2, "run id 'a/b'"),
+    Case("promote-dotdot", lambda tmp: ["promote", "../x", "--force", "--reason", "r"], 2, "run id '../x'"),
+    Case("models-show-escape", lambda tmp: ["models", "show", "../../etc"], 2, "model name '../../etc'"),
+    Case("show-unknown-run", lambda tmp: ["runs", "show", "nosuchrun", *root_args(tmp)], 1, "no run record"),
+    Case(
+        "promote-unknown-run",
+        lambda tmp: ["promote", "nosuch", "--force", "--reason", "r", *root_args(tmp)],
+        3,
+        "promote refused: no run record for run 'nosuch'",
+    ),
+    Case(
+        "promote-unreadable-record",
+        lambda tmp: ["promote", "bad", "--force", "--reason", "r", *record_file("{")(tmp)[3:]],
+        3,
+        "not a readable run record",
+    ),
+    Case("models-show-unknown", lambda tmp: ["models", "show", "nosuch", *root_args(tmp)], 1, "no model 'nosuch'"),
+]
+
+# ---- run records and registry files in storage -----------------------------------------------------------
+
+
+def good_record(tmp: Path, run_id: str = GOOD_RUN) -> Storage:
+    storage = Storage(str(tmp / "store"))
+    records.save(storage, records.new_record(run_id, PipelineConfig(), CodeIdentity(), None))
+    return storage
+
+
+def record_file(data: str | bytes, command: str = "show") -> Callable[[Path], list[str]]:
+    """A good run next to a run 'bad' whose record.json holds `data`."""
+
+    def build(tmp: Path) -> list[str]:
+        good_record(tmp)
+        write(tmp / "store" / "runs" / "bad" / "record.json", data)
+        return ["runs", *command.split(), *(["bad"] if command == "show" else []), *root_args(tmp)]
+
+    return build
+
+
+def record_dir(tmp: Path) -> list[str]:
+    good_record(tmp)
+    (tmp / "store" / "runs" / "bad" / "record.json").mkdir(parents=True)
+    return ["runs", "list", *root_args(tmp)]
+
+
+def lease_dir(tmp: Path) -> list[str]:
+    good_record(tmp)
+    (tmp / "store" / "runs" / GOOD_RUN / "lease.json").mkdir()
+    write(tmp / "store" / "runs" / "notes.txt", "a stray file")
+    return ["runs", "list", *root_args(tmp)]
+
+
+def bad_summary(tmp: Path) -> list[str]:
+    storage = good_record(tmp)
+    doc = storage.read_json("runs", GOOD_RUN, "record.json")
+    doc["stages"] = {
+        "finetune": {
+            "stage": "finetune",
+            "status": "succeeded",
+            "summary": {"steps": "many"},
+            "started_at": "x",
+            "ended_at": "y",
+        }
+    }
+    storage.write_json(doc, "runs", GOOD_RUN, "record.json")
+    return ["runs", "show", GOOD_RUN, *root_args(tmp)]
+
+
+def diff_truncated(tmp: Path) -> list[str]:
+    record_file('{"schema_version": 2, "run_id": "ba')(tmp)
+    return ["runs", "diff", GOOD_RUN, "bad", *root_args(tmp)]
+
+
+def registry(tmp: Path, pointer: str | bytes | None = None, card: str | bytes | None = None) -> Path:
+    models = tmp / "store" / "models"
+    version = models / MODEL / f"v0001-{GOOD_RUN}"
+    write(version / "card.json", card if card is not None else json.dumps({"metrics": {}}))
+    if pointer is not None:
+        write(models / MODEL / "production.json", pointer)
+    return models
+
+
+def models_cmd(command: str, pointer=None, card=None, stray: bool = False) -> Callable[[Path], list[str]]:
+    def build(tmp: Path) -> list[str]:
+        models = registry(tmp, pointer, card)
+        if stray:
+            write(models / "README.txt", "not a model")
+        return ["models", command, *([MODEL] if command == "show" else []), *root_args(tmp)]
+
+    return build
+
+
+def pointer_dir(tmp: Path) -> list[str]:
+    (registry(tmp) / MODEL / "production.json").mkdir()
+    return ["models", "list", *root_args(tmp)]
+
+
+STORAGE_FILE_CASES = [
+    Case("record-truncated-listed", record_file('{"schema_version": 2, "run_id": "ba', "list"), 0, "unreadable"),
+    Case("record-truncated-show", record_file('{"schema_version": 2, "run_id": "ba'), 1, "not a readable run record"),
+    Case("record-not-utf8", record_file(NOT_UTF8), 1, "not a readable run record"),
+    Case("record-a-list", record_file("[1, 2]"), 1, "expected a JSON object, got list"),
+    Case("record-future-schema", record_file('{"schema_version": 99}'), 1, "schema_version 99"),
+    Case("record-wrong-field-type", record_file('{"schema_version": 2, "run_id": 5}'), 1, "run_id"),
+    Case("record-absurdly-nested", record_file(DEEP_JSON), 1, "RecursionError"),
+    Case("record-is-a-directory", record_dir, 0, "unreadable"),
+    Case("lease-is-a-directory", lease_dir, 0, GOOD_RUN),
+    Case("record-summary-wrong-shape", bad_summary, 1, "stage summary in record.json is not readable"),
+    Case("diff-truncated-record", diff_truncated, 1, "not a readable run record"),
+    Case("models-stray-file", models_cmd("list", stray=True), 0, MODEL),
+    Case("pointer-corrupt-list", models_cmd("list", pointer="{not json"), 0, "unreadable"),
+    Case("pointer-corrupt-show", models_cmd("show", pointer="{not json"), 1, "not a JSON production pointer"),
+    Case("pointer-wrong-shape", models_cmd("show", pointer="[1]"), 1, "object with a 'version' string"),
+    Case("pointer-not-utf8", models_cmd("show", pointer=NOT_UTF8), 1, "not a JSON production pointer"),
+    Case("pointer-is-a-directory", pointer_dir, 0, "cannot be read as the production pointer"),
+    Case("record-truncated-json-list", record_file("{", "list --json"), 0, '"status": "unreadable"'),
+    Case("card-corrupt", models_cmd("show", card="{"), 0, "card.json is unreadable"),
+]
+
+# ---- saved kubectl / ray JSON for verify --from-files --------------------------------------------------------
+
+
+def saved(name: str, data: str | bytes | None, directory: bool = False) -> Callable[[Path], list[str]]:
+    """The good fixture set with one file replaced (None: removed; directory: a folder in its place)."""
+
+    def build(tmp: Path) -> list[str]:
+        target = tmp / "saved"
+        shutil.copytree(K8S_FIXTURES, target)
+        (target / name).unlink()
+        if directory:
+            (target / name).mkdir()
+        elif data is not None:
+            write(target / name, data)
+        return ["verify", "--from-files", str(target), "--config", EKS]
+
+    return build
+
+
+VERIFY_CASES = [
+    Case("pods-truncated", saved("pods.json", '{"items": [{"metadata": '), 4, "pods.json: not JSON"),
+    Case("pods-not-utf8", saved("pods.json", NOT_UTF8), 4, "pods.json: not UTF-8"),
+    Case("pods-a-string", saved("pods.json", '"hello"'), 4, "expected Kubernetes objects"),
+    Case("pods-list-of-numbers", saved("pods.json", '{"kind": "List", "items": [1, 2]}'), 4, "got int"),
+    Case("raycluster-missing", saved("raycluster.json", None), 4, "raycluster.json: missing"),
+    Case("raycluster-a-directory", saved("raycluster.json", None, directory=True), 4, "cannot be read"),
+    Case("nodes-odd-fields", saved("nodes.json", '{"items": [{"status": "x", "metadata": 5}]}'), 4, "nodes"),
+    Case(
+        "ray-nodes-gpu-not-a-number",
+        saved("ray-nodes.json", '[{"node_ip": "10.0.1.11", "state": "ALIVE", "resources_total": {"GPU": "lots"}}]'),
+        4,
+        "saved objects have an unexpected shape",
+    ),
+    Case("ray-nodes-nested", saved("ray-nodes.json", DEEP_JSON), 4, "ray-nodes.json: not JSON"),
+    Case("from-files-not-a-dir", lambda tmp: ["verify", "--from-files", str(tmp / "nope"), "-c", EKS], 4, "missing"),
+]
+
+# ---- manifests for lint ----------------------------------------------------------------------------------------
+
+
+def manifest(text: str | bytes, name: str = "bad.yaml") -> Callable[[Path], list[str]]:
+    return lambda tmp: ["lint", str(write(tmp / "m" / name, text)), "--config", EKS]
+
+
+LINT_CASES = [
+    Case("manifest-not-utf8", manifest(NOT_UTF8), 1, "not UTF-8"),
+    Case("manifest-not-yaml", manifest("kind: [Pod\n"), 1, "unparseable"),
+    Case("manifest-json-truncated", manifest('{"kind": ', "bad.json"), 1, "unparseable"),
+    Case("manifest-a-scalar", manifest("42\n"), 1, "a Kubernetes object"),
+    Case("manifest-kind-a-number", manifest("apiVersion: v1\nkind: 5\n"), 1, "a Kubernetes object"),
+    Case("manifest-list-items-not-list", manifest("apiVersion: v1\nkind: List\nitems: 5\n"), 1, "a list of Kubernetes"),
+    Case("manifest-metadata-a-string", manifest("apiVersion: v1\nkind: Namespace\nmetadata: x\n"), 1, "metadata"),
+    Case("manifest-deep-json", manifest(DEEP_JSON, "deep.json"), 1, "unparseable"),
+    Case(
+        "manifest-unknown-kind-odd-shape",
+        manifest("apiVersion: example.com/v1\nkind: Widget\nmetadata: {name: w}\nspec: 5\n"),
+        0,
+        "not schema-checked",
+    ),
+    Case(
+        "raycluster-num-gpus-overflows",
+        lambda tmp: [
+            "lint",
+            str(write(tmp / "m" / "rc.yaml", RAYCLUSTER.replace('num-gpus: "4"', 'num-gpus: "1e400"'))),
+        ],
+        1,
+        "rayStartParams.num-gpus is '1e400', expected '4'",
+    ),
+    Case("lint-missing-path", lambda tmp: ["lint", str(tmp / "nope.yaml"), "-c", EKS], 1, "no such file or folder"),
+]
+
+# ---- NCCL logs for transport -------------------------------------------------------------------------------------
+
+TRANSPORT_CASES = [
+    Case("log-not-utf8", lambda tmp: ["transport", str(write(tmp / "n.log", NOT_UTF8))], 0, "inconclusive"),
+    Case(
+        "log-empty-expect-efa",
+        lambda tmp: ["transport", str(write(tmp / "n.log", "")), "--expect", "efa"],
+        1,
+        "inconclusive",
+    ),
+    Case("log-a-directory", lambda tmp: ["transport", str(tmp)], 2, "cannot read"),
+    Case("log-missing", lambda tmp: ["transport", str(tmp / "nope.log")], 2, "No such file"),
+    Case("log-bad-expect", lambda tmp: ["transport", str(write(tmp / "n.log", "")), "--expect", "ib"], 2, "'ib'"),
+]
+
+CLI_CASES = (
+    CONFIG_CASES + STORAGE_URI_CASES + ID_CASES + STORAGE_FILE_CASES + VERIFY_CASES + LINT_CASES + TRANSPORT_CASES
+)
+
+
+@pytest.mark.parametrize("case", CLI_CASES, ids=[c.id for c in CLI_CASES])
+def test_cli_bad_input(case: Case, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # relative defaults (the local storage root) land in the temp dir
+    for console in (cli.console, cli.err):
+        monkeypatch.setattr(console, "width", 10_000)  # one message, one line: phrases are not cut by wrapping
+    result = CliRunner().invoke(app, case.build(tmp_path))
+    # Only SystemExit may leave a command: anything else would have reached the guard in cli.main.
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert TRACEBACK not in result.output
+    assert "please report" not in result.output
+    assert case.phrase in result.output, result.output
+    assert result.exit_code == case.code, result.output
+
+
+def test_the_guard_is_one_line_and_exit_4(capsys):
+    def broken() -> None:
+        raise RuntimeError("an unforeseen input")
+
+    assert guarded(broken) == 4
+    err = capsys.readouterr().err
+    assert err.strip() == "error: RuntimeError: an unforeseen input (please report)"
+    assert TRACEBACK not in err
+
+
+# ---- readers that are not commands: data rows, model directories, storage paths ----------------------------
+
+
+def data_drops(text: bytes) -> dict[str, int]:
+    from training.data_prep import Source, conversations, parse_rows
+    from tuneproof.core import datahash
+    from tuneproof.core.config import DataConfig
+
+    drops = datahash.Drops()
+    good = b'{"input": "1 Jan 2020", "output": "2020-01-01"}\n'
+    parsed = parse_rows(Source("mem://rows.jsonl", good + text, "jsonl"), drops, "train")
+    convs, total = conversations(parsed, DataConfig(), "columns", drops, "train")
+    assert len(convs) == 1 and total == 2  # the good row survives the bad one
+    return drops.counts
+
+
+DATA_CASES = [
+    ("row-truncated-json", b'{"input": "1 Jan', "undecodable"),
+    ("row-not-utf8", b'{"input": "\xff\xfe", "output": "x"}', "undecodable"),
+    ("row-a-list", b"[1, 2]", "wrong_type"),
+    ("row-missing-field", b'{"input": "1 Jan 2020"}', "missing_field"),
+    ("row-field-a-number", b'{"input": 5, "output": "2020-01-01"}', "wrong_type"),
+    ("row-empty-response", b'{"input": "1 Jan 2020", "output": ""}', "empty"),
+    ("row-nested-deep", b"[" * 100_000 + b"]" * 100_000, "undecodable"),
+]
+
+
+@pytest.mark.parametrize(("text", "reason"), [c[1:] for c in DATA_CASES], ids=[c[0] for c in DATA_CASES])
+def test_bad_data_rows_are_dropped_by_reason(text: bytes, reason: str):
+    assert data_drops(text) == {reason: 1}
+
+
+TINY_CONFIG = {
+    "model_type": "qwen2",
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "vocab_size": 32,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A valid one-layer Qwen2 directory, written directly: a tokenizer is not needed to load weights."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    model_dir = tmp_path_factory.mktemp("tiny") / "model"
+    Qwen2ForCausalLM(Qwen2Config(**TINY_CONFIG)).save_pretrained(model_dir)
+    return model_dir
+
+
+def broken_model(tiny: Path, tmp: Path, damage: str) -> Path:
+    model = tmp / "model"
+    shutil.copytree(tiny, model)
+    if damage == "no-config":
+        (model / "config.json").unlink()
+    elif damage == "truncated-weights":
+        weights = model / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+    elif damage == "no-weights":
+        (model / "model.safetensors").unlink()
+    elif damage == "config-not-json":
+        (model / "config.json").write_text("{")
+    return model
+
+
+def test_the_tiny_model_directory_loads(tiny_dir):
+    from training.modeling import load_model
+
+    assert load_model(str(tiny_dir)).config.num_hidden_layers == 1  # so each damage below is what breaks it
+
+
+MODEL_CASES = [
+    ("no-config", "has no config.json"),
+    ("config-not-json", "config.json"),
+    ("truncated-weights", "not a loadable model"),
+    ("no-weights", "not a loadable model"),
+]
+
+
+@pytest.mark.parametrize(("damage", "phrase"), MODEL_CASES, ids=[c[0] for c in MODEL_CASES])
+def test_broken_model_directory_names_itself(tiny_dir, tmp_path, damage: str, phrase: str):
+    from training.modeling import ModelUnreadable, load_model
+
+    model = broken_model(tiny_dir, tmp_path, damage)
+    with pytest.raises(ModelUnreadable) as e:
+        load_model(str(model))
+    assert str(model) in str(e.value) and phrase in str(e.value)
+
+
+STORAGE_PATH_CASES = [
+    ("part-dotdot", ("..", "x"), "'..' segment"),
+    ("part-dotdot-inside", ("runs/../../etc",), "'..' segment"),
+    ("part-absolute", ("/etc/passwd",), "is absolute"),
+]
+
+
+@pytest.mark.parametrize(
+    ("parts", "phrase"), [c[1:] for c in STORAGE_PATH_CASES], ids=[c[0] for c in STORAGE_PATH_CASES]
+)
+def test_storage_refuses_parts_that_leave_the_root(tmp_path, parts: tuple[str, ...], phrase: str):
+    storage = Storage(str(tmp_path))
+    with pytest.raises(UnsafePath, match=phrase):
+        storage.write_bytes(b"x", *parts)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("root", ["gs://bucket/x", "s3:/bucket", "s3://", "ftp://host/x"])
+def test_storage_refuses_a_root_that_is_not_local_or_s3(root: str):
+    with pytest.raises(ValueError, match="storage root"):
+        Storage(root)
+
+
+@pytest.mark.integration
+def test_s3_mirror_refuses_a_key_with_dotdot(s3_endpoint, tmp_path):
+    from tests.conftest import TEST_BUCKET
+
+    storage = Storage(f"s3://{TEST_BUCKET}/bad-input", s3_endpoint)
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3_endpoint)
+    client.put_object(Bucket=TEST_BUCKET, Key="bad-input/model/ok.json", Body=b"{}")
+    client.put_object(Bucket=TEST_BUCKET, Key="bad-input/model/../../escape.txt", Body=b"x")
+    mirror = tmp_path / "mirror" / "inner"
+    with pytest.raises(UnsafePath, match="'..' segment"):
+        storage.download_dir(mirror, "model")
+    assert not (tmp_path / "escape.txt").exists() and not (tmp_path / "mirror" / "escape.txt").exists()
+
+
+def test_the_suite_is_big_enough():
+    total = len(CLI_CASES) + len(DATA_CASES) + len(MODEL_CASES) + len(STORAGE_PATH_CASES) + 4  # + the 4 Storage roots
+    assert total >= 60, total
+
+
+def test_stage_names_are_slugs():
+    from flows import stages as table
+    from tuneproof.core.names import check_slug
+
+    for name in table.names():
+        check_slug("stage name", name)
+
+
+@pytest.mark.parametrize("run_id", ["a/b", "../x", "", "-x"])
+def test_the_flow_refuses_a_bad_run_id_before_anything_runs(run_id: str, tmp_path):
+    from flows.pipeline import pipeline
+
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path / "store")}})
+    state = pipeline.fn(cfg, run_id=run_id)
+    assert state.is_failed() and f"run id {run_id!r}" in state.message and "nothing ran" in state.message
+    assert not (tmp_path / "store").exists()  # no record, no lease, no job

@@ -1,0 +1,164 @@
+"""Controlled comparisons: the statistics (pure), then `tuneproof compare` on the embedded default.
+
+The integration test is the issue's must-show: connectivity under two settings, three interleaved
+repeats, with medians, spread, an interval and a verdict per metric, comparison.json beside the runs,
+and the artifacts on the flow run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from tests.conftest import tuneproof
+from tuneproof.control import comparison as cmp
+from tuneproof.control import record as records
+
+# ---- statistics -----------------------------------------------------------------------------------
+
+
+def test_the_order_interleaves_the_arms_repeat_by_repeat():
+    assert cmp.interleaved(3) == [("A", 1), ("B", 1), ("A", 2), ("B", 2), ("A", 3), ("B", 3)]
+
+
+@pytest.mark.parametrize(
+    "name, direction",
+    [
+        ("connectivity.busbw_GBps@1048576B", "higher"),
+        ("finetune.tokens_per_s", "higher"),
+        ("eval.candidate.exact_match", "higher"),
+        ("finetune.final_loss", "lower"),
+        ("finetune.seconds_per_step", "lower"),
+        ("resume.max_loss_diff", "lower"),
+        ("something.else", "none"),
+    ],
+)
+def test_each_metric_knows_which_way_is_better(name, direction):
+    assert cmp.direction(name) == direction
+
+
+def test_a_clear_doubling_is_better_with_an_interval_above_one():
+    m = cmp.compare_metric("finetune.tokens_per_s", [100.0, 102.0, 98.0], [200.0, 205.0, 195.0], threshold=0.05)
+    assert m.a.median == 100.0 and m.b.median == 200.0 and (m.a.min, m.a.max) == (98.0, 102.0)
+    assert m.ratio == pytest.approx(2.0)
+    assert m.ci95 is not None and 1.8 < m.ci95[0] <= m.ratio <= m.ci95[1] < 2.2
+    assert m.verdict == "better"
+
+
+def test_a_slower_step_is_worse_even_though_its_number_is_higher():
+    m = cmp.compare_metric("finetune.seconds_per_step", [1.0, 1.01, 0.99], [1.5, 1.52, 1.49], threshold=0.05)
+    assert m.verdict == "worse"
+
+
+def test_overlapping_noise_is_no_detectable_difference():
+    m = cmp.compare_metric("finetune.tokens_per_s", [100.0, 130.0, 90.0], [110.0, 95.0, 125.0], threshold=0.05)
+    assert m.ci95 is not None and m.ci95[0] < 1.0 < m.ci95[1]
+    assert m.verdict == "no detectable difference"
+
+
+def test_a_consistent_change_below_the_threshold_is_no_detectable_difference():
+    m = cmp.compare_metric("finetune.tokens_per_s", [100.0, 100.1, 99.9], [102.0, 102.1, 101.9], threshold=0.05)
+    assert m.ci95 is not None and m.ci95[0] > 1.0  # real, but smaller than what the user asked to detect
+    assert m.verdict == "no detectable difference"
+
+
+def test_one_value_per_arm_is_not_enough_data():
+    assert cmp.compare_metric("x.tokens_per_s", [1.0], [2.0], threshold=0.05).verdict == "not enough data"
+    assert cmp.compare_metric("x.tokens_per_s", [], [2.0, 2.0], threshold=0.05).ratio is None
+
+
+def test_metrics_a_run_lacks_add_nothing_to_its_arm():
+    out = cmp.compare_all([{"m.seconds": 1.0, "n.tokens_per_s": None}, {"m.seconds": 2.0}], [{"m.seconds": 3.0}], 0.05)
+    by_name = {m.name: m for m in out}
+    assert by_name["m.seconds"].a.values == [1.0, 2.0] and by_name["m.seconds"].b.values == [3.0]
+    assert by_name["n.tokens_per_s"].a.values == []
+
+
+def test_the_bootstrap_is_reproducible():
+    a, b = [1.0, 1.2, 0.9, 1.1], [1.3, 1.4, 1.2, 1.5]
+    assert cmp.bootstrap_ratio_ci(a, b, seed=3) == cmp.bootstrap_ratio_ci(a, b, seed=3)
+
+
+# ---- the command ----------------------------------------------------------------------------------
+
+
+def test_a_comparison_of_a_config_with_itself_is_refused_before_anything_runs(tmp_path):
+    result = tuneproof("compare", "--stages", "connectivity", "--set", f"storage.root={tmp_path}", "--repeats", "3")
+    assert result.exit_code == 3, result.output
+    assert "A and B are the same config" in result.output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_comparison_whose_stages_need_an_earlier_run_says_which(tmp_path):
+    result = tuneproof(
+        "compare", "--stages", "evaluate", "--b", "eval.max_examples=10", "--set", f"storage.root={tmp_path}"
+    )
+    assert result.exit_code == 3, result.output
+    assert "data" in result.output and "finetune" in result.output and "add them to --stages" in result.output
+
+
+def test_a_bad_override_names_its_arm(tmp_path):
+    result = tuneproof("compare", "--stages", "connectivity", "--b", "connectivity.iters=0")
+    assert result.exit_code == 3, result.output
+    assert "arm B" in result.output and "connectivity.iters" in result.output
+
+
+@pytest.mark.integration
+def test_connectivity_under_two_settings_three_interleaved_repeats(prefect_server, demo_env, tmp_path):
+    env = demo_env.at(tmp_path)
+    result = tuneproof(
+        "compare",
+        "--stages",
+        "connectivity",
+        *env.args,
+        "--set",
+        "connectivity.sizes_bytes=[4096,1048576]",
+        "--a",
+        "connectivity.iters=3",
+        "--b",
+        "connectivity.iters=6",
+        "--repeats",
+        "3",
+        "--id",
+        "cmp-iters",
+        "--json",
+    )
+    assert result.exit_code == 0, result.output
+    printed = json.loads(result.output[result.output.index('{\n  "schema_version"') :])
+    stored = cmp.load(env.storage, "cmp-iters")
+    assert printed == stored.to_json()
+
+    # A1 B1 A2 B2 A3 B3, each an ordinary run with its own record.
+    assert [(o.arm, o.repeat) for o in stored.order] == cmp.interleaved(3)
+    assert all(o.status == "succeeded" for o in stored.order)
+    for o in stored.order:
+        rec = records.load(env.storage, o.run_id)
+        assert rec.passed("connectivity")
+        assert rec.config["connectivity"]["iters"] == (3 if o.arm == "A" else 6)
+
+    # Both arms' identity, diffable: only the override differs.
+    a, b = stored.arms["A"], stored.arms["B"]
+    assert a.config_hash != b.config_hash and a.sets == ["connectivity.iters=3"] and b.sets == ["connectivity.iters=6"]
+    assert a.code == b.code and a.runs == [f"cmp-iters-a{i}" for i in (1, 2, 3)]
+
+    # Per metric: medians, spread, an interval and a verdict (bus bandwidth at every size).
+    names = {m.name: m for m in stored.metrics}
+    for size in (4096, 1048576):
+        m = names[f"connectivity.busbw_GBps@{size}B"]
+        assert len(m.a.values) == 3 and len(m.b.values) == 3
+        assert m.a.min <= m.a.median <= m.a.max and m.b.min <= m.b.median <= m.b.max
+        assert m.ratio is not None and m.ci95 is not None and m.ci95[0] <= m.ci95[1]
+        assert m.verdict in ("better", "worse", "no detectable difference")
+        assert m.direction == "higher"
+
+    # The artifacts on the comparison's flow run: the table and the bandwidth plot.
+    from prefect.client.orchestration import get_client
+
+    async def artifact_keys() -> set[str]:
+        async with get_client() as client:
+            return {a.key for a in await client.read_artifacts() if a.key}
+
+    keys = asyncio.run(artifact_keys())
+    assert {"comparison-cmp-iters", "comparison-busbw-cmp-iters"} <= keys

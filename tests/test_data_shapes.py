@@ -1,0 +1,450 @@
+"""Data shapes: columns, template and messages; the assistant-only label mask; bad rows by reason; identity.
+
+Unit tests run the pure shape logic (tuneproof/core/shapes.py) and the data stage's messages encoder
+with a real tiny Qwen2 tokenizer (ChatML, Qwen's template layout). Stage tests run `prepare_data` on
+a local storage root. The integration test runs the data job's entrypoint on the bundled chat data,
+then a short 2-worker fine-tune and the evaluate job on what it wrote, through a real Ray head.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import runpy
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from training.data_prep import encode_messages, prepare_data, read_split
+from training.jobkit import ENV_VAR, JobContext, encode_job
+from tuneproof.app.tiny_model import DEFAULT_DATA, build_tiny_model, ensure_tiny_model, train_tokenizer
+from tuneproof.core import datahash, shapes
+from tuneproof.core.config import PROJECT_ROOT, DataConfig, PipelineConfig, load_config
+from tuneproof.core.hashing import IGNORE_INDEX
+from tuneproof.core.results import StageFailure
+from tuneproof.core.storage import Storage
+
+CHAT_DATA = PROJECT_ROOT / "data" / "chat" / "chat.jsonl"
+CHAT = [json.loads(line) for line in CHAT_DATA.read_text().splitlines()]
+SYSTEM = "Answer briefly."
+TWO_TURNS = [
+    {"role": "system", "content": SYSTEM},
+    {"role": "user", "content": "5 Mar 2021"},
+    {"role": "assistant", "content": "2021-03-05"},
+    {"role": "user", "content": "year?"},
+    {"role": "assistant", "content": "2021"},
+]
+ALPACA = "Below is an instruction.\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:"
+# The date content hash of configs/local.yaml before shapes existed: columns datasets must stay cache hits.
+LOCAL_DATES_HASH = "0a34d21bd02b2d8d0d5af5d2c8b63987ce6f840c803513facfe88ee431a2c24b"
+
+
+def chat_text(messages: list[dict]) -> str:
+    return "".join(f"{m['role']}\n{m['content']}\n" for m in messages)
+
+
+def tokenizer_corpus():
+    rows = [r["messages"] for r in CHAT[:300]] + [TWO_TURNS]
+    return [chat_text(m) for m in rows] + [ALPACA]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(tokenizer_corpus())
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", tokenizer_corpus(), hidden=32)
+
+
+def labelled_spans(tokenizer, ids: list[int], labels: list[int]) -> list[tuple[int, str]]:
+    """(character offset in the decoded text, decoded text) of each run of labelled tokens."""
+    spans, position = [], 0
+    for labelled, run in itertools.groupby(zip(ids, labels), key=lambda pair: pair[1] != IGNORE_INDEX):
+        run = list(run)
+        text = tokenizer.decode([i for i, _ in run])
+        if labelled:
+            assert [label for _, label in run] == [i for i, _ in run], "a labelled token must be its input token"
+            spans.append((position, text))
+        position += len(text)
+    return spans
+
+
+def encode(tokenizer, messages: list[dict], **data):
+    return encode_messages(tokenizer, messages, DataConfig(shape="messages", **data))
+
+
+# ---- messages: the label mask against the rendered text -------------------------------------------------
+
+
+def test_two_turn_label_mask_covers_exactly_the_assistant_tokens(tokenizer):
+    example = encode(tokenizer, TWO_TURNS)
+    rendered = tokenizer.apply_chat_template(TWO_TURNS, tokenize=False)
+    assert tokenizer.decode(example.input_ids) == rendered.rstrip()  # the whole conversation, nothing after its end
+    spans = labelled_spans(tokenizer, example.input_ids, example.labels)
+    assert [text for _, text in spans] == ["2021-03-05<|im_end|>", "2021<|im_end|>"]
+    for offset, text in spans:
+        # Each span sits in the rendered text right where the template opens an assistant turn.
+        assert rendered[offset : offset + len(text)] == text
+        assert rendered[:offset].endswith("<|im_start|>assistant\n")
+    # Everything else (system, user turns, the template's own markup) carries no label.
+    assert SYSTEM in rendered[: spans[0][0]] and "year?" in rendered[spans[0][0] + len(spans[0][1]) : spans[1][0]]
+
+
+def test_last_assistant_labels_only_the_final_turn(tokenizer):
+    example = encode(tokenizer, TWO_TURNS, loss_on="last_assistant")
+    rendered = tokenizer.apply_chat_template(TWO_TURNS, tokenize=False)
+    [(offset, text)] = labelled_spans(tokenizer, example.input_ids, example.labels)
+    assert text == "2021<|im_end|>" and rendered[offset:].rstrip() == text
+    assert example.input_ids == encode(tokenizer, TWO_TURNS).input_ids  # the mask changes, the tokens do not
+
+
+def test_eval_prompt_is_everything_before_the_last_assistant_turn(tokenizer):
+    example = encode(tokenizer, TWO_TURNS[1:], system_prompt=SYSTEM)  # system_prompt supplies the system turn
+    assert example.input_ids == encode(tokenizer, TWO_TURNS).input_ids
+    assert example.prompt == tokenizer.apply_chat_template(TWO_TURNS[:-1], tokenize=False, add_generation_prompt=True)
+    assert example.reference == "2021"
+    assert example.prompt + "2021<|im_end|>" == tokenizer.decode(example.input_ids)
+
+
+def test_turns_after_the_last_assistant_turn_are_cut_and_extra_keys_dropped():
+    row = {"messages": [*TWO_TURNS[1:], {"role": "user", "content": "thanks", "name": "x"}]}
+    assert shapes.check_messages(row, "messages") == (None, TWO_TURNS[1:])
+    assert shapes.check_messages({"chat": TWO_TURNS}, "chat") == (None, TWO_TURNS)
+
+
+def test_a_template_that_rewrites_earlier_turns_cannot_be_masked():
+    def render(messages, add_generation_prompt):
+        # Like templates that hide earlier assistant turns' reasoning: a turn renders differently once more follow.
+        parts = [
+            f"<{m['role']}>{m['content'] if i == len(messages) - 1 or m['role'] != 'assistant' else '…'}"
+            for i, m in enumerate(messages)
+        ]
+        return "".join(parts) + ("<assistant>" if add_generation_prompt else "")
+
+    def tokenize(text):
+        return [ord(c) for c in text]
+
+    with pytest.raises(shapes.NotAPrefix, match="assistant turn 1"):
+        shapes.assistant_labels(TWO_TURNS[1:], render, tokenize)
+    ids, labels = shapes.assistant_labels(TWO_TURNS[1:], render, tokenize, "last_assistant")
+    assert "".join(chr(t) for t, label in zip(ids, labels) if label != IGNORE_INDEX) == "2021"
+
+
+# ---- template --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("empty", ["", "  ", None])
+def test_template_collapses_an_empty_input_without_stray_separators(empty):
+    reason, parts = shapes.check_template_row(
+        {"instruction": "Normalise the date.", "input": empty, "output": "2021-03-05"}, ALPACA, "output", None
+    )
+    assert reason is None
+    assert parts == {
+        "prompt": "Below is an instruction.\n\n### Instruction:\nNormalise the date.\n\n### Response:",
+        "response": "2021-03-05",
+    }
+
+
+def test_template_keeps_a_given_input_and_collapses_lines_too():
+    row = {"instruction": "Normalise the date.", "input": "5 Mar 2021"}
+    assert shapes.render_template(ALPACA, row) == (
+        "Below is an instruction.\n\n### Instruction:\nNormalise the date.\n\n### Input:\n5 Mar 2021\n\n### Response:"
+    )
+    assert shapes.render_template("{instruction}\nContext: {input}\nAnswer:", {**row, "input": ""}) == (
+        "Normalise the date.\nAnswer:"
+    )
+    assert shapes.render_template("{a} and {b}", {"a": "x", "b": ""}) == "x and"  # a mixed line stays
+
+
+@pytest.mark.parametrize(
+    "row, reason",
+    [
+        ({"instruction": "x", "output": "y"}, "missing_template_column"),
+        ({"instruction": 3, "input": "", "output": "y"}, "wrong_type"),
+        ({"instruction": "x", "input": ""}, "missing_field"),
+        ({"instruction": "x", "input": "", "output": " "}, "empty"),
+        ({"instruction": "", "input": None, "output": "y"}, "empty"),  # nothing left of the prompt
+        (["x", "y"], "wrong_type"),
+    ],
+)
+def test_template_row_reasons(row, reason):
+    assert shapes.check_template_row(row, "{instruction}\n\n{input}", "output", None)[0] == reason
+
+
+# ---- messages rows ---------------------------------------------------------------------------------------
+
+
+def turns(*pairs) -> dict:
+    return {"messages": [{"role": role, "content": content} for role, content in pairs]}
+
+
+BAD_MESSAGES = {
+    "missing_field": {"conversation": TWO_TURNS},
+    "wrong_type": {"messages": "user: hi"},
+    "empty_conversation": {"messages": []},
+    "bad_turn": {"messages": [["user", "5 Mar 2021"], {"role": "assistant", "content": "2021-03-05"}]},
+    "unknown_role": turns(("user", "5 Mar 2021"), ("robot", "2021-03-05")),
+    "non_string_content": {"messages": [{"role": "user", "content": ["5 Mar 2021"]}, TWO_TURNS[2]]},
+    "no_assistant_turn": turns(("system", SYSTEM), ("user", "5 Mar 2021")),
+    "empty": turns(("user", "5 Mar 2021"), ("assistant", " ")),
+}
+
+
+@pytest.mark.parametrize("reason", sorted(BAD_MESSAGES))
+def test_messages_row_reasons(reason):
+    assert shapes.check_messages(BAD_MESSAGES[reason], "messages") == (reason, [])
+
+
+def test_auto_detection():
+    assert shapes.resolve_shape("auto", CHAT[0], "messages", has_template=False) == "messages"
+    assert shapes.resolve_shape("auto", {"input": "x", "output": "y"}, "messages", has_template=False) == "columns"
+    assert shapes.resolve_shape("auto", {"instruction": "x"}, "messages", has_template=True) == "template"
+    assert shapes.resolve_shape("auto", {"messages": "not a list"}, "messages", has_template=False) == "columns"
+    assert shapes.resolve_shape("auto", {"chat": []}, "chat", has_template=True) == "messages"
+    assert shapes.resolve_shape("columns", CHAT[0], "messages", has_template=False) == "columns"
+
+
+def test_config_ties_the_template_to_its_shape():
+    from tuneproof.core.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match="shape template needs template.prompt"):
+        validate({"data": {"shape": "template"}})
+    with pytest.raises(ConfigError, match="template is set but shape is 'messages'"):
+        validate({"data": {"shape": "messages", "template": {"prompt": "{x}"}}})
+    with pytest.raises(ConfigError, match="data.template.prompt: prompt must name at least one column"):
+        validate({"data": {"template": {"prompt": "no columns"}}})
+
+
+# ---- the stage: bad rows by reason, the manifest, the content hash -------------------------------------------
+
+
+def write_jsonl(path: Path, rows: list, raw_lines: list[bytes] = ()) -> Path:
+    path.write_bytes(b"\n".join([json.dumps(r).encode() for r in rows] + list(raw_lines)) + b"\n")
+    return path
+
+
+def config(root: Path, model_dir: Path, source: Path, **data) -> PipelineConfig:
+    return PipelineConfig.model_validate(
+        {
+            "storage": {"root": str(root)},
+            "model": {"source": str(model_dir)},
+            "data": {"name": "shapes", "source": str(source), "max_seq_len": 96, **data},
+        }
+    )
+
+
+def prepare(cfg: PipelineConfig):
+    return prepare_data(JobContext("run-1", "data", cfg))
+
+
+@pytest.fixture(scope="module")
+def strict_template_dir(tiny_dir, tmp_path_factory) -> Path:
+    """The tiny model with a chat template that, like many real ones, rejects a system turn after the first."""
+    model = tmp_path_factory.mktemp("strict") / "model"
+    shutil.copytree(tiny_dir, model)
+    template = (model / "chat_template.jinja").read_text()
+    guard = (
+        "{%- for message in messages %}{%- if message['role'] == 'system' and not loop.first %}"
+        "{{- raise_exception('System role only as the first message') }}{%- endif %}{%- endfor %}"
+    )
+    (model / "chat_template.jinja").write_text(guard + template)
+    return model
+
+
+def test_each_bad_messages_row_is_counted_by_reason(tmp_path, strict_template_dir):
+    bad = [*BAD_MESSAGES.values(), turns(("user", "5 Mar 2021"), ("system", SYSTEM), ("assistant", "2021-03-05"))]
+    bad.append(turns(("user", "5 Mar 2021 " * 40), ("assistant", "2021-03-05")))
+    source = write_jsonl(tmp_path / "chat.jsonl", CHAT[:40] + bad, [b'{"messages": [}'])
+    summary = prepare(config(tmp_path / "store", strict_template_dir, source, max_dropped_fraction=0.5))
+    counted = {reason: drop.count for reason, drop in summary.manifest.dropped.items()}
+    assert counted == dict.fromkeys([*BAD_MESSAGES, "template_rejected", "too_long", "undecodable"], 1)
+    rejected = summary.manifest.dropped["template_rejected"].examples[0]
+    assert rejected.row == 48 and "System role only as the first message" in rejected.value  # the template's own words
+    assert summary.manifest.shape == "messages" and summary.total_rows == 51
+
+
+def test_too_many_bad_conversations_fail_the_stage_naming_the_reasons(tmp_path, tiny_dir):
+    source = write_jsonl(tmp_path / "chat.jsonl", CHAT[:20] + [BAD_MESSAGES["no_assistant_turn"]] * 5)
+    with pytest.raises(StageFailure, match=r"20.0% of rows malformed \(limit 5.0%\): no_assistant_turn=5 of 25 rows"):
+        prepare(config(tmp_path / "store", tiny_dir, source))
+
+
+def test_alpaca_rows_with_empty_inputs_prepare_through_the_template(tmp_path, tiny_dir):
+    rows = [
+        {"instruction": "Normalise the date.", "input": r["input"] if i % 2 else "", "output": r["output"]}
+        for i, r in enumerate(json.loads(line) for line in DEFAULT_DATA.read_text().splitlines()[:60])
+    ]
+    source = write_jsonl(tmp_path / "alpaca.jsonl", [*rows, {"instruction": "x", "output": "y"}])
+    cfg = config(
+        tmp_path / "store", tiny_dir, source, template={"prompt": ALPACA}, max_dropped_fraction=0.1, max_seq_len=192
+    )
+    summary = prepare(cfg)
+    manifest = summary.manifest
+    assert manifest.shape == "template" and manifest.loss_on is None
+    assert manifest.template_sha256 == shapes.template_sha256({"prompt": ALPACA, "response": "output"})
+    assert {r: d.count for r, d in manifest.dropped.items()} == {"missing_template_column": 1}
+    eval_rows = read_split(Storage(cfg.storage.root), summary.dataset_path, "eval").to_pylist()
+    assert len(eval_rows) == 6
+    for row in eval_rows:
+        user = row["prompt"].split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+        assert "\n\n\n" not in user and user.endswith("### Response:")
+        assert ("### Input:" in user) == (user.count("\n\n") == 3)  # the input paragraph, or no trace of it
+
+
+def test_manifest_records_the_shape_and_the_hash_covers_it(tmp_path, tiny_dir):
+    chat = write_jsonl(tmp_path / "chat.jsonl", CHAT[:40])
+    store = tmp_path / "store"
+    auto = prepare(config(store, tiny_dir, chat))
+    assert (auto.manifest.shape, auto.manifest.loss_on, auto.manifest.template_sha256) == (
+        "messages",
+        "all_assistant",
+        None,
+    )
+    assert prepare(config(store, tiny_dir, chat, shape="messages")).cache_hit  # auto resolved: the same dataset
+    last = prepare(config(store, tiny_dir, chat, loss_on="last_assistant"))
+    assert last.content_hash != auto.content_hash and last.manifest.loss_on == "last_assistant"
+
+    columns = write_jsonl(tmp_path / "cols.jsonl", [{"instruction": "a b", "input": "", "output": "c"}] * 20)
+    templated = [
+        prepare(config(store, tiny_dir, columns, template={"prompt": p})).content_hash
+        for p in ("{instruction}\n\n{input}", "{instruction}\n{input}")
+    ]
+    plain = prepare(config(store, tiny_dir, columns, fields={"prompt": "instruction", "response": "output"}))
+    assert len({*templated, plain.content_hash}) == 3 and plain.manifest.shape == "columns"
+
+
+def test_columns_content_hash_is_unchanged_by_shapes():
+    legacy = datahash.sha256_json(
+        {
+            "prep_version": datahash.PREP_VERSION,
+            "source": "a",
+            "eval_source": None,
+            "fields": {"prompt": "input", "response": "output", "system": None},
+            "system_prompt": None,
+            "tokenizer": "t",
+            "settings": {"max_seq_len": 64},
+        }
+    )
+    fields = {"prompt": "input", "response": "output", "system": None}
+    assert datahash.content_hash("a", None, fields, None, "t", {"max_seq_len": 64}) == legacy
+    assert shapes.shape_identity("columns", None, "messages", "all_assistant") is None
+
+
+def test_local_profile_dates_content_hash_is_pinned(tmp_path):
+    """configs/local.yaml's dataset keeps the hash it had before shapes: prepared dates stay cache hits.
+
+    Run as the job runs, without the test session's HF_HUB_OFFLINE: transformers writes local_files_only
+    into the saved tokenizer_config.json that the tokenizer hash covers, so the variable moves the hash.
+    """
+    model = tmp_path / "tiny-qwen2"
+    ensure_tiny_model(model)  # what `tuneproof local up` builds
+    cfg = load_config(
+        PROJECT_ROOT / "configs" / "local.yaml", [f"storage.root={tmp_path / 'store'}", f"model.source={model}"]
+    )
+    result = run_data_job(cfg, "run-pin", offline=False)
+    assert result["summary"]["content_hash"] == LOCAL_DATES_HASH and result["summary"]["manifest"]["shape"] == "columns"
+
+
+def run_data_job(cfg: PipelineConfig, run_id: str, offline: bool = True) -> dict:
+    """The data stage through its job entrypoint, as a Ray job runs it; returns its result.json."""
+    env = {**os.environ, ENV_VAR: encode_job(run_id, "data", cfg)}
+    if not offline:
+        for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+            env.pop(name, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "training.data_prep"],
+        cwd=PROJECT_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return Storage(cfg.storage.root).read_json("runs", run_id, "stages", "data", "result.json")
+
+
+# ---- the bundled chat example ------------------------------------------------------------------------------
+
+
+def test_committed_chat_file_is_the_generators_output():
+    make_chat = runpy.run_path(str(PROJECT_ROOT / "data" / "chat" / "make_chat.py"))
+    assert CHAT_DATA.read_text() == make_chat["render"](make_chat["make_rows"]()), (
+        "regenerate: python data/chat/make_chat.py > data/chat/chat.jsonl"
+    )
+
+
+def test_chat_conversations_end_on_a_follow_up_answered_by_the_iso_date():
+    assert len(CHAT) == 3000
+    for row in CHAT:
+        messages = row["messages"]
+        assert [m["role"] for m in messages] in (["user", "assistant"] * 2, ["user", "assistant"] * 3)
+        iso, question, answer = messages[1]["content"], messages[-2]["content"], messages[-1]["content"]
+        year, month, day = iso.split("-")
+        assert answer == {"year?": year, "month?": month, "day?": day}[question]
+
+
+def test_local_chat_profile_reads_messages_and_gates_on_exact_match():
+    cfg = load_config(PROJECT_ROOT / "configs" / "local-chat.yaml")
+    assert (cfg.data.shape, cfg.data.source) == ("messages", str(CHAT_DATA))
+    assert cfg.eval.gates["exact_match"].min == 0.8 and cfg.model.name != load_config().model.name
+
+
+# ---- integration: the data job, a short fine-tune and the evaluate job on the chat data --------------------
+
+
+@pytest.mark.integration
+def test_chat_data_job_then_fine_tune_and_evaluate_read_it(ray_head, tmp_path):
+    from eval.evaluate_job import evaluate_body
+    from tests.conftest import ray_driver
+    from training.finetune import finetune
+
+    model = tmp_path / "tiny-qwen2"
+    ensure_tiny_model(model)
+    cfg = load_config(
+        PROJECT_ROOT / "configs" / "local-chat.yaml",
+        [
+            f"storage.root={tmp_path / 'store'}",
+            f"model.source={model}",
+            f"data.source={write_jsonl(tmp_path / 'chat.jsonl', CHAT[:400])}",  # the first 400: a quicker data job
+            "train.max_steps=8",
+            "train.checkpoint_every=4",
+            "train.micro_batch_size=8",
+            "train.log_every=4",
+            "resume.enabled=false",
+            "eval.max_examples=32",
+            "eval.gates={exact_match: {min: 0.0}}",
+        ],
+    )
+    result = run_data_job(cfg, "run-chat")
+    storage = Storage(cfg.storage.root)
+    data = result["summary"]
+    assert result["status"] == "succeeded" and data["manifest"]["shape"] == "messages"
+    assert (data["manifest"]["splits"]["train"]["rows"], data["manifest"]["splits"]["eval"]["rows"]) == (360, 40)
+    assert data["dropped"] == {}
+
+    runtime_env = {"env_vars": {"PYTHONPATH": str(PROJECT_ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}}
+    with ray_driver(ray_head, runtime_env=runtime_env):
+        trained = finetune(JobContext("run-chat", "finetune", cfg, {"dataset": data["dataset_path"]}))
+    assert trained.steps == 8 and len(trained.loss_curve) >= 2
+
+    evaluated = evaluate_body(
+        JobContext("run-chat", "evaluate", cfg, {"candidate": "runs/run-chat/model", "dataset": data["dataset_path"]})
+    )
+    assert evaluated.examples == 32 and evaluated.gates.passed
+    predictions = [
+        json.loads(line)
+        for line in storage.read_bytes("runs", "run-chat", "stages", "evaluate", "predictions.jsonl").splitlines()
+    ]
+    for row in predictions:
+        # The prompt is the conversation up to the last assistant turn; the reference is that turn (a follow-up).
+        assert (
+            row["prompt"].endswith("?<|im_end|>\n<|im_start|>assistant\n")
+            and row["prompt"].count("<|im_start|>assistant") >= 2
+        )
+        assert row["reference"].isdigit() and len(row["reference"]) in (2, 4)

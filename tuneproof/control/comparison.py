@@ -1,0 +1,210 @@
+"""Controlled comparisons: the same workload under two settings, A and B, run interleaved.
+
+A comparison is a list of runs (ordinary runs, each with its own record) in the order A1 B1 A2 B2 …,
+so slow drift on a shared machine (another job, a warming cache) falls on both arms alike. Per
+metric it keeps every value, the median and spread of each arm, and a bootstrap 95 % interval of the
+ratio of medians B/A. The verdict says "no detectable difference" unless the whole interval lies on
+one side of 1 and the ratio moves by at least the threshold, so that three noisy repeats cannot
+produce a confident-sounding answer.
+
+The statistics are pure functions; `save` and `load` are the only I/O.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tuneproof.core.storage import Storage
+
+COMPARISON = "comparison.json"
+Direction = Literal["higher", "lower", "none"]
+Verdict = Literal["better", "worse", "higher", "lower", "no detectable difference", "not enough data"]
+Arm = Literal["A", "B"]
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Spread(Model):
+    values: list[float]
+    median: float | None
+    min: float | None
+    max: float | None
+
+
+class MetricComparison(Model):
+    name: str
+    direction: Direction
+    """Which way is better: 'higher' (bandwidth, tokens/s, accuracy), 'lower' (time, loss), or 'none'."""
+    a: Spread
+    b: Spread
+    ratio: float | None
+    """median(B) / median(A)."""
+    ci95: tuple[float, float] | None
+    """Bootstrap 95 % interval of the ratio of medians."""
+    verdict: Verdict
+
+
+class ArmIdentity(Model):
+    """Everything that set one arm apart, and what it ran on: as diffable as two runs are."""
+
+    label: str
+    sets: list[str]
+    """The `--set` overrides of this arm (on top of the shared config)."""
+    config_hash: str
+    config: dict[str, Any]
+    runs: list[str] = []
+    code: dict[str, Any] | None = None
+    cluster: dict[str, Any] | None = None
+    data: dict[str, Any] | None = None
+
+
+class RunOutcome(Model):
+    run_id: str
+    arm: Arm
+    repeat: int
+    status: str
+    failure_class: str | None = None
+    cause: str | None = None
+    seconds: float
+
+
+class Comparison(Model):
+    schema_version: int = 1
+    comparison_id: str
+    created_at: str
+    stages: list[str]
+    repeats: int
+    threshold: float = Field(gt=0.0, lt=1.0)
+    status: Literal["running", "succeeded", "failed"]
+    cause: str | None = None
+    arms: dict[Arm, ArmIdentity]
+    order: list[RunOutcome] = []
+    """Every run in the order it ran (A1 B1 A2 B2 …)."""
+    metrics: list[MetricComparison] = []
+    loss_curves: dict[str, list[tuple[int, float | None]]] = {}
+    """Fine-tune loss curves by run id, for the overlaid plot."""
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def interleaved(repeats: int) -> list[tuple[Arm, int]]:
+    """A1 B1 A2 B2 …: each repeat runs both arms back to back."""
+    return [(arm, i) for i in range(1, repeats + 1) for arm in ("A", "B")]
+
+
+def direction(metric: str) -> Direction:
+    """Which way is better for a metric named as the stage table names them."""
+    name = metric.lower()
+    if any(k in name for k in ("loss", "seconds", "time", "perplexity", "diff")):
+        return "lower"
+    if any(k in name for k in ("busbw", "algbw", "tokens_per_s", "mfu", "exact_match", "accuracy", "f1", "rouge")):
+        return "higher"
+    return "none"
+
+
+def spread(values: list[float]) -> Spread:
+    if not values:
+        return Spread(values=[], median=None, min=None, max=None)
+    return Spread(values=values, median=statistics.median(values), min=min(values), max=max(values))
+
+
+def bootstrap_ratio_ci(
+    a: list[float], b: list[float], iterations: int = 2000, seed: int = 0
+) -> tuple[float, float] | None:
+    """95 % percentile interval of median(B*)/median(A*) over resamples of each arm with replacement.
+
+    None when either arm is empty or A's resampled median can be zero (the ratio is undefined)."""
+    if not a or not b or any(x <= 0 for x in a):
+        return None
+    rng = random.Random(seed)
+    ratios = sorted(
+        statistics.median(rng.choices(b, k=len(b))) / statistics.median(rng.choices(a, k=len(a)))
+        for _ in range(iterations)
+    )
+    return ratios[int(0.025 * (iterations - 1))], ratios[int(0.975 * (iterations - 1))]
+
+
+def verdict(
+    dir_: Direction, ratio: float | None, ci: tuple[float, float] | None, threshold: float, n_a: int, n_b: int
+) -> Verdict:
+    """'better'/'worse' (or 'higher'/'lower' for a metric with no better side) only when the whole
+    interval is on one side of 1 and the median ratio moves by at least the threshold."""
+    if ratio is None or ci is None or n_a < 2 or n_b < 2:
+        return "not enough data"
+    moved: Literal["higher", "lower"]
+    if ci[0] > 1.0 and ratio >= 1.0 + threshold:
+        moved = "higher"
+    elif ci[1] < 1.0 and ratio <= 1.0 - threshold:
+        moved = "lower"
+    else:
+        return "no detectable difference"
+    if dir_ == "none":
+        return moved
+    return "better" if moved == dir_ else "worse"
+
+
+def compare_metric(name: str, a: list[float], b: list[float], threshold: float, seed: int = 0) -> MetricComparison:
+    sa, sb = spread(a), spread(b)
+    ratio = sb.median / sa.median if sa.median and sb.median is not None else None
+    ci = bootstrap_ratio_ci(a, b, seed=seed)
+    d = direction(name)
+    return MetricComparison(
+        name=name,
+        direction=d,
+        a=sa,
+        b=sb,
+        ratio=ratio,
+        ci95=ci,
+        verdict=verdict(d, ratio, ci, threshold, len(a), len(b)),
+    )
+
+
+def compare_all(
+    a_runs: list[dict[str, float | None]], b_runs: list[dict[str, float | None]], threshold: float
+) -> list[MetricComparison]:
+    """One comparison per metric any run reported; a run that lacks a value adds nothing to its arm."""
+    names = sorted({n for run in a_runs + b_runs for n in run})
+    out = []
+    for i, name in enumerate(names):
+        a = [v for run in a_runs if (v := run.get(name)) is not None]
+        b = [v for run in b_runs if (v := run.get(name)) is not None]
+        out.append(compare_metric(name, a, b, threshold, seed=i))
+    return out
+
+
+def summary_rows(result: Comparison) -> list[dict[str, Any]]:
+    """The comparison as table rows (terminal, artifact): one per metric."""
+    return [
+        {
+            "metric": m.name,
+            "A median": m.a.median,
+            "A min..max": f"{m.a.min:.4g}..{m.a.max:.4g}" if m.a.values else "",
+            "B median": m.b.median,
+            "B min..max": f"{m.b.min:.4g}..{m.b.max:.4g}" if m.b.values else "",
+            "B/A": m.ratio,
+            "95% CI of B/A": f"{m.ci95[0]:.3f}..{m.ci95[1]:.3f}" if m.ci95 else "",
+            "verdict": m.verdict,
+        }
+        for m in result.metrics
+    ]
+
+
+# ---- storage ------------------------------------------------------------------------------------
+
+
+def save(storage: Storage, comparison: Comparison) -> str:
+    storage.write_json(comparison.to_json(), "comparisons", comparison.comparison_id, COMPARISON)
+    return storage.uri("comparisons", comparison.comparison_id, COMPARISON)
+
+
+def load(storage: Storage, comparison_id: str) -> Comparison:
+    if not storage.exists("comparisons", comparison_id, COMPARISON):
+        raise FileNotFoundError(f"no comparison {comparison_id!r} under {storage.uri('comparisons')}")
+    return Comparison.model_validate(storage.read_json("comparisons", comparison_id, COMPARISON))

@@ -1,0 +1,83 @@
+"""One slug pattern for every name that becomes a path segment or a route: run ids, dataset, model and stage names.
+
+    check_slug("run id", "20261130-103832-a31ad3")   # returns the value
+    check_slug("data.name", "../../x")                # ValueError naming data.name and the value
+
+A name lands in storage paths (runs/<run-id>/, datasets/<name>/, models/<name>/) and in Ray job routes
+(/api/jobs/<run>-<stage>), so it must be one path segment that no filesystem, object store or URL
+router reads as anything but itself: letters, digits, '.', '_' and '-', starting with a letter or digit
+(so never '.', '..', a hidden file or something a command line reads as an option), at most 64 characters.
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+
+SLUG_MAX_LEN = 64
+SLUG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+SLUG_RULE = (
+    f"1-{SLUG_MAX_LEN} characters of letters, digits, '.', '_' or '-', starting with a letter or digit "
+    "(no '/', '..', spaces)"
+)
+
+
+def slug_problem(value: object) -> str | None:
+    """Why `value` is not a slug, or None when it is one."""
+    if not isinstance(value, str):
+        return f"must be a string, got {type(value).__name__}"
+    if not value:
+        return "must not be empty"
+    if len(value) > SLUG_MAX_LEN:
+        return f"is {len(value)} characters long, at most {SLUG_MAX_LEN} allowed"
+    if ".." in value:
+        return "must not contain '..'"
+    if not SLUG.match(value):
+        return f"must be {SLUG_RULE}"
+    return None
+
+
+def check_slug(kind: str, value: object) -> str:
+    """`value` when it is a slug; else ValueError naming `kind`, the value and the rule."""
+    return _checked(kind, value, slug_problem(value))
+
+
+def _checked(what: str, value: object, problem: str | None) -> str:
+    if problem is not None:
+        raise ValueError(f"{what} {value!r} {problem}")
+    assert isinstance(value, str)
+    return value
+
+
+STORAGE_ROOT_RULE = "a local path or s3://bucket[/prefix]"
+
+
+def storage_root_problem(root: object) -> str | None:
+    """Why `root` is not a storage root (a local path, file://path or s3://bucket[/prefix]), or None.
+
+    Catches other schemes (gs://, http://) and the typos that would otherwise become a local
+    directory named 's3:' (s3:/bucket, s3:bucket) or an S3 root with no bucket.
+    """
+    if not isinstance(root, str):
+        return f"must be a string, got {type(root).__name__}"
+    if not root.strip():
+        return f"must not be empty; give {STORAGE_ROOT_RULE}"
+    scheme, sep, rest = root.partition("://")
+    if sep and scheme == "s3":
+        bucket = rest.split("/", 1)[0]
+        if not bucket:
+            return f"names no bucket; give {STORAGE_ROOT_RULE}"
+        if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket):
+            return f"bucket {bucket!r} is not a valid S3 bucket name (3-63 of a-z, 0-9, '.', '-')"
+        return None
+    if sep and scheme != "file":
+        return f"scheme {scheme + '://'!r} is not supported; give {STORAGE_ROOT_RULE}"
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", root) and not sep:
+        # 's3:/bucket', 's3:bucket', 'gs:/x': a mistyped URI, not a directory someone meant to call 's3:'.
+        return f"looks like a mistyped URI; give {STORAGE_ROOT_RULE} (e.g. s3://bucket/prefix)"
+    return None
+
+
+def check_storage_root(what: str, root: object) -> str:
+    """`root` when it is a storage root; else ValueError naming `what`, the value and the accepted forms."""
+    return _checked(what, root, storage_root_problem(root))
