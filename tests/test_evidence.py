@@ -140,6 +140,23 @@ def test_a_lost_write_response_that_landed_is_success_not_a_conflict(tmp_path, m
     assert pointer["content_sha256"] == EXPORT_SHA256
 
 
+@pytest.mark.integration
+def test_the_s3_model_mirror_is_keyed_by_content_not_by_uri(s3_endpoint, tmp_path, monkeypatch):
+    from training import modeling
+
+    monkeypatch.setattr(modeling, "CACHE_ROOT", tmp_path / "model-cache")
+    prefix = f"s3://{TEST_BUCKET}/mirror-unit/model"
+    source = Storage(prefix, s3_endpoint)
+    source.write_bytes(b'{"model_type": "qwen2"}', "config.json")
+    source.write_bytes(b"old weights", "model.safetensors")
+    first = modeling.materialize(prefix, s3_endpoint)
+    assert modeling.materialize(prefix, s3_endpoint) == first
+    source.write_bytes(b"new weights", "model.safetensors")  # a rerun rewrote the export under the same URI
+    second = modeling.materialize(prefix, s3_endpoint)
+    assert second != first
+    assert (tmp_path / "model-cache" / second.rsplit("/", 1)[-1] / "model.safetensors").read_bytes() == b"new weights"
+
+
 # ---- supersede planning, run names ----------------------------------------------------------------
 
 
@@ -268,3 +285,19 @@ def test_a_resume_test_retried_after_a_lost_connection_still_proves_an_interrupt
         assert summary.attempt_run_name == "demo-resume-t2-r2" and summary.tested_run_name == "demo"
     else:
         assert result.exit_code == 4 and entry.failure_class == "infrastructure", result.output
+
+
+def test_runs_show_prints_a_finetune_that_logged_no_loss():
+    from io import StringIO
+
+    from rich.console import Console
+
+    from tuneproof.app.terminal import print_record
+
+    rec = passed_record(PipelineConfig())
+    rec.stages["finetune"].summary.update(first_loss=None, final_loss=None, steps=0)
+    pipeline.supersede(rec, ["evaluate"])
+    out = StringIO()
+    print_record(rec, Console(file=out, width=200))
+    assert "loss n/a -> n/a in 0 steps" in out.getvalue()
+    assert "superseded" in out.getvalue() and "evaluate" in out.getvalue()
