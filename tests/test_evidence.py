@@ -238,6 +238,9 @@ def test_a_finetune_rerun_trains_under_its_own_name_and_its_stale_evidence_is_ne
 
 @pytest.mark.integration
 def test_continuing_a_finished_finetune_with_nothing_left_to_train_is_refused(clone_run):
+    # Clones share the session's Ray head and run id: a job-free invocation first (promote, refused) makes
+    # this fine-tune invocation 3, so its submission id differs from the rerun test's demo-finetune-r2.
+    tuneproof("run", "--only", "promote", "--run-id", "demo", *clone_run.args)
     result = tuneproof(
         "run", "--only", "finetune", "--run-id", "demo", *clone_run.args, "--set", "train.continue_previous=true"
     )
