@@ -422,6 +422,8 @@ def test_crashed_and_cancelled_runs_say_so(clone_run, monkeypatch):
     assert status["crash"]["status"] == "crashed" and status["cancel"]["status"] == "cancelled"
     assert status["orphan"]["status"] == "crashed" and "is gone" in status["orphan"]["cause"]
     assert status["demo"]["status"] == "succeeded"
+    shown = tuneproof("runs", "show", "orphan", "--json", *clone_run.args)
+    assert shown.exit_code == 0 and json.loads(shown.output)["status"] == "crashed", shown.output
 
     from tuneproof.app.cli import latest_run_id
 
