@@ -174,7 +174,7 @@ FAKE_SECRET_KEY = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
         ("runtime_env.env_vars.BLOB", FAKE_SECRET_KEY, "a long random token"),
         ("model.source", "-----BEGIN OPENSSH PRIVATE KEY-----", "a PEM private key"),
         ("runtime_env.pip[0]", "git+https://me:ghp_abc123@github.com/x/y", "a URL with a password"),
-        ("data.source", "a" * 64, "a long hexadecimal secret"),
+        ("data.source", "3f9a" * 16, "a long hexadecimal secret"),
     ],
 )
 def test_credentials_are_refused_by_dotted_key_without_the_value(dotted, value, why):
