@@ -140,6 +140,23 @@ def test_a_lost_write_response_that_landed_is_success_not_a_conflict(tmp_path, m
     assert pointer["content_sha256"] == EXPORT_SHA256
 
 
+@pytest.mark.integration
+def test_the_s3_model_mirror_is_keyed_by_content_not_by_uri(s3_endpoint, tmp_path, monkeypatch):
+    from training import modeling
+
+    monkeypatch.setattr(modeling, "CACHE_ROOT", tmp_path / "model-cache")
+    prefix = f"s3://{TEST_BUCKET}/mirror-unit/model"
+    source = Storage(prefix, s3_endpoint)
+    source.write_bytes(b'{"model_type": "qwen2"}', "config.json")
+    source.write_bytes(b"old weights", "model.safetensors")
+    first = modeling.materialize(prefix, s3_endpoint)
+    assert modeling.materialize(prefix, s3_endpoint) == first
+    source.write_bytes(b"new weights", "model.safetensors")  # a rerun rewrote the export under the same URI
+    second = modeling.materialize(prefix, s3_endpoint)
+    assert second != first
+    assert (tmp_path / "model-cache" / second.rsplit("/", 1)[-1] / "model.safetensors").read_bytes() == b"new weights"
+
+
 # ---- supersede planning, run names ----------------------------------------------------------------
 
 
@@ -221,6 +238,9 @@ def test_a_finetune_rerun_trains_under_its_own_name_and_its_stale_evidence_is_ne
 
 @pytest.mark.integration
 def test_continuing_a_finished_finetune_with_nothing_left_to_train_is_refused(clone_run):
+    # Clones share the session's Ray head and run id: a job-free invocation first (promote, refused) makes
+    # this fine-tune invocation 3, so its submission id differs from the rerun test's demo-finetune-r2.
+    tuneproof("run", "--only", "promote", "--run-id", "demo", *clone_run.args)
     result = tuneproof(
         "run", "--only", "finetune", "--run-id", "demo", *clone_run.args, "--set", "train.continue_previous=true"
     )
@@ -268,3 +288,19 @@ def test_a_resume_test_retried_after_a_lost_connection_still_proves_an_interrupt
         assert summary.attempt_run_name == "demo-resume-t2-r2" and summary.tested_run_name == "demo"
     else:
         assert result.exit_code == 4 and entry.failure_class == "infrastructure", result.output
+
+
+def test_runs_show_prints_a_finetune_that_logged_no_loss():
+    from io import StringIO
+
+    from rich.console import Console
+
+    from tuneproof.app.terminal import print_record
+
+    rec = passed_record(PipelineConfig())
+    rec.stages["finetune"].summary.update(first_loss=None, final_loss=None, steps=0)
+    pipeline.supersede(rec, ["evaluate"])
+    out = StringIO()
+    print_record(rec, Console(file=out, width=200))
+    assert "loss n/a -> n/a in 0 steps" in out.getvalue()
+    assert "superseded" in out.getvalue() and "evaluate" in out.getvalue()

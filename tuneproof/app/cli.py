@@ -254,7 +254,7 @@ def runs_list(
     as_json: bool = typer.Option(False, "--json"), config: Path | None = ConfigOpt, sets: list[str] = SetOpt
 ) -> None:
     """Runs, newest first."""
-    from tuneproof.control import lease, record
+    from tuneproof.control import record
 
     storage = storage_for(config, sets)
     recs, unreadable = record.list_records(storage)
@@ -270,10 +270,7 @@ def runs_list(
     ] + unreadable
     for row in rows:
         if row.status == "running":
-            # A record left "running" by a writer that died (kill -9, a lost machine) has no live lease.
-            _, why = lease.stale(storage, row.run_id)
-            if why is not None:
-                row.status, row.cause = "crashed", f"its writer is gone ({why}); the record was left running"
+            row.status, row.cause = shown_status(storage, row.run_id, row.status, row.cause)
     if as_json:
         print(json.dumps([r.model_dump() for r in rows], indent=2))
         return
@@ -286,6 +283,19 @@ def runs_list(
     console.print(whole_table(["run", "created", "status", "failure", "cause"], cells, keep=("run",)))
 
 
+def shown_status(storage: Any, run_id: str, status: str, cause: str | None) -> tuple[str, str | None]:
+    """A record left "running" by a writer that died (kill -9, a lost machine) has no live lease: show it
+    crashed. Readers never rewrite the record; the next flow on the run takes the stale lease over."""
+    from tuneproof.control import lease
+
+    if status != "running":
+        return status, cause
+    _, why = lease.stale(storage, run_id)
+    if why is None:
+        return status, cause
+    return "crashed", f"its writer is gone ({why}); the record was left running"
+
+
 @runs_app.command("show")
 def runs_show(
     run_id: str = typer.Argument(..., callback=slug_arg("run id")),
@@ -296,11 +306,13 @@ def runs_show(
     """One run's record."""
     from tuneproof.control import record
 
+    storage = storage_for(config, sets)
     try:
-        rec = record.load(storage_for(config, sets), run_id)
+        rec = record.load(storage, run_id)
     except (FileNotFoundError, record.RecordUnreadable) as e:
         err.print(str(e), markup=False)
         raise typer.Exit(1) from None
+    rec.status, rec.cause = shown_status(storage, run_id, rec.status, rec.cause)  # type: ignore[assignment]
     if as_json:
         print(json.dumps(rec.to_json(), indent=2))
         return

@@ -147,6 +147,9 @@ def run_with_display(
     except FileNotFoundError:
         console.print(f"[bold red]the flow ended before writing a record[/]: {state.message}")
         return {"run_id": run_id, "status": "crashed", "failure_class": None, "cause": state.message}
+    except (OSError, records.RecordUnreadable) as e:
+        console.print(f"[bold red]the run's record cannot be read back[/] ({e}): {state.message}")
+        return {"run_id": run_id, "status": "crashed", "failure_class": None, "cause": state.message}
     if rec.status == "running":
         # The flow raised and could not even mark its record (the storage that failed refused that too).
         console.print(f"[bold red]run {run_id} crashed and its record could not be updated[/]: {state.message}")

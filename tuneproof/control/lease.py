@@ -1,6 +1,7 @@
 """One writer per run: a lease on the run id, held by the flow for its whole run.
 
-`runs/<run-id>/lease.json` is created exclusively (local disk: O_CREAT|O_EXCL; S3: a put with
+`runs/<run-id>/lease.json` is created exclusively (local disk: link(2) of a complete file, which fails
+like O_CREAT|O_EXCL when the lease exists; S3: a put with
 `If-None-Match: *`, which AWS S3 and moto's server both honour), so of two flows that start on the
 same run id exactly one gets it; the other (and `tuneproof promote RUN --force`) is refused naming
 the holder. A heartbeat thread renews it; renewals, takeovers and the release are conditional too
@@ -230,21 +231,28 @@ def _store(storage: Storage, run_id: str) -> _LocalStore | _S3Store:
 
 
 class _LocalStore:
-    """Exclusive create with O_EXCL; every change of an existing lease under an flock on a sidecar file,
-    after checking the lease still holds what its writer last saw (its token: the bytes)."""
+    """Exclusive create with link(2) (EEXIST like O_EXCL, and never a half-written lease); every change
+    of an existing lease under an flock on a sidecar file, after checking the lease still holds what its
+    writer last saw (its token: the bytes)."""
 
     def __init__(self, path: Path):
         self.path = path
         self.where = str(path)
 
     def create(self, body: bytes) -> bytes | None:
+        # Written whole under a private name, then linked into place: link(2) fails if the lease exists
+        # (exclusive like O_EXCL) and a reader never sees a lease half-written (which it would take for junk).
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return None
+        tmp = self.path.with_name(f".{LEASE}.{os.getpid()}.{threading.get_ident()}")
+        fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644)
         with os.fdopen(fd, "wb") as f:
             f.write(body)
+        try:
+            os.link(tmp, self.path)
+        except FileExistsError:
+            return None
+        finally:
+            tmp.unlink()
         return body
 
     def read(self) -> tuple[bytes, bytes] | None:
@@ -261,7 +269,7 @@ class _LocalStore:
             current = self.read()
             if current is None or current[1] != token:
                 return None
-            tmp = self.path.with_name(f".{LEASE}.{os.getpid()}")
+            tmp = self.path.with_name(f".{LEASE}.{os.getpid()}.{threading.get_ident()}")
             tmp.write_bytes(body)
             os.replace(tmp, self.path)
             return body
