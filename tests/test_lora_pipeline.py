@@ -12,14 +12,13 @@ import json
 
 import pytest
 
-from tests.test_full_pipeline import base_args, prefect_server, storage, tuneproof
+from tests.conftest import tuneproof
 from tuneproof.control import record as records
 from tuneproof.core.config import PEFT_REQUIREMENT
 from tuneproof.core.summaries import EvaluateSummary, FinetuneSummary, ResumeSummary
 
 # The first test also runs the pipeline, whose first fine-tune job waits for Ray's pip environment.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
-__all__ = ["base_args", "prefect_server", "storage"]  # fixtures, shared with the full fine-tune's pipeline test
 
 # A short run (the mechanics, not the skill: LoRA on the tiny random-init base learns the date task far
 # more slowly than full fine-tuning), so the gate is only that the candidate was scored.
@@ -28,6 +27,22 @@ LORA = [
     *("--set", "train.checkpoint_every=20", "--set", "train.log_every=20", "--set", "eval.max_examples=64"),
     *("--set", "eval.gates={exact_match: {min: 0.0}}"),
 ]
+
+
+@pytest.fixture(scope="module")
+def lora_env(demo_env, tmp_path_factory):
+    """The session's embedded default over a storage root of its own (the demo run's stays untouched)."""
+    return demo_env.at(tmp_path_factory.mktemp("lora"))
+
+
+@pytest.fixture(scope="module")
+def base_args(lora_env):
+    return lora_env.args
+
+
+@pytest.fixture(scope="module")
+def storage(lora_env):
+    return lora_env.storage
 
 
 @pytest.fixture(scope="module")
