@@ -61,12 +61,13 @@ def prefect_harness():
 
 
 def seeded_run(root, run_id: str = "toy-run") -> tuple[PipelineConfig, Storage]:
-    """A run whose data stage succeeded (its record only: the toy stage needs nothing else)."""
+    """A finished run whose data stage succeeded (its record only: the toy stage needs nothing else)."""
     cfg = PipelineConfig.model_validate({"storage": {"root": str(root)}})
     storage = Storage(str(root))
     rec = records.new_record(run_id, cfg, CodeIdentity(git_sha="abc", dirty=False), None)
     data = DataSummary(dataset_path="datasets/dates/abc123", content_hash="abc123", dataset_uri=f"{root}/x")
     rec.stages["data"] = StageEntry.succeeded("data", data, "t0")
+    rec.status = "succeeded"  # a finished run: `--only` reruns against finished runs only
     records.save(storage, rec)
     return cfg, storage
 
