@@ -237,6 +237,15 @@ class FinishedRun:
 
 @pytest.fixture
 def clone_run(finished_run, demo_env, tmp_path) -> DemoEnv:
-    """A private copy of the finished demo run's storage root, as it stood when the run finished."""
-    shutil.copytree(finished_run.pristine / "storage", tmp_path / "storage", symlinks=True)
+    """A private copy of the finished demo run's storage root, as it stood when the run finished.
+
+    Records name checkpoints and exports by absolute URI; in the copy they name the copy's files, so a
+    test that reruns a stage on its clone never reads (or depends on) the shared run's files."""
+    clone = tmp_path / "storage"
+    shutil.copytree(finished_run.pristine / "storage", clone, symlinks=True)
+    original = str(demo_env.storage.root)
+    for path in clone.rglob("*.json"):
+        text = path.read_text()
+        if original in text:
+            path.write_text(text.replace(original, str(clone)))
     return demo_env.at(tmp_path)
