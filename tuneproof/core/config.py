@@ -589,7 +589,9 @@ def format_errors(e: ValidationError) -> list[str]:
         if not loc:  # cross-field checks name their fields in the message itself
             problems.append(msg)
             continue
-        problems.append(f"{loc}: {msg} (got {_short_repr(value)})")
+        got = _short_repr(value)
+        # Validators that name the value themselves (slugs, storage roots) need no second copy of it.
+        problems.append(f"{loc}: {msg}" if got in msg else f"{loc}: {msg} (got {got})")
     return problems
 
 
