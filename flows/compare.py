@@ -21,6 +21,7 @@ from tuneproof.control import record as records
 from tuneproof.control.comparison import ArmIdentity, Comparison, RunOutcome
 from tuneproof.control.record import RunRecord
 from tuneproof.core.config import PipelineConfig
+from tuneproof.core.names import slug_problem
 from tuneproof.core.results import now_iso
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import FinetuneSummary
@@ -63,6 +64,9 @@ def compare(
         check_request(config_a, config_b, stages, repeats)
     except (ComparisonRefused, table.UnknownStages) as e:
         return Failed(message=f"nothing ran: {e}")
+    # The id names a storage folder and, with a suffix, every run id of the comparison.
+    if comparison_id is not None and (problem := slug_problem(comparison_id)):
+        return Failed(message=f"nothing ran: comparison id {comparison_id!r} {problem}")
     cfg_a, cfg_b = config_a.resolved(), config_b.resolved()
     comparison_id = comparison_id or records.make_run_id()
     storage = Storage.from_config(cfg_a.storage)

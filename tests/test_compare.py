@@ -105,6 +105,23 @@ def test_a_bad_override_names_its_arm(tmp_path):
     assert "arm B" in result.output and "connectivity.iters" in result.output
 
 
+@pytest.mark.parametrize(
+    "args, code, phrase",
+    [
+        (["--stages", "nope", "--b", "connectivity.iters=6"], 3, "--stages: unknown stage(s) nope"),
+        (["--stages", "connectivity", "--b", "connectivity.iters=6", "--repeats", "1"], 3, "at least 2"),
+        (["--stages", "connectivity", "--b", "connectivity.iters=6", "--threshold", "2"], 3, "between 0 and 1"),
+        (["--stages", "connectivity", "--b", "connectivity.iters=6", "--id", "a/b"], 2, "comparison id"),
+    ],
+    ids=["unknown-stage", "one-repeat", "threshold", "id-not-a-slug"],
+)
+def test_bad_comparison_requests_are_refused_by_name(args, code, phrase, tmp_path):
+    result = tuneproof("compare", *args, "--set", f"storage.root={tmp_path}")
+    assert result.exit_code == code, result.output
+    assert phrase in " ".join(result.output.split()) and "Traceback" not in result.output
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.integration
 def test_connectivity_under_two_settings_three_interleaved_repeats(prefect_server, demo_env, tmp_path):
     env = demo_env.at(tmp_path)

@@ -160,14 +160,14 @@ def run_exit_code(record: Any) -> int:
     return EXIT_INVALID_CONFIG if status == "failed" else 0
 
 
-def parse_only(only: str | None) -> list[str] | None:
+def parse_only(only: str | None, option: str = "--only") -> list[str] | None:
     if not only:
         return None
     stages = [s.strip() for s in only.split(",") if s.strip()]
     try:
         table.plan(stages)
     except table.UnknownStages as e:
-        err.print(f"--only: {e}", markup=False)
+        err.print(f"{option}: {e}", markup=False)
         raise typer.Exit(EXIT_INVALID_CONFIG) from None
     return stages
 
@@ -198,7 +198,9 @@ def compare(
     ),
     config: Path | None = ConfigOpt,
     sets: list[str] = SetOpt,
-    comparison_id: str | None = typer.Option(None, "--id", help="Comparison id (default: a new one)."),
+    comparison_id: str | None = typer.Option(
+        None, "--id", callback=slug_arg("comparison id"), help="Comparison id (default: a new one)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print comparison.json instead of the table."),
 ) -> None:
     """The same stages under settings A and B, interleaved; medians, spread, a 95% interval of B/A, a verdict."""
@@ -216,7 +218,7 @@ def compare(
         from flows.compare import ComparisonRefused, check_request
 
         try:
-            check_request(cfgs["A"], cfgs["B"], parse_only(stages) or [], repeats)
+            check_request(cfgs["A"], cfgs["B"], parse_only(stages, "--stages") or [], repeats)
         except ComparisonRefused as e:
             problems.append(str(e))
     if problems:
@@ -227,7 +229,7 @@ def compare(
     from tuneproof.app.terminal import run_comparison
 
     result = run_comparison(
-        cfgs["A"], cfgs["B"], parse_only(stages) or [], repeats, threshold, a, b, comparison_id, console
+        cfgs["A"], cfgs["B"], parse_only(stages, "--stages") or [], repeats, threshold, a, b, comparison_id, console
     )
     if as_json:
         print(json.dumps(result, indent=2))
