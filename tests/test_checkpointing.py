@@ -141,21 +141,10 @@ def single_rank_group(tmp_path):
 
 
 def tiny_sharded_model(seed: int):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
+    from tests.tiny import tiny_qwen2
     from training.fsdp import shard_model
 
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)
-    model = shard_model(Qwen2ForCausalLM(config), torch.device("cpu"), activation_checkpointing=False)
+    model = shard_model(tiny_qwen2(64, seed), torch.device("cpu"), activation_checkpointing=False)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 

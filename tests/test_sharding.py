@@ -75,22 +75,12 @@ def test_config_checks_that_the_shard_group_divides_the_workers():
 
 
 def tiny_model(sharding: str, seed: int = 0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
+    from tests.tiny import tiny_qwen2
     from training.fsdp import shard_model
 
-    config = Qwen2Config(
-        vocab_size=TINY_VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)  # the same initial weights on every rank
+    # The same seed on every rank: the same initial weights.
     return shard_model(
-        Qwen2ForCausalLM(config),
+        tiny_qwen2(TINY_VOCAB, seed),
         torch.device("cpu"),
         activation_checkpointing=False,
         sharding=sharding,

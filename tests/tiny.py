@@ -1,0 +1,21 @@
+"""The tiny Qwen2 the in-process FSDP tests shard: 2 layers, hidden 32, tied embeddings (as the demo's)."""
+
+from __future__ import annotations
+
+
+def tiny_qwen2(vocab_size: int, seed: int):
+    """A fresh Qwen2ForCausalLM, the same weights for the same seed (so every rank starts alike)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config)
