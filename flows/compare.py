@@ -82,7 +82,11 @@ def compare(
             "B": arm_identity("B", cfg_b, sets_b or []),
         },
     )
-    cmp.save(storage, result)
+    if not cmp.create(storage, result):
+        return Failed(
+            message=f"nothing ran: comparison {comparison_id} already exists under {storage.uri('comparisons')}; "
+            "give another --id (or none for a new one)"
+        )
     logger = get_run_logger()
     logger.info(f"comparison {comparison_id}: {', '.join(stages)} x {repeats} repeats, A then B each time")
 

@@ -81,6 +81,25 @@ def test_the_bootstrap_is_reproducible():
     assert cmp.bootstrap_ratio_ci(a, b, seed=3) == cmp.bootstrap_ratio_ci(a, b, seed=3)
 
 
+def test_a_comparison_id_is_taken_once(tmp_path):
+    from tuneproof.core.storage import Storage
+
+    storage = Storage(str(tmp_path))
+    first = cmp.Comparison(
+        comparison_id="c1",
+        created_at="t0",
+        stages=["connectivity"],
+        repeats=2,
+        threshold=0.05,
+        status="running",
+        arms={arm: cmp.ArmIdentity(label=arm, sets=[], config_hash=arm, config={}) for arm in ("A", "B")},
+    )
+    assert cmp.create(storage, first) is True
+    second = first.model_copy(update={"created_at": "t1"})
+    assert cmp.create(storage, second) is False  # a rerun or a concurrent comparison never overwrites it
+    assert cmp.load(storage, "c1").created_at == "t0"
+
+
 # ---- the command ----------------------------------------------------------------------------------
 
 
@@ -179,3 +198,11 @@ def test_connectivity_under_two_settings_three_interleaved_repeats(prefect_serve
 
     keys = asyncio.run(artifact_keys())
     assert {"comparison-cmp-iters", "comparison-busbw-cmp-iters"} <= keys
+
+    # The id is taken: the same command again is refused before anything runs, the first result kept.
+    again = tuneproof(
+        "compare", "--stages", "connectivity", *env.args, "--b", "connectivity.iters=6", "--id", "cmp-iters"
+    )
+    assert again.exit_code == 3, again.output
+    assert "already exists" in again.output
+    assert cmp.load(env.storage, "cmp-iters") == stored

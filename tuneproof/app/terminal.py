@@ -280,6 +280,10 @@ def run_comparison(
         )
     finally:
         unsubscribe()
+    if state.is_failed() and (state.message or "").startswith("nothing ran"):
+        # Refused before its first run (e.g. an id already taken): whatever is stored under the id is not this.
+        console.print(state.message, markup=False, style="bold red")
+        return {"status": "failed", "cause": state.message}
     try:
         result = cmp.load(Storage.from_config(cfg_a.resolved().storage), comparison_id)
     except FileNotFoundError:

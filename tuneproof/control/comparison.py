@@ -12,12 +12,14 @@ The statistics are pure functions; `save` and `load` are the only I/O.
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tuneproof.core import cas
 from tuneproof.core.storage import Storage
 
 COMPARISON = "comparison.json"
@@ -197,6 +199,14 @@ def summary_rows(result: Comparison) -> list[dict[str, Any]]:
 
 
 # ---- storage ------------------------------------------------------------------------------------
+
+
+def create(storage: Storage, comparison: Comparison) -> bool:
+    """Write a new comparison's first file; False when that id is taken (a rerun or a concurrent one).
+
+    Exclusive, so two comparisons can never share an id and overwrite each other's verdicts."""
+    data = json.dumps(comparison.to_json(), indent=2).encode()
+    return cas.write_if(storage, data, None, "comparisons", comparison.comparison_id, COMPARISON)
 
 
 def save(storage: Storage, comparison: Comparison) -> str:
