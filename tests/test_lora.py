@@ -227,3 +227,34 @@ def test_modules_to_save_train_in_full_and_land_in_the_merged_export(base_dir, t
     write_lora_export(adapters, 1, config, Storage(str(tmp_path)), "runs/r1/model", MADE_BY)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "runs/r1/model")
     assert torch.equal(merged.model.norm.weight, torch.full_like(merged.model.norm.weight, 3.0))
+
+
+def test_a_trained_embedding_is_the_tied_head_in_training_checkpoints_and_the_export(base_dir, tmp_path):
+    """modules_to_save [embed_tokens] on a tied base: the output layer is the trained copy (one tensor), the
+    checkpoint keeps that copy and never the frozen original, and the merged export is tied to the trained values."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from training.checkpointing import without_frozen
+
+    config = make_config(str(tmp_path), base_dir, method="lora", lora={"modules_to_save": ["embed_tokens"]})
+    model = load_base(base_dir)
+    apply_lora(model, config.train.lora, config.train.seed)
+    trained_embedding = model.model.embed_tokens.modules_to_save["default"].weight
+    assert model.lm_head.modules_to_save["default"].weight is trained_embedding and trained_embedding.requires_grad
+
+    # One optimizer step on a loss only the head sees moves the embedding: they are one weight.
+    before = trained_embedding.detach().clone()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    model(input_ids=torch.tensor([[3, 4, 5]]), labels=torch.tensor([[3, 4, 5]])).loss.backward()
+    optimizer.step()
+    assert not torch.equal(before, trained_embedding)
+
+    kept = without_frozen(model, model.state_dict())
+    assert "model.embed_tokens.modules_to_save.default.weight" in kept
+    assert not any("original_module" in k for k in kept)
+    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    write_lora_export(adapters, 1, config, Storage(str(tmp_path)), "runs/r1/model", MADE_BY)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "runs/r1/model")
+    assert merged.lm_head.weight is merged.model.embed_tokens.weight
+    assert torch.equal(merged.model.embed_tokens.weight, trained_embedding.detach())

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     import torch
 
 ADAPTER_DIR = LORA_ADAPTER_DIR
+TIED_MODULES = {"embed_tokens", "lm_head"}
+"""The modules a tied Qwen2 shares one weight between (tie_word_embeddings)."""
 
 
 def peft_config(settings: LoraSettings):
@@ -41,6 +43,9 @@ def peft_config(settings: LoraSettings):
         lora_dropout=settings.dropout,
         target_modules=list(settings.target_modules),
         modules_to_save=list(settings.modules_to_save) or None,
+        # With a tied head (tie_word_embeddings) the embedding IS the output layer: training a copy of one
+        # must train the other through the same tensor, as in the base model, or the head stays frozen.
+        ensure_weight_tying=bool(TIED_MODULES & {name.rsplit(".", 1)[-1] for name in settings.modules_to_save}),
     )
 
 

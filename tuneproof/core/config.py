@@ -237,9 +237,10 @@ class LoraSettings(Strict):
     block by default; attention only is q_proj, k_proj, v_proj, o_proj."""
     modules_to_save: list[str] = []
     """Modules trained in full beside the adapters (peft modules_to_save; a name matches every module path
-    ending in it, so "norm" is every RMSNorm). A randomly initialised base (the tiny local model) needs
-    ["norm"]: its frozen tied head keeps the logits too small to fit any task unless the norms can grow
-    (loss stalls near 5.1 on the date task without them). A pretrained base needs none."""
+    ending in it, so "norm" is every RMSNorm). A pretrained base needs none. A randomly initialised base
+    (the tiny local model) needs ["embed_tokens"]: its frozen tied head (embeddings of norm ~0.16 after an
+    RMSNorm) caps every logit near +-1.3, so the loss stalls near 5 whatever the adapters learn. With a tied
+    head, naming embed_tokens (or lm_head) trains the one shared weight as both."""
 
     @field_validator("target_modules")
     @classmethod
