@@ -268,6 +268,13 @@ def pinned(cfg: PipelineConfig, pointer: Pointer | None) -> PipelineConfig:
     return out
 
 
+def pin_from_pointer(storage: Storage, cfg: PipelineConfig) -> PipelineConfig:
+    """`pinned` with images/current.json read from the run's storage (read only for eks runs)."""
+    if cfg.cluster.backend != "eks":
+        return cfg
+    return pinned(cfg, read_current(storage)[0])
+
+
 # ---- storage -------------------------------------------------------------------------------------
 
 
