@@ -401,11 +401,15 @@ def lint(
         None, "--config", "-c", help="Profile whose expectations apply (default configs/eks.yaml)."
     ),
     sets: list[str] = SetOpt,
+    read_pointer: bool = typer.Option(
+        False, "--read-pointer", help="Also read images/current.json from an S3 storage root (a local root always is)."
+    ),
 ) -> None:
     """Static checks of deployments/ manifests against schemas and the pipeline's expectations."""
     from tuneproof.app.cli_eks import lint_command
 
-    raise typer.Exit(lint_command(paths or [str(PROJECT_ROOT / "deployments")], str(config) if config else None, sets))
+    manifests = paths or [str(PROJECT_ROOT / "deployments")]
+    raise typer.Exit(lint_command(manifests, str(config) if config else None, sets, read_pointer))
 
 
 class TransportExpect(str, Enum):
