@@ -32,6 +32,7 @@ from tuneproof.control import record as records
 from tuneproof.control.images import CandidateImage, Decision, ImageVersions
 from tuneproof.control.kube_canary import ephemeral_raycluster
 from tuneproof.control.record import RunRecord
+from tuneproof.core.checks import VERSION_FIELDS
 from tuneproof.core.config import PROJECT_ROOT, ConfigError, PipelineConfig
 from tuneproof.core.names import slug_problem
 from tuneproof.core.results import StageFailure, now_iso
@@ -110,13 +111,18 @@ def request_problem(
 def canary_workload(cfg: PipelineConfig, storage: Storage, candidate: str, max_steps: int) -> PipelineConfig:
     """The production model's workload (the config of the run that produced it, else `cfg`), shortened.
 
-    The cluster, storage and model name stay the profile's; the fine-tune is cut to max_steps with no
-    resume test; every gate only asks that its metric was computed: a canary judges the image against
+    The cluster and storage stay the profile's, less its version expectations; the fine-tune is cut to
+    max_steps with no resume test; every gate only asks that its metric was computed: a canary judges the image against
     the baseline image's measurements, not the short model against the production gates.
     """
     data = production_config(storage, cfg.model.name) or cfg.model_dump(mode="json")
     data.update(cluster=cfg.cluster.model_dump(mode="json"), storage=cfg.storage.model_dump(mode="json"))
-    data["cluster"]["expect"]["image"] = candidate if cfg.cluster.backend == "eks" else None
+    expect = data["cluster"]["expect"]
+    expect["image"] = candidate if cfg.cluster.backend == "eks" else None
+    # A candidate brings its own versions: verify records them (and still requires every node to agree
+    # and, on eks, every pod to run the candidate's digest) instead of holding them to the current image's.
+    for field in VERSION_FIELDS:
+        expect[field] = None
     train = data["train"]
     train["max_steps"] = min(train["max_steps"], max_steps)
     train["checkpoint_every"] = min(train["checkpoint_every"], train["max_steps"])

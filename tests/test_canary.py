@@ -44,10 +44,12 @@ def test_the_workload_is_short_resume_free_and_measured_not_gated(tmp_path):
     gate = workload.eval.gates["exact_match"]
     assert gate.min is not None and gate.min < 0 and gate.min_improvement is None and gate.max_regression is None
     assert workload.cluster.expect.image is None  # locally the environment digest is checked instead
+    assert workload.cluster.expect.ray_version is None  # the candidate's versions are recorded, not held to the old
 
     eks = load_config(PROJECT_ROOT / "configs" / "eks.yaml", [f"storage.root={tmp_path}"])
     on_eks = canary_workload(eks, Storage(str(tmp_path)), OLD, 40)
     assert on_eks.cluster.expect.image == OLD and on_eks.train.num_workers == eks.train.num_workers
+    assert on_eks.cluster.expect.nccl_version is None and on_eks.cluster.expect.efa  # EFA still required
 
 
 def test_images_commands_on_an_empty_registry_and_bad_ids(tmp_path):
