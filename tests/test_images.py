@@ -200,3 +200,17 @@ def test_eks_runs_on_the_standing_cluster_take_the_adopted_image():
     assert images.pinned(canary, pointer).cluster.expect.image == OLD  # a canary runs its candidate
     local = load_config(PROJECT_ROOT / "configs" / "local.yaml")
     assert images.pinned(local, pointer) == local
+
+
+def test_the_pipeline_reads_the_pointer_from_the_runs_storage_only_on_eks(tmp_path):
+    storage = Storage(str(tmp_path))
+    eks = load_config(PROJECT_ROOT / "configs" / "eks.yaml", [f"storage.root={tmp_path}"])
+    assert images.pin_from_pointer(storage, eks) == eks  # nothing adopted yet: the profile's image
+    adopted = decision("20261201-140000-aaaaaa", NEW)
+    images.adopt(storage, adopted, None, "t")
+    assert images.pin_from_pointer(storage, eks).cluster.expect.image == NEW
+    storage.write_bytes(b"{torn", "images", "current.json")
+    with pytest.raises(images.ImagesUnreadable, match="current.json"):  # the flow refuses: nothing runs on a guess
+        images.pin_from_pointer(storage, eks)
+    local = load_config(PROJECT_ROOT / "configs" / "local.yaml", [f"storage.root={tmp_path}"])
+    assert images.pin_from_pointer(storage, local) == local  # never read locally
