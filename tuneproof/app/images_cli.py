@@ -130,12 +130,10 @@ def canary_command(
     except (FileNotFoundError, images.ImagesUnreadable):
         console.print(state.message or "the canary ended without a decision", markup=False, style="bold red")
         return EXIT_BY_CLASS[FailureClass.infrastructure]
-    if as_json:
+    for reason in decision.reasons:
+        console.print(f"  {decision.decision}: {reason}", markup=False)
+    style = "bold green" if state.is_completed() else "bold red"
+    console.print(state.message or decision.decision, markup=False, style=style)
+    if as_json:  # last, so the output ends with one JSON document
         print(json.dumps(decision.to_json(), indent=2))
-    else:
-        for reason in decision.reasons:
-            console.print(f"  {decision.decision}: {reason}", markup=False)
-    console.print(
-        state.message or decision.decision, markup=False, style="bold green" if state.is_completed() else "bold red"
-    )
     return EXIT_OK if state.is_completed() else EXIT_ABSENT_OR_REJECTED
