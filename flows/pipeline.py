@@ -19,6 +19,7 @@ from flows import stages as table
 from flows.stages import MissingStageOutput, Stage, UnknownStages
 from tasks import artifacts, events
 from tasks.jobs import StageCall
+from tuneproof.control import images
 from tuneproof.control import record as records
 from tuneproof.control.identity import git_identity
 from tuneproof.control.lease import Lease, LeaseHeld
@@ -53,6 +54,10 @@ def pipeline(
     cfg = config.resolved()
     run_id = run_id or records.make_run_id()
     storage = Storage.from_config(cfg.storage)
+    try:  # EKS runs on the standing cluster run the adopted image (images/current.json), when there is one
+        cfg = images.pin_from_pointer(storage, cfg)
+    except images.ImagesUnreadable as e:
+        return Failed(message=f"{NOTHING_RAN}{e}")
     missing = missing_forwarded_env(cfg)
     if missing:
         return Failed(message=f"{NOTHING_RAN}{missing}")

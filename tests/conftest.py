@@ -147,7 +147,8 @@ def prefect_server(tmp_path_factory):
         start_new_session=True,
     )
     try:
-        _wait_http(f"{url}/api/health", 120)
+        # A fresh server migrates its database first: more than two minutes on a loaded shared machine.
+        _wait_http(f"{url}/api/health", float(os.environ.get("TUNEPROOF_TEST_SERVER_WAIT_S", "120")))
         with temporary_settings({PREFECT_API_URL: f"{url}/api", PREFECT_UI_API_URL: f"{url}/api"}):
             yield url
             # Ship the last logs and events while the server is still there; a worker left holding

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
@@ -55,6 +56,10 @@ class FakeApi:
         body = routes[path]() if path in routes else None
         return (200, body) if body is not None else (404, _status(404, path))
 
+    def write(self, method: str, path: str, body: dict | None) -> tuple[int, dict]:
+        """The read-only API of the verify stage: no writes."""
+        return 405, _status(405, path)
+
 
 def _list(kind: str, items: list[dict]) -> dict:
     return {"kind": kind, "apiVersion": "v1", "metadata": {"resourceVersion": "1"}, "items": items}
@@ -67,7 +72,9 @@ def _select(objects: list[dict], query: dict) -> list[dict]:
 
 
 def _status(code: int, path: str) -> dict:
-    reason = {403: "Forbidden", 404: "NotFound"}.get(code, "InternalError")
+    reason = {403: "Forbidden", 404: "NotFound", 405: "MethodNotAllowed", 409: "AlreadyExists"}.get(
+        code, "InternalError"
+    )
     return {
         "kind": "Status",
         "apiVersion": "v1",
@@ -81,18 +88,36 @@ def _status(code: int, path: str) -> dict:
 @pytest.fixture
 def api(tmp_path):
     """(FakeApi, kubeconfig path); the server listens on a free 127.0.0.1 port until the test ends."""
-    fake = FakeApi()
+    with serve(FakeApi(), tmp_path) as served:
+        yield served
+
+
+@contextmanager
+def serve(fake: FakeApi, tmp_path: Path):
+    """Serve `fake` (GET through fake.answer; POST and DELETE through fake.write) on a free 127.0.0.1 port."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
+            self.reply("GET")
+
+        def do_POST(self):
+            self.reply("POST")
+
+        def do_DELETE(self):
+            self.reply("DELETE")
+
+        def reply(self, method: str):
             url = urlparse(self.path)
             query = parse_qs(url.query)
+            length = int(self.headers.get("Content-Length") or 0)
+            sent = json.loads(self.rfile.read(length) or b"null") if length else None
             fake.requests.append((url.path, query, self.headers.get("Authorization")))
-            code, body = (
-                fake.answer(url.path, query)
-                if self.headers.get("Authorization") == f"Bearer {TOKEN}"
-                else (401, _status(401, url.path))
-            )
+            if self.headers.get("Authorization") != f"Bearer {TOKEN}":
+                code, body = 401, _status(401, url.path)
+            elif method == "GET":
+                code, body = fake.answer(url.path, query)
+            else:
+                code, body = fake.write(method, url.path, sent)
             data = json.dumps(body).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
@@ -107,26 +132,24 @@ def api(tmp_path):
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "current-context": "test",
-                "clusters": [{"name": "test", "cluster": {"server": f"http://127.0.0.1:{server.server_address[1]}"}}],
-                "users": [{"name": "test", "user": {"token": TOKEN}}],
-                "contexts": [
-                    {"name": "test", "context": {"cluster": "test", "user": "test", "namespace": "tuneproof"}}
-                ],
-            }
-        )
-    )
+    kubeconfig.write_text(yaml.safe_dump(kubeconfig_for(f"http://127.0.0.1:{server.server_address[1]}")))
     try:
         yield fake, kubeconfig
     finally:
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
+
+
+def kubeconfig_for(server: str) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "test",
+        "clusters": [{"name": "test", "cluster": {"server": server}}],
+        "users": [{"name": "test", "user": {"token": TOKEN}}],
+        "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test", "namespace": "tuneproof"}}],
+    }
 
 
 def kcfg(kubeconfig: Path) -> KubernetesConfig:
@@ -223,18 +246,7 @@ def test_unreachable_api_server_is_an_infrastructure_failure(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "current-context": "t",
-                "clusters": [{"name": "t", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
-                "users": [{"name": "t", "user": {"token": TOKEN}}],
-                "contexts": [{"name": "t", "context": {"cluster": "t", "user": "t"}}],
-            }
-        )
-    )
+    kubeconfig.write_text(yaml.safe_dump(kubeconfig_for(f"http://127.0.0.1:{port}")))
     with pytest.raises(StageFailure, match="unreachable") as caught:
         fetch_cluster_objects(kcfg(kubeconfig))
     assert f"127.0.0.1:{port}" in caught.value.cause

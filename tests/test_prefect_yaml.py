@@ -39,3 +39,33 @@ def test_eks_deployments_pin_their_flow_run_image_and_the_commit_they_clone():
         assert clone["commit_sha"] == "{{ $TUNEPROOF_GIT_COMMIT }}" and "branch" not in clone
         install = deployment["pull"][1]["prefect.deployments.steps.run_shell_script"]["script"]
         assert "--no-deps" in install and "--no-build-isolation" in install and install.endswith("-e .")
+
+
+def test_the_image_canary_deployment_takes_a_typed_candidate_image():
+    import jsonschema
+    import pytest
+    from prefect.exceptions import ParameterTypeError
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.canary import image_canary
+    from tuneproof.control.images import IMAGE_PATTERN
+
+    eks = load_config(PROJECT_ROOT / "configs" / "eks.yaml", resolve=False)
+    deployment = deployments()["image-canary"]
+    assert deployment["entrypoint"] == "flows/canary.py:image_canary"
+    assert deployment["work_pool"]["name"] == "tuneproof-eks"
+    assert PipelineConfig.model_validate(deployment["parameters"]["config"]) == eks
+    assert deployments()["image-canary-local"]["work_pool"]["name"] == "local-process"
+
+    # The form: a pattern the UI checks as it is typed ...
+    form = parameter_schema(image_canary.fn).model_dump()["properties"]["candidate_image"]
+    typed = next(option for option in form["anyOf"] if option.get("type") == "string")
+    assert typed["pattern"] == IMAGE_PATTERN
+    good = "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.2@sha256:" + "b" * 64
+    jsonschema.validate(good, typed)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate("public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.2", typed)
+    # ... and the flow run's own validation at start, naming the value.
+    assert image_canary.validate_parameters({"candidate_image": good})["candidate_image"] == good
+    with pytest.raises(ParameterTypeError, match="not pinned by digest"):
+        image_canary.validate_parameters({"candidate_image": "ray:latest"})

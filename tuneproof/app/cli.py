@@ -9,6 +9,8 @@
     tuneproof transport LOG... [--expect efa]
     tuneproof models list | show NAME
     tuneproof promote RUN --force --reason TEXT
+    tuneproof canary [--candidate-image REPO@sha256:...] [--json]
+    tuneproof images list [--json] | show DECISION [--json]
 
 Exit codes of `run`: 0 ok, 3 invalid config or refused request (nothing ran), 4 infrastructure failure or a
 crashed flow, 5 data, 6 modeling failure, 130 cancelled (Ctrl-C).
@@ -46,9 +48,11 @@ app = typer.Typer(
 local_app = typer.Typer(no_args_is_help=True, help="The embedded local cluster (Ray head, Prefect server + worker).")
 runs_app = typer.Typer(no_args_is_help=True, help="Read run records.")
 models_app = typer.Typer(no_args_is_help=True, help="Read the model registry.")
+images_app = typer.Typer(no_args_is_help=True, help="Read the images registry: canary decisions and the adopted image.")
 app.add_typer(local_app, name="local")
 app.add_typer(runs_app, name="runs")
 app.add_typer(models_app, name="models")
+app.add_typer(images_app, name="images")
 console = Console()
 err = Console(stderr=True)
 
@@ -397,11 +401,15 @@ def lint(
         None, "--config", "-c", help="Profile whose expectations apply (default configs/eks.yaml)."
     ),
     sets: list[str] = SetOpt,
+    read_pointer: bool = typer.Option(
+        False, "--read-pointer", help="Also read images/current.json from an S3 storage root (a local root always is)."
+    ),
 ) -> None:
     """Static checks of deployments/ manifests against schemas and the pipeline's expectations."""
     from tuneproof.app.cli_eks import lint_command
 
-    raise typer.Exit(lint_command(paths or [str(PROJECT_ROOT / "deployments")], str(config) if config else None, sets))
+    manifests = paths or [str(PROJECT_ROOT / "deployments")]
+    raise typer.Exit(lint_command(manifests, str(config) if config else None, sets, read_pointer))
 
 
 class TransportExpect(str, Enum):
@@ -509,6 +517,60 @@ def promote(
         raise typer.Exit(EXIT_INVALID_CONFIG) from None
     print(json.dumps(result.to_json(), indent=2))
     raise typer.Exit(0 if result.promoted else 1)
+
+
+# ---------------------------------------------------------------- images
+
+
+@app.command()
+def canary(
+    candidate_image: str | None = typer.Option(
+        None,
+        "--candidate-image",
+        help="The image to try, repo@sha256:<64 hex> (eks: required; locally: this environment by default).",
+    ),
+    max_steps: int = typer.Option(60, "--max-steps", help="Fine-tune steps of each canary run (a short run)."),
+    repeats: int = typer.Option(1, "--repeats", help="Canary runs; 2+ (on both sides) compares by interval."),
+    threshold: float = typer.Option(0.10, "--threshold", help="Smallest relative change that counts as worse."),
+    decision_id: str | None = typer.Option(
+        None, "--id", callback=slug_arg("decision id"), help="Decision id (default: a new one)."
+    ),
+    config: Path | None = ConfigOpt,
+    sets: list[str] = SetOpt,
+    as_json: bool = typer.Option(False, "--json", help="Print decision.json."),
+) -> None:
+    """Try a candidate image on the production workload; record adopt|reject under images/; adopt moves the pointer."""
+    from tuneproof.app.images_cli import canary_command
+    from tuneproof.control.images import image_problem
+
+    if candidate_image is not None and (problem := image_problem(candidate_image)):
+        err.print(f"--candidate-image {candidate_image!r} {problem}", markup=False)
+        raise typer.Exit(EXIT_INVALID_CONFIG)
+    cfg = config_or_exit(config, sets)
+    raise typer.Exit(canary_command(cfg, candidate_image, max_steps, repeats, threshold, decision_id, as_json, console))
+
+
+@images_app.command("list")
+def images_list(
+    as_json: bool = typer.Option(False, "--json"), config: Path | None = ConfigOpt, sets: list[str] = SetOpt
+) -> None:
+    """Canary decisions, newest first: digest, tag, versions verify saw, baseline, decision (* = current)."""
+    from tuneproof.app.images_cli import list_command
+
+    raise typer.Exit(list_command(storage_for(config, sets), as_json, console, err))
+
+
+@images_app.command("show")
+def images_show(
+    decision_id: str = typer.Argument(..., callback=slug_arg("decision id")),
+    as_json: bool = typer.Option(False, "--json"),
+    config: Path | None = ConfigOpt,
+    sets: list[str] = SetOpt,
+) -> None:
+    """One decision: the candidate, what verify saw, the baseline, the comparison and the reasons."""
+    from tuneproof.app.images_cli import show_command
+
+    raise typer.Exit(show_command(storage_for(config, sets), decision_id, as_json, console, err))
 
 
 # ---------------------------------------------------------------- local

@@ -25,21 +25,54 @@ PREFECT_PROJECT = PROJECT_ROOT / "prefect.yaml"
 EXIT_LINT_ERRORS = 1
 
 
-def lint_command(paths: list[str], config_path: str | None, sets: list[str]) -> int:
-    """Print every finding over the manifests; non-zero when any is an error."""
+def lint_command(paths: list[str], config_path: str | None, sets: list[str], read_s3_pointer: bool = False) -> int:
+    """Print every finding over the manifests; non-zero when any is an error.
+
+    EKS runs pin the image images/current.json names once a canary adopted one, so the manifests are
+    checked against that image: read from a local storage root always, from S3 only when asked
+    (read_s3_pointer: it needs credentials and the network, which lint otherwise never does)."""
     from tuneproof.app.lint import lint_paths
 
     try:
         cfg = _config(config_path, sets)
-        findings = lint_paths(with_prefect_project(paths), cfg)
+        cfg, pointer_findings, against = with_adopted_image(cfg, read_s3_pointer)
+        findings = pointer_findings + lint_paths(with_prefect_project(paths), cfg)
     except ConfigError as e:
         return _config_error(e)
     except FileNotFoundError as e:
         print(str(e), file=sys.stderr)
         return EXIT_LINT_ERRORS
     _print_findings(findings)
-    print(_tally(findings, f"lint of {', '.join(paths)}" + (f" against profile {cfg.profile}" if cfg else "")))
+    print(_tally(findings, f"lint of {', '.join(paths)}" + (f" against profile {cfg.profile}{against}" if cfg else "")))
     return EXIT_LINT_ERRORS if errors(findings) else EXIT_OK
+
+
+def with_adopted_image(cfg: PipelineConfig | None, read_s3: bool) -> tuple[PipelineConfig | None, list[Finding], str]:
+    """(the config as EKS runs see it, a finding when the pointer cannot be read, what the tally says about it)."""
+    from tuneproof.control import images
+    from tuneproof.core.storage import Storage
+
+    if cfg is None or cfg.cluster.backend != "eks":
+        return cfg, [], ""
+    storage = Storage.from_config(cfg.storage)
+    where = storage.uri(images.IMAGES, images.CURRENT)
+    if storage.is_s3 and not read_s3:
+        return cfg, [], f" (image from the profile; {where} not read: --read-pointer reads it)"
+    try:
+        pointer, _ = images.read_current(storage)
+    except Exception as e:  # noqa: BLE001 - credentials, network, a corrupt pointer: named, and lint goes on
+        problem = Finding(
+            where,
+            "images/current.json",
+            f"{type(e).__name__}: {e}",
+            "a readable pointer",
+            "cannot read the adopted image: the manifests were checked against the profile's",
+            "warning",
+        )
+        return cfg, [problem], ""
+    if pointer is None:
+        return cfg, [], f" (no image adopted yet under {where})"
+    return images.pinned(cfg, pointer), [], f" and the image {where} names (decision {pointer.decision_id})"
 
 
 def verify_from_files_command(directory: str, config_path: str | None, sets: list[str], as_json: bool) -> int:

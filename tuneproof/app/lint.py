@@ -453,7 +453,8 @@ def ray_image_findings(doc: Doc, where: str, group: dict, config: PipelineConfig
                     field,
                     container.get("image"),
                     expected,
-                    "differs from the config's cluster.expect.image: verify would fail every pod",
+                    "differs from the image EKS runs pin (cluster.expect.image, or images/current.json once a "
+                    "canary adopted one): verify would fail every pod",
                 )
             )
     return findings

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from rich import box
@@ -247,7 +249,6 @@ def run_comparison(
     """Run the comparison flow in-process, a line per finished stage of each run, then the metric table.
     Returns comparison.json's content, with `failure_class` set when a run failed or nothing ran."""
     from flows.compare import compare
-    from tasks import events
     from tuneproof.control import comparison as cmp
     from tuneproof.control import record as records
     from tuneproof.core.storage import Storage
@@ -258,15 +259,7 @@ def run_comparison(
         return {"status": "failed", "failure_class": "infrastructure", "cause": problem}
     comparison_id = comparison_id or records.make_run_id()
     console.print(f"comparison id: [bold]{comparison_id}[/] ({', '.join(stages)}; {repeats} repeats, A B A B ...)")
-    quiet_prefect_console(os.environ.get("TUNEPROOF_VERBOSE") == "1")
-
-    def show(event: dict[str, Any]) -> None:
-        if event["kind"] == "stage":
-            failure = f" ({event['failure_class']})" if event.get("failure_class") else ""
-            console.print(f"  {event['stage']:<13} {event['status']}{failure}")
-
-    unsubscribe = events.subscribe(show)
-    try:
+    with stage_lines(console):
         state = compare(
             config_a=cfg_a,
             config_b=cfg_b,
@@ -278,8 +271,6 @@ def run_comparison(
             comparison_id=comparison_id,
             return_state=True,
         )
-    finally:
-        unsubscribe()
     if state.is_failed() and (state.message or "").startswith("nothing ran"):
         # Refused before its first run (e.g. an id already taken): whatever is stored under the id is not this.
         console.print(state.message, markup=False, style="bold red")
@@ -300,6 +291,25 @@ def run_comparison(
         console.print(f"[bold red]{failed.run_id} {failed.status}[/]: {failed.cause}")
         out["failure_class"] = failed.failure_class or "infrastructure"
     return out
+
+
+@contextmanager
+def stage_lines(console: Console) -> Iterator[None]:
+    """A line per finished stage while a flow of several runs (a comparison, a canary) runs in this process."""
+    from tasks import events
+
+    quiet_prefect_console(os.environ.get("TUNEPROOF_VERBOSE") == "1")
+
+    def show(event: dict[str, Any]) -> None:
+        if event["kind"] == "stage":
+            failure = f" ({event['failure_class']})" if event.get("failure_class") else ""
+            console.print(f"  {event['stage']:<13} {event['status']}{failure}")
+
+    unsubscribe = events.subscribe(show)
+    try:
+        yield
+    finally:
+        unsubscribe()
 
 
 def fmt_cell(value: Any) -> str:

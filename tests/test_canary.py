@@ -1,0 +1,136 @@
+"""The image canary and `tuneproof images`: refused requests by name, the workload it runs, and (integration)
+the whole canary on the embedded default, its decision recorded and listed.
+
+    .venv/bin/python -m pytest -q tests/test_canary.py -m integration     # about two minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from flows.canary import canary_workload, request_problem
+from tests.conftest import tuneproof
+from tests.test_images import OLD, decision
+from tuneproof.app import images_cli
+from tuneproof.control import images
+from tuneproof.control import record as records
+from tuneproof.core.config import PROJECT_ROOT, load_config
+from tuneproof.core.storage import Storage
+
+
+def local(tmp_path):
+    return load_config(PROJECT_ROOT / "configs" / "local.yaml", [f"storage.root={tmp_path}"])
+
+
+def test_requests_that_cannot_run_name_the_value(tmp_path):
+    cfg = local(tmp_path)
+    eks = load_config(PROJECT_ROOT / "configs" / "eks.yaml")
+    assert request_problem(cfg, None, 60, 1, 0.1, None) is None  # locally: this environment
+    assert "candidate_image is required on eks" in request_problem(eks, None, 60, 1, 0.1, None)
+    assert "'ray:2.58' is not pinned by digest" in request_problem(cfg, "ray:2.58", 60, 1, 0.1, None)
+    assert "repeats must be between 1 and 20 (got 0)" in request_problem(cfg, None, 60, 0, 0.1, None)
+    assert "threshold must be between 0 and 1 (got 1.5)" in request_problem(cfg, None, 60, 1, 1.5, None)
+    assert "decision id 'a/b'" in request_problem(cfg, None, 60, 1, 0.1, "a/b")
+
+
+def test_the_workload_is_short_resume_free_and_measured_not_gated(tmp_path):
+    cfg = local(tmp_path)
+    workload = canary_workload(cfg, Storage(str(tmp_path)), images.local_image(), 40)
+    assert workload.train.max_steps == 40 and workload.train.checkpoint_every == 40
+    assert workload.train.warmup_steps <= 20 and not workload.resume.enabled
+    gate = workload.eval.gates["exact_match"]
+    assert gate.min is not None and gate.min < 0 and gate.min_improvement is None and gate.max_regression is None
+    assert workload.cluster.expect.image is None  # locally the environment digest is checked instead
+    assert workload.cluster.expect.ray_version is None  # the candidate's versions are recorded, not held to the old
+
+    eks = load_config(PROJECT_ROOT / "configs" / "eks.yaml", [f"storage.root={tmp_path}"])
+    on_eks = canary_workload(eks, Storage(str(tmp_path)), OLD, 40)
+    assert on_eks.cluster.expect.image == OLD and on_eks.train.num_workers == eks.train.num_workers
+    assert on_eks.cluster.expect.nccl_version is None and on_eks.cluster.expect.efa  # EFA still required
+
+
+def test_images_commands_on_an_empty_registry_and_bad_ids(tmp_path):
+    listed = tuneproof("images", "list", "--set", f"storage.root={tmp_path}")
+    assert listed.exit_code == 0 and "no image decisions under" in listed.output
+    as_json = tuneproof("images", "list", "--json", "--set", f"storage.root={tmp_path}")
+    assert as_json.exit_code == 0 and json.loads(as_json.output) == []
+    absent = tuneproof("images", "show", "20261201-000000-abcdef", "--set", f"storage.root={tmp_path}")
+    assert absent.exit_code == 1 and "decisions: none: run `tuneproof canary` first" in " ".join(absent.output.split())
+    bad = tuneproof("images", "show", "../etc", "--set", f"storage.root={tmp_path}")
+    assert bad.exit_code == 2 and "decision id '../etc'" in bad.output
+    refused = tuneproof("canary", "--candidate-image", "ray:latest", "--set", f"storage.root={tmp_path}")
+    assert refused.exit_code == 3 and "--candidate-image 'ray:latest' is not pinned by digest" in refused.output
+    assert not (tmp_path / "images").exists()
+
+
+def test_images_list_and_show_read_the_history(tmp_path):
+    storage = Storage(str(tmp_path))
+    first = decision("20261201-140000-aaaaaa", OLD, finetune__tokens_per_s=[1234.0])
+    first.versions = images.ImageVersions(ray="2.58.0", torch="2.13.0", nccl="2.29.7", efa="1.20.0")
+    images.create_decision(storage, first)
+    images.adopt(storage, first, None, "t")
+    table = tuneproof("images", "list", "--set", f"storage.root={tmp_path}")
+    assert table.exit_code == 0 and "20261201-140000-aaaaaa" in table.output and "adopt" in table.output
+    listed = tuneproof("images", "list", "--json", "--set", f"storage.root={tmp_path}")
+    row = json.loads(listed.output)[0]
+    assert row["digest"] == "sha256:" + "a" * 64 and row["release_tag"] == "train-ml-cuda-v1.1"
+    assert row["versions"] == {"ray": "2.58.0", "torch": "2.13.0", "nccl": "2.29.7", "efa": "1.20.0"}
+    assert row["candidate_metrics"] == {"finetune.tokens_per_s": 1234.0} and row["current"] is True
+    assert images_cli.list_cells(row)[4] == "ray 2.58.0 torch 2.13.0 nccl 2.29.7 efa 1.20.0"
+    shown = tuneproof("images", "show", "20261201-140000-aaaaaa", "--json", "--set", f"storage.root={tmp_path}")
+    assert shown.exit_code == 0 and json.loads(shown.output)["current"] is True
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(1800)  # five Ray jobs; on 2 shared cores under load they took 13+ minutes
+def test_the_canary_runs_locally_end_to_end_and_images_list_shows_it(prefect_server, demo_env, tmp_path):
+    env = demo_env.at(tmp_path)
+    result = tuneproof("canary", *env.args, "--id", "canary-1", "--max-steps", "20", "--json")
+    assert result.exit_code == 0, result.output
+
+    # The decision: the first canary adopts itself as the baseline, and says so.
+    stored = images.load_decision(env.storage, "canary-1")
+    assert json.loads(result.output[result.output.index('{\n  "schema_version"') :]) == stored.to_json()
+    assert stored.decision == "adopt" and stored.baseline_decision is None
+    assert stored.reasons == ["no current image: this canary's measurements become the baseline"]
+    assert stored.candidate_image == images.local_image() and stored.release_tag is None
+    assert stored.versions.ray == "2.60.0" and stored.versions.torch and stored.versions.environment_digest
+    assert images.local_image_of(stored.versions.environment_digest) == stored.candidate_image
+    assert stored.runs == ["canary-1-r1"] and stored.flow_run_id
+    for metric in ("finetune.tokens_per_s", "finetune.final_loss", "eval.candidate.exact_match"):
+        assert len(stored.candidate_metrics[metric]) == 1, metric
+    assert any(m.startswith("connectivity.busbw_GBps@") for m in stored.candidate_metrics)
+
+    # Its run is an ordinary run: the five canary stages of a short, resume-free workload.
+    rec = records.load(env.storage, "canary-1-r1")
+    assert rec.status == "succeeded" and list(rec.stages) == ["verify", "connectivity", "data", "finetune", "evaluate"]
+    assert rec.config["train"]["max_steps"] == 20 and rec.config["resume"]["enabled"] is False
+
+    # Adopted: the pointer names it; the history lists it.
+    current, _ = images.read_current(env.storage)
+    assert current is not None and current.decision_id == "canary-1" and current.image == stored.candidate_image
+    listed = tuneproof("images", "list", "--json", *env.args)
+    assert listed.exit_code == 0, listed.output
+    rows = json.loads(listed.output)
+    assert [(r["decision_id"], r["decision"], r["current"]) for r in rows] == [("canary-1", "adopt", True)]
+    assert rows[0]["versions"]["ray"] == "2.60.0" and rows[0]["baseline_metrics"] == {}
+    table = tuneproof("images", "list", *env.args)
+    assert "canary-1" in table.output and "adopt" in table.output
+    print(table.output)
+
+    # The decision's artifact is on the canary's flow run.
+    from prefect.client.orchestration import get_client
+
+    async def artifact_keys() -> set[str]:
+        async with get_client() as client:
+            return {a.key for a in await client.read_artifacts() if a.key}
+
+    assert "image-canary-canary-1" in asyncio.run(artifact_keys())
+
+    # The id is taken: history is append-only, the same id again is refused before anything runs.
+    again = tuneproof("canary", *env.args, "--id", "canary-1")
+    assert again.exit_code == 3 and "already exists" in again.output
+    assert images.load_decision(env.storage, "canary-1") == stored
