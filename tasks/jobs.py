@@ -49,12 +49,20 @@ class StageCall:
     """Outputs of earlier stages, by the names in the stage's `needs`."""
     record: RunRecord
     """The run's record as it stood before this stage (read-only: the flow writes it)."""
+    resumes: int | None = None
+    """An earlier invocation whose interrupted attempt this call continues: its Ray job names and Ray Train
+    run are reused (a stopped job gets a new attempt id; a job still running is attached to)."""
+
+    @property
+    def job_invocation(self) -> int:
+        """The invocation whose names this call's jobs run under: its own, or the one it resumes."""
+        return self.resumes or self.invocation
 
     def job_name(self, suffix: str = "") -> str:
         """The first invocation uses the stage's name ('evaluate'); a rerun gets fresh Ray jobs and result
         folders ('evaluate-r2'), while a Prefect retry within one invocation re-attaches."""
         name = f"{self.stage}-{suffix}" if suffix else self.stage
-        return name if self.invocation <= 1 else f"{name}-r{self.invocation}"
+        return name if self.job_invocation <= 1 else f"{name}-r{self.job_invocation}"
 
     def spec(
         self,
@@ -119,10 +127,12 @@ def job_stage(
 
 
 def finetune(call: StageCall) -> StageEntry:
-    """The fine-tune job under this invocation's Ray Train run name (see finetune_run_name)."""
+    """The fine-tune job under this invocation's Ray Train run name (see finetune_run_name), or, continuing an
+    interrupted fine-tune, under that attempt's name: Ray Train resumes it from its latest complete checkpoint."""
+    run_name = finetune_run_name(call.record, call.run_id, call.job_invocation, call.cfg.train.continue_previous)
     params = {
         "dataset": call.inputs["dataset_path"],
-        "run_name": finetune_run_name(call.record, call.run_id, call.invocation, call.cfg.train.continue_previous),
+        "run_name": run_name,
         "invocation": call.invocation,
     }
     return run_job_stage.with_options(name=call.stage)(call, "training.finetune", params)
