@@ -185,6 +185,8 @@ class RayJobRunner:
         self.poll_s = poll_s
         self.storage = Storage.from_config(cfg.storage)
         self.client = client or connect(cfg, on_line)
+        self.following = ""
+        """The submission id being followed (its status events name it)."""
 
     def run(self, spec: JobSpec, stop_when: Callable[[str], bool] | None = None) -> JobEntry:
         """Submit (or attach), follow to the end, read the result. `stop_when(line)` stops the job early."""
@@ -278,6 +280,7 @@ class RayJobRunner:
             raise
 
     def _follow(self, sid: str, deadline: float, timeout_s: int, stop_when: Callable[[str], bool] | None) -> JobStatus:
+        self.following = sid
         stream = LogStream(self.client, sid)
         status, ended, next_poll = None, False, 0.0
         while True:
@@ -313,6 +316,9 @@ class RayJobRunner:
 
     def emit(self, line: str) -> None:
         """Pass a log line on; progress lines become a readable line plus a progress event."""
+        if waiting_for_resources(line):
+            self.on_line(WAITING)
+            self.on_status(self.following, "waiting for resources")
         parsed = parse_progress(line)
         if parsed is not None:
             before, event = parsed
@@ -371,6 +377,19 @@ def validation_problem(e: ValidationError) -> str:
     """'field.path: message (+N more)' for a pydantic error, short enough for a one-line cause."""
     problems = [f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
     return first_and_more(problems)
+
+
+WAITING = (
+    "waiting for resources: Ray Train cannot place its workers yet (the cluster is busy with other runs); it retries"
+)
+STARTUP_TIMED_OUT = "worker group startup timed out"
+"""Ray Train V2's controller error when its workers cannot be placed in time: it retries without limit
+(a controller failure, not counted in max_failures), so for a run it means waiting for CPUs or GPUs."""
+
+
+def waiting_for_resources(line: str) -> bool:
+    """True for the log line Ray Train writes while its workers wait for cluster resources. Pure."""
+    return STARTUP_TIMED_OUT in line
 
 
 class JobTimeout(Exception):

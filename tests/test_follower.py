@@ -118,3 +118,18 @@ def test_a_dashboard_unreachable_past_the_bound_fails_naming_the_address(monkeyp
         rayjob.ClusterUnreachable, match=r"the Ray dashboard at http://head:8265 did not answer for 14s"
     ):
         rayjob.while_unreachable(down, "http://head:8265", lambda line: None, 20)
+
+
+def test_a_train_run_waiting_for_cluster_resources_is_shown_as_waiting():
+    statuses: list[tuple[str, str]] = []
+    lines: list[str] = []
+    runner = RayJobRunner(
+        PipelineConfig(), "r1", on_line=lines.append, on_status=lambda *s: statuses.append(s), client=FakeClient([])
+    )  # type: ignore[arg-type]
+    runner.following = "r1-finetune"
+    runner.emit(
+        "(TrainController pid=1) [FailurePolicy] RETRY ... The worker group startup timed out after 60.0 seconds "
+        "waiting for 2 workers."
+    )
+    assert statuses == [("r1-finetune", "waiting for resources")]
+    assert lines[0].startswith("waiting for resources: Ray Train cannot place its workers yet")
