@@ -22,7 +22,15 @@ from tasks.jobs import StageCall
 from tuneproof.control import record as records
 from tuneproof.control.identity import git_identity, working_dir_hash
 from tuneproof.control.lease import Lease, LeaseHeld
-from tuneproof.control.record import CodeIdentity, Invocation, RunRecord, RunStatus, StageAttempt, StageEntry
+from tuneproof.control.record import (
+    CodeIdentity,
+    Invocation,
+    RunRecord,
+    RunStatus,
+    StageAttempt,
+    StageEntry,
+    StageInputs,
+)
 from tuneproof.core import forward_env
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.names import slug_problem
@@ -155,7 +163,7 @@ def run_stage(
     """One stage with the outputs of earlier stages (from this run's record). The record names the stage
     as running (with its inputs) while it runs, so a flow that dies mid-stage leaves that behind."""
     why_not = stage.skip(cfg) if stage.skip else None
-    inputs = table.stage_inputs(stage, cfg.model_dump(mode="json"), wd_hash, record)
+    inputs = inputs_now(stage, cfg, wd_hash, record, storage)
     if why_not:
         return StageEntry.skipped(stage.name, why_not).model_copy(update={"inputs": inputs})
     call = StageCall(
@@ -202,8 +210,8 @@ def open_record(
         record = records.load(storage, run_id)
         close_interrupted(record, taken_over)
         if only is None:
-            config, wd_hash = cfg.model_dump(mode="json"), working_dir_hash()
-            now = {stage.name: table.stage_inputs(stage, config, wd_hash, record) for stage in table.STAGES}
+            wd_hash = working_dir_hash()
+            now = {stage.name: inputs_now(stage, cfg, wd_hash, record, storage) for stage in table.STAGES}
             continuation = table.plan_continuation(record.stages, now)
             kept, reran, resumes = continuation.kept, continuation.reran, continuation.resumes
             plan = [stage for stage in plan if stage.name not in kept]
@@ -228,6 +236,12 @@ def open_record(
     )
     records.save(storage, record)
     return record, plan, resumes
+
+
+def inputs_now(stage: Stage, cfg: PipelineConfig, wd_hash: str, record: RunRecord, storage: Storage) -> StageInputs:
+    """The stage's inputs as they stand: the pure key over the record, plus what it reads from outside."""
+    external = stage.external(cfg, storage, record) if stage.external else None
+    return table.stage_inputs(stage, cfg.model_dump(mode="json"), wd_hash, record, external)
 
 
 def close_interrupted(record: RunRecord, taken_over: str | None) -> None:

@@ -21,6 +21,7 @@ from tasks import artifacts
 from tasks import promote as promote_tasks
 from tasks import resume as resume_tasks
 from tasks.jobs import StageCall, connectivity, evaluate, finetune, job_stage, verify
+from tuneproof.control import registry
 from tuneproof.control.record import DataIdentity, RunRecord, StageEntry, StageInputs, json_schema
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.hashing import sha256_json
@@ -84,6 +85,9 @@ class Stage:
     config: tuple[str, ...] = ()
     """The config sections the stage's result depends on: a change in one reruns it when a run continues.
     (timeouts bound a stage but never change its result, so no stage lists them.)"""
+    external: Callable[[PipelineConfig, Storage, RunRecord], dict[str, str]] | None = None
+    """Inputs from outside the run that the stage's result depends on (evaluate: the production model it
+    compares against); part of its inputs key, so a continued run re-evaluates when production moved."""
     resumable: bool = False
     """An interrupted attempt (failed as infrastructure, or cut short by a dead flow) continued with the same
     inputs reuses that attempt's Ray job and Ray Train names, so training resumes from its checkpoint."""
@@ -182,6 +186,17 @@ def evaluate_metrics(s: EvaluateSummary) -> Metrics:
     }
 
 
+def production_version(cfg: PipelineConfig, storage: Storage, record: RunRecord) -> dict[str, str]:
+    """The production version evaluate scores the candidate against (the incumbent), or 'none'. When this
+    run's own promotion moved production, the version it replaced is still what its evaluation stands on."""
+    pointer, _ = registry.read_pointer(storage, cfg.model.name)
+    version = str((pointer or {}).get("version") or "none")
+    own = record.promotion
+    if own is not None and own.promoted and own.version == version:
+        version = own.previous_version or "none"
+    return {"registry.production": version}
+
+
 def promote_evidence(s: PromoteSummary) -> str:
     return f"{s.version} (previous: {s.previous_version or 'none'})"
 
@@ -277,6 +292,7 @@ STAGES: tuple[Stage, ...] = (
         fails_as=(MODELING, INFRA, DATA),
         timeout="evaluate",
         config=("model", "train", "eval", "runtime_env"),
+        external=production_version,
         needs=(Need("data", "dataset_path"), Need("finetune", "export_path", identity=FINETUNED)),
         artifact=artifacts.evaluation_table,
         metrics=evaluate_metrics,
@@ -368,11 +384,18 @@ def inputs_for(stage: Stage, record: RunRecord) -> dict[str, Any]:
 # ---- continuing a run ---------------------------------------------------------------------------
 
 
-def stage_inputs(stage: Stage, config: dict[str, Any], working_dir_hash: str, record: RunRecord) -> StageInputs:
-    """What `stage` would run with now: its config sections (from the config as JSON), the job code, and the
-    identities of the outputs it needs as the record holds them (an absent one is "missing"). Pure."""
+def stage_inputs(
+    stage: Stage,
+    config: dict[str, Any],
+    working_dir_hash: str,
+    record: RunRecord,
+    external: dict[str, str] | None = None,
+) -> StageInputs:
+    """What `stage` would run with now: its config sections (from the config as JSON), the job code, the
+    identities of the outputs it needs as the record holds them (an absent one is "missing") and its
+    external inputs (read by the caller with `stage.external`). Pure."""
     sections = {name: sha256_json(config.get(name)) for name in stage.config}
-    needs = {str(need): need_identity(need, record) for need in stage.needs}
+    needs = {str(need): need_identity(need, record) for need in stage.needs} | (external or {})
     key = sha256_json({"config": sections, "working_dir_hash": working_dir_hash, "needs": needs})
     return StageInputs(key=key, config=sections, working_dir_hash=working_dir_hash, needs=needs)
 

@@ -213,3 +213,23 @@ def test_a_continued_run_keeps_unchanged_stages_and_reruns_a_changed_one_and_its
     assert [e.stage for e in rec.superseded] == ["b", "c"]
     assert rec.stages["a"].invocation == 1 and rec.stages["c"].invocation == 3
     assert rec.stages["c"].summary["dataset_path"] == "datasets/c/3"
+
+
+def test_evaluate_depends_on_the_production_model_but_not_on_its_own_promotion(tmp_path):
+    from tuneproof.core.summaries import PromoteSummary
+
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
+    storage = Storage(str(tmp_path))
+    rec = record_with({})
+    evaluate = table.by_name("evaluate")
+    assert evaluate.external is not None
+    assert evaluate.external(cfg, storage, rec) == {"registry.production": "none"}
+    storage.write_json({"version": "v0002-other", "path": "models/x"}, "models", cfg.model.name, "production.json")
+    assert evaluate.external(cfg, storage, rec) == {"registry.production": "v0002-other"}
+    rec.promotion = PromoteSummary(promoted=True, version="v0002-other", previous_version="v0001-a")
+    assert evaluate.external(cfg, storage, rec) == {"registry.production": "v0001-a"}  # its own promotion
+    config = cfg.model_dump(mode="json")
+    moved = table.stage_inputs(evaluate, config, "wd", rec, {"registry.production": "v3"})
+    assert moved.key != table.stage_inputs(evaluate, config, "wd", rec, {"registry.production": "v2"}).key
+    before = table.stage_inputs(evaluate, config, "wd", rec, {"registry.production": "v2"})
+    assert table.changed_inputs(before, moved) == "registry.production"
