@@ -233,3 +233,24 @@ def test_evaluate_depends_on_the_production_model_but_not_on_its_own_promotion(t
     assert moved.key != table.stage_inputs(evaluate, config, "wd", rec, {"registry.production": "v2"}).key
     before = table.stage_inputs(evaluate, config, "wd", rec, {"registry.production": "v2"})
     assert table.changed_inputs(before, moved) == "registry.production"
+
+
+def test_runs_show_says_which_stages_were_kept_and_why_others_reran():
+    from tuneproof.app.terminal import invocation_line
+    from tuneproof.control.record import Invocation
+
+    crashed = Invocation(number=1, at="t0", config_hash="c", status="crashed", cause="its writer died: pid 7 is gone")
+    assert invocation_line(crashed) == "1 at t0, crashed (its writer died: pid 7 is gone)"
+    continued = Invocation(
+        number=2,
+        at="t1",
+        config_hash="c",
+        status="succeeded",
+        lease_takeover="took over the lease of pid 7: its pid 7 is gone",
+        kept=["verify", "data"],
+        reran={"finetune": "failed (infrastructure): interrupted", "evaluate": "finetune reran"},
+    )
+    assert invocation_line(continued) == (
+        "2 at t1, succeeded; took over the lease of pid 7: its pid 7 is gone; kept verify, data; "
+        "reran finetune (failed (infrastructure): interrupted), evaluate (finetune reran)"
+    )
