@@ -92,7 +92,14 @@ def runner_for(call: StageCall) -> RayJobRunner:
     def on_status(submission_id: str, status: str) -> None:
         events.publish("job", stage=call.stage, submission_id=submission_id, status=status)
 
-    return RayJobRunner(call.cfg, call.run_id, on_line=logger.info, on_progress=on_progress, on_status=on_status)
+    return RayJobRunner(
+        call.cfg,
+        call.run_id,
+        on_line=logger.info,
+        on_progress=on_progress,
+        on_status=on_status,
+        on_wait=logger.warning,  # shown on the terminal too, which hides the job's own log lines
+    )
 
 
 def run_single_job(call: StageCall, spec: JobSpec) -> StageEntry:

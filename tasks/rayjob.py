@@ -176,15 +176,18 @@ class RayJobRunner:
         on_status: Callable[[str, str], None] | None = None,
         poll_s: float = 1.0,
         client: JobSubmissionClient | None = None,
+        on_wait: Callable[[str], None] | None = None,
     ):
         self.cfg = cfg
         self.run_id = run_id
         self.on_line = on_line
         self.on_progress = on_progress
         self.on_status = on_status or (lambda sid, status: None)
+        self.on_wait = on_wait or on_line
+        """Where waits go (an unreachable dashboard, a cluster without free resources): louder than log lines."""
         self.poll_s = poll_s
         self.storage = Storage.from_config(cfg.storage)
-        self.client = client or connect(cfg, on_line)
+        self.client = client or connect(cfg, self.on_wait)
         self.following = ""
         """The submission id being followed (its status events name it)."""
 
@@ -226,7 +229,7 @@ class RayJobRunner:
         for attempt in range(1, MAX_ATTEMPTS + 1):
             sid = submission_id(self.run_id, spec.job, attempt)
             status = while_unreachable(
-                functools.partial(self.status, sid), self.cfg.cluster.address, self.on_line, UNREACHABLE_WAIT_S
+                functools.partial(self.status, sid), self.cfg.cluster.address, self.on_wait, UNREACHABLE_WAIT_S
             )
             if status is None:
                 # A result left by an earlier, failed attempt must not be mistaken for this one's.
@@ -317,7 +320,7 @@ class RayJobRunner:
     def emit(self, line: str) -> None:
         """Pass a log line on; progress lines become a readable line plus a progress event."""
         if waiting_for_resources(line):
-            self.on_line(WAITING)
+            self.on_wait(WAITING)
             self.on_status(self.following, "waiting for resources")
         parsed = parse_progress(line)
         if parsed is not None:
