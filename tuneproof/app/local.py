@@ -148,7 +148,7 @@ def start_ray_head(
     raise AssertionError("unreachable")  # the loop returns or raises
 
 
-START_ATTEMPTS = 3
+START_ATTEMPTS = 5
 """`ray start` gives its raylet a fixed 30 s to register with the GCS; on a loaded machine it can miss that
 and exit after the dashboard already answered. A head that exits during start-up is started again."""
 STARTED = "Ray runtime started."
