@@ -142,7 +142,7 @@ def start_ray_head(
             head.stop()
             if attempt == START_ATTEMPTS:
                 raise
-        except Exception:
+        except BaseException:  # Ctrl-C while waiting too: never leave a half-started head behind
             head.stop()
             raise
     raise AssertionError("unreachable")  # the loop returns or raises
