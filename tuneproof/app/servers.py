@@ -25,6 +25,21 @@ FAKE_AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", 
 """moto accepts any credentials; these are the ones every client of a moto server is given."""
 
 
+@contextlib.contextmanager
+def environ(values: dict[str, str]) -> Iterator[None]:
+    """os.environ with `values` set for the block, restored after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def wait_http(url: str, timeout: float) -> None:
     """Return once `url` answers HTTP at all (an error status counts as up); TimeoutError otherwise."""
     deadline = time.monotonic() + timeout
