@@ -41,6 +41,7 @@ from training.checkpointing import (
     load_shards,
     local_copy,
     read_step,
+    remove_unmarked,
     restore_rng,
     save_shards,
     seed_everything,
@@ -129,6 +130,8 @@ def finetune(ctx: JobContext) -> FinetuneSummary:
     for name in (OUTCOME, ATTEMPTS, FAILURES):  # an earlier job's ending and restarts say nothing about this one
         ctx.storage.remove(*ctx.stage_parts(name))
     error = run_trainer(ctx, params)
+    if error is not None and (dropped := remove_unmarked(ctx.storage, *ctx.run_parts("train", params.run_name))):
+        jobkit.log(f"removed checkpoints the failed run left without a completion marker: {', '.join(dropped)}")
     outcome = read_outcome(ctx, error)
     summary = summarize(ctx, params, outcome, time.time() - started)
     if outcome["status"] == "diverged":
