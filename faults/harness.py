@@ -356,6 +356,7 @@ def table_cells(row: FaultRow) -> list[str]:
 
 def render_table(rows: list[FaultRow], total_seconds: float):
     """A rich Table of the rows; notes go under it as a caption."""
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=f"fault injection: {len(rows)} rows in {total_seconds:.0f} s", show_lines=True)
@@ -363,8 +364,8 @@ def render_table(rows: list[FaultRow], total_seconds: float):
         table.add_column(column, overflow="fold")
     for row in rows:
         style = "red" if row.outcome == "FAILED" else None
-        table.add_row(*table_cells(row), style=style)
-    notes = [f"{row.fault}: {row.notes}" for row in rows if row.notes]
+        table.add_row(*map(escape, table_cells(row)), style=style)  # causes quote paths like [/__w/...]
+    notes = [escape(f"{row.fault}: {row.notes}") for row in rows if row.notes]
     if notes:
         table.caption = "\n".join(notes)
     return table

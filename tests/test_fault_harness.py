@@ -92,13 +92,13 @@ def test_the_table_shows_every_row_and_the_notes(registry):
 
     rows = [
         row(),
-        row(fault="disk-full", notes="tmpfs 20 MB"),
+        row(fault="disk-full", notes="tmpfs 20 MB [/__w/pair.cc:537]"),
         failed_row(harness.Scenario(9, "x", print), OSError("boom"), 3),
     ]
     console = Console(width=250, record=True)
     console.print(render_table(rows, 125.0))
     text = console.export_text()
-    assert "3 rows in 125 s" in text and "disk-full: tmpfs 20 MB" in text
+    assert "3 rows in 125 s" in text and "disk-full: tmpfs 20 MB [/__w/pair.cc:537]" in text
     assert "x: scenario raised OSError: boom" in text and "FAILED" in text
 
 
