@@ -284,7 +284,8 @@ class Lab:
 
 @contextlib.contextmanager
 def lab(workdir: Path) -> Iterator[Lab]:
-    """Start a Ray head and a Prefect server under workdir, build the tiny base model; stop both after."""
+    """Start a Ray head and a Prefect server under workdir, build the tiny base model; stop both after.
+    Start-up may take minutes on a busy machine (a fresh Prefect database): both wait up to 10 minutes."""
     from tuneproof.app.tiny_model import ensure_tiny_model
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -292,9 +293,9 @@ def lab(workdir: Path) -> Iterator[Lab]:
     ensure_tiny_model(str(model_dir), str(PROJECT_ROOT / "data" / "dates" / "dates.jsonl"))
     # The head's environment (so every job's) has the fake S3 credentials, as pods get theirs from IRSA.
     with environ(FAKE_AWS):
-        head = start_ray_head(workdir / "ray-state", num_cpus=4, dashboard_port=free_port())
+        head = start_ray_head(workdir / "ray-state", num_cpus=4, dashboard_port=free_port(), wait_s=600)
     try:
-        with prefect_server(workdir / "prefect-home") as url:
+        with prefect_server(workdir / "prefect-home", wait_s=600) as url:
             yield Lab(workdir, head, url, model_dir)
     finally:
         head.stop()

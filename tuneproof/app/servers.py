@@ -79,8 +79,10 @@ def moto_server(port: int | None = None) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def prefect_server(home: Path, port: int | None = None) -> Iterator[str]:
-    """`prefect server start` with PREFECT_HOME=home, logging to home/server.log; yields its URL (no /api)."""
+def prefect_server(home: Path, port: int | None = None, wait_s: float = 120) -> Iterator[str]:
+    """`prefect server start` with PREFECT_HOME=home, logging to home/server.log; yields its URL (no /api).
+
+    A fresh database takes about 15 s on an idle 2-core machine, minutes on a busy one: wait_s bounds it."""
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     env = {
@@ -100,7 +102,7 @@ def prefect_server(home: Path, port: int | None = None) -> Iterator[str]:
             start_new_session=True,
         )
         try:
-            wait_http(f"{url}/api/health", 120)
+            wait_http(f"{url}/api/health", wait_s)
             yield url
         finally:
             stop_group(proc.pid, 10)
