@@ -32,7 +32,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from tuneproof.app.local import RayHead, free_port, start_ray_head
-from tuneproof.app.servers import prefect_server
+from tuneproof.app.servers import FAKE_AWS, environ, prefect_server
 from tuneproof.control import record as records
 from tuneproof.core.config import PROJECT_ROOT
 from tuneproof.core.storage import Storage
@@ -148,6 +148,11 @@ class RunOutcome:
             return None
 
     @property
+    def failure_class(self) -> str | None:
+        rec = self.record
+        return rec.failure_class.value if rec and rec.failure_class else None
+
+    @property
     def finetune(self) -> FinetuneSummary | None:
         rec = self.record
         return rec.summary("finetune", FinetuneSummary) if rec else None
@@ -211,6 +216,7 @@ class Lab:
             **OFFLINE_ENV,
             "PREFECT_API_URL": f"{self.prefect_url}/api",
             "PREFECT_UI_API_URL": f"{self.prefect_url}/api",
+            **FAKE_AWS,  # only ever used against the lab's own S3-compatible server
             **(extra or {}),
         }
 
@@ -260,12 +266,14 @@ class Lab:
         return self._reference
 
     def compare(self, run: RunOutcome) -> dict[str, Any]:
-        """FaultRow fields comparing a run's fine-tune with the reference's: loss, hash, sameness, time lost."""
+        """FaultRow fields comparing a run's fine-tune with the reference's: failure class, loss, hash,
+        sameness, time lost."""
         ref, summary = self.reference(), run.finetune
         ref_summary = ref.finetune
         assert ref_summary is not None  # reference() checked it
         sha = summary.export_sha256 if summary else None
         return {
+            "failure_class": run.failure_class,
             "final_loss": summary.final_loss if summary else None,
             "weights_sha256": sha,
             "same_as_reference": None if sha is None else sha == ref_summary.export_sha256,
@@ -276,15 +284,18 @@ class Lab:
 
 @contextlib.contextmanager
 def lab(workdir: Path) -> Iterator[Lab]:
-    """Start a Ray head and a Prefect server under workdir, build the tiny base model; stop both after."""
+    """Start a Ray head and a Prefect server under workdir, build the tiny base model; stop both after.
+    Start-up may take minutes on a busy machine (a fresh Prefect database): both wait up to 10 minutes."""
     from tuneproof.app.tiny_model import ensure_tiny_model
 
     workdir.mkdir(parents=True, exist_ok=True)
     model_dir = workdir / "base-models" / "tiny-qwen2"
     ensure_tiny_model(str(model_dir), str(PROJECT_ROOT / "data" / "dates" / "dates.jsonl"))
-    head = start_ray_head(workdir / "ray-state", num_cpus=4, dashboard_port=free_port())
+    # The head's environment (so every job's) has the fake S3 credentials, as pods get theirs from IRSA.
+    with environ(FAKE_AWS):
+        head = start_ray_head(workdir / "ray-state", num_cpus=4, dashboard_port=free_port(), wait_s=600)
     try:
-        with prefect_server(workdir / "prefect-home") as url:
+        with prefect_server(workdir / "prefect-home", wait_s=600) as url:
             yield Lab(workdir, head, url, model_dir)
     finally:
         head.stop()
@@ -346,6 +357,7 @@ def table_cells(row: FaultRow) -> list[str]:
 
 def render_table(rows: list[FaultRow], total_seconds: float):
     """A rich Table of the rows; notes go under it as a caption."""
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=f"fault injection: {len(rows)} rows in {total_seconds:.0f} s", show_lines=True)
@@ -353,8 +365,8 @@ def render_table(rows: list[FaultRow], total_seconds: float):
         table.add_column(column, overflow="fold")
     for row in rows:
         style = "red" if row.outcome == "FAILED" else None
-        table.add_row(*table_cells(row), style=style)
-    notes = [f"{row.fault}: {row.notes}" for row in rows if row.notes]
+        table.add_row(*map(escape, table_cells(row)), style=style)  # causes quote paths like [/__w/...]
+    notes = [escape(f"{row.fault}: {row.notes}") for row in rows if row.notes]
     if notes:
         table.caption = "\n".join(notes)
     return table

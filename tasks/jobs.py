@@ -148,12 +148,14 @@ def finetune(call: StageCall) -> StageEntry:
 def finetune_run_name(record: RunRecord, run_id: str, invocation: int, continue_previous: bool) -> str:
     """`<run>` for the run's first invocation, `<run>-r<N>` for invocation N: a rerun trains from the base
     model under its own name instead of silently restoring the previous run's final checkpoint.
-    With train.continue_previous the latest fine-tune's run name is reused, so Ray Train resumes it. Pure."""
+    With train.continue_previous the latest fine-tune's run name is reused, so Ray Train resumes it; a
+    fine-tune that failed without a summary (e.g. its storage filled up) is continued under the name its
+    invocation trained with, so its complete checkpoints are resumed rather than thrown away. Pure."""
     if continue_previous:
         entries = [e for e in [*record.superseded, record.stages.get("finetune")] if e and e.stage == "finetune"]
-        summaries = [s for e in entries if (s := e.summary_as(FinetuneSummary)) is not None]
-        if summaries:
-            return summaries[-1].run_name
+        if entries:
+            summary = entries[-1].summary_as(FinetuneSummary)
+            return summary.run_name if summary else finetune_run_name(record, run_id, entries[-1].invocation, False)
     return run_id if invocation <= 1 else f"{run_id}-r{invocation}"
 
 

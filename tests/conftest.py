@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from tuneproof.app.local import free_port, ray_env, start_ray_head
-from tuneproof.app.servers import FAKE_AWS, moto_server, prefect_server
+from tuneproof.app.servers import FAKE_AWS, environ, moto_server, prefect_server
 
 # Never reach a hub from tests; fail loudly instead of hanging on a network call.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -69,20 +69,11 @@ def ray_driver(head, **init_kwargs):
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """moto in server mode on 127.0.0.1; yields the endpoint URL. Credentials are fakes in env."""
-    saved = {k: os.environ.get(k) for k in FAKE_AWS}
-    os.environ.update(FAKE_AWS)
-    try:
-        with moto_server() as url:
-            import boto3
+    with environ(FAKE_AWS), moto_server() as url:
+        import boto3
 
-            boto3.client("s3", endpoint_url=url).create_bucket(Bucket=TEST_BUCKET)
-            yield url
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        boto3.client("s3", endpoint_url=url).create_bucket(Bucket=TEST_BUCKET)
+        yield url
 
 
 def tuneproof(*args: str):

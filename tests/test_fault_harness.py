@@ -56,7 +56,8 @@ def test_a_name_registered_twice_is_refused(registry):
 
 def test_every_f_module_is_discovered_and_registers_its_rows():
     modules = discover()
-    assert all(name.startswith("f_") for name in modules)
+    assert "f_train" in modules and all(name.startswith("f_") for name in modules)
+    assert {"worker-sigkill", "checkpoint-sigkill", "s3-down", "disk-full"} <= set(harness.SCENARIOS)
     assert all(sc.run.__module__.startswith("faults.f_") for sc in harness.SCENARIOS.values())
 
 
@@ -91,13 +92,13 @@ def test_the_table_shows_every_row_and_the_notes(registry):
 
     rows = [
         row(),
-        row(fault="disk-full", notes="tmpfs 20 MB"),
+        row(fault="disk-full", notes="tmpfs 20 MB [/__w/pair.cc:537]"),
         failed_row(harness.Scenario(9, "x", print), OSError("boom"), 3),
     ]
     console = Console(width=250, record=True)
     console.print(render_table(rows, 125.0))
     text = console.export_text()
-    assert "3 rows in 125 s" in text and "disk-full: tmpfs 20 MB" in text
+    assert "3 rows in 125 s" in text and "disk-full: tmpfs 20 MB [/__w/pair.cc:537]" in text
     assert "x: scenario raised OSError: boom" in text and "FAILED" in text
 
 
@@ -136,3 +137,48 @@ def test_the_default_run_deselects_the_fault_tests():
     assert "deselected" in plain.stdout and "skipped" not in plain.stdout, plain.stdout
     chosen = subprocess.run([*collect, "-m", "faults"], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
     assert "test_faults.py::test_fault" in chosen.stdout and "deselected" not in chosen.stdout, chosen.stdout
+
+
+def test_the_proxy_goes_down_at_the_armed_request_and_comes_back_on_the_same_port():
+    import http.client
+    import re
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from faults.proxy import FlakyProxy
+
+    class Ok(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        do_PUT = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    def request(port: int, method: str, path: str) -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        try:
+            conn.request(method, path, body=b"x" if method == "PUT" else None)
+            return conn.getresponse().status
+        finally:
+            conn.close()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Ok)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with FlakyProxy(server.server_address[1]) as proxy:
+            proxy.arm(re.compile(rb"^PUT \S*/datasets/"), seconds=1.0)
+            assert request(proxy.port, "GET", "/bucket/datasets/x") == 200  # not armed for GET
+            with pytest.raises((ConnectionError, http.client.RemoteDisconnected)):
+                request(proxy.port, "PUT", "/bucket/datasets/x")
+            with pytest.raises(ConnectionRefusedError):
+                request(proxy.port, "GET", "/during-the-outage")
+            assert proxy.wait_outages(1, timeout=10)
+            assert request(proxy.port, "PUT", "/bucket/datasets/x") == 200  # fired once: back, same port
+            assert [o.trigger for o in proxy.outages] == ["PUT /bucket/datasets/x HTTP/1.1"]
+    finally:
+        server.shutdown()

@@ -25,6 +25,21 @@ FAKE_AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", 
 """moto accepts any credentials; these are the ones every client of a moto server is given."""
 
 
+@contextlib.contextmanager
+def environ(values: dict[str, str]) -> Iterator[None]:
+    """os.environ with `values` set for the block, restored after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def wait_http(url: str, timeout: float) -> None:
     """Return once `url` answers HTTP at all (an error status counts as up); TimeoutError otherwise."""
     deadline = time.monotonic() + timeout
@@ -64,8 +79,10 @@ def moto_server(port: int | None = None) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def prefect_server(home: Path, port: int | None = None) -> Iterator[str]:
-    """`prefect server start` with PREFECT_HOME=home, logging to home/server.log; yields its URL (no /api)."""
+def prefect_server(home: Path, port: int | None = None, wait_s: float = 120) -> Iterator[str]:
+    """`prefect server start` with PREFECT_HOME=home, logging to home/server.log; yields its URL (no /api).
+
+    A fresh database takes about 15 s on an idle 2-core machine, minutes on a busy one: wait_s bounds it."""
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     env = {
@@ -85,7 +102,7 @@ def prefect_server(home: Path, port: int | None = None) -> Iterator[str]:
             start_new_session=True,
         )
         try:
-            wait_http(f"{url}/api/health", 120)
+            wait_http(f"{url}/api/health", wait_s)
             yield url
         finally:
             stop_group(proc.pid, 10)
