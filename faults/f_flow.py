@@ -77,6 +77,7 @@ def row_for(
     """The row: the continuation compared with the reference; seconds are both invocations together."""
     rec = cont.record
     compared = lab.compare(cont)
+    compared["failure_class"] = first.failure_class  # how the interrupted invocation ended
     compared["seconds"] = round(first.seconds + cont.seconds, 1)
     compared["time_lost_s"] = round(first.seconds + cont.seconds - lab.reference().seconds, 1)
     if cont.exit_code != 0:
@@ -88,7 +89,6 @@ def row_for(
         fault=name,
         injected_at=injected_at,
         outcome="FAILED" if problems else "survived",
-        failure_class=(first.record.failure_class.value if first.record and first.record.failure_class else None),
         how=how,
         notes=notes,
         **compared,
