@@ -8,6 +8,7 @@ fine-tune must export the reference's weights (CPU fp32 replays exactly).
 
 from __future__ import annotations
 
+import atexit
 import json
 import signal
 import subprocess
@@ -175,6 +176,8 @@ def head_restarted(lab: Lab) -> FaultRow:
     lab.head = start_ray_head(
         lab.workdir / "ray-state", num_cpus=4, dashboard_port=old.dashboard_port, gcs_port=old.gcs_port
     )
+    # The lab stops the head it started, not this one (harness.lab holds its own reference): stop it at exit.
+    atexit.register(lab.head.stop)
     first = proc.wait()
     problems = []
     log = first.output
