@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TP := $(VENV)/bin/tuneproof
 PYTHON ?= python3
 
-.PHONY: setup browser demo test test-fast lint up down clean
+.PHONY: setup browser demo test test-fast lint faults up down clean
 
 setup: $(VENV)/.installed
 
@@ -39,6 +39,11 @@ browser:
 
 test-fast: setup lint
 	$(PY) -m pytest -q -m "not integration and not browser"
+
+# Inject each fault of issue 11 into a real small run (its own Ray head and Prefect server) and print the
+# table; also bench/out/faults.json. About ten minutes on 2 cores; not part of `make test`.
+faults: setup
+	$(PY) -m faults
 
 up: setup
 	$(TP) local up

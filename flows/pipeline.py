@@ -21,9 +21,17 @@ from tasks import artifacts, events
 from tasks.jobs import StageCall
 from tuneproof.control import images
 from tuneproof.control import record as records
-from tuneproof.control.identity import git_identity
+from tuneproof.control.identity import git_identity, working_dir_hash
 from tuneproof.control.lease import Lease, LeaseHeld
-from tuneproof.control.record import CodeIdentity, Invocation, RunRecord, StageEntry
+from tuneproof.control.record import (
+    CodeIdentity,
+    Invocation,
+    RunRecord,
+    RunStatus,
+    StageAttempt,
+    StageEntry,
+    StageInputs,
+)
 from tuneproof.core import forward_env
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.names import slug_problem
@@ -78,17 +86,23 @@ def run_plan(
     """The planned stages in order, under the lease; a flow that raises leaves its record crashed or cancelled."""
     record = None
     try:
-        record = open_record(storage, cfg, run_id, plan, only)
         if lease.taken_over:
             get_run_logger().warning(lease.taken_over)
-            record.invocations[-1].lease_takeover = lease.taken_over
-            records.save(storage, record)
+        record, plan, resumes = open_record(storage, cfg, run_id, plan, only, lease.taken_over)
+        invocation = record.invocations[-1]
+        if invocation.kept:
+            get_run_logger().info(f"run {run_id} continues: kept {', '.join(invocation.kept)}")
+            for name in invocation.kept:
+                events.publish("stage", stage=name, status="kept", failure_class=None)
+        for name, why in invocation.reran.items():
+            get_run_logger().info(f"{name} runs again: {why}")
         get_run_logger().info(
-            f"run {run_id}: stages {', '.join(table.names(plan))}; storage {storage.uri('runs', run_id)}"
+            f"run {run_id}: stages {', '.join(table.names(plan)) or 'none'}; storage {storage.uri('runs', run_id)}"
         )
+        wd_hash = working_dir_hash()
         for stage in plan:
             try:
-                entry = run_stage(stage, cfg, record)
+                entry = run_stage(stage, cfg, record, storage, wd_hash, resumes.get(stage.name))
             except MissingStageOutput as e:
                 return unusable_request(storage, record, str(e))
             record_stage(record, stage, entry)
@@ -119,6 +133,8 @@ def end_abnormally(storage: Storage, record: RunRecord | None, e: BaseException)
         return
     record.status = "crashed" if isinstance(e, Exception) else "cancelled"
     record.failure_class, record.cause = None, one_line(f"{type(e).__name__}: {e}".rstrip(": "))
+    if record.invocations:
+        close_invocation(record, record.invocations[-1], record.status, record.cause)
     try:
         records.save(storage, record)
     except Exception as save_error:  # noqa: BLE001 - the original exception is what propagates
@@ -141,11 +157,20 @@ def holder_command(only: list[str] | None) -> str:
     return f"{flow_run.get_flow_name()}/{flow_run.get_name()} --only {','.join(only) if only else 'all'}"
 
 
-def run_stage(stage: Stage, cfg: PipelineConfig, record: RunRecord) -> StageEntry:
-    """One stage with the outputs of earlier stages (from this run's record)."""
+def run_stage(
+    stage: Stage,
+    cfg: PipelineConfig,
+    record: RunRecord,
+    storage: Storage,
+    wd_hash: str,
+    resumes: int | None = None,
+) -> StageEntry:
+    """One stage with the outputs of earlier stages (from this run's record). The record names the stage
+    as running (with its inputs) while it runs, so a flow that dies mid-stage leaves that behind."""
     why_not = stage.skip(cfg) if stage.skip else None
+    inputs = inputs_now(stage, cfg, wd_hash, record, storage)
     if why_not:
-        return StageEntry.skipped(stage.name, why_not)
+        return StageEntry.skipped(stage.name, why_not).model_copy(update={"inputs": inputs})
     call = StageCall(
         stage=stage.name,
         cfg=cfg,
@@ -155,20 +180,46 @@ def run_stage(stage: Stage, cfg: PipelineConfig, record: RunRecord) -> StageEntr
         summary=stage.summary,
         inputs=table.inputs_for(stage, record),
         record=record.model_copy(deep=True),
+        resumes=resumes,
     )
+    invocation = record.invocations[-1]
+    invocation.running = StageAttempt(
+        stage=stage.name, inputs=inputs, job_invocation=call.job_invocation, started_at=now_iso()
+    )
+    records.save(storage, record)
     try:
-        return stage.run(call)
+        entry = stage.run(call)
     except Exception as e:  # noqa: BLE001 - the record must say how the stage ended, whatever happened
         get_run_logger().exception(f"stage {stage.name} raised")
-        return StageEntry.failed(stage.name, FailureClass.infrastructure, f"{type(e).__name__}: {e}")
+        entry = StageEntry.failed(stage.name, FailureClass.infrastructure, f"{type(e).__name__}: {e}")
+    invocation.running = None
+    job_invocation = call.job_invocation if call.job_invocation != call.invocation else None
+    return entry.model_copy(update={"inputs": inputs, "job_invocation": job_invocation})
 
 
 def open_record(
-    storage: Storage, cfg: PipelineConfig, run_id: str, plan: list[Stage], only: list[str] | None
-) -> RunRecord:
-    """A fresh record, or the existing one when a subset of stages reruns against a run."""
+    storage: Storage,
+    cfg: PipelineConfig,
+    run_id: str,
+    plan: list[Stage],
+    only: list[str] | None,
+    taken_over: str | None = None,
+) -> tuple[RunRecord, list[Stage], dict[str, int]]:
+    """A fresh record, or the run's own: then `only` reruns a subset, and no `only` continues the run (stages
+    whose inputs are unchanged are kept). Returns the record, the stages to run and the interrupted stages
+    that resume an earlier invocation's jobs."""
+    resumes: dict[str, int] = {}
+    kept: list[str] = []
+    reran: dict[str, str] = {}
     if storage.exists("runs", run_id, records.RECORD):
         record = records.load(storage, run_id)
+        close_interrupted(record, taken_over)
+        if only is None:
+            wd_hash = working_dir_hash()
+            now = {stage.name: inputs_now(stage, cfg, wd_hash, record, storage) for stage in table.STAGES}
+            continuation = table.plan_continuation(record.stages, now)
+            kept, reran, resumes = continuation.kept, continuation.reran, continuation.resumes
+            plan = [stage for stage in plan if stage.name not in kept]
         record.status, record.failure_class, record.cause = "running", None, None
         record.config, record.config_hash = cfg.model_dump(mode="json"), cfg.config_hash()
         supersede(record, table.names(plan))
@@ -183,10 +234,47 @@ def open_record(
             at=now_iso(),
             config_hash=cfg.config_hash(),
             config=cfg.model_dump(mode="json"),
+            lease_takeover=taken_over,
+            kept=kept,
+            reran=reran,
         )
     )
     records.save(storage, record)
-    return record
+    return record, plan, resumes
+
+
+def inputs_now(stage: Stage, cfg: PipelineConfig, wd_hash: str, record: RunRecord, storage: Storage) -> StageInputs:
+    """The stage's inputs as they stand: the pure key over the record, plus what it reads from outside."""
+    external = stage.external(cfg, storage, record) if stage.external else None
+    return table.stage_inputs(stage, cfg.model_dump(mode="json"), wd_hash, record, external)
+
+
+def close_interrupted(record: RunRecord, taken_over: str | None) -> None:
+    """A record still `running` when the next invocation opens it: its writer died (kill -9, a lost machine).
+    Its last invocation ends `crashed`, and the stage it was running becomes a failed (infrastructure) entry,
+    so the continuation reruns it and a fine-tune resumes from its checkpoint."""
+    if record.status != "running" or not record.invocations:
+        return
+    cause = f"its writer died: {taken_over}" if taken_over else "its writer ended without closing the record"
+    close_invocation(record, record.invocations[-1], "crashed", cause)
+
+
+def close_invocation(record: RunRecord, invocation: Invocation, status: RunStatus, cause: str | None) -> None:
+    """Mark how an invocation ended; a stage it left running becomes a failed (infrastructure) entry."""
+    invocation.status, invocation.cause = status, cause
+    attempt, invocation.running = invocation.running, None
+    if attempt is None:
+        return
+    entry = StageEntry.failed(
+        attempt.stage,
+        FailureClass.infrastructure,
+        f"interrupted: invocation {invocation.number} ended {status} while it ran ({cause})",
+        started_at=attempt.started_at,
+    )
+    job_invocation = attempt.job_invocation if attempt.job_invocation != invocation.number else None
+    record.stages[attempt.stage] = entry.model_copy(
+        update={"inputs": attempt.inputs, "invocation": invocation.number, "job_invocation": job_invocation}
+    )
 
 
 def supersede(record: RunRecord, rerun: list[str]) -> None:
@@ -223,6 +311,7 @@ def publish(artifact: Any, *args: Any) -> None:
 def unusable_request(storage: Storage, record: RunRecord, cause: str) -> State:
     """A subset rerun that lacks an earlier stage's output: a usage error, not a stage failure."""
     record.status, record.failure_class, record.cause = "failed", None, cause
+    close_invocation(record, record.invocations[-1], "failed", cause)
     records.save(storage, record)
     return Failed(message=f"{NOTHING_RAN}{cause}")
 
@@ -236,6 +325,7 @@ def finish(storage: Storage, record: RunRecord, failed: StageEntry | None) -> St
         if failed.stage != "promote" and "promote" not in record.stages:
             # Nothing is promoted after a failed stage; the refusal and its reason are part of the record.
             record.promotion = PromoteSummary(promoted=False, reasons=[f"{failure.value} failure in {record.cause}"])
+    close_invocation(record, record.invocations[-1], record.status, record.cause)
     records.save(storage, record)
     publish(artifacts.stage_table, record, table.names())
     publish(artifacts.run_report, record)

@@ -21,8 +21,10 @@ from tasks import artifacts
 from tasks import promote as promote_tasks
 from tasks import resume as resume_tasks
 from tasks.jobs import StageCall, connectivity, evaluate, finetune, job_stage, verify
-from tuneproof.control.record import DataIdentity, RunRecord, StageEntry, json_schema
+from tuneproof.control import registry
+from tuneproof.control.record import DataIdentity, RunRecord, StageEntry, StageInputs, json_schema
 from tuneproof.core.config import PipelineConfig
+from tuneproof.core.hashing import sha256_json
 from tuneproof.core.results import FailureClass
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import (
@@ -47,6 +49,9 @@ class Need:
 
     stage: str
     output: str
+    identity: str | None = None
+    """The summary field that identifies the output's content when the output itself does not (an export's
+    path stays `model` while its weights change: its identity is export_sha256). None: the value itself."""
 
     def __str__(self) -> str:
         return f"{self.stage}.{self.output}"
@@ -77,6 +82,15 @@ class Stage:
     """Identity facts the stage's summary contributes to the record's top level."""
     skip: Callable[[PipelineConfig], str | None] | None = None
     """Why the configured run leaves this stage out, or None to run it."""
+    config: tuple[str, ...] = ()
+    """The config sections the stage's result depends on: a change in one reruns it when a run continues.
+    (timeouts bound a stage but never change its result, so no stage lists them.)"""
+    external: Callable[[PipelineConfig, Storage, RunRecord], dict[str, str]] | None = None
+    """Inputs from outside the run that the stage's result depends on (evaluate: the production model it
+    compares against); part of its inputs key, so a continued run re-evaluates when production moved."""
+    resumable: bool = False
+    """An interrupted attempt (failed as infrastructure, or cut short by a dead flow) continued with the same
+    inputs reuses that attempt's Ray job and Ray Train names, so training resumes from its checkpoint."""
 
     def upstream(self) -> set[str]:
         return {n.stage for n in self.needs} | set(self.reads)
@@ -172,6 +186,17 @@ def evaluate_metrics(s: EvaluateSummary) -> Metrics:
     }
 
 
+def production_version(cfg: PipelineConfig, storage: Storage, record: RunRecord) -> dict[str, str]:
+    """The production version evaluate scores the candidate against (the incumbent), or 'none'. When this
+    run's own promotion moved production, the version it replaced is still what its evaluation stands on."""
+    pointer, _ = registry.read_pointer(storage, cfg.model.name)
+    version = str((pointer or {}).get("version") or "none")
+    own = record.promotion
+    if own is not None and own.promoted and own.version == version:
+        version = own.previous_version or "none"
+    return {"registry.production": version}
+
+
 def promote_evidence(s: PromoteSummary) -> str:
     return f"{s.version} (previous: {s.previous_version or 'none'})"
 
@@ -193,6 +218,9 @@ def promote_stage(call: StageCall) -> StageEntry:
 
 # ---- the table ---------------------------------------------------------------------------------
 
+FINETUNED = "export_sha256"
+"""A fine-tune's outputs (checkpoints, loss curve, export) are identified by the content hash of its export."""
+
 STAGES: tuple[Stage, ...] = (
     Stage(
         name="verify",
@@ -201,6 +229,7 @@ STAGES: tuple[Stage, ...] = (
         evidence=verify_evidence,
         fails_as=(INFRA,),
         timeout="verify",
+        config=("cluster", "storage", "runtime_env"),
         artifact=artifacts.verify_findings,
         lift=lift_cluster,
     ),
@@ -211,6 +240,7 @@ STAGES: tuple[Stage, ...] = (
         evidence=connectivity_evidence,
         fails_as=(INFRA,),
         timeout="connectivity",
+        config=("cluster", "connectivity", "runtime_env"),
         artifact=artifacts.connectivity_table,
         metrics=connectivity_metrics,
     ),
@@ -221,6 +251,7 @@ STAGES: tuple[Stage, ...] = (
         evidence=data_evidence,
         fails_as=(DATA, INFRA),
         timeout="data",
+        config=("data", "model", "runtime_env"),
         artifact=artifacts.dataset_summary,
         lift=lift_data,
     ),
@@ -231,6 +262,8 @@ STAGES: tuple[Stage, ...] = (
         evidence=finetune_evidence,
         fails_as=(INFRA, MODELING, DATA),
         timeout="finetune",
+        config=("model", "train", "runtime_env"),
+        resumable=True,
         needs=(Need("data", "dataset_path"),),
         artifact=artifacts.loss_image,
         metrics=finetune_metrics,
@@ -242,7 +275,12 @@ STAGES: tuple[Stage, ...] = (
         evidence=resume_evidence,
         fails_as=(INFRA,),
         timeout="resume",
-        needs=(Need("data", "dataset_path"), Need("finetune", "checkpoints"), Need("finetune", "loss_curve")),
+        config=("model", "train", "resume", "runtime_env"),
+        needs=(
+            Need("data", "dataset_path"),
+            Need("finetune", "checkpoints", identity=FINETUNED),
+            Need("finetune", "loss_curve", identity=FINETUNED),
+        ),
         metrics=resume_metrics,
         skip=resume_disabled,
     ),
@@ -253,7 +291,9 @@ STAGES: tuple[Stage, ...] = (
         evidence=evaluate_evidence,
         fails_as=(MODELING, INFRA, DATA),
         timeout="evaluate",
-        needs=(Need("data", "dataset_path"), Need("finetune", "export_path")),
+        config=("model", "train", "eval", "runtime_env"),
+        external=production_version,
+        needs=(Need("data", "dataset_path"), Need("finetune", "export_path", identity=FINETUNED)),
         artifact=artifacts.evaluation_table,
         metrics=evaluate_metrics,
     ),
@@ -264,6 +304,7 @@ STAGES: tuple[Stage, ...] = (
         evidence=promote_evidence,
         fails_as=(MODELING, INFRA),
         reads=("finetune", "resume", "evaluate"),
+        config=("model", "promote", "eval"),
         lift=lift_promotion,
     ),
 )
@@ -338,6 +379,94 @@ def inputs_for(stage: Stage, record: RunRecord) -> dict[str, Any]:
             )
         inputs[need.output] = value
     return inputs
+
+
+# ---- continuing a run ---------------------------------------------------------------------------
+
+
+def stage_inputs(
+    stage: Stage,
+    config: dict[str, Any],
+    working_dir_hash: str,
+    record: RunRecord,
+    external: dict[str, str] | None = None,
+) -> StageInputs:
+    """What `stage` would run with now: its config sections (from the config as JSON), the job code, the
+    identities of the outputs it needs as the record holds them (an absent one is "missing") and its
+    external inputs (read by the caller with `stage.external`). Pure."""
+    sections = {name: sha256_json(config.get(name)) for name in stage.config}
+    needs = {str(need): need_identity(need, record) for need in stage.needs} | (external or {})
+    key = sha256_json({"config": sections, "working_dir_hash": working_dir_hash, "needs": needs})
+    return StageInputs(key=key, config=sections, working_dir_hash=working_dir_hash, needs=needs)
+
+
+def need_identity(need: Need, record: RunRecord) -> str:
+    entry = record.stages.get(need.stage)
+    summary = entry.summary_as(by_name(need.stage).summary) if entry and entry.ok else None
+    if summary is None:
+        return "missing"
+    value = getattr(summary, need.identity or need.output, None)
+    return value if need.identity and isinstance(value, str) else sha256_json(jsonable(value))
+
+
+def jsonable(value: Any) -> Any:
+    if isinstance(value, list):
+        return [jsonable(v) for v in value]
+    return value.to_json() if hasattr(value, "to_json") else value
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """How a run continues: the stages kept, the stages that run again with why, and the interrupted stages
+    that resume an earlier invocation's Ray jobs (stage -> that invocation's number)."""
+
+    kept: list[str]
+    reran: dict[str, str]
+    resumes: dict[str, int]
+
+
+def plan_continuation(entries: dict[str, StageEntry], now: dict[str, StageInputs]) -> Continuation:
+    """Keep a stage only when it succeeded (or was skipped) with the inputs it would have now and nothing it
+    needs or reads runs again; everything else reruns, with the reason. A resumable stage that was
+    interrupted (failed as infrastructure) with the same inputs continues its attempt's jobs. Pure."""
+    kept: list[str] = []
+    reran: dict[str, str] = {}
+    resumes: dict[str, int] = {}
+    for stage in STAGES:
+        entry = entries.get(stage.name)
+        upstream = [name for name in names() if name in stage.upstream() and name in reran]
+        if upstream:
+            reran[stage.name] = f"{', '.join(upstream)} reran"
+        elif entry is None:
+            reran[stage.name] = "no result yet"
+        elif entry.inputs is None:
+            reran[stage.name] = "its result has no inputs key (recorded by an earlier release)"
+        elif entry.inputs.key != now[stage.name].key:
+            reran[stage.name] = "inputs changed: " + changed_inputs(entry.inputs, now[stage.name])
+        elif entry.status == "failed":
+            failure = entry.failure_class.value if entry.failure_class else "unclassified"
+            reran[stage.name] = f"failed ({failure}): {entry.cause}"
+            if stage.resumable and entry.failure_class == INFRA:
+                resumes[stage.name] = entry.job_invocation or entry.invocation
+                reran[stage.name] += f"; resumes invocation {resumes[stage.name]}'s training from its checkpoint"
+        else:
+            kept.append(stage.name)
+    return Continuation(kept, reran, resumes)
+
+
+def changed_inputs(before: StageInputs, now: StageInputs) -> str:
+    """'config train, code (working_dir hash), finetune.export_path': what differs between two inputs."""
+    parts = [
+        f"config {name}"
+        for name in sorted(set(before.config) | set(now.config))
+        if before.config.get(name) != now.config.get(name)
+    ]
+    if before.working_dir_hash != now.working_dir_hash:
+        parts.append(f"code (working_dir {before.working_dir_hash[:12]} -> {now.working_dir_hash[:12]})")
+    parts += [
+        need for need in sorted(set(before.needs) | set(now.needs)) if before.needs.get(need) != now.needs.get(need)
+    ]
+    return ", ".join(parts) or "inputs key"
 
 
 def typed_summary(entry: StageEntry) -> BaseModel | None:

@@ -49,12 +49,20 @@ class StageCall:
     """Outputs of earlier stages, by the names in the stage's `needs`."""
     record: RunRecord
     """The run's record as it stood before this stage (read-only: the flow writes it)."""
+    resumes: int | None = None
+    """An earlier invocation whose interrupted attempt this call continues: its Ray job names and Ray Train
+    run are reused (a stopped job gets a new attempt id; a job still running is attached to)."""
+
+    @property
+    def job_invocation(self) -> int:
+        """The invocation whose names this call's jobs run under: its own, or the one it resumes."""
+        return self.resumes or self.invocation
 
     def job_name(self, suffix: str = "") -> str:
         """The first invocation uses the stage's name ('evaluate'); a rerun gets fresh Ray jobs and result
         folders ('evaluate-r2'), while a Prefect retry within one invocation re-attaches."""
         name = f"{self.stage}-{suffix}" if suffix else self.stage
-        return name if self.invocation <= 1 else f"{name}-r{self.invocation}"
+        return name if self.job_invocation <= 1 else f"{name}-r{self.job_invocation}"
 
     def spec(
         self,
@@ -84,7 +92,14 @@ def runner_for(call: StageCall) -> RayJobRunner:
     def on_status(submission_id: str, status: str) -> None:
         events.publish("job", stage=call.stage, submission_id=submission_id, status=status)
 
-    return RayJobRunner(call.cfg, call.run_id, on_line=logger.info, on_progress=on_progress, on_status=on_status)
+    return RayJobRunner(
+        call.cfg,
+        call.run_id,
+        on_line=logger.info,
+        on_progress=on_progress,
+        on_status=on_status,
+        on_wait=logger.warning,  # shown on the terminal too, which hides the job's own log lines
+    )
 
 
 def run_single_job(call: StageCall, spec: JobSpec) -> StageEntry:
@@ -119,10 +134,12 @@ def job_stage(
 
 
 def finetune(call: StageCall) -> StageEntry:
-    """The fine-tune job under this invocation's Ray Train run name (see finetune_run_name)."""
+    """The fine-tune job under this invocation's Ray Train run name (see finetune_run_name), or, continuing an
+    interrupted fine-tune, under that attempt's name: Ray Train resumes it from its latest complete checkpoint."""
+    run_name = finetune_run_name(call.record, call.run_id, call.job_invocation, call.cfg.train.continue_previous)
     params = {
         "dataset": call.inputs["dataset_path"],
-        "run_name": finetune_run_name(call.record, call.run_id, call.invocation, call.cfg.train.continue_previous),
+        "run_name": run_name,
         "invocation": call.invocation,
     }
     return run_job_stage.with_options(name=call.stage)(call, "training.finetune", params)
@@ -131,12 +148,14 @@ def finetune(call: StageCall) -> StageEntry:
 def finetune_run_name(record: RunRecord, run_id: str, invocation: int, continue_previous: bool) -> str:
     """`<run>` for the run's first invocation, `<run>-r<N>` for invocation N: a rerun trains from the base
     model under its own name instead of silently restoring the previous run's final checkpoint.
-    With train.continue_previous the latest fine-tune's run name is reused, so Ray Train resumes it. Pure."""
+    With train.continue_previous the latest fine-tune's run name is reused, so Ray Train resumes it; a
+    fine-tune that failed without a summary (e.g. its storage filled up) is continued under the name its
+    invocation trained with, so its complete checkpoints are resumed rather than thrown away. Pure."""
     if continue_previous:
         entries = [e for e in [*record.superseded, record.stages.get("finetune")] if e and e.stage == "finetune"]
-        summaries = [s for e in entries if (s := e.summary_as(FinetuneSummary)) is not None]
-        if summaries:
-            return summaries[-1].run_name
+        if entries:
+            summary = entries[-1].summary_as(FinetuneSummary)
+            return summary.run_name if summary else finetune_run_name(record, run_id, entries[-1].invocation, False)
     return run_id if invocation <= 1 else f"{run_id}-r{invocation}"
 
 

@@ -11,6 +11,7 @@ BaseException while following (Ctrl-C, a cancelled flow run), stops the Ray job.
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import threading
 import time
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import requests
 from pydantic import ValidationError
 from ray.job_submission import JobStatus, JobSubmissionClient
 
@@ -33,6 +35,51 @@ from tuneproof.core.summaries import Summary
 
 TERMINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
 MAX_ATTEMPTS = 20
+UNREACHABLE_WAIT_S = 120.0
+"""How long a submission waits for an unreachable Ray dashboard (a head restarting) before the stage fails."""
+
+
+class ClusterUnreachable(ConnectionError):
+    """The Ray dashboard did not answer within UNREACHABLE_WAIT_S: an infrastructure failure naming the address."""
+
+
+def backoff_delays(bound_s: float, first_s: float = 2.0, cap_s: float = 15.0) -> list[float]:
+    """Waits between tries (2, 4, 8, 15, 15, ...) that add up to at most `bound_s`. Pure."""
+    delays: list[float] = []
+    delay = first_s
+    while sum(delays) + delay <= bound_s:
+        delays.append(delay)
+        delay = min(delay * 2, cap_s)
+    return delays
+
+
+def while_unreachable(call: Callable[[], Any], address: str, on_line: Callable[[str], None], bound_s: float) -> Any:
+    """`call()`, retried with backoff while the dashboard at `address` refuses connections, up to `bound_s`;
+    each wait is reported. ClusterUnreachable, naming the address and the last error, after the bound."""
+    waited = 0.0
+    for delay in [*backoff_delays(bound_s), None]:
+        try:
+            return call()
+        except (ConnectionError, requests.exceptions.ConnectionError) as e:  # the SDK raises either
+            if delay is None:
+                raise ClusterUnreachable(
+                    f"the Ray dashboard at {address} did not answer for {waited:.0f}s "
+                    f"({type(e).__name__}: {one_line(str(e), 200)}): check the cluster (`tuneproof local status`)"
+                ) from e
+            on_line(
+                f"the Ray dashboard at {address} is unreachable; retrying in {delay:.0f}s (waited {waited:.0f}s of {bound_s:.0f}s)"
+            )
+            time.sleep(delay)
+            waited += delay
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def connect(
+    cfg: PipelineConfig, on_line: Callable[[str], None], bound_s: float = UNREACHABLE_WAIT_S
+) -> JobSubmissionClient:
+    """A job client for the configured cluster; waits (bounded) while its dashboard is unreachable."""
+    address = cfg.cluster.address
+    return while_unreachable(lambda: JobSubmissionClient(address, headers=auth_headers(cfg)), address, on_line, bound_s)
 
 
 @dataclass
@@ -129,15 +176,20 @@ class RayJobRunner:
         on_status: Callable[[str, str], None] | None = None,
         poll_s: float = 1.0,
         client: JobSubmissionClient | None = None,
+        on_wait: Callable[[str], None] | None = None,
     ):
         self.cfg = cfg
         self.run_id = run_id
         self.on_line = on_line
         self.on_progress = on_progress
         self.on_status = on_status or (lambda sid, status: None)
+        self.on_wait = on_wait or on_line
+        """Where waits go (an unreachable dashboard, a cluster without free resources): louder than log lines."""
         self.poll_s = poll_s
         self.storage = Storage.from_config(cfg.storage)
-        self.client = client or JobSubmissionClient(cfg.cluster.address, headers=auth_headers(cfg))
+        self.client = client or connect(cfg, self.on_wait)
+        self.following = ""
+        """The submission id being followed (its status events name it)."""
 
     def run(self, spec: JobSpec, stop_when: Callable[[str], bool] | None = None) -> JobEntry:
         """Submit (or attach), follow to the end, read the result. `stop_when(line)` stops the job early."""
@@ -176,7 +228,9 @@ class RayJobRunner:
         workdir, wd_hash = stage_working_dir()
         for attempt in range(1, MAX_ATTEMPTS + 1):
             sid = submission_id(self.run_id, spec.job, attempt)
-            status = self.status(sid)
+            status = while_unreachable(
+                functools.partial(self.status, sid), self.cfg.cluster.address, self.on_wait, UNREACHABLE_WAIT_S
+            )
             if status is None:
                 # A result left by an earlier, failed attempt must not be mistaken for this one's.
                 self.storage.remove("runs", self.run_id, "stages", spec.job, "result.json")
@@ -229,6 +283,7 @@ class RayJobRunner:
             raise
 
     def _follow(self, sid: str, deadline: float, timeout_s: int, stop_when: Callable[[str], bool] | None) -> JobStatus:
+        self.following = sid
         stream = LogStream(self.client, sid)
         status, ended, next_poll = None, False, 0.0
         while True:
@@ -264,6 +319,9 @@ class RayJobRunner:
 
     def emit(self, line: str) -> None:
         """Pass a log line on; progress lines become a readable line plus a progress event."""
+        if waiting_for_resources(line):
+            self.on_wait(WAITING)
+            self.on_status(self.following, "waiting for resources")
         parsed = parse_progress(line)
         if parsed is not None:
             before, event = parsed
@@ -322,6 +380,19 @@ def validation_problem(e: ValidationError) -> str:
     """'field.path: message (+N more)' for a pydantic error, short enough for a one-line cause."""
     problems = [f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
     return first_and_more(problems)
+
+
+WAITING = (
+    "waiting for resources: Ray Train cannot place its workers yet (the cluster is busy with other runs); it retries"
+)
+STARTUP_TIMED_OUT = "worker group startup timed out"
+"""Ray Train V2's controller error when its workers cannot be placed in time: it retries without limit
+(a controller failure, not counted in max_failures), so for a run it means waiting for CPUs or GPUs."""
+
+
+def waiting_for_resources(line: str) -> bool:
+    """True for the log line Ray Train writes while its workers wait for cluster resources. Pure."""
+    return STARTUP_TIMED_OUT in line
 
 
 class JobTimeout(Exception):

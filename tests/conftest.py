@@ -15,10 +15,6 @@ import contextlib
 import os
 import secrets
 import shutil
-import subprocess
-import sys
-import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +22,7 @@ from typing import Any
 import pytest
 
 from tuneproof.app.local import free_port, ray_env, start_ray_head
+from tuneproof.app.servers import FAKE_AWS, environ, moto_server, prefect_server
 
 # Never reach a hub from tests; fail loudly instead of hanging on a network call.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -36,6 +33,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 TEST_BUCKET = "tuneproof-test"
+TEST_SERVER_WAIT_S = float(os.environ.get("TUNEPROOF_TEST_SERVER_WAIT_S", "600"))
+"""How long the Prefect test server may take to answer (TUNEPROOF_TEST_SERVER_WAIT_S overrides)."""
 
 
 @pytest.fixture(scope="session")
@@ -72,44 +71,11 @@ def ray_driver(head, **init_kwargs):
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """moto in server mode on 127.0.0.1; yields the endpoint URL. Credentials are fakes in env."""
-    port = free_port()
-    env = {**os.environ}
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-    )
-    url = f"http://127.0.0.1:{port}"
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
-    try:
-        _wait_http(url, 30)
+    with environ(FAKE_AWS), moto_server() as url:
         import boto3
 
         boto3.client("s3", endpoint_url=url).create_bucket(Bucket=TEST_BUCKET)
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _wait_http(url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            return
-        except urllib.error.HTTPError:
-            return
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError(f"{url} did not answer within {timeout}s")
 
 
 def tuneproof(*args: str):
@@ -126,41 +92,19 @@ def prefect_server(tmp_path_factory):
     """`prefect server start` (API + UI) on 127.0.0.1 with its own home; this process's flows report to it."""
     from prefect.settings import PREFECT_API_URL, PREFECT_UI_API_URL, temporary_settings
 
-    from tuneproof.app.local import stop_group
+    with (
+        # A fresh server migrates its database first: minutes on a loaded shared machine.
+        prefect_server(tmp_path_factory.mktemp("prefect-home"), wait_s=TEST_SERVER_WAIT_S) as url,
+        temporary_settings({PREFECT_API_URL: f"{url}/api", PREFECT_UI_API_URL: f"{url}/api"}),
+    ):
+        yield url
+        # Ship the last logs and events while the server is still there; a worker left holding
+        # items for a stopped server makes every later drain (e.g. a test harness's) wait on it.
+        from prefect.events.worker import EventsWorker
+        from prefect.logging.handlers import APILogWorker
 
-    home = tmp_path_factory.mktemp("prefect-home")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(home),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_API_URL": f"{url}/api",
-        "PREFECT_UI_API_URL": f"{url}/api",
-    }
-    log = open(home / "server.log", "wb")  # noqa: SIM115 - the server writes to it until the fixture's end
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        # A fresh server migrates its database first: more than two minutes on a loaded shared machine.
-        _wait_http(f"{url}/api/health", float(os.environ.get("TUNEPROOF_TEST_SERVER_WAIT_S", "120")))
-        with temporary_settings({PREFECT_API_URL: f"{url}/api", PREFECT_UI_API_URL: f"{url}/api"}):
-            yield url
-            # Ship the last logs and events while the server is still there; a worker left holding
-            # items for a stopped server makes every later drain (e.g. a test harness's) wait on it.
-            from prefect.events.worker import EventsWorker
-            from prefect.logging.handlers import APILogWorker
-
-            APILogWorker.drain_all()
-            EventsWorker.drain_all()
-    finally:
-        stop_group(proc.pid, 10)
-        log.close()
+        APILogWorker.drain_all()
+        EventsWorker.drain_all()
 
 
 @dataclass(frozen=True)
@@ -250,3 +194,14 @@ def clone_run(finished_run, demo_env, tmp_path) -> DemoEnv:
         if original in text:
             path.write_text(text.replace(original, str(clone)))
     return demo_env.at(tmp_path)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Fault-injection tests (marker `faults`, about ten minutes) run only when `-m` names them
+    (`make faults`, `pytest -m faults`): the default run deselects them, it does not skip them."""
+    if "faults" in (config.getoption("markexpr") or ""):
+        return
+    deselected = [item for item in items if item.get_closest_marker("faults") is not None]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if item.get_closest_marker("faults") is None]

@@ -21,6 +21,7 @@ from training.checkpointing import (
     latest_complete_checkpoint,
     load_shards,
     missing_files,
+    remove_unmarked,
     restore_rng,
     save_shards,
     step_of,
@@ -93,6 +94,19 @@ def test_unmarked_truncated_or_garbled_checkpoints_do_not_count(tmp_path):
     assert "__0_0.distcp (size 60 bytes, expected 100)" in check_complete(storage, *RUN, "checkpoint_000012")
     assert "completion marker unreadable" in check_complete(storage, *RUN, "checkpoint_000016")
     assert latest_complete_checkpoint(storage, *RUN).step == 4
+
+
+def test_a_failed_run_drops_only_its_unmarked_checkpoints(tmp_path):
+    storage = Storage(str(tmp_path))
+    fake_checkpoint(storage, 4)
+    fake_checkpoint(storage, 8, marked=False)  # a save cut short (a full disk, a killed rank)
+    tampered = fake_checkpoint(storage, 12)
+    storage.write_bytes(b"a" * 60, *tampered, "__0_0.distcp")  # marked but changed since: evidence, kept
+    storage.write_bytes(b"{}", *RUN, "checkpoint_manager_snapshot.json")
+    assert remove_unmarked(storage, *RUN) == ["checkpoint_000008"]
+    assert storage.listdir(*RUN) == ["checkpoint_000004", "checkpoint_000012", "checkpoint_manager_snapshot.json"]
+    assert latest_complete_checkpoint(storage, *RUN).step == 4
+    assert remove_unmarked(storage, *RUN) == []
 
 
 def test_no_checkpoints_at_all_is_none(tmp_path):

@@ -188,6 +188,14 @@ def test_each_finetune_invocation_has_its_own_ray_train_name_unless_it_continues
     assert finetune_run_name(rec, "run1", 3, continue_previous=True) == "run1"
 
 
+def test_continuing_a_fine_tune_that_failed_without_a_summary_resumes_its_own_ray_train_run():
+    rec = passed_record(PipelineConfig(), "run1")
+    failed = rec.stages["finetune"].model_copy(update={"status": "failed", "summary": None, "invocation": 2})
+    rec.stages["finetune"] = failed
+    assert finetune_run_name(rec, "run1", 3, continue_previous=True) == "run1-r2"
+    assert finetune_run_name(rec, "run1", 3, continue_previous=False) == "run1-r3"
+
+
 # ---- promote's reasons ----------------------------------------------------------------------------
 
 

@@ -26,13 +26,23 @@ from tests.test_checkpointing import RUN, fake_checkpoint
 from training import jobkit
 from training.checkpointing import MARKER, CheckpointRef, check_complete, latest_complete_checkpoint
 from training.data_prep import Example
-from training.finetune import TrainParams, Worker, divergence, finetune, loss_curve, resolve_start
+from training.finetune import (
+    TrainParams,
+    Worker,
+    divergence,
+    finetune,
+    loss_curve,
+    resolve_start,
+    train_failure_cause,
+)
 from training.jobkit import JobContext
+from training.restarts import restarts
 from training.train_data import BatchLayout, StepBatches, load_examples, rank_slices
 from tuneproof.control.resume_evidence import compare_losses
 from tuneproof.core.config import PROJECT_ROOT, PipelineConfig
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import Restart
 
 DATASET = "datasets/reverse/abc123"
 DIGIT0, SEP, EOS = 3, 13, 14  # token ids of the synthetic task (digits are 3..12)
@@ -131,6 +141,30 @@ def test_divergence_names_the_loss_and_step():
     assert divergence(float("nan"), 37, 50.0) == "loss is nan at step 37"
     assert divergence(float("inf"), 3, 50.0) == "loss is inf at step 3"
     assert divergence(80.0, 9, 50.0) == "loss is 80 at step 9, above train.divergence_loss 50.0"
+
+
+def test_a_full_disk_is_named_with_what_to_do_and_other_failures_pass_through():
+    cause = train_failure_cause("TrainingFailedError: ... OSError: [Errno 28] No space left on device", "/mnt/s/runs")
+    assert cause.startswith("storage full: no space left on device (ENOSPC) writing under /mnt/s/runs;")
+    assert "train.continue_previous=true" in cause and "[Errno 28]" in cause
+    assert train_failure_cause("worker died", "/s") == "Ray Train run failed: worker died"
+
+
+def test_restarts_pair_each_new_attempt_with_the_step_and_failure_before_it():
+    attempts = [
+        {"attempt": 0, "restored_step": 0, "restored_from": None, "started_at": 100.0},
+        {"attempt": 1, "restored_step": 20, "restored_from": "/s/checkpoint_000020", "started_at": 200.0},
+    ]
+    rows = [{"step": s, "time": 100.0 + s, "attempt": 0} for s in range(1, 24)]
+    rows += [{"step": 9, "time": 50.0, "attempt": 0}]  # an earlier job's row: not this attempt's
+    rows += [{"step": s, "time": 200.0 + s, "attempt": 1} for s in range(21, 41)]
+    failures = [{"time": 150.0, "cause": "rank 1: ActorDiedError"}, {"time": 90.0, "cause": "earlier"}]
+    assert restarts(attempts, failures, rows) == [
+        Restart(
+            attempt=1, at_step=23, restored_step=20, restored_from="/s/checkpoint_000020", cause=failures[0]["cause"]
+        )
+    ]
+    assert restarts(attempts[:1], failures, rows) == []
 
 
 def test_loss_curve_keeps_the_last_row_written_for_a_replayed_step():

@@ -82,3 +82,54 @@ def test_a_broken_log_stream_is_raised_so_a_retry_re_attaches():
     runner, _, _ = follower(Broken([]))
     with pytest.raises(RuntimeError, match="closed unexpectedly"):
         runner.follow("r1-data", timeout_s=30)
+
+
+def test_an_unreachable_dashboard_is_retried_with_backoff_within_a_bound(monkeypatch):
+    from tasks import rayjob
+
+    assert rayjob.backoff_delays(30) == [2.0, 4.0, 8.0, 15.0]
+    assert sum(rayjob.backoff_delays(120)) <= 120
+    monkeypatch.setattr(rayjob.time, "sleep", lambda s: None)
+    answers = iter([ConnectionError("refused"), ConnectionError("refused"), "ok"])
+
+    def flaky():
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    lines: list[str] = []
+    assert rayjob.while_unreachable(flaky, "http://head:8265", lines.append, 30) == "ok"
+    assert lines == [
+        "the Ray dashboard at http://head:8265 is unreachable; retrying in 2s (waited 0s of 30s)",
+        "the Ray dashboard at http://head:8265 is unreachable; retrying in 4s (waited 2s of 30s)",
+    ]
+
+
+def test_a_dashboard_unreachable_past_the_bound_fails_naming_the_address(monkeypatch):
+    from tasks import rayjob
+
+    monkeypatch.setattr(rayjob.time, "sleep", lambda s: None)
+
+    def down():
+        raise ConnectionError("Failed to connect")
+
+    with pytest.raises(
+        rayjob.ClusterUnreachable, match=r"the Ray dashboard at http://head:8265 did not answer for 14s"
+    ):
+        rayjob.while_unreachable(down, "http://head:8265", lambda line: None, 20)
+
+
+def test_a_train_run_waiting_for_cluster_resources_is_shown_as_waiting():
+    statuses: list[tuple[str, str]] = []
+    lines: list[str] = []
+    runner = RayJobRunner(
+        PipelineConfig(), "r1", on_line=lines.append, on_status=lambda *s: statuses.append(s), client=FakeClient([])
+    )  # type: ignore[arg-type]
+    runner.following = "r1-finetune"
+    runner.emit(
+        "(TrainController pid=1) [FailurePolicy] RETRY ... The worker group startup timed out after 60.0 seconds "
+        "waiting for 2 workers."
+    )
+    assert statuses == [("r1-finetune", "waiting for resources")]
+    assert lines[0].startswith("waiting for resources: Ray Train cannot place its workers yet")

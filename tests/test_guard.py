@@ -397,10 +397,10 @@ def test_crashed_and_cancelled_runs_say_so(clone_run, monkeypatch):
 
     real_run_stage = pipeline_module.run_stage
 
-    def ctrl_c_at_connectivity(stage, cfg, record):
+    def ctrl_c_at_connectivity(stage, *args):
         if stage.name == "connectivity":
             raise KeyboardInterrupt
-        return real_run_stage(stage, cfg, record)
+        return real_run_stage(stage, *args)
 
     monkeypatch.setattr(pipeline_module, "run_stage", ctrl_c_at_connectivity)
     result = tuneproof("run", "--run-id", "cancel", "--only", "verify,connectivity", *clone_run.args)

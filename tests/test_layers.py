@@ -5,6 +5,7 @@
     tasks/                   -> tuneproof.control, tuneproof.core
     flows/                   -> tasks, tuneproof.control, tuneproof.core
     tuneproof.app            -> flows, tasks, tuneproof.control, tuneproof.core
+    faults (the harness)     -> tuneproof.app and everything below it
 
 Imports inside functions count the same as module-level ones: a lazy upward import is still one.
 The job side also never imports Prefect or the Ray job client: it runs on the published image.
@@ -29,9 +30,10 @@ LAYERS = {
     "tasks": {"tuneproof.core", "tuneproof.control", "tasks"},
     "flows": {"tuneproof.core", "tuneproof.control", "tasks", "flows"},
     "tuneproof.app": {"tuneproof.core", "tuneproof.control", "tasks", "flows", "tuneproof.app"},
+    "faults": {"tuneproof.core", "tuneproof.control", "tasks", "flows", "tuneproof.app", "training", "faults"},
 }
 """Package -> the project packages its modules may import."""
-PROJECT_PACKAGES = ("tuneproof", "training", "eval", "tasks", "flows", "bench", "tests")
+PROJECT_PACKAGES = ("tuneproof", "training", "eval", "tasks", "flows", "bench", "tests", "faults")
 JOB_SIDE = ("tuneproof.core", "training", "eval")
 NOT_ON_THE_IMAGE = ("prefect", "ray.job_submission", "kubernetes", "typer", "rich", "jsonschema", "matplotlib")
 """Control-plane libraries a job must not import: the published image lacks them or they are not its business."""

@@ -282,6 +282,20 @@ def complete_checkpoints(storage: Storage, *run_parts: str) -> Iterator[Checkpoi
             yield CheckpointRef(read_step(storage, *run_parts, name), storage.uri(*run_parts, name))
 
 
+def remove_unmarked(storage: Storage, *run_parts: str) -> list[str]:
+    """Delete a stopped run's checkpoint directories that have no completion marker; returns their names.
+
+    They are never resumed from, and after a save cut short by a full disk they hold the space the run
+    record and the job's result still need. Call only once no worker can be writing (the trainer ended).
+    A checkpoint whose marker is there but whose files do not match it is kept: that is evidence."""
+    unmarked = [
+        name for _, name in list_checkpoints(storage, *run_parts) if not storage.exists(*run_parts, name, MARKER)
+    ]
+    for name in unmarked:
+        storage.remove(*run_parts, name, recursive=True)
+    return unmarked
+
+
 def latest_complete_checkpoint(storage: Storage, *run_parts: str) -> CheckpointRef | None:
     """The newest checkpoint of a run whose marker and files check out; None when there is none."""
     return next(complete_checkpoints(storage, *run_parts), None)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from training import jobkit
+from training import fault_hooks, jobkit
 from training.checkpointing import (
     CheckpointRef,
     TrainingProgress,
@@ -41,6 +41,7 @@ from training.checkpointing import (
     load_shards,
     local_copy,
     read_step,
+    remove_unmarked,
     restore_rng,
     save_shards,
     seed_everything,
@@ -52,7 +53,7 @@ from training.lora import ADAPTER_DIR
 from training.schedule import WarmupCosine
 from tuneproof.core.hashing import IGNORE_INDEX
 from tuneproof.core.markers import Digests, ExportUnverified, read_export_manifest
-from tuneproof.core.results import FailureClass, StageFailure
+from tuneproof.core.results import FailureClass, StageFailure, one_line
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import FinetuneSummary, LossPoint
 
@@ -119,13 +120,18 @@ class TrainParams(BaseModel):
 
 def finetune(ctx: JobContext) -> FinetuneSummary:
     """Stage body: run the trainer, then read back what the workers wrote and summarize it."""
+    from training.restarts import ATTEMPTS, FAILURES
+
     params = TrainParams.resolve(ctx)
     started = time.time()
     if params.init_from:
         require_complete(params.init_from, ctx.config.storage.endpoint_url, "params.init_from")
     refuse_nothing_to_train(ctx, params)
-    ctx.storage.remove(*ctx.stage_parts(OUTCOME))  # an earlier attempt's ending says nothing about this one
+    for name in (OUTCOME, ATTEMPTS, FAILURES):  # an earlier job's ending and restarts say nothing about this one
+        ctx.storage.remove(*ctx.stage_parts(name))
     error = run_trainer(ctx, params)
+    if error is not None and (dropped := remove_unmarked(ctx.storage, *ctx.run_parts("train", params.run_name))):
+        jobkit.log(f"removed checkpoints the failed run left without a completion marker: {', '.join(dropped)}")
     outcome = read_outcome(ctx, error)
     summary = summarize(ctx, params, outcome, time.time() - started)
     if outcome["status"] == "diverged":
@@ -156,6 +162,8 @@ def run_trainer(ctx: JobContext, params: TrainParams) -> Exception | None:
     import ray.train
     from ray.train.torch import TorchTrainer
 
+    from training.restarts import FailureLog
+
     cfg = ctx.config.train
     filesystem, storage_path = ctx.storage.train_storage(*ctx.run_parts("train"))
     trainer = TorchTrainer(
@@ -168,6 +176,8 @@ def run_trainer(ctx: JobContext, params: TrainParams) -> Exception | None:
             storage_filesystem=filesystem,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.num_to_keep),
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
+            # Ray types callbacks as its V1 Callback; V2 takes (and checks for) a UserCallback.
+            callbacks=[FailureLog(ctx.config.storage.root, ctx.config.storage.endpoint_url, ctx.stage_parts())],  # type: ignore[list-item]
         ),
     )
     try:
@@ -185,7 +195,7 @@ def read_outcome(ctx: JobContext, error: Exception | None) -> dict[str, Any]:
     if outcome and outcome["status"] == "failed":
         raise StageFailure(outcome["failure_class"], outcome["cause"])
     if error is not None:
-        raise StageFailure(FailureClass.infrastructure, f"Ray Train run failed: {error}")
+        raise StageFailure(FailureClass.infrastructure, train_failure_cause(str(error), ctx.storage.uri("runs")))
     if outcome is None:
         raise StageFailure(
             FailureClass.infrastructure, f"training ended without writing {ctx.storage.uri(*ctx.stage_parts(OUTCOME))}"
@@ -193,7 +203,20 @@ def read_outcome(ctx: JobContext, error: Exception | None) -> dict[str, Any]:
     return outcome
 
 
+def train_failure_cause(error: str, where: str) -> str:
+    """The failure's one-line cause; a full disk is named as such, with what to do. Pure."""
+    if any(sign in error for sign in ("No space left on device", "ENOSPC", "[Errno 28]")):
+        return (
+            f"storage full: no space left on device (ENOSPC) writing under {where}; free space there or point "
+            f"storage.root at a larger volume, then continue with train.continue_previous=true. "
+            f"Ray Train: {one_line(error, 300)}"
+        )
+    return f"Ray Train run failed: {error}"
+
+
 def summarize(ctx: JobContext, params: TrainParams, outcome: dict, seconds: float) -> FinetuneSummary:
+    from training.restarts import ATTEMPTS, FAILURES, read_jsonl, restarts
+
     rows = read_metrics(ctx.storage, ctx.stage_parts(METRICS))
     curve = loss_curve(rows)
     run_parts = ctx.run_parts("train", params.run_name)
@@ -227,6 +250,11 @@ def summarize(ctx: JobContext, params: TrainParams, outcome: dict, seconds: floa
         trainable_params=outcome["trainable_params"],
         total_params=outcome["total_params"],
         adapter_path=posixpath.join(export, ADAPTER_DIR) if export and ctx.config.train.method == "lora" else None,
+        restarts=restarts(
+            read_jsonl(ctx.storage, *ctx.stage_parts(ATTEMPTS)),
+            read_jsonl(ctx.storage, *ctx.stage_parts(FAILURES)),
+            rows,
+        ),
     )
 
 
@@ -277,6 +305,8 @@ class Worker:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     """Rank 0: every metrics row of this job so far, rewritten whole to metrics.jsonl."""
     restored_from: str | None = None
+    attempt: int = 0
+    """Which start of the worker group this is within the job (0 first; more after Ray Train restarts)."""
     first_step_completed_at: float | None = None
     param_counts: tuple[int, int] = (0, 0)
     """(trainable, total) parameters of the model as set up (base + adapters under LoRA)."""
@@ -303,14 +333,19 @@ def train_loop(loop_config: dict) -> None:
     """Per-worker body under Ray Train: the fine-tune's story."""
     import torch.distributed as dist
 
+    from training.restarts import begin_attempt
+
     ctx = jobkit.load_context({jobkit.ENV_VAR: loop_config["job"]})
     params = TrainParams.model_validate(ctx.params)
     with outcome_on_failure(ctx, dist.get_rank()):
         w = setup(ctx, params)
         start = restore(w, resolve_start(w))
         w.metrics = previous_metrics(w)
+        if w.rank == 0:
+            w.attempt = begin_attempt(w.storage, ctx.stage_parts(), start, w.restored_from)
         for step in range(start + 1, params.max_steps + 1):
             stats = train_step(w, step)
+            fault_hooks.after_step(w.rank, step)
             record(w, step, stats, start)
             if cause := divergence(stats["loss"], step, ctx.config.train.divergence_loss):
                 return finish(w, start, step, status="diverged", cause=cause)
@@ -515,7 +550,7 @@ def record(w: Worker, step: int, stats: dict[str, Any], start: int) -> None:
     """Rank 0 keeps every step's metrics; prints progress and saves metrics.jsonl every log_every steps."""
     if w.rank != 0:
         return
-    row = {"step": step, **{k: finite_or_none(v) for k, v in stats.items()}, "time": time.time()}
+    row = {"step": step, **{k: finite_or_none(v) for k, v in stats.items()}, "time": time.time(), "attempt": w.attempt}
     w.metrics.append(row)
     if step == start + 1:
         w.first_step_completed_at = row["time"]
@@ -553,6 +588,7 @@ def save_checkpoint(w: Worker, step: int, loss: float) -> None:
             delete_local_checkpoint_after_upload=False,
         )
     dist.barrier()  # report returns before other ranks finish uploading: wait for all of them
+    fault_hooks.before_marker(w.storage, w.ctx.stage_parts(), w.rank, step)
     if w.rank == 0:
         listed = {name: digest for files_of_rank in every_rank for name, digest in files_of_rank.items()}
         write_marker(w.storage, step, listed, *w.run_parts, checkpoint_dir_name(step))

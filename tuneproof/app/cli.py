@@ -13,7 +13,9 @@
     tuneproof images list [--json] | show DECISION [--json]
 
 Exit codes of `run`: 0 ok, 3 invalid config or refused request (nothing ran), 4 infrastructure failure or a
-crashed flow, 5 data, 6 modeling failure, 130 cancelled (Ctrl-C).
+crashed flow, 5 data, 6 modeling failure, 130 cancelled (Ctrl-C or SIGTERM). `run --run-id RUN` without --only
+continues a run: stages that succeeded with unchanged inputs are kept, the rest run (an interrupted fine-tune
+resumes from its checkpoint).
 Every command: 1 findings that are errors (or the run/model asked for is absent or unreadable), 2 a
 malformed argument (click's usage convention), 3 an invalid config or refused request, 4 storage or
 another resource that cannot be read; an unexpected exception is one `error: ...` line, exit 4.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from enum import Enum
 from pathlib import Path
@@ -127,7 +130,10 @@ def run(
     sets: list[str] = SetOpt,
     only: str | None = typer.Option(None, help=f"Comma-separated subset of: {','.join(table.names())}."),
     run_id: str | None = typer.Option(
-        None, "--run-id", callback=slug_arg("run id"), help="Rerun stages against this existing run."
+        None,
+        "--run-id",
+        callback=slug_arg("run id"),
+        help="Continue this run (keeps stages whose inputs are unchanged), or with --only rerun stages against it.",
     ),
 ) -> None:
     """Run the pipeline; prints the run id; exit code by failure class."""
@@ -140,13 +146,25 @@ def run(
         )
     from tuneproof.app.terminal import run_with_display
 
+    # SIGTERM (`kill`, a supervisor stopping the process) ends the run the way Ctrl-C does, instead of
+    # killing it where it stands and leaving its record `running` until the lease goes stale.
+    signal.signal(signal.SIGTERM, terminated)
     try:
         record = run_with_display(cfg, run_id, stages, console)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         # The flow has marked its record cancelled, stopped its Ray job and released the run's lease.
-        err.print("[bold red]cancelled[/] (Ctrl-C): the record says `cancelled`")
+        how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
+        err.print(f"[bold red]cancelled[/] ({how}): the record says `cancelled`; continue it with --run-id")
         raise typer.Exit(EXIT_CANCELLED) from None
     raise typer.Exit(run_exit_code(record))
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the flow stands: the same path as Ctrl-C (job stopped, record cancelled)."""
+
+
+def terminated(signum: int, frame: Any) -> None:
+    raise Terminated(f"signal {signal.Signals(signum).name}")
 
 
 def run_exit_code(record: Any) -> int:

@@ -130,29 +130,50 @@ def start_ray_head(
         # also when `tuneproof` was started without activating the virtualenv.
         "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
     }
-    with open(log_file, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    head = RayHead(proc.pid, dashboard_port, gcs_port, temp_dir, str(token_file), str(log_file))
-    try:
-        _wait_for_jobs_api(head, wait_s)
-    except Exception:
-        head.stop()
-        raise
-    return head
+    for attempt in range(1, START_ATTEMPTS + 1):
+        offset = log_file.stat().st_size if log_file.exists() else 0
+        with open(log_file, "ab") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        head = RayHead(proc.pid, dashboard_port, gcs_port, temp_dir, str(token_file), str(log_file))
+        try:
+            _wait_for_jobs_api(head, wait_s, offset)
+            return head
+        except HeadExited:
+            head.stop()
+            if attempt == START_ATTEMPTS:
+                raise
+        except BaseException:  # Ctrl-C while waiting too: never leave a half-started head behind
+            head.stop()
+            raise
+    raise AssertionError("unreachable")  # the loop returns or raises
 
 
-def _wait_for_jobs_api(head: RayHead, wait_s: float) -> None:
+START_ATTEMPTS = 5
+"""`ray start` gives its raylet a fixed 30 s to register with the GCS; on a loaded machine it can miss that
+and exit after the dashboard already answered. A head that exits during start-up is started again."""
+STARTED = "Ray runtime started."
+"""What `ray start` prints once its node is registered: until then a dashboard that answers proves nothing."""
+
+
+class HeadExited(RuntimeError):
+    """The Ray head process exited during start-up (its log tail is in the message)."""
+
+
+def _wait_for_jobs_api(head: RayHead, wait_s: float, log_offset: int = 0) -> None:
+    """Until `ray start` says its node started (in its log after `log_offset`) and the job API answers."""
     deadline = time.monotonic() + wait_s
     req = urllib.request.Request(f"{head.address}/api/jobs/", headers={"Authorization": f"Bearer {head.token()}"})
     last = ""
     while time.monotonic() < deadline:
         if not head.alive():
-            tail = Path(head.log_file).read_text()[-2000:]
-            raise RuntimeError(f"ray head exited during start-up; log tail:\n{tail}")
+            tail = Path(head.log_file).read_text(errors="replace")[-2000:]
+            raise HeadExited(f"ray head exited during start-up; log tail:\n{tail}")
+        started = STARTED.encode() in Path(head.log_file).read_bytes()[log_offset:]
         try:
             with urllib.request.urlopen(req, timeout=5) as resp:
-                if resp.status == 200:
+                if resp.status == 200 and started:
                     return
+                last = "the job API answers; the node has not finished starting"
         except OSError as e:
             last = str(e)
         time.sleep(1.0)

@@ -22,7 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from flows import stages as table
-from tuneproof.control.record import RunRecord
+from tuneproof.control.record import Invocation, RunRecord
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.envelope import ProgressEvent, format_metrics
 from tuneproof.core.summaries import EvaluateSummary
@@ -32,6 +32,7 @@ STATUS_STYLE = {
     "failed": "bold red",
     "running": "yellow",
     "skipped": "dim",
+    "kept": "green",
     "pending": "dim",
     "crashed": "bold red",
     "cancelled": "bold red",
@@ -232,7 +233,24 @@ def print_record(rec: RunRecord, console: Console) -> None:
         ]
     for label, value in facts:
         print_line(console, (f"{label:<13}", "bold"), value)
+    for invocation in rec.invocations:
+        print_line(console, (f"{'invocation':<13}", "bold"), invocation_line(invocation))
     print_summary(rec, console)
+
+
+def invocation_line(invocation: Invocation) -> str:
+    """'2 at <time>, crashed (its writer died ...); kept verify, data; reran finetune (failed ...)'."""
+    only = f" --only {','.join(invocation.only)}" if invocation.only else ""
+    parts = [f"{invocation.number} at {invocation.at}{only}, {invocation.status or 'running'}"]
+    if invocation.cause and invocation.status not in ("succeeded", None):
+        parts[0] += f" ({invocation.cause})"
+    if invocation.lease_takeover:
+        parts.append(invocation.lease_takeover)
+    if invocation.kept:
+        parts.append(f"kept {', '.join(invocation.kept)}")
+    if invocation.reran:
+        parts.append("reran " + ", ".join(f"{name} ({why})" for name, why in invocation.reran.items()))
+    return "; ".join(parts)
 
 
 def run_comparison(

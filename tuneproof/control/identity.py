@@ -82,3 +82,8 @@ def stage_working_dir(root: Path = PROJECT_ROOT) -> tuple[Path, str]:
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
     return target, digest
+
+
+def working_dir_hash(root: Path = PROJECT_ROOT) -> str:
+    """The hash `stage_working_dir` would give the job code now, without staging a copy."""
+    return tree_hash(job_files(root), root)

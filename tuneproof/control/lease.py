@@ -30,7 +30,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from tuneproof.core.results import now_iso
-from tuneproof.core.storage import Storage, split_s3
+from tuneproof.core.storage import Storage, boto_config, split_s3
 
 LEASE = "lease.json"
 DEFAULT_TTL_S = 120.0
@@ -299,7 +299,7 @@ class _S3Store:
 
         self.bucket, self.key = split_s3(storage.uri("runs", run_id, LEASE))
         self.where = storage.uri("runs", run_id, LEASE)
-        self.client = boto3.client("s3", endpoint_url=storage.endpoint_url)
+        self.client = boto3.client("s3", endpoint_url=storage.endpoint_url, config=boto_config())
 
     def create(self, body: bytes) -> str | None:
         return self._put(body, IfNoneMatch="*")

@@ -85,6 +85,20 @@ class JobEntry(Model):
     result: StageResult
 
 
+class StageInputs(Model):
+    """What a stage's result depends on, so a continued run (`tuneproof run --run-id X`) keeps a stage only
+    when none of it changed: the config sections the stage reads, the job code, and the outputs it needs."""
+
+    key: str
+    """sha256 over the three below: equal keys mean equal inputs."""
+    config: dict[str, str]
+    """sha256 of each config section the stage reads, by section name."""
+    working_dir_hash: str
+    """The Ray working_dir hash (tuneproof/core, training, eval) the stage would run."""
+    needs: dict[str, str] = {}
+    """The identity (content hash, or the value itself when it is content-addressed) of each needed output."""
+
+
 class StageEntry(Model):
     """One stage's outcome in the record."""
 
@@ -99,6 +113,11 @@ class StageEntry(Model):
     jobs: list[JobEntry] = []
     invocation: int = 1
     """Which invocation of the run produced this entry (RunRecord.invocations)."""
+    inputs: StageInputs | None = None
+    """The inputs it ran with (None in records written before continued runs compared them)."""
+    job_invocation: int | None = None
+    """The invocation whose Ray job names (and Ray Train run) its jobs used, when not `invocation`'s own: a
+    continued fine-tune resumes the interrupted invocation's training instead of starting fresh."""
 
     @property
     def ok(self) -> bool:
@@ -160,6 +179,16 @@ class StageEntry(Model):
         return cls(stage=stage, status="skipped", cause=why, started_at=now_iso(), ended_at=now_iso())
 
 
+class StageAttempt(Model):
+    """The stage an invocation is running, saved before it starts: if the flow dies mid-stage (kill -9, a lost
+    machine), the next invocation knows what was interrupted and with which inputs."""
+
+    stage: str
+    inputs: StageInputs
+    job_invocation: int
+    started_at: str
+
+
 class Invocation(Model):
     """One `tuneproof run` / flow run against this run id: the first creates the run, later ones rerun stages."""
 
@@ -172,6 +201,15 @@ class Invocation(Model):
     """The full validated config of this invocation (None in records written before it was kept)."""
     lease_takeover: str | None = None
     """Set when this invocation took over the lease of a writer presumed dead: whose, and why."""
+    kept: list[str] = []
+    """A continued run (no --only): the stages whose earlier results stand, their inputs unchanged."""
+    reran: dict[str, str] = {}
+    """A continued run: each stage that ran again, and why (no result, failed, inputs changed, upstream reran)."""
+    running: StageAttempt | None = None
+    """The stage in progress; cleared when it ends. Left set only when the invocation died mid-stage."""
+    status: RunStatus | None = None
+    """How this invocation ended (None while it runs, and in records written before it was kept)."""
+    cause: str | None = None
 
 
 class Override(Model):

@@ -27,7 +27,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from tuneproof.core.results import now_iso
-from tuneproof.core.storage import Storage
+from tuneproof.core.storage import Storage, boto_config
 
 _CONFLICT_CODES = ("PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey", "412", "409")
 """412: the condition failed; 409: a concurrent conditional write won; NoSuchKey: If-Match on a deleted key."""
@@ -177,7 +177,7 @@ def _holder(path: Path) -> dict:
 def _s3_client(storage: Storage):
     import boto3
 
-    return boto3.client("s3", endpoint_url=storage.endpoint_url)
+    return boto3.client("s3", endpoint_url=storage.endpoint_url, config=boto_config())
 
 
 def _s3_location(storage: Storage, parts: tuple[str, ...]) -> tuple[str, str]:

@@ -19,6 +19,26 @@ import fsspec
 
 from tuneproof.core.names import check_storage_root
 
+S3_MAX_ATTEMPTS = 12
+"""Attempts per S3 request, in both clients (s3fs/botocore and pyarrow's, which Ray Train uses): the
+'standard' retry mode waits an exponential, jittered backoff of at most 20 s between them, so an endpoint
+that is unreachable for half a minute or so (a restart) is waited out, and a longer outage fails with
+the client's error, which names the endpoint (a job's failure is then classed infrastructure)."""
+S3_CONNECT_TIMEOUT_S = 5
+S3_REQUEST_TIMEOUT_S = 60
+BOTO_RETRIES: dict[str, Any] = {
+    "retries": {"max_attempts": S3_MAX_ATTEMPTS, "mode": "standard"},
+    "connect_timeout": S3_CONNECT_TIMEOUT_S,
+    "read_timeout": S3_REQUEST_TIMEOUT_S,
+}
+
+
+def boto_config():
+    """The same bounded retries for a plain boto3 client (conditional writes: lease, compare-and-swap)."""
+    from botocore.config import Config
+
+    return Config(**BOTO_RETRIES)
+
 
 class Storage:
     """A storage root; every path argument is relative to it, joined with '/'."""
@@ -30,7 +50,9 @@ class Storage:
         if self.is_s3:
             self.root = root.rstrip("/")
             self._base = self.root[len("s3://") :]
-            kwargs = {"client_kwargs": {"endpoint_url": endpoint_url}} if endpoint_url else {}
+            kwargs: dict[str, Any] = {"config_kwargs": BOTO_RETRIES}
+            if endpoint_url:
+                kwargs["client_kwargs"] = {"endpoint_url": endpoint_url}
             # Listings must not be cached: stages poll for markers other processes write.
             self.fs = fsspec.filesystem("s3", use_listings_cache=False, skip_instance_cache=True, **kwargs)
         else:
@@ -134,7 +156,10 @@ class Storage:
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         if region:
             kwargs["region"] = region
-        return pafs.S3FileSystem(**kwargs), self.path(*parts)
+        retries = pafs.AwsStandardS3RetryStrategy(max_attempts=S3_MAX_ATTEMPTS)
+        return pafs.S3FileSystem(
+            retry_strategy=retries, connect_timeout=S3_CONNECT_TIMEOUT_S, request_timeout=S3_REQUEST_TIMEOUT_S, **kwargs
+        ), self.path(*parts)
 
 
 class UnsafePath(ValueError):

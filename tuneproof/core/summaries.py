@@ -222,6 +222,20 @@ LossPoint = tuple[int, float | None]
 """(step, loss); None where the loss was not finite."""
 
 
+class Restart(Summary):
+    """One restart of the Ray Train worker group within a fine-tune job (train.max_failures allows it)."""
+
+    attempt: int
+    """The worker group's attempt that started after the failure: 1 is the first restart."""
+    at_step: int | None = None
+    """The last step the failed attempt completed and logged (None: it logged none)."""
+    restored_step: int
+    """The step of the complete checkpoint the new attempt resumed from (0: from the start)."""
+    restored_from: str | None = None
+    cause: str | None = None
+    """What Ray Train reported for the failed attempt (one line), when it reported anything."""
+
+
 class FinetuneSummary(Summary):
     run_name: str
     """Ray Train run name (RunConfig.name): the same name resumes."""
@@ -254,6 +268,8 @@ class FinetuneSummary(Summary):
     """Every parameter of the trained model (under LoRA: base + adapters), a tied weight once."""
     adapter_path: str | None = None
     """LoRA: storage path of the peft adapter (<export_path>/adapter); export_path is the merged model."""
+    restarts: list[Restart] = []
+    """Worker-group failures Ray Train recovered from in this job, with the step each one resumed at."""
 
 
 # ---- 5 resume --------------------------------------------------------------------------------

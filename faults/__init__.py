@@ -1,0 +1,1 @@
+"""Fault injection (issue 11): `python -m faults` runs every scenario in faults/f_*.py; see faults/harness.py."""

@@ -1,0 +1,256 @@
+"""A continued run (`tuneproof run --run-id X`, no --only) keeps what still stands and reruns the rest.
+
+The planning is pure (`plan_continuation` over the record's entries and each stage's inputs now), so its
+tests read as its specification; one integration test runs it through the real flow with stand-in stages.
+"""
+
+from __future__ import annotations
+
+import pytest
+from prefect import task
+
+from flows import stages as table
+from flows.pipeline import pipeline
+from flows.stages import Need, Stage
+from tasks.jobs import StageCall
+from tuneproof.control import record as records
+from tuneproof.control.record import RunRecord, StageEntry, StageInputs
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.results import FailureClass
+from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import DataSummary, FinetuneSummary
+
+INFRA = FailureClass.infrastructure
+ALL = table.names()
+
+
+def inputs(key: str, **config: str) -> StageInputs:
+    return StageInputs(key=key, config=config, working_dir_hash="wd")
+
+
+def entry(stage: str, key: str, status: str = "succeeded", **fields) -> StageEntry:
+    return StageEntry(stage=stage, status=status, started_at="t0", ended_at="t1", inputs=inputs(key), **fields)
+
+
+def same_inputs() -> dict[str, StageInputs]:
+    return {name: inputs(f"k-{name}") for name in ALL}
+
+
+def finished() -> dict[str, StageEntry]:
+    return {name: entry(name, f"k-{name}") for name in ALL}
+
+
+def test_a_finished_run_with_unchanged_inputs_keeps_every_stage():
+    plan = table.plan_continuation(finished(), same_inputs())
+    assert plan.kept == ALL and plan.reran == {} and plan.resumes == {}
+
+
+def test_a_changed_config_section_reruns_its_stage_and_everything_downstream():
+    now = same_inputs()
+    now["finetune"] = StageInputs(key="new", config={"train": "t2"}, working_dir_hash="wd")
+    entries = finished()
+    entries["finetune"] = entries["finetune"].model_copy(
+        update={"inputs": StageInputs(key="k-finetune", config={"train": "t1"}, working_dir_hash="wd")}
+    )
+    plan = table.plan_continuation(entries, now)
+    assert plan.kept == ["verify", "connectivity", "data"]
+    assert plan.reran == {
+        "finetune": "inputs changed: config train",
+        "resume": "finetune reran",
+        "evaluate": "finetune reran",
+        "promote": "finetune, resume, evaluate reran",
+    }
+    assert plan.resumes == {}  # changed inputs train fresh
+
+
+def test_changed_code_and_a_changed_needed_output_are_named():
+    before = StageInputs(key="a", config={"eval": "e"}, working_dir_hash="wd1", needs={"finetune.export_path": "h1"})
+    now = StageInputs(key="b", config={"eval": "e"}, working_dir_hash="wd2", needs={"finetune.export_path": "h2"})
+    assert table.changed_inputs(before, now) == "code (working_dir wd1 -> wd2), finetune.export_path"
+
+
+def test_an_interrupted_fine_tune_with_the_same_inputs_resumes_its_invocation():
+    entries = finished()
+    for name in ("resume", "evaluate", "promote"):
+        del entries[name]  # the run stopped at the fine-tune
+    entries["finetune"] = entry(
+        "finetune", "k-finetune", "failed", failure_class=INFRA, cause="Ray job x STOPPED", invocation=2
+    )
+    plan = table.plan_continuation(entries, same_inputs())
+    assert plan.kept == ["verify", "connectivity", "data"]
+    assert plan.resumes == {"finetune": 2}
+    assert plan.reran["finetune"].startswith("failed (infrastructure): Ray job x STOPPED; resumes invocation 2")
+    assert plan.reran["evaluate"] == "finetune reran"
+
+
+def test_a_resumed_attempt_that_is_interrupted_again_still_resumes_the_first_one():
+    entries = finished()
+    entries["finetune"] = entry(
+        "finetune", "k-finetune", "failed", failure_class=INFRA, cause="x", invocation=3, job_invocation=1
+    )
+    assert table.plan_continuation(entries, same_inputs()).resumes == {"finetune": 1}
+
+
+def test_modeling_failures_and_non_resumable_stages_rerun_fresh():
+    entries = finished()
+    entries["finetune"] = entry("finetune", "k-finetune", "failed", failure_class=FailureClass.modeling, cause="nan")
+    entries["data"] = entry("data", "k-data", "failed", failure_class=INFRA, cause="s3 down")
+    plan = table.plan_continuation(entries, same_inputs())
+    assert plan.resumes == {}
+    assert plan.reran["data"] == "failed (infrastructure): s3 down"
+
+
+def test_missing_results_and_results_without_a_key_rerun():
+    entries = finished()
+    del entries["verify"]
+    entries["connectivity"] = entries["connectivity"].model_copy(update={"inputs": None})
+    plan = table.plan_continuation(entries, same_inputs())
+    assert plan.reran["verify"] == "no result yet"
+    assert "no inputs key" in plan.reran["connectivity"]
+    assert "verify" not in plan.kept and "data" in plan.kept  # data needs neither
+
+
+def record_with(stages: dict[str, StageEntry]) -> RunRecord:
+    cfg = PipelineConfig()
+    rec = records.new_record("r", cfg, records.CodeIdentity(), None)
+    rec.stages = stages
+    return rec
+
+
+def test_stage_inputs_hash_the_sections_the_code_and_the_needed_outputs_identity():
+    data = DataSummary(dataset_path="datasets/dates/abc", content_hash="abc", dataset_uri="/x")
+    tuned = FinetuneSummary(
+        run_name="r", train_storage_uri="/t", checkpoints=[], start_step=0, steps=4, seconds=1.0, export_path="model",
+        export_sha256="e1",
+    )  # fmt: skip
+    rec = record_with(
+        {"data": StageEntry.succeeded("data", data, "t0"), "finetune": StageEntry.succeeded("finetune", tuned, "t0")}
+    )
+    config = PipelineConfig().model_dump(mode="json")
+    evaluate = table.by_name("evaluate")
+    one = table.stage_inputs(evaluate, config, "wd", rec)
+    assert one.needs["finetune.export_path"] == "e1"  # the export's content, not its path
+    assert set(one.config) == set(evaluate.config)
+    assert table.stage_inputs(evaluate, config, "wd", rec) == one  # deterministic
+    retrained = tuned.model_copy(update={"export_sha256": "e2"})
+    rec.stages["finetune"] = StageEntry.succeeded("finetune", retrained, "t0")
+    assert table.stage_inputs(evaluate, config, "wd", rec).key != one.key
+    assert table.stage_inputs(evaluate, config, "wd2", rec).key != one.key
+    changed = {**config, "eval": {**config["eval"], "max_examples": 7}}
+    assert table.stage_inputs(evaluate, changed, "wd", rec).key != one.key
+    timeouts = {**config, "timeouts": {**config["timeouts"], "evaluate": 1}}  # bounds a stage, changes no result
+    assert table.stage_inputs(evaluate, timeouts, "wd", rec).key == table.stage_inputs(evaluate, config, "wd", rec).key
+    del rec.stages["finetune"]
+    assert table.stage_inputs(evaluate, config, "wd", rec).needs["finetune.export_path"] == "missing"
+
+
+# ---------------------------------------------------------------- integration: through the real flow
+
+CALLS: list[str] = []
+
+
+def stand_in(name: str, needs: tuple[Need, ...], section: str) -> Stage:
+    """A stage that records its call and succeeds with a data-shaped summary (so `needs` resolve)."""
+
+    @task(name=name)
+    def run(call: StageCall) -> StageEntry:
+        CALLS.append(name)
+        summary = DataSummary(dataset_path=f"datasets/{name}/{call.invocation}", content_hash=name, dataset_uri="/x")
+        return StageEntry.succeeded(name, summary, "t0")
+
+    return Stage(
+        name=name,
+        run=run,
+        summary=DataSummary,
+        evidence=lambda s: s.dataset_path,
+        fails_as=(INFRA,),
+        needs=needs,
+        config=(section,),
+    )
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    stages = (
+        stand_in("a", (), "data"),
+        stand_in("b", (Need("a", "dataset_path"),), "train"),
+        stand_in("c", (Need("b", "dataset_path"),), "eval"),
+    )
+    monkeypatch.setattr(table, "STAGES", stages)
+    CALLS.clear()
+    return stages
+
+
+@pytest.fixture(scope="module")
+def prefect_harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.mark.integration
+def test_a_continued_run_keeps_unchanged_stages_and_reruns_a_changed_one_and_its_downstream(
+    prefect_harness, stand_ins, tmp_path
+):
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
+    assert pipeline(config=cfg, run_id="cont", return_state=True).is_completed()
+    assert CALLS == ["a", "b", "c"]
+
+    CALLS.clear()  # nothing changed: nothing runs, every stage is kept
+    assert pipeline(config=cfg, run_id="cont", return_state=True).is_completed()
+    rec = records.load(Storage(str(tmp_path)), "cont")
+    assert CALLS == [] and rec.invocations[-1].kept == ["a", "b", "c"] and rec.status == "succeeded"
+
+    CALLS.clear()  # a changed train section reruns b and c, keeps a
+    changed = cfg.model_copy(update={"train": cfg.train.model_copy(update={"lr": 0.003})})
+    assert pipeline(config=changed, run_id="cont", return_state=True).is_completed()
+    rec = records.load(Storage(str(tmp_path)), "cont")
+    assert CALLS == ["b", "c"]
+    last = rec.invocations[-1]
+    assert last.kept == ["a"] and last.reran == {"b": "inputs changed: config train", "c": "b reran"}
+    assert last.status == "succeeded" and last.running is None
+    assert [e.stage for e in rec.superseded] == ["b", "c"]
+    assert rec.stages["a"].invocation == 1 and rec.stages["c"].invocation == 3
+    assert rec.stages["c"].summary["dataset_path"] == "datasets/c/3"
+
+
+def test_evaluate_depends_on_the_production_model_but_not_on_its_own_promotion(tmp_path):
+    from tuneproof.core.summaries import PromoteSummary
+
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
+    storage = Storage(str(tmp_path))
+    rec = record_with({})
+    evaluate = table.by_name("evaluate")
+    assert evaluate.external is not None
+    assert evaluate.external(cfg, storage, rec) == {"registry.production": "none"}
+    storage.write_json({"version": "v0002-other", "path": "models/x"}, "models", cfg.model.name, "production.json")
+    assert evaluate.external(cfg, storage, rec) == {"registry.production": "v0002-other"}
+    rec.promotion = PromoteSummary(promoted=True, version="v0002-other", previous_version="v0001-a")
+    assert evaluate.external(cfg, storage, rec) == {"registry.production": "v0001-a"}  # its own promotion
+    config = cfg.model_dump(mode="json")
+    moved = table.stage_inputs(evaluate, config, "wd", rec, {"registry.production": "v3"})
+    assert moved.key != table.stage_inputs(evaluate, config, "wd", rec, {"registry.production": "v2"}).key
+    before = table.stage_inputs(evaluate, config, "wd", rec, {"registry.production": "v2"})
+    assert table.changed_inputs(before, moved) == "registry.production"
+
+
+def test_runs_show_says_which_stages_were_kept_and_why_others_reran():
+    from tuneproof.app.terminal import invocation_line
+    from tuneproof.control.record import Invocation
+
+    crashed = Invocation(number=1, at="t0", config_hash="c", status="crashed", cause="its writer died: pid 7 is gone")
+    assert invocation_line(crashed) == "1 at t0, crashed (its writer died: pid 7 is gone)"
+    continued = Invocation(
+        number=2,
+        at="t1",
+        config_hash="c",
+        status="succeeded",
+        lease_takeover="took over the lease of pid 7: its pid 7 is gone",
+        kept=["verify", "data"],
+        reran={"finetune": "failed (infrastructure): interrupted", "evaluate": "finetune reran"},
+    )
+    assert invocation_line(continued) == (
+        "2 at t1, succeeded; took over the lease of pid 7: its pid 7 is gone; kept verify, data; "
+        "reran finetune (failed (infrastructure): interrupted), evaluate (finetune reran)"
+    )
