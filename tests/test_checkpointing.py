@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import tempfile
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,12 +20,14 @@ from training.checkpointing import (
     check_complete,
     checkpoint_dir_name,
     complete_checkpoints,
+    finish_saving_shards,
     latest_complete_checkpoint,
     load_shards,
     missing_files,
     remove_unmarked,
     restore_rng,
     save_shards,
+    start_saving_shards,
     step_of,
     write_marker,
 )
@@ -181,3 +185,67 @@ def test_dcp_round_trip_restores_weights_optimizer_and_progress(single_rank_grou
     assert other.lm_head.weight is other.model.embed_tokens.weight
     state, other_state = optimizer.state_dict()["state"], other_optimizer.state_dict()["state"]
     assert all(torch.equal(state[k]["exp_avg"].full_tensor(), other_state[k]["exp_avg"].full_tensor()) for k in state)
+
+
+def trained_one_step(model, optimizer) -> None:
+    batch = torch.randint(0, 64, (2, 8))
+    model(input_ids=batch, labels=batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def progress_at_step(step: int) -> TrainingProgress:
+    return TrainingProgress(
+        step=step, epoch=0, batch_in_epoch=step, seed=0, rank=0, world_size=1, schedule={}, rng=capture_rng()
+    )
+
+
+def test_an_async_save_holds_the_weights_of_its_step_while_training_goes_on(single_rank_group, tmp_path):
+    import torch.distributed as dist
+
+    model, optimizer = tiny_sharded_model(seed=0)
+    trained_one_step(model, optimizer)
+    at_save = {name: p.full_tensor().clone() for name, p in model.named_parameters()}
+    saving = start_saving_shards(
+        model, optimizer, progress_at_step(1), tmp_path / "ckpt", dist.new_group(backend="gloo")
+    )
+    trained_one_step(model, optimizer)  # the next step changes every weight while the write may still run
+    files = finish_saving_shards(saving)
+    assert {".metadata", "progress-rank0.json"} <= set(files) and any(f.endswith(".distcp") for f in files)
+
+    other, other_optimizer = tiny_sharded_model(seed=1)
+    assert load_shards(other, other_optimizer, tmp_path / "ckpt", rank=0).step == 1
+    for name, p in other.named_parameters():
+        assert torch.equal(p.full_tensor(), at_save[name]), name
+    assert not torch.equal(model.model.norm.weight.full_tensor(), at_save["model.norm.weight"])
+
+
+def test_a_background_write_that_fails_raises_and_leaves_no_marker(single_rank_group, tmp_path, monkeypatch):
+    """A crash during the async write must leave the checkpoint unmarked: nothing may resume from it."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from training import finetune
+
+    def disk_full(self, plan, planner):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", disk_full)
+    model, optimizer = tiny_sharded_model(seed=0)
+    storage = Storage(str(tmp_path / "store"))
+    save_dir = tempfile.TemporaryDirectory(prefix="tuneproof-save-")
+    group = dist.new_group(backend="gloo")
+    worker = SimpleNamespace(
+        rank=0,
+        world_size=1,
+        storage=storage,
+        run_parts=RUN,
+        save_dir=save_dir,
+        saving=start_saving_shards(model, optimizer, progress_at_step(100), save_dir.name, group),
+    )
+    with pytest.raises(CheckpointException, match="No space left"):
+        finetune.complete_checkpoint(worker)  # type: ignore[arg-type]
+    assert not storage.exists(*RUN, checkpoint_dir_name(100), MARKER)
+    assert latest_complete_checkpoint(storage, *RUN) is None
+    assert worker.saving is None  # never waited on twice

@@ -29,6 +29,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -151,14 +152,66 @@ def save_shards(
     trainable_only (LoRA): the frozen base is left out; it is reloaded from the base model on resume.
     """
     import torch.distributed.checkpoint as dcp
+
+    dcp.save(_checkpoint_state(model, optimizer, trainable_only), checkpoint_id=str(local_dir))
+    Path(local_dir, progress.file_name()).write_text(json.dumps(asdict(progress), indent=1))
+    return markers.local_digests(local_dir)
+
+
+@dataclass
+class ShardsInFlight:
+    """A DCP save that `start_saving_shards` began: its files count only after `finish_saving_shards`."""
+
+    progress: TrainingProgress
+    """Taken when the save began; written beside the shards once they are."""
+    local_dir: Path
+    future: Future
+
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+
+def start_saving_shards(
+    model,
+    optimizer,
+    progress: TrainingProgress,
+    local_dir: str | Path,
+    process_group,
+    trainable_only: bool = False,
+) -> ShardsInFlight:
+    """Begin an asynchronous DCP save: this rank's state is copied to CPU memory now (training may change
+    the weights as soon as this returns) and written to local_dir by a background thread. Collective.
+
+    process_group must be a gloo group of its own: the background thread's collectives would otherwise
+    interleave with the training loop's on the default group. Nothing here is complete until
+    finish_saving_shards has waited for the write.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    response = dcp.async_save(
+        _checkpoint_state(model, optimizer, trainable_only), checkpoint_id=str(local_dir), process_group=process_group
+    )
+    # The default stager copies synchronously and returns the write's Future; a staging stager returns both.
+    future = response if isinstance(response, Future) else response.upload_completion
+    return ShardsInFlight(progress, Path(local_dir), future)
+
+
+def finish_saving_shards(saving: ShardsInFlight) -> Digests:
+    """Wait for the background write (re-raising its error), add the progress file, and return this
+    rank's files with size and sha256."""
+    saving.future.result()
+    saving.local_dir.joinpath(saving.progress.file_name()).write_text(json.dumps(asdict(saving.progress), indent=1))
+    return markers.local_digests(saving.local_dir)
+
+
+def _checkpoint_state(model, optimizer, trainable_only: bool) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_state_options(trainable_only))
     if trainable_only:
         model_sd = without_frozen(model, model_sd)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(local_dir))
-    Path(local_dir, progress.file_name()).write_text(json.dumps(asdict(progress), indent=1))
-    return markers.local_digests(local_dir)
+    return {"model": model_sd, "optim": optim_sd}
 
 
 def load_shards(model, optimizer, local_dir: str | Path, rank: int, trainable_only: bool = False) -> TrainingProgress:
@@ -169,14 +222,17 @@ def load_shards(model, optimizer, local_dir: str | Path, rank: int, trainable_on
     keep the values they were loaded with; dcp.load still fails on any trained one the checkpoint lacks.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    options = _state_options(trainable_only)
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-    if trainable_only:
-        model_sd = without_frozen(model, model_sd)
-    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(local_dir))  # fills both dicts in place
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
+    state = _checkpoint_state(model, optimizer, trainable_only)
+    dcp.load(state, checkpoint_id=str(local_dir))  # fills both dicts in place
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=_state_options(trainable_only),
+    )
     own = Path(local_dir, progress_file(rank))
     source = own if own.exists() else Path(local_dir, progress_file(0))
     return TrainingProgress(**json.loads(source.read_text()))

@@ -7,7 +7,9 @@ storage at runs/<run>/train/<run_name>; the same name and storage path resume th
 V2). Each worker: load the base model -> FSDP2 -> restore the latest complete checkpoint, else
 params.init_from, else start fresh -> train (warmup + cosine, grad accumulation, clipping),
 checkpointing every train.checkpoint_every steps and at the end -> rank 0 exports a Hugging Face
-model to runs/<run>/model. Workers hand results back through storage, never as exceptions
+model to runs/<run>/model. A checkpoint's shards are written in the background (asynchronous DCP save)
+while the next step trains; it is completed (Ray upload, then the marker) right after that step, so
+training stalls at most one step per checkpoint and an unfinished save never has a marker. Workers hand results back through storage, never as exceptions
 crossing Ray: runs/<run>/stages/<job>/metrics.jsonl (every step) and outcome.json (how it ended).
 
 Params (ctx.params), checked by TrainParams: dataset (required), run_name, init_from, max_steps,
@@ -32,19 +34,21 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from training import fault_hooks, jobkit
 from training.checkpointing import (
     CheckpointRef,
+    ShardsInFlight,
     TrainingProgress,
     capture_rng,
     check_complete,
     checkpoint_dir_name,
     complete_checkpoints,
+    finish_saving_shards,
     latest_complete_checkpoint,
     load_shards,
     local_copy,
     read_step,
     remove_unmarked,
     restore_rng,
-    save_shards,
     seed_everything,
+    start_saving_shards,
     write_hf_export,
     write_marker,
 )
@@ -310,6 +314,12 @@ class Worker:
     first_step_completed_at: float | None = None
     param_counts: tuple[int, int] = (0, 0)
     """(trainable, total) parameters of the model as set up (base + adapters under LoRA)."""
+    save_group: Any = None
+    """A gloo process group of the checkpoint writer's own (the async DCP save's collectives run on it)."""
+    saving: ShardsInFlight | None = None
+    """The checkpoint whose shards are being written in the background; not complete, no marker yet."""
+    save_dir: tempfile.TemporaryDirectory[str] | None = None
+    """The local directory `saving` writes into; removed once Ray has uploaded it."""
 
     def log(self, message: str) -> None:
         if self.rank == 0:
@@ -345,14 +355,16 @@ def train_loop(loop_config: dict) -> None:
             w.attempt = begin_attempt(w.storage, ctx.stage_parts(), start, w.restored_from)
         for step in range(start + 1, params.max_steps + 1):
             stats = train_step(w, step)
+            complete_checkpoint(w)  # the previous step's save was written while this step ran
             fault_hooks.after_step(w.rank, step)
             record(w, step, stats, start)
             if cause := divergence(stats["loss"], step, ctx.config.train.divergence_loss):
                 return finish(w, start, step, status="diverged", cause=cause)
             if step % params.checkpoint_every == 0 or step == params.max_steps:
-                save_checkpoint(w, step, stats["loss"])
+                save_checkpoint(w, step)
             if step == params.hold_after_checkpoint_step:
                 hold(w, step)
+        complete_checkpoint(w)
         last = max(start, params.max_steps)
         export = export_model(w, last) if params.export else None
         finish(w, start, last, status="completed", export_path=export)
@@ -408,6 +420,7 @@ def setup(ctx: JobContext, params: TrainParams) -> Worker:
         ctx, params, rank, world, device, model, optimizer, batches, schedule, flops_per_token, peak_flops(device)
     )
     w.param_counts = counts
+    w.save_group = dist.new_group(backend="gloo")  # collective: every rank creates it, in the same order
     w.log(f"method {cfg.method}: {counts[0]:,} of {counts[1]:,} parameters train")
     return w
 
@@ -571,28 +584,47 @@ def flush_metrics(w: Worker) -> None:
         w.storage.write_bytes(text.encode(), *w.ctx.stage_parts(METRICS))
 
 
-def save_checkpoint(w: Worker, step: int, loss: float) -> None:
-    """Every rank saves its DCP shards and progress; Ray uploads them; rank 0 then writes the marker."""
+def save_checkpoint(w: Worker, step: int) -> None:
+    """Start this step's checkpoint: every rank's state is copied to memory now and its DCP shards are
+    written in the background while the next step trains; `complete_checkpoint` finishes it."""
+    flush_metrics(w)  # metrics survive an interruption at least up to this checkpoint
+    complete_checkpoint(w)  # at most one save in flight
+    w.save_dir = tempfile.TemporaryDirectory(prefix="tuneproof-save-")
+    w.saving = start_saving_shards(
+        w.model, w.optimizer, progress_at(w, step), w.save_dir.name, w.save_group, trainable_only=w.lora
+    )
+
+
+def complete_checkpoint(w: Worker) -> None:
+    """Wait for the save in flight (if any); Ray uploads its files; rank 0 then writes the marker, last.
+
+    A save that fails or is cut short raises here (or never gets here): no marker, so it never counts.
+    """
     import ray.train
     import torch.distributed as dist
 
-    flush_metrics(w)  # metrics survive an interruption at least up to this checkpoint
-    with tempfile.TemporaryDirectory(prefix="tuneproof-save-") as local_dir:
-        files = save_shards(w.model, w.optimizer, progress_at(w, step), local_dir, trainable_only=w.lora)
+    saving, save_dir, w.saving, w.save_dir = w.saving, w.save_dir, None, None
+    if saving is None or save_dir is None:
+        return
+    began = time.perf_counter()
+    with save_dir:
+        files = finish_saving_shards(saving)
+        waited = time.perf_counter() - began
         every_rank: list[Digests] = [{} for _ in range(w.world_size)]
         dist.all_gather_object(every_rank, files)
         ray.train.report(
-            {"step": step, "loss": finite_or_none(loss)},
-            checkpoint=ray.train.Checkpoint.from_directory(local_dir),
-            checkpoint_dir_name=checkpoint_dir_name(step),
+            {"step": saving.step},
+            checkpoint=ray.train.Checkpoint.from_directory(save_dir.name),
+            checkpoint_dir_name=checkpoint_dir_name(saving.step),
             delete_local_checkpoint_after_upload=False,
         )
     dist.barrier()  # report returns before other ranks finish uploading: wait for all of them
-    fault_hooks.before_marker(w.storage, w.ctx.stage_parts(), w.rank, step)
+    fault_hooks.before_marker(w.storage, w.ctx.stage_parts(), w.rank, saving.step)
     if w.rank == 0:
         listed = {name: digest for files_of_rank in every_rank for name, digest in files_of_rank.items()}
-        write_marker(w.storage, step, listed, *w.run_parts, checkpoint_dir_name(step))
-        w.log(f"checkpoint step {step} complete: {w.storage.uri(*w.run_parts, checkpoint_dir_name(step))}")
+        write_marker(w.storage, saving.step, listed, *w.run_parts, checkpoint_dir_name(saving.step))
+        where = w.storage.uri(*w.run_parts, checkpoint_dir_name(saving.step))
+        w.log(f"checkpoint step {saving.step} complete: {where} (waited {waited:.2f}s for the background write)")
 
 
 def progress_at(w: Worker, step: int) -> TrainingProgress:
@@ -612,7 +644,9 @@ def progress_at(w: Worker, step: int) -> TrainingProgress:
 
 
 def hold(w: Worker, step: int) -> None:
-    """Resume-test interruption point: announce, then sleep until the job is stopped."""
+    """Resume-test interruption point: the checkpoint is made complete, announced, then every rank sleeps
+    until the job is stopped."""
+    complete_checkpoint(w)
     if w.rank == 0:
         jobkit.progress("finetune", step, w.params.max_steps, holding=True)
     w.log(f"HOLDING after checkpoint step {step}")
