@@ -228,7 +228,11 @@ def s3_down(lab: Lab) -> FaultRow:
         ok = compared["same_as_reference"] and len(proxy.outages) == 2 and dataset_ok and not incomplete
         outcome = "survived" if ok else "FAILED"
     else:  # the fault won: it must be an infrastructure failure that names the endpoint
-        named = rec is not None and out.failure_class == "infrastructure" and proxy.url in (rec.cause or "")
+        named = (
+            rec is not None
+            and out.failure_class == "infrastructure"
+            and proxy.url.removeprefix("http://") in (rec.cause or "")
+        )
         outcome = "failed-as-expected" if named else "FAILED"
     return FaultRow(
         fault="s3-down",
