@@ -131,6 +131,8 @@ class Storage:
         base = self.path(*parts).rstrip("/")
         for remote in self.fs.find(base):
             rel = remote[len(base) :].lstrip("/")
+            if not rel or remote.endswith("/"):
+                continue  # a directory marker object (pyarrow's create_dir writes one): no file to copy
             if ".." in rel.split("/"):
                 # An object key is any string; one with '..' would be written outside local_dir.
                 raise UnsafePath(f"object {remote!r} under {self.uri(*parts)} has a '..' segment; refusing to copy it")
