@@ -132,20 +132,15 @@ def failed_row(sc: Scenario, error: BaseException, seconds: float) -> FaultRow:
 
 @dataclass
 class RunOutcome:
-    """How one `tuneproof run` ended: exit code, its record (when one was written), its wall time."""
+    """How one `tuneproof run` ended: exit code, its record as the run left it, its wall time."""
 
     run_id: str
     exit_code: int
     seconds: float
     output: str
     storage: Storage
-
-    @property
-    def record(self) -> records.RunRecord | None:
-        try:
-            return records.load(self.storage, self.run_id)
-        except FileNotFoundError:
-            return None
+    record: records.RunRecord | None = None
+    """Read when the run ended: a later run of the same id (a continuation) does not change it."""
 
     @property
     def failure_class(self) -> str | None:
@@ -178,7 +173,12 @@ class RunProcess:
             self.proc.kill()
             code = self.proc.wait()
         output = self.log.read_text(errors="replace")
-        return RunOutcome(self.run_id, code, time.monotonic() - self.started, output, self.storage)
+        seconds = time.monotonic() - self.started
+        try:
+            record = records.load(self.storage, self.run_id)
+        except FileNotFoundError:
+            record = None
+        return RunOutcome(self.run_id, code, seconds, output, self.storage, record)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
