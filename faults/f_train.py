@@ -155,11 +155,11 @@ def disk_full(lab: Lab) -> FaultRow:
         full = lab.run(run_id, only=("finetune",), storage_root=root)
         rec = full.record
         cause = (rec.cause if rec else None) or ""
-        from training.checkpointing import check_complete, latest_complete_checkpoint
+        from training.checkpointing import check_complete, latest_complete_checkpoint, step_of
 
         # The fine-tune is the run's second invocation: its Ray Train run is <run>-r2 (the only one).
         train = ("runs", run_id, "train", *full.storage.listdir("runs", run_id, "train")[:1])
-        ckpts = [n for n in full.storage.listdir(*train) if n.startswith("checkpoint_")]
+        ckpts = [n for n in full.storage.listdir(*train) if step_of(n) is not None]
         first_name = ckpts[0] if ckpts else "checkpoint_000010"
         intact = check_complete(full.storage, *train, first_name) is None
         latest = latest_complete_checkpoint(full.storage, *train)
