@@ -155,12 +155,14 @@ def disk_full(lab: Lab) -> FaultRow:
         full = lab.run(run_id, only=("finetune",), storage_root=root)
         rec = full.record
         cause = (rec.cause if rec else None) or ""
-        ckpts = sorted(full.storage.listdir("runs", run_id, "train", run_id))
-        from training.checkpointing import check_complete, latest_complete_checkpoint
+        from training.checkpointing import check_complete, latest_complete_checkpoint, step_of
 
+        # The fine-tune is the run's second invocation: its Ray Train run is <run>-r2 (the only one).
+        train = ("runs", run_id, "train", *full.storage.listdir("runs", run_id, "train")[:1])
+        ckpts = [n for n in full.storage.listdir(*train) if step_of(n) is not None]
         first_name = ckpts[0] if ckpts else "checkpoint_000010"
-        intact = check_complete(full.storage, "runs", run_id, "train", run_id, first_name) is None
-        latest = latest_complete_checkpoint(full.storage, "runs", run_id, "train", run_id)
+        intact = check_complete(full.storage, *train, first_name) is None
+        latest = latest_complete_checkpoint(full.storage, *train)
         # Usable: free the space and continue the same Ray Train run; it must resume from that checkpoint.
         (mount / "ballast").unlink()
         again = lab.run(run_id, only=("finetune",), storage_root=root, sets=["train.continue_previous=true"])
@@ -206,11 +208,12 @@ def s3_down(lab: Lab) -> FaultRow:
 
     from faults.proxy import FlakyProxy
     from training.checkpointing import check_complete
-    from tuneproof.app.servers import FAKE_AWS, moto_server
+    from tuneproof.app.servers import FAKE_AWS, environ, moto_server
 
     lab.reference()
     outage_s = 30
-    with moto_server() as upstream, FlakyProxy(int(upstream.rsplit(":", 1)[1])) as proxy:
+    # This process reads the run's storage too (record, checkpoints): with the server's fake credentials.
+    with environ(FAKE_AWS), moto_server() as upstream, FlakyProxy(int(upstream.rsplit(":", 1)[1])) as proxy:
         creds = {"aws_access_key_id": FAKE_AWS["AWS_ACCESS_KEY_ID"], "aws_secret_access_key": "testing"}
         boto3.client("s3", endpoint_url=upstream, region_name="us-east-1", **creds).create_bucket(Bucket=S3_BUCKET)
         proxy.arm(re.compile(rb"^PUT \S*/datasets/"), outage_s)
@@ -228,7 +231,11 @@ def s3_down(lab: Lab) -> FaultRow:
         ok = compared["same_as_reference"] and len(proxy.outages) == 2 and dataset_ok and not incomplete
         outcome = "survived" if ok else "FAILED"
     else:  # the fault won: it must be an infrastructure failure that names the endpoint
-        named = rec is not None and out.failure_class == "infrastructure" and proxy.url in (rec.cause or "")
+        named = (
+            rec is not None
+            and out.failure_class == "infrastructure"
+            and proxy.url.removeprefix("http://") in (rec.cause or "")
+        )
         outcome = "failed-as-expected" if named else "FAILED"
     return FaultRow(
         fault="s3-down",

@@ -132,20 +132,15 @@ def failed_row(sc: Scenario, error: BaseException, seconds: float) -> FaultRow:
 
 @dataclass
 class RunOutcome:
-    """How one `tuneproof run` ended: exit code, its record (when one was written), its wall time."""
+    """How one `tuneproof run` ended: exit code, its record as the run left it, its wall time."""
 
     run_id: str
     exit_code: int
     seconds: float
     output: str
     storage: Storage
-
-    @property
-    def record(self) -> records.RunRecord | None:
-        try:
-            return records.load(self.storage, self.run_id)
-        except FileNotFoundError:
-            return None
+    record: records.RunRecord | None = None
+    """Read when the run ended: a later run of the same id (a continuation) does not change it."""
 
     @property
     def failure_class(self) -> str | None:
@@ -178,7 +173,12 @@ class RunProcess:
             self.proc.kill()
             code = self.proc.wait()
         output = self.log.read_text(errors="replace")
-        return RunOutcome(self.run_id, code, time.monotonic() - self.started, output, self.storage)
+        seconds = time.monotonic() - self.started
+        try:
+            record = records.load(self.storage, self.run_id)
+        except FileNotFoundError:
+            record = None
+        return RunOutcome(self.run_id, code, seconds, output, self.storage, record)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -291,14 +291,35 @@ def lab(workdir: Path) -> Iterator[Lab]:
     workdir.mkdir(parents=True, exist_ok=True)
     model_dir = workdir / "base-models" / "tiny-qwen2"
     ensure_tiny_model(str(model_dir), str(PROJECT_ROOT / "data" / "dates" / "dates.jsonl"))
-    # The head's environment (so every job's) has the fake S3 credentials, as pods get theirs from IRSA.
-    with environ(FAKE_AWS):
-        head = start_ray_head(workdir / "ray-state", num_cpus=4, dashboard_port=free_port(), wait_s=600)
+    head = start_head(workdir / "ray-state")
     try:
         with prefect_server(workdir / "prefect-home", wait_s=600) as url:
             yield Lab(workdir, head, url, model_dir)
     finally:
         head.stop()
+
+
+RAY_STARTED = "Ray runtime started"
+"""What `ray start` logs once the node registered (after the dashboard may already answer)."""
+
+
+def start_head(state: Path, attempts: int = 3) -> RayHead:
+    """A Ray head that finished starting. On a busy machine its raylet can miss Ray's fixed 30 s
+    registration window after the dashboard already answers; the head then exits, and is started again."""
+    log = state / "ray-head.log"
+    for attempt in range(1, attempts + 1):
+        started_before = log.read_text(errors="replace").count(RAY_STARTED) if log.exists() else 0
+        # The head's environment (so every job's) has the fake S3 credentials, as pods get theirs from IRSA.
+        with environ(FAKE_AWS):
+            head = start_ray_head(state, num_cpus=4, dashboard_port=free_port(), wait_s=600)
+        deadline = time.monotonic() + 120
+        while head.alive() and time.monotonic() < deadline:
+            if log.read_text(errors="replace").count(RAY_STARTED) > started_before:
+                return head
+            time.sleep(1)
+        head.stop()
+        print(f"the Ray head did not finish starting (attempt {attempt} of {attempts})", flush=True)
+    raise RuntimeError(f"the Ray head did not start in {attempts} attempts; log: {log}")
 
 
 # ---------------------------------------------------------------- report

@@ -504,6 +504,22 @@ def test_s3_mirror_refuses_a_key_with_dotdot(s3_endpoint, tmp_path):
     assert not (tmp_path / "escape.txt").exists() and not (tmp_path / "mirror" / "escape.txt").exists()
 
 
+@pytest.mark.integration
+def test_s3_mirror_skips_directory_marker_objects(s3_endpoint, tmp_path):
+    """pyarrow's create_dir (Ray Train's checkpoint directories) writes empty 'dir/' keys: they are not files."""
+    from tests.conftest import TEST_BUCKET
+
+    storage = Storage(f"s3://{TEST_BUCKET}/markers", s3_endpoint)
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3_endpoint)
+    client.put_object(Bucket=TEST_BUCKET, Key="markers/checkpoint_000010/", Body=b"")
+    client.put_object(Bucket=TEST_BUCKET, Key="markers/checkpoint_000010/sub/", Body=b"")
+    client.put_object(Bucket=TEST_BUCKET, Key="markers/checkpoint_000010/sub/a.bin", Body=b"a")
+    mirror = storage.download_dir(tmp_path / "mirror", "checkpoint_000010")
+    assert sorted(p.relative_to(mirror).as_posix() for p in mirror.rglob("*") if p.is_file()) == ["sub/a.bin"]
+
+
 def test_the_suite_is_big_enough():
     total = len(CLI_CASES) + len(DATA_CASES) + len(MODEL_CASES) + len(STORAGE_PATH_CASES) + 4  # + the 4 Storage roots
     assert total >= 60, total

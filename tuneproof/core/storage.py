@@ -20,7 +20,7 @@ import fsspec
 from tuneproof.core.names import check_storage_root
 
 S3_MAX_ATTEMPTS = 12
-"""Attempts per S3 request, in both clients (s3fs/botocore and pyarrow's, which Ray Train uses): the
+"""Attempts per S3 request (s3fs/botocore, which Ray Train uses too: see train_storage): the
 'standard' retry mode waits an exponential, jittered backoff of at most 20 s between them, so an endpoint
 that is unreachable for half a minute or so (a restart) is waited out, and a longer outage fails with
 the client's error, which names the endpoint (a job's failure is then classed infrastructure)."""
@@ -131,6 +131,8 @@ class Storage:
         base = self.path(*parts).rstrip("/")
         for remote in self.fs.find(base):
             rel = remote[len(base) :].lstrip("/")
+            if not rel or remote.endswith("/"):
+                continue  # a directory marker object (pyarrow's create_dir writes one): no file to copy
             if ".." in rel.split("/"):
                 # An object key is any string; one with '..' would be written outside local_dir.
                 raise UnsafePath(f"object {remote!r} under {self.uri(*parts)} has a '..' segment; refusing to copy it")
@@ -143,23 +145,16 @@ class Storage:
     def train_storage(self, *parts: str) -> tuple[Any, str]:
         """(pyarrow filesystem or None, storage_path) for ray.train.RunConfig.
 
-        With a filesystem object Ray wants 'bucket/path' without the scheme.
+        On S3 the filesystem is this storage's own s3fs seen through pyarrow (PyFileSystem over
+        FSSpecHandler, the pattern Ray documents for custom filesystems): it reaches Ray Train's workers
+        with its bounded retries (S3_MAX_ATTEMPTS), which pyarrow's S3FileSystem would lose, since its
+        pickle drops retry_strategy and timeouts. With a filesystem object Ray wants 'bucket/path'.
         """
         if not self.is_s3:
             return None, self.path(*parts)
         from pyarrow import fs as pafs
 
-        kwargs: dict[str, Any] = {}
-        if self.endpoint_url:
-            parsed = urlparse(self.endpoint_url)
-            kwargs = {"endpoint_override": parsed.netloc, "scheme": parsed.scheme or "https"}
-        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-        if region:
-            kwargs["region"] = region
-        retries = pafs.AwsStandardS3RetryStrategy(max_attempts=S3_MAX_ATTEMPTS)
-        return pafs.S3FileSystem(
-            retry_strategy=retries, connect_timeout=S3_CONNECT_TIMEOUT_S, request_timeout=S3_REQUEST_TIMEOUT_S, **kwargs
-        ), self.path(*parts)
+        return pafs.PyFileSystem(pafs.FSSpecHandler(self.fs)), self.path(*parts)
 
 
 class UnsafePath(ValueError):
