@@ -17,15 +17,13 @@ import secrets
 import shutil
 import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tuneproof.app.local import free_port, ray_env, start_ray_head
+from tuneproof.app.local import free_port, ray_env, start_ray_head, wait_http
 
 # Never reach a hub from tests; fail loudly instead of hanging on a network call.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -84,7 +82,7 @@ def s3_endpoint():
     saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
     try:
-        _wait_http(url, 30)
+        wait_http(url, 30)
         import boto3
 
         boto3.client("s3", endpoint_url=url).create_bucket(Bucket=TEST_BUCKET)
@@ -97,19 +95,6 @@ def s3_endpoint():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def _wait_http(url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            return
-        except urllib.error.HTTPError:
-            return
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError(f"{url} did not answer within {timeout}s")
 
 
 def tuneproof(*args: str):
@@ -147,7 +132,7 @@ def prefect_server(tmp_path_factory):
         start_new_session=True,
     )
     try:
-        _wait_http(f"{url}/api/health", 120)
+        wait_http(f"{url}/api/health", 120)
         with temporary_settings({PREFECT_API_URL: f"{url}/api", PREFECT_UI_API_URL: f"{url}/api"}):
             yield url
             # Ship the last logs and events while the server is still there; a worker left holding

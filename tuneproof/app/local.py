@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -157,6 +158,20 @@ def _wait_for_jobs_api(head: RayHead, wait_s: float) -> None:
             last = str(e)
         time.sleep(1.0)
     raise TimeoutError(f"ray dashboard at {head.address} did not answer within {wait_s:.0f}s (last error: {last})")
+
+
+def wait_http(url: str, timeout: float) -> None:
+    """Wait until something answers HTTP at `url` (any status counts: a 404 still means it is up)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except urllib.error.HTTPError:
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer within {timeout:.0f}s")
 
 
 def pid_alive(pid: int) -> bool:
