@@ -1,12 +1,13 @@
 # tuneproof — the two commands a newcomer needs:
 #   make demo   set everything up, start the embedded cluster, run the whole pipeline
 #   make test   set everything up and run the test suite
+#   make bench  tuneproof measured against the bare stack (bench/run.py; 30-40 min on 2 cores)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TP := $(VENV)/bin/tuneproof
 PYTHON ?= python3
 
-.PHONY: setup browser demo test test-fast lint up down clean
+.PHONY: setup browser demo test test-fast lint up down clean bench
 
 setup: $(VENV)/.installed
 
@@ -39,6 +40,12 @@ browser:
 
 test-fast: setup lint
 	$(PY) -m pytest -q -m "not integration and not browser"
+
+# The full run caps the largest scaling sizes (1M rows, 10,000 eval examples take too long on 2 shared
+# cores); `make bench BENCH_ARGS=` runs them all, `BENCH_ARGS="--quick"` a smoke run. Writes bench/out/.
+BENCH_ARGS ?= --max-rows 100000 --max-eval 1000
+bench: setup
+	$(PY) -m bench.run $(BENCH_ARGS)
 
 up: setup
 	$(TP) local up
