@@ -40,7 +40,7 @@ def bare_step(bench: Bench, storage, dataset: str, steps: int, workers: int, tag
 def run(bench: Bench, repeats: int, quick: bool) -> BenchResult:
     storage = bench.fresh_dir("finetune-step")
     dataset, _ = prepare_dataset(bench, storage)
-    steps = 20 if quick else 40
+    steps = 10 if quick else 20
 
     def ours(i: int) -> float:
         s = ours_step(bench, storage, dataset, steps, 2, f"ft-{i}")

@@ -47,6 +47,8 @@ class JobRun:
     summary: dict[str, Any] | None
     status: str
     lines: list[str] = field(default_factory=list)
+    startup_s: float | None = None
+    """Seconds from submission to the stage body's first line ('[tuneproof] ...'): job and process start-up."""
 
 
 @dataclass
@@ -87,7 +89,14 @@ class Bench:
         models: dict[str, type[Summary]] = {"training.data_prep": DataSummary, "training.finetune": FinetuneSummary}
         summary = models[module]
         lines: list[str] = []
-        runner = RayJobRunner(cfg, run_id, on_line=lines.append, poll_s=0.5, client=job_client(cfg, auth_headers(cfg)))
+        first_body_line: list[float] = []
+
+        def on_line(line: str) -> None:
+            if not first_body_line and line.startswith(("[tuneproof]", "progress ")):
+                first_body_line.append(time.time())
+            lines.append(line)
+
+        runner = RayJobRunner(cfg, run_id, on_line=on_line, poll_s=0.5, client=job_client(cfg, auth_headers(cfg)))
         submitted = time.time()
         began = time.perf_counter()
         entry = runner.run(JobSpec(job, module, 1800, summary, params or {}))
@@ -96,7 +105,8 @@ class Bench:
         if result.status != "succeeded":
             tail = "\n".join(lines[-30:])
             raise RuntimeError(f"{module} job {entry.submission_id} {result.status}: {result.cause}\n{tail}")
-        return JobRun(seconds, submitted, result.summary, result.status, lines)
+        startup = first_body_line[0] - submitted if first_body_line else None
+        return JobRun(seconds, submitted, result.summary, result.status, lines, startup)
 
     def env(self) -> dict[str, str]:
         """Environment for a process that joins this cluster (a bare driver, `ray job submit`)."""

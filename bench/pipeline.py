@@ -76,7 +76,7 @@ def stage_work(storage: Path, run_id: str, entry: dict, tokenize_s: float) -> tu
 def breakdown(storage: Path, run_id: str, wall: float, tokenize_s: float) -> dict:
     record = json.loads((storage / "runs" / run_id / "record.json").read_text())
     stages = {}
-    for entry in record["stages"].values() if isinstance(record["stages"], dict) else record["stages"]:
+    for entry in sorted(record["stages"].values(), key=lambda e: e["started_at"]):  # pipeline order
         seconds = seconds_between(entry["started_at"], entry["ended_at"])
         work, what = stage_work(storage, run_id, entry, tokenize_s)
         stages[entry["stage"]] = {

@@ -2,8 +2,8 @@
 
     python -m bench.run --only resume
 
-Each round trains a fresh run cold for 10 steps (a checkpoint at step 10, no export), then submits
-it again with max_steps 13: the second job restores step 10's DCP checkpoint (model, optimizer,
+Each round trains a fresh run cold for 4 steps (a checkpoint at step 4, no export), then submits
+it again with max_steps 6: the second job restores step 4's DCP checkpoint (model, optimizer,
 RNG, data position) and trains on. Both are the fine-tune stage's job as the pipeline submits it;
 the time is from just before submission to the `time` rank 0 logged for the job's first step
 (metrics.jsonl). What a resume adds over a cold start is finding and downloading the checkpoint and
@@ -16,7 +16,7 @@ from bench.common import BenchResult, Target, compare, interleave, say
 from bench.harness import Bench, prepare_dataset, read_metrics
 
 TARGET = Target("<=", 2)
-COLD_STEPS, MORE_STEPS = 10, 3
+COLD_STEPS, MORE_STEPS = 4, 2
 
 
 def to_first_step(bench: Bench, storage, dataset: str, run_name: str, job: str, max_steps: int) -> float:
