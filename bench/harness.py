@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -96,10 +97,20 @@ class Bench:
                 first_body_line.append(time.time())
             lines.append(line)
 
-        runner = RayJobRunner(cfg, run_id, on_line=on_line, poll_s=0.5, client=job_client(cfg, auth_headers(cfg)))
         submitted = time.time()
         began = time.perf_counter()
-        entry = runner.run(JobSpec(job, module, 1800, summary, params or {}))
+        for attempt in range(3):
+            # A dropped dashboard connection (OSError) on a loaded machine: following again re-attaches to
+            # the same submission (its id is the run's and the job's), the time keeps running.
+            try:
+                client = job_client(cfg, auth_headers(cfg))
+                runner = RayJobRunner(cfg, run_id, on_line=on_line, poll_s=0.5, client=client)
+                entry = runner.run(JobSpec(job, module, 1800, summary, params or {}))
+                break
+            except OSError:
+                if attempt == 2:
+                    raise
+                time.sleep(5)
         seconds = time.perf_counter() - began
         result = entry.result
         if result.status != "succeeded":
@@ -132,7 +143,7 @@ def job_client(cfg: PipelineConfig, headers: dict[str, str] | None):
     for attempt in range(3):
         try:
             return JobSubmissionClient(cfg.cluster.address, headers=headers)
-        except ConnectionError:
+        except OSError:  # ConnectionError, and requests' errors, are OSErrors
             if attempt == 2:
                 raise
             time.sleep(5)
@@ -164,24 +175,35 @@ def bench_cluster(num_cpus: int = 4, ray: bool = True) -> Iterator[Bench]:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def wait_for_job_agent(head, timeout: float = 180) -> None:
-    """Submit a no-op job until one succeeds: a fresh head answers HTTP before its job agent takes jobs."""
+def wait_for_job_agent(head, timeout: float = 300) -> None:
+    """Run a no-op job to its end: a fresh head answers HTTP before its job agent takes jobs, and on a
+    loaded machine its dashboard drops connections for a while (RuntimeError from the SDK, OSError
+    from requests); both are retried until `timeout`."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    client = JobSubmissionClient(head.address, headers={"Authorization": f"Bearer {head.token()}"})
     deadline = time.monotonic() + timeout
+    sid = f"bench-warmup-{secrets.token_hex(4)}"
     while True:
         try:
-            sid = client.submit_job(entrypoint="python -c pass")
-            break
-        except RuntimeError as e:
+            client = JobSubmissionClient(head.address, headers={"Authorization": f"Bearer {head.token()}"})
+            if client_status(client, sid) is None:
+                client.submit_job(entrypoint="python -c pass", submission_id=sid)
+            if client.get_job_status(sid) in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
+                return
+        except (RuntimeError, OSError) as e:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the Ray head at {head.address} took no job within {timeout:.0f} s: {e}") from e
-            time.sleep(2)
-    while client.get_job_status(sid) not in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the Ray head at {head.address} did not finish a no-op job within {timeout:.0f} s")
-        time.sleep(1)
+                raise TimeoutError(f"the Ray head at {head.address} ran no job within {timeout:.0f} s: {e}") from e
+        time.sleep(2)
+
+
+def client_status(client, sid: str):
+    """The job's status, or None when no job has that id."""
+    try:
+        return client.get_job_status(sid)
+    except RuntimeError as e:
+        if "does not exist" in str(e) or "404" in str(e):
+            return None
+        raise
 
 
 @contextlib.contextmanager
