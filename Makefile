@@ -1,12 +1,13 @@
 # tuneproof — the two commands a newcomer needs:
 #   make demo   set everything up, start the embedded cluster, run the whole pipeline
 #   make test   set everything up and run the test suite
+#   make bench  tuneproof measured against the bare stack (bench/run.py; 30-40 min on 2 cores)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TP := $(VENV)/bin/tuneproof
 PYTHON ?= python3
 
-.PHONY: setup browser demo test test-fast lint faults up down clean
+.PHONY: setup browser demo test test-fast lint faults bench up down clean
 
 setup: $(VENV)/.installed
 
@@ -44,6 +45,12 @@ test-fast: setup lint
 # table; also bench/out/faults.json. About ten minutes on 2 cores; not part of `make test`.
 faults: setup
 	$(PY) -m faults
+
+# The full run caps the largest scaling sizes (1M rows, 10,000 eval examples take too long on 2 shared
+# cores); `make bench BENCH_ARGS=` runs them all, `BENCH_ARGS="--quick"` a smoke run. Writes bench/out/.
+BENCH_ARGS ?= --max-rows 100000 --max-eval 1000
+bench: setup
+	$(PY) -m bench.run $(BENCH_ARGS)
 
 up: setup
 	$(TP) local up

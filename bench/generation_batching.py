@@ -42,6 +42,27 @@ def timed(fn) -> tuple[float, list[str]]:
     return time.perf_counter() - start, out
 
 
+def measure(examples: int, repeats: int, batch_size: int) -> dict[str, list[float]]:
+    """Seconds of batched and of one-by-one generation, interleaved; raises if their answers differ."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = Path(tempfile.gettempdir()) / "tuneproof-bench-model"
+    ensure_tiny_model(model_dir, DATA)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    texts = prompts(tokenizer, examples)
+
+    batched, single = [], []
+    for _ in range(repeats):  # interleaved so both see the same machine load
+        t_b, out_b = timed(lambda: generate(model, tokenizer, texts, 16, batch_size))
+        t_s, out_s = timed(lambda: generate(model, tokenizer, texts, 16, 1))
+        batched.append(t_b)
+        single.append(t_s)
+        if out_b != out_s:
+            raise AssertionError("batched answers differ from one-at-a-time answers")
+    return {"batched": batched, "one_by_one": single}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--examples", type=int, default=200)
@@ -49,22 +70,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     args = parser.parse_args()
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model_dir = Path(tempfile.gettempdir()) / "tuneproof-bench-model"
-    ensure_tiny_model(model_dir, DATA)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    texts = prompts(tokenizer, args.examples)
-
-    batched, single = [], []
-    for _ in range(args.repeats):  # interleaved so both see the same machine load
-        t_b, out_b = timed(lambda: generate(model, tokenizer, texts, 16, args.batch_size))
-        t_s, out_s = timed(lambda: generate(model, tokenizer, texts, 16, 1))
-        batched.append(t_b)
-        single.append(t_s)
-        assert out_b == out_s, "batched answers differ from one-at-a-time answers"
-    b, s = statistics.median(batched), statistics.median(single)
+    measured = measure(args.examples, args.repeats, args.batch_size)
+    b, s = statistics.median(measured["batched"]), statistics.median(measured["one_by_one"])
     print(f"examples={args.examples} batch_size={args.batch_size} repeats={args.repeats}")
     print(f"batched   median {b:.3f} s")
     print(f"one-by-one median {s:.3f} s")

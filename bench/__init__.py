@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m bench.run` (make bench) and the GPU scripts; see bench/run.py."""

@@ -1,0 +1,172 @@
+"""checkpoint: DCP save throughput vs a raw sequential write of the same bytes to the same storage. >= 0.5.
+
+    python -m bench.run --only checkpoint
+
+One process, one gloo rank, a Qwen2 of 4 layers at hidden 256 (random weights, built from a config:
+about 3.4 M parameters, so with AdamW's two moments each checkpoint is about 40 MB), trained one
+step so the optimizer state exists. Ours is what a fine-tune checkpoint costs a rank: DCP save of
+model + optimizer + progress into a local directory (training.checkpointing.save_shards, which also
+hashes every file), the upload Ray Train does (pyarrow.fs.copy_files to the storage path), and the
+completion marker (training.checkpointing.write_marker, which lists what is stored). Bare writes
+the same number of bytes as one object: a local file, or one S3 PUT (boto3) to moto on 127.0.0.1.
+Throughput = bytes / seconds; ratio = ours / bare, local and S3 each measured, the worse one judged.
+
+Asynchronous save (training stalled at most one step per checkpoint) is branch perf's work; until
+training.checkpointing offers it, this reports it as not yet measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import BenchResult, Spread, Target, interleave, ratio, say
+from bench.harness import S3_BUCKET, moto_server
+
+TARGET = Target(">=", 0.5)
+
+
+@contextlib.contextmanager
+def one_rank():
+    """A world of one gloo rank in this process (what DCP and fully_shard need)."""
+    import torch.distributed as dist
+
+    from tuneproof.app.local import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def trained_model():
+    """A sharded Qwen2 and its AdamW after one step (so the optimizer has state to save)."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    model = Qwen2ForCausalLM(config)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 512, (4, 32))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def progress():
+    from training.checkpointing import TrainingProgress, capture_rng
+
+    return TrainingProgress(
+        step=1, epoch=0, batch_in_epoch=1, seed=0, rank=0, world_size=1, schedule={}, rng=capture_rng()
+    )
+
+
+def save_ours(model, optimizer, storage, name: str) -> tuple[int, float]:
+    """(bytes, seconds) of one checkpoint as a fine-tune rank makes it."""
+    from pyarrow import fs as pafs
+
+    from training.checkpointing import save_shards, write_marker
+
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="tp-bench-ckpt-") as local:
+        files = save_shards(model, optimizer, progress(), local)
+        filesystem, path = storage.train_storage("ckpt", name)
+        if filesystem is None:
+            Path(path).mkdir(parents=True, exist_ok=True)  # pyarrow's local copy does not create the target
+        pafs.copy_files(local, path, destination_filesystem=filesystem or pafs.LocalFileSystem())
+        write_marker(storage, 1, files, "ckpt", name)
+        size = sum(p.stat().st_size for p in Path(local).rglob("*") if p.is_file())
+    return size, time.perf_counter() - began
+
+
+def write_bare(storage, size: int, name: str, s3_url: str | None) -> float:
+    """Seconds to write `size` bytes as one object/file at the same storage."""
+    import os
+
+    blob = os.urandom(size)
+    began = time.perf_counter()
+    if s3_url:
+        import boto3
+
+        key = storage.path("raw", name).split("/", 1)[1]
+        boto3.client("s3", endpoint_url=s3_url).put_object(Bucket=S3_BUCKET, Key=key, Body=blob)
+    else:
+        target = Path(storage.path("raw", name))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(blob)
+    return time.perf_counter() - began
+
+
+def measure(where: str, storage, s3_url: str | None, model, optimizer, repeats: int) -> dict:
+    sizes: list[int] = []
+
+    def ours(i: int) -> float:
+        size, seconds = save_ours(model, optimizer, storage, f"ours-{i}")
+        sizes.append(size)
+        say(f"  checkpoint {where} ours #{i}: {size / 1e6:.1f} MB in {seconds:.2f} s = {size / seconds / 1e6:.0f} MB/s")
+        return size / seconds
+
+    def bare(i: int) -> float:
+        size = sizes[-1]
+        seconds = write_bare(storage, size, f"bare-{i}", s3_url)
+        say(f"  checkpoint {where} bare #{i}: {size / 1e6:.1f} MB in {seconds:.2f} s = {size / seconds / 1e6:.0f} MB/s")
+        return size / seconds
+
+    measured = interleave({"ours": ours, "bare": bare}, repeats)
+    a, b = Spread.of(measured["ours"]), Spread.of(measured["bare"])
+    return {
+        "ratio": round(ratio(a.median, b.median), 4),
+        "ours_bytes_per_s": vars(a),
+        "bare_bytes_per_s": vars(b),
+        "bytes": sizes[-1],
+    }
+
+
+def async_stall() -> str:
+    import training.checkpointing as ckpt
+
+    if any("async" in name for name in dir(ckpt)):
+        return "training.checkpointing has an async save: measure steps stalled per checkpoint here (not wired yet)"
+    return "not yet measured: asynchronous DCP save has not landed (branch perf)"
+
+
+def run(bench, repeats: int, quick: bool) -> BenchResult:
+    from tuneproof.core.storage import Storage
+
+    results = {}
+    with one_rank():
+        model, optimizer = trained_model()
+        local = Storage(str(bench.fresh_dir("checkpoint-store")))
+        results["local"] = measure("local", local, None, model, optimizer, repeats)
+        with moto_server() as url:
+            s3 = Storage(f"s3://{S3_BUCKET}/checkpoint-bench", url)
+            results["s3"] = measure("s3", s3, url, model, optimizer, repeats)
+    worst = min(results.values(), key=lambda r: r["ratio"])["ratio"]
+    return BenchResult(
+        ratio=worst,
+        target=TARGET.text(),
+        ok=TARGET.met(worst),
+        repeats=repeats,
+        details={
+            **results,
+            "judged": "the worse of local and s3",
+            "miss": TARGET.miss(worst),
+            "async_stall": async_stall(),
+        },
+    )

@@ -1,0 +1,133 @@
+"""bench/common.py: interleaving, spreads, ratios against targets, slopes and the summary file.
+
+Nothing here is timed: the measurements are made up, so the tests say what is done with them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench.common import (
+    BenchResult,
+    Spread,
+    Target,
+    compare,
+    curve_table,
+    interleave,
+    loglog_slope,
+    table,
+    write_summary,
+)
+
+
+def test_interleave_alternates_the_sides_round_by_round():
+    calls: list[tuple[str, int]] = []
+
+    def side(name: str, value: float):
+        def run(round_: int) -> float:
+            calls.append((name, round_))
+            return value + round_
+
+        return run
+
+    measured = interleave({"ours": side("ours", 10), "bare": side("bare", 1)}, repeats=3)
+
+    assert calls == [("ours", 0), ("bare", 0), ("ours", 1), ("bare", 1), ("ours", 2), ("bare", 2)]
+    assert measured == {"ours": [10, 11, 12], "bare": [1, 2, 3]}
+
+
+def test_interleave_refuses_zero_repeats():
+    with pytest.raises(ValueError, match="--repeats must be at least 1, got 0"):
+        interleave({"a": lambda r: 1.0}, 0)
+
+
+def test_spread_is_min_median_max():
+    s = Spread.of([3.0, 1.0, 10.0, 2.0])
+    assert (s.n, s.min, s.median, s.max) == (4, 1.0, 2.5, 10.0)
+    with pytest.raises(ValueError, match="ran 0 times"):
+        Spread.of([])
+
+
+def test_a_cost_target_holds_at_or_below_and_a_speed_target_at_or_above():
+    assert Target("<=", 1.05).met(1.05) and not Target("<=", 1.05).met(1.06)
+    assert Target(">=", 0.6).met(0.6) and not Target(">=", 0.6).met(0.59)
+    assert Target("<=", 2).miss(1.5) is None
+    assert Target("<=", 1.2).miss(2.4) == "ratio 2.4 misses <= 1.2 by a factor of 2.00"
+    assert Target(">=", 0.6).miss(0.2) == "ratio 0.2 misses >= 0.6 by a factor of 3.00"
+
+
+def test_compare_is_the_ratio_of_medians_with_its_verdict():
+    result = compare([2.0, 2.2, 9.0], [2.0, 1.0, 1.1], Target("<=", 1.05), unit="s")
+
+    assert result.ratio == pytest.approx(2.2 / 1.1)
+    assert (result.target, result.ok, result.repeats) == ("<= 1.05", False, 3)
+    assert result.details["ours"] == {"n": 3, "min": 2.0, "median": 2.2, "max": 9.0}
+    assert result.details["unit"] == "s"
+    assert "misses <= 1.05" in result.details["miss"]
+
+
+def test_a_bare_side_of_zero_gives_an_infinite_ratio_that_misses_a_cost_target():
+    result = compare([1.0], [0.0], Target("<=", 2))
+    assert result.ratio == math.inf and result.ok is False
+
+
+def test_loglog_slope_recovers_the_power():
+    assert loglog_slope([10, 100, 1000], [1, 10, 100]) == pytest.approx(1.0)
+    assert loglog_slope([1, 2, 4], [3, 3, 3]) == pytest.approx(0.0)
+    assert loglog_slope([1, 2, 4], [1, 4, 16]) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize(
+    ("xs", "ys", "message"),
+    [([1], [1], "at least two"), ([0, 1], [1, 2], "positive"), ([5, 5], [1, 2], "two different sizes")],
+)
+def test_loglog_slope_refuses_what_has_no_slope(xs, ys, message):
+    with pytest.raises(ValueError, match=message):
+        loglog_slope(xs, ys)
+
+
+def test_the_summary_keeps_entries_a_partial_run_did_not_touch(tmp_path):
+    path = tmp_path / "out" / "summary.json"
+    old = BenchResult(ratio=1.0, target="<= 2", ok=True, repeats=3, details={})
+    write_summary(path, {"resume": old, "checkpoint": old})
+
+    new = BenchResult(ratio=3.0, target="<= 2", ok=False, repeats=5, details={"why": "slower"})
+    written = write_summary(path, {"resume": new})
+
+    assert json.loads(path.read_text()) == written
+    assert list(written) == ["checkpoint", "resume"]
+    assert written["resume"] == {
+        "ratio": 3.0,
+        "target": "<= 2",
+        "ok": False,
+        "repeats": 5,
+        "details": {"why": "slower"},
+    }
+    assert written["checkpoint"]["ratio"] == 1.0
+
+
+def test_an_unreadable_summary_is_replaced_not_fatal(tmp_path):
+    path = tmp_path / "summary.json"
+    path.write_text('{"resume": {"rat')
+    written = write_summary(path, {"x": BenchResult(ratio=None, target=None, ok=None, repeats=1, details={})})
+    assert list(written) == ["x"]
+
+
+def test_the_table_shows_each_verdict():
+    results = {
+        "fast": BenchResult(ratio=0.5, target="<= 1", ok=True, repeats=3, details={}),
+        "slow": BenchResult(ratio=4.0, target="<= 1", ok=False, repeats=3, details={}),
+        "curve": BenchResult(ratio=None, target=None, ok=None, repeats=1, details={}),
+    }
+    lines = table(results).splitlines()
+    assert lines[1].split() == ["fast", "0.5", "<=", "1", "yes", "3"]
+    assert lines[2].split()[-2] == "NO"
+    assert lines[3].split() == ["curve", "-", "-", "-", "1"]
+
+
+def test_a_curve_table_ends_with_its_slope():
+    text = curve_table("runs list", "runs", "seconds", [(10, 0.1), (100, 1.0), (1000, 10.0)])
+    assert text.splitlines()[-1].strip() == "log-log slope 1.00"
