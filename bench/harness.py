@@ -23,18 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import say
+from tuneproof.app.servers import OFFLINE_ENV
 from tuneproof.core.config import PROJECT_ROOT, PipelineConfig, load_config
 
 BIN = Path(sys.executable).parent
-QUIET_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "HF_EVALUATE_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
-}
+QUIET_ENV = {**OFFLINE_ENV, "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
 S3_BUCKET = "tuneproof-bench"
 
 

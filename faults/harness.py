@@ -32,7 +32,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from tuneproof.app.local import RayHead, free_port, start_ray_head
-from tuneproof.app.servers import FAKE_AWS, environ, prefect_server
+from tuneproof.app.servers import FAKE_AWS, OFFLINE_ENV, environ, prefect_server
 from tuneproof.control import record as records
 from tuneproof.core.config import PROJECT_ROOT
 from tuneproof.core.storage import Storage
@@ -49,14 +49,6 @@ WORKLOAD: tuple[str, ...] = (
 """`--set` overrides of every run: small enough that a run takes well under a minute of training."""
 ONLY = ("data", "finetune")
 """The stages a fault run needs: the data it trains on and the fine-tune that exports weights."""
-OFFLINE_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "HF_EVALUATE_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-}
 
 
 class FaultRow(BaseModel):

@@ -21,6 +21,15 @@ from pathlib import Path
 
 from tuneproof.app.local import free_port, stop_group
 
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_EVALUATE_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+}
+"""The environment of every process the labs start: nothing reaches a hub, nothing phones home."""
 FAKE_AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 """moto accepts any credentials; these are the ones every client of a moto server is given."""
 
