@@ -21,8 +21,9 @@ from typing import Any
 
 import pytest
 
+from tuneproof.app import servers
 from tuneproof.app.local import free_port, ray_env, start_ray_head
-from tuneproof.app.servers import FAKE_AWS, environ, moto_server, prefect_server
+from tuneproof.app.servers import FAKE_AWS, environ, moto_server
 
 # Never reach a hub from tests; fail loudly instead of hanging on a network call.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -94,7 +95,8 @@ def prefect_server(tmp_path_factory):
 
     with (
         # A fresh server migrates its database first: minutes on a loaded shared machine.
-        prefect_server(tmp_path_factory.mktemp("prefect-home"), wait_s=TEST_SERVER_WAIT_S) as url,
+        # servers.prefect_server by its module: the fixture of the same name shadows a bare import.
+        servers.prefect_server(tmp_path_factory.mktemp("prefect-home"), wait_s=TEST_SERVER_WAIT_S) as url,
         temporary_settings({PREFECT_API_URL: f"{url}/api", PREFECT_UI_API_URL: f"{url}/api"}),
     ):
         yield url
