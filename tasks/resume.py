@@ -38,6 +38,19 @@ def pick_checkpoint(checkpoints: list[CheckpointRef], final_step: int, extra: in
     return max(usable, key=lambda c: c.step) if usable else None
 
 
+def phase_steps(seed_step: int, extra: int, replay: int) -> dict[str, int]:
+    """Where the resume test's jobs stop and checkpoint. Pure.
+
+    max_steps is where the job stops; the LR schedule still spans train.max_steps, so the resumed
+    trajectory is comparable step for step with the main run. The interrupt phase holds after a
+    checkpoint at seed + extra: checkpoints fall on multiples of checkpoint_every, so the interval is
+    the hold step itself (an interval of `extra` missed it whenever the seed step was not a multiple
+    of extra, e.g. seed 30 with extra 4 would hold at 34 with checkpoints at 32 and 36).
+    """
+    hold = seed_step + extra
+    return {"max_steps": hold + replay, "checkpoint_every": hold}
+
+
 @task(name="resume-test", **RETRY)
 def resume_test(call: StageCall) -> StageEntry:
     started = now_iso()
@@ -69,10 +82,7 @@ def resume_test(call: StageCall) -> StageEntry:
         "dataset": call.inputs["dataset_path"],
         "run_name": lineage["attempt_run_name"],
         "init_from": seed.uri,
-        # max_steps here is where the job stops; the LR schedule still spans train.max_steps,
-        # so the resumed trajectory is comparable step for step with the main run.
-        "max_steps": hold + replay,
-        "checkpoint_every": extra,
+        **phase_steps(seed.step, extra, replay),
         "export": False,
     }
     runner = runner_for(call)

@@ -46,3 +46,18 @@ def test_check_restart_flags_a_fresh_start_or_another_step():
         "resumed run", "restored_step", None, 8, "it started from scratch instead of a checkpoint"
     )
     assert check_restart(8, 4).seen == 4
+
+
+def test_the_interrupt_phase_holds_on_a_checkpoint_step_whatever_the_seed():
+    """The hold step must be a checkpoint step of the interrupt job, also when the seed checkpoint's step
+    is not a multiple of resume.extra_steps (the fault lab's checkpoint_every 10 with extra_steps 4)."""
+    from tasks.resume import phase_steps
+    from training.finetune import TrainParams
+
+    for seed, extra, replay in ((300, 4, 5), (30, 4, 5), (20, 3, 2), (7, 1, 1)):
+        steps = phase_steps(seed, extra, replay)
+        params = TrainParams(
+            dataset="datasets/x/y", run_name="r-resume-t1", **steps, hold_after_checkpoint_step=seed + extra
+        )
+        assert params.hold_after_checkpoint_step % params.checkpoint_every == 0
+        assert params.max_steps == seed + extra + replay
