@@ -106,7 +106,8 @@ def test_the_canary_runs_locally_end_to_end_and_images_list_shows_it(prefect_ser
 
     # Its run is an ordinary run: the five canary stages of a short, resume-free workload.
     rec = records.load(env.storage, "canary-1-r1")
-    assert rec.status == "succeeded" and list(rec.stages) == ["verify", "connectivity", "data", "finetune", "evaluate"]
+    # (the record stores its stages by name, sorted: the order they ran is the stage table's)
+    assert rec.status == "succeeded" and set(rec.stages) == {"verify", "connectivity", "data", "finetune", "evaluate"}
     assert rec.config["train"]["max_steps"] == 20 and rec.config["resume"]["enabled"] is False
 
     # Adopted: the pointer names it; the history lists it.
