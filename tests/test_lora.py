@@ -258,3 +258,9 @@ def test_a_trained_embedding_is_the_tied_head_in_training_checkpoints_and_the_ex
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "runs/r1/model")
     assert merged.lm_head.weight is merged.model.embed_tokens.weight
     assert torch.equal(merged.model.embed_tokens.weight, trained_embedding.detach())
+
+
+def test_a_modules_to_save_name_that_matches_nothing_is_named(base_dir):
+    with pytest.raises(StageFailure, match=r"modules_to_save \['embed_token'\] match no module") as info:
+        apply_lora(load_base(base_dir), LoraSettings(modules_to_save=["embed_token"]), seed=0)
+    assert info.value.failure_class == FailureClass.modeling

@@ -60,6 +60,15 @@ def apply_lora(model, settings: LoraSettings, seed: int):
     import torch
     from peft import get_peft_model
 
+    # peft skips a modules_to_save name that matches nothing: a typo would silently leave it frozen.
+    modules = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    unknown = [n for n in settings.modules_to_save if n.rsplit(".", 1)[-1] not in modules]
+    if unknown:
+        raise StageFailure(
+            FailureClass.modeling,
+            f"train.lora.modules_to_save {unknown} match no module of {type(model).__name__}; "
+            f"e.g. embed_tokens, norm, lm_head",
+        )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
