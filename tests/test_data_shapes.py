@@ -30,6 +30,8 @@ from tuneproof.core.storage import Storage
 
 CHAT_DATA = PROJECT_ROOT / "data" / "chat" / "chat.jsonl"
 CHAT = [json.loads(line) for line in CHAT_DATA.read_text().splitlines()]
+ALPACA_DATA = PROJECT_ROOT / "data" / "alpaca" / "alpaca.jsonl"
+ALPACA_ROWS = [json.loads(line) for line in ALPACA_DATA.read_text().splitlines()]
 SYSTEM = "Answer briefly."
 TWO_TURNS = [
     {"role": "system", "content": SYSTEM},
@@ -397,6 +399,37 @@ def test_local_chat_profile_reads_messages_and_gates_on_exact_match():
     assert cfg.train.method == "lora" and cfg.train.lora.modules_to_save == ["embed_tokens"]
 
 
+# ---- the bundled Alpaca-style example -------------------------------------------------------------------
+
+
+def test_committed_alpaca_file_is_the_generators_output():
+    make_alpaca = runpy.run_path(str(PROJECT_ROOT / "data" / "alpaca" / "make_alpaca.py"))
+    assert ALPACA_DATA.read_text() == make_alpaca["render"](make_alpaca["make_rows"]()), (
+        "regenerate: python data/alpaca/make_alpaca.py > data/alpaca/alpaca.jsonl"
+    )
+
+
+def test_half_the_alpaca_rows_have_an_empty_input_and_every_row_names_its_date_once():
+    assert len(ALPACA_ROWS) == 3000 and sum(row["input"] == "" for row in ALPACA_ROWS) == 1500
+    for row in ALPACA_ROWS:
+        year = row["output"][:4]
+        assert (year in row["instruction"]) != (year in row["input"]), row  # the date is in exactly one column
+
+
+def test_local_alpaca_profile_renders_instruction_and_input_through_its_template():
+    cfg = load_config(PROJECT_ROOT / "configs" / "local-alpaca.yaml")
+    assert (cfg.data.shape, cfg.data.source) == ("template", str(ALPACA_DATA))
+    assert cfg.data.template is not None and shapes.template_columns(cfg.data.template.prompt) == [
+        "instruction",
+        "input",
+    ]
+    assert cfg.train.method == "full" and cfg.eval.gates["exact_match"].min_improvement == 0.5
+    assert cfg.model.name not in (
+        load_config().model.name,
+        load_config(PROJECT_ROOT / "configs" / "local-chat.yaml").model.name,
+    )
+
+
 # ---- integration: the data job, a short fine-tune and the evaluate job on the chat data --------------------
 
 
@@ -450,3 +483,61 @@ def test_chat_data_job_then_fine_tune_and_evaluate_read_it(ray_head, tmp_path):
             and row["prompt"].count("<|im_start|>assistant") >= 2
         )
         assert row["reference"].isdigit() and len(row["reference"]) in (2, 4)
+
+
+@pytest.mark.integration
+def test_alpaca_rows_half_without_input_train_through_the_template_and_beat_the_base(ray_head, tmp_path):
+    """The committed Alpaca-style file through the data job, a short full fine-tune and the evaluate job:
+    the fine-tuned model's held-out loss beats the base model's, and an empty input left no trace in a prompt."""
+    from eval.evaluate_job import evaluate_body
+    from tests.conftest import ray_driver
+    from training.finetune import finetune
+
+    model = tmp_path / "tiny-qwen2"
+    ensure_tiny_model(model)
+    cfg = load_config(
+        PROJECT_ROOT / "configs" / "local-alpaca.yaml",
+        [
+            f"storage.root={tmp_path / 'store'}",
+            f"model.source={model}",
+            f"data.source={write_jsonl(tmp_path / 'alpaca.jsonl', ALPACA_ROWS[:400])}",
+            "train.max_steps=12",
+            "train.checkpoint_every=6",
+            "train.micro_batch_size=8",
+            "train.log_every=4",
+            "resume.enabled=false",
+            "eval.max_examples=40",
+            "eval.gates={exact_match: {min: 0.0}}",
+        ],
+    )
+    result = run_data_job(cfg, "run-alpaca")
+    data = result["summary"]
+    assert result["status"] == "succeeded" and data["manifest"]["shape"] == "template"
+    assert data["manifest"]["template_sha256"] == shapes.template_sha256(cfg.data.template.model_dump())
+    assert (data["manifest"]["splits"]["train"]["rows"], data["manifest"]["splits"]["eval"]["rows"]) == (360, 40)
+    assert data["dropped"] == {}
+
+    runtime_env = {"env_vars": {"PYTHONPATH": str(PROJECT_ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}}
+    with ray_driver(ray_head, runtime_env=runtime_env):
+        trained = finetune(JobContext("run-alpaca", "finetune", cfg, {"dataset": data["dataset_path"]}))
+    assert trained.steps == 12 and trained.loss_curve[-1][1] < trained.loss_curve[0][1]
+
+    evaluated = evaluate_body(
+        JobContext(
+            "run-alpaca", "evaluate", cfg, {"candidate": "runs/run-alpaca/model", "dataset": data["dataset_path"]}
+        )
+    )
+    candidate, base = evaluated.models["candidate"], evaluated.models["base"]
+    assert candidate is not None and base is not None
+    # Held-out loss on the eval split: twelve steps already move it well below the random base's.
+    assert candidate.metrics["eval_loss"] < 0.9 * base.metrics["eval_loss"], (candidate.metrics, base.metrics)
+
+    storage = Storage(cfg.storage.root)
+    predictions = [
+        json.loads(line)
+        for line in storage.read_bytes("runs", "run-alpaca", "stages", "evaluate", "predictions.jsonl").splitlines()
+    ]
+    with_input = [row for row in predictions if "### Input:\n" in row["prompt"]]
+    assert 0 < len(with_input) < len(predictions)  # both halves are in the held-out split
+    for row in predictions:
+        assert "\n\n\n" not in row["prompt"] and "### Input:\n\n" not in row["prompt"]
