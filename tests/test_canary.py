@@ -93,7 +93,7 @@ def test_the_canary_runs_locally_end_to_end_and_images_list_shows_it(prefect_ser
 
     # The decision: the first canary adopts itself as the baseline, and says so.
     stored = images.load_decision(env.storage, "canary-1")
-    assert json.loads(result.output[result.output.index('{\n  "schema_version"') :]) == stored.to_json()
+    assert json.loads(result.stdout) == stored.to_json()  # stdout is the decision alone: progress went to stderr
     assert stored.decision == "adopt" and stored.baseline_decision is None
     assert stored.reasons == ["no current image: this canary's measurements become the baseline"]
     assert stored.candidate_image == images.local_image() and stored.release_tag is None

@@ -223,7 +223,9 @@ def compare(
     comparison_id: str | None = typer.Option(
         None, "--id", callback=slug_arg("comparison id"), help="Comparison id (default: a new one)."
     ),
-    as_json: bool = typer.Option(False, "--json", help="Print comparison.json instead of the table."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print comparison.json on stdout (the table and progress go to stderr)."
+    ),
 ) -> None:
     """The same stages under settings A and B, interleaved; medians, spread, a 95% interval of B/A, a verdict."""
     problems = []
@@ -250,8 +252,10 @@ def compare(
         raise typer.Exit(EXIT_INVALID_CONFIG)
     from tuneproof.app.terminal import run_comparison
 
+    # With --json, stdout carries the one JSON document (for jq and scripts); progress and the table go to stderr.
+    out = err if as_json else console
     result = run_comparison(
-        cfgs["A"], cfgs["B"], parse_only(stages, "--stages") or [], repeats, threshold, a, b, comparison_id, console
+        cfgs["A"], cfgs["B"], parse_only(stages, "--stages") or [], repeats, threshold, a, b, comparison_id, out
     )
     if as_json:
         print(json.dumps(result, indent=2))
@@ -565,7 +569,8 @@ def canary(
         err.print(f"--candidate-image {candidate_image!r} {problem}", markup=False)
         raise typer.Exit(EXIT_INVALID_CONFIG)
     cfg = config_or_exit(config, sets)
-    raise typer.Exit(canary_command(cfg, candidate_image, max_steps, repeats, threshold, decision_id, as_json, console))
+    out = err if as_json else console  # --json: stdout is the decision alone; progress goes to stderr
+    raise typer.Exit(canary_command(cfg, candidate_image, max_steps, repeats, threshold, decision_id, as_json, out))
 
 
 @images_app.command("list")

@@ -134,6 +134,6 @@ def canary_command(
         console.print(f"  {decision.decision}: {reason}", markup=False)
     style = "bold green" if state.is_completed() else "bold red"
     console.print(state.message or decision.decision, markup=False, style=style)
-    if as_json:  # last, so the output ends with one JSON document
+    if as_json:  # the caller sent everything else to stderr: stdout is this document alone
         print(json.dumps(decision.to_json(), indent=2))
     return EXIT_OK if state.is_completed() else EXIT_ABSENT_OR_REJECTED
