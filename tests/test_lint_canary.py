@@ -237,3 +237,48 @@ def test_the_canary_worker_is_the_pipelines_but_for_name_account_and_pool():
     ):
         text = text.replace(old, new)
     assert json.loads(text) == pipeline
+
+
+# ---------------------------------------------------------------- admission: what the canary's RayClusters may be
+
+
+def in_canary_cluster_policy(change):
+    return lambda doc: (
+        change(doc)
+        if doc.get("kind") == "ValidatingAdmissionPolicy" and doc["metadata"]["name"] == "tuneproof-canary-rayclusters"
+        else None
+    )
+
+
+def test_the_canarys_rayclusters_are_held_by_an_admission_policy(project, capsys):
+    edit(
+        deploy(project, "canary.yaml"),
+        in_canary_cluster_policy(
+            lambda p: p["spec"]["matchConstraints"]["resourceRules"][0].update(operations=["CREATE"])
+        ),
+    )
+    code, out = lint(project, capsys)
+    assert code == 1
+    assert (
+        f"{CANARY_TEMPLATE}: Prefect base job template: ValidatingAdmissionPolicy for the canary's RayClusters is None, "
+        "expected 'a policy bound with validationActions [Deny] matching ray.io rayclusters CREATE and DELETE by "
+        "system:serviceaccount:tuneproof:tuneproof-canary'"
+    ) in out  # DELETE unmatched: the canary could delete the standing cluster
+    assert "delete the standing RayCluster" in out
+
+
+def test_the_canary_cluster_policy_follows_the_ray_pods_identity(project, capsys):
+    def loosen(policy):
+        for v in policy["spec"]["validations"]:
+            v["expression"] = (
+                v["expression"].replace("'tuneproof-ray'", "'default'").replace("'tuneproof-canary-'", "'t'")
+            )
+
+    edit(deploy(project, "canary.yaml"), in_canary_cluster_policy(loosen))
+    code, out = lint(project, capsys)
+    assert code == 1
+    policy = "ValidatingAdmissionPolicy/tuneproof-canary-rayclusters: spec.validations"
+    assert f"{policy} is \"no expression naming 'tuneproof-canary-'\", expected 'tuneproof-canary-'" in out
+    assert f"{policy} is \"no expression naming 'tuneproof-ray'\", expected 'tuneproof-ray'" in out
+    assert "RayCluster/tuneproof spec.headGroupSpec's service account: the canary's RayClusters must keep to it" in out
+    assert "'tuneproof-ray-auth'" not in out  # the token Secret is still named

@@ -52,7 +52,14 @@ field, and both values:
   a Prefect Kubernetes worker takes its API credential from a secretKeyRef and names that Secret for
   the flow runs, and no credential is written as a value in the worker, the template or job variables;
   with such a worker linted, a ValidatingAdmissionPolicy bound with Deny holds the Jobs its service
-  account creates to the template's pinned image and account and to the Secrets the flow runs use.
+  account creates to the template's pinned image and account and to the Secrets the flow runs use;
+- the image canary (SECURITY.md, "The image canary"): image-canary, and no other deployment, runs on the
+  tuneproof-eks-canary pool, whose template (prefect-k8s-canary-job-template.json) pins tuneproof-canary
+  and equals the pipeline's template but for that account; no other template pins it; the roles bound to
+  tuneproof-canary write nothing but create/delete on rayclusters and grant every call the canary makes;
+  the admission policy maps each worker's account to its own pool's account, and no worker account polls
+  two pools; a Deny-bound policy holds the canary's RayCluster creates and deletes to its name prefix and
+  to raycluster.yaml's service account and token Secret.
 
 Without a config only the manifest-internal checks run. Pure apart from reading the files.
 """
@@ -68,6 +75,7 @@ from pathlib import Path, PurePosixPath
 import jsonschema
 import yaml
 
+from tuneproof.control.images import CANARY_CLUSTER_PREFIX
 from tuneproof.control.kube_checks import (
     EFA_RESOURCE,
     GPU_RESOURCE,
@@ -1625,6 +1633,47 @@ def canary_template_findings(doc: Doc, docs: list[Doc]) -> list[Finding]:
     return findings
 
 
+def canary_raycluster_policy_findings(doc: Doc, docs: list[Doc], account: str, namespace: str | None) -> list[Finding]:
+    """The API server holds the canary's RayClusters to raycluster.yaml's identity and Secrets, and its own names.
+
+    The KubeRay operator, not the canary, creates the pods: the canary's RBAC does not bound what they run as.
+    """
+    user = f"system:serviceaccount:{namespace}:{account}"
+    policies = _denying_policies(docs, user, "ray.io", "rayclusters", ("CREATE", "DELETE"))
+    if not policies:
+        return [
+            Finding(
+                doc.subject,
+                "ValidatingAdmissionPolicy for the canary's RayClusters",
+                None,
+                f"a policy bound with validationActions [Deny] matching ray.io rayclusters CREATE and DELETE by {user}",
+                "without it the canary's deployment can create Ray pods that run as any account of the namespace or "
+                "mount any Secret there (KubeRay creates them), and delete the standing RayCluster",
+            )
+        ]
+    text = " ".join(
+        str(v.get("expression")) for p in policies for v in (p.obj.get("spec") or {}).get("validations") or []
+    )
+    wanted = {CANARY_CLUSTER_PREFIX: "the canary's name prefix (tuneproof/control/kube_canary.py)"}  # value: why
+    for raycluster in (d for d in docs if d.kind == "RayCluster"):
+        if secret := ((raycluster.obj.get("spec") or {}).get("authOptions") or {}).get("secretName"):
+            wanted.setdefault(secret, f"{raycluster.subject}'s token Secret")
+        for where, group in ray_groups(raycluster.obj):
+            if ray_account := _pod_spec(group).get("serviceAccountName"):
+                wanted.setdefault(ray_account, f"{raycluster.subject} {where}'s service account")
+    return [
+        Finding(
+            policies[0].subject,
+            "spec.validations",
+            f"no expression naming '{value}'",
+            value,
+            f"{what}: the canary's RayClusters must keep to it",
+        )
+        for value, what in wanted.items()
+        if f"'{value}'" not in text
+    ]
+
+
 def _but_the_account(node, key: str = ""):
     """A template without its descriptions and the service account's pinned value: what the two pools share."""
     if isinstance(node, dict):
@@ -1659,6 +1708,7 @@ def canary_role_findings(doc: Doc, docs: list[Doc], account: str, namespace: str
         f"bound to {account}, the canary's account ({doc.file}): it creates and deletes its own RayCluster "
         "and writes nothing else",
     )
+    findings += canary_raycluster_policy_findings(doc, docs, account, namespace)
     missing = [
         f"{verb} {resource}" + (f".{group}" if group else "")
         for (group, resource), verbs in CANARY_NEEDS.items()
@@ -2077,20 +2127,11 @@ def admission_policy_findings(doc: Doc, docs: list[Doc], pod_spec: dict) -> list
     users = {user for user, pools in workers.items() if pool in pools} or set(workers)
     if not users:
         return []  # no worker among the linted files: whose Jobs to hold is unknown
-    denied = {
-        (b.obj.get("spec") or {}).get("policyName")
-        for b in docs
-        if b.kind == "ValidatingAdmissionPolicyBinding"
-        and "Deny" in ((b.obj.get("spec") or {}).get("validationActions") or [])
-    }
-    policies = [
-        d
-        for d in docs
-        if d.kind == "ValidatingAdmissionPolicy"
-        and d.name in denied
-        and _matches_job_creation(d)
-        and any(f"'{user}'" in str((d.obj.get("spec") or {}).get("matchConditions")) for user in users)
-    ]
+    policies = list(
+        {
+            p.name: p for user in sorted(users) for p in _denying_policies(docs, user, "batch", "jobs", ("CREATE",))
+        }.values()
+    )
     if not policies:
         return [
             Finding(
@@ -2194,13 +2235,35 @@ def worker_users(docs: list[Doc]) -> dict[str, set]:
 
 
 def _matches_job_creation(policy: Doc) -> bool:
+    return _matches(policy, "batch", "jobs", "CREATE")
+
+
+def _matches(policy: Doc, group: str, resource: str, operation: str) -> bool:
     rules = (((policy.obj.get("spec") or {}).get("matchConstraints") or {}).get("resourceRules")) or []
     return any(
-        {"batch", "*"} & set(r.get("apiGroups") or [])
-        and {"jobs", "*"} & set(r.get("resources") or [])
-        and {"CREATE", "*"} & set(r.get("operations") or [])
+        {group, "*"} & set(r.get("apiGroups") or [])
+        and {resource, "*"} & set(r.get("resources") or [])
+        and {operation, "*"} & set(r.get("operations") or [])
         for r in rules
     )
+
+
+def _denying_policies(docs: list[Doc], user: str, group: str, resource: str, operations: tuple[str, ...]) -> list[Doc]:
+    """ValidatingAdmissionPolicies bound with Deny that match every one of `operations` on the resource by `user`."""
+    denied = {
+        (b.obj.get("spec") or {}).get("policyName")
+        for b in docs
+        if b.kind == "ValidatingAdmissionPolicyBinding"
+        and "Deny" in ((b.obj.get("spec") or {}).get("validationActions") or [])
+    }
+    return [
+        d
+        for d in docs
+        if d.kind == "ValidatingAdmissionPolicy"
+        and d.name in denied
+        and all(_matches(d, group, resource, op) for op in operations)
+        and f"'{user}'" in str((d.obj.get("spec") or {}).get("matchConditions"))
+    ]
 
 
 def _flow_run_pins(doc: Doc, docs: list[Doc], pod_spec: dict) -> dict[str, str | None]:
