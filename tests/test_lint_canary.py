@@ -282,3 +282,12 @@ def test_the_canary_cluster_policy_follows_the_ray_pods_identity(project, capsys
     assert f"{policy} is \"no expression naming 'tuneproof-ray'\", expected 'tuneproof-ray'" in out
     assert "RayCluster/tuneproof spec.headGroupSpec's service account: the canary's RayClusters must keep to it" in out
     assert "'tuneproof-ray-auth'" not in out  # the token Secret is still named
+
+
+def test_the_canary_template_without_canary_yaml_names_what_is_missing(project, capsys):
+    deploy(project, "canary.yaml").unlink()
+    code, out = lint(project, capsys)
+    assert code == 1
+    assert f'{CANARY_TEMPLATE}: Prefect base job template: roles bound to tuneproof-canary is "missing [' in out
+    assert "ValidatingAdmissionPolicy for the canary's RayClusters is None" in out
+    assert "spec.variables[" not in out  # no canary worker linted: the Jobs policy is not asked to map one

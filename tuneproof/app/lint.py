@@ -2124,7 +2124,10 @@ def admission_policy_findings(doc: Doc, docs: list[Doc], pod_spec: dict) -> list
     """
     workers = worker_users(docs)
     pool = template_pool(doc)
-    users = {user for user, pools in workers.items() if pool in pools} or set(workers)
+    users = {user for user, pools in workers.items() if pool in pools}
+    if not users and pool != PIPELINE_POOL:
+        return []  # no worker here polls this pool: nothing linted creates its Jobs
+    users = users or set(workers)  # a worker polling a renamed pipeline pool is still held
     if not users:
         return []  # no worker among the linted files: whose Jobs to hold is unknown
     policies = list(
