@@ -2175,12 +2175,9 @@ def _admitted_account_findings(
     """The policy holds each worker's Jobs to its own pool's account: a table worker -> account, or the one name."""
     if not account:
         return []
-    table = {
-        user: admitted
-        for p in policies
-        for v in (p.obj.get("spec") or {}).get("variables") or []
-        for user, admitted in _ACCOUNT_MAP_ENTRY.findall(str(v.get("expression")))
-    }
+    variables = [v for p in policies for v in (p.obj.get("spec") or {}).get("variables") or []]
+    tables = [v for v in variables if _ACCOUNT_MAP_ENTRY.search(str(v.get("expression")))]
+    table = {user: admitted for v in tables for user, admitted in _ACCOUNT_MAP_ENTRY.findall(str(v.get("expression")))}
     if not table:  # one worker, one account, named in a validation
         seen = f"no expression naming '{account}'"
         return (
@@ -2191,10 +2188,10 @@ def _admitted_account_findings(
         for user in sorted(users)
         if table.get(user) != account
     ]
-    if "variables.account" not in text:  # a table no validation reads holds nothing
-        findings.append(
-            _admission_finding(policies[0], "spec.validations", "no use of variables.account", account, doc)
-        )
+    read = [f"variables.{v.get('name')}" for v in tables if f"variables.{v.get('name')}" in text]
+    if not read:  # a table no validation reads holds nothing
+        seen = f"no use of variables.{tables[0].get('name')}"
+        findings.append(_admission_finding(policies[0], "spec.validations", seen, account, doc))
     return findings
 
 
