@@ -50,8 +50,10 @@ class RayClusterApi(FakeApi):
         self.reads: dict[str, int] = {}
         self.deleted: list[str] = []
         self.write_status: dict[tuple[str, str], int] = {}  # (method, path) -> forced HTTP status
+        self.calls: list[tuple[str, str]] = []  # (method, path), to check against the canary's RBAC
 
     def write(self, method: str, path: str, body: dict | None) -> tuple[int, dict]:
+        self.calls.append((method, path))
         if (method, path) in self.write_status:
             return self.write_status[method, path], _status(self.write_status[method, path], path)
         if method == "POST" and path == RAYCLUSTERS and body is not None:
@@ -69,6 +71,7 @@ class RayClusterApi(FakeApi):
         return 405, _status(405, path)
 
     def answer(self, path: str, query: dict) -> tuple[int, dict]:
+        self.calls.append(("GET", path))
         if path in self.status:
             return self.status[path], _status(self.status[path], path)
         if path.startswith(RAYCLUSTERS + "/"):
@@ -184,7 +187,8 @@ def test_a_refused_create_is_named_with_its_status(k8s):
         pass
     assert caught.value.failure_class is FailureClass.infrastructure
     assert "refused creating RayCluster tuneproof/tuneproof-canary-t4: HTTP 403 Forbidden" in caught.value.cause
-    assert "create/get/delete on rayclusters.ray.io" in caught.value.cause
+    assert "runs as tuneproof-canary" in caught.value.cause
+    assert "create/get/list/delete on rayclusters.ray.io" in caught.value.cause
     assert fake.created == {}
 
 
@@ -202,3 +206,59 @@ def test_a_refused_delete_is_logged_and_does_not_mask_the_original_failure(k8s):
     assert "tuneproof-canary-t5" in fake.created  # still there: the API refused the delete
     assert "could not delete RayCluster tuneproof/tuneproof-canary-t5" in logged[-1]
     assert "HTTP 403" in logged[-1] and "kubectl -n tuneproof delete raycluster tuneproof-canary-t5" in logged[-1]
+
+
+def rbac_verb(method: str, path: str) -> tuple[str, str, str]:
+    """(API group, resource, verb) the API server authorizes a namespaced request as."""
+    parts = path.strip("/").split("/")
+    group = "" if parts[0] == "api" else parts[1]
+    rest = parts[parts.index("namespaces") + 2 :]
+    named = len(rest) > 1
+    verb = {"POST": "create", "DELETE": "delete", "GET": "get" if named else "list"}[method]
+    return group, rest[0], verb
+
+
+def test_the_canary_role_grants_exactly_what_the_canary_calls(k8s):
+    fake, kubeconfig = k8s
+    with ephemeral_raycluster(kcfg(kubeconfig), manifest(), CANDIDATE, "t6", timeout_s=10, poll_s=0.05, log=print):
+        pass
+    called = {rbac_verb(method, path) for method, path in fake.calls}
+    assert called == {
+        ("ray.io", "rayclusters", "create"),
+        ("ray.io", "rayclusters", "get"),
+        ("", "pods", "list"),
+        ("ray.io", "rayclusters", "delete"),
+    }
+    docs = yaml.safe_load_all((PROJECT_ROOT / "deployments" / "canary.yaml").read_text())
+    role = next(d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "tuneproof-canary")
+    granted = {
+        (g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]
+    }
+    assert called <= granted
+    # beyond these calls: list rayclusters and get pods, which verify makes on the canary's cluster; no other write
+    assert {(g, r, v) for g, r, v in granted if v not in ("get", "list", "watch")} == {
+        ("ray.io", "rayclusters", "create"),
+        ("ray.io", "rayclusters", "delete"),
+    }
+
+
+def test_the_canary_manifest_keeps_to_what_its_admission_policy_admits():
+    # deployments/canary.yaml's tuneproof-canary-rayclusters, read as plain conditions (no CEL evaluator here):
+    # if raycluster.yaml gains a Secret volume or another account, the API server would refuse every canary.
+    body = canary_manifest(manifest(), CANDIDATE, canary_name("t7"), "tuneproof")
+    spec = body["spec"]
+    assert body["metadata"]["name"].startswith(CANARY_CLUSTER_PREFIX)
+    # no field the policy refuses (autoscaler, Redis, history server, head Service or Ingress, managedBy ...)
+    assert set(spec) <= {"rayVersion", "enableInTreeAutoscaling", "authOptions", "headGroupSpec", "workerGroupSpecs"}
+    assert set(spec["headGroupSpec"]) <= {"serviceType", "rayStartParams", "template"}
+    assert not spec.get("enableInTreeAutoscaling")
+    assert spec["authOptions"] == {"mode": "token", "secretName": "tuneproof-ray-auth"}
+    assert spec["headGroupSpec"].get("serviceType", "ClusterIP") == "ClusterIP"
+    for pod in [spec["headGroupSpec"]["template"]["spec"], *(g["template"]["spec"] for g in spec["workerGroupSpecs"])]:
+        assert (pod["serviceAccountName"], pod["automountServiceAccountToken"]) == ("tuneproof-ray", False)
+        assert not pod.get("initContainers")
+        for volume in pod.get("volumes") or []:
+            assert "emptyDir" in volume or volume["persistentVolumeClaim"]["claimName"] == "tuneproof-fsx"
+        for container in pod["containers"]:
+            assert [e["secretRef"]["name"] for e in container.get("envFrom") or []] in ([], ["tuneproof-job-env"])
+            assert all("secretKeyRef" not in (e.get("valueFrom") or {}) for e in container.get("env") or [])

@@ -53,7 +53,8 @@ def test_the_image_canary_deployment_takes_a_typed_candidate_image():
     eks = load_config(PROJECT_ROOT / "configs" / "eks.yaml", resolve=False)
     deployment = deployments()["image-canary"]
     assert deployment["entrypoint"] == "flows/canary.py:image_canary"
-    assert deployment["work_pool"]["name"] == "tuneproof-eks"
+    assert deployment["work_pool"]["name"] == "tuneproof-eks-canary"  # its own pool and account: it creates RayClusters
+    assert deployment["work_pool"]["job_variables"]["service_account_name"] == "tuneproof-canary"
     assert PipelineConfig.model_validate(deployment["parameters"]["config"]) == eks
     assert deployments()["image-canary-local"]["work_pool"]["name"] == "local-process"
 

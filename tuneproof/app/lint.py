@@ -52,7 +52,14 @@ field, and both values:
   a Prefect Kubernetes worker takes its API credential from a secretKeyRef and names that Secret for
   the flow runs, and no credential is written as a value in the worker, the template or job variables;
   with such a worker linted, a ValidatingAdmissionPolicy bound with Deny holds the Jobs its service
-  account creates to the template's pinned image and account and to the Secrets the flow runs use.
+  account creates to the template's pinned image and account and to the Secrets the flow runs use;
+- the image canary (SECURITY.md, "The image canary"): image-canary, and no other deployment, runs on the
+  tuneproof-eks-canary pool, whose template (prefect-k8s-canary-job-template.json) pins tuneproof-canary
+  and equals the pipeline's template but for that account; no other template pins it; the roles bound to
+  tuneproof-canary write nothing but create/delete on rayclusters and grant every call the canary makes;
+  the admission policy maps each worker's account to its own pool's account, and no worker account polls
+  two pools; a Deny-bound policy holds the canary's RayCluster creates and deletes to its name prefix and
+  to raycluster.yaml's service account and token Secret.
 
 Without a config only the manifest-internal checks run. Pure apart from reading the files.
 """
@@ -68,6 +75,7 @@ from pathlib import Path, PurePosixPath
 import jsonschema
 import yaml
 
+from tuneproof.control.images import CANARY_CLUSTER_PREFIX
 from tuneproof.control.kube_checks import (
     EFA_RESOURCE,
     GPU_RESOURCE,
@@ -154,6 +162,26 @@ CREDENTIAL_SECRET_SETTINGS = {
 }
 """prefect-kubernetes (0.8.0) rewrites a flow-run Job's credential into a secretKeyRef when the worker has <setting>_NAME
 and <setting>_KEY; otherwise it copies the worker's own value into the Job manifest."""
+PIPELINE_POOL = "tuneproof-eks"
+CANARY_POOL = "tuneproof-eks-canary"
+CANARY_DEPLOYMENT = "image-canary"
+CANARY_ACCOUNT = "tuneproof-canary"
+POOL_TEMPLATES = {
+    PIPELINE_POOL: "prefect-k8s-base-job-template.json",
+    CANARY_POOL: "prefect-k8s-canary-job-template.json",
+}
+"""Each Kubernetes work pool's base job template, by file name: the pairs `prefect work-pool create POOL
+--base-job-template deployments/FILE` makes (deployments/README.md). A template named otherwise serves the pipeline's pool."""
+CANARY_WRITES = {("ray.io", "rayclusters"): {"create", "delete"}}
+"""The only writes the canary's account may hold: it creates its ephemeral RayCluster and deletes it (no patch, no update)."""
+CANARY_NEEDS = {
+    ("ray.io", "rayclusters"): {"create", "get", "list", "delete"},
+    ("", "pods"): {"get", "list"},
+    ("", "nodes"): {"get", "list"},
+    ("resource.k8s.io", "resourceslices"): {"get", "list"},
+}
+"""What tuneproof/control/kube_canary.py and the verify stage call as the canary: without one, the canary gets 403."""
+_ACCOUNT_MAP_ENTRY = re.compile(r"'(system:serviceaccount:[^':]+:[^']+)'\s*:\s*'([^']+)'")
 _PLACEHOLDER = re.compile(r"^\{\{\s*[\w.]+\s*\}\}$")
 _VERSION_PREFIX = re.compile(r"^v?(\d+\.\d+\.\d+)")
 _DLC_VERSION = re.compile(r"^v(\d+)\.(\d+)(?:\.(\d+))?$")
@@ -1270,12 +1298,12 @@ def worker_role_namespaces(docs: list[Doc]) -> dict[str, set]:
 def prefect_project_findings(doc: Doc, docs: list[Doc], config: PipelineConfig | None) -> list[Finding]:
     """Deployments on a pool a Kubernetes worker here polls: flow-run image, namespace, S3 identity."""
     pools = worker_role_namespaces(docs)
-    template = next((d for d in docs if d.kind == "PrefectBaseJobTemplate"), None)
-    defaults = template_defaults(template) if template else {}
-    findings = []
+    findings = canary_placement_findings(doc)
     for deployment in doc.obj.get("deployments") or []:
         work_pool = deployment.get("work_pool") or {}
         if work_pool.get("name") in pools:
+            template = pool_template(docs, work_pool["name"])
+            defaults = template_defaults(template) if template else {}
             job_variables = work_pool.get("job_variables") or {}
             findings += _deployment_findings(
                 doc, docs, deployment, {**defaults, **job_variables}, pools[work_pool["name"]], config
@@ -1376,7 +1404,12 @@ def job_template_findings(doc: Doc, docs: list[Doc], config: PipelineConfig | No
             docs,
             f"storage.root {config.storage.root}: the flow writes the run record there",
         )
-    findings += _read_only_findings(doc, docs, defaults.get("service_account_name"), defaults.get("namespace"))
+    account, namespace = defaults.get("service_account_name"), defaults.get("namespace")
+    if account == CANARY_ACCOUNT:
+        findings += canary_role_findings(doc, docs, account, namespace)
+    else:
+        findings += _read_only_findings(doc, docs, account, namespace)
+    findings += canary_template_findings(doc, docs)
     findings += pod_security_findings(doc.subject, "job_manifest spec.template.spec", pod_spec)
     findings += api_token_findings(
         doc.subject,
@@ -1480,22 +1513,27 @@ def _read_only_findings(doc: Doc, docs: list[Doc], account: str | None, namespac
     """Roles bound to the flow-run service account grant read verbs only."""
     if not account:
         return []
-    findings = []
+    why = f"bound to {account}, the flow-run service account of {doc.file}: the pipeline only reads the cluster"
+    return _write_findings(docs, account, namespace, {}, sorted(READ_VERBS), why)[0]
+
+
+def _write_findings(
+    docs: list[Doc], account: str, namespace: str | None, allowed: dict, expected, why: str
+) -> tuple[list[Finding], set[tuple[str, str, str]]]:
+    """(a finding per rule bound to `account` granting a write not in `allowed` {(group, resource): verbs},
+    every (group, resource, verb) granted)."""
+    findings, granted = [], set()
     for role in _roles_bound_to(docs, account, namespace):
         for i, rule in enumerate(role.obj.get("rules") or []):
-            writes = sorted(set(rule.get("verbs") or []) - READ_VERBS)
+            verbs = set(rule.get("verbs") or [])
+            targets = [(g, r) for g in rule.get("apiGroups") or [] for r in rule.get("resources") or []]
+            granted |= {(g, r, v) for g, r in targets for v in verbs}
+            writes = sorted(
+                v for v in verbs - READ_VERBS if not targets or any(v not in allowed.get(t, ()) for t in targets)
+            )
             if writes:
-                findings.append(
-                    Finding(
-                        role.subject,
-                        f"rules[{i}].verbs",
-                        writes,
-                        sorted(READ_VERBS),
-                        f"bound to {account}, the flow-run service account of {doc.file}: "
-                        "the pipeline only reads the cluster",
-                    )
-                )
-    return findings
+                findings.append(Finding(role.subject, f"rules[{i}].verbs", writes, expected, why))
+    return findings, granted
 
 
 def _roles_bound_to(docs: list[Doc], account: str, namespace: str | None) -> list[Doc]:
@@ -1520,6 +1558,174 @@ def _binds(binding: Doc, account: str, namespace: str | None) -> bool:
 
 def _unique(findings: list[Finding]) -> list[Finding]:
     return list(dict.fromkeys(findings))
+
+
+# ---------------------------------------------------------------- the image canary's pool and identity
+
+
+def template_pool(doc: Doc) -> str:
+    """The work pool a base job template serves, by its file name (POOL_TEMPLATES); otherwise the pipeline's."""
+    name = PurePosixPath(Path(doc.file).as_posix()).name
+    return next((pool for pool, file in POOL_TEMPLATES.items() if file == name), PIPELINE_POOL)
+
+
+def pool_template(docs: list[Doc], pool: str) -> Doc | None:
+    return next((d for d in docs if d.kind == "PrefectBaseJobTemplate" and template_pool(d) == pool), None)
+
+
+def canary_placement_findings(doc: Doc) -> list[Finding]:
+    """image-canary, and only it, deploys on the canary's pool: that pool's account may write RayClusters."""
+    findings = []
+    for deployment in doc.obj.get("deployments") or []:
+        name, pool = deployment.get("name"), (deployment.get("work_pool") or {}).get("name")
+        subject = f"{doc.file}: deployment {name}"
+        if name == CANARY_DEPLOYMENT and pool != CANARY_POOL:
+            findings.append(
+                Finding(
+                    subject,
+                    "work_pool.name",
+                    pool,
+                    CANARY_POOL,
+                    "the canary creates and deletes its RayCluster: elsewhere it runs as an account that may not (403)",
+                )
+            )
+        elif name != CANARY_DEPLOYMENT and pool == CANARY_POOL:
+            findings.append(
+                Finding(
+                    subject,
+                    "work_pool.name",
+                    pool,
+                    f"any pool but {CANARY_POOL}",
+                    f"only {CANARY_DEPLOYMENT} may run as {CANARY_ACCOUNT}, which creates RayClusters: "
+                    "any flow on that pool gets the same right",
+                )
+            )
+    return findings
+
+
+def canary_template_findings(doc: Doc, docs: list[Doc]) -> list[Finding]:
+    """The canary pool's template pins tuneproof-canary and equals the pipeline's but for it; no other pins it."""
+    properties = (doc.obj.get("variables") or {}).get("properties") or {}
+    account = _pinned_value(properties.get("service_account_name") or {})
+    field = "variables.properties.service_account_name.const"
+    if template_pool(doc) != CANARY_POOL:
+        if account != CANARY_ACCOUNT:
+            return []
+        why = f"only the {CANARY_POOL} pool ({POOL_TEMPLATES[CANARY_POOL]}) runs as the canary's account, which creates RayClusters"
+        return [Finding(doc.subject, field, account, f"any account but {CANARY_ACCOUNT}", why)]
+    findings = []
+    if account != CANARY_ACCOUNT:
+        why = f"{CANARY_DEPLOYMENT} creates and deletes RayClusters, which only {CANARY_ACCOUNT} may (deployments/canary.yaml)"
+        findings.append(Finding(doc.subject, field, account, CANARY_ACCOUNT, why))
+    pipeline = pool_template(docs, PIPELINE_POOL)
+    differences = _differences(_but_the_account(pipeline.obj), _but_the_account(doc.obj)) if pipeline else []
+    if differences:
+        findings.append(
+            Finding(
+                doc.subject,
+                f"differences from {pipeline.file if pipeline else ''}",
+                differences[:5],
+                "none but the service account (and descriptions)",
+                "the canary's flow-run pod is the pipeline's (image, namespace, hardening, Secrets) under another "
+                "identity: change both templates together",
+            )
+        )
+    return findings
+
+
+def canary_raycluster_policy_findings(doc: Doc, docs: list[Doc], account: str, namespace: str | None) -> list[Finding]:
+    """The API server holds the canary's RayClusters to raycluster.yaml's identity and Secrets, and its own names.
+
+    The KubeRay operator, not the canary, creates the pods: the canary's RBAC does not bound what they run as.
+    """
+    user = f"system:serviceaccount:{namespace}:{account}"
+    policies = _denying_policies(docs, user, "ray.io", "rayclusters", ("CREATE", "DELETE"))
+    if not policies:
+        return [
+            Finding(
+                doc.subject,
+                "ValidatingAdmissionPolicy for the canary's RayClusters",
+                None,
+                f"a policy bound with validationActions [Deny] matching ray.io rayclusters CREATE and DELETE by {user}",
+                "without it the canary's deployment can create Ray pods that run as any account of the namespace or "
+                "mount any Secret there (KubeRay creates them), and delete the standing RayCluster",
+            )
+        ]
+    text = " ".join(
+        str(v.get("expression")) for p in policies for v in (p.obj.get("spec") or {}).get("validations") or []
+    )
+    wanted = {CANARY_CLUSTER_PREFIX: "the canary's name prefix (tuneproof/control/kube_canary.py)"}  # value: why
+    for raycluster in (d for d in docs if d.kind == "RayCluster"):
+        if secret := ((raycluster.obj.get("spec") or {}).get("authOptions") or {}).get("secretName"):
+            wanted.setdefault(secret, f"{raycluster.subject}'s token Secret")
+        for where, group in ray_groups(raycluster.obj):
+            if ray_account := _pod_spec(group).get("serviceAccountName"):
+                wanted.setdefault(ray_account, f"{raycluster.subject} {where}'s service account")
+    return [
+        Finding(
+            policies[0].subject,
+            "spec.validations",
+            f"no expression naming '{value}'",
+            value,
+            f"{what}: the canary's RayClusters must keep to it",
+        )
+        for value, what in wanted.items()
+        if f"'{value}'" not in text
+    ]
+
+
+def _but_the_account(node, key: str = ""):
+    """A template without its descriptions and the service account's pinned value: what the two pools share."""
+    if isinstance(node, dict):
+        kept = {k: _but_the_account(v, k) for k, v in node.items() if k != "description"}
+        if key == "service_account_name":
+            kept = {k: v for k, v in kept.items() if k not in ("const", "default", "enum")}
+        return kept
+    if isinstance(node, list):
+        return [_but_the_account(x) for x in node]
+    return node
+
+
+def _differences(a, b, path: str = "") -> list[str]:
+    """Dotted paths where two JSON values differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [
+            d for k in sorted(a.keys() | b.keys(), key=str) for d in _differences(a.get(k), b.get(k), f"{path}.{k}")
+        ]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]")]
+    return [] if a == b else [path.lstrip(".")]
+
+
+def canary_role_findings(doc: Doc, docs: list[Doc], account: str, namespace: str | None) -> list[Finding]:
+    """The canary's roles write nothing but create/delete on rayclusters, and grant everything the canary calls."""
+    findings, granted = _write_findings(
+        docs,
+        account,
+        namespace,
+        CANARY_WRITES,
+        "create and delete on ray.io rayclusters, read verbs elsewhere",
+        f"bound to {account}, the canary's account ({doc.file}): it creates and deletes its own RayCluster "
+        "and writes nothing else",
+    )
+    findings += canary_raycluster_policy_findings(doc, docs, account, namespace)
+    missing = [
+        f"{verb} {resource}" + (f".{group}" if group else "")
+        for (group, resource), verbs in CANARY_NEEDS.items()
+        for verb in sorted(verbs)
+        if not any(g in (group, "*") and r in (resource, "*") and v in (verb, "*") for g, r, v in granted)
+    ]
+    if missing:
+        findings.append(
+            Finding(
+                doc.subject,
+                f"roles bound to {account}",
+                f"missing {missing}",
+                "each granted",
+                "the canary calls them (tuneproof/control/kube_canary.py and the verify stage): the API server answers 403",
+            )
+        )
+    return findings
 
 
 # ---------------------------------------------------------------- pod security and service-account tokens
@@ -1916,28 +2122,19 @@ def admission_policy_findings(doc: Doc, docs: list[Doc], pod_spec: dict) -> list
     not a flow run created directly, and whoever holds the API credential can rewrite the work pool: only
     the API server can refuse a Job that runs another image, as another account, with other Secrets.
     """
-    users = {
-        f"system:serviceaccount:{w.namespace}:{workload_pod_spec(w).get('serviceAccountName') or 'default'}"
-        for w in docs
-        if w.kind in WORKLOAD_KINDS
-        and any(kubernetes_worker_pool(c) for c in workload_pod_spec(w).get("containers") or [])
-    }
+    workers = worker_users(docs)
+    pool = template_pool(doc)
+    users = {user for user, pools in workers.items() if pool in pools}
+    if not users and pool != PIPELINE_POOL:
+        return []  # no worker here polls this pool: nothing linted creates its Jobs
+    users = users or set(workers)  # a worker polling a renamed pipeline pool is still held
     if not users:
         return []  # no worker among the linted files: whose Jobs to hold is unknown
-    denied = {
-        (b.obj.get("spec") or {}).get("policyName")
-        for b in docs
-        if b.kind == "ValidatingAdmissionPolicyBinding"
-        and "Deny" in ((b.obj.get("spec") or {}).get("validationActions") or [])
-    }
-    policies = [
-        d
-        for d in docs
-        if d.kind == "ValidatingAdmissionPolicy"
-        and d.name in denied
-        and _matches_job_creation(d)
-        and any(f"'{user}'" in str((d.obj.get("spec") or {}).get("matchConditions")) for user in users)
-    ]
+    policies = list(
+        {
+            p.name: p for user in sorted(users) for p in _denying_policies(docs, user, "batch", "jobs", ("CREATE",))
+        }.values()
+    )
     if not policies:
         return [
             Finding(
@@ -1952,7 +2149,9 @@ def admission_policy_findings(doc: Doc, docs: list[Doc], pod_spec: dict) -> list
     text = " ".join(
         str(v.get("expression")) for p in policies for v in (p.obj.get("spec") or {}).get("validations") or []
     )
-    return [
+    pins = _flow_run_pins(doc, docs, pod_spec)
+    account = pins.pop("service account")
+    findings = [
         Finding(
             policies[0].subject,
             "spec.validations",
@@ -1960,19 +2159,111 @@ def admission_policy_findings(doc: Doc, docs: list[Doc], pod_spec: dict) -> list
             value,
             f"{doc.file} pins the flow runs' {what} to it: the policy must admit exactly that",
         )
-        for what, value in _flow_run_pins(doc, docs, pod_spec).items()
+        for what, value in pins.items()
         if value and f"'{value}'" not in text
+    ]
+    return (
+        findings
+        + _admitted_account_findings(doc, policies, users, account, text)
+        + _shared_worker_findings(doc, workers, users)
+    )
+
+
+def _admitted_account_findings(
+    doc: Doc, policies: list[Doc], users: set[str], account: str | None, text: str
+) -> list[Finding]:
+    """The policy holds each worker's Jobs to its own pool's account: a table worker -> account, or the one name."""
+    if not account:
+        return []
+    variables = [v for p in policies for v in (p.obj.get("spec") or {}).get("variables") or []]
+    tables = [v for v in variables if _ACCOUNT_MAP_ENTRY.search(str(v.get("expression")))]
+    table = {user: admitted for v in tables for user, admitted in _ACCOUNT_MAP_ENTRY.findall(str(v.get("expression")))}
+    if not table:  # one worker, one account, named in a validation
+        seen = f"no expression naming '{account}'"
+        return (
+            [] if f"'{account}'" in text else [_admission_finding(policies[0], "spec.validations", seen, account, doc)]
+        )
+    findings = [
+        _admission_finding(policies[0], f"spec.variables[{user}]", table.get(user), account, doc)
+        for user in sorted(users)
+        if table.get(user) != account
+    ]
+    read = [f"variables.{v.get('name')}" for v in tables if f"variables.{v.get('name')}" in text]
+    if not read:  # a table no validation reads holds nothing
+        seen = f"no use of variables.{tables[0].get('name')}"
+        findings.append(_admission_finding(policies[0], "spec.validations", seen, account, doc))
+    return findings
+
+
+def _admission_finding(policy: Doc, field: str, seen, account: str, doc: Doc) -> Finding:
+    return Finding(
+        policy.subject,
+        field,
+        seen,
+        account,
+        f"{doc.file} pins the flow runs' service account to it: a Job its worker creates must run as exactly that, "
+        "or a flow run could take another pool's identity",
+    )
+
+
+def _shared_worker_findings(doc: Doc, workers: dict[str, set], users: set[str]) -> list[Finding]:
+    """A worker account polling two pools: the policy cannot tell their Jobs apart, so neither pool's identity holds."""
+    return [
+        Finding(
+            doc.subject,
+            f"workers polling {template_pool(doc)}",
+            f"{user} polls {sorted(workers[user])}",
+            "one service account per worker, each polling one pool",
+            "flow-run-admission.yaml binds a Job's account to the worker that created it: a worker account shared "
+            "by two pools lets either pool's flow runs run as the other's account",
+        )
+        for user in sorted(users)
+        if len(workers.get(user, ())) > 1
     ]
 
 
+def worker_users(docs: list[Doc]) -> dict[str, set]:
+    """{the API user a Kubernetes worker creates Jobs as: the pools it polls}."""
+    users: dict[str, set] = {}
+    for w in (d for d in docs if d.kind in WORKLOAD_KINDS):
+        pod_spec = workload_pod_spec(w)
+        pools = {p for c in pod_spec.get("containers") or [] if (p := kubernetes_worker_pool(c))}
+        if pools:
+            user = f"system:serviceaccount:{w.namespace}:{pod_spec.get('serviceAccountName') or 'default'}"
+            users.setdefault(user, set()).update(pools)
+    return users
+
+
 def _matches_job_creation(policy: Doc) -> bool:
+    return _matches(policy, "batch", "jobs", "CREATE")
+
+
+def _matches(policy: Doc, group: str, resource: str, operation: str) -> bool:
     rules = (((policy.obj.get("spec") or {}).get("matchConstraints") or {}).get("resourceRules")) or []
     return any(
-        {"batch", "*"} & set(r.get("apiGroups") or [])
-        and {"jobs", "*"} & set(r.get("resources") or [])
-        and {"CREATE", "*"} & set(r.get("operations") or [])
+        {group, "*"} & set(r.get("apiGroups") or [])
+        and {resource, "*"} & set(r.get("resources") or [])
+        and {operation, "*"} & set(r.get("operations") or [])
         for r in rules
     )
+
+
+def _denying_policies(docs: list[Doc], user: str, group: str, resource: str, operations: tuple[str, ...]) -> list[Doc]:
+    """ValidatingAdmissionPolicies bound with Deny that match every one of `operations` on the resource by `user`."""
+    denied = {
+        (b.obj.get("spec") or {}).get("policyName")
+        for b in docs
+        if b.kind == "ValidatingAdmissionPolicyBinding"
+        and "Deny" in ((b.obj.get("spec") or {}).get("validationActions") or [])
+    }
+    return [
+        d
+        for d in docs
+        if d.kind == "ValidatingAdmissionPolicy"
+        and d.name in denied
+        and all(_matches(d, group, resource, op) for op in operations)
+        and f"'{user}'" in str((d.obj.get("spec") or {}).get("matchConditions"))
+    ]
 
 
 def _flow_run_pins(doc: Doc, docs: list[Doc], pod_spec: dict) -> dict[str, str | None]:
@@ -1993,8 +2284,8 @@ def _flow_run_pins(doc: Doc, docs: list[Doc], pod_spec: dict) -> dict[str, str |
         for setting in CREDENTIAL_SECRET_SETTINGS.values()
     ]
     return {
-        "image": _pinned_value(properties.get("image") or {}),
         "service account": _pinned_value(properties.get("service_account_name") or {}),
+        "image": _pinned_value(properties.get("image") or {}),
         **secrets,
         "Prefect API credential Secret": next((a for a in auth if a), None),
     }

@@ -12,8 +12,13 @@ deletion error is logged, never raised over the block's own outcome (the origina
 that explains the canary).
 
 Uses the official `kubernetes` client with the same credentials as the verify stage (tuneproof.control.kube).
-The service account needs create/get/delete on rayclusters.ray.io in the namespace for this (the read-only
-tuneproof-pipeline Role does not grant it); a refusal is named with its HTTP status.
+On EKS that is the pod's service account, `tuneproof-canary` (deployments/canary.yaml): the `image-canary`
+deployment runs on its own work pool `tuneproof-eks-canary`, whose base job template pins that account and
+whose worker's Jobs flow-run-admission.yaml holds to it. Its Role grants exactly create/get/list/delete on
+rayclusters.ray.io and get/list on pods in the namespace (plus the pipeline's cluster-wide node and
+ResourceSlice reads for verify); the pipeline's own account stays read-only, and lint fails if either
+gains a write it should not have. A refusal (a cluster set up without canary.yaml) is named with its
+HTTP status and the rights missing.
 """
 
 from __future__ import annotations
@@ -214,7 +219,8 @@ def delete(api: client.ApiClient, namespace: str, name: str, log: Log) -> bool:
 
 def _refused(what: str, e: ApiException) -> StageFailure:
     hint = (
-        " (the service account needs create/get/delete on rayclusters.ray.io and list on pods in the namespace)"
+        " (the canary runs as tuneproof-canary, deployments/canary.yaml: create/get/list/delete on rayclusters.ray.io"
+        " and get/list on pods in the namespace; is the image-canary deployment on the tuneproof-eks-canary pool?)"
         if e.status in (401, 403)
         else ""
     )

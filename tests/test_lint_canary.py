@@ -1,0 +1,293 @@
+"""`tuneproof lint`: the image canary's own pool, worker and identity (SECURITY.md, "The image canary").
+
+    python -m pytest -q tests/test_lint_canary.py
+
+As in tests/test_lint_security.py: each test copies deployments/ and prefect.yaml, breaks one part of the
+canary's separation from the pipeline the way an engineer could, and asserts exit code 1 and the finding
+that names it. The committed files lint clean, so every failure here is the mutation's.
+"""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from tests.test_lint_eks import edit, eks_deployment, lint, project
+from tests.test_lint_security import TEMPLATE, deploy, template_pod
+from tuneproof.core.config import PROJECT_ROOT
+
+__all__ = ["project"]  # the fixture, shared with tests/test_lint_eks.py
+
+CANARY_TEMPLATE = "prefect-k8s-canary-job-template.json"
+PIPELINE_WORKER = "system:serviceaccount:tuneproof:prefect-worker"
+CANARY_WORKER = "system:serviceaccount:tuneproof:prefect-worker-canary"
+
+
+def in_canary_role(change):
+    return lambda doc: (
+        change(doc) if doc.get("kind") == "Role" and doc["metadata"]["name"] == "tuneproof-canary" else None
+    )
+
+
+def in_admission_policy(change):
+    return lambda doc: change(doc) if doc.get("kind") == "ValidatingAdmissionPolicy" else None
+
+
+def account_variable(policy: dict) -> dict:
+    return next(v for v in policy["spec"]["variables"] if v["name"] == "account")
+
+
+# ---------------------------------------------------------------- the canary's RBAC
+
+
+def test_the_canary_role_writes_nothing_but_create_and_delete_on_rayclusters(project, capsys):
+    def widen(role):
+        role["rules"][0]["verbs"] += ["patch", "update"]  # edit the standing cluster
+        role["rules"][1]["verbs"].append("create")  # start any pod
+        role["rules"].append({"apiGroups": ["*"], "resources": ["*"], "verbs": ["delete"]})
+
+    edit(deploy(project, "canary.yaml"), in_canary_role(widen))
+    code, out = lint(project, capsys)
+    assert code == 1
+    expected = "expected 'create and delete on ray.io rayclusters, read verbs elsewhere'"
+    assert f"Role/tuneproof-canary: rules[0].verbs is ['patch', 'update'], {expected}" in out
+    assert f"Role/tuneproof-canary: rules[1].verbs is ['create'], {expected}" in out
+    assert f"Role/tuneproof-canary: rules[2].verbs is ['delete'], {expected}" in out  # a wildcard is not rayclusters
+    assert "bound to tuneproof-canary, the canary's account" in out
+
+
+def test_the_pipeline_account_stays_read_only(project, capsys):
+    # The canary's rights are its own: granting them to the pipeline's account is still the read-only rule's error.
+    def also_pipeline(binding):
+        if binding.get("kind") == "RoleBinding" and binding["metadata"]["name"] == "tuneproof-canary":
+            binding["subjects"].append(
+                {"kind": "ServiceAccount", "name": "tuneproof-pipeline", "namespace": "tuneproof"}
+            )
+
+    edit(deploy(project, "canary.yaml"), also_pipeline)
+    code, out = lint(project, capsys)
+    assert code == 1
+    assert "Role/tuneproof-canary: rules[0].verbs is ['create', 'delete'], expected ['get', 'list', 'watch']" in out
+    assert "bound to tuneproof-pipeline" in out and "the pipeline only reads the cluster" in out
+
+
+def test_the_canary_role_grants_every_call_the_canary_makes(project, capsys):
+    def narrow(doc):
+        if doc.get("kind") == "Role" and doc["metadata"]["name"] == "tuneproof-canary":
+            doc["rules"][0]["verbs"].remove("delete")
+        if doc.get("kind") == "ClusterRoleBinding":  # the nodes and ResourceSlices verify reads
+            doc["subjects"][0]["name"] = "someone-else"
+
+    edit(deploy(project, "canary.yaml"), narrow)
+    code, out = lint(project, capsys)
+    assert code == 1
+    assert (
+        f"{CANARY_TEMPLATE}: Prefect base job template: roles bound to tuneproof-canary is \"missing ['delete "
+        "rayclusters.ray.io', 'get nodes', 'list nodes', 'get resourceslices.resource.k8s.io', 'list "
+        "resourceslices.resource.k8s.io']\", expected 'each granted'"
+    ) in out
+    assert "the API server answers 403" in out
+
+
+# ---------------------------------------------------------------- pools and templates
+
+
+def test_image_canary_deploys_on_the_canary_pool_and_nothing_else_does(project, capsys):
+    def swap(doc):  # the pool names only; each keeps its job variables (copied: YAML anchors share one dict)
+        canary, nightly = eks_deployment(doc, "image-canary"), eks_deployment(doc, "eks-nightly")
+        canary["work_pool"] = {**canary["work_pool"], "name": "tuneproof-eks"}
+        nightly["work_pool"] = {**nightly["work_pool"], "name": "tuneproof-eks-canary"}
+
+    edit(project / "prefect.yaml", swap)
+    code, out = lint(project, capsys)
+    assert code == 1
+    assert (
+        "deployment image-canary: work_pool.name is 'tuneproof-eks', expected 'tuneproof-eks-canary' (the canary "
+        "creates and deletes its RayCluster"
+    ) in out
+    assert (
+        "deployment eks-nightly: work_pool.name is 'tuneproof-eks-canary', expected 'any pool but tuneproof-eks-canary'"
+    ) in out
+    # each deployment is also checked against its own pool's template: neither can keep its account
+    assert (
+        "deployment eks-nightly: work_pool.job_variables.service_account_name is 'tuneproof-pipeline', expected "
+        "'const: \"tuneproof-canary\"'"
+    ) in out
+    assert (
+        "deployment image-canary: work_pool.job_variables.service_account_name is 'tuneproof-canary', expected "
+        "'const: \"tuneproof-pipeline\"'"
+    ) in out
+
+
+def test_the_canary_template_pins_the_canary_account_and_no_other_template_does(project, capsys):
+    def pin(account):
+        return lambda t: t["variables"]["properties"]["service_account_name"].update(const=account, default=account)
+
+    edit(deploy(project, CANARY_TEMPLATE), pin("tuneproof-pipeline"))
+    edit(deploy(project, TEMPLATE), pin("tuneproof-canary"))
+    code, out = lint(project, capsys)
+    assert code == 1
+    assert (
+        f"{CANARY_TEMPLATE}: Prefect base job template: variables.properties.service_account_name.const is "
+        "'tuneproof-pipeline', expected 'tuneproof-canary'"
+    ) in out
+    assert (
+        f"{TEMPLATE}: Prefect base job template: variables.properties.service_account_name.const is "
+        "'tuneproof-canary', expected 'any account but tuneproof-canary'"
+    ) in out
+
+
+def test_the_canary_template_is_the_pipelines_but_for_the_account(project, capsys):
+    def drift(template):
+        template_pod(template)["containers"][0]["securityContext"]["allowPrivilegeEscalation"] = True
+        template["variables"]["properties"]["memory_limit"]["default"] = "64Gi"
+
+    edit(deploy(project, CANARY_TEMPLATE), drift)
+    code, out = lint(project, capsys)
+    assert code == 1
+    assert (
+        f"{CANARY_TEMPLATE}: Prefect base job template: differences from {project}/deployments/{TEMPLATE} is "
+        "['job_configuration.job_manifest.spec.template.spec.containers[0].securityContext.allowPrivilegeEscalation', "
+        "'variables.properties.memory_limit.default'], expected 'none but the service account (and descriptions)'"
+    ) in out
+
+
+def test_the_committed_canary_template_differs_only_in_the_account():
+    base = json.loads((PROJECT_ROOT / "deployments" / TEMPLATE).read_text())
+    canary = json.loads((PROJECT_ROOT / "deployments" / CANARY_TEMPLATE).read_text())
+    for template in (base, canary):
+        template["variables"].pop("description")
+        template["variables"]["properties"].pop("service_account_name")
+    assert canary == base
+
+
+# ---------------------------------------------------------------- admission: identity follows the worker
+
+
+def test_the_admission_policy_holds_each_worker_to_its_pools_account(project, capsys):
+    def cross(policy):
+        account_variable(policy)["expression"] = (
+            f"{{'{PIPELINE_WORKER}': 'tuneproof-canary', '{CANARY_WORKER}': 'tuneproof-canary'}}"
+            "[request.userInfo.username]"
+        )
+
+    edit(deploy(project, "flow-run-admission.yaml"), in_admission_policy(cross))
+    code, out = lint(project, capsys)
+    assert code == 1
+    assert (
+        "ValidatingAdmissionPolicy/tuneproof-flow-run-jobs: "
+        f"spec.variables[{PIPELINE_WORKER}] is 'tuneproof-canary', expected 'tuneproof-pipeline'"
+    ) in out
+    assert "or a flow run could take another pool's identity" in out
+    assert f"spec.variables[{CANARY_WORKER}]" not in out  # the canary's own entry is right
+
+
+def test_a_table_no_validation_reads_holds_nothing(project, capsys):
+    def unread(policy):
+        policy["spec"]["validations"][0]["expression"] = "has(variables.pod.serviceAccountName)"
+
+    edit(deploy(project, "flow-run-admission.yaml"), in_admission_policy(unread))
+    code, out = lint(project, capsys)
+    assert code == 1
+    assert "spec.validations is 'no use of variables.account', expected 'tuneproof-pipeline'" in out
+    assert "spec.validations is 'no use of variables.account', expected 'tuneproof-canary'" in out
+
+
+def test_the_canary_workers_jobs_must_be_matched_by_the_policy(project, capsys):
+    def pipeline_worker_only(policy):
+        policy["spec"]["matchConditions"][0]["expression"] = f"request.userInfo.username == '{PIPELINE_WORKER}'"
+
+    edit(deploy(project, "flow-run-admission.yaml"), in_admission_policy(pipeline_worker_only))
+    code, out = lint(project, capsys)
+    assert code == 1
+    assert (
+        f"{CANARY_TEMPLATE}: Prefect base job template: ValidatingAdmissionPolicy for the worker's Jobs is None, "
+        f"expected 'a policy bound with validationActions [Deny] matching batch/v1 jobs CREATE by {CANARY_WORKER}'"
+    ) in out
+
+
+def test_a_worker_account_shared_by_two_pools_is_an_error(project, capsys):
+    def share(doc):
+        if doc.get("kind") == "Deployment":
+            doc["spec"]["template"]["spec"]["serviceAccountName"] = "prefect-worker"
+
+    edit(deploy(project, "canary.yaml"), share)
+    code, out = lint(project, capsys)
+    assert code == 1
+    assert (
+        f"workers polling tuneproof-eks-canary is \"{PIPELINE_WORKER} polls ['tuneproof-eks', "
+        "'tuneproof-eks-canary']\", expected 'one service account per worker, each polling one pool'"
+    ) in out
+
+
+# ---------------------------------------------------------------- the canary's worker
+
+
+def test_the_canary_worker_is_the_pipelines_but_for_name_account_and_pool():
+    def worker(file: str) -> dict:
+        docs = yaml.safe_load_all((PROJECT_ROOT / "deployments" / file).read_text())
+        return next(d for d in docs if d["kind"] == "Deployment")
+
+    canary, pipeline = worker("canary.yaml"), worker("prefect-worker.yaml")
+    text = json.dumps(canary)
+    for old, new in (
+        ('"prefect-worker-canary"', '"prefect-worker"'),
+        ('"tuneproof-eks-canary"', '"tuneproof-eks"'),
+    ):
+        text = text.replace(old, new)
+    assert json.loads(text) == pipeline
+
+
+# ---------------------------------------------------------------- admission: what the canary's RayClusters may be
+
+
+def in_canary_cluster_policy(change):
+    return lambda doc: (
+        change(doc)
+        if doc.get("kind") == "ValidatingAdmissionPolicy" and doc["metadata"]["name"] == "tuneproof-canary-rayclusters"
+        else None
+    )
+
+
+def test_the_canarys_rayclusters_are_held_by_an_admission_policy(project, capsys):
+    edit(
+        deploy(project, "canary.yaml"),
+        in_canary_cluster_policy(
+            lambda p: p["spec"]["matchConstraints"]["resourceRules"][0].update(operations=["CREATE"])
+        ),
+    )
+    code, out = lint(project, capsys)
+    assert code == 1
+    assert (
+        f"{CANARY_TEMPLATE}: Prefect base job template: ValidatingAdmissionPolicy for the canary's RayClusters is None, "
+        "expected 'a policy bound with validationActions [Deny] matching ray.io rayclusters CREATE and DELETE by "
+        "system:serviceaccount:tuneproof:tuneproof-canary'"
+    ) in out  # DELETE unmatched: the canary could delete the standing cluster
+    assert "delete the standing RayCluster" in out
+
+
+def test_the_canary_cluster_policy_follows_the_ray_pods_identity(project, capsys):
+    def loosen(policy):
+        for v in policy["spec"]["validations"]:
+            v["expression"] = (
+                v["expression"].replace("'tuneproof-ray'", "'default'").replace("'tuneproof-canary-'", "'t'")
+            )
+
+    edit(deploy(project, "canary.yaml"), in_canary_cluster_policy(loosen))
+    code, out = lint(project, capsys)
+    assert code == 1
+    policy = "ValidatingAdmissionPolicy/tuneproof-canary-rayclusters: spec.validations"
+    assert f"{policy} is \"no expression naming 'tuneproof-canary-'\", expected 'tuneproof-canary-'" in out
+    assert f"{policy} is \"no expression naming 'tuneproof-ray'\", expected 'tuneproof-ray'" in out
+    assert "RayCluster/tuneproof spec.headGroupSpec's service account: the canary's RayClusters must keep to it" in out
+    assert "'tuneproof-ray-auth'" not in out  # the token Secret is still named
+
+
+def test_the_canary_template_without_canary_yaml_names_what_is_missing(project, capsys):
+    deploy(project, "canary.yaml").unlink()
+    code, out = lint(project, capsys)
+    assert code == 1
+    assert f'{CANARY_TEMPLATE}: Prefect base job template: roles bound to tuneproof-canary is "missing [' in out
+    assert "ValidatingAdmissionPolicy for the canary's RayClusters is None" in out
+    assert "spec.variables[" not in out  # no canary worker linted: the Jobs policy is not asked to map one
