@@ -25,6 +25,8 @@ from tuneproof.core.results import FailureClass, StageFailure
 
 CANDIDATE = "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.2@sha256:" + "b" * 64
 RAYCLUSTERS = "/apis/ray.io/v1/namespaces/tuneproof/rayclusters"
+# An upper bound only: the fake cluster is ready within a second idle, but it failed once at 10 s under load 11.
+READY_WITHIN_S = 120
 SHARED_CRD = Path("/work/shared/kuberay/ray.io_rayclusters.yaml")
 LINT_CRD = PROJECT_ROOT / "tuneproof" / "app" / "schemas" / "raycluster-v1.json"
 
@@ -138,7 +140,7 @@ def test_create_wait_until_ready_and_delete(k8s):
     fake, kubeconfig = k8s
     progress: list[str] = []
     with ephemeral_raycluster(
-        kcfg(kubeconfig), manifest(), CANDIDATE, "t1", timeout_s=10, poll_s=0.05, log=progress.append
+        kcfg(kubeconfig), manifest(), CANDIDATE, "t1", timeout_s=READY_WITHIN_S, poll_s=0.05, log=progress.append
     ) as cluster:
         assert cluster.name == "tuneproof-canary-t1"
         assert cluster.address == "http://tuneproof-canary-t1-head-svc.tuneproof.svc.cluster.local:8265"
@@ -156,7 +158,9 @@ def test_a_failure_inside_the_block_still_deletes_the_cluster(k8s):
     fake, kubeconfig = k8s
     with (
         pytest.raises(RuntimeError, match="the stages failed"),
-        ephemeral_raycluster(kcfg(kubeconfig), manifest(), CANDIDATE, "t2", timeout_s=10, poll_s=0.05, log=print),
+        ephemeral_raycluster(
+            kcfg(kubeconfig), manifest(), CANDIDATE, "t2", timeout_s=READY_WITHIN_S, poll_s=0.05, log=print
+        ),
     ):
         raise RuntimeError("the stages failed")
     assert fake.deleted == ["tuneproof-canary-t2"]
@@ -199,7 +203,7 @@ def test_a_refused_delete_is_logged_and_does_not_mask_the_original_failure(k8s):
     with (
         pytest.raises(RuntimeError, match="verify failed"),
         ephemeral_raycluster(
-            kcfg(kubeconfig), manifest(), CANDIDATE, "t5", timeout_s=10, poll_s=0.05, log=logged.append
+            kcfg(kubeconfig), manifest(), CANDIDATE, "t5", timeout_s=READY_WITHIN_S, poll_s=0.05, log=logged.append
         ),
     ):
         raise RuntimeError("verify failed")
@@ -220,7 +224,9 @@ def rbac_verb(method: str, path: str) -> tuple[str, str, str]:
 
 def test_the_canary_role_grants_exactly_what_the_canary_calls(k8s):
     fake, kubeconfig = k8s
-    with ephemeral_raycluster(kcfg(kubeconfig), manifest(), CANDIDATE, "t6", timeout_s=10, poll_s=0.05, log=print):
+    with ephemeral_raycluster(
+        kcfg(kubeconfig), manifest(), CANDIDATE, "t6", timeout_s=READY_WITHIN_S, poll_s=0.05, log=print
+    ):
         pass
     called = {rbac_verb(method, path) for method, path in fake.calls}
     assert called == {
