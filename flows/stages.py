@@ -138,7 +138,8 @@ def lift_data(record: RunRecord, s: DataSummary) -> None:
 
 def finetune_evidence(s: FinetuneSummary) -> str:
     trained = f", {s.trainable_params:,} of {s.total_params:,} params trained" if s.trainable_params is not None else ""
-    return f"{s.method}: loss {_num(s.first_loss)} -> {_num(s.final_loss)} in {s.steps} steps{trained}"
+    mesh = f", {s.sharding} mesh {'x'.join(map(str, s.mesh))}" if s.sharding and s.mesh else ""
+    return f"{s.method}: loss {_num(s.first_loss)} -> {_num(s.final_loss)} in {s.steps} steps{trained}{mesh}"
 
 
 def finetune_metrics(s: FinetuneSummary) -> Metrics:

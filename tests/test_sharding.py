@@ -284,3 +284,7 @@ def test_a_checkpoint_saved_under_full_resumes_under_hybrid(reshard_runs):
     assert hybrid["start_step"] == 4 and hybrid["restored_from"] == checkpoint_uri(wider, 4)
     assert [c["step"] for c in hybrid["checkpoints"]] == [6]
     assert_losses_match(saved, hybrid, [5, 6])
+    # The summary (and so the record) names the mesh each run trained on, not only the configured choice.
+    assert (saved["sharding"], saved["mesh"]) == ("full", [2])
+    assert (wider["sharding"], wider["mesh"]) == ("full", [4])
+    assert (hybrid["sharding"], hybrid["mesh"]) == ("hybrid", [2, 2])

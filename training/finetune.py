@@ -253,6 +253,8 @@ def summarize(ctx: JobContext, params: TrainParams, outcome: dict, seconds: floa
         method=ctx.config.train.method,
         trainable_params=outcome["trainable_params"],
         total_params=outcome["total_params"],
+        sharding=ctx.config.train.sharding,
+        mesh=outcome.get("mesh"),
         adapter_path=posixpath.join(export, ADAPTER_DIR) if export and ctx.config.train.method == "lora" else None,
         restarts=restarts(
             read_jsonl(ctx.storage, *ctx.stage_parts(ATTEMPTS)),
@@ -314,6 +316,8 @@ class Worker:
     first_step_completed_at: float | None = None
     param_counts: tuple[int, int] = (0, 0)
     """(trainable, total) parameters of the model as set up (base + adapters under LoRA)."""
+    mesh: list[int] = field(default_factory=list)
+    """The device mesh's shape the model is sharded on (training.fsdp.mesh_shape)."""
     save_group: Any = None
     """A gloo process group of the checkpoint writer's own (the async DCP save's collectives run on it)."""
     saving: ShardsInFlight | None = None
@@ -390,7 +394,7 @@ def setup(ctx: JobContext, params: TrainParams) -> Worker:
     from transformers.utils import logging as hf_logging
 
     from training.flops import ModelShape, train_flops_per_token
-    from training.fsdp import peak_flops, shard_model, worker_device
+    from training.fsdp import local_world_size, mesh_shape, peak_flops, shard_model, worker_device
     from training.lora import parameter_counts
     from training.modeling import load_model
     from training.train_data import BatchLayout, StepBatches, load_examples
@@ -420,8 +424,11 @@ def setup(ctx: JobContext, params: TrainParams) -> Worker:
         ctx, params, rank, world, device, model, optimizer, batches, schedule, flops_per_token, peak_flops(device)
     )
     w.param_counts = counts
+    w.mesh = list(mesh_shape(cfg.sharding, world, cfg.shard_group_size, local_world_size()))  # as shard_model built it
     w.save_group = dist.new_group(backend="gloo")  # collective: every rank creates it, in the same order
-    w.log(f"method {cfg.method}: {counts[0]:,} of {counts[1]:,} parameters train")
+    w.log(
+        f"method {cfg.method}: {counts[0]:,} of {counts[1]:,} parameters train; {cfg.sharding} sharding, mesh {w.mesh}"
+    )
     return w
 
 
@@ -692,6 +699,7 @@ def finish(
         "export_path": export_path,
         "trainable_params": w.param_counts[0],
         "total_params": w.param_counts[1],
+        "mesh": w.mesh,
     }
     w.storage.write_json(outcome, *w.ctx.stage_parts(OUTCOME))
 

@@ -268,6 +268,11 @@ class FinetuneSummary(Summary):
     """Every parameter of the trained model (under LoRA: base + adapters), a tied weight once."""
     adapter_path: str | None = None
     """LoRA: storage path of the peft adapter (<export_path>/adapter); export_path is the merged model."""
+    sharding: Literal["full", "hybrid", "ddp"] | None = None
+    """train.sharding as it ran (None in records written before it was recorded)."""
+    mesh: list[int] | None = None
+    """The device mesh the weights were sharded on: [shard] under full, [replicate, shard] under hybrid
+    and ddp ([workers, 1]); e.g. [2, 2] for 4 workers in shard groups of 2."""
     restarts: list[Restart] = []
     """Worker-group failures Ray Train recovered from in this job, with the step each one resumed at."""
 
