@@ -49,7 +49,9 @@ def image_canary(
     candidate_image: CandidateImage | None = None,
     config: PipelineConfig = PipelineConfig(),
     max_steps: int = 60,
-    repeats: int = 1,
+    # Three: one run per side compares single noisy values (the same local environment was rejected for a
+    # 0.81 bus bandwidth ratio that way); 2+ on both sides compares by the bootstrap interval.
+    repeats: int = 3,
     threshold: float = 0.10,
     decision_id: str | None = None,
     manifest: str = "deployments/raycluster.yaml",

@@ -88,7 +88,8 @@ def test_images_list_and_show_read_the_history(tmp_path):
 @pytest.mark.timeout(1800)  # five Ray jobs; on 2 shared cores under load they took 13+ minutes
 def test_the_canary_runs_locally_end_to_end_and_images_list_shows_it(prefect_server, demo_env, tmp_path):
     env = demo_env.at(tmp_path)
-    result = tuneproof("canary", *env.args, "--id", "canary-1", "--max-steps", "20", "--json")
+    # One run: the first canary has no baseline to compare with, so more repeats would only cost time here.
+    result = tuneproof("canary", *env.args, "--id", "canary-1", "--max-steps", "20", "--repeats", "1", "--json")
     assert result.exit_code == 0, result.output
 
     # The decision: the first canary adopts itself as the baseline, and says so.

@@ -87,7 +87,8 @@ def test_one_run_each_compares_by_the_threshold():
     verdict, reasons, _ = decide(None, base, slower, 0.1)
     assert verdict == "reject"
     assert reasons == [
-        "finetune.tokens_per_s: worse (higher is better): baseline median 1000, candidate median 700 (ratio 0.700)"
+        "finetune.tokens_per_s: worse (higher is better): baseline median 1000, candidate median 700 (ratio 0.700, "
+        "one value per side, no interval: a rerun with --repeats 3 on both sides tells noise from change)"
     ]
     lossier = {**same, "finetune.final_loss": [0.80]}
     assert decide(None, base, lossier, 0.1)[1][0].startswith("finetune.final_loss: worse (lower is better)")

@@ -552,7 +552,9 @@ def canary(
         help="The image to try, repo@sha256:<64 hex> (eks: required; locally: this environment by default).",
     ),
     max_steps: int = typer.Option(60, "--max-steps", help="Fine-tune steps of each canary run (a short run)."),
-    repeats: int = typer.Option(1, "--repeats", help="Canary runs; 2+ (on both sides) compares by interval."),
+    repeats: int = typer.Option(
+        3, "--repeats", help="Canary runs; 2+ (on both sides) compares by interval, 1 by the threshold on one value."
+    ),
     threshold: float = typer.Option(0.10, "--threshold", help="Smallest relative change that counts as worse."),
     decision_id: str | None = typer.Option(
         None, "--id", callback=slug_arg("decision id"), help="Decision id (default: a new one)."

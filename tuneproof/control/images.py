@@ -232,7 +232,11 @@ def _threshold_verdict(d: cmp.Direction, a: cmp.Spread, b: cmp.Spread, threshold
 
 def _reason(m: MetricComparison) -> str:
     how = f"ratio {m.ratio:.3f}" if m.ratio is not None else "changed"
-    interval = f", 95% CI {m.ci95[0]:.3f}..{m.ci95[1]:.3f}" if m.ci95 else ""
+    interval = (
+        f", 95% CI {m.ci95[0]:.3f}..{m.ci95[1]:.3f}"
+        if m.ci95
+        else ", one value per side, no interval: a rerun with --repeats 3 on both sides tells noise from change"
+    )
     return f"{m.name}: worse ({m.direction} is better): baseline median {m.a.median:.4g}, candidate median " + (
         f"{m.b.median:.4g} ({how}{interval})"
     )
