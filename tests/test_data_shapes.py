@@ -399,6 +399,11 @@ def test_local_chat_profile_reads_messages_and_gates_on_exact_match():
     assert cfg.train.method == "lora" and cfg.train.lora.modules_to_save == ["embed_tokens"]
 
 
+def test_every_bundled_local_profile_recovers_a_lost_worker_as_the_eks_profile_does():
+    for name in ("local.yaml", "local-chat.yaml", "local-alpaca.yaml", "eks.yaml"):
+        assert load_config(PROJECT_ROOT / "configs" / name).train.max_failures >= 1, name
+
+
 # ---- the bundled Alpaca-style example -------------------------------------------------------------------
 
 
