@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from training.data_prep import encode_messages, prepare_data, read_split
+from training.data_prep import Conversation, encode_messages, encode_split, prepare_data, read_split
 from training.jobkit import ENV_VAR, JobContext, encode_job
 from tuneproof.app.tiny_model import DEFAULT_DATA, build_tiny_model, ensure_tiny_model, train_tokenizer
 from tuneproof.core import datahash, shapes
@@ -116,6 +116,33 @@ def test_turns_after_the_last_assistant_turn_are_cut_and_extra_keys_dropped():
     row = {"messages": [*TWO_TURNS[1:], {"role": "user", "content": "thanks", "name": "x"}]}
     assert shapes.check_messages(row, "messages") == (None, TWO_TURNS[1:])
     assert shapes.check_messages({"chat": TWO_TURNS}, "chat") == (None, TWO_TURNS)
+
+
+@pytest.mark.parametrize("loss_on", ["all_assistant", "last_assistant"])
+def test_a_batch_of_conversations_encodes_as_each_one_alone(tokenizer, loss_on):
+    """The stage renders and tokenizes a split in batches; each example equals the row-by-row encoding."""
+    data = DataConfig(shape="messages", loss_on=loss_on, system_prompt=SYSTEM)
+    chats = [row["messages"] for row in CHAT[:40]] + [TWO_TURNS, TWO_TURNS[1:], TWO_TURNS]  # a repeat shares text
+    convs = [Conversation("source", i, {}, messages) for i, messages in enumerate(chats)]
+    examples, kept = encode_split(tokenizer, convs, data, datahash.Drops())
+    assert kept == convs
+    assert examples == [encode_messages(tokenizer, messages, data) for messages in chats]
+    assert examples[-1].input_ids is not examples[-3].input_ids  # equal texts, separate lists
+
+
+@pytest.mark.parametrize("loss_on", ["all_assistant", "last_assistant"])
+def test_renderings_names_every_prefix_the_mask_and_the_eval_pair_render(loss_on):
+    seen: set[tuple[int, bool]] = set()
+
+    def render(messages, add_generation_prompt):
+        seen.add((len(messages), add_generation_prompt))
+        return chat_text(messages) + ("assistant\n" if add_generation_prompt else "")
+
+    for messages in (TWO_TURNS, TWO_TURNS[1:], CHAT[0]["messages"], CHAT[1]["messages"]):
+        seen.clear()
+        shapes.assistant_labels(messages, render, lambda text: [ord(c) for c in text], loss_on)
+        shapes.eval_pair(messages, render)
+        assert seen == shapes.renderings(messages, loss_on)
 
 
 def test_a_template_that_rewrites_earlier_turns_cannot_be_masked():
