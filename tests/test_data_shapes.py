@@ -8,6 +8,7 @@ then a short 2-worker fine-tune and the evaluate job on what it wrote, through a
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import os
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from training import data_prep
 from training.data_prep import Conversation, encode_messages, encode_split, prepare_data, read_split
 from training.jobkit import ENV_VAR, JobContext, encode_job
 from tuneproof.app.tiny_model import DEFAULT_DATA, build_tiny_model, ensure_tiny_model, train_tokenizer
@@ -128,6 +130,21 @@ def test_a_batch_of_conversations_encodes_as_each_one_alone(tokenizer, loss_on):
     assert kept == convs
     assert examples == [encode_messages(tokenizer, messages, data) for messages in chats]
     assert examples[-1].input_ids is not examples[-3].input_ids  # equal texts, separate lists
+
+
+def test_a_rejected_conversation_is_dropped_and_its_batch_neighbours_kept(tokenizer, monkeypatch):
+    strict = copy.deepcopy(tokenizer)
+    strict.chat_template = SYSTEM_FIRST_GUARD + tokenizer.chat_template
+    monkeypatch.setattr(data_prep, "RENDER_CHUNK", 4)  # the rejected row's chunk goes one by one, the others batched
+    chats = [row["messages"] for row in CHAT[:9]]
+    chats.insert(5, [TWO_TURNS[1], TWO_TURNS[0], *TWO_TURNS[2:]])  # a system turn after the first
+    data = DataConfig(shape="messages")
+    drops = datahash.Drops()
+    examples, kept = encode_split(strict, [Conversation("source", i, {}, m) for i, m in enumerate(chats)], data, drops)
+    assert [conv.row for conv in kept] == [i for i in range(10) if i != 5]
+    assert drops.counts == {"template_rejected": 1}
+    assert "System role only as the first message" in drops.examples["template_rejected"][0]["value"]
+    assert examples == [encode_messages(tokenizer, m, data) for i, m in enumerate(chats) if i != 5]
 
 
 @pytest.mark.parametrize("loss_on", ["all_assistant", "last_assistant"])
@@ -270,17 +287,20 @@ def prepare(cfg: PipelineConfig):
     return prepare_data(JobContext("run-1", "data", cfg))
 
 
+# Like many real templates: a system turn anywhere but first is refused.
+SYSTEM_FIRST_GUARD = (
+    "{%- for message in messages %}{%- if message['role'] == 'system' and not loop.first %}"
+    "{{- raise_exception('System role only as the first message') }}{%- endif %}{%- endfor %}"
+)
+
+
 @pytest.fixture(scope="module")
 def strict_template_dir(tiny_dir, tmp_path_factory) -> Path:
     """The tiny model with a chat template that, like many real ones, rejects a system turn after the first."""
     model = tmp_path_factory.mktemp("strict") / "model"
     shutil.copytree(tiny_dir, model)
     template = (model / "chat_template.jinja").read_text()
-    guard = (
-        "{%- for message in messages %}{%- if message['role'] == 'system' and not loop.first %}"
-        "{{- raise_exception('System role only as the first message') }}{%- endif %}{%- endfor %}"
-    )
-    (model / "chat_template.jinja").write_text(guard + template)
+    (model / "chat_template.jinja").write_text(SYSTEM_FIRST_GUARD + template)
     return model
 
 

@@ -49,6 +49,9 @@ SCHEMA = pa.schema(
         ("reference", pa.string()),  # the response text
     ]
 )
+# Conversations per batched chat-template call: large enough that the call's set-up is noise, small
+# enough that a conversation the template rejects sends only its own chunk down the one-by-one path.
+RENDER_CHUNK = 1024
 EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
 
 
@@ -401,8 +404,8 @@ def encode_messages(
 
 
 def render_conversations(tokenizer, chats: list[shapes.Messages], loss_on: str) -> list[dict[tuple[int, bool], str]]:
-    """Each conversation's renderings (shapes.renderings), from one batched template call per value of
-    add_generation_prompt instead of several calls per row.
+    """Each conversation's renderings (shapes.renderings), from batched template calls (render_batch)
+    instead of several calls per row.
 
     A conversation the batch cannot render gets no renderings: encode_messages then renders it row by
     row, which drops it with the template's own error exactly as before. An empty prefix (a
@@ -430,15 +433,22 @@ def render_conversations(tokenizer, chats: list[shapes.Messages], loss_on: str) 
 
 
 def render_batch(tokenizer, chats: list[shapes.Messages], add_generation_prompt: bool) -> list[str | None]:
-    """apply_chat_template over many conversations in one call (the same strings as one call each, its
-    per-call set-up paid once); where the template rejects one, each is rendered alone and None marks
-    the rejected ones."""
-    if not chats:
-        return []
-    try:
-        return tokenizer.apply_chat_template(chats, tokenize=False, add_generation_prompt=add_generation_prompt)
-    except jinja2.TemplateError:
-        pass
+    """apply_chat_template over many conversations, RENDER_CHUNK per call (the same strings as one call
+    each, the call's own set-up paid once per chunk); where the template rejects one, that chunk is
+    rendered one conversation at a time and None marks the rejected ones."""
+    texts: list[str | None] = []
+    for start in range(0, len(chats), RENDER_CHUNK):
+        chunk = chats[start : start + RENDER_CHUNK]
+        try:
+            texts.extend(
+                tokenizer.apply_chat_template(chunk, tokenize=False, add_generation_prompt=add_generation_prompt)
+            )
+        except jinja2.TemplateError:
+            texts.extend(render_each(tokenizer, chunk, add_generation_prompt))
+    return texts
+
+
+def render_each(tokenizer, chats: list[shapes.Messages], add_generation_prompt: bool) -> list[str | None]:
     texts: list[str | None] = []
     for chat in chats:
         try:
