@@ -17,8 +17,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import TEST_BUCKET
-from training.data_prep import SCHEMA, prepare_data, read_split
+from training.data_prep import SCHEMA, Conversation, encode, prepare_data, read_split, token_ids
 from training.jobkit import ENV_VAR, JobContext, encode_job
+from training.modeling import load_tokenizer
 from tuneproof.app.tiny_model import DEFAULT_DATA, build_tiny_model, task_corpus
 from tuneproof.core import datahash
 from tuneproof.core.config import PipelineConfig
@@ -163,6 +164,38 @@ def test_content_hash_moves_with_every_input():
 
 
 # ---- the stage, on a local storage root ------------------------------------------------------
+
+
+def test_batched_encoding_equals_one_template_and_tokenizer_call_per_row(tiny_dir):
+    """The stage renders and tokenizes whole splits at once; every example is what one call per row gives."""
+    tokenizer = load_tokenizer(str(tiny_dir))
+    rows = [json.loads(line) for line in DEFAULT_DATA.read_text().splitlines()[:50]]
+    convs = [
+        Conversation(
+            "source", i, {"prompt": r["input"], "response": r["output"], **({"system": "Be brief."} if i % 3 else {})}
+        )
+        for i, r in enumerate(rows)
+    ]
+    examples = encode(tokenizer, convs, "Answer with an ISO date.")
+    assert len(examples) == len(convs)
+    for conv, example in zip(convs, examples):
+        system = conv.parts.get("system", "Answer with an ISO date.")
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": conv.parts["prompt"]}]
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(
+            [*messages, {"role": "assistant", "content": conv.parts["response"]}], tokenize=False
+        )
+        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        c = tokenizer(full[len(prompt) :].rstrip(), add_special_tokens=False)["input_ids"]
+        assert (example.input_ids, example.labels) == (p + c, [datahash.IGNORE_INDEX] * len(p) + c)
+        assert (example.prompt, example.reference) == (prompt, conv.parts["response"])
+
+
+def test_token_ids_from_the_backend_equal_the_tokenizers_own(tiny_dir):
+    tokenizer = load_tokenizer(str(tiny_dir))
+    texts = ["<|im_start|>user\n5 Mar 2021<|im_end|>\n", "", "  spaced   out ", "héllo wörld 2021-03-05", "<|im_end|>"]
+    assert token_ids(tokenizer, texts) == tokenizer(texts, add_special_tokens=False)["input_ids"]
+    assert token_ids(tokenizer, []) == []
 
 
 def test_prepares_splits_with_masked_prompts_then_hits_the_cache(tmp_path, tiny_dir):

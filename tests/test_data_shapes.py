@@ -8,6 +8,7 @@ then a short 2-worker fine-tune and the evaluate job on what it wrote, through a
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import os
@@ -19,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from training.data_prep import encode_messages, prepare_data, read_split
+from training import data_prep
+from training.data_prep import Conversation, encode_messages, encode_split, prepare_data, read_split
 from training.jobkit import ENV_VAR, JobContext, encode_job
 from tuneproof.app.tiny_model import DEFAULT_DATA, build_tiny_model, ensure_tiny_model, train_tokenizer
 from tuneproof.core import datahash, shapes
@@ -118,6 +120,48 @@ def test_turns_after_the_last_assistant_turn_are_cut_and_extra_keys_dropped():
     row = {"messages": [*TWO_TURNS[1:], {"role": "user", "content": "thanks", "name": "x"}]}
     assert shapes.check_messages(row, "messages") == (None, TWO_TURNS[1:])
     assert shapes.check_messages({"chat": TWO_TURNS}, "chat") == (None, TWO_TURNS)
+
+
+@pytest.mark.parametrize("loss_on", ["all_assistant", "last_assistant"])
+def test_a_batch_of_conversations_encodes_as_each_one_alone(tokenizer, loss_on):
+    """The stage renders and tokenizes a split in batches; each example equals the row-by-row encoding."""
+    data = DataConfig(shape="messages", loss_on=loss_on, system_prompt=SYSTEM)
+    chats = [row["messages"] for row in CHAT[:40]] + [TWO_TURNS, TWO_TURNS[1:], TWO_TURNS]  # a repeat shares text
+    convs = [Conversation("source", i, {}, messages) for i, messages in enumerate(chats)]
+    examples, kept = encode_split(tokenizer, convs, data, datahash.Drops())
+    assert kept == convs
+    assert examples == [encode_messages(tokenizer, messages, data) for messages in chats]
+    assert examples[-1].input_ids is not examples[-3].input_ids  # equal texts, separate lists
+
+
+def test_a_rejected_conversation_is_dropped_and_its_batch_neighbours_kept(tokenizer, monkeypatch):
+    strict = copy.deepcopy(tokenizer)
+    strict.chat_template = SYSTEM_FIRST_GUARD + tokenizer.chat_template
+    monkeypatch.setattr(data_prep, "RENDER_CHUNK", 4)  # the rejected row's chunk goes one by one, the others batched
+    chats = [row["messages"] for row in CHAT[:9]]
+    chats.insert(5, [TWO_TURNS[1], TWO_TURNS[0], *TWO_TURNS[2:]])  # a system turn after the first
+    data = DataConfig(shape="messages")
+    drops = datahash.Drops()
+    examples, kept = encode_split(strict, [Conversation("source", i, {}, m) for i, m in enumerate(chats)], data, drops)
+    assert [conv.row for conv in kept] == [i for i in range(10) if i != 5]
+    assert drops.counts == {"template_rejected": 1}
+    assert "System role only as the first message" in drops.examples["template_rejected"][0]["value"]
+    assert examples == [encode_messages(tokenizer, m, data) for i, m in enumerate(chats) if i != 5]
+
+
+@pytest.mark.parametrize("loss_on", ["all_assistant", "last_assistant"])
+def test_renderings_names_every_prefix_the_mask_and_the_eval_pair_render(loss_on):
+    seen: set[tuple[int, bool]] = set()
+
+    def render(messages, add_generation_prompt):
+        seen.add((len(messages), add_generation_prompt))
+        return chat_text(messages) + ("assistant\n" if add_generation_prompt else "")
+
+    for messages in (TWO_TURNS, TWO_TURNS[1:], CHAT[0]["messages"], CHAT[1]["messages"]):
+        seen.clear()
+        shapes.assistant_labels(messages, render, lambda text: [ord(c) for c in text], loss_on)
+        shapes.eval_pair(messages, render)
+        assert seen == shapes.renderings(messages, loss_on)
 
 
 def test_a_template_that_rewrites_earlier_turns_cannot_be_masked():
@@ -245,17 +289,20 @@ def prepare(cfg: PipelineConfig):
     return prepare_data(JobContext("run-1", "data", cfg))
 
 
+# Like many real templates: a system turn anywhere but first is refused.
+SYSTEM_FIRST_GUARD = (
+    "{%- for message in messages %}{%- if message['role'] == 'system' and not loop.first %}"
+    "{{- raise_exception('System role only as the first message') }}{%- endif %}{%- endfor %}"
+)
+
+
 @pytest.fixture(scope="module")
 def strict_template_dir(tiny_dir, tmp_path_factory) -> Path:
     """The tiny model with a chat template that, like many real ones, rejects a system turn after the first."""
     model = tmp_path_factory.mktemp("strict") / "model"
     shutil.copytree(tiny_dir, model)
     template = (model / "chat_template.jinja").read_text()
-    guard = (
-        "{%- for message in messages %}{%- if message['role'] == 'system' and not loop.first %}"
-        "{{- raise_exception('System role only as the first message') }}{%- endif %}{%- endfor %}"
-    )
-    (model / "chat_template.jinja").write_text(guard + template)
+    (model / "chat_template.jinja").write_text(SYSTEM_FIRST_GUARD + template)
     return model
 
 

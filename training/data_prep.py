@@ -49,6 +49,9 @@ SCHEMA = pa.schema(
         ("reference", pa.string()),  # the response text
     ]
 )
+# Conversations per batched chat-template call: large enough that the call's set-up is noise, small
+# enough that a conversation the template rejects sends only its own chunk down the one-by-one path.
+RENDER_CHUNK = 1024
 EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
 
 
@@ -343,25 +346,50 @@ def encode_split(
     """(examples, the conversations they came from): a conversation the chat template rejects is dropped."""
     if not convs or convs[0].messages is None:
         return encode(tokenizer, convs, data.system_prompt), convs
+    chats = [shapes.with_system(conv.messages or [], data.system_prompt) for conv in convs]
+    rendered = render_conversations(tokenizer, chats, data.loss_on)
+    wanted = [
+        text if generation_prompt else text.rstrip() for r in rendered for (_, generation_prompt), text in r.items()
+    ]
+    unique = list(dict.fromkeys(wanted))
+    ids = dict(zip(unique, token_ids(tokenizer, unique)))
     examples, kept = [], []
-    for conv in convs:
+    for conv, texts in zip(convs, rendered):
         try:
-            examples.append(encode_messages(tokenizer, conv.messages or [], data))
+            examples.append(encode_messages(tokenizer, conv.messages or [], data, texts, ids))
             kept.append(conv)
         except jinja2.TemplateError as e:
             drops.add("template_rejected", conv.where, conv.row, f"{type(e).__name__}: {e}")
     return examples, kept
 
 
-def encode_messages(tokenizer, messages: shapes.Messages, data: DataConfig) -> Example:
-    """One conversation rendered with the tokenizer's chat template; labels on its assistant turns only."""
+def encode_messages(
+    tokenizer,
+    messages: shapes.Messages,
+    data: DataConfig,
+    rendered: dict[tuple[int, bool], str] | None = None,
+    token_cache: dict[str, list[int]] | None = None,
+) -> Example:
+    """One conversation rendered with the tokenizer's chat template; labels on its assistant turns only.
+
+    `rendered` ({(prefix length, add_generation_prompt): text}) and `token_cache` ({text: ids}) hold what
+    encode_split already rendered and tokenized in batches; anything not in them is rendered or
+    tokenized here, one call at a time, so the result never depends on what was batched.
+    """
     messages = shapes.with_system(messages, data.system_prompt)
+    rendered, token_cache = rendered or {}, token_cache or {}
 
     def render(turns: shapes.Messages, add_generation_prompt: bool) -> str:
-        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt)
+        # shapes renders prefixes of this one conversation only, so a prefix's length names it.
+        text = rendered.get((len(turns), add_generation_prompt))
+        if text is None:
+            text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return text
 
     def tokenize(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+        cached = token_cache.get(text)
+        # A copy: two conversations with equal text must not share one list.
+        return list(cached) if cached is not None else tokenizer(text, add_special_tokens=False)["input_ids"]
 
     try:
         ids, labels = shapes.assistant_labels(messages, render, tokenize, data.loss_on)
@@ -375,18 +403,99 @@ def encode_messages(tokenizer, messages: shapes.Messages, data: DataConfig) -> E
     return Example(ids, labels, prompt, reference)
 
 
+def render_conversations(tokenizer, chats: list[shapes.Messages], loss_on: str) -> list[dict[tuple[int, bool], str]]:
+    """Each conversation's renderings (shapes.renderings), from batched template calls (render_batch)
+    instead of several calls per row.
+
+    A conversation the batch cannot render gets no renderings: encode_messages then renders it row by
+    row, which drops it with the template's own error exactly as before. An empty prefix (a
+    conversation that opens with the assistant) is left to that path too.
+    """
+    rendered: list[dict[tuple[int, bool], str]] = [{} for _ in chats]
+    failed: set[int] = set()
+    for generation_prompt in (True, False):
+        wanted = [
+            (i, length)
+            for i, chat in enumerate(chats)
+            for length, flag in sorted(shapes.renderings(chat, loss_on))
+            if flag is generation_prompt and length > 0
+        ]
+        for (i, length), text in zip(
+            wanted, render_batch(tokenizer, [chats[i][:length] for i, length in wanted], generation_prompt)
+        ):
+            if text is None:
+                failed.add(i)
+            else:
+                rendered[i][(length, generation_prompt)] = text
+    for i in failed:
+        rendered[i] = {}
+    return rendered
+
+
+def render_batch(tokenizer, chats: list[shapes.Messages], add_generation_prompt: bool) -> list[str | None]:
+    """apply_chat_template over many conversations, RENDER_CHUNK per call (the same strings as one call
+    each, the call's own set-up paid once per chunk); where the template rejects one, that chunk is
+    rendered one conversation at a time and None marks the rejected ones."""
+    texts: list[str | None] = []
+    for start in range(0, len(chats), RENDER_CHUNK):
+        chunk = chats[start : start + RENDER_CHUNK]
+        try:
+            texts.extend(
+                tokenizer.apply_chat_template(chunk, tokenize=False, add_generation_prompt=add_generation_prompt)
+            )
+        except jinja2.TemplateError:
+            texts.extend(render_each(tokenizer, chunk, add_generation_prompt))
+    return texts
+
+
+def render_each(tokenizer, chats: list[shapes.Messages], add_generation_prompt: bool) -> list[str | None]:
+    texts: list[str | None] = []
+    for chat in chats:
+        try:
+            texts.append(
+                tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt)
+            )
+        except jinja2.TemplateError:
+            texts.append(None)
+    return texts
+
+
+def token_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    """tokenizer(texts, add_special_tokens=False)["input_ids"], read from the fast tokenizer's Rust backend.
+
+    The wrapper turns every encoding into a Python BatchEncoding row first, about a third of the
+    tokenizing time on short rows. One wrapper call on the first text sets the backend up exactly as
+    the wrapper does (no truncation or padding, its special-token handling); `encode_batch` then
+    encodes the lot, in parallel, to the same ids.
+    """
+    if not texts:
+        return []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:  # a slow (pure Python) tokenizer: the wrapper is all there is
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+    tokenizer(texts[:1], add_special_tokens=False)
+    return [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
+
+
 def encode(tokenizer, convs: list[Conversation], system_prompt: str | None) -> list[Example]:
     """Render each conversation with the chat template; labels are the response tokens only."""
-    prompts, completions = [], []
+    if not convs:
+        return []
+    chats = []
     for conv in convs:
         system = conv.parts.get("system") or system_prompt
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": conv.parts["prompt"]}
-        ]
-        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        full = tokenizer.apply_chat_template(
-            messages + [{"role": "assistant", "content": conv.parts["response"]}], tokenize=False
+        chats.append(
+            ([{"role": "system", "content": system}] if system else [])
+            + [{"role": "user", "content": conv.parts["prompt"]}]
         )
+    # One batched call per rendering: the same strings as a call per row, the call's own set-up paid once.
+    prompts = tokenizer.apply_chat_template(chats, tokenize=False, add_generation_prompt=True)
+    fulls = tokenizer.apply_chat_template(
+        [chat + [{"role": "assistant", "content": conv.parts["response"]}] for chat, conv in zip(chats, convs)],
+        tokenize=False,
+    )
+    completions = []
+    for prompt, full in zip(prompts, fulls):
         if not full.startswith(prompt):
             raise StageFailure(
                 "data",
@@ -394,13 +503,10 @@ def encode(tokenizer, convs: list[Conversation], system_prompt: str | None) -> l
                 f"as a prefix of the full conversation (prompt {prompt[-60:]!r}, full {full[-80:]!r}); "
                 "prompt tokens cannot be masked",
             )
-        prompts.append(prompt)
         # What follows the end-of-turn token (a newline in ChatML) is not something to learn to generate.
         completions.append(full[len(prompt) :].rstrip())
-    if not convs:
-        return []
-    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    completion_ids = tokenizer(completions, add_special_tokens=False)["input_ids"]
+    ids = token_ids(tokenizer, prompts + completions)
+    prompt_ids, completion_ids = ids[: len(prompts)], ids[len(prompts) :]
     return [
         Example(p + c, [datahash.IGNORE_INDEX] * len(p) + c, prompt, conv.parts["response"])
         for p, c, prompt, conv in zip(prompt_ids, completion_ids, prompts, convs)

@@ -168,6 +168,28 @@ def eval_pair(messages: Messages, render: Render) -> tuple[str, str]:
     return render(messages[:last], True), messages[last]["content"]
 
 
+def labelled_turns(messages: Messages, loss_on: str) -> list[int]:
+    """Indices of the assistant turns the loss covers: every one, or the last."""
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return turns[-1:] if loss_on == "last_assistant" else turns
+
+
+def renderings(messages: Messages, loss_on: str) -> set[tuple[int, bool]]:
+    """Every (prefix length, add_generation_prompt) that `assistant_labels` and `eval_pair` render.
+
+    The data stage renders them for many conversations in one batched call before it builds labels,
+    so each conversation is rendered once per distinct prefix (eval_pair's prompt is the last turn's
+    start, and the last turn's end is the whole conversation).
+    """
+    keys = {(len(messages), False)}
+    for i in labelled_turns(messages, loss_on):
+        keys |= {(i, True), (i + 1, False)}
+    last = last_assistant(messages)
+    if last is not None:
+        keys.add((last, True))
+    return keys
+
+
 def assistant_labels(
     messages: Messages, render: Render, tokenize: Tokenize, loss_on: str = "all_assistant"
 ) -> tuple[list[int], list[int]]:
@@ -182,8 +204,7 @@ def assistant_labels(
     """
     ids = tokenize(render(messages, False).rstrip())
     labels = [IGNORE_INDEX] * len(ids)
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    for i in turns[-1:] if loss_on == "last_assistant" else turns:
+    for i in labelled_turns(messages, loss_on):
         start = tokenize(render(messages[:i], True))
         end = tokenize(render(messages[: i + 1], False).rstrip())
         if ids[: len(start)] != start or ids[: len(end)] != end or len(end) <= len(start):
