@@ -52,6 +52,17 @@ from tuneproof.control.images import CANARY_CLUSTER_PREFIX
 from tuneproof.control.kube_canary import canary_manifest, canary_name
 from tuneproof.core.config import PROJECT_ROOT
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_recursion_limit():
+    """celpy.Environment() sets the process's recursion limit to 2500; later tests must not inherit it."""
+    import sys
+
+    limit = sys.getrecursionlimit()
+    yield
+    sys.setrecursionlimit(limit)
+
+
 DEPLOYMENTS = PROJECT_ROOT / "deployments"
 SHARED_CRD = Path("/work/shared/kuberay/ray.io_rayclusters.yaml")
 LINT_CRD = PROJECT_ROOT / "tuneproof" / "app" / "schemas" / "raycluster-v1.json"

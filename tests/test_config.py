@@ -93,3 +93,28 @@ def test_eks_refuses_node_local_storage_before_anything_is_submitted():
     with pytest.raises(ConfigError) as e:
         load_config(eks, overrides=["storage.root=checkpoints"], resolve=False)
     assert any(p.startswith("storage.root") for p in e.value.problems)
+
+
+@pytest.mark.parametrize("limit", [1000, 5000])
+def test_a_deeply_nested_profile_is_refused_whatever_the_recursion_limit(tmp_path, limit):
+    """Not left to the YAML parser's RecursionError: another library raising the limit let 1000 levels through."""
+    import sys
+
+    from tuneproof.core.config import MAX_CONFIG_DEPTH, ConfigError, load_config
+
+    original = sys.getrecursionlimit()
+    sys.setrecursionlimit(limit)
+    try:
+        for depth in (MAX_CONFIG_DEPTH + 1, 900):
+            deep = tmp_path / f"deep-{depth}.yaml"
+            deep.write_text("a: " + "[" * depth + "]" * depth + "\n")
+            with pytest.raises(ConfigError, match="nested too deeply to be a config"):
+                load_config(deep)
+    finally:
+        sys.setrecursionlimit(original)
+    at_limit = tmp_path / "ok.yaml"
+    at_limit.write_text(
+        "train: {max_steps: 3}\nx: " + "[" * (MAX_CONFIG_DEPTH - 1) + "]" * (MAX_CONFIG_DEPTH - 1) + "\n"
+    )
+    with pytest.raises(ConfigError, match="x: unknown key"):  # deep but within the bound: validated as usual
+        load_config(at_limit)

@@ -621,6 +621,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), r
         raise ConfigError([f"--config {path}: not valid YAML: {' '.join(str(e).split())}"]) from None
     except RecursionError:
         raise ConfigError([f"--config {path}: nested too deeply to be a config"]) from None
+    if _nesting(data, MAX_CONFIG_DEPTH, {}) > MAX_CONFIG_DEPTH:
+        # Checked, not left to the parser's RecursionError: that depends on the process's recursion limit.
+        raise ConfigError([f"--config {path}: nested too deeply to be a config (over {MAX_CONFIG_DEPTH} levels)"])
     if not isinstance(data, dict):
         raise ConfigError([f"--config {path}: top level must be a mapping (got {type(data).__name__})"])
     for item in overrides:
@@ -628,6 +631,28 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), r
         apply_override(data, parts, value)
     cfg = validate(data)
     return cfg.resolved(_base_dir(path)) if resolve else cfg
+
+
+MAX_CONFIG_DEPTH = 32
+"""A profile is a handful of levels deep (eval.gates.<metric>.min); anything past this is not a config."""
+
+
+def _nesting(value: Any, budget: int, memo: dict[int, int]) -> int:
+    """Levels of mappings and lists in a parsed YAML value, counted only to budget + 1 (pure).
+
+    The budget bounds the recursion; the memo visits a node that YAML aliases share only once, so an
+    alias bomb costs its node count, not its expansion.
+    """
+    if not isinstance(value, (dict, list)):
+        return 0
+    if id(value) in memo:
+        return memo[id(value)]
+    if budget <= 0:
+        return 1
+    children = value.values() if isinstance(value, dict) else value
+    height = 1 + max((_nesting(child, budget - 1, memo) for child in children), default=0)
+    memo[id(value)] = height
+    return height
 
 
 def _base_dir(profile: Path) -> Path:
