@@ -207,7 +207,7 @@ def s3_down(lab: Lab) -> FaultRow:
     import boto3
 
     from faults.proxy import FlakyProxy
-    from training.checkpointing import check_complete
+    from training.checkpointing import check_complete, step_of
     from tuneproof.app.servers import FAKE_AWS, environ, moto_server
 
     lab.reference()
@@ -222,7 +222,9 @@ def s3_down(lab: Lab) -> FaultRow:
         out = lab.run(run_id, storage_root=f"s3://{S3_BUCKET}/root", endpoint_url=proxy.url)
         compared = lab.compare(out)
         rec, summary = out.record, out.finetune
-        names = out.storage.listdir("runs", run_id, "train", run_id)
+        # Ray Train keeps its own files beside the checkpoints (.validate_storage_marker, its snapshot): only
+        # checkpoint_<step> directories are checkpoints, and each of those must be complete.
+        names = [n for n in out.storage.listdir("runs", run_id, "train", run_id) if step_of(n) is not None]
         incomplete = [n for n in names if check_complete(out.storage, "runs", run_id, "train", run_id, n)]
         dataset = rec.data.dataset_path if rec and rec.data else None
         dataset_ok = dataset is not None and out.storage.exists(dataset, "manifest.json")
