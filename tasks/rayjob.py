@@ -189,6 +189,8 @@ class RayJobRunner:
         self.storage = Storage.from_config(cfg.storage)
         self.client = client or connect(cfg, self.on_wait)
         self.following = ""
+        self.waiting = False
+        """Whether the current wait for cluster resources has been reported (emit)."""
         """The submission id being followed (its status events name it)."""
 
     def run(self, spec: JobSpec, stop_when: Callable[[str], bool] | None = None) -> JobEntry:
@@ -320,10 +322,14 @@ class RayJobRunner:
     def emit(self, line: str) -> None:
         """Pass a log line on; progress lines become a readable line plus a progress event."""
         if waiting_for_resources(line):
-            self.on_wait(WAITING)
-            self.on_status(self.following, "waiting for resources")
+            # Ray Train logs each placement retry (several lines a second under load): say it once per wait.
+            if not self.waiting:
+                self.on_wait(WAITING)
+                self.on_status(self.following, "waiting for resources")
+            self.waiting = True
         parsed = parse_progress(line)
         if parsed is not None:
+            self.waiting = False  # training steps: a later wait is news again
             before, event = parsed
             if self.on_progress:
                 self.on_progress(event)

@@ -133,3 +133,15 @@ def test_a_train_run_waiting_for_cluster_resources_is_shown_as_waiting():
     )
     assert statuses == [("r1-finetune", "waiting for resources")]
     assert lines[0].startswith("waiting for resources: Ray Train cannot place its workers yet")
+    # Each retry logs the line again: the wait is said once, until training steps show it ended.
+    retry = "(TrainController pid=1) The worker group startup timed out after 60.0 seconds waiting for 2 workers."
+    runner.emit(retry)
+    runner.emit(retry)
+    assert statuses == [("r1-finetune", "waiting for resources")]
+    assert sum(line.startswith("waiting for resources") for line in lines) == 1
+    # Training stepped (a progress line), so a wait after it is a new one and is said again.
+    from tuneproof.core.envelope import ProgressEvent
+
+    runner.emit("(RayTrainWorker pid=2) " + ProgressEvent(stage="finetune", done=3, total=40).line())
+    runner.emit(retry)
+    assert statuses == [("r1-finetune", "waiting for resources")] * 2
