@@ -485,29 +485,42 @@ def test_local_alpaca_profile_renders_instruction_and_input_through_its_template
 # ---- integration: the data job, a short fine-tune and the evaluate job on the chat data --------------------
 
 
-@pytest.mark.integration
-def test_chat_data_job_then_fine_tune_and_evaluate_read_it(ray_head, tmp_path):
-    from eval.evaluate_job import evaluate_body
-    from tests.conftest import ray_driver
-    from training.finetune import finetune
-
+def short_run_config(profile: str, rows: list[dict], tmp_path: Path, steps: int, examples: int) -> PipelineConfig:
+    """A bundled profile cut to a few steps on its own storage, a fresh tiny model and the given rows."""
     model = tmp_path / "tiny-qwen2"
     ensure_tiny_model(model)
-    cfg = load_config(
-        PROJECT_ROOT / "configs" / "local-chat.yaml",
+    return load_config(
+        PROJECT_ROOT / "configs" / profile,
         [
             f"storage.root={tmp_path / 'store'}",
             f"model.source={model}",
-            f"data.source={write_jsonl(tmp_path / 'chat.jsonl', CHAT[:400])}",  # the first 400: a quicker data job
-            "train.max_steps=8",
-            "train.checkpoint_every=4",
+            f"data.source={write_jsonl(tmp_path / 'rows.jsonl', rows)}",
+            f"train.max_steps={steps}",
+            f"train.checkpoint_every={steps // 2}",
             "train.micro_batch_size=8",
             "train.log_every=4",
             "resume.enabled=false",
-            "eval.max_examples=32",
+            f"eval.max_examples={examples}",
             "eval.gates={exact_match: {min: 0.0}}",
         ],
     )
+
+
+def fine_tune_on(ray_head, cfg: PipelineConfig, run_id: str, dataset: str):
+    """The fine-tune's body as its job runs it, through a driver on the test's Ray head."""
+    from tests.conftest import ray_driver
+    from training.finetune import finetune
+
+    runtime_env = {"env_vars": {"PYTHONPATH": str(PROJECT_ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}}
+    with ray_driver(ray_head, runtime_env=runtime_env):
+        return finetune(JobContext(run_id, "finetune", cfg, {"dataset": dataset}))
+
+
+@pytest.mark.integration
+def test_chat_data_job_then_fine_tune_and_evaluate_read_it(ray_head, tmp_path):
+    from eval.evaluate_job import evaluate_body
+
+    cfg = short_run_config("local-chat.yaml", CHAT[:400], tmp_path, steps=8, examples=32)  # 400 rows: a quicker job
     result = run_data_job(cfg, "run-chat")
     storage = Storage(cfg.storage.root)
     data = result["summary"]
@@ -515,9 +528,7 @@ def test_chat_data_job_then_fine_tune_and_evaluate_read_it(ray_head, tmp_path):
     assert (data["manifest"]["splits"]["train"]["rows"], data["manifest"]["splits"]["eval"]["rows"]) == (360, 40)
     assert data["dropped"] == {}
 
-    runtime_env = {"env_vars": {"PYTHONPATH": str(PROJECT_ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}}
-    with ray_driver(ray_head, runtime_env=runtime_env):
-        trained = finetune(JobContext("run-chat", "finetune", cfg, {"dataset": data["dataset_path"]}))
+    trained = fine_tune_on(ray_head, cfg, "run-chat", data["dataset_path"])
     assert trained.steps == 8 and len(trained.loss_curve) >= 2
 
     evaluated = evaluate_body(
@@ -542,26 +553,8 @@ def test_alpaca_rows_half_without_input_train_through_the_template_and_beat_the_
     """The committed Alpaca-style file through the data job, a short full fine-tune and the evaluate job:
     the fine-tuned model's held-out loss beats the base model's, and an empty input left no trace in a prompt."""
     from eval.evaluate_job import evaluate_body
-    from tests.conftest import ray_driver
-    from training.finetune import finetune
 
-    model = tmp_path / "tiny-qwen2"
-    ensure_tiny_model(model)
-    cfg = load_config(
-        PROJECT_ROOT / "configs" / "local-alpaca.yaml",
-        [
-            f"storage.root={tmp_path / 'store'}",
-            f"model.source={model}",
-            f"data.source={write_jsonl(tmp_path / 'alpaca.jsonl', ALPACA_ROWS[:400])}",
-            "train.max_steps=12",
-            "train.checkpoint_every=6",
-            "train.micro_batch_size=8",
-            "train.log_every=4",
-            "resume.enabled=false",
-            "eval.max_examples=40",
-            "eval.gates={exact_match: {min: 0.0}}",
-        ],
-    )
+    cfg = short_run_config("local-alpaca.yaml", ALPACA_ROWS[:400], tmp_path, steps=12, examples=40)
     result = run_data_job(cfg, "run-alpaca")
     data = result["summary"]
     assert result["status"] == "succeeded" and data["manifest"]["shape"] == "template"
@@ -569,9 +562,7 @@ def test_alpaca_rows_half_without_input_train_through_the_template_and_beat_the_
     assert (data["manifest"]["splits"]["train"]["rows"], data["manifest"]["splits"]["eval"]["rows"]) == (360, 40)
     assert data["dropped"] == {}
 
-    runtime_env = {"env_vars": {"PYTHONPATH": str(PROJECT_ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}}
-    with ray_driver(ray_head, runtime_env=runtime_env):
-        trained = finetune(JobContext("run-alpaca", "finetune", cfg, {"dataset": data["dataset_path"]}))
+    trained = fine_tune_on(ray_head, cfg, "run-alpaca", data["dataset_path"])
     assert trained.steps == 12 and trained.loss_curve[-1][1] < trained.loss_curve[0][1]
 
     evaluated = evaluate_body(
