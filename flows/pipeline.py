@@ -49,11 +49,15 @@ NOTHING_RAN = "nothing ran: "
 
 @flow(name="tuneproof-pipeline", log_prints=True)
 def pipeline(
-    config: PipelineConfig = PipelineConfig(), run_id: str | None = None, only: list[StageName] | None = None
+    config: PipelineConfig = PipelineConfig(),
+    run_id: str | None = None,
+    only: list[StageName] | None = None,
+    until: StageName | None = None,
 ) -> State:
-    """Fine-tune and promote only on evidence. `only` reruns a subset against an existing run's outputs."""
+    """Fine-tune and promote only on evidence. `only` reruns a subset against an existing run's outputs;
+    `until` runs the stages up to and including that one and stops (continue the run later with its id)."""
     try:
-        plan = table.plan(only)
+        plan = table.plan(only, until)
     except UnknownStages as e:
         return Failed(message=f"{NOTHING_RAN}{e}")
     # A run id becomes a storage prefix and part of Ray job routes: refuse a bad one before anything is submitted.
@@ -71,24 +75,30 @@ def pipeline(
         return Failed(message=f"{NOTHING_RAN}{missing}")
     logger = get_run_logger()
     # One writer per run: the lease is taken before the record is touched or any job submitted.
-    lease = Lease(storage, run_id, str(flow_run.get_id()), holder_command(only))
+    lease = Lease(storage, run_id, str(flow_run.get_id()), holder_command(only, until))
     try:
         with lease.held(on_problem=logger.warning):
-            return run_plan(storage, cfg, run_id, plan, only, lease)
+            return run_plan(storage, cfg, run_id, plan, only, lease, until)
     except LeaseHeld as e:
         logger.error(str(e))
         return Failed(message=f"{NOTHING_RAN}{e}")
 
 
 def run_plan(
-    storage: Storage, cfg: PipelineConfig, run_id: str, plan: list[Stage], only: list[str] | None, lease: Lease
+    storage: Storage,
+    cfg: PipelineConfig,
+    run_id: str,
+    plan: list[Stage],
+    only: list[str] | None,
+    lease: Lease,
+    until: str | None = None,
 ) -> State:
     """The planned stages in order, under the lease; a flow that raises leaves its record crashed or cancelled."""
     record = None
     try:
         if lease.taken_over:
             get_run_logger().warning(lease.taken_over)
-        record, plan, resumes = open_record(storage, cfg, run_id, plan, only, lease.taken_over)
+        record, plan, resumes = open_record(storage, cfg, run_id, plan, only, lease.taken_over, until)
         invocation = record.invocations[-1]
         if invocation.kept:
             get_run_logger().info(f"run {run_id} continues: kept {', '.join(invocation.kept)}")
@@ -152,9 +162,10 @@ def missing_forwarded_env(cfg: PipelineConfig) -> str | None:
     )
 
 
-def holder_command(only: list[str] | None) -> str:
+def holder_command(only: list[str] | None, until: str | None = None) -> str:
     """What holds the lease, as a person would recognise it."""
-    return f"{flow_run.get_flow_name()}/{flow_run.get_name()} --only {','.join(only) if only else 'all'}"
+    stages = f"--until {until}" if until else f"--only {','.join(only) if only else 'all'}"
+    return f"{flow_run.get_flow_name()}/{flow_run.get_name()} {stages}"
 
 
 def run_stage(
@@ -204,9 +215,10 @@ def open_record(
     plan: list[Stage],
     only: list[str] | None,
     taken_over: str | None = None,
+    until: str | None = None,
 ) -> tuple[RunRecord, list[Stage], dict[str, int]]:
     """A fresh record, or the run's own: then `only` reruns a subset, and no `only` continues the run (stages
-    whose inputs are unchanged are kept). Returns the record, the stages to run and the interrupted stages
+    whose inputs are unchanged are kept; with `until`, up to that stage). Returns the record, the stages to run and the interrupted stages
     that resume an earlier invocation's jobs."""
     resumes: dict[str, int] = {}
     kept: list[str] = []
@@ -218,7 +230,10 @@ def open_record(
             wd_hash = working_dir_hash()
             now = {stage.name: inputs_now(stage, cfg, wd_hash, record, storage) for stage in table.STAGES}
             continuation = table.plan_continuation(record.stages, now)
-            kept, reran, resumes = continuation.kept, continuation.reran, continuation.resumes
+            planned = table.names(plan)  # with --until, what lies past it neither runs nor counts as rerun
+            kept = continuation.kept
+            reran = {name: why for name, why in continuation.reran.items() if name in planned}
+            resumes = {name: n for name, n in continuation.resumes.items() if name in planned}
             plan = [stage for stage in plan if stage.name not in kept]
         record.status, record.failure_class, record.cause = "running", None, None
         record.config, record.config_hash = cfg.model_dump(mode="json"), cfg.config_hash()
@@ -231,6 +246,7 @@ def open_record(
             number=len(record.invocations) + 1,
             flow_run_id=str(flow_run.get_id()),
             only=only,
+            until=until,
             at=now_iso(),
             config_hash=cfg.config_hash(),
             config=cfg.model_dump(mode="json"),

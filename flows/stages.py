@@ -329,8 +329,14 @@ def by_name(name: str) -> Stage:
     raise UnknownStages(f"unknown stage {name!r}; expected one of {', '.join(names())}")
 
 
-def plan(only: list[str] | None) -> list[Stage]:
-    """The stages to run, in table order: all of them, or the subset named in `only`."""
+def plan(only: list[str] | None, until: str | None = None) -> list[Stage]:
+    """The stages to run, in table order: all of them, the subset named in `only`, or the stages up to and
+    including `until` (a run that stops there and is continued later with its run id)."""
+    if until is not None:
+        if only is not None:
+            raise UnknownStages(f"--only and --until do not combine (got --only {','.join(only)} --until {until})")
+        last = STAGES.index(by_name(until))
+        return list(STAGES[: last + 1])
     if only is None:
         return list(STAGES)
     unknown = [name for name in only if name not in names()]

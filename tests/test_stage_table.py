@@ -93,6 +93,25 @@ def test_plan_refuses_unknown_stages_and_knows_when_an_earlier_run_is_needed():
     assert table.needs_an_earlier_run(table.plan(["evaluate"]))
 
 
+def test_until_plans_the_stages_up_to_and_including_one_and_refuses_a_typo_or_only():
+    assert table.names(table.plan(None, "finetune")) == ["verify", "connectivity", "data", "finetune"]
+    assert table.names(table.plan(None, "verify")) == ["verify"]
+    assert table.names(table.plan(None, "promote")) == table.names()
+    with pytest.raises(table.UnknownStages, match="unknown stage 'fintune'; expected one of verify, "):
+        table.plan(None, "fintune")
+    with pytest.raises(table.UnknownStages, match="--only and --until do not combine .got --only data --until data"):
+        table.plan(["data"], "data")
+
+
+def test_run_until_a_stage_that_is_not_one_exits_3_naming_it(tmp_path):
+    result = CliRunner().invoke(app, ["run", "--until", "fintune", "--set", f"storage.root={tmp_path}"])
+    assert result.exit_code == 3, result.output
+    assert "--until: unknown stage 'fintune'; expected one of verify, connectivity, data" in result.output
+    both = CliRunner().invoke(app, ["run", "--only", "data", "--until", "data", "--set", f"storage.root={tmp_path}"])
+    assert both.exit_code == 3 and "--only and --until do not combine" in both.output
+    assert not Storage(str(tmp_path)).exists("runs")
+
+
 @pytest.mark.integration
 def test_a_toy_stage_runs_through_the_flow_with_its_inputs_evidence_and_metrics(prefect_harness, with_toy, tmp_path):
     from tuneproof.app.rundiff import diff_records
@@ -143,6 +162,8 @@ def test_a_flow_run_with_an_unknown_stage_fails_before_anything_is_submitted(pre
 def test_the_flow_parameter_offers_the_stage_names_as_choices():
     from prefect.utilities.callables import parameter_schema
 
-    schema = parameter_schema(pipeline.fn).model_dump()["properties"]["only"]
-    array = next(option for option in schema["anyOf"] if option.get("type") == "array")
+    schema = parameter_schema(pipeline.fn).model_dump()["properties"]
+    array = next(option for option in schema["only"]["anyOf"] if option.get("type") == "array")
     assert array["items"]["enum"] == table.names()
+    until = next(option for option in schema["until"]["anyOf"] if option.get("type") == "string")
+    assert until["enum"] == table.names()

@@ -1,7 +1,7 @@
 """`tuneproof`: the command line.
 
     tuneproof local up|down|status
-    tuneproof run [--config F] [--set k.v=x]... [--only STAGE,...] [--run-id RUN]
+    tuneproof run [--config F] [--set k.v=x]... [--only STAGE,... | --until STAGE] [--run-id RUN]
     tuneproof runs list [--json] | show RUN [--json] | diff A B [--json]
     tuneproof compare --stages S,... --a k=v... --b k=v... [--repeats N] [--json]
     tuneproof verify [--config F] [--from-files DIR]
@@ -129,6 +129,10 @@ def run(
     config: Path | None = ConfigOpt,
     sets: list[str] = SetOpt,
     only: str | None = typer.Option(None, help=f"Comma-separated subset of: {','.join(table.names())}."),
+    until: str | None = typer.Option(
+        None,
+        help="Run the stages up to and including this one, then stop; `--run-id RUN` later continues the run.",
+    ),
     run_id: str | None = typer.Option(
         None,
         "--run-id",
@@ -139,6 +143,7 @@ def run(
     """Run the pipeline; prints the run id; exit code by failure class."""
     cfg = config_or_exit(config, sets)
     stages = parse_only(only)
+    check_until(stages, until)
     if stages and not run_id and table.needs_an_earlier_run(table.plan(stages)):
         run_id = latest_run_id(cfg)
         console.print(
@@ -150,7 +155,7 @@ def run(
     # killing it where it stands and leaving its record `running` until the lease goes stale.
     signal.signal(signal.SIGTERM, terminated)
     try:
-        record = run_with_display(cfg, run_id, stages, console)
+        record = run_with_display(cfg, run_id, stages, console, until)
     except KeyboardInterrupt as e:
         # The flow has marked its record cancelled, stopped its Ray job and released the run's lease.
         how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
@@ -192,6 +197,17 @@ def parse_only(only: str | None, option: str = "--only") -> list[str] | None:
         err.print(f"{option}: {e}", markup=False)
         raise typer.Exit(EXIT_INVALID_CONFIG) from None
     return stages
+
+
+def check_until(only: list[str] | None, until: str | None) -> None:
+    """--until names one stage of the table and does not combine with --only; exit 3 naming the bad value."""
+    if until is None:
+        return
+    try:
+        table.plan(only, until)
+    except table.UnknownStages as e:
+        err.print(f"--until: {e}", markup=False)
+        raise typer.Exit(EXIT_INVALID_CONFIG) from None
 
 
 def latest_run_id(cfg: PipelineConfig) -> str:

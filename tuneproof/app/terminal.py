@@ -111,7 +111,7 @@ def quiet_prefect_console(verbose: bool) -> None:
 
 
 def run_with_display(
-    cfg: PipelineConfig, run_id: str | None, only: list[str] | None, console: Console
+    cfg: PipelineConfig, run_id: str | None, only: list[str] | None, console: Console, until: str | None = None
 ) -> RunRecord | dict[str, Any]:
     """Run the flow in-process with a live display; returns the run record (or, when the flow
     ended before writing one, a minimal failure document)."""
@@ -126,7 +126,7 @@ def run_with_display(
         return {"run_id": None, "status": "failed", "failure_class": "infrastructure", "cause": problem}
     run_id = run_id or records.make_run_id()
     console.print(f"run id: [bold]{run_id}[/]")
-    display = Display(run_id, table.names(table.plan(only)))
+    display = Display(run_id, table.names(table.plan(only, until)))
     quiet_prefect_console(os.environ.get("TUNEPROOF_VERBOSE") == "1")
     with Live(display.render(), console=console, refresh_per_second=4, transient=False) as live:
 
@@ -136,7 +136,7 @@ def run_with_display(
 
         unsubscribe = events.subscribe(show)
         try:
-            state = pipeline(config=cfg, run_id=run_id, only=only, return_state=True)
+            state = pipeline(config=cfg, run_id=run_id, only=only, until=until, return_state=True)
         finally:
             unsubscribe()
     console.print()  # the live display's last line is not terminated
@@ -212,6 +212,9 @@ def print_summary(rec: RunRecord, console: Console) -> None:
         print_line(console, f"  promotion: {verdict}")
     style = "green" if rec.status == "succeeded" else "bold red"
     tail = f" ({rec.failure_class.value}: {rec.cause})" if rec.failure_class else ""
+    last = rec.invocations[-1] if rec.invocations else None
+    if last is not None and last.until and rec.status == "succeeded":
+        tail = f" through {last.until} (--until): `tuneproof run --run-id {rec.run_id}` runs the rest"
     print_line(console, (f"run {rec.run_id} {rec.status}{tail}", style))
 
 
@@ -241,6 +244,7 @@ def print_record(rec: RunRecord, console: Console) -> None:
 def invocation_line(invocation: Invocation) -> str:
     """'2 at <time>, crashed (its writer died ...); kept verify, data; reran finetune (failed ...)'."""
     only = f" --only {','.join(invocation.only)}" if invocation.only else ""
+    only += f" --until {invocation.until}" if invocation.until else ""
     parts = [f"{invocation.number} at {invocation.at}{only}, {invocation.status or 'running'}"]
     if invocation.cause and invocation.status not in ("succeeded", None):
         parts[0] += f" ({invocation.cause})"

@@ -195,6 +195,8 @@ class Invocation(Model):
     number: int = 1
     flow_run_id: str | None = None
     only: list[str] | None = None
+    until: str | None = None
+    """`--until STAGE`: this invocation ran the stages up to that one and stopped there."""
     at: str
     config_hash: str
     config: JsonDict | None = None
