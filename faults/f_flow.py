@@ -1,7 +1,8 @@
 """Faults of the flow around the jobs (issue 11 rows 3, 5, 6): a stopped job, a restarted Ray head, a killed
-flow process. Each run is the whole pipeline (no --only), interrupted, then continued with
-`tuneproof run --run-id X`: the record must show what was kept, what reran and why, and the continued
-fine-tune must export the reference's weights (CPU fp32 replays exactly).
+flow process. Each run is the pipeline through the fine-tune (`--until finetune`: verify, connectivity, data,
+finetune; the stages after it add minutes and nothing these faults touch), interrupted, then continued with
+`tuneproof run --run-id X --until finetune`: the record must show what was kept, what reran and why, and the
+continued fine-tune must export the reference's weights (CPU fp32 replays exactly).
 
     python -m faults --only job-stopped,head-restarted,flow-sigkill,flow-sigterm
 """
@@ -35,18 +36,22 @@ FLOW: tuple[str, ...] = (
     # must hold on one: with the default 4, seed 30 + 4 = 34 is no multiple of 4 and its job is refused.
     "resume.extra_steps=5",
 )
-"""`--set` overrides of the whole-pipeline runs of these rows, on top of the harness's WORKLOAD."""
+"""`--set` overrides of the pipeline runs of these rows and of the load row, on top of the harness's WORKLOAD."""
 STOP_AFTER_STEP = 23
 """Interrupt once this step is logged: checkpoint 20 is complete, 3 steps past it are lost and replayed."""
 
 
+UNTIL = "finetune"
+"""Where these rows' runs stop: the faults hit the fine-tune, and what runs after it is not in question."""
+
+
 def start(lab: Lab, run_id: str) -> RunProcess:
-    return lab.start(run_id, only=None, sets=FLOW)
+    return lab.start(run_id, only=None, until=UNTIL, sets=FLOW)
 
 
 def continue_run(lab: Lab, run_id: str) -> RunOutcome:
-    """`tuneproof run --run-id X` with the same config: the continuation."""
-    return lab.run(run_id, only=None, sets=FLOW)
+    """`tuneproof run --run-id X --until finetune` with the same config: the continuation."""
+    return lab.run(run_id, only=None, until=UNTIL, sets=FLOW)
 
 
 def wait_for(what: str, check: Callable[[], Any], proc: RunProcess, timeout: float = 600) -> Any:

@@ -217,16 +217,20 @@ class Lab:
         run_id: str,
         *,
         only: tuple[str, ...] | None = ONLY,
+        until: str | None = None,
         sets: tuple[str, ...] | list[str] = (),
         storage_root: str | Path | None = None,
         endpoint_url: str | None = None,
         env: dict[str, str] | None = None,
     ) -> RunProcess:
-        """Start `tuneproof run --run-id run_id` over the workload in a subprocess; returns at once."""
+        """Start `tuneproof run --run-id run_id` over the workload in a subprocess; returns at once. `only` picks
+        the stages of a fresh run; `until` (with only=None) runs the pipeline up to a stage, a continuable run."""
         extra = [*sets, *([f"storage.endpoint_url={endpoint_url}"] if endpoint_url else [])]
         args = [sys.executable, "-m", "tuneproof.app.cli", "run", "--run-id", run_id]
         if only:
             args += ["--only", ",".join(only)]
+        if until:
+            args += ["--until", until]
         for s in self.sets(storage_root, extra):
             args += ["--set", s]
         log = self.workdir / "logs" / f"{run_id}.log"
