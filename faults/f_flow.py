@@ -20,8 +20,7 @@ from typing import Any
 
 from ray.job_submission import JobSubmissionClient
 
-from faults.harness import FaultRow, Lab, RunOutcome, RunProcess, scenario
-from tuneproof.app.local import start_ray_head
+from faults.harness import FaultRow, Lab, RunOutcome, RunProcess, scenario, start_head
 from tuneproof.control import record as records
 from tuneproof.core.config import PROJECT_ROOT
 from tuneproof.core.storage import Storage
@@ -178,9 +177,7 @@ def head_restarted(lab: Lab) -> FaultRow:
     finally:
         proc.proc.send_signal(signal.SIGCONT)
     time.sleep(20)  # the flow's next submission finds the dashboard gone: it waits and retries
-    lab.head = start_ray_head(
-        lab.workdir / "ray-state", num_cpus=4, dashboard_port=old.dashboard_port, gcs_port=old.gcs_port
-    )
+    lab.head = start_head(lab.workdir / "ray-state", dashboard_port=old.dashboard_port, gcs_port=old.gcs_port)
     # The lab stops the head it started, not this one (harness.lab holds its own reference): stop it at exit.
     atexit.register(lab.head.stop)
     first = proc.wait()
