@@ -18,6 +18,7 @@ training.checkpointing offers it, this reports it as not yet measured.
 from __future__ import annotations
 
 import contextlib
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -42,7 +43,14 @@ def one_rank():
         dist.destroy_process_group()
 
 
-def trained_model():
+SIZES = {
+    "quick": {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4, "vocab_size": 512},
+    "full": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 2, "vocab_size": 8192},
+}
+"""Model shapes (the checkpoint is about 12 bytes per parameter: weights and AdamW's two moments, fp32)."""
+
+
+def trained_model(shape: dict[str, int]):
     """A sharded Qwen2 and its AdamW after one step (so the optimizer has state to save)."""
     import torch
     from torch.distributed.fsdp import fully_shard
@@ -50,11 +58,11 @@ def trained_model():
 
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=4,
+        vocab_size=shape["vocab_size"],
+        hidden_size=shape["hidden_size"],
+        intermediate_size=shape["intermediate_size"],
+        num_hidden_layers=shape["num_hidden_layers"],
+        num_attention_heads=shape["hidden_size"] // 64,
         num_key_value_heads=2,
         tie_word_embeddings=True,
     )
@@ -63,7 +71,7 @@ def trained_model():
         fully_shard(layer)
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids = torch.randint(0, 512, (4, 32))
+    ids = torch.randint(0, shape["vocab_size"], (2, 16))
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     return model, optimizer
@@ -77,22 +85,45 @@ def progress():
     )
 
 
-def save_ours(model, optimizer, storage, name: str) -> tuple[int, float]:
-    """(bytes, seconds) of one checkpoint as a fine-tune rank makes it."""
+def ray_upload(local: str, path: str, filesystem) -> None:
+    """What Ray Train's report does with a rank's checkpoint directory (ray.train._internal.storage,
+    persist_current_checkpoint: create the directory, then pyarrow copy_files in 64 MiB chunks; its
+    one-thread rule is for pyarrow's own S3FileSystem, and ours is s3fs behind a PyFileSystem)."""
     from pyarrow import fs as pafs
 
+    destination = filesystem or pafs.LocalFileSystem()
+    destination.create_dir(path)
+    pafs.copy_files(
+        local,
+        path,
+        destination_filesystem=destination,
+        chunk_size=64 * 1024 * 1024,
+    )
+
+
+def save_ours(model, optimizer, storage, name: str) -> tuple[int, float, dict[str, float]]:
+    """(bytes, seconds, seconds per phase) of one checkpoint as a fine-tune rank makes it."""
     from training.checkpointing import save_shards, write_marker
 
+    phases: dict[str, float] = {}
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tp-bench-ckpt-") as local:
-        files = save_shards(model, optimizer, progress(), local)
+        files = save_shards(model, optimizer, progress(), local, phases=phases)
         filesystem, path = storage.train_storage("ckpt", name)
-        if filesystem is None:
-            Path(path).mkdir(parents=True, exist_ok=True)  # pyarrow's local copy does not create the target
-        pafs.copy_files(local, path, destination_filesystem=filesystem or pafs.LocalFileSystem())
-        write_marker(storage, 1, files, "ckpt", name)
-        size = sum(p.stat().st_size for p in Path(local).rglob("*") if p.is_file())
-    return size, time.perf_counter() - began
+        with timed(phases, "upload"):
+            ray_upload(local, path, filesystem)
+        with timed(phases, "marker"):
+            write_marker(storage, 1, files, "ckpt", name)
+    seconds = time.perf_counter() - began
+    phases["other"] = max(0.0, seconds - sum(phases.values()))  # temporary directory, progress capture
+    return sum(f.size for f in files.values()), seconds, phases
+
+
+@contextlib.contextmanager
+def timed(phases: dict[str, float], name: str):
+    began = time.perf_counter()
+    yield
+    phases[name] = time.perf_counter() - began
 
 
 def write_bare(storage, size: int, name: str, s3_url: str | None) -> float:
@@ -113,28 +144,47 @@ def write_bare(storage, size: int, name: str, s3_url: str | None) -> float:
     return time.perf_counter() - began
 
 
+def breakdown(runs: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Median seconds of each phase over the repeats and its share of the summed medians, largest first. Pure."""
+    names = sorted({name for run in runs for name in run})
+    medians = {name: statistics.median(run.get(name, 0.0) for run in runs) for name in names}
+    total = sum(medians.values()) or 1.0
+    ordered = sorted(medians.items(), key=lambda item: -item[1])
+    return {name: {"s": round(s, 4), "share": round(s / total, 3)} for name, s in ordered}
+
+
 def measure(where: str, storage, s3_url: str | None, model, optimizer, repeats: int) -> dict:
     sizes: list[int] = []
+    phases: list[dict[str, float]] = []
 
     def ours(i: int) -> float:
-        size, seconds = save_ours(model, optimizer, storage, f"ours-{i}")
+        size, seconds, parts = save_ours(model, optimizer, storage, f"ours-{i}")
         sizes.append(size)
-        say(f"  checkpoint {where} ours #{i}: {size / 1e6:.1f} MB in {seconds:.2f} s = {size / seconds / 1e6:.0f} MB/s")
+        phases.append(parts)
+        shown = ", ".join(f"{k} {v:.2f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
+        say(f"  checkpoint {where} ours #{i}: {size / 1e6:.0f} MB in {seconds:.2f} s = {size / seconds / 1e6:.0f} MB/s")
+        say(f"    phases (s): {shown}")
+        storage.remove("ckpt", f"ours-{i}", recursive=True)  # not timed: keeps moto's memory and the disk small
         return size / seconds
 
     def bare(i: int) -> float:
         size = sizes[-1]
         seconds = write_bare(storage, size, f"bare-{i}", s3_url)
-        say(f"  checkpoint {where} bare #{i}: {size / 1e6:.1f} MB in {seconds:.2f} s = {size / seconds / 1e6:.0f} MB/s")
+        say(f"  checkpoint {where} bare #{i}: {size / 1e6:.0f} MB in {seconds:.2f} s = {size / seconds / 1e6:.0f} MB/s")
+        storage.remove("raw", f"bare-{i}")
         return size / seconds
 
     measured = interleave({"ours": ours, "bare": bare}, repeats)
     a, b = Spread.of(measured["ours"]), Spread.of(measured["bare"])
+    phase_table = breakdown(phases)
+    say(f"  checkpoint {where}: ours' time by phase (median s, share): {phase_table}")
     return {
         "ratio": round(ratio(a.median, b.median), 4),
         "ours_bytes_per_s": vars(a),
         "bare_bytes_per_s": vars(b),
         "bytes": sizes[-1],
+        "phases": phase_table,
+        "dominant": next(iter(phase_table)),
     }
 
 
@@ -150,8 +200,9 @@ def run(bench, repeats: int, quick: bool) -> BenchResult:
     from tuneproof.core.storage import Storage
 
     results = {}
+    size = "quick" if quick else "full"
     with one_rank():
-        model, optimizer = trained_model()
+        model, optimizer = trained_model(SIZES[size])
         local = Storage(str(bench.fresh_dir("checkpoint-store")))
         results["local"] = measure("local", local, None, model, optimizer, repeats)
         with moto_server() as url:
@@ -166,6 +217,8 @@ def run(bench, repeats: int, quick: bool) -> BenchResult:
         details={
             **results,
             "judged": "the worse of local and s3",
+            "size": size,
+            "shape": SIZES[size],
             "miss": TARGET.miss(worst),
             "async_stall": async_stall(),
         },

@@ -28,6 +28,7 @@ import random
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
@@ -145,17 +146,94 @@ def _jsonable(value: Any) -> Any:
 
 
 def save_shards(
-    model, optimizer, progress: TrainingProgress, local_dir: str | Path, trainable_only: bool = False
+    model,
+    optimizer,
+    progress: TrainingProgress,
+    local_dir: str | Path,
+    trainable_only: bool = False,
+    phases: dict[str, float] | None = None,
 ) -> Digests:
     """DCP-save this rank's shards of model + optimizer and its progress; returns its files with size and sha256.
 
     trainable_only (LoRA): the frozen base is left out; it is reloaded from the base model on resume.
+    phases, when given, gets the seconds of each part (state_dict, dcp_plan, dcp_write, fsync, sha256, ...):
+    the checkpoint benchmark's breakdown.
     """
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_checkpoint_state(model, optimizer, trainable_only), checkpoint_id=str(local_dir))
-    Path(local_dir, progress.file_name()).write_text(json.dumps(asdict(progress), indent=1))
-    return markers.local_digests(local_dir)
+    clock = _Phases(phases)
+    with clock("state_dict"):
+        state = _checkpoint_state(model, optimizer, trainable_only)
+    writer = shard_writer(local_dir)
+    with clock("dcp_save"):
+        dcp.save(state, storage_writer=writer)
+    clock.split("dcp_save", writer.seconds, rest="dcp_plan")  # DCP's planning and state staging
+    with clock("progress_file"):
+        Path(local_dir, progress.file_name()).write_text(json.dumps(asdict(progress), indent=1))
+    with clock("sha256"):
+        return markers.local_digests(local_dir)
+
+
+class _Phases:
+    """Seconds per named part of a save, added into a caller's dict (or nowhere when it gave none)."""
+
+    def __init__(self, into: dict[str, float] | None) -> None:
+        self.into = into
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.into is not None:
+                self.into[name] = self.into.get(name, 0.0) + time.perf_counter() - began
+
+    def split(self, whole: str, parts: dict[str, float], rest: str) -> None:
+        """Replace `whole` by the `parts` timed within it, the remainder named `rest`."""
+        if self.into is None or whole not in self.into:
+            return
+        total = self.into.pop(whole)
+        self.into.update(parts)
+        self.into[rest] = max(0.0, total - sum(parts.values()))
+
+
+def shard_writer(local_dir: str | Path, sync_files: bool = True):
+    """DCP's FileSystemWriter for one rank's shards, with its write and fsync timed apart (`.seconds`)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class ShardWriter(FileSystemWriter):
+        def __init__(self) -> None:
+            # DCP's own fsync is switched off and done below, the same per file, so it can be timed apart.
+            super().__init__(str(local_dir), sync_files=False)
+            self.seconds: dict[str, float] = {}
+
+        def write_data(self, plan, planner):
+            began = time.perf_counter()
+            future = super().write_data(plan, planner)
+            results = future.wait()  # FileSystemWriter writes before it returns; this only unwraps
+            self.seconds["dcp_write"] = time.perf_counter() - began
+            if sync_files:
+                began = time.perf_counter()
+                for name in sorted({r.storage_data.relative_path for r in results}):
+                    _fsync(Path(local_dir, name))
+                self.seconds["fsync"] = time.perf_counter() - began
+            return future
+
+        def finish(self, metadata, results) -> None:
+            began = time.perf_counter()
+            super().finish(metadata, results)
+            self.seconds["dcp_metadata"] = time.perf_counter() - began
+
+    return ShardWriter()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -190,7 +268,9 @@ def start_saving_shards(
     import torch.distributed.checkpoint as dcp
 
     response = dcp.async_save(
-        _checkpoint_state(model, optimizer, trainable_only), checkpoint_id=str(local_dir), process_group=process_group
+        _checkpoint_state(model, optimizer, trainable_only),
+        storage_writer=shard_writer(local_dir),
+        process_group=process_group,
     )
     # The default stager copies synchronously and returns the write's Future; a staging stager returns both.
     future = response if isinstance(response, Future) else response.upload_completion
