@@ -156,8 +156,8 @@ def save_shards(
     """DCP-save this rank's shards of model + optimizer and its progress; returns its files with size and sha256.
 
     trainable_only (LoRA): the frozen base is left out; it is reloaded from the base model on resume.
-    phases, when given, gets the seconds of each part (state_dict, dcp_plan, dcp_write, fsync, sha256, ...):
-    the checkpoint benchmark's breakdown.
+    phases, when given, gets the seconds of each part (state_dict, dcp_plan, dcp_write, sha256, ...).
+    local_dir is a staging directory, as for start_saving_shards (see shard_writer: no fsync).
     """
     import torch.distributed.checkpoint as dcp
 
@@ -167,7 +167,7 @@ def save_shards(
     writer = shard_writer(local_dir)
     with clock("dcp_save"):
         dcp.save(state, storage_writer=writer)
-    clock.split("dcp_save", writer.seconds, rest="dcp_plan")  # DCP's planning and state staging
+    clock.split("dcp_save", writer.seconds, rest="dcp_plan")  # DCP's planning: what its write did not take
     with clock("progress_file"):
         Path(local_dir, progress.file_name()).write_text(json.dumps(asdict(progress), indent=1))
     with clock("sha256"):
@@ -186,8 +186,11 @@ class _Phases:
         try:
             yield
         finally:
-            if self.into is not None:
-                self.into[name] = self.into.get(name, 0.0) + time.perf_counter() - began
+            self.add(name, time.perf_counter() - began)
+
+    def add(self, name: str, seconds: float) -> None:
+        if self.into is not None:
+            self.into[name] = self.into.get(name, 0.0) + seconds
 
     def split(self, whole: str, parts: dict[str, float], rest: str) -> None:
         """Replace `whole` by the `parts` timed within it, the remainder named `rest`."""
@@ -198,26 +201,25 @@ class _Phases:
         self.into[rest] = max(0.0, total - sum(parts.values()))
 
 
-def shard_writer(local_dir: str | Path, sync_files: bool = True):
-    """DCP's FileSystemWriter for one rank's shards, with its write and fsync timed apart (`.seconds`)."""
+def shard_writer(local_dir: str | Path):
+    """DCP's FileSystemWriter for one rank's staged shards, its write and metadata timed (`.seconds`).
+
+    No fsync (DCP's sync_files): the directory is a staging copy that Ray Train copies to the storage
+    path and that is then deleted, so syncing it buys no durability. The stored copy is what counts,
+    and a torn or lost stored file (a power cut before the page cache reached the disk) fails the
+    marker's size and sha256 check, so that checkpoint is never resumed from.
+    """
     from torch.distributed.checkpoint import FileSystemWriter
 
     class ShardWriter(FileSystemWriter):
         def __init__(self) -> None:
-            # DCP's own fsync is switched off and done below, the same per file, so it can be timed apart.
             super().__init__(str(local_dir), sync_files=False)
             self.seconds: dict[str, float] = {}
 
         def write_data(self, plan, planner):
             began = time.perf_counter()
-            future = super().write_data(plan, planner)
-            results = future.wait()  # FileSystemWriter writes before it returns; this only unwraps
+            future = super().write_data(plan, planner)  # FileSystemWriter has written when it returns
             self.seconds["dcp_write"] = time.perf_counter() - began
-            if sync_files:
-                began = time.perf_counter()
-                for name in sorted({r.storage_data.relative_path for r in results}):
-                    _fsync(Path(local_dir, name))
-                self.seconds["fsync"] = time.perf_counter() - began
             return future
 
         def finish(self, metadata, results) -> None:
@@ -228,14 +230,6 @@ def shard_writer(local_dir: str | Path, sync_files: bool = True):
     return ShardWriter()
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @dataclass
 class ShardsInFlight:
     """A DCP save that `start_saving_shards` began: its files count only after `finish_saving_shards`."""
@@ -243,7 +237,10 @@ class ShardsInFlight:
     progress: TrainingProgress
     """Taken when the save began; written beside the shards once they are."""
     local_dir: Path
-    future: Future
+    digests: Future[Digests]
+    """This rank's files with size and sha256, once the background thread has written and hashed them."""
+    phases: dict[str, float]
+    """Seconds of each part so far (state_dict, staging, dcp_plan, dcp_write, dcp_metadata, sha256, waited)."""
 
     @property
     def step(self) -> int:
@@ -259,30 +256,53 @@ def start_saving_shards(
     trainable_only: bool = False,
 ) -> ShardsInFlight:
     """Begin an asynchronous DCP save: this rank's state is copied to CPU memory now (training may change
-    the weights as soon as this returns) and written to local_dir by a background thread. Collective.
+    the weights as soon as this returns) and written to local_dir by a background thread, which then
+    adds the progress file and hashes every file, so the training loop does not wait for the hashing
+    either. Collective.
 
     process_group must be a gloo group of its own: the background thread's collectives would otherwise
     interleave with the training loop's on the default group. Nothing here is complete until
-    finish_saving_shards has waited for the write.
+    finish_saving_shards has waited for the write and the hashes.
     """
     import torch.distributed.checkpoint as dcp
 
-    response = dcp.async_save(
-        _checkpoint_state(model, optimizer, trainable_only),
-        storage_writer=shard_writer(local_dir),
-        process_group=process_group,
-    )
+    phases: dict[str, float] = {}
+    clock = _Phases(phases)
+    writer = shard_writer(local_dir)
+    with clock("state_dict"):
+        state = _checkpoint_state(model, optimizer, trainable_only)
+    with clock("staging"):  # the copy to CPU memory, in the caller
+        response = dcp.async_save(state, storage_writer=writer, process_group=process_group)
+    began_writing = time.perf_counter()
     # The default stager copies synchronously and returns the write's Future; a staging stager returns both.
-    future = response if isinstance(response, Future) else response.upload_completion
-    return ShardsInFlight(progress, Path(local_dir), future)
+    written = response if isinstance(response, Future) else response.upload_completion
+    digests: Future[Digests] = Future()
+
+    def hash_when_written(done: Future) -> None:
+        """Runs in DCP's writer thread once the write ends (or failed): progress file, then every file's sha256."""
+        try:
+            done.result()
+            phases.update(writer.seconds)
+            clock.add("dcp_plan", time.perf_counter() - began_writing - sum(writer.seconds.values()))
+            with clock("progress_file"):
+                Path(local_dir, progress.file_name()).write_text(json.dumps(asdict(progress), indent=1))
+            with clock("sha256"):
+                digests.set_result(markers.local_digests(local_dir))
+        except BaseException as e:  # handed to finish_saving_shards, which re-raises it in the training loop
+            digests.set_exception(e)
+
+    written.add_done_callback(hash_when_written)
+    return ShardsInFlight(progress, Path(local_dir), digests, phases)
 
 
 def finish_saving_shards(saving: ShardsInFlight) -> Digests:
-    """Wait for the background write (re-raising its error), add the progress file, and return this
-    rank's files with size and sha256."""
-    saving.future.result()
-    saving.local_dir.joinpath(saving.progress.file_name()).write_text(json.dumps(asdict(saving.progress), indent=1))
-    return markers.local_digests(saving.local_dir)
+    """Wait for the background write and hashes (re-raising their error); returns this rank's files
+    with size and sha256. The wait is added to saving.phases as "waited"."""
+    began = time.perf_counter()
+    try:
+        return saving.digests.result()
+    finally:
+        saving.phases["waited"] = time.perf_counter() - began
 
 
 def _checkpoint_state(model, optimizer, trainable_only: bool) -> dict[str, Any]:
