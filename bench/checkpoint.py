@@ -28,7 +28,9 @@ one (4 layers at hidden 256, ~50 MB in ~150 tensors of ~0.3 MB), where DCP's fix
 details: per side min/median/max bytes/s; `phases`, the median seconds and share of each part of
 ours (state_dict, staging: the copy to CPU in the training thread; dcp_plan, dcp_write, dcp_metadata,
 progress_file, sha256: the background thread; upload: Ray's copy; marker), largest first, and
-`dominant`; `async_stall`: see async_stall().
+`dominant`; `async_stall`: with the asynchronous save, the training steps stalled per checkpoint
+(measure_stall: a loop of real training steps on the same model, local storage, a checkpoint every few
+steps completed one step later as the fine-tune does), its max and ok (max <= 1).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import contextlib
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from bench.common import BenchResult, Spread, Target, interleave, ratio, say
@@ -93,11 +96,11 @@ def trained_model(shape: dict[str, int]):
     return model, optimizer
 
 
-def progress():
+def progress(step: int = 1):
     from training.checkpointing import TrainingProgress, capture_rng
 
     return TrainingProgress(
-        step=1, epoch=0, batch_in_epoch=1, seed=0, rank=0, world_size=1, schedule={}, rng=capture_rng()
+        step=step, epoch=0, batch_in_epoch=step, seed=0, rank=0, world_size=1, schedule={}, rng=capture_rng()
     )
 
 
@@ -206,12 +209,86 @@ def measure(where: str, storage, s3_url: str | None, model, optimizer, group, re
     }
 
 
-def async_stall() -> str:
-    import training.checkpointing as ckpt
+STALL = {
+    "quick": {"steps": 13, "every": 4, "batch": 2, "seq": 64},
+    "full": {"steps": 11, "every": 5, "batch": 2, "seq": 64},
+}
+"""The stall loop: training steps, a checkpoint every `every` (each followed by a step), batch x seq tokens a step."""
 
-    if any("async" in name for name in dir(ckpt)):
-        return "training.checkpointing has an async save: measure steps stalled per checkpoint here (not wired yet)"
-    return "not yet measured: asynchronous DCP save has not landed (branch perf)"
+
+def stalled_steps(step_seconds: Sequence[float], checkpoint_steps: Sequence[int]) -> list[float]:
+    """Per checkpoint started after step c (1-based): the extra seconds of steps c and c+1 (the save's start,
+    then the wait for it, Ray's upload and the marker) over the median of the steps no checkpoint touched,
+    in units of that median step. 0 when the save hid entirely behind the next step. Pure."""
+    last = len(step_seconds)
+    if bad := [c for c in checkpoint_steps if not 1 <= c <= last]:
+        raise ValueError(f"checkpoint steps {bad} are outside the {last} steps timed")
+    touched = {s for c in checkpoint_steps for s in (c, c + 1) if s <= last}
+    clean = [t for step, t in enumerate(step_seconds, 1) if step not in touched]
+    if not clean:
+        raise ValueError(f"no step without a checkpoint around it among {last} steps to compare with")
+    base = statistics.median(clean)
+    stalls = []
+    for c in checkpoint_steps:
+        around = [step_seconds[s - 1] for s in (c, c + 1) if s <= last]
+        stalls.append(max(0.0, sum(around) - base * len(around)) / base)
+    return stalls
+
+
+def measure_stall(model, optimizer, group, storage, plan: dict[str, int]) -> dict:
+    """Train `steps` steps with a checkpoint every `every`, as training.finetune's loop does it: the save starts
+    after its step (start_saving_shards) and is completed after the next one (finish_saving_shards, Ray's
+    upload, the marker); returns each checkpoint's stall in steps, the max and ok (max <= 1)."""
+    import torch
+
+    from training.checkpointing import finish_saving_shards, start_saving_shards, write_marker
+
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (plan["batch"], plan["seq"]), generator=torch.Generator().manual_seed(1))
+
+    def train_step() -> None:
+        optimizer.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+
+    def complete(saving, local: tempfile.TemporaryDirectory) -> None:
+        with local:
+            files = finish_saving_shards(saving)
+            filesystem, path = storage.train_storage("stall", f"step-{saving.step}")
+            ray_upload(local.name, path, filesystem)
+        write_marker(storage, saving.step, files, "stall", f"step-{saving.step}")
+
+    train_step()  # untimed warm-up
+    times: list[float] = []
+    checkpoints: list[int] = []
+    in_flight = None
+    for step in range(1, plan["steps"] + 1):
+        began = time.perf_counter()
+        train_step()
+        if in_flight is not None:
+            complete(*in_flight)
+            in_flight = None
+        if step % plan["every"] == 0 and step < plan["steps"]:
+            local = tempfile.TemporaryDirectory(prefix="tp-bench-stall-")
+            in_flight = (start_saving_shards(model, optimizer, progress(step), local.name, group), local)
+            checkpoints.append(step)
+        times.append(time.perf_counter() - began)
+    stalls = stalled_steps(times, checkpoints)
+    storage.remove("stall", recursive=True)
+    worst = max(stalls)
+    say(
+        f"  checkpoint async stall: steps stalled per checkpoint {[round(x, 2) for x in stalls]} (max {worst:.2f}, "
+        f"ok {worst <= 1}); median step {statistics.median(times):.2f} s at {plan['batch']}x{plan['seq']} tokens"
+    )
+    return {
+        "stall_steps": [round(x, 3) for x in stalls],
+        "max": round(worst, 3),
+        "ok": worst <= 1,
+        "target": "at most one step stalled per checkpoint",
+        "checkpoint_steps": checkpoints,
+        "step_seconds": [round(t, 3) for t in times],
+        **plan,
+    }
 
 
 def run(bench, repeats: int, quick: bool) -> BenchResult:
@@ -228,6 +305,7 @@ def run(bench, repeats: int, quick: bool) -> BenchResult:
         save_ours(model, optimizer, group, local, "warm-up")  # untimed: first-use costs are no one's throughput
         local.remove("ckpt", "warm-up", recursive=True)
         results["local"] = measure("local", local, None, model, optimizer, group, repeats)
+        stall = measure_stall(model, optimizer, group, local, STALL[size])
         with moto_server() as url:
             s3 = Storage(f"s3://{S3_BUCKET}/checkpoint-bench", url)
             results["s3"] = measure("s3", s3, url, model, optimizer, group, repeats)
@@ -243,6 +321,6 @@ def run(bench, repeats: int, quick: bool) -> BenchResult:
             "size": size,
             "shape": SIZES[size],
             "miss": TARGET.miss(worst),
-            "async_stall": async_stall(),
+            "async_stall": stall,
         },
     )
