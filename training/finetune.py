@@ -7,9 +7,10 @@ storage at runs/<run>/train/<run_name>; the same name and storage path resume th
 V2). Each worker: load the base model -> FSDP2 -> restore the latest complete checkpoint, else
 params.init_from, else start fresh -> train (warmup + cosine, grad accumulation, clipping),
 checkpointing every train.checkpoint_every steps and at the end -> rank 0 exports a Hugging Face
-model to runs/<run>/model. A checkpoint's shards are written in the background (asynchronous DCP save)
-while the next step trains; it is completed (Ray upload, then the marker) right after that step, so
-training stalls at most one step per checkpoint and an unfinished save never has a marker. Workers hand results back through storage, never as exceptions
+model to runs/<run>/model. A checkpoint's shards are written and hashed in the background (asynchronous
+DCP save) while the next step trains; it is completed (Ray upload, then the marker) right after that step,
+so an unfinished save never has a marker, and training stalls by the state's copy to CPU memory plus
+whatever of the write outlasts one step (bench/checkpoint.py measures it in steps). Workers hand results back through storage, never as exceptions
 crossing Ray: runs/<run>/stages/<job>/metrics.jsonl (every step) and outcome.json (how it ended).
 
 Params (ctx.params), checked by TrainParams: dataset (required), run_name, init_from, max_steps,
