@@ -12,7 +12,8 @@ file and hashes every file) waited for at once by finish_saving_shards, the uplo
 (write_marker: checks the stored files, lists each with its sha256). Bare writes the same number of
 bytes as one object: a local file, or one S3 PUT (boto3) to moto on 127.0.0.1. Throughput =
 bytes / seconds; ratio = ours / bare, local and S3 each measured, the worse one judged. One untimed
-save first, so neither side pays first-use costs (page faults of the staging buffers).
+save first, so neither side pays first-use costs (ours allocates its staging buffers, StagingBuffers,
+once per worker).
 
 Same durability on both sides: nothing is fsynced. Ray's copy into a local storage path does not
 fsync, so the stored checkpoint lives in the page cache like the bare file (a power cut may lose
@@ -120,14 +121,14 @@ def ray_upload(local: str, path: str, filesystem) -> None:
     )
 
 
-def save_ours(model, optimizer, group, storage, name: str) -> tuple[int, float, dict[str, float]]:
+def save_ours(model, optimizer, group, buffers, storage, name: str) -> tuple[int, float, dict[str, float]]:
     """(bytes, seconds, seconds per phase) of one checkpoint as a fine-tune rank makes it: the asynchronous
     save waited for at once (throughput, not overlap: the stall is measured apart), Ray's upload, the marker."""
     from training.checkpointing import finish_saving_shards, start_saving_shards, write_marker
 
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tp-bench-ckpt-") as local:
-        saving = start_saving_shards(model, optimizer, progress(), local, group)
+        saving = start_saving_shards(model, optimizer, progress(), local, group, buffers=buffers)
         files = finish_saving_shards(saving)
         phases = {k: v for k, v in saving.phases.items() if k != "waited"}  # waited overlaps the writer's phases
         filesystem, path = storage.train_storage("ckpt", name)
@@ -174,12 +175,12 @@ def breakdown(runs: list[dict[str, float]]) -> dict[str, dict[str, float]]:
     return {name: {"s": round(s, 4), "share": round(s / total, 3)} for name, s in ordered}
 
 
-def measure(where: str, storage, s3_url: str | None, model, optimizer, group, repeats: int) -> dict:
+def measure(where: str, storage, s3_url: str | None, model, optimizer, group, buffers, repeats: int) -> dict:
     sizes: list[int] = []
     phases: list[dict[str, float]] = []
 
     def ours(i: int) -> float:
-        size, seconds, parts = save_ours(model, optimizer, group, storage, f"ours-{i}")
+        size, seconds, parts = save_ours(model, optimizer, group, buffers, storage, f"ours-{i}")
         sizes.append(size)
         phases.append(parts)
         shown = ", ".join(f"{k} {v:.2f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
@@ -235,7 +236,7 @@ def stalled_steps(step_seconds: Sequence[float], checkpoint_steps: Sequence[int]
     return stalls
 
 
-def measure_stall(model, optimizer, group, storage, plan: dict[str, int]) -> dict:
+def measure_stall(model, optimizer, group, buffers, storage, plan: dict[str, int]) -> dict:
     """Train `steps` steps with a checkpoint every `every`, as training.finetune's loop does it: the save starts
     after its step (start_saving_shards) and is completed after the next one (finish_saving_shards, Ray's
     upload, the marker); returns each checkpoint's stall in steps, the max and ok (max <= 1)."""
@@ -270,7 +271,10 @@ def measure_stall(model, optimizer, group, storage, plan: dict[str, int]) -> dic
             in_flight = None
         if step % plan["every"] == 0 and step < plan["steps"]:
             local = tempfile.TemporaryDirectory(prefix="tp-bench-stall-")
-            in_flight = (start_saving_shards(model, optimizer, progress(step), local.name, group), local)
+            in_flight = (
+                start_saving_shards(model, optimizer, progress(step), local.name, group, buffers=buffers),
+                local,
+            )
             checkpoints.append(step)
         times.append(time.perf_counter() - began)
     stalls = stalled_steps(times, checkpoints)
@@ -300,15 +304,20 @@ def run(bench, repeats: int, quick: bool) -> BenchResult:
         import torch.distributed as dist
 
         model, optimizer = trained_model(SIZES[size])
+        from training.checkpointing import StagingBuffers
+
         group = dist.new_group(backend="gloo")  # the async save's own group, as the fine-tune gives it
+        buffers = StagingBuffers()  # kept across saves, as a fine-tune worker keeps its own
         local = Storage(str(bench.fresh_dir("checkpoint-store")))
-        save_ours(model, optimizer, group, local, "warm-up")  # untimed: first-use costs are no one's throughput
+        save_ours(
+            model, optimizer, group, buffers, local, "warm-up"
+        )  # untimed: first-use costs are no one's throughput
         local.remove("ckpt", "warm-up", recursive=True)
-        results["local"] = measure("local", local, None, model, optimizer, group, repeats)
-        stall = measure_stall(model, optimizer, group, local, STALL[size])
+        results["local"] = measure("local", local, None, model, optimizer, group, buffers, repeats)
+        stall = measure_stall(model, optimizer, group, buffers, local, STALL[size])
         with moto_server() as url:
             s3 = Storage(f"s3://{S3_BUCKET}/checkpoint-bench", url)
-            results["s3"] = measure("s3", s3, url, model, optimizer, group, repeats)
+            results["s3"] = measure("s3", s3, url, model, optimizer, group, buffers, repeats)
     worst = min(results.values(), key=lambda r: r["ratio"])["ratio"]
     return BenchResult(
         ratio=worst,

@@ -36,6 +36,7 @@ from training import fault_hooks, jobkit
 from training.checkpointing import (
     CheckpointRef,
     ShardsInFlight,
+    StagingBuffers,
     TrainingProgress,
     capture_rng,
     check_complete,
@@ -323,6 +324,8 @@ class Worker:
     """A gloo process group of the checkpoint writer's own (the async DCP save's collectives run on it)."""
     saving: ShardsInFlight | None = None
     """The checkpoint whose shards are being written in the background; not complete, no marker yet."""
+    staging: StagingBuffers = field(default_factory=StagingBuffers)
+    """CPU memory each asynchronous save copies the state into, kept across saves (one save at a time)."""
     save_dir: tempfile.TemporaryDirectory[str] | None = None
     """The local directory `saving` writes into; removed once Ray has uploaded it."""
 
@@ -599,7 +602,13 @@ def save_checkpoint(w: Worker, step: int) -> None:
     complete_checkpoint(w)  # at most one save in flight
     w.save_dir = tempfile.TemporaryDirectory(prefix="tuneproof-save-")
     w.saving = start_saving_shards(
-        w.model, w.optimizer, progress_at(w, step), w.save_dir.name, w.save_group, trainable_only=w.lora
+        w.model,
+        w.optimizer,
+        progress_at(w, step),
+        w.save_dir.name,
+        w.save_group,
+        trainable_only=w.lora,
+        buffers=w.staging,
     )
 
 
