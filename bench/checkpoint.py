@@ -1,25 +1,46 @@
 """checkpoint: DCP save throughput vs a raw sequential write of the same bytes to the same storage. >= 0.5.
 
-    python -m bench.run --only checkpoint
+    python -m bench.run --only checkpoint            # ~220 MB checkpoint, local and S3 (moto), 3 repeats
+    python -m bench.run --only checkpoint --quick    # ~50 MB
 
-One process, one gloo rank, a Qwen2 of 4 layers at hidden 256 (random weights, built from a config:
-about 3.4 M parameters, so with AdamW's two moments each checkpoint is about 40 MB), trained one
-step so the optimizer state exists. Ours is what a fine-tune checkpoint costs a rank: DCP save of
-model + optimizer + progress into a local directory (training.checkpointing.save_shards, which also
-hashes every file), the upload Ray Train does (pyarrow.fs.copy_files to the storage path), and the
-completion marker (training.checkpointing.write_marker, which lists what is stored). Bare writes
-the same number of bytes as one object: a local file, or one S3 PUT (boto3) to moto on 127.0.0.1.
-Throughput = bytes / seconds; ratio = ours / bare, local and S3 each measured, the worse one judged.
+One process, one gloo rank, a Qwen2 (random weights from a config) trained one step so AdamW has
+state; a checkpoint is about 12 bytes per parameter (fp32 weights and two moments). Ours is what a
+fine-tune rank does (training.finetune save_checkpoint/complete_checkpoint): the asynchronous DCP save
+(training.checkpointing.start_saving_shards; its background thread writes the shards, the progress
+file and hashes every file) waited for at once by finish_saving_shards, the upload Ray Train does
+(pyarrow copy_files to the storage path, as persist_current_checkpoint), and the completion marker
+(write_marker: checks the stored files, lists each with its sha256). Bare writes the same number of
+bytes as one object: a local file, or one S3 PUT (boto3) to moto on 127.0.0.1. Throughput =
+bytes / seconds; ratio = ours / bare, local and S3 each measured, the worse one judged. One untimed
+save first, so neither side pays first-use costs (ours allocates its staging buffers, StagingBuffers,
+once per worker).
 
-Asynchronous save (training stalled at most one step per checkpoint) is branch perf's work; until
-training.checkpointing offers it, this reports it as not yet measured.
+Same durability on both sides: nothing is fsynced. Ray's copy into a local storage path does not
+fsync, so the stored checkpoint lives in the page cache like the bare file (a power cut may lose
+either; ours then fails its marker's sha256 check and is not resumed from). Ours' staging directory
+is not fsynced either (shard_writer: it is deleted after the upload; syncing it bought nothing and cost
+0.04 s at 50 MB, 0.24 s at 400 MB). On S3 both sides are durable when the PUTs return.
+
+Size: the full run's shape (hidden 768, 2 layers, vocabulary 8192, ~220 MB in ~80 tensors of ~3 MB)
+is closer to a real model's tensors (Qwen2.5-0.5B: ~6 GB in ~870 tensors of ~7 MB) than the quick
+one (4 layers at hidden 256, ~50 MB in ~150 tensors of ~0.3 MB), where DCP's fixed per-tensor cost
+(planning, a torch.save record per tensor) is a third of ours' time and would misjudge a real save.
+
+details: per side min/median/max bytes/s; `phases`, the median seconds and share of each part of
+ours (state_dict, staging: the copy to CPU in the training thread; dcp_plan, dcp_write, dcp_metadata,
+progress_file, sha256: the background thread; upload: Ray's copy; marker), largest first, and
+`dominant`; `async_stall`: with the asynchronous save, the training steps stalled per checkpoint
+(measure_stall: a loop of real training steps on the same model, local storage, a checkpoint every few
+steps completed one step later as the fine-tune does), its max and ok (max <= 1).
 """
 
 from __future__ import annotations
 
 import contextlib
+import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from bench.common import BenchResult, Spread, Target, interleave, ratio, say
@@ -42,7 +63,14 @@ def one_rank():
         dist.destroy_process_group()
 
 
-def trained_model():
+SIZES = {
+    "quick": {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4, "vocab_size": 512},
+    "full": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 2, "vocab_size": 8192},
+}
+"""Model shapes (the checkpoint is about 12 bytes per parameter: weights and AdamW's two moments, fp32)."""
+
+
+def trained_model(shape: dict[str, int]):
     """A sharded Qwen2 and its AdamW after one step (so the optimizer has state to save)."""
     import torch
     from torch.distributed.fsdp import fully_shard
@@ -50,11 +78,11 @@ def trained_model():
 
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=4,
+        vocab_size=shape["vocab_size"],
+        hidden_size=shape["hidden_size"],
+        intermediate_size=shape["intermediate_size"],
+        num_hidden_layers=shape["num_hidden_layers"],
+        num_attention_heads=shape["hidden_size"] // 64,
         num_key_value_heads=2,
         tie_word_embeddings=True,
     )
@@ -63,36 +91,61 @@ def trained_model():
         fully_shard(layer)
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids = torch.randint(0, 512, (4, 32))
+    ids = torch.randint(0, shape["vocab_size"], (2, 16))
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     return model, optimizer
 
 
-def progress():
+def progress(step: int = 1):
     from training.checkpointing import TrainingProgress, capture_rng
 
     return TrainingProgress(
-        step=1, epoch=0, batch_in_epoch=1, seed=0, rank=0, world_size=1, schedule={}, rng=capture_rng()
+        step=step, epoch=0, batch_in_epoch=step, seed=0, rank=0, world_size=1, schedule={}, rng=capture_rng()
     )
 
 
-def save_ours(model, optimizer, storage, name: str) -> tuple[int, float]:
-    """(bytes, seconds) of one checkpoint as a fine-tune rank makes it."""
+def ray_upload(local: str, path: str, filesystem) -> None:
+    """What Ray Train's report does with a rank's checkpoint directory (ray.train._internal.storage,
+    persist_current_checkpoint: create the directory, then pyarrow copy_files in 64 MiB chunks; its
+    one-thread rule is for pyarrow's own S3FileSystem, and ours is s3fs behind a PyFileSystem)."""
     from pyarrow import fs as pafs
 
-    from training.checkpointing import save_shards, write_marker
+    destination = filesystem or pafs.LocalFileSystem()
+    destination.create_dir(path)
+    pafs.copy_files(
+        local,
+        path,
+        destination_filesystem=destination,
+        chunk_size=64 * 1024 * 1024,
+    )
+
+
+def save_ours(model, optimizer, group, buffers, storage, name: str) -> tuple[int, float, dict[str, float]]:
+    """(bytes, seconds, seconds per phase) of one checkpoint as a fine-tune rank makes it: the asynchronous
+    save waited for at once (throughput, not overlap: the stall is measured apart), Ray's upload, the marker."""
+    from training.checkpointing import finish_saving_shards, start_saving_shards, write_marker
 
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tp-bench-ckpt-") as local:
-        files = save_shards(model, optimizer, progress(), local)
+        saving = start_saving_shards(model, optimizer, progress(), local, group, buffers=buffers)
+        files = finish_saving_shards(saving)
+        phases = {k: v for k, v in saving.phases.items() if k != "waited"}  # waited overlaps the writer's phases
         filesystem, path = storage.train_storage("ckpt", name)
-        if filesystem is None:
-            Path(path).mkdir(parents=True, exist_ok=True)  # pyarrow's local copy does not create the target
-        pafs.copy_files(local, path, destination_filesystem=filesystem or pafs.LocalFileSystem())
-        write_marker(storage, 1, files, "ckpt", name)
-        size = sum(p.stat().st_size for p in Path(local).rglob("*") if p.is_file())
-    return size, time.perf_counter() - began
+        with timed(phases, "upload"):
+            ray_upload(local, path, filesystem)
+        with timed(phases, "marker"):
+            write_marker(storage, 1, files, "ckpt", name)
+    seconds = time.perf_counter() - began
+    phases["other"] = max(0.0, seconds - sum(phases.values()))  # progress capture, the staging directory
+    return sum(f.size for f in files.values()), seconds, phases
+
+
+@contextlib.contextmanager
+def timed(phases: dict[str, float], name: str):
+    began = time.perf_counter()
+    yield
+    phases[name] = time.perf_counter() - began
 
 
 def write_bare(storage, size: int, name: str, s3_url: str | None) -> float:
@@ -113,50 +166,158 @@ def write_bare(storage, size: int, name: str, s3_url: str | None) -> float:
     return time.perf_counter() - began
 
 
-def measure(where: str, storage, s3_url: str | None, model, optimizer, repeats: int) -> dict:
+def breakdown(runs: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Median seconds of each phase over the repeats and its share of the summed medians, largest first. Pure."""
+    names = sorted({name for run in runs for name in run})
+    medians = {name: statistics.median(run.get(name, 0.0) for run in runs) for name in names}
+    total = sum(medians.values()) or 1.0
+    ordered = sorted(medians.items(), key=lambda item: -item[1])
+    return {name: {"s": round(s, 4), "share": round(s / total, 3)} for name, s in ordered}
+
+
+def measure(where: str, storage, s3_url: str | None, model, optimizer, group, buffers, repeats: int) -> dict:
     sizes: list[int] = []
+    phases: list[dict[str, float]] = []
 
     def ours(i: int) -> float:
-        size, seconds = save_ours(model, optimizer, storage, f"ours-{i}")
+        size, seconds, parts = save_ours(model, optimizer, group, buffers, storage, f"ours-{i}")
         sizes.append(size)
-        say(f"  checkpoint {where} ours #{i}: {size / 1e6:.1f} MB in {seconds:.2f} s = {size / seconds / 1e6:.0f} MB/s")
+        phases.append(parts)
+        shown = ", ".join(f"{k} {v:.2f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
+        say(f"  checkpoint {where} ours #{i}: {size / 1e6:.0f} MB in {seconds:.2f} s = {size / seconds / 1e6:.0f} MB/s")
+        say(f"    phases (s): {shown}")
+        storage.remove("ckpt", f"ours-{i}", recursive=True)  # not timed: keeps moto's memory and the disk small
         return size / seconds
 
     def bare(i: int) -> float:
         size = sizes[-1]
         seconds = write_bare(storage, size, f"bare-{i}", s3_url)
-        say(f"  checkpoint {where} bare #{i}: {size / 1e6:.1f} MB in {seconds:.2f} s = {size / seconds / 1e6:.0f} MB/s")
+        say(f"  checkpoint {where} bare #{i}: {size / 1e6:.0f} MB in {seconds:.2f} s = {size / seconds / 1e6:.0f} MB/s")
+        storage.remove("raw", f"bare-{i}")
         return size / seconds
 
     measured = interleave({"ours": ours, "bare": bare}, repeats)
     a, b = Spread.of(measured["ours"]), Spread.of(measured["bare"])
+    phase_table = breakdown(phases)
+    say(f"  checkpoint {where}: ours' time by phase (median s, share): {phase_table}")
     return {
         "ratio": round(ratio(a.median, b.median), 4),
         "ours_bytes_per_s": vars(a),
         "bare_bytes_per_s": vars(b),
         "bytes": sizes[-1],
+        "phases": phase_table,
+        "dominant": next(iter(phase_table)),
     }
 
 
-def async_stall() -> str:
-    import training.checkpointing as ckpt
+STALL = {
+    "quick": {"steps": 13, "every": 4, "batch": 2, "seq": 64},
+    "full": {"steps": 11, "every": 5, "batch": 2, "seq": 64},
+}
+"""The stall loop: training steps, a checkpoint every `every` (each followed by a step), batch x seq tokens a step."""
 
-    if any("async" in name for name in dir(ckpt)):
-        return "training.checkpointing has an async save: measure steps stalled per checkpoint here (not wired yet)"
-    return "not yet measured: asynchronous DCP save has not landed (branch perf)"
+
+def stalled_steps(step_seconds: Sequence[float], checkpoint_steps: Sequence[int]) -> list[float]:
+    """Per checkpoint started after step c (1-based): the extra seconds of steps c and c+1 (the save's start,
+    then the wait for it, Ray's upload and the marker) over the median of the steps no checkpoint touched,
+    in units of that median step. 0 when the save hid entirely behind the next step. Pure."""
+    last = len(step_seconds)
+    if bad := [c for c in checkpoint_steps if not 1 <= c <= last]:
+        raise ValueError(f"checkpoint steps {bad} are outside the {last} steps timed")
+    touched = {s for c in checkpoint_steps for s in (c, c + 1) if s <= last}
+    clean = [t for step, t in enumerate(step_seconds, 1) if step not in touched]
+    if not clean:
+        raise ValueError(f"no step without a checkpoint around it among {last} steps to compare with")
+    base = statistics.median(clean)
+    stalls = []
+    for c in checkpoint_steps:
+        around = [step_seconds[s - 1] for s in (c, c + 1) if s <= last]
+        stalls.append(max(0.0, sum(around) - base * len(around)) / base)
+    return stalls
+
+
+def measure_stall(model, optimizer, group, buffers, storage, plan: dict[str, int]) -> dict:
+    """Train `steps` steps with a checkpoint every `every`, as training.finetune's loop does it: the save starts
+    after its step (start_saving_shards) and is completed after the next one (finish_saving_shards, Ray's
+    upload, the marker); returns each checkpoint's stall in steps, the max and ok (max <= 1)."""
+    import torch
+
+    from training.checkpointing import finish_saving_shards, start_saving_shards, write_marker
+
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (plan["batch"], plan["seq"]), generator=torch.Generator().manual_seed(1))
+
+    def train_step() -> None:
+        optimizer.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+
+    def complete(saving, local: tempfile.TemporaryDirectory) -> None:
+        with local:
+            files = finish_saving_shards(saving)
+            filesystem, path = storage.train_storage("stall", f"step-{saving.step}")
+            ray_upload(local.name, path, filesystem)
+        write_marker(storage, saving.step, files, "stall", f"step-{saving.step}")
+
+    train_step()  # untimed warm-up
+    times: list[float] = []
+    checkpoints: list[int] = []
+    in_flight = None
+    for step in range(1, plan["steps"] + 1):
+        began = time.perf_counter()
+        train_step()
+        if in_flight is not None:
+            complete(*in_flight)
+            in_flight = None
+        if step % plan["every"] == 0 and step < plan["steps"]:
+            local = tempfile.TemporaryDirectory(prefix="tp-bench-stall-")
+            in_flight = (
+                start_saving_shards(model, optimizer, progress(step), local.name, group, buffers=buffers),
+                local,
+            )
+            checkpoints.append(step)
+        times.append(time.perf_counter() - began)
+    stalls = stalled_steps(times, checkpoints)
+    storage.remove("stall", recursive=True)
+    worst = max(stalls)
+    say(
+        f"  checkpoint async stall: steps stalled per checkpoint {[round(x, 2) for x in stalls]} (max {worst:.2f}, "
+        f"ok {worst <= 1}); median step {statistics.median(times):.2f} s at {plan['batch']}x{plan['seq']} tokens"
+    )
+    return {
+        "stall_steps": [round(x, 3) for x in stalls],
+        "max": round(worst, 3),
+        "ok": worst <= 1,
+        "target": "at most one step stalled per checkpoint",
+        "checkpoint_steps": checkpoints,
+        "step_seconds": [round(t, 3) for t in times],
+        **plan,
+    }
 
 
 def run(bench, repeats: int, quick: bool) -> BenchResult:
     from tuneproof.core.storage import Storage
 
     results = {}
+    size = "quick" if quick else "full"
     with one_rank():
-        model, optimizer = trained_model()
+        import torch.distributed as dist
+
+        model, optimizer = trained_model(SIZES[size])
+        from training.checkpointing import StagingBuffers
+
+        group = dist.new_group(backend="gloo")  # the async save's own group, as the fine-tune gives it
+        buffers = StagingBuffers()  # kept across saves, as a fine-tune worker keeps its own
         local = Storage(str(bench.fresh_dir("checkpoint-store")))
-        results["local"] = measure("local", local, None, model, optimizer, repeats)
+        save_ours(
+            model, optimizer, group, buffers, local, "warm-up"
+        )  # untimed: first-use costs are no one's throughput
+        local.remove("ckpt", "warm-up", recursive=True)
+        results["local"] = measure("local", local, None, model, optimizer, group, buffers, repeats)
+        stall = measure_stall(model, optimizer, group, buffers, local, STALL[size])
         with moto_server() as url:
             s3 = Storage(f"s3://{S3_BUCKET}/checkpoint-bench", url)
-            results["s3"] = measure("s3", s3, url, model, optimizer, repeats)
+            results["s3"] = measure("s3", s3, url, model, optimizer, group, buffers, repeats)
     worst = min(results.values(), key=lambda r: r["ratio"])["ratio"]
     return BenchResult(
         ratio=worst,
@@ -166,7 +327,9 @@ def run(bench, repeats: int, quick: bool) -> BenchResult:
         details={
             **results,
             "judged": "the worse of local and s3",
+            "size": size,
+            "shape": SIZES[size],
             "miss": TARGET.miss(worst),
-            "async_stall": async_stall(),
+            "async_stall": stall,
         },
     )

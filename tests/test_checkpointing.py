@@ -15,6 +15,7 @@ import torch
 from tests.conftest import TEST_BUCKET
 from training.checkpointing import (
     MARKER,
+    StagingBuffers,
     TrainingProgress,
     capture_rng,
     check_complete,
@@ -218,6 +219,35 @@ def test_an_async_save_holds_the_weights_of_its_step_while_training_goes_on(sing
     for name, p in other.named_parameters():
         assert torch.equal(p.full_tensor(), at_save[name]), name
     assert not torch.equal(model.model.norm.weight.full_tensor(), at_save["model.norm.weight"])
+
+
+def test_saves_that_reuse_staging_buffers_each_hold_their_own_step(single_rank_group, tmp_path):
+    """The kept CPU buffers are overwritten by the next save: each checkpoint must still hold the weights,
+    optimizer moments and learning rate of the step it was taken at, and the phases are recorded."""
+    import torch.distributed as dist
+
+    model, optimizer = tiny_sharded_model(seed=0)
+    group, buffers = dist.new_group(backend="gloo"), StagingBuffers()
+    expected = {}
+    for step in (1, 2):
+        trained_one_step(model, optimizer)
+        optimizer.param_groups[0]["lr"] = 0.01 * step
+        expected[step] = {name: p.full_tensor().clone() for name, p in model.named_parameters()}
+        saving = start_saving_shards(
+            model, optimizer, progress_at_step(step), tmp_path / f"s{step}", group, buffers=buffers
+        )
+        assert any(f.endswith(".distcp") for f in finish_saving_shards(saving))
+        assert {"staging", "dcp_write", "sha256", "waited"} <= set(saving.phases)
+    first = buffers.state
+    assert first is not None
+
+    for step in (1, 2):
+        other, other_optimizer = tiny_sharded_model(seed=1)
+        assert load_shards(other, other_optimizer, tmp_path / f"s{step}", rank=0).step == step
+        for name, p in other.named_parameters():
+            assert torch.equal(p.full_tensor(), expected[step][name]), (step, name)
+        assert other_optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * step)
+    assert buffers.state is first  # the second save copied into the first one's memory
 
 
 def test_a_background_write_that_fails_raises_and_leaves_no_marker(single_rank_group, tmp_path, monkeypatch):

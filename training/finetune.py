@@ -7,9 +7,10 @@ storage at runs/<run>/train/<run_name>; the same name and storage path resume th
 V2). Each worker: load the base model -> FSDP2 -> restore the latest complete checkpoint, else
 params.init_from, else start fresh -> train (warmup + cosine, grad accumulation, clipping),
 checkpointing every train.checkpoint_every steps and at the end -> rank 0 exports a Hugging Face
-model to runs/<run>/model. A checkpoint's shards are written in the background (asynchronous DCP save)
-while the next step trains; it is completed (Ray upload, then the marker) right after that step, so
-training stalls at most one step per checkpoint and an unfinished save never has a marker. Workers hand results back through storage, never as exceptions
+model to runs/<run>/model. A checkpoint's shards are written and hashed in the background (asynchronous
+DCP save) while the next step trains; it is completed (Ray upload, then the marker) right after that step,
+so an unfinished save never has a marker, and training stalls by the state's copy to CPU memory plus
+whatever of the write outlasts one step (bench/checkpoint.py measures it in steps). Workers hand results back through storage, never as exceptions
 crossing Ray: runs/<run>/stages/<job>/metrics.jsonl (every step) and outcome.json (how it ended).
 
 Params (ctx.params), checked by TrainParams: dataset (required), run_name, init_from, max_steps,
@@ -35,6 +36,7 @@ from training import fault_hooks, jobkit
 from training.checkpointing import (
     CheckpointRef,
     ShardsInFlight,
+    StagingBuffers,
     TrainingProgress,
     capture_rng,
     check_complete,
@@ -322,6 +324,8 @@ class Worker:
     """A gloo process group of the checkpoint writer's own (the async DCP save's collectives run on it)."""
     saving: ShardsInFlight | None = None
     """The checkpoint whose shards are being written in the background; not complete, no marker yet."""
+    staging: StagingBuffers = field(default_factory=StagingBuffers)
+    """CPU memory each asynchronous save copies the state into, kept across saves (one save at a time)."""
     save_dir: tempfile.TemporaryDirectory[str] | None = None
     """The local directory `saving` writes into; removed once Ray has uploaded it."""
 
@@ -598,7 +602,13 @@ def save_checkpoint(w: Worker, step: int) -> None:
     complete_checkpoint(w)  # at most one save in flight
     w.save_dir = tempfile.TemporaryDirectory(prefix="tuneproof-save-")
     w.saving = start_saving_shards(
-        w.model, w.optimizer, progress_at(w, step), w.save_dir.name, w.save_group, trainable_only=w.lora
+        w.model,
+        w.optimizer,
+        progress_at(w, step),
+        w.save_dir.name,
+        w.save_group,
+        trainable_only=w.lora,
+        buffers=w.staging,
     )
 
 
