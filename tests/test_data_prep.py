@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import csv
+import hashlib
 import io
 import itertools
 import json
@@ -17,10 +19,20 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import TEST_BUCKET
-from training.data_prep import SCHEMA, Conversation, encode, prepare_data, read_split, token_ids
+from training import data_prep
+from training.data_prep import (
+    SCHEMA,
+    ChatRenderer,
+    Conversation,
+    encode,
+    prepare_data,
+    read_split,
+    token_ids,
+    verify_sample,
+)
 from training.jobkit import ENV_VAR, JobContext, encode_job
 from training.modeling import load_tokenizer
-from tuneproof.app.tiny_model import DEFAULT_DATA, build_tiny_model, task_corpus
+from tuneproof.app.tiny_model import CHAT_TEMPLATE, DEFAULT_DATA, build_tiny_model, task_corpus
 from tuneproof.core import datahash
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.results import FailureClass, StageFailure
@@ -196,6 +208,78 @@ def test_token_ids_from_the_backend_equal_the_tokenizers_own(tiny_dir):
     texts = ["<|im_start|>user\n5 Mar 2021<|im_end|>\n", "", "  spaced   out ", "héllo wörld 2021-03-05", "<|im_end|>"]
     assert token_ids(tokenizer, texts) == tokenizer(texts, add_special_tokens=False)["input_ids"]
     assert token_ids(tokenizer, []) == []
+
+
+# Conversations whose text could trip a hand-written renderer: empty, unicode, template syntax, newlines.
+ODD_CHATS = [
+    [{"role": "user", "content": "5 Mar 2021"}],
+    [{"role": "system", "content": ""}, {"role": "user", "content": "  "}, {"role": "assistant", "content": "x"}],
+    [{"role": "user", "content": "{{ messages }} {% if x %}é\n\n<|im_end|>"}, {"role": "assistant", "content": "\t"}],
+    [{"role": "tool", "content": "ok", "name": "calc"}, {"role": "user", "content": "日本 2021年3月5日"}],
+    [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}],
+]
+
+
+def test_the_tiny_models_template_is_the_one_rendered_in_plain_python(tiny_dir):
+    assert hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest() == data_prep.CHATML_TEMPLATE_SHA256
+    assert ChatRenderer(load_tokenizer(str(tiny_dir))).python is not None
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_plain_python_chatml_renders_what_jinja_renders(tiny_dir, add_generation_prompt):
+    tokenizer = load_tokenizer(str(tiny_dir))
+    chats = ODD_CHATS + [[{"role": "user", "content": r["input"]}] for r in DATES[:200]]
+    render = ChatRenderer(tokenizer)
+    assert render.fast(chats, add_generation_prompt) == render.jinja(chats, add_generation_prompt)
+    assert render.python is not None  # verified, still on
+
+
+def test_the_verified_sample_is_the_first_rows_and_a_spread_to_the_last():
+    assert verify_sample(0) == [] and verify_sample(10) == list(range(10))
+    sample = verify_sample(1000)
+    assert sample[:64] == list(range(64)) and sample[-1] == 999 and len(sample) == 64 + 16
+
+
+def test_a_mismatch_anywhere_in_the_sample_sends_the_rest_of_the_run_to_jinja(tiny_dir, monkeypatch, capsys):
+    tokenizer = copy.deepcopy(load_tokenizer(str(tiny_dir)))
+    # Differs from plain ChatML only for a content of "odd": past the first 64, only the spread can see it.
+    tokenizer.chat_template = CHAT_TEMPLATE.replace(
+        "message['content']", "(message['content'] | replace('odd', 'ODD'))"
+    )
+    monkeypatch.setattr(
+        data_prep, "CHATML_TEMPLATE_SHA256", hashlib.sha256(tokenizer.chat_template.encode()).hexdigest()
+    )
+    chats = [[{"role": "user", "content": str(i)}] for i in range(500)] + [[{"role": "user", "content": "odd"}]]
+    render = ChatRenderer(tokenizer)
+    assert render.fast(chats[:500], True) is not None  # no "odd" row: the two agree
+    assert render.texts(chats, True) == render.jinja(chats, True) and render.texts(chats, True)[-1].count("ODD") == 1
+    assert render.python is None and render.fast(chats[:10], True) is None  # off for the rest of the run
+    assert "conversation 500 differs from jinja's" in capsys.readouterr().out
+
+
+def test_turns_that_are_not_plain_strings_go_to_jinja(tiny_dir):
+    render = ChatRenderer(load_tokenizer(str(tiny_dir)))
+    assert render.fast([[{"role": "user", "content": None}]], True) is None
+    assert render.fast([[{"role": "user", "content": 5}]], True) is None
+    assert render.python is not None  # not a mismatch: those batches are jinja's to render or reject
+
+
+@pytest.mark.parametrize("shape", ["columns", "messages"])
+def test_the_stage_writes_the_same_bytes_with_the_plain_python_template_as_with_jinja(
+    tmp_path, tiny_dir, monkeypatch, shape
+):
+    rows = DATES[:300]
+    if shape == "messages":
+        rows = [
+            {"messages": [{"role": "user", "content": r["input"]}, {"role": "assistant", "content": r["output"]}]}
+            for r in rows
+        ]
+    source = write_jsonl(tmp_path / "rows.jsonl", rows)
+    fast = prepare(config(tmp_path / "fast", tiny_dir, source, shape=shape, shard_rows=100))
+    monkeypatch.setattr(data_prep, "CHATML_TEMPLATE_SHA256", "no template has this hash")
+    jinja = prepare(config(tmp_path / "jinja", tiny_dir, source, shape=shape, shard_rows=100))
+    assert fast["content_hash"] == jinja["content_hash"]
+    assert fast["manifest"]["splits"] == jinja["manifest"]["splits"]  # every shard's sha256 and token count
 
 
 def test_prepares_splits_with_masked_prompts_then_hits_the_cache(tmp_path, tiny_dir):
