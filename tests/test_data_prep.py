@@ -206,6 +206,7 @@ def test_batched_encoding_equals_one_template_and_tokenizer_call_per_row(tiny_di
 def test_token_ids_from_the_backend_equal_the_tokenizers_own(tiny_dir):
     tokenizer = load_tokenizer(str(tiny_dir))
     texts = ["<|im_start|>user\n5 Mar 2021<|im_end|>\n", "", "  spaced   out ", "héllo wörld 2021-03-05", "<|im_end|>"]
+    texts += texts[::2]  # repeats are encoded once and give the same ids
     assert token_ids(tokenizer, texts) == tokenizer(texts, add_special_tokens=False)["input_ids"]
     assert token_ids(tokenizer, []) == []
 

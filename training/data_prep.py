@@ -551,14 +551,21 @@ def token_ids(tokenizer, texts: list[str]) -> list[list[int]]:
     tokenizing time on short rows. One wrapper call on the first text sets the backend up exactly as
     the wrapper does (no truncation or padding, its special-token handling); `encode_batch` then
     encodes the lot, in parallel, to the same ids.
+
+    Each distinct text is encoded once (a corpus repeats many of its short answers), so equal texts
+    get the same list: copy one before changing it.
     """
     if not texts:
         return []
+    unique = list(dict.fromkeys(texts))
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:  # a slow (pure Python) tokenizer: the wrapper is all there is
-        return tokenizer(texts, add_special_tokens=False)["input_ids"]
-    tokenizer(texts[:1], add_special_tokens=False)
-    return [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
+        encoded = tokenizer(unique, add_special_tokens=False)["input_ids"]
+    else:
+        tokenizer(unique[:1], add_special_tokens=False)
+        encoded = [encoding.ids for encoding in backend.encode_batch(unique, add_special_tokens=False)]
+    ids = dict(zip(unique, encoded))
+    return [ids[text] for text in texts]
 
 
 def encode(
