@@ -26,7 +26,7 @@ from bench.harness import write_corpus
 from tuneproof.core.config import PROJECT_ROOT, load_config
 
 PHASES = (
-    "load_tokenizer",
+    "load_text_tokenizer",
     "tokenizer_sha256",
     "parse_rows",
     "conversations",
@@ -57,7 +57,7 @@ def timed(fn, label: str, seen: dict[str, list[float]]):
 
 
 STARTUP = (
-    "import sys, training.data_prep as stage; stage.load_tokenizer(sys.argv[1]); "
+    "import sys, training.data_prep as stage; stage.load_text_tokenizer(sys.argv[1]); "
     "print(' '.join(sorted(m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules)))"
 )
 """A job's start-up in the stage's own process: the import and the tokenizer load, nothing else."""

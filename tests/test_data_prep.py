@@ -31,7 +31,7 @@ from training.data_prep import (
     verify_sample,
 )
 from training.jobkit import ENV_VAR, JobContext, encode_job
-from training.modeling import load_tokenizer
+from training.modeling import direct_tokenizer_class, load_text_tokenizer, load_tokenizer
 from tuneproof.app.tiny_model import CHAT_TEMPLATE, DEFAULT_DATA, build_tiny_model, task_corpus
 from tuneproof.core import datahash
 from tuneproof.core.config import PipelineConfig
@@ -466,6 +466,64 @@ def test_entrypoint_writes_a_stage_result(tmp_path, tiny_dir):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = Storage(str(tmp_path / "store")).read_json("runs", "run-7", "stages", "data", "result.json")
     assert result["status"] == "succeeded" and result["summary"]["manifest"]["splits"]["eval"]["rows"] == 4
+
+
+def test_the_direct_tokenizer_is_the_one_autotokenizer_loads(tiny_dir):
+    """The data stage's tokenizer (load_text_tokenizer) against AutoTokenizer's: class, saved files, ids, template."""
+    auto, direct = load_tokenizer(str(tiny_dir)), load_text_tokenizer(str(tiny_dir))
+    assert direct_tokenizer_class(tiny_dir) == "Qwen2Tokenizer" and type(direct) is type(auto)
+    assert data_prep.tokenizer_sha256(direct) == data_prep.tokenizer_sha256(auto)
+    texts = [chat[0]["content"] for chat in ODD_CHATS] + ["<|im_start|>user\nx<|im_end|>\n<|endoftext|>", ""]
+    for add_special_tokens in (False, True):
+        assert direct(texts, add_special_tokens=add_special_tokens) == auto(
+            texts, add_special_tokens=add_special_tokens
+        )
+    assert token_ids(direct, texts) == token_ids(auto, texts)
+    assert (direct.chat_template, direct.all_special_ids, direct.eos_token_id, direct.pad_token_id) == (
+        auto.chat_template,
+        auto.all_special_ids,
+        auto.eos_token_id,
+        auto.pad_token_id,
+    )
+
+
+def test_other_models_go_through_autotokenizer(tmp_path, tiny_dir):
+    def variant(name: str, config: dict | None = None, tokenizer: dict | None = None, drop: str = "") -> Path:
+        out = tmp_path / name
+        out.mkdir()
+        for f in tiny_dir.iterdir():
+            if f.name != drop:
+                (out / f.name).write_bytes(f.read_bytes())
+        for file, changes in (("config.json", config), ("tokenizer_config.json", tokenizer)):
+            if changes:
+                (out / file).write_text(json.dumps({**json.loads((out / file).read_text()), **changes}))
+        return out
+
+    assert direct_tokenizer_class(Path("Qwen/Qwen2.5-1.5B")) is None  # a hub id: no local files
+    assert direct_tokenizer_class(variant("llama", config={"model_type": "llama"})) is None
+    assert direct_tokenizer_class(variant("class", tokenizer={"tokenizer_class": "LlamaTokenizer"})) is None
+    assert direct_tokenizer_class(variant("remote", tokenizer={"auto_map": {"AutoTokenizer": ["a", "b"]}})) is None
+    assert direct_tokenizer_class(variant("nojson", drop="tokenizer.json")) is None
+    assert direct_tokenizer_class(variant("fast", tokenizer={"tokenizer_class": "Qwen2TokenizerFast"})) == (
+        "Qwen2TokenizerFast"
+    )
+
+
+def test_the_data_job_never_imports_torch(tmp_path, tiny_dir):
+    """The job entrypoint, as Ray runs it; its dataset names the tokenizer AutoTokenizer would have loaded."""
+    cfg = config(tmp_path / "store", tiny_dir, write_jsonl(tmp_path / "d.jsonl", DATES[:40]))
+    watch = (
+        "import atexit, runpy, sys; atexit.register(lambda: print('torch imported:', 'torch' in sys.modules)); "
+        "runpy.run_module('training.data_prep', run_name='__main__')"
+    )
+    env = {**os.environ, ENV_VAR: encode_job("run-8", "data", cfg)}
+    proc = subprocess.run(
+        [sys.executable, "-c", watch], cwd=PROJECT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0 and "torch imported: False" in proc.stdout, proc.stdout + proc.stderr
+    result = Storage(str(tmp_path / "store")).read_json("runs", "run-8", "stages", "data", "result.json")
+    auto_sha = data_prep.tokenizer_sha256(load_tokenizer(str(tiny_dir)))
+    assert result["summary"]["manifest"]["tokenizer_sha256"] == auto_sha
 
 
 # ---- the stage, with storage and source on an S3-compatible server ---------------------------

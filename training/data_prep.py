@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from training.jobkit import JobContext, log, progress, run_stage
-from training.modeling import load_tokenizer
+from training.modeling import load_text_tokenizer
 from tuneproof.core import datahash, shapes
 from tuneproof.core.config import DataConfig
 from tuneproof.core.results import FailureClass, StageFailure, now_iso, one_line
@@ -101,7 +101,7 @@ def prepare_data(ctx: JobContext) -> DataSummary:
     endpoint = cfg.storage.endpoint_url
     source = read_source(cfg.data.source, cfg.data.format, endpoint)
     eval_source = read_source(cfg.data.eval_source, cfg.data.format, endpoint) if cfg.data.eval_source else None
-    tokenizer = load_tokenizer(cfg.model.source, cfg.model.revision, endpoint)
+    tokenizer = load_text_tokenizer(cfg.model.source, cfg.model.revision, endpoint)
     tokenizer_sha = tokenizer_sha256(tokenizer)
     drops = datahash.Drops()
     parsed = parse_rows(source, drops, "source")
