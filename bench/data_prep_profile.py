@@ -8,6 +8,8 @@ every thread) move much less with the machine's load than wall seconds do, so th
 compare against the bare `encode_batch`'s. What a job pays before its first row (importing the stage
 and loading the tokenizer, which imports transformers and whatever it pulls in) is measured apart, in a
 fresh child process, since this one has imported transformers already to build the tiny model.
+Last, the bare side of `bench.data_prep` on the same corpus, and the two sides' tokens per CPU second
+(ours: start-up plus body; the Ray job's own submission and process start are not in it).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.data_prep import bare_tokens_per_s
 from bench.harness import write_corpus
 from tuneproof.core.config import PROJECT_ROOT, load_config
 
@@ -63,7 +66,8 @@ STARTUP = (
 """A job's start-up in the stage's own process: the import and the tokenizer load, nothing else."""
 
 
-def startup_cost(model: Path) -> str:
+def startup_cost(model: Path) -> tuple[float, float, str]:
+    """(wall s, CPU s, the heavy modules it imported) of a fresh process's STARTUP."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     wall = time.perf_counter()
     done = subprocess.run(
@@ -72,7 +76,7 @@ def startup_cost(model: Path) -> str:
     wall = time.perf_counter() - wall
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-    return f"{wall:.2f} s wall, {cpu:.2f} CPU s (imports {done.stdout.strip()})"
+    return wall, cpu, done.stdout.strip()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,7 +94,11 @@ def main(argv: list[str] | None = None) -> None:
             PROJECT_ROOT / "configs" / "local.yaml",
             [f"storage.root={scratch / 'store'}", f"model.source={model}", f"data.source={corpus}"],
         )
-        print(f"start-up (a fresh process imports the stage and loads the tokenizer): {startup_cost(model)}")
+        startup_wall, startup_cpu, imported = startup_cost(model)
+        print(
+            f"start-up (a fresh process imports the stage and loads the tokenizer): {startup_wall:.2f} s wall, "
+            f"{startup_cpu:.2f} CPU s (imports {imported})"
+        )
         import training.data_prep as stage
         from training.jobkit import JobContext
 
@@ -100,12 +108,18 @@ def main(argv: list[str] | None = None) -> None:
         wall, cpu = clocks()
         summary = stage.prepare_data(JobContext("profile", "data", cfg))
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        bare_cpu = time.process_time()
+        _, bare_tokens, bare_wall = bare_tokens_per_s(model, corpus)
+        bare_cpu = time.process_time() - bare_cpu
     tokens = sum(split.tokens for split in summary.manifest.splits.values()) if summary.manifest else 0
     print(f"stage body: {args.rows:,} rows, {tokens:,} tokens in {wall:.2f} s wall, {cpu:.2f} CPU s")
     for name, (phase_wall, phase_cpu) in seen.items():
         print(f"  {name:18s} {phase_wall:7.2f} s wall {phase_cpu:7.2f} CPU s {100 * phase_cpu / cpu:5.1f} % of CPU")
     rest = cpu - sum(c for _, c in seen.values())
     print(f"  {'(the rest)':18s} {'':7s}   wall {rest:7.2f} CPU s {100 * rest / cpu:5.1f} % of CPU")
+    print(f"bare: {bare_tokens:,} tokens in {bare_wall:.2f} s wall, {bare_cpu:.2f} CPU s")
+    ours_rate, bare_rate = tokens / (startup_cpu + cpu), bare_tokens / bare_cpu
+    print(f"tokens per CPU s: ours {ours_rate:,.0f}, bare {bare_rate:,.0f}, ratio {ours_rate / bare_rate:.2f}")
 
 
 if __name__ == "__main__":
