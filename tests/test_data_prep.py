@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import TEST_BUCKET
-from training import data_prep
+from training import data_prep, modeling
 from training.data_prep import (
     SCHEMA,
     ChatRenderer,
@@ -487,7 +487,7 @@ def test_the_direct_tokenizer_is_the_one_autotokenizer_loads(tiny_dir):
     )
 
 
-def test_other_models_go_through_autotokenizer(tmp_path, tiny_dir):
+def test_other_models_go_through_autotokenizer(tmp_path, tiny_dir, monkeypatch):
     def variant(name: str, config: dict | None = None, tokenizer: dict | None = None, drop: str = "") -> Path:
         out = tmp_path / name
         out.mkdir()
@@ -507,6 +507,11 @@ def test_other_models_go_through_autotokenizer(tmp_path, tiny_dir):
     assert direct_tokenizer_class(variant("fast", tokenizer={"tokenizer_class": "Qwen2TokenizerFast"})) == (
         "Qwen2TokenizerFast"
     )
+    # A class this transformers release does not export: AutoTokenizer decides, as before.
+    monkeypatch.setattr(modeling, "DIRECT_TOKENIZERS", {"qwen2": ("NotInTransformers",)})
+    missing = variant("missing", tokenizer={"tokenizer_class": "NotInTransformers"})
+    texts = ["<|im_start|>user\n5 Mar 2021<|im_end|>\n"]
+    assert token_ids(load_text_tokenizer(str(missing)), texts) == token_ids(load_tokenizer(str(tiny_dir)), texts)
 
 
 def test_the_data_job_never_imports_torch(tmp_path, tiny_dir):

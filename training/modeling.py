@@ -113,8 +113,13 @@ def load_text_tokenizer(source: str, revision: str | None = None, endpoint_url: 
         return load_tokenizer(ref, revision)
     import transformers
 
-    # Both 5.x lines export Qwen2Tokenizer at the top level, lazily, without importing torch.
-    return _from_pretrained(getattr(transformers, name.removesuffix("Fast")), ref, **_common(revision))
+    # transformers exports Qwen2Tokenizer at the top level, lazily, without importing torch; a release
+    # that does not is left to AutoTokenizer.
+    try:
+        tokenizer_class = getattr(transformers, name.removesuffix("Fast"))
+    except (AttributeError, ImportError):
+        return load_tokenizer(ref, revision)
+    return _from_pretrained(tokenizer_class, ref, **_common(revision))
 
 
 def direct_tokenizer_class(ref: Path) -> str | None:
