@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import csv
+import hashlib
 import io
 import itertools
 import json
@@ -17,10 +19,20 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import TEST_BUCKET
-from training.data_prep import SCHEMA, Conversation, encode, prepare_data, read_split, token_ids
+from training import data_prep, modeling
+from training.data_prep import (
+    SCHEMA,
+    ChatRenderer,
+    Conversation,
+    encode,
+    prepare_data,
+    read_split,
+    token_ids,
+    verify_sample,
+)
 from training.jobkit import ENV_VAR, JobContext, encode_job
-from training.modeling import load_tokenizer
-from tuneproof.app.tiny_model import DEFAULT_DATA, build_tiny_model, task_corpus
+from training.modeling import direct_tokenizer_class, load_text_tokenizer, load_tokenizer
+from tuneproof.app.tiny_model import CHAT_TEMPLATE, DEFAULT_DATA, build_tiny_model, task_corpus
 from tuneproof.core import datahash
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.results import FailureClass, StageFailure
@@ -194,8 +206,81 @@ def test_batched_encoding_equals_one_template_and_tokenizer_call_per_row(tiny_di
 def test_token_ids_from_the_backend_equal_the_tokenizers_own(tiny_dir):
     tokenizer = load_tokenizer(str(tiny_dir))
     texts = ["<|im_start|>user\n5 Mar 2021<|im_end|>\n", "", "  spaced   out ", "héllo wörld 2021-03-05", "<|im_end|>"]
+    texts += texts[::2]  # repeats are encoded once and give the same ids
     assert token_ids(tokenizer, texts) == tokenizer(texts, add_special_tokens=False)["input_ids"]
     assert token_ids(tokenizer, []) == []
+
+
+# Conversations whose text could trip a hand-written renderer: empty, unicode, template syntax, newlines.
+ODD_CHATS = [
+    [{"role": "user", "content": "5 Mar 2021"}],
+    [{"role": "system", "content": ""}, {"role": "user", "content": "  "}, {"role": "assistant", "content": "x"}],
+    [{"role": "user", "content": "{{ messages }} {% if x %}é\n\n<|im_end|>"}, {"role": "assistant", "content": "\t"}],
+    [{"role": "tool", "content": "ok", "name": "calc"}, {"role": "user", "content": "日本 2021年3月5日"}],
+    [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}],
+]
+
+
+def test_the_tiny_models_template_is_the_one_rendered_in_plain_python(tiny_dir):
+    assert hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest() == data_prep.CHATML_TEMPLATE_SHA256
+    assert ChatRenderer(load_tokenizer(str(tiny_dir))).python is not None
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_plain_python_chatml_renders_what_jinja_renders(tiny_dir, add_generation_prompt):
+    tokenizer = load_tokenizer(str(tiny_dir))
+    chats = ODD_CHATS + [[{"role": "user", "content": r["input"]}] for r in DATES[:200]]
+    render = ChatRenderer(tokenizer)
+    assert render.fast(chats, add_generation_prompt) == render.jinja(chats, add_generation_prompt)
+    assert render.python is not None  # verified, still on
+
+
+def test_the_verified_sample_is_the_first_rows_and_a_spread_to_the_last():
+    assert verify_sample(0) == [] and verify_sample(10) == list(range(10))
+    sample = verify_sample(1000)
+    assert sample[:64] == list(range(64)) and sample[-1] == 999 and len(sample) == 64 + 16
+
+
+def test_a_mismatch_anywhere_in_the_sample_sends_the_rest_of_the_run_to_jinja(tiny_dir, monkeypatch, capsys):
+    tokenizer = copy.deepcopy(load_tokenizer(str(tiny_dir)))
+    # Differs from plain ChatML only for a content of "odd": past the first 64, only the spread can see it.
+    tokenizer.chat_template = CHAT_TEMPLATE.replace(
+        "message['content']", "(message['content'] | replace('odd', 'ODD'))"
+    )
+    monkeypatch.setattr(
+        data_prep, "CHATML_TEMPLATE_SHA256", hashlib.sha256(tokenizer.chat_template.encode()).hexdigest()
+    )
+    chats = [[{"role": "user", "content": str(i)}] for i in range(500)] + [[{"role": "user", "content": "odd"}]]
+    render = ChatRenderer(tokenizer)
+    assert render.fast(chats[:500], True) is not None  # no "odd" row: the two agree
+    assert render.texts(chats, True) == render.jinja(chats, True) and render.texts(chats, True)[-1].count("ODD") == 1
+    assert render.python is None and render.fast(chats[:10], True) is None  # off for the rest of the run
+    assert "conversation 500 differs from jinja's" in capsys.readouterr().out
+
+
+def test_turns_that_are_not_plain_strings_go_to_jinja(tiny_dir):
+    render = ChatRenderer(load_tokenizer(str(tiny_dir)))
+    assert render.fast([[{"role": "user", "content": None}]], True) is None
+    assert render.fast([[{"role": "user", "content": 5}]], True) is None
+    assert render.python is not None  # not a mismatch: those batches are jinja's to render or reject
+
+
+@pytest.mark.parametrize("shape", ["columns", "messages"])
+def test_the_stage_writes_the_same_bytes_with_the_plain_python_template_as_with_jinja(
+    tmp_path, tiny_dir, monkeypatch, shape
+):
+    rows = DATES[:300]
+    if shape == "messages":
+        rows = [
+            {"messages": [{"role": "user", "content": r["input"]}, {"role": "assistant", "content": r["output"]}]}
+            for r in rows
+        ]
+    source = write_jsonl(tmp_path / "rows.jsonl", rows)
+    fast = prepare(config(tmp_path / "fast", tiny_dir, source, shape=shape, shard_rows=100))
+    monkeypatch.setattr(data_prep, "CHATML_TEMPLATE_SHA256", "no template has this hash")
+    jinja = prepare(config(tmp_path / "jinja", tiny_dir, source, shape=shape, shard_rows=100))
+    assert fast["content_hash"] == jinja["content_hash"]
+    assert fast["manifest"]["splits"] == jinja["manifest"]["splits"]  # every shard's sha256 and token count
 
 
 def test_prepares_splits_with_masked_prompts_then_hits_the_cache(tmp_path, tiny_dir):
@@ -381,6 +466,69 @@ def test_entrypoint_writes_a_stage_result(tmp_path, tiny_dir):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = Storage(str(tmp_path / "store")).read_json("runs", "run-7", "stages", "data", "result.json")
     assert result["status"] == "succeeded" and result["summary"]["manifest"]["splits"]["eval"]["rows"] == 4
+
+
+def test_the_direct_tokenizer_is_the_one_autotokenizer_loads(tiny_dir):
+    """The data stage's tokenizer (load_text_tokenizer) against AutoTokenizer's: class, saved files, ids, template."""
+    auto, direct = load_tokenizer(str(tiny_dir)), load_text_tokenizer(str(tiny_dir))
+    assert direct_tokenizer_class(tiny_dir) == "Qwen2Tokenizer" and type(direct) is type(auto)
+    assert data_prep.tokenizer_sha256(direct) == data_prep.tokenizer_sha256(auto)
+    texts = [chat[0]["content"] for chat in ODD_CHATS] + ["<|im_start|>user\nx<|im_end|>\n<|endoftext|>", ""]
+    for add_special_tokens in (False, True):
+        assert direct(texts, add_special_tokens=add_special_tokens) == auto(
+            texts, add_special_tokens=add_special_tokens
+        )
+    assert token_ids(direct, texts) == token_ids(auto, texts)
+    assert (direct.chat_template, direct.all_special_ids, direct.eos_token_id, direct.pad_token_id) == (
+        auto.chat_template,
+        auto.all_special_ids,
+        auto.eos_token_id,
+        auto.pad_token_id,
+    )
+
+
+def test_other_models_go_through_autotokenizer(tmp_path, tiny_dir, monkeypatch):
+    def variant(name: str, config: dict | None = None, tokenizer: dict | None = None, drop: str = "") -> Path:
+        out = tmp_path / name
+        out.mkdir()
+        for f in tiny_dir.iterdir():
+            if f.name != drop:
+                (out / f.name).write_bytes(f.read_bytes())
+        for file, changes in (("config.json", config), ("tokenizer_config.json", tokenizer)):
+            if changes:
+                (out / file).write_text(json.dumps({**json.loads((out / file).read_text()), **changes}))
+        return out
+
+    assert direct_tokenizer_class(Path("Qwen/Qwen2.5-1.5B")) is None  # a hub id: no local files
+    assert direct_tokenizer_class(variant("llama", config={"model_type": "llama"})) is None
+    assert direct_tokenizer_class(variant("class", tokenizer={"tokenizer_class": "LlamaTokenizer"})) is None
+    assert direct_tokenizer_class(variant("remote", tokenizer={"auto_map": {"AutoTokenizer": ["a", "b"]}})) is None
+    assert direct_tokenizer_class(variant("nojson", drop="tokenizer.json")) is None
+    assert direct_tokenizer_class(variant("fast", tokenizer={"tokenizer_class": "Qwen2TokenizerFast"})) == (
+        "Qwen2TokenizerFast"
+    )
+    # A class this transformers release does not export: AutoTokenizer decides, as before.
+    monkeypatch.setattr(modeling, "DIRECT_TOKENIZERS", {"qwen2": ("NotInTransformers",)})
+    missing = variant("missing", tokenizer={"tokenizer_class": "NotInTransformers"})
+    texts = ["<|im_start|>user\n5 Mar 2021<|im_end|>\n"]
+    assert token_ids(load_text_tokenizer(str(missing)), texts) == token_ids(load_tokenizer(str(tiny_dir)), texts)
+
+
+def test_the_data_job_never_imports_torch(tmp_path, tiny_dir):
+    """The job entrypoint, as Ray runs it; its dataset names the tokenizer AutoTokenizer would have loaded."""
+    cfg = config(tmp_path / "store", tiny_dir, write_jsonl(tmp_path / "d.jsonl", DATES[:40]))
+    watch = (
+        "import atexit, runpy, sys; atexit.register(lambda: print('torch imported:', 'torch' in sys.modules)); "
+        "runpy.run_module('training.data_prep', run_name='__main__')"
+    )
+    env = {**os.environ, ENV_VAR: encode_job("run-8", "data", cfg)}
+    proc = subprocess.run(
+        [sys.executable, "-c", watch], cwd=PROJECT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0 and "torch imported: False" in proc.stdout, proc.stdout + proc.stderr
+    result = Storage(str(tmp_path / "store")).read_json("runs", "run-8", "stages", "data", "result.json")
+    auto_sha = data_prep.tokenizer_sha256(load_tokenizer(str(tiny_dir)))
+    assert result["summary"]["manifest"]["tokenizer_sha256"] == auto_sha
 
 
 # ---- the stage, with storage and source on an S3-compatible server ---------------------------

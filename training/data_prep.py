@@ -21,6 +21,7 @@ The fine-tune and evaluate stages read the result back with `read_split`.
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import posixpath
@@ -34,7 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from training.jobkit import JobContext, log, progress, run_stage
-from training.modeling import load_tokenizer
+from training.modeling import load_text_tokenizer
 from tuneproof.core import datahash, shapes
 from tuneproof.core.config import DataConfig
 from tuneproof.core.results import FailureClass, StageFailure, now_iso, one_line
@@ -52,6 +53,13 @@ SCHEMA = pa.schema(
 # Conversations per batched chat-template call: large enough that the call's set-up is noise, small
 # enough that a conversation the template rejects sends only its own chunk down the one-by-one path.
 RENDER_CHUNK = 1024
+# Chat templates rendered in plain Python, by the sha256 of the exact template string: a template edited by
+# one character is not one of these and goes through jinja. Even a known one is checked against jinja on
+# every batch's sample (ChatRenderer); jinja is what defines the text.
+CHATML_TEMPLATE_SHA256 = "2eefca287a0f008b170ce31bc2c4dabb398a64eb74716bf64db5d9a21da50da9"
+"""Plain ChatML, no default system turn: the tiny Qwen2's (tuneproof/app/tiny_model.py CHAT_TEMPLATE)."""
+VERIFY_FIRST, VERIFY_SPREAD = 64, 16
+"""Conversations of each plain-Python batch that jinja renders too: the first ones, and some spread through the rest."""
 EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
 
 
@@ -93,7 +101,7 @@ def prepare_data(ctx: JobContext) -> DataSummary:
     endpoint = cfg.storage.endpoint_url
     source = read_source(cfg.data.source, cfg.data.format, endpoint)
     eval_source = read_source(cfg.data.eval_source, cfg.data.format, endpoint) if cfg.data.eval_source else None
-    tokenizer = load_tokenizer(cfg.model.source, cfg.model.revision, endpoint)
+    tokenizer = load_text_tokenizer(cfg.model.source, cfg.model.revision, endpoint)
     tokenizer_sha = tokenizer_sha256(tokenizer)
     drops = datahash.Drops()
     parsed = parse_rows(source, drops, "source")
@@ -287,6 +295,7 @@ def build_splits(
     data: DataConfig, shape: str, tokenizer, parsed: Parsed, eval_parsed: Parsed | None, drops: datahash.Drops
 ) -> tuple[dict[str, list[Example]], int]:
     """({"train": [Example], "eval": [Example]}, total rows read); dropped rows go to drops."""
+    render = ChatRenderer(tokenizer)  # one per run: a mismatch found in the train split holds for the eval split
     convs, total = conversations(parsed, data, shape, drops, "source")
     if eval_parsed is None:
         keys = [c.split_key() for c in convs]
@@ -299,10 +308,10 @@ def build_splits(
         train_convs = [convs[i] for i in order]
     progress("data", 1, 3, rows=total)
     splits = {
-        "train": fit_split(*encode_split(tokenizer, train_convs, data, drops), data, drops, data.overflow),
+        "train": fit_split(*encode_split(tokenizer, train_convs, data, drops, render), data, drops, data.overflow),
         # Packing serves training only; evaluation needs one prompt per row.
         "eval": fit_split(
-            *encode_split(tokenizer, eval_convs, data, drops),
+            *encode_split(tokenizer, eval_convs, data, drops, render),
             data,
             drops,
             "drop" if data.overflow == "pack" else data.overflow,
@@ -341,13 +350,18 @@ def check_record(record: Any, data: DataConfig, shape: str, where: str, index: i
 
 
 def encode_split(
-    tokenizer, convs: list[Conversation], data: DataConfig, drops: datahash.Drops
+    tokenizer,
+    convs: list[Conversation],
+    data: DataConfig,
+    drops: datahash.Drops,
+    render: ChatRenderer | None = None,
 ) -> tuple[list[Example], list[Conversation]]:
     """(examples, the conversations they came from): a conversation the chat template rejects is dropped."""
+    render = render or ChatRenderer(tokenizer)
     if not convs or convs[0].messages is None:
-        return encode(tokenizer, convs, data.system_prompt), convs
+        return encode(tokenizer, convs, data.system_prompt, render), convs
     chats = [shapes.with_system(conv.messages or [], data.system_prompt) for conv in convs]
-    rendered = render_conversations(tokenizer, chats, data.loss_on)
+    rendered = render_conversations(render, chats, data.loss_on)
     wanted = [
         text if generation_prompt else text.rstrip() for r in rendered for (_, generation_prompt), text in r.items()
     ]
@@ -403,7 +417,9 @@ def encode_messages(
     return Example(ids, labels, prompt, reference)
 
 
-def render_conversations(tokenizer, chats: list[shapes.Messages], loss_on: str) -> list[dict[tuple[int, bool], str]]:
+def render_conversations(
+    render: ChatRenderer, chats: list[shapes.Messages], loss_on: str
+) -> list[dict[tuple[int, bool], str]]:
     """Each conversation's renderings (shapes.renderings), from batched template calls (render_batch)
     instead of several calls per row.
 
@@ -421,7 +437,7 @@ def render_conversations(tokenizer, chats: list[shapes.Messages], loss_on: str) 
             if flag is generation_prompt and length > 0
         ]
         for (i, length), text in zip(
-            wanted, render_batch(tokenizer, [chats[i][:length] for i, length in wanted], generation_prompt)
+            wanted, render_batch(render, [chats[i][:length] for i, length in wanted], generation_prompt)
         ):
             if text is None:
                 failed.add(i)
@@ -432,20 +448,90 @@ def render_conversations(tokenizer, chats: list[shapes.Messages], loss_on: str) 
     return rendered
 
 
-def render_batch(tokenizer, chats: list[shapes.Messages], add_generation_prompt: bool) -> list[str | None]:
-    """apply_chat_template over many conversations, RENDER_CHUNK per call (the same strings as one call
-    each, the call's own set-up paid once per chunk); where the template rejects one, that chunk is
-    rendered one conversation at a time and None marks the rejected ones."""
+def render_batch(render: ChatRenderer, chats: list[shapes.Messages], add_generation_prompt: bool) -> list[str | None]:
+    """Many conversations' chat-template texts: in plain Python where `render` may (ChatRenderer.fast),
+    otherwise apply_chat_template RENDER_CHUNK per call (the same strings as one call each, the call's
+    own set-up paid once per chunk); where the template rejects one, that chunk is rendered one
+    conversation at a time and None marks the rejected ones."""
+    fast = render.fast(chats, add_generation_prompt)
+    if fast is not None:
+        return list(fast)
     texts: list[str | None] = []
     for start in range(0, len(chats), RENDER_CHUNK):
         chunk = chats[start : start + RENDER_CHUNK]
         try:
-            texts.extend(
-                tokenizer.apply_chat_template(chunk, tokenize=False, add_generation_prompt=add_generation_prompt)
-            )
+            texts.extend(render.jinja(chunk, add_generation_prompt))
         except jinja2.TemplateError:
-            texts.extend(render_each(tokenizer, chunk, add_generation_prompt))
+            texts.extend(render_each(render.tokenizer, chunk, add_generation_prompt))
     return texts
+
+
+class ChatRenderer:
+    """The tokenizer's chat template over many conversations, for one run of the stage.
+
+    Where the template is one tuneproof knows (CHATML_TEMPLATE_SHA256) it renders in plain Python,
+    several times faster than jinja, but only after jinja renders a sample of the same batch (the
+    first VERIFY_FIRST conversations and VERIFY_SPREAD spread through the rest) to the same text.
+    One mismatch, or a sample jinja rejects, is logged and sends this batch and the rest of the run
+    to jinja. The sample guards against a transformers release or environment that renders the
+    template differently (the same difference shows on every row); that the Python rendering equals
+    jinja's for any text, empty, unicode or template syntax included, is what the tests hold it to.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        template = getattr(tokenizer, "chat_template", None)
+        known = isinstance(template, str) and hashlib.sha256(template.encode()).hexdigest() == CHATML_TEMPLATE_SHA256
+        self.python = render_chatml if known else None
+
+    def jinja(self, chats: list[shapes.Messages], add_generation_prompt: bool) -> list[str]:
+        return self.tokenizer.apply_chat_template(chats, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def texts(self, chats: list[shapes.Messages], add_generation_prompt: bool) -> list[str]:
+        """What one batched apply_chat_template call returns (or raises) for `chats`."""
+        fast = self.fast(chats, add_generation_prompt)
+        return fast if fast is not None else self.jinja(chats, add_generation_prompt)
+
+    def fast(self, chats: list[shapes.Messages], add_generation_prompt: bool) -> list[str] | None:
+        """The plain-Python texts, verified on a sample; None where jinja must render this batch."""
+        # Anything but string roles and contents (None, numbers, parts lists) is for jinja and
+        # transformers' own message normalisation to render or reject.
+        if self.python is None or not all(plain_turns(chat) for chat in chats):
+            return None
+        texts = [self.python(chat, add_generation_prompt) for chat in chats]
+        sample = verify_sample(len(texts))
+        try:
+            expected = self.jinja([chats[i] for i in sample], add_generation_prompt) if sample else []
+        except jinja2.TemplateError as e:
+            log(f"chat template: jinja rejects a sampled conversation ({type(e).__name__}: {e}); rendering with jinja")
+            self.python = None
+            return None
+        for i, text in zip(sample, expected):
+            if texts[i] != text:
+                log(
+                    f"chat template: the plain-Python rendering of conversation {i} differs from jinja's "
+                    f"({texts[i][:80]!r} vs {text[:80]!r}); rendering the rest of this run with jinja"
+                )
+                self.python = None
+                return None
+        return texts
+
+
+def plain_turns(chat: shapes.Messages) -> bool:
+    return all(type(turn.get("role")) is str and type(turn.get("content")) is str for turn in chat)
+
+
+def render_chatml(chat: shapes.Messages, add_generation_prompt: bool) -> str:
+    """CHATML_TEMPLATE_SHA256's template in plain Python."""
+    text = "".join(f"<|im_start|>{turn['role']}\n{turn['content']}<|im_end|>\n" for turn in chat)
+    return text + "<|im_start|>assistant\n" if add_generation_prompt else text
+
+
+def verify_sample(n: int) -> list[int]:
+    """The first VERIFY_FIRST of n indices and VERIFY_SPREAD evenly spread through the rest, the last included."""
+    rest = range(VERIFY_FIRST, n)
+    spread = {rest[(len(rest) - 1) * k // max(VERIFY_SPREAD - 1, 1)] for k in range(VERIFY_SPREAD)} if rest else set()
+    return sorted(set(range(min(n, VERIFY_FIRST))) | spread)
 
 
 def render_each(tokenizer, chats: list[shapes.Messages], add_generation_prompt: bool) -> list[str | None]:
@@ -467,20 +553,30 @@ def token_ids(tokenizer, texts: list[str]) -> list[list[int]]:
     tokenizing time on short rows. One wrapper call on the first text sets the backend up exactly as
     the wrapper does (no truncation or padding, its special-token handling); `encode_batch` then
     encodes the lot, in parallel, to the same ids.
+
+    Each distinct text is encoded once (a corpus repeats many of its short answers), so equal texts
+    get the same list: copy one before changing it.
     """
     if not texts:
         return []
+    unique = list(dict.fromkeys(texts))
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:  # a slow (pure Python) tokenizer: the wrapper is all there is
-        return tokenizer(texts, add_special_tokens=False)["input_ids"]
-    tokenizer(texts[:1], add_special_tokens=False)
-    return [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
+        encoded = tokenizer(unique, add_special_tokens=False)["input_ids"]
+    else:
+        tokenizer(unique[:1], add_special_tokens=False)
+        encoded = [encoding.ids for encoding in backend.encode_batch(unique, add_special_tokens=False)]
+    ids = dict(zip(unique, encoded))
+    return [ids[text] for text in texts]
 
 
-def encode(tokenizer, convs: list[Conversation], system_prompt: str | None) -> list[Example]:
+def encode(
+    tokenizer, convs: list[Conversation], system_prompt: str | None, render: ChatRenderer | None = None
+) -> list[Example]:
     """Render each conversation with the chat template; labels are the response tokens only."""
     if not convs:
         return []
+    render = render or ChatRenderer(tokenizer)
     chats = []
     for conv in convs:
         system = conv.parts.get("system") or system_prompt
@@ -489,10 +585,10 @@ def encode(tokenizer, convs: list[Conversation], system_prompt: str | None) -> l
             + [{"role": "user", "content": conv.parts["prompt"]}]
         )
     # One batched call per rendering: the same strings as a call per row, the call's own set-up paid once.
-    prompts = tokenizer.apply_chat_template(chats, tokenize=False, add_generation_prompt=True)
-    fulls = tokenizer.apply_chat_template(
+    prompts = render.texts(chats, add_generation_prompt=True)
+    fulls = render.texts(
         [chat + [{"role": "assistant", "content": conv.parts["response"]}] for chat, conv in zip(chats, convs)],
-        tokenize=False,
+        add_generation_prompt=False,
     )
     completions = []
     for prompt, full in zip(prompts, fulls):

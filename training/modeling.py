@@ -8,6 +8,7 @@ a prefix rewritten by a rerun gets a new copy), then everything goes through `fr
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -95,6 +96,44 @@ def load_tokenizer(source: str, revision: str | None = None, endpoint_url: str |
     from transformers import AutoTokenizer
 
     return _from_pretrained(AutoTokenizer, materialize(source, endpoint_url), **_common(revision))
+
+
+# Model types whose AutoTokenizer resolution, for a local directory naming one of these tokenizer classes
+# and no custom code, is that class's own from_pretrained: the data stage loads it directly. AutoTokenizer
+# reads the model config first, and transformers' config module imports torch (several CPU seconds of a
+# data job that only tokenizes text).
+DIRECT_TOKENIZERS = {"qwen2": ("Qwen2Tokenizer", "Qwen2TokenizerFast")}
+
+
+def load_text_tokenizer(source: str, revision: str | None = None, endpoint_url: str | None = None):
+    """load_tokenizer's tokenizer, without importing torch where the model is a DIRECT_TOKENIZERS one."""
+    ref = materialize(source, endpoint_url)
+    name = direct_tokenizer_class(Path(ref))
+    if name is None:
+        return load_tokenizer(ref, revision)
+    import transformers
+
+    # transformers exports Qwen2Tokenizer at the top level, lazily, without importing torch; a release
+    # that does not is left to AutoTokenizer.
+    try:
+        tokenizer_class = getattr(transformers, name.removesuffix("Fast"))
+    except (AttributeError, ImportError):
+        return load_tokenizer(ref, revision)
+    return _from_pretrained(tokenizer_class, ref, **_common(revision))
+
+
+def direct_tokenizer_class(ref: Path) -> str | None:
+    """The tokenizer class to load directly from local directory `ref`, or None for AutoTokenizer to decide
+    (a hub id, a model type or class not in DIRECT_TOKENIZERS, custom code, missing or unreadable files)."""
+    try:
+        model_type = json.loads((ref / "config.json").read_text()).get("model_type")
+        tokenizer = json.loads((ref / "tokenizer_config.json").read_text())
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(tokenizer, dict) or "auto_map" in tokenizer or not (ref / "tokenizer.json").is_file():
+        return None
+    name = tokenizer.get("tokenizer_class")
+    return name if name in DIRECT_TOKENIZERS.get(model_type, ()) else None
 
 
 def load_model(source: str, revision: str | None = None, endpoint_url: str | None = None, dtype=None):
