@@ -42,7 +42,7 @@ test-fast: setup lint
 	$(PY) -m pytest -q -m "not integration and not browser"
 
 # Inject each fault of issue 11 into a real small run (its own Ray head and Prefect server) and print the
-# table; also bench/out/faults.json. About ten minutes on 2 cores; not part of `make test`.
+# table; also bench/out/faults.json. About 30 minutes on 2 cores; not part of `make test`.
 faults: setup
 	$(PY) -m faults
 
