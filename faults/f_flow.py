@@ -109,7 +109,11 @@ def continuation_note(rec: records.RunRecord | None) -> str:
         return "no record"
     last = rec.invocations[-1]
     tuned = rec.summary("finetune", FinetuneSummary)
-    restored = f"; fine-tune started at step {tuned.start_step} ({tuned.steps} final)" if tuned else ""
+    entry = rec.stages.get("finetune")
+    if tuned and entry and entry.jobs and entry.jobs[0].attached:  # one job ran the whole fine-tune
+        restored = f"; attached to the interrupted invocation's fine-tune job, still running ({tuned.steps} final)"
+    else:
+        restored = f"; fine-tune started at step {tuned.start_step} ({tuned.steps} final)" if tuned else ""
     reran = ", ".join(f"{k} ({v})" for k, v in last.reran.items())
     return f"kept {', '.join(last.kept) or 'nothing'}; reran {reran or 'nothing'}{restored}"
 
