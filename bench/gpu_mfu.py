@@ -317,8 +317,12 @@ def check_real_shapes(seq_len: int) -> None:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config())
-        logits = model(input_ids=torch.zeros((1, seq_len), dtype=torch.long)).logits
+        # Eager attention and an explicit mask: otherwise recent transformers (5.2x) check, from the data, for
+        # packed sequences and whether SDPA may skip the mask (.item() calls no meta tensor can answer).
+        # The shapes are the same under any attention implementation.
+        model = AutoModelForCausalLM.from_config(model_config(), attn_implementation="eager")
+        ids = torch.zeros((1, seq_len), dtype=torch.long)
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
     params = sum(p.numel() for p in model.parameters())
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     counted = matmul_weights(ModelShape.from_hf(model.config))
