@@ -109,13 +109,18 @@ def continuation_note(rec: records.RunRecord | None) -> str:
         return "no record"
     last = rec.invocations[-1]
     tuned = rec.summary("finetune", FinetuneSummary)
-    entry = rec.stages.get("finetune")
-    if tuned and entry and entry.jobs and entry.jobs[0].attached:  # one job ran the whole fine-tune
+    if tuned and attached_to_running_job(rec):  # one job ran the whole fine-tune
         restored = f"; attached to the interrupted invocation's fine-tune job, still running ({tuned.steps} final)"
     else:
         restored = f"; fine-tune started at step {tuned.start_step} ({tuned.steps} final)" if tuned else ""
     reran = ", ".join(f"{k} ({v})" for k, v in last.reran.items())
     return f"kept {', '.join(last.kept) or 'nothing'}; reran {reran or 'nothing'}{restored}"
+
+
+def attached_to_running_job(rec: records.RunRecord) -> bool:
+    """The continuation followed the interrupted attempt's fine-tune job, which never stopped."""
+    entry = rec.stages.get("finetune")
+    return bool(entry and entry.jobs and entry.jobs[0].attached)
 
 
 def check_resumed(rec: records.RunRecord | None, problems: list[str], at_least: int) -> None:
@@ -129,8 +134,7 @@ def check_resumed(rec: records.RunRecord | None, problems: list[str], at_least: 
         if stage not in last.kept:
             problems.append(f"{stage} was not kept: {last.reran.get(stage)}")
     tuned = rec.summary("finetune", FinetuneSummary)
-    entry = rec.stages.get("finetune")
-    if tuned is not None and entry is not None and entry.jobs and entry.jobs[0].attached:
+    if tuned is not None and attached_to_running_job(rec):
         return  # the interrupted attempt's job never stopped: the continuation followed it to its end
     if tuned is None or tuned.start_step < at_least or tuned.restored_from is None:
         start_step = tuned.start_step if tuned else None
