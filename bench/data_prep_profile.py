@@ -81,8 +81,10 @@ def startup_cost(model: Path) -> tuple[float, float, str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.data_prep_profile", description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=50_000)
+    parser.add_argument("--rows", type=int, default=50_000, help="rows of the generated corpus (at least 1)")
     args = parser.parse_args(argv)
+    if args.rows < 1:
+        parser.error(f"--rows must be at least 1, got {args.rows}")
     from tuneproof.app.tiny_model import ensure_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="tuneproof-dp-profile-") as tmp:
