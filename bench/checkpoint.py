@@ -6,20 +6,20 @@
 One process, one gloo rank, a Qwen2 (random weights from a config) trained one step so AdamW has
 state; a checkpoint is about 12 bytes per parameter (fp32 weights and two moments). Ours is what a
 fine-tune rank does (training.finetune save_checkpoint/complete_checkpoint): the asynchronous DCP save
-(training.checkpointing.start_saving_shards; its background thread writes the shards, the progress
-file and hashes every file) waited for at once by finish_saving_shards, the upload Ray Train does
-(pyarrow copy_files to the storage path, as persist_current_checkpoint), and the completion marker
-(write_marker: checks the stored files, lists each with its sha256). Bare writes the same number of
-bytes as one object: a local file, or one S3 PUT (boto3) to moto on 127.0.0.1. Throughput =
-bytes / seconds; ratio = ours / bare, local and S3 each measured, the worse one judged. One untimed
-save first, so neither side pays first-use costs (ours allocates its staging buffers, StagingBuffers,
-once per worker).
+(training.checkpointing.start_saving_shards; its background thread writes the shards straight into the
+checkpoint's storage directory on local storage, or stages, hashes and uploads them file by file on S3,
+and hashes every file) waited for at once by finish_saving_shards, and the completion marker (write_marker:
+checks the stored files, lists each with its sha256). Ray Train's report is not timed: it needs a Ray
+Train worker, and with CheckpointUploadMode.NO_UPLOAD it only registers the directory (no bytes move).
+Bare writes the same number of bytes as one object: a local file, or one S3 PUT (boto3) to moto on
+127.0.0.1. Throughput = bytes / seconds; ratio = ours / bare, local and S3 each measured, the worse one
+judged. One untimed save first, so neither side pays first-use costs (ours allocates its staging
+buffers, StagingBuffers, once per worker).
 
-Same durability on both sides: nothing is fsynced. Ray's copy into a local storage path does not
-fsync, so the stored checkpoint lives in the page cache like the bare file (a power cut may lose
-either; ours then fails its marker's sha256 check and is not resumed from). Ours' staging directory
-is not fsynced either (shard_writer: it is deleted after the upload; syncing it bought nothing and cost
-0.04 s at 50 MB, 0.24 s at 400 MB). On S3 both sides are durable when the PUTs return.
+Same durability on both sides: nothing is fsynced (DCP's sync_files off, as Ray Train's own copy into a
+local storage path never synced either), so the stored checkpoint lives in the page cache like the bare
+file (a power cut may lose either; ours then fails its marker's sha256 check and is not resumed from).
+On S3 both sides are durable when the PUTs return.
 
 Size: the full run's shape (hidden 768, 2 layers, vocabulary 8192, ~220 MB in ~80 tensors of ~3 MB)
 is closer to a real model's tensors (Qwen2.5-0.5B: ~6 GB in ~870 tensors of ~7 MB) than the quick
@@ -28,7 +28,7 @@ one (4 layers at hidden 256, ~50 MB in ~150 tensors of ~0.3 MB), where DCP's fix
 
 details: per side min/median/max bytes/s; `phases`, the median seconds and share of each part of
 ours (state_dict, staging: the copy to CPU in the training thread; dcp_plan, dcp_write, dcp_metadata,
-progress_file, sha256: the background thread; upload: Ray's copy; marker), largest first, and
+progress_file, sha256, upload (S3 only): the background thread; marker), largest first, and
 `dominant`; `async_stall`: with the asynchronous save, the training steps stalled per checkpoint
 (measure_stall: a loop of real training steps on the same model, local storage, a checkpoint every few
 steps completed one step later as the fine-tune does), its max and ok (max <= 1).
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -105,39 +104,19 @@ def progress(step: int = 1):
     )
 
 
-def ray_upload(local: str, path: str, filesystem) -> None:
-    """What Ray Train's report does with a rank's checkpoint directory (ray.train._internal.storage,
-    persist_current_checkpoint: create the directory, then pyarrow copy_files in 64 MiB chunks; its
-    one-thread rule is for pyarrow's own S3FileSystem, and ours is s3fs behind a PyFileSystem)."""
-    from pyarrow import fs as pafs
-
-    destination = filesystem or pafs.LocalFileSystem()
-    destination.create_dir(path)
-    pafs.copy_files(
-        local,
-        path,
-        destination_filesystem=destination,
-        chunk_size=64 * 1024 * 1024,
-    )
-
-
 def save_ours(model, optimizer, group, buffers, storage, name: str) -> tuple[int, float, dict[str, float]]:
     """(bytes, seconds, seconds per phase) of one checkpoint as a fine-tune rank makes it: the asynchronous
-    save waited for at once (throughput, not overlap: the stall is measured apart), Ray's upload, the marker."""
+    save into storage waited for at once (throughput, not overlap: the stall is measured apart), the marker."""
     from training.checkpointing import finish_saving_shards, start_saving_shards, write_marker
 
     began = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="tp-bench-ckpt-") as local:
-        saving = start_saving_shards(model, optimizer, progress(), local, group, buffers=buffers)
-        files = finish_saving_shards(saving)
-        phases = {k: v for k, v in saving.phases.items() if k != "waited"}  # waited overlaps the writer's phases
-        filesystem, path = storage.train_storage("ckpt", name)
-        with timed(phases, "upload"):
-            ray_upload(local, path, filesystem)
-        with timed(phases, "marker"):
-            write_marker(storage, 1, files, "ckpt", name)
+    saving = start_saving_shards(model, optimizer, progress(), storage, ("ckpt", name), group, buffers=buffers)
+    files = finish_saving_shards(saving)
+    phases = {k: v for k, v in saving.phases.items() if k != "waited"}  # waited overlaps the writer's phases
+    with timed(phases, "marker"):
+        write_marker(storage, 1, files, "ckpt", name)
     seconds = time.perf_counter() - began
-    phases["other"] = max(0.0, seconds - sum(phases.values()))  # progress capture, the staging directory
+    phases["other"] = max(0.0, seconds - sum(phases.values()))  # progress capture, the marker's removal
     return sum(f.size for f in files.values()), seconds, phases
 
 
@@ -219,7 +198,7 @@ STALL = {
 
 def stalled_steps(step_seconds: Sequence[float], checkpoint_steps: Sequence[int]) -> list[float]:
     """Per checkpoint started after step c (1-based): the extra seconds of steps c and c+1 (the save's start,
-    then the wait for it, Ray's upload and the marker) over the median of the steps no checkpoint touched,
+    then the wait for it and the marker) over the median of the steps no checkpoint touched,
     in units of that median step. 0 when the save hid entirely behind the next step. Pure."""
     last = len(step_seconds)
     if bad := [c for c in checkpoint_steps if not 1 <= c <= last]:
@@ -238,8 +217,8 @@ def stalled_steps(step_seconds: Sequence[float], checkpoint_steps: Sequence[int]
 
 def measure_stall(model, optimizer, group, buffers, storage, plan: dict[str, int]) -> dict:
     """Train `steps` steps with a checkpoint every `every`, as training.finetune's loop does it: the save starts
-    after its step (start_saving_shards) and is completed after the next one (finish_saving_shards, Ray's
-    upload, the marker); returns each checkpoint's stall in steps, the max and ok (max <= 1)."""
+    after its step (start_saving_shards) and is completed after the next one (finish_saving_shards, the
+    marker); returns each checkpoint's stall in steps, the max and ok (max <= 1)."""
     import torch
 
     from training.checkpointing import finish_saving_shards, start_saving_shards, write_marker
@@ -252,11 +231,8 @@ def measure_stall(model, optimizer, group, buffers, storage, plan: dict[str, int
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
 
-    def complete(saving, local: tempfile.TemporaryDirectory) -> None:
-        with local:
-            files = finish_saving_shards(saving)
-            filesystem, path = storage.train_storage("stall", f"step-{saving.step}")
-            ray_upload(local.name, path, filesystem)
+    def complete(saving) -> None:
+        files = finish_saving_shards(saving)
         write_marker(storage, saving.step, files, "stall", f"step-{saving.step}")
 
     train_step()  # untimed warm-up
@@ -267,14 +243,11 @@ def measure_stall(model, optimizer, group, buffers, storage, plan: dict[str, int
         began = time.perf_counter()
         train_step()
         if in_flight is not None:
-            complete(*in_flight)
+            complete(in_flight)
             in_flight = None
         if step % plan["every"] == 0 and step < plan["steps"]:
-            local = tempfile.TemporaryDirectory(prefix="tp-bench-stall-")
-            in_flight = (
-                start_saving_shards(model, optimizer, progress(step), local.name, group, buffers=buffers),
-                local,
-            )
+            where = ("stall", f"step-{step}")
+            in_flight = start_saving_shards(model, optimizer, progress(step), storage, where, group, buffers=buffers)
             checkpoints.append(step)
         times.append(time.perf_counter() - began)
     stalls = stalled_steps(times, checkpoints)

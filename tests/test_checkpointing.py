@@ -6,6 +6,7 @@ import hashlib
 import json
 import random
 import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -208,7 +209,7 @@ def test_an_async_save_holds_the_weights_of_its_step_while_training_goes_on(sing
     trained_one_step(model, optimizer)
     at_save = {name: p.full_tensor().clone() for name, p in model.named_parameters()}
     saving = start_saving_shards(
-        model, optimizer, progress_at_step(1), tmp_path / "ckpt", dist.new_group(backend="gloo")
+        model, optimizer, progress_at_step(1), Storage(str(tmp_path)), ("ckpt",), dist.new_group(backend="gloo")
     )
     trained_one_step(model, optimizer)  # the next step changes every weight while the write may still run
     files = finish_saving_shards(saving)
@@ -234,7 +235,7 @@ def test_saves_that_reuse_staging_buffers_each_hold_their_own_step(single_rank_g
         optimizer.param_groups[0]["lr"] = 0.01 * step
         expected[step] = {name: p.full_tensor().clone() for name, p in model.named_parameters()}
         saving = start_saving_shards(
-            model, optimizer, progress_at_step(step), tmp_path / f"s{step}", group, buffers=buffers
+            model, optimizer, progress_at_step(step), Storage(str(tmp_path)), (f"s{step}",), group, buffers=buffers
         )
         assert any(f.endswith(".distcp") for f in finish_saving_shards(saving))
         assert {"staging", "dcp_write", "sha256", "waited"} <= set(saving.phases)
@@ -264,18 +265,71 @@ def test_a_background_write_that_fails_raises_and_leaves_no_marker(single_rank_g
     monkeypatch.setattr(FileSystemWriter, "write_data", disk_full)
     model, optimizer = tiny_sharded_model(seed=0)
     storage = Storage(str(tmp_path / "store"))
-    save_dir = tempfile.TemporaryDirectory(prefix="tuneproof-save-")
     group = dist.new_group(backend="gloo")
+    parts = (*RUN, checkpoint_dir_name(100))
     worker = SimpleNamespace(
         rank=0,
         world_size=1,
         storage=storage,
         run_parts=RUN,
-        save_dir=save_dir,
-        saving=start_saving_shards(model, optimizer, progress_at_step(100), save_dir.name, group),
+        saving=start_saving_shards(model, optimizer, progress_at_step(100), storage, parts, group),
     )
     with pytest.raises(CheckpointException, match="No space left"):
         finetune.complete_checkpoint(worker)  # type: ignore[arg-type]
     assert not storage.exists(*RUN, checkpoint_dir_name(100), MARKER)
     assert latest_complete_checkpoint(storage, *RUN) is None
     assert worker.saving is None  # never waited on twice
+
+
+def test_an_async_save_writes_into_the_storage_directory_and_hashes_only_its_own_files(single_rank_group, tmp_path):
+    """Every rank writes into the one checkpoint directory: a rank lists (and hashes) the files it wrote,
+    never another rank's, and a marker left from an earlier save of the step stops counting before any
+    file changes."""
+    import torch.distributed as dist
+
+    model, optimizer = tiny_sharded_model(seed=0)
+    trained_one_step(model, optimizer)
+    storage = Storage(str(tmp_path / "store"))
+    parts = (*RUN, checkpoint_dir_name(7))
+    storage.write_bytes(b"another rank's shard", *parts, "__1_0.distcp")
+    storage.write_json({"step": 7, "files": {}}, *parts, MARKER)
+
+    saving = start_saving_shards(model, optimizer, progress_at_step(7), storage, parts, dist.new_group(backend="gloo"))
+    files = finish_saving_shards(saving)
+
+    assert sorted(files) == [".metadata", "__0_0.distcp", "progress-rank0.json"]
+    assert saving.uri == storage.uri(*parts)
+    assert not storage.exists(*parts, MARKER)  # the old marker went before the shards were rewritten
+    assert storage.read_bytes(*parts, "__1_0.distcp") == b"another rank's shard"
+    write_marker(storage, 7, files, *parts)
+    assert check_complete(storage, *parts) is None
+    other, other_optimizer = tiny_sharded_model(seed=1)
+    assert load_shards(other, other_optimizer, storage.path(*parts), rank=0).step == 7
+    assert torch.equal(other.model.norm.weight.full_tensor(), model.model.norm.weight.full_tensor())
+
+
+def test_an_async_save_to_s3_uploads_each_file_and_leaves_no_staging_copy(single_rank_group, s3_endpoint, tmp_path):
+    """On S3 the background thread stages, hashes and uploads; the stored files match the hashes, the
+    checkpoint loads back through local_copy, and the staging directory is gone."""
+    import torch.distributed as dist
+
+    from training.checkpointing import local_copy
+
+    model, optimizer = tiny_sharded_model(seed=0)
+    trained_one_step(model, optimizer)
+    storage = Storage(f"s3://{TEST_BUCKET}/ckpt-direct", s3_endpoint)
+    parts = (*RUN, checkpoint_dir_name(3))
+    staged_before = set(Path(tempfile.gettempdir()).glob("tuneproof-save-*"))
+
+    saving = start_saving_shards(model, optimizer, progress_at_step(3), storage, parts, dist.new_group(backend="gloo"))
+    files = finish_saving_shards(saving)
+
+    assert sorted(files) == [".metadata", "__0_0.distcp", "progress-rank0.json"]
+    assert "upload" in saving.phases
+    assert set(Path(tempfile.gettempdir()).glob("tuneproof-save-*")) == staged_before
+    write_marker(storage, 3, files, *parts)
+    assert check_complete(storage, *parts) is None
+    other, other_optimizer = tiny_sharded_model(seed=1)
+    with local_copy(storage.uri(*parts), s3_endpoint) as local_dir:
+        assert load_shards(other, other_optimizer, local_dir, rank=0).step == 3
+    assert torch.equal(other.model.norm.weight.full_tensor(), model.model.norm.weight.full_tensor())

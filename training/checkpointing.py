@@ -6,8 +6,10 @@ One checkpoint directory (runs/<run>/train/<run_name>/checkpoint_<step:06d>/) ho
     progress-rank<r>.json          TrainingProgress of rank r: step, data position, seed, RNG, schedule
     tuneproof_complete.json        the completion marker, written LAST: every file above with its size and sha256
 
-Each rank saves into its own local directory and Ray Train merges them into the storage directory
-(the Ray Train FSDP pattern); rank 0 writes the marker only after every rank's upload is done.
+Every rank writes its own files straight into the checkpoint's storage directory: on local or shared
+POSIX storage (a laptop, FSx) DCP writes there itself; on S3 it writes a local staging copy that the
+same background thread uploads file by file. Ray Train is then told about the directory without copying
+it (CheckpointUploadMode.NO_UPLOAD), and rank 0 writes the marker only after every rank's files are stored.
 A checkpoint counts only when the marker exists and every file it lists is there with its size and
 sha256, so a checkpoint cut short by an interruption, or a shard changed since, is never resumed from. Used inside Ray Train workers
 (save/load) and by the stage driver (listing, validation), on local disk or S3 alike.
@@ -29,7 +31,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -44,6 +46,7 @@ from tuneproof.core.summaries import CheckpointRef
 __all__ = ["CheckpointRef"]  # re-exported: workers and tests name checkpoints through this module
 
 MARKER = markers.COMPLETION_MARKER
+METADATA = ".metadata"  # DCP's index of every rank's shards, written by the coordinator (rank 0) last
 _DIR_PATTERN = re.compile(r"^checkpoint_(\d+)$")
 # Files of a base model directory that the export carries over unchanged (all but weights and config).
 _BASE_FILES = re.compile(
@@ -157,7 +160,7 @@ def save_shards(
 
     trainable_only (LoRA): the frozen base is left out; it is reloaded from the base model on resume.
     phases, when given, gets the seconds of each part (state_dict, dcp_plan, dcp_write, sha256, ...).
-    local_dir is a staging directory, as for start_saving_shards (see shard_writer: no fsync).
+    local_dir: a local directory (tests and benchmarks; the fine-tune saves with start_saving_shards).
     """
     import torch.distributed.checkpoint as dcp
 
@@ -227,12 +230,13 @@ class StagingBuffers:
 
 
 def shard_writer(local_dir: str | Path, buffers: StagingBuffers | None = None):
-    """DCP's FileSystemWriter for one rank's staged shards, its write and metadata timed (`.seconds`).
+    """DCP's FileSystemWriter for one rank's shards, its write and metadata timed (`.seconds`) and the files
+    it wrote named (`.written`: this rank's shard files, and .metadata on the coordinator), so a rank
+    writing into a directory the other ranks share hashes only its own.
 
-    No fsync (DCP's sync_files): the directory is a staging copy that Ray Train copies to the storage
-    path and that is then deleted, so syncing it buys no durability. The stored copy is what counts,
-    and a torn or lost stored file (a power cut before the page cache reached the disk) fails the
-    marker's size and sha256 check, so that checkpoint is never resumed from.
+    No fsync (DCP's sync_files), as Ray Train's own copy into a storage path never did: a torn or lost
+    stored file (a power cut before the page cache reached the disk) fails the marker's size and sha256
+    check, so that checkpoint is never resumed from.
     """
     from torch.distributed.checkpoint import FileSystemWriter
 
@@ -240,6 +244,7 @@ def shard_writer(local_dir: str | Path, buffers: StagingBuffers | None = None):
         def __init__(self) -> None:
             super().__init__(str(local_dir), sync_files=False)
             self.seconds: dict[str, float] = {}
+            self.written: list[str] = []
 
         def stage(self, state_dict):
             return super().stage(state_dict) if buffers is None else buffers.copy_of(state_dict)
@@ -248,12 +253,14 @@ def shard_writer(local_dir: str | Path, buffers: StagingBuffers | None = None):
             began = time.perf_counter()
             future = super().write_data(plan, planner)  # FileSystemWriter has written when it returns
             self.seconds["dcp_write"] = time.perf_counter() - began
+            self.written += sorted({r.storage_data.relative_path for r in future.value()})
             return future
 
         def finish(self, metadata, results) -> None:
             began = time.perf_counter()
             super().finish(metadata, results)
             self.seconds["dcp_metadata"] = time.perf_counter() - began
+            self.written.append(METADATA)
 
     return ShardWriter()
 
@@ -264,11 +271,13 @@ class ShardsInFlight:
 
     progress: TrainingProgress
     """Taken when the save began; written beside the shards once they are."""
-    local_dir: Path
+    uri: str
+    """The checkpoint directory in storage."""
     digests: Future[Digests]
-    """This rank's files with size and sha256, once the background thread has written and hashed them."""
+    """This rank's files with size and sha256, once the background thread has stored and hashed them."""
     phases: dict[str, float]
-    """Seconds of each part so far (state_dict, staging, dcp_plan, dcp_write, dcp_metadata, sha256, waited)."""
+    """Seconds of each part so far (state_dict, staging, dcp_plan, dcp_write, dcp_metadata, sha256, upload,
+    waited)."""
 
     @property
     def step(self) -> int:
@@ -279,26 +288,34 @@ def start_saving_shards(
     model,
     optimizer,
     progress: TrainingProgress,
-    local_dir: str | Path,
+    storage: Storage,
+    parts: Sequence[str],
     process_group,
     trainable_only: bool = False,
     buffers: StagingBuffers | None = None,
 ) -> ShardsInFlight:
-    """Begin an asynchronous DCP save: this rank's state is copied to CPU memory now (training may change
-    the weights as soon as this returns) and written to local_dir by a background thread, which then
-    adds the progress file and hashes every file, so the training loop does not wait for the hashing
-    either. Collective.
+    """Begin an asynchronous DCP save of this rank's shards into the storage directory at `parts`: the
+    state is copied to CPU memory now (training may change the weights as soon as this returns); a
+    background thread writes it (straight into the directory on local storage; on S3 into a staging
+    directory, then uploaded), adds the progress file and hashes this rank's files, so the training loop
+    waits for none of it. Collective.
 
-    process_group must be a gloo group of its own: the background thread's collectives would otherwise
-    interleave with the training loop's on the default group. Nothing here is complete until
-    finish_saving_shards has waited for the write and the hashes. buffers: the CPU memory to copy
-    into, kept from the previous save (None: allocated for this save).
+    A marker already in the directory (a step saved before and being saved again) is removed first, by
+    rank 0 before it joins DCP's planning collective, so no rank writes a file while an old marker still
+    vouches for the directory. process_group must be a gloo group of its own: the background thread's
+    collectives would otherwise interleave with the training loop's on the default group. Nothing here is
+    complete until finish_saving_shards has waited. buffers: the CPU memory to copy into, kept from the
+    previous save (None: allocated for this save).
     """
     import torch.distributed.checkpoint as dcp
 
     phases: dict[str, float] = {}
     clock = _Phases(phases)
-    writer = shard_writer(local_dir, buffers)
+    if progress.rank == 0:
+        storage.remove(*parts, MARKER)
+    write_dir = Path(tempfile.mkdtemp(prefix="tuneproof-save-")) if storage.is_s3 else Path(storage.path(*parts))
+    write_dir.mkdir(parents=True, exist_ok=True)
+    writer = shard_writer(write_dir, buffers)
     with clock("state_dict"):
         state = _checkpoint_state(model, optimizer, trainable_only)
     with clock("staging"):  # the copy to CPU memory, in the caller
@@ -308,21 +325,34 @@ def start_saving_shards(
     written = response if isinstance(response, Future) else response.upload_completion
     digests: Future[Digests] = Future()
 
-    def hash_when_written(done: Future) -> None:
-        """Runs in DCP's writer thread once the write ends (or failed): progress file, then every file's sha256."""
+    def store_when_written(done: Future) -> None:
+        """Runs in DCP's writer thread once the write ends (or failed): progress file, every file's sha256,
+        then (S3) the upload of each file."""
         try:
             done.result()
             phases.update(writer.seconds)
             clock.add("dcp_plan", time.perf_counter() - began_writing - sum(writer.seconds.values()))
             with clock("progress_file"):
-                Path(local_dir, progress.file_name()).write_text(json.dumps(asdict(progress), indent=1))
+                Path(write_dir, progress.file_name()).write_text(json.dumps(asdict(progress), indent=1))
             with clock("sha256"):
-                digests.set_result(markers.local_digests(local_dir))
+                files = markers.local_digests(write_dir, [*writer.written, progress.file_name()])
+            if storage.is_s3:
+                with clock("upload"):
+                    for name in files:
+                        storage.put_file(write_dir / name, *parts, name)
         except BaseException as e:  # handed to finish_saving_shards, which re-raises it in the training loop
-            digests.set_exception(e)
+            failed: BaseException | None = e
+        else:
+            failed = None
+        if storage.is_s3:  # before the result is handed over: a finished save leaves no staging copy
+            shutil.rmtree(write_dir, ignore_errors=True)
+        if failed is None:
+            digests.set_result(files)
+        else:
+            digests.set_exception(failed)
 
-    written.add_done_callback(hash_when_written)
-    return ShardsInFlight(progress, Path(local_dir), digests, phases)
+    written.add_done_callback(store_when_written)
+    return ShardsInFlight(progress, storage.uri(*parts), digests, phases)
 
 
 def finish_saving_shards(saving: ShardsInFlight) -> Digests:

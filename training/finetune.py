@@ -25,7 +25,6 @@ import contextlib
 import json
 import math
 import posixpath
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -326,8 +325,6 @@ class Worker:
     """The checkpoint whose shards are being written in the background; not complete, no marker yet."""
     staging: StagingBuffers = field(default_factory=StagingBuffers)
     """CPU memory each asynchronous save copies the state into, kept across saves (one save at a time)."""
-    save_dir: tempfile.TemporaryDirectory[str] | None = None
-    """The local directory `saving` writes into; removed once Ray has uploaded it."""
 
     def log(self, message: str) -> None:
         if self.rank == 0:
@@ -428,12 +425,28 @@ def setup(ctx: JobContext, params: TrainParams) -> Worker:
         ctx, params, rank, world, device, model, optimizer, batches, schedule, flops_per_token, peak_flops(device)
     )
     w.param_counts = counts
+    check_checkpoint_home(w)
     w.mesh = list(mesh_shape(cfg.sharding, world, cfg.shard_group_size, local_world_size()))  # as shard_model built it
     w.save_group = dist.new_group(backend="gloo")  # collective: every rank creates it, in the same order
     w.log(
         f"method {cfg.method}: {counts[0]:,} of {counts[1]:,} parameters train; {cfg.sharding} sharding, mesh {w.mesh}"
     )
     return w
+
+
+def check_checkpoint_home(w: Worker) -> None:
+    """Shards are written where Ray Train keeps the run's checkpoints, and Ray registers them in place
+    (complete_checkpoint): the two must be one directory, or Ray would restore from a path with no files."""
+    import ray.train
+
+    ray_dir = ray.train.get_context().get_storage().experiment_fs_path.rstrip("/")
+    ours = w.storage.path(*w.run_parts).rstrip("/")
+    if ray_dir != ours:
+        raise StageFailure(
+            FailureClass.infrastructure,
+            f"Ray Train keeps run {w.params.run_name}'s checkpoints at {ray_dir}, but its shards are written to "
+            f"{ours}: the RunConfig storage path and storage.root disagree",
+        )
 
 
 def resolve_start(w: Worker) -> CheckpointRef | None:
@@ -597,15 +610,16 @@ def flush_metrics(w: Worker) -> None:
 
 def save_checkpoint(w: Worker, step: int) -> None:
     """Start this step's checkpoint: every rank's state is copied to memory now and its DCP shards are
-    written in the background while the next step trains; `complete_checkpoint` finishes it."""
+    written into the checkpoint's storage directory in the background while the next step trains;
+    `complete_checkpoint` finishes it."""
     flush_metrics(w)  # metrics survive an interruption at least up to this checkpoint
     complete_checkpoint(w)  # at most one save in flight
-    w.save_dir = tempfile.TemporaryDirectory(prefix="tuneproof-save-")
     w.saving = start_saving_shards(
         w.model,
         w.optimizer,
         progress_at(w, step),
-        w.save_dir.name,
+        w.storage,
+        (*w.run_parts, checkpoint_dir_name(step)),
         w.save_group,
         trainable_only=w.lora,
         buffers=w.staging,
@@ -613,35 +627,40 @@ def save_checkpoint(w: Worker, step: int) -> None:
 
 
 def complete_checkpoint(w: Worker) -> None:
-    """Wait for the save in flight (if any); Ray uploads its files; rank 0 then writes the marker, last.
+    """Wait for the save in flight (if any); Ray Train registers the stored directory; rank 0 then writes
+    the marker, last.
 
-    A save that fails or is cut short raises here (or never gets here): no marker, so it never counts.
+    Every rank's files are in storage before the all_gather returns (each waited for its own), so the
+    marker never precedes a shard. Ray is not asked to copy anything (NO_UPLOAD): the files are already
+    where it keeps checkpoints, and its bookkeeping (get_checkpoint after a restart, num_to_keep) covers
+    the directory as it would an uploaded one. A save that fails or is cut short raises here (or never
+    gets here): no marker, so it never counts.
     """
     import ray.train
     import torch.distributed as dist
 
-    saving, save_dir, w.saving, w.save_dir = w.saving, w.save_dir, None, None
-    if saving is None or save_dir is None:
+    saving, w.saving = w.saving, None
+    if saving is None:
         return
     began = time.perf_counter()
-    with save_dir:
-        files = finish_saving_shards(saving)
-        waited = time.perf_counter() - began
-        every_rank: list[Digests] = [{} for _ in range(w.world_size)]
-        dist.all_gather_object(every_rank, files)
-        ray.train.report(
-            {"step": saving.step},
-            checkpoint=ray.train.Checkpoint.from_directory(save_dir.name),
-            checkpoint_dir_name=checkpoint_dir_name(saving.step),
-            delete_local_checkpoint_after_upload=False,
-        )
-    dist.barrier()  # report returns before other ranks finish uploading: wait for all of them
+    files = finish_saving_shards(saving)
+    waited = time.perf_counter() - began
+    every_rank: list[Digests] = [{} for _ in range(w.world_size)]
+    dist.all_gather_object(every_rank, files)
+    name = checkpoint_dir_name(saving.step)
+    ray_storage = ray.train.get_context().get_storage()
+    ray.train.report(
+        {"step": saving.step},
+        checkpoint=ray.train.Checkpoint(
+            path=posixpath.join(ray_storage.experiment_fs_path, name), filesystem=ray_storage.storage_filesystem
+        ),
+        checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD,
+    )
     fault_hooks.before_marker(w.storage, w.ctx.stage_parts(), w.rank, saving.step)
     if w.rank == 0:
-        listed = {name: digest for files_of_rank in every_rank for name, digest in files_of_rank.items()}
-        write_marker(w.storage, saving.step, listed, *w.run_parts, checkpoint_dir_name(saving.step))
-        where = w.storage.uri(*w.run_parts, checkpoint_dir_name(saving.step))
-        w.log(f"checkpoint step {saving.step} complete: {where} (waited {waited:.2f}s for the background write)")
+        listed = {file: digest for files_of_rank in every_rank for file, digest in files_of_rank.items()}
+        write_marker(w.storage, saving.step, listed, *w.run_parts, name)
+        w.log(f"checkpoint step {saving.step} complete: {saving.uri} (waited {waited:.2f}s for the background write)")
 
 
 def progress_at(w: Worker, step: int) -> TrainingProgress:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,16 @@ class Storage:
         for file in sorted(p for p in local_dir.rglob("*") if p.is_file()):
             rel = file.relative_to(local_dir).as_posix()
             self.write_bytes(file.read_bytes(), *parts, rel)
+
+    def put_file(self, local: str | Path, *parts: str) -> None:
+        """Copy one local file to a location, streamed: a multi-GB checkpoint shard never sits in memory
+        (s3fs uploads it in parts, each retried as S3_MAX_ATTEMPTS says)."""
+        target = self.path(*parts)
+        if self.is_s3:
+            self.fs.put_file(str(local), target)
+            return
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.copyfile(local, target)
 
     def download_dir(self, local_dir: str | Path, *parts: str) -> Path:
         """Copy every object under a location to local_dir; returns local_dir."""
