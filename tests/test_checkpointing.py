@@ -308,6 +308,7 @@ def test_an_async_save_writes_into_the_storage_directory_and_hashes_only_its_own
     assert torch.equal(other.model.norm.weight.full_tensor(), model.model.norm.weight.full_tensor())
 
 
+@pytest.mark.integration
 def test_an_async_save_to_s3_uploads_each_file_and_leaves_no_staging_copy(single_rank_group, s3_endpoint, tmp_path):
     """On S3 the background thread stages, hashes and uploads; the stored files match the hashes, the
     checkpoint loads back through local_copy, and the staging directory is gone."""
@@ -333,3 +334,12 @@ def test_an_async_save_to_s3_uploads_each_file_and_leaves_no_staging_copy(single
     with local_copy(storage.uri(*parts), s3_endpoint) as local_dir:
         assert load_shards(other, other_optimizer, local_dir, rank=0).step == 3
     assert torch.equal(other.model.norm.weight.full_tensor(), model.model.norm.weight.full_tensor())
+
+
+@pytest.mark.integration
+def test_put_file_streams_one_file_into_a_nested_location_on_disk_and_on_s3(tmp_path, s3_endpoint):
+    source = tmp_path / "shard.bin"
+    source.write_bytes(b"x" * 70_000 + b"end")
+    for storage in (Storage(str(tmp_path / "store")), Storage(f"s3://{TEST_BUCKET}/put-file", s3_endpoint)):
+        storage.put_file(source, "a", "b", "shard.bin")
+        assert storage.read_bytes("a", "b", "shard.bin") == source.read_bytes()
