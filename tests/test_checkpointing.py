@@ -337,9 +337,16 @@ def test_an_async_save_to_s3_uploads_each_file_and_leaves_no_staging_copy(single
 
 
 @pytest.mark.integration
-def test_put_file_streams_one_file_into_a_nested_location_on_disk_and_on_s3(tmp_path, s3_endpoint):
-    source = tmp_path / "shard.bin"
-    source.write_bytes(b"x" * 70_000 + b"end")
+def test_put_file_streams_one_file_into_a_nested_location_on_disk_and_on_s3(tmp_path, s3_endpoint, monkeypatch):
+    """One PUT for a small file; a file of several parts goes up as a multipart upload (parts shrunk to S3's
+    5 MiB minimum here) and reads back whole."""
+    from tuneproof.core import storage as storage_module
+
+    monkeypatch.setattr(storage_module, "PUT_PART_BYTES", 5 * 2**20)
+    small, large = tmp_path / "small.bin", tmp_path / "large.bin"
+    small.write_bytes(b"x" * 70_000 + b"end")
+    large.write_bytes(bytes(range(256)) * (11 * 2**20 // 256) + b"tail")
     for storage in (Storage(str(tmp_path / "store")), Storage(f"s3://{TEST_BUCKET}/put-file", s3_endpoint)):
-        storage.put_file(source, "a", "b", "shard.bin")
-        assert storage.read_bytes("a", "b", "shard.bin") == source.read_bytes()
+        for source in (small, large):
+            storage.put_file(source, "a", "b", source.name)
+            assert storage.read_bytes("a", "b", source.name) == source.read_bytes()
