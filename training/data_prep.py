@@ -20,6 +20,7 @@ The fine-tune and evaluate stages read the result back with `read_split`.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
 import io
@@ -34,6 +35,7 @@ import jinja2
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from training import parallel
 from training.jobkit import JobContext, log, progress, run_stage
 from training.modeling import load_text_tokenizer
 from tuneproof.core import datahash, shapes
@@ -58,6 +60,12 @@ RENDER_CHUNK = 1024
 # every batch's sample (ChatRenderer); jinja is what defines the text.
 CHATML_TEMPLATE_SHA256 = "2eefca287a0f008b170ce31bc2c4dabb398a64eb74716bf64db5d9a21da50da9"
 """Plain ChatML, no default system turn: the tiny Qwen2's (tuneproof/app/tiny_model.py CHAT_TEMPLATE)."""
+POOL_MIN_ROWS = 20_000
+"""Conversations from which encoding runs on a process pool: below it, a job of a few thousand rows takes
+well under a second here and forking and feeding workers would cost about what they save."""
+POOL_CHUNK_ROWS = 4096
+"""Conversations per pool task: thousands, so each task's batched template and tokenizer calls keep their
+batching, and enough tasks that the workers finish close together."""
 VERIFY_FIRST, VERIFY_SPREAD = 64, 16
 """Conversations of each plain-Python batch that jinja renders too: the first ones, and some spread through the rest."""
 EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
@@ -307,14 +315,12 @@ def build_splits(
         order = datahash.rank_for_split([c.split_key() for c in convs], data.seed)
         train_convs = [convs[i] for i in order]
     progress("data", 1, 3, rows=total)
+    encoded = encode_splits(tokenizer, {"train": train_convs, "eval": eval_convs}, data, render)
     splits = {
-        "train": fit_split(*encode_split(tokenizer, train_convs, data, drops, render), data, drops, data.overflow),
+        "train": fit_split(*encoded["train"].take(drops), data, drops, data.overflow),
         # Packing serves training only; evaluation needs one prompt per row.
         "eval": fit_split(
-            *encode_split(tokenizer, eval_convs, data, drops, render),
-            data,
-            drops,
-            "drop" if data.overflow == "pack" else data.overflow,
+            *encoded["eval"].take(drops), data, drops, "drop" if data.overflow == "pack" else data.overflow
         ),
     }
     progress("data", 2, 3, rows=total, dropped=drops.total)
@@ -347,6 +353,82 @@ def check_record(record: Any, data: DataConfig, shape: str, where: str, index: i
     else:
         reason, parts = datahash.check_row(record, data.fields.model_dump())
     return reason or Conversation(where, index, parts)
+
+
+@dataclass
+class Encoded:
+    """encode_split's result for one split, its drops (or the StageFailure it raised) held until `take`."""
+
+    examples: list[Example]
+    convs: list[Conversation]
+    drops: datahash.Drops
+    failure: tuple[str, str] | None = None
+    """(failure class, cause) of the StageFailure that encoding the split raised, at its first failing row."""
+
+    def take(self, drops: datahash.Drops) -> tuple[list[Example], list[Conversation]]:
+        """(examples, their conversations), this split's drops added to `drops`; raises what encoding raised."""
+        if self.failure is not None:
+            raise StageFailure(*self.failure)
+        drops.merge(self.drops)
+        return self.examples, self.convs
+
+
+Chunk = tuple[str, int, int]  # (split, start, end): conversations [start, end) of that split
+EncodedChunk = tuple[list[tuple[list[int], list[int], str, str]], list[int], datahash.Drops, tuple[str, str] | None]
+"""(examples as tuples, chunk positions of the conversations kept, drops, failure), cheap to send between processes."""
+
+
+def encode_splits(
+    tokenizer, splits: dict[str, list[Conversation]], data: DataConfig, render: ChatRenderer
+) -> dict[str, Encoded]:
+    """encode_split of each split. From POOL_MIN_ROWS conversations on, in chunks of POOL_CHUNK_ROWS
+    on forked workers, one per CPU this job may use (training/parallel.py), merged in the original
+    order: every row's example depends on that row alone, so the merge is what one call gives.
+    """
+    workers = parallel.usable_cpus() if sum(len(convs) for convs in splits.values()) >= POOL_MIN_ROWS else 1
+    step = POOL_CHUNK_ROWS if workers > 1 else max([len(convs) for convs in splits.values()] + [1])
+    chunks = [
+        (name, start, min(start + step, len(convs)))
+        for name, convs in splits.items()
+        for start in range(0, len(convs), step)
+    ]
+    if workers > 1:
+        log(
+            f"encoding {sum(len(c) for c in splits.values())} conversations in {len(chunks)} chunks on {workers} processes"
+        )
+    encoded = {name: Encoded([], [], datahash.Drops()) for name in splits}
+    with contextlib.closing(
+        parallel.fork_map(encode_chunk, chunks, (tokenizer, data, render, splits), workers)
+    ) as results:
+        for (name, start, _), (examples, kept, drops, failure) in zip(chunks, results):
+            into = encoded[name]
+            if failure is not None:  # the first in order: where encoding one split after the other stops
+                into.failure = failure
+                break
+            into.examples.extend(Example(*example) for example in examples)
+            into.convs.extend(splits[name][start + i] for i in kept)
+            into.drops.merge(drops)
+    return encoded
+
+
+def encode_chunk(
+    shared: tuple[Any, DataConfig, ChatRenderer, dict[str, list[Conversation]]], chunk: Chunk
+) -> EncodedChunk:
+    """One chunk through encode_split, in a pool worker or in this process."""
+    tokenizer, data, render, splits = shared
+    name, start, end = chunk
+    convs, drops = splits[name][start:end], datahash.Drops()
+    try:
+        examples, kept = encode_split(tokenizer, convs, data, drops, render)
+    except StageFailure as e:  # its own pickling does not survive the pipe: sent as its two fields
+        return [], [], drops, (e.failure_class.value, e.cause)
+    position = {id(conv): i for i, conv in enumerate(convs)}
+    return (
+        [(e.input_ids, e.labels, e.prompt, e.reference) for e in examples],
+        [position[id(c)] for c in kept],
+        drops,
+        None,
+    )
 
 
 def encode_split(
