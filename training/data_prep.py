@@ -315,14 +315,12 @@ def build_splits(
         order = datahash.rank_for_split([c.split_key() for c in convs], data.seed)
         train_convs = [convs[i] for i in order]
     progress("data", 1, 3, rows=total)
-    encoded = encode_splits(tokenizer, {"train": train_convs, "eval": eval_convs}, data, render)
-    splits = {
-        "train": fit_split(*encoded["train"].take(drops), data, drops, data.overflow),
-        # Packing serves training only; evaluation needs one prompt per row.
-        "eval": fit_split(
-            *encoded["eval"].take(drops), data, drops, "drop" if data.overflow == "pack" else data.overflow
-        ),
-    }
+    # Packing serves training only; evaluation needs one prompt per row.
+    overflow: dict[str, str] = {"train": data.overflow, "eval": "drop" if data.overflow == "pack" else data.overflow}
+    encoded = encode_splits(tokenizer, {"train": train_convs, "eval": eval_convs}, data, render, overflow)
+    splits = {name: encoded[name].take(drops) for name in ("train", "eval")}
+    if data.overflow == "pack":
+        splits["train"] = pack_split(splits["train"], data.max_seq_len)
     progress("data", 2, 3, rows=total, dropped=drops.total)
     return splits, total
 
@@ -357,35 +355,38 @@ def check_record(record: Any, data: DataConfig, shape: str, where: str, index: i
 
 @dataclass
 class Encoded:
-    """encode_split's result for one split, its drops (or the StageFailure it raised) held until `take`."""
+    """One split encoded and fitted, its drops (or the StageFailure it raised) held until `take`."""
 
     examples: list[Example]
-    convs: list[Conversation]
     drops: datahash.Drops
     failure: tuple[str, str] | None = None
     """(failure class, cause) of the StageFailure that encoding the split raised, at its first failing row."""
 
-    def take(self, drops: datahash.Drops) -> tuple[list[Example], list[Conversation]]:
-        """(examples, their conversations), this split's drops added to `drops`; raises what encoding raised."""
+    def take(self, drops: datahash.Drops) -> list[Example]:
+        """The split's examples, its drops added to `drops`; raises what encoding the split raised."""
         if self.failure is not None:
             raise StageFailure(*self.failure)
         drops.merge(self.drops)
-        return self.examples, self.convs
+        return self.examples
 
 
 Chunk = tuple[str, int, int]  # (split, start, end): conversations [start, end) of that split
-EncodedChunk = tuple[list[tuple[list[int], list[int], str, str]], list[int], datahash.Drops, tuple[str, str] | None]
-"""(examples as tuples, chunk positions of the conversations kept, drops, failure), cheap to send between processes."""
+EncodedChunk = tuple[list[tuple[list[int], list[int], str, str]], datahash.Drops, tuple[str, str] | None]
+"""(examples as tuples, drops, failure): cheap to send between processes."""
 
 
 def encode_splits(
-    tokenizer, splits: dict[str, list[Conversation]], data: DataConfig, render: ChatRenderer
+    tokenizer, splits: dict[str, list[Conversation]], data: DataConfig, render: ChatRenderer, overflow: dict[str, str]
 ) -> dict[str, Encoded]:
-    """encode_split of each split. From POOL_MIN_ROWS conversations on, in chunks of POOL_CHUNK_ROWS
-    on forked workers, one per CPU this job may use (training/parallel.py), merged in the original
-    order: every row's example depends on that row alone, so the merge is what one call gives.
+    """Each split through encode_split and fit_rows (with the split's `overflow` policy).
+
+    From POOL_MIN_ROWS conversations on, in chunks of POOL_CHUNK_ROWS on forked workers, one per CPU
+    this job may use (training/parallel.py), merged in the original order: a row's example and its
+    drop depend on that row alone, and Drops.merge keeps each reason's first rows, so the merge is
+    what one pass over each split gives. Encoding stops at the first chunk that fails, as one pass would.
     """
-    workers = parallel.usable_cpus() if sum(len(convs) for convs in splits.values()) >= POOL_MIN_ROWS else 1
+    rows = sum(len(convs) for convs in splits.values())
+    workers = parallel.usable_cpus() if rows >= POOL_MIN_ROWS else 1
     step = POOL_CHUNK_ROWS if workers > 1 else max([len(convs) for convs in splits.values()] + [1])
     chunks = [
         (name, start, min(start + step, len(convs)))
@@ -393,42 +394,33 @@ def encode_splits(
         for start in range(0, len(convs), step)
     ]
     if workers > 1:
-        log(
-            f"encoding {sum(len(c) for c in splits.values())} conversations in {len(chunks)} chunks on {workers} processes"
-        )
-    encoded = {name: Encoded([], [], datahash.Drops()) for name in splits}
-    with contextlib.closing(
-        parallel.fork_map(encode_chunk, chunks, (tokenizer, data, render, splits), workers)
-    ) as results:
-        for (name, start, _), (examples, kept, drops, failure) in zip(chunks, results):
-            into = encoded[name]
-            if failure is not None:  # the first in order: where encoding one split after the other stops
-                into.failure = failure
+        log(f"encoding {rows} conversations in {len(chunks)} chunks on {workers} processes")
+    encoded = {name: Encoded([], datahash.Drops()) for name in splits}
+    work = parallel.fork_map(encode_chunk, chunks, (tokenizer, data, render, splits, overflow), workers)
+    with contextlib.closing(work) as results:
+        for (name, _, _), (examples, drops, failure) in zip(chunks, results):
+            if failure is not None:
+                encoded[name].failure = failure
                 break
-            into.examples.extend(Example(*example) for example in examples)
-            into.convs.extend(splits[name][start + i] for i in kept)
-            into.drops.merge(drops)
+            encoded[name].examples.extend(Example(*example) for example in examples)
+            encoded[name].drops.merge(drops)
     return encoded
 
 
 def encode_chunk(
-    shared: tuple[Any, DataConfig, ChatRenderer, dict[str, list[Conversation]]], chunk: Chunk
+    shared: tuple[Any, DataConfig, ChatRenderer, dict[str, list[Conversation]], dict[str, str]], chunk: Chunk
 ) -> EncodedChunk:
-    """One chunk through encode_split, in a pool worker or in this process."""
-    tokenizer, data, render, splits = shared
+    """One chunk through encode_split and fit_rows, in a pool worker or in this process."""
+    tokenizer, data, render, splits, overflow = shared
     name, start, end = chunk
-    convs, drops = splits[name][start:end], datahash.Drops()
+    drops = datahash.Drops()
     try:
-        examples, kept = encode_split(tokenizer, convs, data, drops, render)
+        examples = fit_rows(
+            *encode_split(tokenizer, splits[name][start:end], data, drops, render), data, drops, overflow[name]
+        )
     except StageFailure as e:  # its own pickling does not survive the pipe: sent as its two fields
-        return [], [], drops, (e.failure_class.value, e.cause)
-    position = {id(conv): i for i, conv in enumerate(convs)}
-    return (
-        [(e.input_ids, e.labels, e.prompt, e.reference) for e in examples],
-        [position[id(c)] for c in kept],
-        drops,
-        None,
-    )
+        return [], drops, (e.failure_class.value, e.cause)
+    return [(e.input_ids, e.labels, e.prompt, e.reference) for e in examples], drops, None
 
 
 def encode_split(
@@ -691,20 +683,26 @@ def encode(
     ]
 
 
-def fit_split(
+def fit_rows(
     examples: list[Example], convs: list[Conversation], data: DataConfig, drops: datahash.Drops, overflow: str
 ) -> list[Example]:
-    """Apply the overflow policy: too-long rows are dropped (counted), truncated, or packed together."""
+    """Apply the overflow policy row by row: too-long rows are dropped (counted) or truncated; under pack
+    they are dropped too, since a row is packed whole (pack_split packs the rest)."""
     fitted = []
     for ex, conv in zip(examples, convs):
         result = datahash.fit(ex.input_ids, ex.labels, data.max_seq_len, overflow)
         if result is None:
             drops.add("too_long", conv.where, conv.row, f"{len(ex.input_ids)} tokens > {data.max_seq_len}")
+        elif result[0] is ex.input_ids:
+            fitted.append(ex)  # it fits as it is
         else:
             fitted.append(Example(result[0], result[1], ex.prompt, ex.reference))
-    if overflow != "pack":
-        return fitted
-    packed = datahash.pack(((ex.input_ids, ex.labels) for ex in fitted), data.max_seq_len)
+    return fitted
+
+
+def pack_split(examples: list[Example], max_seq_len: int) -> list[Example]:
+    """The fitted examples packed together, in order, into rows of at most max_seq_len tokens."""
+    packed = datahash.pack(((ex.input_ids, ex.labels) for ex in examples), max_seq_len)
     return [Example(ids, labels, "", "") for ids, labels in packed]
 
 
@@ -746,17 +744,31 @@ def tokenizer_sha256(tokenizer) -> str:
 def write_splits(
     storage: Storage, dataset_path: str, splits: dict[str, list[Example]], shard_rows: int
 ) -> dict[str, SplitMeta]:
-    meta = {}
-    for split, examples in splits.items():
-        shards = []
-        for number, (start, end) in enumerate(datahash.shard_ranges(len(examples), shard_rows)):
+    """Each split's shards, written in order; from POOL_MIN_ROWS rows on, their parquet bytes are built
+    on forked workers (training/parallel.py), one per usable CPU, and written here as they come."""
+    shards = [
+        (split, number, start, end)
+        for split, examples in splits.items()
+        for number, (start, end) in enumerate(datahash.shard_ranges(len(examples), shard_rows))
+    ]
+    workers = parallel.usable_cpus() if sum(len(examples) for examples in splits.values()) >= POOL_MIN_ROWS else 1
+    written: dict[str, list[Shard]] = {split: [] for split in splits}
+    with contextlib.closing(parallel.fork_map(shard_bytes, shards, splits, workers)) as built:
+        for (split, number, start, end), data in zip(shards, built):
             rel = f"{split}/part-{number:05d}.parquet"
-            data = parquet_bytes(examples[start:end])
             storage.write_bytes(data, dataset_path, rel)
-            shards.append(Shard(path=rel, rows=end - start, sha256=datahash.sha256_bytes(data)))
-        meta[split] = SplitMeta(rows=len(examples), tokens=sum(len(e.input_ids) for e in examples), shards=shards)
+            written[split].append(Shard(path=rel, rows=end - start, sha256=datahash.sha256_bytes(data)))
+    meta = {
+        split: SplitMeta(rows=len(examples), tokens=sum(len(e.input_ids) for e in examples), shards=written[split])
+        for split, examples in splits.items()
+    }
     progress("data", 3, 3)
     return meta
+
+
+def shard_bytes(splits: dict[str, list[Example]], shard: tuple[str, int, int, int]) -> bytes:
+    split, _, start, end = shard
+    return parquet_bytes(splits[split][start:end])
 
 
 def parquet_bytes(examples: list[Example]) -> bytes:
