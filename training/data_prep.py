@@ -330,8 +330,9 @@ def conversations(
 ) -> tuple[list[Conversation], int]:
     rows, total = parsed
     convs = []
+    fields = data.fields.model_dump()  # once, not per row: a pydantic dump costs about what checking a row does
     for index, record in rows:
-        checked = check_record(record, data, shape, where, index)
+        checked = check_record(record, data, shape, where, index, fields)
         if isinstance(checked, str):
             drops.add(checked, where, index, record)
         else:
@@ -339,8 +340,10 @@ def conversations(
     return convs, total
 
 
-def check_record(record: Any, data: DataConfig, shape: str, where: str, index: int) -> Conversation | str:
-    """The row's conversation, read as the shape says, or the reason to drop the row."""
+def check_record(
+    record: Any, data: DataConfig, shape: str, where: str, index: int, fields: dict[str, str | None]
+) -> Conversation | str:
+    """The row's conversation, read as the shape says, or the reason to drop the row (`fields`: data.fields dumped)."""
     if shape == "messages":
         reason, messages = shapes.check_messages(record, data.messages_column)
         return reason or Conversation(where, index, {}, messages)
@@ -349,7 +352,7 @@ def check_record(record: Any, data: DataConfig, shape: str, where: str, index: i
             record, data.template.prompt, data.template.response, data.fields.system
         )
     else:
-        reason, parts = datahash.check_row(record, data.fields.model_dump())
+        reason, parts = datahash.check_row(record, fields)
     return reason or Conversation(where, index, parts)
 
 
