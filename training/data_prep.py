@@ -33,6 +33,7 @@ from typing import Any
 
 import jinja2
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from training import parallel
@@ -301,8 +302,8 @@ def parse_parquet(source: Source):
 
 def build_splits(
     data: DataConfig, shape: str, tokenizer, parsed: Parsed, eval_parsed: Parsed | None, drops: datahash.Drops
-) -> tuple[dict[str, list[Example]], int]:
-    """({"train": [Example], "eval": [Example]}, total rows read); dropped rows go to drops."""
+) -> tuple[dict[str, pa.Table], int]:
+    """({"train": table, "eval": table} of SCHEMA rows, total rows read); dropped rows go to drops."""
     render = ChatRenderer(tokenizer)  # one per run: a mismatch found in the train split holds for the eval split
     convs, total = conversations(parsed, data, shape, drops, "source")
     if eval_parsed is None:
@@ -320,7 +321,7 @@ def build_splits(
     encoded = encode_splits(tokenizer, {"train": train_convs, "eval": eval_convs}, data, render, overflow)
     splits = {name: encoded[name].take(drops) for name in ("train", "eval")}
     if data.overflow == "pack":
-        splits["train"] = pack_split(splits["train"], data.max_seq_len)
+        splits["train"] = examples_table(pack_split(table_examples(splits["train"]), data.max_seq_len))
     progress("data", 2, 3, rows=total, dropped=drops.total)
     return splits, total
 
@@ -360,22 +361,22 @@ def check_record(
 class Encoded:
     """One split encoded and fitted, its drops (or the StageFailure it raised) held until `take`."""
 
-    examples: list[Example]
+    tables: list[pa.Table]
     drops: datahash.Drops
     failure: tuple[str, str] | None = None
     """(failure class, cause) of the StageFailure that encoding the split raised, at its first failing row."""
 
-    def take(self, drops: datahash.Drops) -> list[Example]:
-        """The split's examples, its drops added to `drops`; raises what encoding the split raised."""
+    def take(self, drops: datahash.Drops) -> pa.Table:
+        """The split's examples as one table, its drops added to `drops`; raises what encoding the split raised."""
         if self.failure is not None:
             raise StageFailure(*self.failure)
         drops.merge(self.drops)
-        return self.examples
+        return pa.concat_tables(self.tables) if self.tables else SCHEMA.empty_table()
 
 
 Chunk = tuple[str, int, int]  # (split, start, end): conversations [start, end) of that split
-EncodedChunk = tuple[list[tuple[list[int], list[int], str, str]], datahash.Drops, tuple[str, str] | None]
-"""(examples as tuples, drops, failure): cheap to send between processes."""
+EncodedChunk = tuple[pa.Table | None, datahash.Drops, tuple[str, str] | None]
+"""(examples as a SCHEMA table, drops, failure): Arrow buffers cross a pipe as they are, no Python object per token."""
 
 
 def encode_splits(
@@ -405,7 +406,7 @@ def encode_splits(
             if failure is not None:
                 encoded[name].failure = failure
                 break
-            encoded[name].examples.extend(Example(*example) for example in examples)
+            encoded[name].tables.append(examples)
             encoded[name].drops.merge(drops)
     return encoded
 
@@ -422,8 +423,8 @@ def encode_chunk(
             *encode_split(tokenizer, splits[name][start:end], data, drops, render), data, drops, overflow[name]
         )
     except StageFailure as e:  # its own pickling does not survive the pipe: sent as its two fields
-        return [], drops, (e.failure_class.value, e.cause)
-    return [(e.input_ids, e.labels, e.prompt, e.reference) for e in examples], drops, None
+        return None, drops, (e.failure_class.value, e.cause)
+    return examples_table(examples), drops, None
 
 
 def encode_split(
@@ -709,7 +710,7 @@ def pack_split(examples: list[Example], max_seq_len: int) -> list[Example]:
     return [Example(ids, labels, "", "") for ids, labels in packed]
 
 
-def enforce_limits(splits: dict[str, list[Example]], drops: datahash.Drops, total_rows: int, limit: float) -> None:
+def enforce_limits(splits: dict[str, pa.Table], drops: datahash.Drops, total_rows: int, limit: float) -> None:
     """Too many dropped rows, or an empty split, is a data failure; the summary keeps the counts."""
     evidence = DataSummary(
         total_rows=total_rows,
@@ -720,7 +721,7 @@ def enforce_limits(splits: dict[str, list[Example]], drops: datahash.Drops, tota
     if cause:
         raise StageFailure("data", cause, evidence)
     for name, examples in splits.items():
-        if not examples:
+        if examples.num_rows == 0:
             raise StageFailure(
                 "data",
                 f"the {name} split is empty ({total_rows} rows read, {drops.total} dropped); "
@@ -745,37 +746,25 @@ def tokenizer_sha256(tokenizer) -> str:
 
 
 def write_splits(
-    storage: Storage, dataset_path: str, splits: dict[str, list[Example]], shard_rows: int
+    storage: Storage, dataset_path: str, splits: dict[str, pa.Table], shard_rows: int
 ) -> dict[str, SplitMeta]:
-    """Each split's shards, written in order; from POOL_MIN_ROWS rows on, their parquet bytes are built
-    on forked workers (training/parallel.py), one per usable CPU, and written here as they come."""
-    shards = [
-        (split, number, start, end)
-        for split, examples in splits.items()
-        for number, (start, end) in enumerate(datahash.shard_ranges(len(examples), shard_rows))
-    ]
-    workers = parallel.usable_cpus() if sum(len(examples) for examples in splits.values()) >= POOL_MIN_ROWS else 1
-    written: dict[str, list[Shard]] = {split: [] for split in splits}
-    with contextlib.closing(parallel.fork_map(shard_bytes, shards, splits, workers)) as built:
-        for (split, number, start, end), data in zip(shards, built):
+    """Each split's SCHEMA table as parquet shards of shard_rows rows, in order."""
+    meta = {}
+    for split, table in splits.items():
+        shards = []
+        for number, (start, end) in enumerate(datahash.shard_ranges(table.num_rows, shard_rows)):
             rel = f"{split}/part-{number:05d}.parquet"
+            data = parquet_bytes(table.slice(start, end - start))
             storage.write_bytes(data, dataset_path, rel)
-            written[split].append(Shard(path=rel, rows=end - start, sha256=datahash.sha256_bytes(data)))
-    meta = {
-        split: SplitMeta(rows=len(examples), tokens=sum(len(e.input_ids) for e in examples), shards=written[split])
-        for split, examples in splits.items()
-    }
+            shards.append(Shard(path=rel, rows=end - start, sha256=datahash.sha256_bytes(data)))
+        tokens = pc.sum(pc.list_value_length(table.column("input_ids"))).as_py() or 0
+        meta[split] = SplitMeta(rows=table.num_rows, tokens=tokens, shards=shards)
     progress("data", 3, 3)
     return meta
 
 
-def shard_bytes(splits: dict[str, list[Example]], shard: tuple[str, int, int, int]) -> bytes:
-    split, _, start, end = shard
-    return parquet_bytes(splits[split][start:end])
-
-
-def parquet_bytes(examples: list[Example]) -> bytes:
-    table = pa.table(
+def examples_table(examples: list[Example]) -> pa.Table:
+    return pa.table(
         {
             "input_ids": [e.input_ids for e in examples],
             "labels": [e.labels for e in examples],
@@ -784,8 +773,18 @@ def parquet_bytes(examples: list[Example]) -> bytes:
         },
         schema=SCHEMA,
     )
+
+
+def table_examples(table: pa.Table) -> list[Example]:
+    columns = [table.column(name).to_pylist() for name in SCHEMA.names]
+    return [Example(*row) for row in zip(*columns)]
+
+
+def parquet_bytes(table: pa.Table) -> bytes:
+    """One shard's file. Its chunks are combined first: a shard is written from one contiguous array per
+    column, whatever chunks of the split's table it came from (the bytes are those of a table built whole)."""
     buf = io.BytesIO()
-    pq.write_table(table, buf)
+    pq.write_table(table.combine_chunks(), buf)
     return buf.getvalue()
 
 
