@@ -6,8 +6,8 @@ The same generated corpus and configs/local.yaml settings as `bench.data_prep`, 
 stage function runs here, with each phase's function wrapped in a timer. CPU seconds (this process,
 every thread, and the stage's pool workers) move much less with the machine's load than wall seconds
 do, so they are what to compare against the bare `encode_batch`'s. From the stage's POOL_MIN_ROWS
-on, encoding, fitting and parquet bytes run on forked workers whose phases are not timed one by one
-here (their CPU is in the body's total); --one-process keeps every phase in this process to see them. What a job pays before its first row (importing the stage
+on, the chat template, tokenizing and fitting run on forked workers whose phases are not timed one by
+one here (their CPU is in the body's total); --one-process keeps every phase in this process to see them. What a job pays before its first row (importing the stage
 and loading the tokenizer, which imports transformers and whatever it pulls in) is measured apart, in a
 fresh child process, since this one has imported transformers already to build the tiny model.
 Last, the bare side of `bench.data_prep` on the same corpus, and the two sides' tokens per CPU second

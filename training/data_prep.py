@@ -13,7 +13,9 @@ messages (a list of role/content turns; the loss covers assistant turns only, ev
 last one). The hash covers the source bytes, the field mapping, the system prompt, the tokenizer
 files, the prep settings and the shape (with its template), so a rerun with equal inputs is a cache
 hit that rewrites nothing. Rows that cannot be used are counted by reason; too many of them fail the
-stage as a data failure.
+stage as a data failure. From POOL_MIN_ROWS conversations on, the chat template, tokenizing and
+fitting run in chunks on a forked worker per usable CPU (training/parallel.py), merged in order: the
+same bytes, drops and errors as one process.
 
 The fine-tune and evaluate stages read the result back with `read_split`.
 """
