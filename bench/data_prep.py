@@ -5,8 +5,9 @@
 The corpus is generated (the bundled date task's generator): 200,000 rows, the issue's "few hundred
 thousand"; 10,000 with --quick. The job's start-up is reported beside each run, as a fraction of the
 stage: 5-9 % here under load, up to 18 % on an idle machine (about 5 s of a 28 s stage). Ours: the data stage as the pipeline runs
-it (a Ray job: read, parse, chat template, tokenize, split, write parquet shards and the manifest),
-from submission to validated result, into a fresh storage root; its tokens are the manifest's.
+it (a Ray job: read, parse, split; chat template, tokenize and fit on a forked worker per CPU from
+20,000 rows on; write the parquet shards and the manifest), from submission to validated result, into a
+fresh storage root; its tokens are the manifest's.
 Bare: this process reads the same JSONL, renders each row as the same ChatML text and encodes it
 with the model's `tokenizers.Tokenizer` in one `encode_batch` call: a lower bound on the work.
 """

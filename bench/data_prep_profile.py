@@ -1,11 +1,13 @@
 """Where the data stage's time goes: its body run in this process, wall and CPU seconds per phase.
 
-    python -m bench.data_prep_profile [--rows 50000]
+    python -m bench.data_prep_profile [--rows 50000] [--one-process]
 
 The same generated corpus and configs/local.yaml settings as `bench.data_prep`, but no Ray job: the
 stage function runs here, with each phase's function wrapped in a timer. CPU seconds (this process,
-every thread) move much less with the machine's load than wall seconds do, so they are what to
-compare against the bare `encode_batch`'s. What a job pays before its first row (importing the stage
+every thread, and the stage's pool workers) move much less with the machine's load than wall seconds
+do, so they are what to compare against the bare `encode_batch`'s. From the stage's POOL_MIN_ROWS
+on, the chat template, tokenizing and fitting run on forked workers whose phases are not timed one by
+one here (their CPU is in the body's total); --one-process keeps every phase in this process to see them. What a job pays before its first row (importing the stage
 and loading the tokenizer, which imports transformers and whatever it pulls in) is measured apart, in a
 fresh child process, since this one has imported transformers already to build the tiny model.
 Last, the bare side of `bench.data_prep` on the same corpus, and the two sides' tokens per CPU second
@@ -35,7 +37,7 @@ PHASES = (
     "conversations",
     "render_batch",
     "token_ids",
-    "fit_split",
+    "fit_rows",
     "write_splits",
 )
 """training.data_prep functions, each a phase of the stage (render_batch: the chat template)."""
@@ -66,22 +68,27 @@ STARTUP = (
 """A job's start-up in the stage's own process: the import and the tokenizer load, nothing else."""
 
 
+def children_cpu() -> float:
+    """CPU seconds of this process's ended children (the stage's pool workers, once its pool is closed)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def startup_cost(model: Path) -> tuple[float, float, str]:
     """(wall s, CPU s, the heavy modules it imported) of a fresh process's STARTUP."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = children_cpu()
     wall = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-c", STARTUP, str(model)], cwd=PROJECT_ROOT, capture_output=True, text=True, check=True
     )
     wall = time.perf_counter() - wall
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-    return wall, cpu, done.stdout.strip()
+    return wall, children_cpu() - cpu, done.stdout.strip()
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.data_prep_profile", description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=50_000, help="rows of the generated corpus (at least 1)")
+    parser.add_argument("--one-process", action="store_true", help="no worker pool: every phase timed here")
     args = parser.parse_args(argv)
     if args.rows < 1:
         parser.error(f"--rows must be at least 1, got {args.rows}")
@@ -107,14 +114,22 @@ def main(argv: list[str] | None = None) -> None:
         seen: dict[str, list[float]] = {}
         for name in PHASES:
             setattr(stage, name, timed(getattr(stage, name), name, seen))
+        if args.one_process:
+            stage.POOL_MIN_ROWS = sys.maxsize
         wall, cpu = clocks()
+        workers_cpu = children_cpu()
         summary = stage.prepare_data(JobContext("profile", "data", cfg))
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        workers_cpu = children_cpu() - workers_cpu
+        cpu += workers_cpu
         bare_cpu = time.process_time()
         _, bare_tokens, bare_wall = bare_tokens_per_s(model, corpus)
         bare_cpu = time.process_time() - bare_cpu
     tokens = sum(split.tokens for split in summary.manifest.splits.values()) if summary.manifest else 0
-    print(f"stage body: {args.rows:,} rows, {tokens:,} tokens in {wall:.2f} s wall, {cpu:.2f} CPU s")
+    print(
+        f"stage body: {args.rows:,} rows, {tokens:,} tokens in {wall:.2f} s wall, {cpu:.2f} CPU s "
+        f"({workers_cpu:.2f} of them in pool workers, whose phases are not timed below)"
+    )
     for name, (phase_wall, phase_cpu) in seen.items():
         print(f"  {name:18s} {phase_wall:7.2f} s wall {phase_cpu:7.2f} CPU s {100 * phase_cpu / cpu:5.1f} % of CPU")
     rest = cpu - sum(c for _, c in seen.values())

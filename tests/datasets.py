@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from training.data_prep import Example, write_splits
+from training.data_prep import Example, examples_table, write_splits
 from tuneproof.core.results import now_iso
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import DatasetManifest, SourceIdentity
@@ -12,7 +12,7 @@ def write_prepared(
     storage: Storage, path: str, name: str, splits: dict[str, list[Example]], shard_rows: int = 4096
 ) -> DatasetManifest:
     """Parquet shards per split, then manifest.json last; the source identity is a stand-in."""
-    meta = write_splits(storage, path, splits, shard_rows)
+    meta = write_splits(storage, path, {split: examples_table(rows) for split, rows in splits.items()}, shard_rows)
     total = sum(len(examples) for examples in splits.values())
     manifest = DatasetManifest(
         name=name,

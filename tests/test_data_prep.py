@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import runpy
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -129,6 +130,20 @@ def test_drops_keep_three_examples_and_the_failure_names_every_count():
     )
     with pytest.raises(ValueError, match="drop reason"):
         drops.add("ugly", "source", 0, None)
+
+
+def test_drops_counted_in_chunks_and_merged_in_order_equal_drops_counted_in_one():
+    events = [("empty", i) for i in range(4)] + [("too_long", 9), ("empty", 11), ("too_long", 12), ("too_long", 13)]
+    whole, merged = datahash.Drops(), datahash.Drops()
+    for reason, row in events:
+        whole.add(reason, "source", row, row)
+    for chunk in (events[:2], [], events[2:5], events[5:]):
+        part = datahash.Drops()
+        for reason, row in chunk:
+            part.add(reason, "source", row, row)
+        merged.merge(part)
+    assert merged.to_json() == whole.to_json() and merged.total == 8
+    assert [e["row"] for e in merged.to_json()["too_long"]["examples"]] == [9, 12, 13]
 
 
 def test_split_is_seeded_exact_disjoint_and_content_based():
@@ -281,6 +296,65 @@ def test_the_stage_writes_the_same_bytes_with_the_plain_python_template_as_with_
     jinja = prepare(config(tmp_path / "jinja", tiny_dir, source, shape=shape, shard_rows=100))
     assert fast["content_hash"] == jinja["content_hash"]
     assert fast["manifest"]["splits"] == jinja["manifest"]["splits"]  # every shard's sha256 and token count
+
+
+def on_a_pool(monkeypatch, chunk_rows: int = 7) -> None:
+    """The stage encodes on two forked workers from the first row, in chunks of `chunk_rows` (on any machine)."""
+    monkeypatch.setattr(data_prep, "POOL_MIN_ROWS", 1)
+    monkeypatch.setattr(data_prep, "POOL_CHUNK_ROWS", chunk_rows)
+    monkeypatch.setattr(data_prep.parallel, "usable_cpus", lambda: 2)
+
+
+@pytest.mark.parametrize("shape", ["columns", "messages"])
+def test_the_stage_writes_the_same_bytes_and_drops_on_a_process_pool_as_in_one_process(
+    tmp_path, tiny_dir, monkeypatch, capsys, shape
+):
+    def shaped(rows: list[dict]) -> list[dict]:
+        if shape == "columns":
+            return rows
+        return [
+            {"messages": [{"role": "user", "content": r["input"]}, {"role": "assistant", "content": r["output"]}]}
+            if isinstance(r["input"], str) and "output" in r
+            else {"messages": [{"role": "user", "content": "no answer"}]}
+            for r in rows
+        ]
+
+    bad, raw = malformed_rows(4)
+    source = write_jsonl(tmp_path / "rows.jsonl", shaped(DATES[:150] + bad), raw)
+    eval_source = write_jsonl(tmp_path / "eval.jsonl", shaped(DATES[150:190]))
+    for n, eval_from in enumerate((None, eval_source)):
+        settings = dict(shape=shape, shard_rows=50, max_dropped_fraction=0.2, eval_source=eval_from and str(eval_from))
+        one = prepare(config(tmp_path / f"one{n}", tiny_dir, source, **settings))
+        assert "processes" not in capsys.readouterr().out
+        with monkeypatch.context() as patch:
+            on_a_pool(patch)
+            pooled = prepare(config(tmp_path / f"pool{n}", tiny_dir, source, **settings))
+        assert "on 2 processes" in capsys.readouterr().out
+        assert pooled["manifest"]["dropped"]["too_long"]["count"] == 4 and pooled["manifest"]["dropped"] != {}
+        for key in ("content_hash", "total_rows", "dropped"):
+            assert pooled[key] == one[key]
+        assert pooled["manifest"]["splits"] == one["manifest"]["splits"]  # every shard's sha256 and token count
+
+
+# A ChatML variant whose full conversation does not begin with its generation prompt when the answer is BAD.
+UNMASKABLE = "{%- if messages[-1]['content'] == 'BAD' %}<|im_start|>ASSISTANT\n{%- endif %}"
+
+
+def test_a_pool_fails_the_stage_on_the_same_row_with_the_same_words(tmp_path, tiny_dir, monkeypatch):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    (model / "chat_template.jinja").write_text(UNMASKABLE + CHAT_TEMPLATE)
+    rows = DATES[:120]
+    rows[40:41] = [{"input": "first bad", "output": "BAD"}]
+    rows[90:91] = [{"input": "second bad", "output": "BAD"}]
+    source = write_jsonl(tmp_path / "rows.jsonl", rows)
+    with pytest.raises(StageFailure) as one:
+        prepare(config(tmp_path / "one", model, source))
+    on_a_pool(monkeypatch)
+    with pytest.raises(StageFailure) as pooled:
+        prepare(config(tmp_path / "pool", model, source))
+    assert "not render the generation prompt as a prefix" in one.value.cause
+    assert (pooled.value.failure_class, pooled.value.cause) == (one.value.failure_class, one.value.cause)
 
 
 def test_prepares_splits_with_masked_prompts_then_hits_the_cache(tmp_path, tiny_dir):

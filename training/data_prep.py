@@ -13,13 +13,16 @@ messages (a list of role/content turns; the loss covers assistant turns only, ev
 last one). The hash covers the source bytes, the field mapping, the system prompt, the tokenizer
 files, the prep settings and the shape (with its template), so a rerun with equal inputs is a cache
 hit that rewrites nothing. Rows that cannot be used are counted by reason; too many of them fail the
-stage as a data failure.
+stage as a data failure. From POOL_MIN_ROWS conversations on, the chat template, tokenizing and
+fitting run in chunks on a forked worker per usable CPU (training/parallel.py), merged in order: the
+same bytes, drops and errors as one process.
 
 The fine-tune and evaluate stages read the result back with `read_split`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
 import io
@@ -32,8 +35,10 @@ from typing import Any
 
 import jinja2
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from training import parallel
 from training.jobkit import JobContext, log, progress, run_stage
 from training.modeling import load_text_tokenizer
 from tuneproof.core import datahash, shapes
@@ -58,6 +63,12 @@ RENDER_CHUNK = 1024
 # every batch's sample (ChatRenderer); jinja is what defines the text.
 CHATML_TEMPLATE_SHA256 = "2eefca287a0f008b170ce31bc2c4dabb398a64eb74716bf64db5d9a21da50da9"
 """Plain ChatML, no default system turn: the tiny Qwen2's (tuneproof/app/tiny_model.py CHAT_TEMPLATE)."""
+POOL_MIN_ROWS = 20_000
+"""Conversations from which encoding runs on a process pool: below it, a job of a few thousand rows takes
+well under a second here and forking and feeding workers would cost about what they save."""
+POOL_CHUNK_ROWS = 4096
+"""Conversations per pool task: thousands, so each task's batched template and tokenizer calls keep their
+batching, and enough tasks that the workers finish close together."""
 VERIFY_FIRST, VERIFY_SPREAD = 64, 16
 """Conversations of each plain-Python batch that jinja renders too: the first ones, and some spread through the rest."""
 EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
@@ -293,8 +304,8 @@ def parse_parquet(source: Source):
 
 def build_splits(
     data: DataConfig, shape: str, tokenizer, parsed: Parsed, eval_parsed: Parsed | None, drops: datahash.Drops
-) -> tuple[dict[str, list[Example]], int]:
-    """({"train": [Example], "eval": [Example]}, total rows read); dropped rows go to drops."""
+) -> tuple[dict[str, pa.Table], int]:
+    """({"train": table, "eval": table} of SCHEMA rows, total rows read); dropped rows go to drops."""
     render = ChatRenderer(tokenizer)  # one per run: a mismatch found in the train split holds for the eval split
     convs, total = conversations(parsed, data, shape, drops, "source")
     if eval_parsed is None:
@@ -307,16 +318,12 @@ def build_splits(
         order = datahash.rank_for_split([c.split_key() for c in convs], data.seed)
         train_convs = [convs[i] for i in order]
     progress("data", 1, 3, rows=total)
-    splits = {
-        "train": fit_split(*encode_split(tokenizer, train_convs, data, drops, render), data, drops, data.overflow),
-        # Packing serves training only; evaluation needs one prompt per row.
-        "eval": fit_split(
-            *encode_split(tokenizer, eval_convs, data, drops, render),
-            data,
-            drops,
-            "drop" if data.overflow == "pack" else data.overflow,
-        ),
-    }
+    # Packing serves training only; evaluation needs one prompt per row.
+    overflow: dict[str, str] = {"train": data.overflow, "eval": "drop" if data.overflow == "pack" else data.overflow}
+    encoded = encode_splits(tokenizer, {"train": train_convs, "eval": eval_convs}, data, render, overflow)
+    splits = {name: encoded[name].take(drops) for name in ("train", "eval")}
+    if data.overflow == "pack":
+        splits["train"] = examples_table(pack_split(table_examples(splits["train"]), data.max_seq_len))
     progress("data", 2, 3, rows=total, dropped=drops.total)
     return splits, total
 
@@ -326,8 +333,9 @@ def conversations(
 ) -> tuple[list[Conversation], int]:
     rows, total = parsed
     convs = []
+    fields = data.fields.model_dump()  # once, not per row: a pydantic dump costs about what checking a row does
     for index, record in rows:
-        checked = check_record(record, data, shape, where, index)
+        checked = check_record(record, data, shape, where, index, fields)
         if isinstance(checked, str):
             drops.add(checked, where, index, record)
         else:
@@ -335,8 +343,10 @@ def conversations(
     return convs, total
 
 
-def check_record(record: Any, data: DataConfig, shape: str, where: str, index: int) -> Conversation | str:
-    """The row's conversation, read as the shape says, or the reason to drop the row."""
+def check_record(
+    record: Any, data: DataConfig, shape: str, where: str, index: int, fields: dict[str, str | None]
+) -> Conversation | str:
+    """The row's conversation, read as the shape says, or the reason to drop the row (`fields`: data.fields dumped)."""
     if shape == "messages":
         reason, messages = shapes.check_messages(record, data.messages_column)
         return reason or Conversation(where, index, {}, messages)
@@ -345,8 +355,78 @@ def check_record(record: Any, data: DataConfig, shape: str, where: str, index: i
             record, data.template.prompt, data.template.response, data.fields.system
         )
     else:
-        reason, parts = datahash.check_row(record, data.fields.model_dump())
+        reason, parts = datahash.check_row(record, fields)
     return reason or Conversation(where, index, parts)
+
+
+@dataclass
+class Encoded:
+    """One split encoded and fitted, its drops (or the StageFailure it raised) held until `take`."""
+
+    tables: list[pa.Table]
+    drops: datahash.Drops
+    failure: tuple[str, str] | None = None
+    """(failure class, cause) of the StageFailure that encoding the split raised, at its first failing row."""
+
+    def take(self, drops: datahash.Drops) -> pa.Table:
+        """The split's examples as one table, its drops added to `drops`; raises what encoding the split raised."""
+        if self.failure is not None:
+            raise StageFailure(*self.failure)
+        drops.merge(self.drops)
+        return pa.concat_tables(self.tables) if self.tables else SCHEMA.empty_table()
+
+
+Chunk = tuple[str, int, int]  # (split, start, end): conversations [start, end) of that split
+EncodedChunk = tuple[pa.Table | None, datahash.Drops, tuple[str, str] | None]
+"""(examples as a SCHEMA table, drops, failure): Arrow buffers cross a pipe as they are, no Python object per token."""
+
+
+def encode_splits(
+    tokenizer, splits: dict[str, list[Conversation]], data: DataConfig, render: ChatRenderer, overflow: dict[str, str]
+) -> dict[str, Encoded]:
+    """Each split through encode_split and fit_rows (with the split's `overflow` policy).
+
+    From POOL_MIN_ROWS conversations on, in chunks of POOL_CHUNK_ROWS on forked workers, one per CPU
+    this job may use (training/parallel.py), merged in the original order: a row's example and its
+    drop depend on that row alone, and Drops.merge keeps each reason's first rows, so the merge is
+    what one pass over each split gives. Encoding stops at the first chunk that fails, as one pass would.
+    """
+    rows = sum(len(convs) for convs in splits.values())
+    workers = parallel.usable_cpus() if rows >= POOL_MIN_ROWS else 1
+    step = POOL_CHUNK_ROWS if workers > 1 else max([len(convs) for convs in splits.values()] + [1])
+    chunks = [
+        (name, start, min(start + step, len(convs)))
+        for name, convs in splits.items()
+        for start in range(0, len(convs), step)
+    ]
+    if workers > 1:
+        log(f"encoding {rows} conversations in {len(chunks)} chunks on {workers} processes")
+    encoded = {name: Encoded([], datahash.Drops()) for name in splits}
+    work = parallel.fork_map(encode_chunk, chunks, (tokenizer, data, render, splits, overflow), workers)
+    with contextlib.closing(work) as results:
+        for (name, _, _), (examples, drops, failure) in zip(chunks, results):
+            if failure is not None:
+                encoded[name].failure = failure
+                break
+            encoded[name].tables.append(examples)
+            encoded[name].drops.merge(drops)
+    return encoded
+
+
+def encode_chunk(
+    shared: tuple[Any, DataConfig, ChatRenderer, dict[str, list[Conversation]], dict[str, str]], chunk: Chunk
+) -> EncodedChunk:
+    """One chunk through encode_split and fit_rows, in a pool worker or in this process."""
+    tokenizer, data, render, splits, overflow = shared
+    name, start, end = chunk
+    drops = datahash.Drops()
+    try:
+        examples = fit_rows(
+            *encode_split(tokenizer, splits[name][start:end], data, drops, render), data, drops, overflow[name]
+        )
+    except StageFailure as e:  # its own pickling does not survive the pipe: sent as its two fields
+        return None, drops, (e.failure_class.value, e.cause)
+    return examples_table(examples), drops, None
 
 
 def encode_split(
@@ -609,24 +689,30 @@ def encode(
     ]
 
 
-def fit_split(
+def fit_rows(
     examples: list[Example], convs: list[Conversation], data: DataConfig, drops: datahash.Drops, overflow: str
 ) -> list[Example]:
-    """Apply the overflow policy: too-long rows are dropped (counted), truncated, or packed together."""
+    """Apply the overflow policy row by row: too-long rows are dropped (counted) or truncated; under pack
+    they are dropped too, since a row is packed whole (pack_split packs the rest)."""
     fitted = []
     for ex, conv in zip(examples, convs):
         result = datahash.fit(ex.input_ids, ex.labels, data.max_seq_len, overflow)
         if result is None:
             drops.add("too_long", conv.where, conv.row, f"{len(ex.input_ids)} tokens > {data.max_seq_len}")
+        elif result[0] is ex.input_ids:
+            fitted.append(ex)  # it fits as it is
         else:
             fitted.append(Example(result[0], result[1], ex.prompt, ex.reference))
-    if overflow != "pack":
-        return fitted
-    packed = datahash.pack(((ex.input_ids, ex.labels) for ex in fitted), data.max_seq_len)
+    return fitted
+
+
+def pack_split(examples: list[Example], max_seq_len: int) -> list[Example]:
+    """The fitted examples packed together, in order, into rows of at most max_seq_len tokens."""
+    packed = datahash.pack(((ex.input_ids, ex.labels) for ex in examples), max_seq_len)
     return [Example(ids, labels, "", "") for ids, labels in packed]
 
 
-def enforce_limits(splits: dict[str, list[Example]], drops: datahash.Drops, total_rows: int, limit: float) -> None:
+def enforce_limits(splits: dict[str, pa.Table], drops: datahash.Drops, total_rows: int, limit: float) -> None:
     """Too many dropped rows, or an empty split, is a data failure; the summary keeps the counts."""
     evidence = DataSummary(
         total_rows=total_rows,
@@ -637,7 +723,7 @@ def enforce_limits(splits: dict[str, list[Example]], drops: datahash.Drops, tota
     if cause:
         raise StageFailure("data", cause, evidence)
     for name, examples in splits.items():
-        if not examples:
+        if examples.num_rows == 0:
             raise StageFailure(
                 "data",
                 f"the {name} split is empty ({total_rows} rows read, {drops.total} dropped); "
@@ -662,23 +748,25 @@ def tokenizer_sha256(tokenizer) -> str:
 
 
 def write_splits(
-    storage: Storage, dataset_path: str, splits: dict[str, list[Example]], shard_rows: int
+    storage: Storage, dataset_path: str, splits: dict[str, pa.Table], shard_rows: int
 ) -> dict[str, SplitMeta]:
+    """Each split's SCHEMA table as parquet shards of shard_rows rows, in order."""
     meta = {}
-    for split, examples in splits.items():
+    for split, table in splits.items():
         shards = []
-        for number, (start, end) in enumerate(datahash.shard_ranges(len(examples), shard_rows)):
+        for number, (start, end) in enumerate(datahash.shard_ranges(table.num_rows, shard_rows)):
             rel = f"{split}/part-{number:05d}.parquet"
-            data = parquet_bytes(examples[start:end])
+            data = parquet_bytes(table.slice(start, end - start))
             storage.write_bytes(data, dataset_path, rel)
             shards.append(Shard(path=rel, rows=end - start, sha256=datahash.sha256_bytes(data)))
-        meta[split] = SplitMeta(rows=len(examples), tokens=sum(len(e.input_ids) for e in examples), shards=shards)
+        tokens = pc.sum(pc.list_value_length(table.column("input_ids"))).as_py() or 0
+        meta[split] = SplitMeta(rows=table.num_rows, tokens=tokens, shards=shards)
     progress("data", 3, 3)
     return meta
 
 
-def parquet_bytes(examples: list[Example]) -> bytes:
-    table = pa.table(
+def examples_table(examples: list[Example]) -> pa.Table:
+    return pa.table(
         {
             "input_ids": [e.input_ids for e in examples],
             "labels": [e.labels for e in examples],
@@ -687,8 +775,18 @@ def parquet_bytes(examples: list[Example]) -> bytes:
         },
         schema=SCHEMA,
     )
+
+
+def table_examples(table: pa.Table) -> list[Example]:
+    columns = [table.column(name).to_pylist() for name in SCHEMA.names]
+    return [Example(*row) for row in zip(*columns)]
+
+
+def parquet_bytes(table: pa.Table) -> bytes:
+    """One shard's file. Its chunks are combined first: a shard is written from one contiguous array per
+    column, whatever chunks of the split's table it came from (the bytes are those of a table built whole)."""
     buf = io.BytesIO()
-    pq.write_table(table, buf)
+    pq.write_table(table.combine_chunks(), buf)
     return buf.getvalue()
 
 

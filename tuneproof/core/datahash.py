@@ -77,6 +77,14 @@ class Drops:
         if len(kept) < EXAMPLES_PER_REASON:
             kept.append({"source": where, "row": row, "value": short_repr(value)})
 
+    def merge(self, later: Drops) -> None:
+        """Take in the drops `later` counted after this one's: the counts add up and the evidence stays the
+        first few rows in order, as if every row had been added here (chunks of a split counted apart)."""
+        for reason, count in later.counts.items():
+            self.counts[reason] = self.counts.get(reason, 0) + count
+            kept = self.examples.setdefault(reason, [])
+            kept.extend(later.examples[reason][: EXAMPLES_PER_REASON - len(kept)])
+
     @property
     def total(self) -> int:
         return sum(self.counts.values())
