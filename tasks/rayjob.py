@@ -313,15 +313,14 @@ class RayJobRunner:
     def _follow(self, sid: str, deadline: float, timeout_s: int, stop_when: Callable[[str], bool] | None) -> JobStatus:
         self.following = sid
         stream = LogStream(self.client, sid)
-        status, ended, next_poll = None, False, 0.0
+        status, ended, next_poll, finishing = None, False, 0.0, False
         while True:
             if time.monotonic() >= next_poll:
                 status = self._poll_status(sid, status)
                 next_poll = time.monotonic() + self.poll_s
-                if status in TERMINAL and not ended:
-                    # The log is complete once the job has ended: read its rest now rather than wait
-                    # seconds for Ray's tail to notice the end (lines still arrive once, in order).
-                    stream.finish(self.client.get_job_logs(sid))
+                if status in TERMINAL and not ended and not finishing:
+                    finishing = True  # once: should the read fail, the tail still ends the stream
+                    self._finish_early(stream, sid)
             if ended and status in TERMINAL:
                 return status
             if time.monotonic() > deadline:
@@ -342,6 +341,19 @@ class RayJobRunner:
                 if stop_when and stop_when(item):
                     self.stop(sid, "stop condition met")
                     return self.wait_terminal(sid)
+
+    def _finish_early(self, stream: LogStream, sid: str) -> None:
+        """The log is complete once the job has ended: read its rest now rather than wait seconds for Ray's
+        tail to notice the end (lines still arrive once, in order). Should the read fail, the tail ends the
+        stream as before."""
+        try:
+            complete_log = self.client.get_job_logs(sid)
+        except (RuntimeError, OSError) as e:  # the SDK raises RuntimeError; requests' errors are OSErrors
+            self.on_line(
+                f"reading the rest of Ray job {sid}'s log failed ({one_line(str(e), 200)}); following its tail"
+            )
+            return
+        stream.finish(complete_log)
 
     def _poll_status(self, sid: str, last: JobStatus | None) -> JobStatus:
         status = self.client.get_job_status(sid)

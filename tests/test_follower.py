@@ -118,6 +118,17 @@ def test_a_job_that_has_ended_is_followed_to_its_last_line_without_waiting_for_r
     assert events == [ProgressEvent(stage="data", done=2, total=2)] and client.reads == 1
 
 
+def test_when_the_complete_log_cannot_be_read_the_tail_still_ends_the_stream():
+    class Unreadable(SlowTail):
+        def get_job_logs(self, sid: str) -> str:
+            raise RuntimeError("Request failed with status code 500")
+
+    runner, lines, _ = follower(Unreadable(["one\ntw", "o\n"], delivered=1, tail_lag_s=0.3))
+    assert runner.follow("r1-data", timeout_s=60) == JobStatus.SUCCEEDED
+    failed = [line for line in lines if line.startswith("reading the rest of Ray job r1-data's log failed")]
+    assert len(failed) == 1 and [line for line in lines if line not in failed] == ["one", "two"]
+
+
 def test_a_broken_log_stream_is_raised_so_a_retry_re_attaches():
     class Broken(FakeClient):
         async def tail_job_logs(self, sid: str):
