@@ -109,6 +109,8 @@ def run_plan(
         get_run_logger().info(
             f"run {run_id}: stages {', '.join(table.names(plan)) or 'none'}; storage {storage.uri('runs', run_id)}"
         )
+        if any(stage.artifact is artifacts.loss_image for stage in plan):
+            artifacts.import_plotting_in_background()
         wd_hash = working_dir_hash()
         for stage in plan:
             try:

@@ -140,28 +140,54 @@ class LogStream:
     """Ray's log tail for one job, read on a background thread into a queue of whole lines.
 
     The websocket closes when the job reaches a terminal state; an error in it (the dashboard went
-    away) is handed over as an exception, so following can fail like any lost connection.
+    away) is handed over as an exception, so following can fail like any lost connection. Ray notices
+    the end late: its tail re-reads the log file once a second and checks the job's status once per
+    empty read, so the socket closes 2 to 4 s after the job ended. `finish` ends the stream as soon as
+    the follower has seen a terminal status, with the rest of the (then complete) log.
     """
 
     def __init__(self, client: JobSubmissionClient, sid: str):
         self.lines: queue.Queue[Any] = queue.Queue()
+        self._assembler = LineAssembler()
+        self._lock = threading.Lock()
+        self._received = 0
+        """Characters of the log handed over so far: where the rest of the complete log begins."""
+        self._closed = False
         self._thread = threading.Thread(target=self._run, args=(client, sid), daemon=True, name=f"logs-{sid}")
         self._thread.start()
 
     def _run(self, client: JobSubmissionClient, sid: str) -> None:
         try:
             asyncio.run(self._read(client, sid))
-            self.lines.put(_END)
+            self._end("")
         except Exception as e:  # noqa: BLE001 - handed to the following thread, which raises it
-            self.lines.put(e)
+            with self._lock:
+                if not self._closed:
+                    self.lines.put(e)
 
     async def _read(self, client: JobSubmissionClient, sid: str) -> None:
-        assembler = LineAssembler()
         async for chunk in client.tail_job_logs(sid):
-            for line in assembler.feed(chunk):
+            with self._lock:
+                if self._closed:
+                    return  # finished from the complete log: what the tail still sends was handed over
+                self._received += len(chunk)
+                for line in self._assembler.feed(chunk):
+                    self.lines.put(line)
+
+    def finish(self, complete_log: str) -> None:
+        """The job has ended, so `complete_log` (its whole log, read after the end) is all there will be:
+        hand over the part the tail has not delivered yet and end the stream now."""
+        self._end(complete_log, rest_only=True)
+
+    def _end(self, text: str, rest_only: bool = False) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            rest = text[self._received :] if rest_only else text
+            for line in [*self._assembler.feed(rest), *self._assembler.flush()]:
                 self.lines.put(line)
-        for line in assembler.flush():
-            self.lines.put(line)
+            self.lines.put(_END)
 
 
 class RayJobRunner:
@@ -287,11 +313,14 @@ class RayJobRunner:
     def _follow(self, sid: str, deadline: float, timeout_s: int, stop_when: Callable[[str], bool] | None) -> JobStatus:
         self.following = sid
         stream = LogStream(self.client, sid)
-        status, ended, next_poll = None, False, 0.0
+        status, ended, next_poll, finishing = None, False, 0.0, False
         while True:
             if time.monotonic() >= next_poll:
                 status = self._poll_status(sid, status)
                 next_poll = time.monotonic() + self.poll_s
+                if status in TERMINAL and not ended and not finishing:
+                    finishing = True  # once: should the read fail, the tail still ends the stream
+                    self._finish_early(stream, sid)
             if ended and status in TERMINAL:
                 return status
             if time.monotonic() > deadline:
@@ -312,6 +341,19 @@ class RayJobRunner:
                 if stop_when and stop_when(item):
                     self.stop(sid, "stop condition met")
                     return self.wait_terminal(sid)
+
+    def _finish_early(self, stream: LogStream, sid: str) -> None:
+        """The log is complete once the job has ended: read its rest now rather than wait seconds for Ray's
+        tail to notice the end (lines still arrive once, in order). Should the read fail, the tail ends the
+        stream as before."""
+        try:
+            complete_log = self.client.get_job_logs(sid)
+        except (RuntimeError, OSError) as e:  # the SDK raises RuntimeError; requests' errors are OSErrors
+            self.on_line(
+                f"reading the rest of Ray job {sid}'s log failed ({one_line(str(e), 200)}); following its tail"
+            )
+            return
+        stream.finish(complete_log)
 
     def _poll_status(self, sid: str, last: JobStatus | None) -> JobStatus:
         status = self.client.get_job_status(sid)

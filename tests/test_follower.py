@@ -45,6 +45,9 @@ class FakeClient:
         self.stopped.append(sid)
         return True
 
+    def get_job_logs(self, sid: str) -> str:
+        return "".join(self.chunks)
+
 
 def follower(client: FakeClient) -> tuple[RayJobRunner, list[str], list[ProgressEvent]]:
     lines, events = [], []
@@ -71,6 +74,59 @@ def test_a_stop_marker_split_across_chunks_still_stops_the_job():
     )
     assert status == JobStatus.STOPPED and client.stopped == ["r1-resume-interrupt"]
     assert "[tuneproof] HOLDING after checkpoint step 304" in lines and "never read" not in lines
+
+
+class SlowTail(FakeClient):
+    """Ray's tail as it behaves: the job has ended (its log is complete), but the socket delivers the last
+    chunk and closes only seconds later."""
+
+    def __init__(self, chunks: list[str], delivered: int, tail_lag_s: float):
+        super().__init__(chunks)
+        self.delivered, self.tail_lag_s, self.reads = delivered, tail_lag_s, 0
+
+    async def tail_job_logs(self, sid: str):
+        for chunk in self.chunks[: self.delivered]:
+            yield chunk
+        await asyncio.sleep(self.tail_lag_s)
+        for chunk in self.chunks[self.delivered :]:
+            yield chunk
+
+    def get_job_status(self, sid: str) -> JobStatus:
+        return JobStatus.SUCCEEDED
+
+    def get_job_logs(self, sid: str) -> str:
+        self.reads += 1
+        return super().get_job_logs(sid)
+
+
+def test_a_job_that_has_ended_is_followed_to_its_last_line_without_waiting_for_rays_tail():
+    import time
+
+    progress = 'TUNEPROOF_PROGRESS {"stage": "data", "done": 2, "total": 2}'
+    chunks = [
+        "start\n(pid=3) TUNEPROOF_PROG",
+        progress[len("TUNEPROOF_PROG") :] + "\n[tuneproof] wrote the",
+        " result\nbye",
+    ]
+    client = SlowTail(chunks, delivered=1, tail_lag_s=30)
+    runner, lines, events = follower(client)
+    began = time.monotonic()
+    assert runner.follow("r1-data", timeout_s=60) == JobStatus.SUCCEEDED
+    assert time.monotonic() - began < 5, "the follower waited for Ray's tail instead of reading the complete log"
+    # The line cut at the end of the delivered chunk is completed from the log, and nothing comes twice.
+    assert lines == ["start", "(pid=3) progress data 2/2", "[tuneproof] wrote the result", "bye"]
+    assert events == [ProgressEvent(stage="data", done=2, total=2)] and client.reads == 1
+
+
+def test_when_the_complete_log_cannot_be_read_the_tail_still_ends_the_stream():
+    class Unreadable(SlowTail):
+        def get_job_logs(self, sid: str) -> str:
+            raise RuntimeError("Request failed with status code 500")
+
+    runner, lines, _ = follower(Unreadable(["one\ntw", "o\n"], delivered=1, tail_lag_s=0.3))
+    assert runner.follow("r1-data", timeout_s=60) == JobStatus.SUCCEEDED
+    failed = [line for line in lines if line.startswith("reading the rest of Ray job r1-data's log failed")]
+    assert len(failed) == 1 and [line for line in lines if line not in failed] == ["one", "two"]
 
 
 def test_a_broken_log_stream_is_raised_so_a_retry_re_attaches():
