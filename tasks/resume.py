@@ -1,17 +1,18 @@
 """Stage 5, the resume test: prove that a checkpoint restores, instead of assuming it.
 
-1. interrupt: a new training run "<run>-resume-t<N>" starts from an intermediate checkpoint k of
-   the main run, checkpoints at k+extra, and holds; we stop its Ray job (the interruption).
-2. continue: the same RunConfig name and storage are resubmitted; Ray Train V2 resumes from the
-   latest complete checkpoint. It must restart at k+extra, not at step 0 or k.
-3. replay: the losses logged by both jobs for steps k+1 .. k+extra+replay must equal the main
+One Ray job (training.resume) in two phases, under one Ray Train run name "<run>-resume-t<N>":
+1. interrupt: a new training run starts from an intermediate checkpoint k of the main run, checkpoints
+   at k+extra, and every rank SIGKILLs itself right after that checkpoint is complete.
+2. continue: a new Ray Train run under the same name and storage (new controller, new workers) resumes
+   from the latest complete checkpoint. It must restart at k+extra, not at step 0 or k.
+3. replay: the losses logged by both phases for steps k+1 .. k+extra+replay must equal the main
    run's (within resume.loss_rtol; 0 on CPU fp32, where replays are bit for bit).
 
-The test passes only on proof: an interrupt job that was not stopped at its hold point, or a
-continue job that restored any step but the hold step, is an infrastructure failure. Every attempt
-(a Prefect retry included) trains under its own Ray Train run name and job names (-t<N>, N the
+The test passes only on proof: an interrupt phase that was never killed at its interruption step, or a
+continue phase that restored any step but that one, is an infrastructure failure. Every attempt
+(a Prefect retry included) trains under its own Ray Train run name and job name (-t<N>, N the
 first attempt number that left nothing in storage), so a retry can never resume an earlier
-attempt's checkpoints past the hold step and pass without a real restart. The summary names the
+attempt's checkpoints past the interruption step and pass without a real restart. The summary names the
 fine-tune's Ray Train run it tested; promotion needs that to be the promoted model's.
 An unusable checkpoint is an infrastructure failure, and blocks promotion.
 """
@@ -19,7 +20,6 @@ An unusable checkpoint is an infrastructure failure, and blocks promotion.
 from __future__ import annotations
 
 import json
-import time
 
 from prefect import task
 
@@ -29,26 +29,20 @@ from tuneproof.control.record import StageEntry
 from tuneproof.control.resume_evidence import check_restart, compare_losses
 from tuneproof.core.results import FailureClass, now_iso
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import CheckpointRef, FinetuneSummary, LossComparison, LossPoint, ResumeSummary
+from tuneproof.core.summaries import (
+    CheckpointRef,
+    FinetuneSummary,
+    LossComparison,
+    LossPoint,
+    ResumeJobSummary,
+    ResumeSummary,
+)
 
 
 def pick_checkpoint(checkpoints: list[CheckpointRef], final_step: int, extra: int, replay: int) -> CheckpointRef | None:
     """The latest main-run checkpoint that leaves room for extra + replay steps before the end."""
     usable = [c for c in checkpoints if c.step + extra + replay <= final_step]
     return max(usable, key=lambda c: c.step) if usable else None
-
-
-def phase_steps(seed_step: int, extra: int, replay: int) -> dict[str, int]:
-    """Where the resume test's jobs stop and checkpoint. Pure.
-
-    max_steps is where the job stops; the LR schedule still spans train.max_steps, so the resumed
-    trajectory is comparable step for step with the main run. The interrupt phase holds after a
-    checkpoint at seed + extra: checkpoints fall on multiples of checkpoint_every, so the interval is
-    the hold step itself (an interval of `extra` missed it whenever the seed step was not a multiple
-    of extra, e.g. seed 30 with extra 4 would hold at 34 with checkpoints at 32 and 36).
-    """
-    hold = seed_step + extra
-    return {"max_steps": hold + replay, "checkpoint_every": hold}
 
 
 @task(name="resume-test", **RETRY)
@@ -68,7 +62,7 @@ def resume_test(call: StageCall) -> StageEntry:
         )
         return StageEntry.failed("resume", FailureClass.infrastructure, cause, started)
 
-    hold = seed.step + extra
+    interrupt_at = seed.step + extra
     storage = Storage.from_config(cfg.storage)
     tag = f"t{first_unused_attempt(storage, call)}"
     finetune = call.record.summary("finetune", FinetuneSummary)
@@ -82,50 +76,19 @@ def resume_test(call: StageCall) -> StageEntry:
         "dataset": call.inputs["dataset_path"],
         "run_name": lineage["attempt_run_name"],
         "init_from": seed.uri,
-        **phase_steps(seed.step, extra, replay),
-        "export": False,
+        "interrupt_at": interrupt_at,
+        "max_steps": interrupt_at + replay,
+        "invocation": call.invocation,
     }
-    runner = runner_for(call)
-    interrupt_spec = call.spec(
-        "training.finetune",
-        {**params, "hold_after_checkpoint_step": hold},
-        suffix=f"interrupt-{tag}",
-        summary=FinetuneSummary,
-    )
-    marker = f"HOLDING after checkpoint step {hold}"
-    interrupt = runner.run(interrupt_spec, stop_when=lambda line: marker in line)
-    if interrupt.result.ok or interrupt.job_status != "STOPPED":
-        # It failed on its own (an unusable checkpoint), or ran to its end without ever holding: no proof.
-        summary = ResumeSummary(**lineage, interrupted=False)
-        if not interrupt.result.ok:
-            return entry_from_jobs(call, [interrupt], started, summary)
-        cause = (
-            f"the interrupt job {interrupt.submission_id} was never stopped at its hold step {hold} "
-            f"(ended {interrupt.job_status}): no interruption, no evidence that a checkpoint restores"
-        )
-        return StageEntry.failed("resume", FailureClass.infrastructure, cause, started, summary, [interrupt])
+    ran = runner_for(call).run(call.spec("training.resume", params, suffix=tag, summary=ResumeJobSummary))
+    job = ResumeJobSummary.model_validate(ran.result.summary) if ran.result.summary is not None else None
+    if not ran.result.ok or job is None or job.resumed is None:
+        killed_at = job.interrupted_at_step if job else None
+        summary = ResumeSummary(**lineage, interrupted=killed_at is not None, interrupted_at_step=killed_at)
+        return entry_from_jobs(call, [ran], started, summary)
 
-    resubmitted_at = time.time()
-    resumed = runner.run(
-        call.spec(
-            "training.finetune",
-            {**params, "first_step_marker": True},
-            suffix=f"continue-{tag}",
-            summary=FinetuneSummary,
-        )
-    )
-    if not resumed.result.ok:
-        return entry_from_jobs(
-            call,
-            [interrupt, resumed],
-            started,
-            ResumeSummary(**lineage, interrupted=True, interrupted_at_step=hold),
-        )
-
-    continued = FinetuneSummary.model_validate(resumed.result.summary)
-    evidence = judge(call, interrupt_spec.job, seed, hold, loss_curve, continued, resubmitted_at)
-    evidence = evidence.model_copy(update=lineage)
-    outcome = entry_from_jobs(call, [interrupt, resumed], started, evidence)
+    evidence = judge(call, job, seed, interrupt_at, loss_curve).model_copy(update=lineage)
+    outcome = entry_from_jobs(call, [ran], started, evidence)
     if evidence.problems:
         outcome = outcome.model_copy(
             update={
@@ -142,49 +105,47 @@ def attempt_run_name(call: StageCall, tag: str) -> str:
 
 
 def first_unused_attempt(storage: Storage, call: StageCall) -> int:
-    """The lowest N whose Ray Train run and interrupt job folder do not exist yet: this attempt's t<N>.
+    """The lowest N whose Ray Train run and job folder do not exist yet: this attempt's t<N>.
 
-    A Prefect retry re-runs this task; an earlier attempt's run (checkpoints past the hold step,
-    a continue job that finished) must never be what the retry's jobs resume from.
+    A Prefect retry re-runs this task; an earlier attempt's run (checkpoints past the interruption step,
+    a continue phase that finished) must never be what the retry's job resumes from.
     """
     n = 1
     while storage.exists("runs", call.run_id, "train", attempt_run_name(call, f"t{n}")) or storage.exists(
-        "runs", call.run_id, "stages", call.job_name(f"interrupt-t{n}")
+        "runs", call.run_id, "stages", call.job_name(f"t{n}")
     ):
         n += 1
     return n
 
 
 def judge(
-    call: StageCall,
-    interrupt_job: str,
-    seed: CheckpointRef,
-    hold: int,
-    main_curve: list[LossPoint],
-    resumed: FinetuneSummary,
-    resubmitted_at: float,
+    call: StageCall, job: ResumeJobSummary, seed: CheckpointRef, interrupt_at: int, main_curve: list[LossPoint]
 ) -> ResumeSummary:
-    """Compare the resumed trajectory with the main run: restored step, and losses step for step."""
+    """Compare the restarted trajectory with the main run: the step it restored, and losses step for step."""
     cfg = call.cfg
+    resumed = job.resumed
+    assert resumed is not None  # the caller returns early without a continue phase
     storage = Storage.from_config(cfg.storage)
-    replayed = interrupted_losses(storage, call.run_id, interrupt_job) | as_losses(resumed.loss_curve)
-    main = as_losses(main_curve)
-    comparison = LossComparison.model_validate(compare_losses(main, replayed, cfg.resume.loss_rtol))
-    restart = check_restart(hold, resumed.restored_step)
-    first_at = resumed.first_step_completed_at
-    problems = [restart.line()] if restart else []
+    replayed = interrupted_losses(storage, call.run_id, job.interrupt_job) | as_losses(resumed.loss_curve)
+    comparison = LossComparison.model_validate(compare_losses(as_losses(main_curve), replayed, cfg.resume.loss_rtol))
+    problems = []
+    if job.interrupted_at_step != interrupt_at:
+        problems.append(f"the interrupt phase was killed after step {job.interrupted_at_step}, not {interrupt_at}")
+    if restart := check_restart(interrupt_at, resumed.restored_step):
+        problems.append(restart.line())
     if not comparison.ok:
         problems.append(
             f"replayed losses differ from the main run: max relative difference "
             f"{comparison.max_rel_diff:.3g} > tolerance {cfg.resume.loss_rtol}"
         )
+    first_at, killed_at = resumed.first_step_completed_at, job.interrupted_at
     return ResumeSummary(
         seed_checkpoint=seed,
         interrupted=True,
-        interrupted_at_step=hold,
+        interrupted_at_step=job.interrupted_at_step,
         restored_step=resumed.restored_step,
         restored_from=resumed.restored_from,
-        seconds_to_first_resumed_step=round(first_at - resubmitted_at, 2) if first_at else None,
+        seconds_to_first_resumed_step=round(first_at - killed_at, 2) if first_at and killed_at else None,
         loss_comparison=comparison,
         max_loss_diff=comparison.max_abs_diff,
         loss_rtol=cfg.resume.loss_rtol,
@@ -198,7 +159,7 @@ def as_losses(points: list[LossPoint]) -> dict[int, float]:
 
 
 def interrupted_losses(storage: Storage, run_id: str, job: str) -> dict[int, float]:
-    """Losses the interrupted job logged before it was stopped (its metrics.jsonl survives the stop)."""
+    """Losses the interrupt phase logged before it was killed (its metrics.jsonl was flushed at the checkpoint)."""
     parts = ("runs", run_id, "stages", job, "metrics.jsonl")
     if not storage.exists(*parts):
         return {}

@@ -280,7 +280,7 @@ def test_a_resume_test_retried_after_a_lost_connection_still_proves_an_interrupt
 
     def follow_then_lose_the_connection(self, sid, timeout_s, stop_when=None):
         status = real_follow(self, sid, timeout_s, stop_when)
-        if "continue" in sid and not lost:
+        if "-resume-t" in sid and not lost:
             lost.append(sid)  # the job ran to its end; the task only learns of it after a retry
             raise ConnectionError(f"lost the dashboard while following {sid}")
         return status

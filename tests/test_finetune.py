@@ -3,8 +3,9 @@
 Unit tests cover the parameters, data order and loss bookkeeping. The integration tests run real
 2-worker FSDP2 training through Ray Train on CPU (gloo) with a tiny tied-embedding Qwen2 on a
 synthetic digit-reversal task: a straight run, a replay from its step-4 checkpoint that must
-reproduce its losses exactly, a stop-and-restart under the same run name, a NaN that must end as a
-modeling failure, and the same fine-tune against an S3-compatible server.
+reproduce its losses exactly, a stop-and-restart under the same run name, the resume test's job (a run
+killed after a checkpoint, restarted as a new run), a NaN that must end as a modeling failure, and the
+same fine-tune against an S3-compatible server.
 """
 
 from __future__ import annotations
@@ -374,6 +375,36 @@ def test_a_stopped_run_resumes_under_its_name_at_the_saved_step(local_run, ray_c
     curve = losses(resumed)
     assert sorted(curve) == list(range(1, 13))  # steps 1..8 from the stopped attempt, 9..12 after restart
     assert compare_losses(losses(main), curve, rtol=0.0)["ok"]
+
+
+@pytest.mark.integration
+def test_the_resume_job_kills_its_run_after_a_checkpoint_and_restarts_it_there(local_run):
+    """The resume test's job: from the step-4 checkpoint, every rank is SIGKILLed once checkpoint 6 is
+    complete; a new Ray Train run under the same name restores step 6, and steps 5..9 equal the straight run."""
+    from training.resume import resume
+
+    config, main = local_run
+    step4 = next(c["uri"] for c in main["checkpoints"] if c["step"] == 4)
+    params = {"dataset": DATASET, "run_name": "run-a-resume-t1", "init_from": step4, "interrupt_at": 6, "max_steps": 9}
+    job = resume(JobContext("run-a", "resume-t1", config, params))
+    storage = Storage(config.storage.root)
+    killed = storage.read_json("runs", "run-a", "stages", "resume-t1-interrupt", "interrupted.json")
+    assert job.interrupted_at_step == killed["step"] == 6 and job.interrupted_at == killed["time"]
+    # Ray Train saw both workers' processes gone (no exception of ours): the run ended on the kill.
+    failures = storage.read_text("runs", "run-a", "stages", "resume-t1-interrupt", "failures.jsonl")
+    assert "rank 0: WorkerHealthCheckFailedError" in failures and "rank 1: WorkerHealthCheckFailedError" in failures
+    resumed = job.resumed
+    assert resumed.restored_step == resumed.start_step == 6 and resumed.restored_from.endswith("checkpoint_000006")
+    assert resumed.run_name == "run-a-resume-t1" and resumed.restarts == []  # a new run, not Ray's in-run retry
+    interrupted = read_losses(storage, "resume-t1-interrupt")
+    assert sorted(interrupted) == [5, 6] and [s for s, _ in resumed.loss_curve] == [7, 8, 9]
+    verdict = compare_losses(losses(main), interrupted | dict(resumed.loss_curve), rtol=0.0)
+    assert verdict["ok"] and verdict["steps_compared"] == 5 and verdict["max_abs_diff"] == 0.0, verdict
+
+
+def read_losses(storage: Storage, job: str) -> dict[int, float]:
+    rows = storage.read_text("runs", "run-a", "stages", job, "metrics.jsonl").splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, rows)}
 
 
 def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float) -> list[str]:

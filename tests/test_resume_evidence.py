@@ -2,6 +2,8 @@
 
 import math
 
+import pytest
+
 from tuneproof.control.resume_evidence import check_restart, compare_losses
 from tuneproof.core.findings import Finding
 
@@ -48,16 +50,86 @@ def test_check_restart_flags_a_fresh_start_or_another_step():
     assert check_restart(8, 4).seen == 4
 
 
-def test_the_interrupt_phase_holds_on_a_checkpoint_step_whatever_the_seed():
-    """The hold step must be a checkpoint step of the interrupt job, also when the seed checkpoint's step
-    is not a multiple of resume.extra_steps (the fault lab's checkpoint_every 10 with extra_steps 4)."""
-    from tasks.resume import phase_steps
+def test_the_interrupt_phase_stops_on_a_checkpoint_step_whatever_the_seed():
+    """The interruption step must be a checkpoint step of the interrupt phase, also when the seed checkpoint's
+    step is not a multiple of resume.extra_steps (the fault lab's checkpoint_every 10 with extra_steps 4)."""
     from training.finetune import TrainParams
+    from training.resume import ResumeParams, phase_params
 
     for seed, extra, replay in ((300, 4, 5), (30, 4, 5), (20, 3, 2), (7, 1, 1)):
-        steps = phase_steps(seed, extra, replay)
-        params = TrainParams(
-            dataset="datasets/x/y", run_name="r-resume-t1", **steps, hold_after_checkpoint_step=seed + extra
+        params = ResumeParams(
+            dataset="datasets/x/y",
+            run_name="r-resume-t1",
+            init_from="/ckpt",
+            interrupt_at=seed + extra,
+            max_steps=seed + extra + replay,
         )
-        assert params.hold_after_checkpoint_step % params.checkpoint_every == 0
-        assert params.max_steps == seed + extra + replay
+        interrupt = TrainParams.model_validate(phase_params("interrupt", params))
+        resumed = TrainParams.model_validate(phase_params("continue", params))
+        assert interrupt.interrupt_after_checkpoint_step == interrupt.max_steps == seed + extra
+        assert interrupt.interrupt_after_checkpoint_step % interrupt.checkpoint_every == 0
+        assert resumed.interrupt_after_checkpoint_step is None and resumed.first_step_marker
+        assert resumed.max_steps == seed + extra + replay and resumed.run_name == interrupt.run_name
+
+
+def test_a_resume_job_must_leave_steps_to_replay():
+    from training.resume import ResumeParams
+
+    with pytest.raises(ValueError, match="leaves no step to replay after interrupt_at 8"):
+        ResumeParams(dataset="d", run_name="r", init_from="/c", interrupt_at=8, max_steps=8)
+
+
+# ---------------------------------------------------------------- the task's judgement of the job
+
+
+def judged(tmp_path, killed_at: int | None = 304, restored: int | None = 304, replay_loss_at_307: float = 0.7):
+    """The judge's verdict on a resume job whose interrupt phase logged steps 301..304 and whose continue
+    phase logged 305..309, against a main run whose loss at step s is 1/s (0.7 at 307 matches nothing)."""
+    import json
+
+    from tasks.jobs import StageCall
+    from tasks.resume import judge
+    from tuneproof.control.record import CodeIdentity, new_record
+    from tuneproof.core.config import PipelineConfig
+    from tuneproof.core.summaries import CheckpointRef, FinetuneSummary, ResumeJobSummary, ResumeSummary
+
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}, "resume": {"loss_rtol": 0.0}})
+    main = [(s, 1 / s) for s in range(1, 401)]
+    metrics = tmp_path / "runs" / "r1" / "stages" / "resume-t1-interrupt" / "metrics.jsonl"
+    metrics.parent.mkdir(parents=True)
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 1 / s}) + "\n" for s in range(301, 305)))
+    replayed = [(s, replay_loss_at_307 if s == 307 else 1 / s) for s in range(305, 310)]
+    resumed = FinetuneSummary(
+        run_name="r1-resume-t1",
+        train_storage_uri="x",
+        checkpoints=[],
+        start_step=restored or 0,
+        steps=309,
+        seconds=1.0,
+        loss_curve=replayed,
+        restored_step=restored,
+        first_step_completed_at=1010.0,
+    )
+    job = ResumeJobSummary(
+        interrupt_job="resume-t1-interrupt",
+        continue_job="resume-t1-continue",
+        interrupted_at_step=killed_at,
+        interrupted_at=1000.0,
+        resumed=resumed,
+    )
+    call = StageCall("resume", cfg, "r1", 1, 60, ResumeSummary, {}, new_record("r1", cfg, CodeIdentity(), None))
+    return judge(call, job, CheckpointRef(300, "/ckpt/300"), 304, main)
+
+
+def test_the_judge_passes_a_kill_at_the_interruption_step_restored_there_with_every_loss_equal(tmp_path):
+    verdict = judged(tmp_path, replay_loss_at_307=1 / 307)
+    assert verdict.problems == [] and verdict.interrupted and verdict.restored_step == 304
+    assert verdict.loss_comparison.steps_compared == 9 and verdict.max_loss_diff == 0.0
+    assert verdict.seconds_to_first_resumed_step == 10.0  # from the kill to the restarted run's first step
+
+
+def test_the_judge_names_a_wrong_restore_a_wrong_kill_step_and_a_differing_loss(tmp_path):
+    problems = judged(tmp_path, killed_at=308, restored=300).problems
+    assert problems[0] == "the interrupt phase was killed after step 308, not 304"
+    assert "restored_step" in problems[1] and "300" in problems[1] and "304" in problems[1]
+    assert problems[2].startswith("replayed losses differ from the main run")

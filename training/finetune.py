@@ -14,7 +14,8 @@ whatever of the write outlasts one step (bench/checkpoint.py measures it in step
 crossing Ray: runs/<run>/stages/<job>/metrics.jsonl (every step) and outcome.json (how it ended).
 
 Params (ctx.params), checked by TrainParams: dataset (required), run_name, init_from, max_steps,
-checkpoint_every, export, hold_after_checkpoint_step, first_step_marker, inject_nan_at_step, invocation.
+checkpoint_every, export, hold_after_checkpoint_step, interrupt_after_checkpoint_step, first_step_marker,
+inject_nan_at_step, invocation.
 A job whose run already holds a complete checkpoint at max_steps would train nothing: it is refused
 (a modeling failure naming train.max_steps and train.continue_previous) instead of re-exporting old weights.
 """
@@ -24,10 +25,12 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import posixpath
+import signal
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -69,6 +72,8 @@ if TYPE_CHECKING:  # torch and the data module load inside workers only
 
 OUTCOME = "outcome.json"
 METRICS = "metrics.jsonl"
+INTERRUPTED = "interrupted.json"
+"""Written by rank 0 just before a planned interruption kills every rank: {step, time}."""
 
 
 class TrainParams(BaseModel):
@@ -88,7 +93,10 @@ class TrainParams(BaseModel):
     checkpoint_every: int = Field(ge=1)
     export: bool = True
     hold_after_checkpoint_step: int | None = Field(None, ge=1)
-    """After this step's checkpoint is complete, every rank sleeps until the job is stopped (resume test)."""
+    """After this step's checkpoint is complete, every rank sleeps until the job is stopped from outside."""
+    interrupt_after_checkpoint_step: int | None = Field(None, ge=1)
+    """After this step's checkpoint is complete, every rank SIGKILLs itself (the resume test's interruption).
+    The run's max_failures is 0 then: the kill ends the run, and the restart under test is a new one."""
     first_step_marker: bool = False
     """Record restored_step and first_step_completed_at (unix time) in the summary."""
     inject_nan_at_step: int | None = Field(None, ge=1)
@@ -97,13 +105,17 @@ class TrainParams(BaseModel):
     """The run record's invocation this job belongs to; written into the export's manifest."""
 
     @model_validator(mode="after")
-    def _hold_on_a_checkpoint(self) -> TrainParams:
-        hold = self.hold_after_checkpoint_step
-        if hold is not None and hold % self.checkpoint_every and hold != self.max_steps:
-            raise ValueError(
-                f"hold_after_checkpoint_step must be a checkpoint step (a multiple of checkpoint_every "
-                f"{self.checkpoint_every}, or max_steps {self.max_steps}), got {hold}"
-            )
+    def _stop_on_a_checkpoint(self) -> TrainParams:
+        stops = {"hold_after_checkpoint_step": self.hold_after_checkpoint_step}
+        stops["interrupt_after_checkpoint_step"] = self.interrupt_after_checkpoint_step
+        if None not in stops.values():
+            raise ValueError("hold_after_checkpoint_step and interrupt_after_checkpoint_step do not combine")
+        for name, step in stops.items():
+            if step is not None and step % self.checkpoint_every and step != self.max_steps:
+                raise ValueError(
+                    f"{name} must be a checkpoint step (a multiple of checkpoint_every "
+                    f"{self.checkpoint_every}, or max_steps {self.max_steps}), got {step}"
+                )
         return self
 
     @classmethod
@@ -132,7 +144,7 @@ def finetune(ctx: JobContext) -> FinetuneSummary:
     if params.init_from:
         require_complete(params.init_from, ctx.config.storage.endpoint_url, "params.init_from")
     refuse_nothing_to_train(ctx, params)
-    for name in (OUTCOME, ATTEMPTS, FAILURES):  # an earlier job's ending and restarts say nothing about this one
+    for name in (OUTCOME, ATTEMPTS, FAILURES, INTERRUPTED):  # an earlier job's ending says nothing of this one
         ctx.storage.remove(*ctx.stage_parts(name))
     error = run_trainer(ctx, params)
     if error is not None and (dropped := remove_unmarked(ctx.storage, *ctx.run_parts("train", params.run_name))):
@@ -180,7 +192,10 @@ def run_trainer(ctx: JobContext, params: TrainParams) -> Exception | None:
             storage_path=storage_path,
             storage_filesystem=filesystem,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.num_to_keep),
-            failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
+            # A planned interruption must end the run: the resume test restarts it as a new run.
+            failure_config=ray.train.FailureConfig(
+                max_failures=0 if params.interrupt_after_checkpoint_step else cfg.max_failures
+            ),
             # Ray types callbacks as its V1 Callback; V2 takes (and checks for) a UserCallback.
             callbacks=[FailureLog(ctx.config.storage.root, ctx.config.storage.endpoint_url, ctx.stage_parts())],  # type: ignore[list-item]
         ),
@@ -369,6 +384,8 @@ def train_loop(loop_config: dict) -> None:
                 save_checkpoint(w, step)
             if step == params.hold_after_checkpoint_step:
                 hold(w, step)
+            if step == params.interrupt_after_checkpoint_step:
+                interrupt(w, step)
         complete_checkpoint(w)
         last = max(start, params.max_steps)
         export = export_model(w, last) if params.export else None
@@ -688,6 +705,23 @@ def hold(w: Worker, step: int) -> None:
     w.log(f"HOLDING after checkpoint step {step}")
     while True:
         time.sleep(60)
+
+
+def interrupt(w: Worker, step: int) -> NoReturn:
+    """Resume-test interruption point: once this step's checkpoint is complete on every rank (rank 0's marker
+    written) and rank 0 has recorded the step in interrupted.json, every rank SIGKILLs itself: no handler and
+    no cleanup run, as when a node is lost. Nothing of this process survives for the restart to lean on."""
+    import torch.distributed as dist
+
+    complete_checkpoint(w)
+    flush_metrics(w)
+    dist.barrier()  # every rank's shards are stored and the marker is written
+    if w.rank == 0:
+        w.storage.write_json({"step": step, "time": time.time()}, *w.ctx.stage_parts(INTERRUPTED))
+        w.log(f"INTERRUPTING after checkpoint step {step}: every rank SIGKILLs itself")
+    dist.barrier()  # the record exists before any rank dies
+    os.kill(os.getpid(), signal.SIGKILL)
+    raise AssertionError("unreachable: SIGKILL was sent to this process")
 
 
 def export_model(w: Worker, step: int) -> str:

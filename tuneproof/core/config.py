@@ -213,7 +213,7 @@ class DataConfig(Strict):
 PEFT_REQUIREMENT = "peft==0.21.2"
 """What a LoRA run's jobs add to their runtime_env: peft is not in the published Ray image (exact pin,
 so every node resolves the same version and the record names it)."""
-LORA_JOB_MODULES = ("training.finetune",)
+LORA_JOB_MODULES = ("training.finetune", "training.resume")
 """Jobs that build the LoRA model: the fine-tune and the resume test's fine-tune jobs. The others get no
 peft (a pip runtime_env costs each job a virtualenv set-up; evaluation loads the merged export)."""
 LORA_ADAPTER_DIR = "adapter"

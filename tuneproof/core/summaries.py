@@ -305,17 +305,33 @@ class ResumeSummary(Summary):
     tested_invocation: int | None = None
     """The run record's invocation of that fine-tune."""
     attempt_run_name: str | None = None
-    """The Ray Train run name of this attempt's interrupt and continue jobs (one per attempt, retries included)."""
+    """The Ray Train run name of this attempt's interrupt and continue phases (one per attempt, retries included)."""
     interrupted: bool = False
-    """The interrupt job reached its hold point and was stopped there."""
+    """The interrupt phase's workers were all killed right after its checkpoint at interrupted_at_step."""
     interrupted_at_step: int | None = None
     restored_step: int | None = None
     restored_from: str | None = None
     seconds_to_first_resumed_step: float | None = None
+    """From the kill to the restarted run's first step: a new Ray Train run's start and the checkpoint's load."""
     loss_comparison: LossComparison | None = None
     max_loss_diff: float | None = None
     loss_rtol: float | None = None
     problems: list[str] = []
+
+
+class ResumeJobSummary(Summary):
+    """What the resume test's job (training.resume) reports; the flow's task judges it into a ResumeSummary."""
+
+    interrupt_job: str
+    """The interrupt phase's stage folder under runs/<run>/stages/ (its metrics.jsonl holds the losses it logged)."""
+    continue_job: str
+    """The continue phase's stage folder."""
+    interrupted_at_step: int | None = None
+    """The checkpoint step after which every rank was killed; None when the phase never got there."""
+    interrupted_at: float | None = None
+    """When rank 0 recorded the kill (unix time)."""
+    resumed: FinetuneSummary | None = None
+    """The continue phase, a new Ray Train run under the same name: the step it restored, its losses."""
 
 
 # ---- 6 evaluate ------------------------------------------------------------------------------
