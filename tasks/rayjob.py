@@ -328,7 +328,9 @@ class RayJobRunner:
                 self.wait_terminal(sid)
                 raise JobTimeout(f"Ray job {sid} timed out after {timeout_s}s and was stopped")
             try:
-                item = stream.lines.get(timeout=self.poll_s)
+                # Wait for a line only until the next status poll is due: a job that ended right after a
+                # line was seen is noticed within poll_s, not poll_s after that line.
+                item = stream.lines.get(timeout=max(0.0, next_poll - time.monotonic()))
             except queue.Empty:
                 continue
             if item is _END:
