@@ -54,9 +54,13 @@ def step_seconds(storage: Path, run_id: str, job: str) -> float:
 def stage_work(storage: Path, run_id: str, entry: dict, tokenize_s: float) -> tuple[float, str]:
     """(seconds of work, what the work was) for one stage entry of the record."""
     stage, summary = entry["stage"], entry.get("summary") or {}
-    if stage in ("finetune", "resume"):
+    if stage == "finetune":
         jobs = [job["result"]["stage"] for job in entry.get("jobs", [])]
         return sum(step_seconds(storage, run_id, job) for job in jobs), "training steps"
+    if stage == "resume":  # one job whose two phases log their steps in folders of their own (training/resume.py)
+        job_summaries = [job["result"].get("summary") or {} for job in entry.get("jobs", [])]
+        phases = [s[key] for s in job_summaries for key in ("interrupt_job", "continue_job") if s.get(key)]
+        return sum(step_seconds(storage, run_id, phase) for phase in phases), "training steps"
     if stage == "evaluate":
         return sum((m or {}).get("seconds", 0.0) for m in summary.get("models", {}).values()), "generation"
     if stage == "data":

@@ -49,7 +49,7 @@ class StageResult(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     stage: str
-    """The job's name (its result folder), e.g. 'finetune' or 'resume-interrupt-a1'."""
+    """The job's name (its result folder), e.g. 'finetune' or 'resume-t1'."""
     status: Literal["succeeded", "failed"]
     failure_class: FailureClass | None = None
     cause: str | None = None
