@@ -16,6 +16,7 @@ import torch
 from tests.conftest import TEST_BUCKET
 from training.checkpointing import (
     MARKER,
+    RAY_SNAPSHOT,
     StagingBuffers,
     TrainingProgress,
     capture_rng,
@@ -29,8 +30,11 @@ from training.checkpointing import (
     remove_unmarked,
     restore_rng,
     save_shards,
+    set_aside_unusable_ray_snapshot,
+    snapshot_checkpoints,
     start_saving_shards,
     step_of,
+    unusable_ray_snapshot,
     write_marker,
 )
 from tuneproof.core.markers import FileDigest
@@ -113,6 +117,48 @@ def test_a_failed_run_drops_only_its_unmarked_checkpoints(tmp_path):
     assert storage.listdir(*RUN) == ["checkpoint_000004", "checkpoint_000012", "checkpoint_manager_snapshot.json"]
     assert latest_complete_checkpoint(storage, *RUN).step == 4
     assert remove_unmarked(storage, *RUN) == []
+
+
+def ray_snapshot(*names: str) -> bytes:
+    """Ray Train 2.60's snapshot of a run that reported these checkpoints (its shape, trimmed)."""
+    results = [{"version": 0, "checkpoint_dir_name": name, "metrics": {"step": step_of(name)}} for name in names]
+    state = {"ray_version": "2.60.0", "checkpoint_results": results, "latest_checkpoint_result": results[-1]}
+    return json.dumps(state).encode()
+
+
+def test_a_ray_snapshot_naming_present_checkpoints_is_left_alone(tmp_path):
+    storage = Storage(str(tmp_path))
+    fake_checkpoint(storage, 4)
+    fake_checkpoint(storage, 8)
+    storage.write_bytes(ray_snapshot("checkpoint_000004", "checkpoint_000008"), *RUN, RAY_SNAPSHOT)
+    assert unusable_ray_snapshot(storage, *RUN) is None and set_aside_unusable_ray_snapshot(storage, *RUN) is None
+    assert storage.exists(*RUN, RAY_SNAPSHOT)
+    assert unusable_ray_snapshot(storage, "runs", "r1", "train", "never-ran") is None  # no snapshot: nothing to do
+
+
+def test_a_torn_ray_snapshot_or_one_naming_a_removed_checkpoint_is_set_aside_and_kept(tmp_path):
+    """A full disk during Ray's in-place rewrite leaves the snapshot torn; remove_unmarked deletes a
+    checkpoint it may list. Either way Ray's controller would refuse to start the run."""
+    storage = Storage(str(tmp_path))
+    fake_checkpoint(storage, 4)
+    torn = ray_snapshot("checkpoint_000004", "checkpoint_000008")[:70]
+    storage.write_bytes(torn, *RUN, RAY_SNAPSHOT)
+    assert unusable_ray_snapshot(storage, *RUN).startswith("not valid JSON: ")
+    note = set_aside_unusable_ray_snapshot(storage, *RUN)
+    assert note.startswith(f"Ray Train's {RAY_SNAPSHOT} of this run is unusable (not valid JSON: ")
+    aside = [name for name in storage.listdir(*RUN) if name.startswith(f"{RAY_SNAPSHOT}.unusable-")]
+    assert not storage.exists(*RUN, RAY_SNAPSHOT) and len(aside) == 1 and aside[0] in note
+    assert storage.read_bytes(*RUN, aside[0]) == torn  # kept as it was: evidence of what Ray left
+
+    storage.write_bytes(ray_snapshot("checkpoint_000004", "checkpoint_000008"), *RUN, RAY_SNAPSHOT)
+    assert unusable_ray_snapshot(storage, *RUN) == "it lists checkpoint_000008, not in storage"
+    assert latest_complete_checkpoint(storage, *RUN).step == 4  # what the run resumes from without it
+
+
+def test_the_checkpoints_a_snapshot_names_are_found_wherever_they_sit():
+    state = {"a": [{"checkpoint_dir_name": "checkpoint_000001"}, {"x": {"checkpoint_dir_name": "checkpoint_000002"}}]}
+    assert snapshot_checkpoints(state) == {"checkpoint_000001", "checkpoint_000002"}
+    assert snapshot_checkpoints({"checkpoint_dir_name": None, "n": 3}) == set() and snapshot_checkpoints([]) == set()
 
 
 def test_no_checkpoints_at_all_is_none(tmp_path):

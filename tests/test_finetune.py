@@ -402,6 +402,26 @@ def test_the_resume_job_kills_its_run_after_a_checkpoint_and_restarts_it_there(l
     assert verdict["ok"] and verdict["steps_compared"] == 5 and verdict["max_abs_diff"] == 0.0, verdict
 
 
+@pytest.mark.integration
+def test_a_run_whose_ray_snapshot_was_torn_by_a_full_disk_continues_from_its_latest_complete_checkpoint(local_run):
+    """Ray rewrites checkpoint_manager_snapshot.json in place; a disk that fills up mid-write leaves it torn
+    and Ray's controller dies on it at the next start. The continuation sets it aside and resumes by marker."""
+    import shutil
+
+    from training.checkpointing import RAY_SNAPSHOT
+
+    config, main = local_run
+    storage = Storage(config.storage.root)
+    source, copy = Path(storage.path("runs", "run-a", "train", "run-a")), ("runs", "run-a", "train", "run-a-torn")
+    shutil.copytree(source, storage.path(*copy), ignore=shutil.ignore_patterns("checkpoint_000012"))
+    snapshot = Path(storage.path(*copy, RAY_SNAPSHOT))
+    snapshot.write_bytes(snapshot.read_bytes()[:40])  # lists 4, 8 and 12; cut where the disk filled up
+    resumed = train(context(config, "run-a", job="torn", run_name="run-a-torn", export=False, first_step_marker=True))
+    assert resumed["restored_step"] == 8 and [s for s, _ in resumed["loss_curve"]] == [9, 10, 11, 12]
+    assert compare_losses(losses(main), losses(resumed), rtol=0.0)["ok"]
+    assert any(name.startswith(f"{RAY_SNAPSHOT}.unusable-") for name in storage.listdir(*copy))
+
+
 def read_losses(storage: Storage, job: str) -> dict[int, float]:
     rows = storage.read_text("runs", "run-a", "stages", job, "metrics.jsonl").splitlines()
     return {r["step"]: r["loss"] for r in map(json.loads, rows)}

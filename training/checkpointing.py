@@ -512,6 +512,54 @@ def remove_unmarked(storage: Storage, *run_parts: str) -> list[str]:
     return unmarked
 
 
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
+"""Ray Train V2's list of the checkpoints a run reported, in the run's storage directory. Ray rewrites it
+in place at every report, not through a temporary file, and reads it whole when a run of that name starts."""
+
+
+def unusable_ray_snapshot(storage: Storage, *run_parts: str) -> str | None:
+    """Why Ray Train would refuse to start from this run's snapshot; None when it is absent or usable.
+
+    A disk that filled up (or a controller killed) during Ray's rewrite leaves it torn, and Ray's controller
+    then dies at start on its JSON. A checkpoint it lists may also be gone: remove_unmarked deletes those a
+    failed save left without a marker, and Ray refuses a snapshot naming a missing checkpoint."""
+    if not storage.exists(*run_parts, RAY_SNAPSHOT):
+        return None
+    try:
+        state = json.loads(storage.read_bytes(*run_parts, RAY_SNAPSHOT))
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
+        return f"not valid JSON: {e}"
+    missing = sorted({name for name in snapshot_checkpoints(state) if not storage.exists(*run_parts, name)})
+    if missing:
+        return f"it lists {', '.join(missing)}, not in storage"
+    return None
+
+
+def snapshot_checkpoints(state: Any) -> set[str]:
+    """Every checkpoint directory a Ray Train snapshot names, wherever it sits in the document. Pure.
+
+    Read by key, not by Ray's schema (private, and not the same in every release)."""
+    if isinstance(state, dict):
+        named = {state["checkpoint_dir_name"]} if isinstance(state.get("checkpoint_dir_name"), str) else set()
+        return named.union(*(snapshot_checkpoints(v) for v in state.values()))
+    if isinstance(state, list):
+        return set().union(*(snapshot_checkpoints(v) for v in state))
+    return set()
+
+
+def set_aside_unusable_ray_snapshot(storage: Storage, *run_parts: str) -> str | None:
+    """Move an unusable Ray Train snapshot out of Ray's way, keeping it beside as evidence; returns what
+    was done, or None when there was nothing to do. Without it, the run starts with no Ray-side history and
+    resumes from its latest complete checkpoint by completion marker (resolve_start), as always."""
+    problem = unusable_ray_snapshot(storage, *run_parts)
+    if problem is None:
+        return None
+    aside = f"{RAY_SNAPSHOT}.unusable-{time.strftime('%Y%m%dT%H%M%S')}"
+    storage.write_bytes(storage.read_bytes(*run_parts, RAY_SNAPSHOT), *run_parts, aside)
+    storage.remove(*run_parts, RAY_SNAPSHOT)
+    return f"Ray Train's {RAY_SNAPSHOT} of this run is unusable ({problem}); set aside as {aside}"
+
+
 def latest_complete_checkpoint(storage: Storage, *run_parts: str) -> CheckpointRef | None:
     """The newest checkpoint of a run whose marker and files check out; None when there is none."""
     return next(complete_checkpoints(storage, *run_parts), None)

@@ -52,6 +52,7 @@ from training.checkpointing import (
     remove_unmarked,
     restore_rng,
     seed_everything,
+    set_aside_unusable_ray_snapshot,
     start_saving_shards,
     write_hf_export,
     write_marker,
@@ -144,6 +145,8 @@ def finetune(ctx: JobContext) -> FinetuneSummary:
     if params.init_from:
         require_complete(params.init_from, ctx.config.storage.endpoint_url, "params.init_from")
     refuse_nothing_to_train(ctx, params)
+    if set_aside := set_aside_unusable_ray_snapshot(ctx.storage, *ctx.run_parts("train", params.run_name)):
+        jobkit.log(f"{set_aside}: the run resumes from its latest complete checkpoint")
     for name in (OUTCOME, ATTEMPTS, FAILURES, INTERRUPTED):  # an earlier job's ending says nothing of this one
         ctx.storage.remove(*ctx.stage_parts(name))
     error = run_trainer(ctx, params)
