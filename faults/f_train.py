@@ -11,7 +11,9 @@
                       backoff, the run succeeds with the same weights, or fails as infrastructure
 7 disk-full           the storage root (a 20 MB tmpfs) fills up during a checkpoint: an infrastructure
                       failure naming ENOSPC; the previous checkpoint stays complete and a continued run
-                      resumes from it (once space is freed) to the reference's weights
+                      resumes from it (once space is freed) to the reference's weights. Where the disk fills
+                      during Ray Train's own rewrite of its checkpoint snapshot, the continuation sets the
+                      torn file aside (the notes say which happened)
 """
 
 from __future__ import annotations
@@ -155,7 +157,7 @@ def disk_full(lab: Lab) -> FaultRow:
         full = lab.run(run_id, only=("finetune",), storage_root=root)
         rec = full.record
         cause = (rec.cause if rec else None) or ""
-        from training.checkpointing import check_complete, latest_complete_checkpoint, step_of
+        from training.checkpointing import RAY_SNAPSHOT, check_complete, latest_complete_checkpoint, step_of
 
         # The fine-tune is the run's second invocation: its Ray Train run is <run>-r2 (the only one).
         train = ("runs", run_id, "train", *full.storage.listdir("runs", run_id, "train")[:1])
@@ -169,6 +171,7 @@ def disk_full(lab: Lab) -> FaultRow:
         seconds = time.monotonic() - began
         compared = lab.compare(again)
         summary = again.finetune
+        aside = [n for n in again.storage.listdir(*train) if n.startswith(f"{RAY_SNAPSHOT}.unusable-")]
     expected = (
         full.exit_code == 4
         and rec is not None
@@ -188,7 +191,8 @@ def disk_full(lab: Lab) -> FaultRow:
         outcome="failed-as-expected" if expected else "FAILED",
         how=f"{how}, storage.root on it, {ballast / 2**20:.1f} MB ballast after data prep",
         notes=f"cause: {cause[:160]}; checkpoints left: {ckpts}, {first_name} complete: {intact}; continued run "
-        f"(space freed, train.continue_previous) started at step {summary.start_step if summary else '?'}",
+        f"(space freed, train.continue_previous) started at step {summary.start_step if summary else '?'}; "
+        f"Ray Train's snapshot {'torn by the full disk, set aside by the continuation' if aside else 'intact'}",
         **{
             **compared,
             "failure_class": full.failure_class,
