@@ -1,7 +1,7 @@
 # tuneproof — the two commands a newcomer needs:
 #   make demo   set everything up, start the embedded cluster, run the whole pipeline
 #   make test   set everything up and run the test suite
-#   make bench  tuneproof measured against the bare stack (bench/run.py; about 20 min on 2 idle cores)
+#   make bench  tuneproof measured against the bare stack (bench/run.py; about 15 min on 2 idle cores)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TP := $(VENV)/bin/tuneproof
@@ -42,7 +42,7 @@ test-fast: setup lint
 	$(PY) -m pytest -q -m "not integration and not browser"
 
 # Inject each fault of issue 11 into a real small run (its own Ray head and Prefect server) and print the
-# table; also bench/out/faults.json. About 20 minutes on 2 cores; not part of `make test`.
+# table; also bench/out/faults.json. About 19 minutes on 2 cores; not part of `make test`.
 faults: setup
 	$(PY) -m faults
 

@@ -1,6 +1,6 @@
 """`make bench`: tuneproof measured against the bare stack, side by side, interleaved, in one run.
 
-    python -m bench.run                                  # every benchmark, 3 repeats (about 20 min on 2 idle cores)
+    python -m bench.run                                  # every benchmark, 3 repeats (about 15 min on 2 idle cores)
     python -m bench.run --only resume,checkpoint --repeats 5
     python -m bench.run --quick                          # smaller corpora, fewer steps and sizes (a smoke run)
 
