@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 
 from typer.testing import CliRunner
 
@@ -91,7 +92,11 @@ def test_run_without_a_prefect_server_says_how_to_start_one():
 
     from tuneproof.app.local import free_port
 
+    before = signal.getsignal(signal.SIGTERM)
     with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{free_port()}/api"}):
         result = CliRunner().invoke(app, ["run", "--only", "verify"])
     assert result.exit_code == 4
     assert "does not answer" in result.output and "tuneproof local up" in result.output
+    # `run` turns SIGTERM into a cancellation only while it runs: the caller's handler is back after it
+    # (a test process that kept the raising one would hand it to every process it forks later).
+    assert signal.getsignal(signal.SIGTERM) is before

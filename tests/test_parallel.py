@@ -41,3 +41,43 @@ def test_a_failing_task_raises_at_its_place_and_the_parent_is_left_as_it_was(mon
 
 def test_usable_cpus_is_at_least_one():
     assert parallel.usable_cpus() >= 1
+
+
+# Run in a child interpreter: a regression hangs forever on the pool's join, which only SIGKILL (the
+# timeout's) can end, and the no-op SIGTERM handler must not stay installed in the test process.
+WEDGED_WORKER = """
+import signal, sys, threading, time
+from training import parallel
+
+def slow(shared, task):
+    if task == 1:
+        time.sleep(600)  # one worker busy with a long task when the consumer stops
+    return task
+
+def consume():
+    for value in parallel.fork_map(slow, range(4), None, workers=2):
+        break  # the generator closes here: the pool must end its workers, the sleeping one too
+
+handler = lambda signum, frame: None  # a handler that returns: SIGTERM alone would not end a worker
+signal.signal(signal.SIGTERM, handler)
+start = time.monotonic()
+if sys.argv[1] == "main":
+    consume()
+else:
+    thread = threading.Thread(target=consume)
+    thread.start()
+    thread.join()
+print(round(time.monotonic() - start, 2), signal.getsignal(signal.SIGTERM) is handler)
+"""
+
+
+@pytest.mark.parametrize("where", ["main", "thread"])
+def test_the_workers_end_when_the_consumer_stops_even_under_a_sigterm_handler_that_returns(where):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", WEDGED_WORKER, where], capture_output=True, text=True, timeout=60, check=True
+    )
+    seconds, restored = done.stdout.split()
+    assert float(seconds) < 30 and restored == "True"  # ended (not after the 600 s task), handler put back

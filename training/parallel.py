@@ -14,7 +14,10 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
-from collections.abc import Callable, Generator, Iterable
+import signal
+import threading
+from collections.abc import Callable, Generator, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 _shared: Any = None
@@ -54,7 +57,9 @@ def fork_map(
     parallelism = os.environ.get(TOKENIZERS_PARALLELISM)
     os.environ[TOKENIZERS_PARALLELISM] = "false"
     try:
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
+        with _forked_with_default_sigterm():
+            pool = multiprocessing.get_context("fork").Pool(workers, initializer=_default_sigterm)
+        with pool:
             yield from pool.imap(_run, tasks)
     finally:
         _shared, _work = None, None
@@ -63,6 +68,31 @@ def fork_map(
             os.environ.pop(TOKENIZERS_PARALLELISM, None)
         else:
             os.environ[TOKENIZERS_PARALLELISM] = parallelism
+
+
+# The pool ends its workers with SIGTERM (on leaving the `with`, after the last result or on an error).
+# A worker that inherited a Python-level SIGTERM handler (the CLI's, which raises, or any that returns)
+# does not die of it while it sleeps, waits on a lock or prints the handler's traceback past a lock a
+# thread of the parent held at fork time: the pool's join then waits forever. The workers therefore
+# take SIGTERM's default, fatal action: forked under it where this runs on the main thread (so even a
+# worker wedged before it runs any Python dies), and set it again as each worker starts.
+
+
+@contextmanager
+def _forked_with_default_sigterm() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may change a handler; the workers' initializer still applies
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        if previous is not None:  # None: a handler set outside Python, which cannot be put back from here
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _default_sigterm() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _run(task: Any) -> Any:

@@ -153,7 +153,9 @@ def run(
 
     # SIGTERM (`kill`, a supervisor stopping the process) ends the run the way Ctrl-C does, instead of
     # killing it where it stands and leaving its record `running` until the lease goes stale.
-    signal.signal(signal.SIGTERM, terminated)
+    # The handler is put back on the way out: a caller in the same process (a test, a notebook) keeps
+    # its own, and processes it forks later do not inherit one that raises.
+    previous = signal.signal(signal.SIGTERM, terminated)
     try:
         record = run_with_display(cfg, run_id, stages, console, until)
     except KeyboardInterrupt as e:
@@ -161,6 +163,8 @@ def run(
         how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
         err.print(f"[bold red]cancelled[/] ({how}): the record says `cancelled`; continue it with --run-id")
         raise typer.Exit(EXIT_CANCELLED) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     raise typer.Exit(run_exit_code(record))
 
 
