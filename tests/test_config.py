@@ -27,6 +27,22 @@ def test_eks_profile_loads():
     assert "@sha256:" in cfg.cluster.expect.image
 
 
+def test_a_hub_id_stays_a_hub_id_and_a_local_model_directory_becomes_absolute(tmp_path):
+    # The EKS profile's base is a hub id: made absolute against the project it would be a directory that
+    # exists on no node, and every job would fail to load the model.
+    assert load_config(PROJECT_ROOT / "configs" / "eks.yaml").model.source == "Qwen/Qwen2.5-1.5B"
+    (tmp_path / "models" / "qwen").mkdir(parents=True)
+    cfg = PipelineConfig.model_validate({"model": {"source": "models/qwen"}})
+    assert cfg.resolved(tmp_path).model.source == str(tmp_path / "models" / "qwen")  # a directory there
+    assert cfg.resolved(PROJECT_ROOT).model.source == "models/qwen"  # none there: a hub id, as from_pretrained reads it
+    dotted = PipelineConfig.model_validate({"model": {"source": "./models/qwen"}})
+    assert dotted.resolved(tmp_path).model.source == str(tmp_path / "models" / "qwen")
+    # data.source has no hub form without hf://: a relative path is always the project's file
+    assert load_config(DEFAULT_PROFILE, ["data.source=data/x.jsonl"]).data.source == str(
+        PROJECT_ROOT / "data" / "x.jsonl"
+    )
+
+
 def test_override_types_are_parsed_as_yaml():
     cfg = load_config(
         overrides=[

@@ -513,8 +513,11 @@ class PipelineConfig(Strict):
         for dotted in ("storage.root", "model.source", "data.source", "data.eval_source", "cluster.auth_token_file"):
             section, key = dotted.split(".")
             value = data[section][key]
-            if value and _is_relative_local_path(value):
-                data[section][key] = str((base / value).resolve())
+            if not value or not _is_relative_local_path(value):
+                continue
+            if dotted == "model.source" and not _names_a_local_model(value, base):
+                continue  # a hub id ("Qwen/Qwen2.5-1.5B"): the jobs load it from the hub, not from base/Qwen/...
+            data[section][key] = str((base / value).resolve())
         return PipelineConfig.model_validate(data)
 
 
@@ -536,6 +539,13 @@ def _requirement_name(requirement: str) -> str:
 
 def _is_relative_local_path(value: str) -> bool:
     return "://" not in value and not value.startswith("/") and (value.startswith(".") or "/" in value)
+
+
+def _names_a_local_model(value: str, base: Path) -> bool:
+    """model.source "org/name" is a hub id unless it starts with "." or is a directory under base: the
+    rule from_pretrained applies (a directory first, else a repo id), decided here because the jobs
+    receive the resolved value and cannot tell a path made absolute from one the user gave."""
+    return value.startswith(".") or (base / value).is_dir()
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
