@@ -146,6 +146,12 @@ def move_pointer(cfg: PipelineConfig, record: RunRecord, started: str, forced: F
     evaluated = evaluation.incumbent_version if evaluation else None
     pointer, token = registry.read_pointer(storage, cfg.model.name)
     current = (pointer or {}).get("version")
+    if registry.is_promotion_of(pointer, record.run_id, content):
+        # This run's own promotion already landed: a retry, or a continuation of a run whose flow died
+        # between the pointer's swap and the record's save. The same version, not a second copy, and not
+        # "the production model changed since evaluation" (it changed to this run).
+        logging.getLogger("tuneproof.promote").info(f"{cfg.model.name} {current} is already this run's model")
+        return StageEntry.succeeded("promote", PromoteSummary(promoted=True, forced=forced, **pointer), started)
     if forced is None and current != evaluated:
         return refused(
             started,
@@ -162,7 +168,7 @@ def move_pointer(cfg: PipelineConfig, record: RunRecord, started: str, forced: F
     except markers.ExportUnverified as e:
         return refused(started, [f"the copied model is not the judged export: {e}"], FailureClass.infrastructure)
     logging.getLogger("tuneproof.promote").info(f"promoted {cfg.model.name} {result['version']} (previous: {current})")
-    summary = PromoteSummary(promoted=True, forced=forced, **{**result, "previous_version": current})
+    summary = PromoteSummary(promoted=True, forced=forced, **result)
     return StageEntry.succeeded("promote", summary, started)
 
 

@@ -18,7 +18,14 @@ from tuneproof.control.record import CodeIdentity, RunRecord, StageEntry, new_re
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.markers import EXPORT_MANIFEST, ExportManifest, FileDigest, content_sha256
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import EvaluateSummary, FinetuneSummary, GateDecision, ModelScore, ResumeSummary
+from tuneproof.core.summaries import (
+    EvaluateSummary,
+    FinetuneSummary,
+    GateDecision,
+    ModelScore,
+    PromoteSummary,
+    ResumeSummary,
+)
 
 EXPORT_FILES = {"config.json": b'{"model_type": "qwen2"}', "model.safetensors": b"weights"}
 EXPORT_DIGESTS = {n: FileDigest(size=len(d), sha256=hashlib.sha256(d).hexdigest()) for n, d in EXPORT_FILES.items()}
@@ -96,6 +103,26 @@ def test_a_production_model_that_changed_since_evaluation_is_not_overwritten(tmp
     stale = move_pointer(cfg, passed_record(cfg, "r2"), "t", forced=None)  # evaluated with no incumbent
     assert stale.status == "failed" and "changed since evaluation" in stale.cause
     assert registry.read_pointer(storage, cfg.model.name)[0]["run_id"] == "r1"
+
+
+def test_promoting_again_a_run_that_is_already_production_keeps_its_version_and_its_previous(tmp_path):
+    # A continuation of a run whose flow died after the pointer swap, before the record was saved: its
+    # promote runs again against the evaluation's incumbent (the one before it) and must find its own
+    # promotion, neither refusing ("changed since evaluation") nor copying a second version of itself.
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
+    storage = Storage(str(tmp_path))
+    with_export(storage, "r1")
+    with_export(storage, "r2")
+    first = move_pointer(cfg, passed_record(cfg, "r1"), "t", forced=None).summary_as(PromoteSummary)
+    second_rec = passed_record(cfg, "r2")
+    second_rec.stages["evaluate"].summary["incumbent_version"] = first.version
+    second = move_pointer(cfg, second_rec, "t", forced=None).summary_as(PromoteSummary)
+    again = move_pointer(cfg, second_rec, "t2", forced=None)
+    assert again.status == "succeeded"
+    repeated = again.summary_as(PromoteSummary)
+    assert (repeated.version, repeated.previous_version) == (second.version, first.version) == ("v0002-r2", "v0001-r1")
+    assert repeated.promoted_at == second.promoted_at  # the first promotion's, not a new one
+    assert storage.listdir("models", cfg.model.name) == sorted(["v0001-r1", "v0002-r2", registry.POINTER])
 
 
 def test_forced_promotion_is_recorded_with_who_and_why(tmp_path):

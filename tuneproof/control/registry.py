@@ -24,7 +24,7 @@ import json
 import os
 import posixpath
 import re
-from typing import Any
+from typing import Any, TypeGuard
 
 from tuneproof.core import cas, markers
 from tuneproof.core.cas import file_lock
@@ -199,7 +199,7 @@ def promote(
     Returns the new pointer.
     """
     pointer, token = read_pointer(storage, name)
-    if pointer is not None and pointer.get("run_id") == run_id and pointer.get("content_sha256") == content_sha256:
+    if is_promotion_of(pointer, run_id, content_sha256):
         return pointer
     if token != expected_token:
         raise PromotionConflict(name, expected_token, token, _version_of(pointer))
@@ -225,6 +225,12 @@ def promote(
         _remove_unpointed(storage, name, version)
         raise
     return new_pointer
+
+
+def is_promotion_of(pointer: dict | None, run_id: str, content_sha256: str | None) -> TypeGuard[dict]:
+    """The pointer already names this run's model with this content (a retry's or a continuation's
+    second promotion is then the first one, unchanged). Pure."""
+    return pointer is not None and pointer.get("run_id") == run_id and pointer.get("content_sha256") == content_sha256
 
 
 def _copy_model(storage: Storage, source_path: str, dest_parts: tuple[str, ...]) -> None:
