@@ -151,7 +151,8 @@ def move_pointer(cfg: PipelineConfig, record: RunRecord, started: str, forced: F
         # between the pointer's swap and the record's save. The same version, not a second copy, and not
         # "the production model changed since evaluation" (it changed to this run).
         logging.getLogger("tuneproof.promote").info(f"{cfg.model.name} {current} is already this run's model")
-        return StageEntry.succeeded("promote", PromoteSummary(promoted=True, forced=forced, **pointer), started)
+        fields = {k: v for k, v in pointer.items() if k in PromoteSummary.model_fields}  # a file: only what we know
+        return StageEntry.succeeded("promote", PromoteSummary(promoted=True, forced=forced, **fields), started)
     if forced is None and current != evaluated:
         return refused(
             started,

@@ -117,6 +117,8 @@ def test_promoting_again_a_run_that_is_already_production_keeps_its_version_and_
     second_rec = passed_record(cfg, "r2")
     second_rec.stages["evaluate"].summary["incumbent_version"] = first.version
     second = move_pointer(cfg, second_rec, "t", forced=None).summary_as(PromoteSummary)
+    pointer_file = tmp_path / "models" / cfg.model.name / registry.POINTER
+    pointer_file.write_text(json.dumps({**json.loads(pointer_file.read_text()), "note": "added by hand"}))
     again = move_pointer(cfg, second_rec, "t2", forced=None)
     assert again.status == "succeeded"
     repeated = again.summary_as(PromoteSummary)

@@ -545,7 +545,12 @@ def _names_a_local_model(value: str, base: Path) -> bool:
     """model.source "org/name" is a hub id unless it starts with "." or is a directory under base: the
     rule from_pretrained applies (a directory first, else a repo id), decided here because the jobs
     receive the resolved value and cannot tell a path made absolute from one the user gave."""
-    return value.startswith(".") or (base / value).is_dir()
+    if value.startswith("."):
+        return True
+    try:
+        return (base / value).is_dir()
+    except OSError:  # a name no file system holds (too long): not a directory here, so not a local model
+        return False
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
