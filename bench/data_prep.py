@@ -2,13 +2,9 @@
 
     python -m bench.run --only data_prep [--quick]
 
-The corpus is generated (the bundled date task's generator): 200,000 rows, the issue's "few hundred
-thousand"; 10,000 with --quick. The job's start-up is reported beside each run, as a fraction of the
-stage: on an idle machine 21-23 % (4.1 s of an 18 s stage) since the stage encodes on both cores, over
-the 10 % the issue asks. A larger corpus does not fix that honestly: the generator repeats itself (at
-600,000 rows only 205,000 distinct prompts and 36,500 distinct answers, against 131,000 and 36,000 at
-200,000), and ours tokenizes each distinct text once where bare encodes every row, so the ratio there
-(0.71, start-up still 19 %) would measure the repetition more than the stage. Ours: the data stage as the pipeline runs
+The corpus is generated (bench.harness.write_corpus: the bundled date task's generator, each prompt
+made distinct by its row number): 800,000 rows, so that the job's start-up (reported beside each run, as
+a fraction of the stage) is under the 10 % the issue asks; 10,000 with --quick. Ours: the data stage as the pipeline runs
 it (a Ray job: read, parse, split; chat template, tokenize and fit on a forked worker per CPU from
 20,000 rows on; write the parquet shards and the manifest), from submission to validated result, into a
 fresh storage root; its tokens are the manifest's.
@@ -26,10 +22,13 @@ from bench.common import BenchResult, Target, compare, interleave, say
 from bench.harness import Bench, prepare_dataset, write_corpus
 
 TARGET = Target(">=", 0.6)
+ROWS = 800_000
 
 
 def chatml(prompt: str, response: str) -> str:
-    return f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n{response}<|im_end|>\n"
+    """The text of one row as the data stage tokenizes it: ChatML, less the newline after the last turn
+    (the stage does not train on it), so both sides encode the same tokens."""
+    return f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n{response}<|im_end|>"
 
 
 def bare_tokens_per_s(model_dir: Path, corpus: Path) -> tuple[float, int, float]:
@@ -54,7 +53,7 @@ def ours_tokens_per_s(bench: Bench, corpus: Path, tag: str) -> tuple[float, int,
 
 
 def run(bench: Bench, repeats: int, quick: bool) -> BenchResult:
-    rows = 10_000 if quick else 200_000
+    rows = 10_000 if quick else ROWS
     corpus = write_corpus(bench.scratch / f"corpus-{rows}.jsonl", rows)
     seen: dict[str, list[tuple[int, float]]] = {"ours": [], "bare": []}
     startup_fraction: list[float] = []

@@ -223,14 +223,20 @@ def moto_server() -> Iterator[str]:
 
 
 def write_corpus(path: Path, rows: int) -> Path:
-    """A generated date-normalisation corpus of `rows` rows (the bundled task's generator, another seed)."""
+    """A generated date-normalisation corpus of `rows` rows, every prompt distinct.
+
+    The bundled task's generator (another seed) repeats itself past about 200,000 rows (36,500 dates in
+    six formats), and the data stage tokenizes each distinct text once where a bare encoder does every
+    row: a larger corpus of it would measure the repetition. So each prompt carries its row number
+    ("Entry 123456: March 5, 2021"); the answers repeat as dates do, as a real corpus's short answers would.
+    """
     sys.path.insert(0, str(PROJECT_ROOT / "data" / "dates"))
     from make_dates import make_rows
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
-        for row in make_rows(rows, seed=7):
-            f.write(json.dumps(row) + "\n")
+        for i, row in enumerate(make_rows(rows, seed=7)):
+            f.write(json.dumps({"input": f"Entry {i}: {row['input']}", "output": row["output"]}) + "\n")
     return path
 
 

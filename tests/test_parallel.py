@@ -81,3 +81,27 @@ def test_the_workers_end_when_the_consumer_stops_even_under_a_sigterm_handler_th
     )
     seconds, restored = done.stdout.split()
     assert float(seconds) < 30 and restored == "True"  # ended (not after the 600 s task), handler put back
+
+
+def test_the_collector_is_off_inside_and_as_it_was_after_even_on_an_error():
+    assert gc.isenabled()
+    with pytest.raises(ValueError), parallel.collector_paused():
+        assert not gc.isenabled()
+        raise ValueError("the block failed")
+    assert gc.isenabled()
+    gc.disable()  # a caller that had it off keeps it off
+    try:
+        with parallel.collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_forked_workers_inherit_the_paused_collector():
+    with parallel.collector_paused():
+        assert list(parallel.fork_map(collector_state, range(4), None, workers=2)) == [False] * 4
+
+
+def collector_state(shared, task) -> bool:
+    return gc.isenabled()

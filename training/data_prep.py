@@ -106,6 +106,7 @@ class Example:
     reference: str
 
 
+@parallel.collector_paused()
 def prepare_data(ctx: JobContext) -> DataSummary:
     """The stage: sources -> identity -> (cache hit | rows -> splits -> shards -> manifest)."""
     cfg, storage = ctx.config, ctx.storage
