@@ -136,18 +136,22 @@ def test_a_curve_table_ends_with_its_slope():
 def test_steps_stalled_per_checkpoint_are_the_extra_time_around_it_in_median_steps():
     from bench.checkpoint import stalled_steps
 
-    # checkpoints after steps 3 and 7: steps 3-4 and 7-8 carry them; the others take 1.0 s (the median)
-    seconds = [1.0, 1.0, 1.5, 1.2, 1.0, 1.0, 1.0, 2.5, 1.0]
-    stalls = stalled_steps(seconds, [3, 7])
-    assert stalls == pytest.approx([0.7, 1.5])
-    assert stalled_steps([2.0, 2.0, 1.9, 2.0], [2]) == [0.0]  # a save hidden behind the next step stalls nothing
-    assert stalled_steps([1.0, 1.0, 4.0], [3]) == [3.0]  # the last step's save has no next step to count
+    # checkpoints after steps 3 and 7, each completed after the next step: steps 3-5 and 7-9 carry them;
+    # the others take 1.0 s (the median)
+    seconds = [1.0, 1.0, 1.5, 1.2, 1.1, 1.0, 1.0, 2.5, 1.0, 1.0]
+    assert stalled_steps(seconds, [(3, 4), (7, 8)]) == pytest.approx([0.8, 1.5])
+    # a save that ran on through three steps counts all of them and the one after
+    assert stalled_steps([1.0, 1.0, 1.2, 1.3, 1.2, 1.1, 1.0, 1.0], [(2, 4)]) == pytest.approx([0.7])
+    assert stalled_steps([2.0, 2.0, 1.9, 2.0], [(2, 2)]) == [0.0]  # a save hidden behind its steps stalls nothing
+    assert stalled_steps([1.0, 1.0, 4.0], [(3, 3)]) == [3.0]  # the last step's save has no next step to count
 
 
 def test_stalled_steps_refuse_what_they_cannot_compare():
     from bench.checkpoint import stalled_steps
 
-    with pytest.raises(ValueError, match=r"checkpoint steps \[5\] are outside the 3 steps"):
-        stalled_steps([1.0, 1.0, 1.0], [5])
+    with pytest.raises(ValueError, match=r"checkpoint spans \[\(5, 5\)\] are outside the 3 steps"):
+        stalled_steps([1.0, 1.0, 1.0], [(5, 5)])
+    with pytest.raises(ValueError, match=r"checkpoint spans \[\(3, 2\)\]"):  # completed before it began
+        stalled_steps([1.0, 1.0, 1.0], [(3, 2)])
     with pytest.raises(ValueError, match="no step without a checkpoint"):
-        stalled_steps([1.0, 1.0], [1])
+        stalled_steps([1.0, 1.0], [(1, 1)])

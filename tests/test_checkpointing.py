@@ -343,7 +343,7 @@ def test_an_async_save_writes_into_the_storage_directory_and_hashes_only_its_own
     saving = start_saving_shards(model, optimizer, progress_at_step(7), storage, parts, dist.new_group(backend="gloo"))
     files = finish_saving_shards(saving)
 
-    assert sorted(files) == [".metadata", "__0_0.distcp", "progress-rank0.json"]
+    assert sorted(files) == [".metadata", "__0_0.distcp", "__0_1.distcp", "progress-rank0.json"]  # WRITER_THREADS files
     assert saving.uri == storage.uri(*parts)
     assert not storage.exists(*parts, MARKER)  # the old marker went before the shards were rewritten
     assert storage.read_bytes(*parts, "__1_0.distcp") == b"another rank's shard"
@@ -371,7 +371,7 @@ def test_an_async_save_to_s3_uploads_each_file_and_leaves_no_staging_copy(single
     saving = start_saving_shards(model, optimizer, progress_at_step(3), storage, parts, dist.new_group(backend="gloo"))
     files = finish_saving_shards(saving)
 
-    assert sorted(files) == [".metadata", "__0_0.distcp", "progress-rank0.json"]
+    assert sorted(files) == [".metadata", "__0_0.distcp", "__0_1.distcp", "progress-rank0.json"]
     assert "upload" in saving.phases
     assert set(Path(tempfile.gettempdir()).glob("tuneproof-save-*")) == staged_before
     write_marker(storage, 3, files, *parts)
@@ -396,3 +396,27 @@ def test_put_file_streams_one_file_into_a_nested_location_on_disk_and_on_s3(tmp_
         for source in (small, large):
             storage.put_file(source, "a", "b", source.name)
             assert storage.read_bytes("a", "b", source.name) == source.read_bytes()
+
+
+def test_a_durable_digest_hashes_every_file_and_fsyncs_it_and_the_directory(tmp_path, monkeypatch):
+    import training.checkpointing as checkpointing
+    from tuneproof.core import markers
+
+    contents = {f"__0_{i}.distcp": bytes([i]) * (3 * 2**20 + i) for i in range(3)} | {"progress-rank0.json": b"{}"}
+    for name, data in contents.items():
+        (tmp_path / name).write_bytes(data)
+    synced: list[Path] = []
+    real_fsync = checkpointing.fsync_path
+    monkeypatch.setattr(checkpointing, "fsync_path", lambda path: (synced.append(Path(path)), real_fsync(path)))
+
+    files = checkpointing.digest_files(tmp_path, sorted(contents), durable=True)
+
+    assert files == {
+        name: FileDigest(size=len(data), sha256=hashlib.sha256(data).hexdigest()) for name, data in contents.items()
+    }
+    assert sorted(synced) == sorted([tmp_path / name for name in contents] + [tmp_path])
+    # the same digests from one thread, and nothing synced for a staging directory
+    assert markers.local_digests(tmp_path, sorted(contents), threads=1) == files
+    synced.clear()
+    assert checkpointing.digest_files(tmp_path, sorted(contents), durable=False) == files
+    assert synced == []

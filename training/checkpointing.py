@@ -2,13 +2,16 @@
 
 One checkpoint directory (runs/<run>/train/<run_name>/checkpoint_<step:06d>/) holds:
 
-    .metadata, __<rank>_0.distcp   torch.distributed.checkpoint (DCP) shards; every rank writes its own
+    .metadata, __<rank>_<i>.distcp torch.distributed.checkpoint (DCP) shards; every rank writes its own
+                                   (WRITER_THREADS files, written and hashed at once)
     progress-rank<r>.json          TrainingProgress of rank r: step, data position, seed, RNG, schedule
     tuneproof_complete.json        the completion marker, written LAST: every file above with its size and sha256
 
 Every rank writes its own files straight into the checkpoint's storage directory: on local or shared
 POSIX storage (a laptop, FSx) DCP writes there itself; on S3 it writes a local staging copy that the
-same background thread uploads file by file. Ray Train is then told about the directory without copying
+same background thread uploads, WRITER_THREADS files at once. On local storage each file is fsynced
+(beside its hashing) before the marker can be written, so a marker never vouches for bytes that a host
+failure could still take back. Ray Train is then told about the directory without copying
 it (CheckpointUploadMode.NO_UPLOAD), and rank 0 writes the marker only after every rank's files are stored.
 A checkpoint counts only when the marker exists and every file it lists is there with its size and
 sha256, so a checkpoint cut short by an interruption, or a shard changed since, is never resumed from. Used inside Ray Train workers
@@ -32,7 +35,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +50,8 @@ __all__ = ["CheckpointRef"]  # re-exported: workers and tests name checkpoints t
 
 MARKER = markers.COMPLETION_MARKER
 METADATA = ".metadata"  # DCP's index of every rank's shards, written by the coordinator (rank 0) last
+WRITER_THREADS = 2
+"""Files each rank writes and hashes at once (DCP's thread_count): its background save on two cores."""
 _DIR_PATTERN = re.compile(r"^checkpoint_(\d+)$")
 # Files of a base model directory that the export carries over unchanged (all but weights and config).
 _BASE_FILES = re.compile(
@@ -174,7 +179,8 @@ def save_shards(
     with clock("progress_file"):
         Path(local_dir, progress.file_name()).write_text(json.dumps(asdict(progress), indent=1))
     with clock("sha256"):
-        return markers.local_digests(local_dir)
+        names = sorted(path.relative_to(local_dir).as_posix() for path in Path(local_dir).rglob("*") if path.is_file())
+        return digest_files(local_dir, names, durable=True)
 
 
 class _Phases:
@@ -234,15 +240,14 @@ def shard_writer(local_dir: str | Path, buffers: StagingBuffers | None = None):
     it wrote named (`.written`: this rank's shard files, and .metadata on the coordinator), so a rank
     writing into a directory the other ranks share hashes only its own.
 
-    No fsync (DCP's sync_files), as Ray Train's own copy into a storage path never did: a torn or lost
-    stored file (a power cut before the page cache reached the disk) fails the marker's size and sha256
-    check, so that checkpoint is never resumed from.
+    DCP's own fsync (sync_files) is off: the caller makes the files durable with digest_files, which
+    fsyncs each one while it hashes it rather than after.
     """
     from torch.distributed.checkpoint import FileSystemWriter
 
     class ShardWriter(FileSystemWriter):
         def __init__(self) -> None:
-            super().__init__(str(local_dir), sync_files=False)
+            super().__init__(str(local_dir), sync_files=False, thread_count=WRITER_THREADS)
             self.seconds: dict[str, float] = {}
             self.written: list[str] = []
 
@@ -334,12 +339,11 @@ def start_saving_shards(
             clock.add("dcp_plan", time.perf_counter() - began_writing - sum(writer.seconds.values()))
             with clock("progress_file"):
                 Path(write_dir, progress.file_name()).write_text(json.dumps(asdict(progress), indent=1))
-            with clock("sha256"):
-                files = markers.local_digests(write_dir, [*writer.written, progress.file_name()])
+            with clock("sha256"):  # and, where the directory is the storage, the fsync beside it
+                files = digest_files(write_dir, [*writer.written, progress.file_name()], durable=not storage.is_s3)
             if storage.is_s3:
-                with clock("upload"):
-                    for name in files:
-                        storage.put_file(write_dir / name, *parts, name)
+                with clock("upload"), ThreadPoolExecutor(WRITER_THREADS) as uploads:
+                    list(uploads.map(lambda name: storage.put_file(write_dir / name, *parts, name), files))
         except BaseException as e:  # handed to finish_saving_shards, which re-raises it in the training loop
             failed: BaseException | None = e
         else:
@@ -353,6 +357,37 @@ def start_saving_shards(
 
     written.add_done_callback(store_when_written)
     return ShardsInFlight(progress, storage.uri(*parts), digests, phases)
+
+
+def digest_files(directory: Path | str, names: Sequence[str], durable: bool) -> Digests:
+    """Size and sha256 of the named files, WRITER_THREADS at a time; durable: each also fsynced (and the
+    directory, for their entries), so the completion marker written after this never vouches for bytes
+    still only in the page cache, and a host that dies just after a checkpoint keeps it.
+
+    The fsyncs run beside the hashing, not after it: the disk writes what the page cache holds while
+    the CPUs hash the same pages, so the two cost about the longer of them. Off for a staging directory
+    (the S3 path), whose durable copy is the upload. A torn file still fails the marker's size and
+    sha256 check and is never resumed from.
+    """
+    directory = Path(directory)
+    if not durable:
+        return markers.local_digests(directory, names, threads=WRITER_THREADS)
+    with ThreadPoolExecutor(max(1, len(names))) as syncs:
+        synced = [syncs.submit(fsync_path, directory / name) for name in names]
+        files = markers.local_digests(directory, names, threads=WRITER_THREADS)
+        for done in synced:
+            done.result()
+    fsync_path(directory)
+    return files
+
+
+def fsync_path(path: Path) -> None:
+    """fsync one file or directory (its data and metadata reach the disk before this returns)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def finish_saving_shards(saving: ShardsInFlight) -> Digests:
