@@ -420,3 +420,27 @@ def test_a_durable_digest_hashes_every_file_and_fsyncs_it_and_the_directory(tmp_
     synced.clear()
     assert checkpointing.digest_files(tmp_path, sorted(contents), durable=False) == files
     assert synced == []
+
+
+def test_a_directory_that_cannot_be_fsynced_is_left_but_a_file_that_cannot_fails_the_save(tmp_path, monkeypatch):
+    import errno
+    import os
+    import stat
+
+    import training.checkpointing as checkpointing
+
+    (tmp_path / "__0_0.distcp").write_bytes(b"a" * 100)
+    real_fsync = os.fsync
+    refuse = {"dir"}
+
+    def fsync(fd: int) -> None:
+        kind = "dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"
+        if kind in refuse:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    assert set(checkpointing.digest_files(tmp_path, ["__0_0.distcp"], durable=True)) == {"__0_0.distcp"}
+    refuse = {"file"}
+    with pytest.raises(OSError, match="Invalid argument"):
+        checkpointing.digest_files(tmp_path, ["__0_0.distcp"], durable=True)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import json
 import os
 import random
@@ -179,8 +180,7 @@ def save_shards(
     with clock("progress_file"):
         Path(local_dir, progress.file_name()).write_text(json.dumps(asdict(progress), indent=1))
     with clock("sha256"):
-        names = sorted(path.relative_to(local_dir).as_posix() for path in Path(local_dir).rglob("*") if path.is_file())
-        return digest_files(local_dir, names, durable=True)
+        return digest_files(local_dir, sorted(local_files(local_dir)), durable=True)
 
 
 class _Phases:
@@ -382,10 +382,16 @@ def digest_files(directory: Path | str, names: Sequence[str], durable: bool) -> 
 
 
 def fsync_path(path: Path) -> None:
-    """fsync one file or directory (its data and metadata reach the disk before this returns)."""
+    """fsync one file or directory (its data and metadata reach the disk before this returns).
+
+    A directory on a file system that cannot fsync one (some FUSE and network mounts answer EINVAL) is
+    left as it is: its files' own fsyncs, which must succeed, are what the marker relies on."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:
+        if not (path.is_dir() and e.errno in (errno.EINVAL, errno.ENOTSUP)):
+            raise
     finally:
         os.close(fd)
 
