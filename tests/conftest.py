@@ -15,6 +15,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,29 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 TEST_BUCKET = "tuneproof-test"
 TEST_SERVER_WAIT_S = float(os.environ.get("TUNEPROOF_TEST_SERVER_WAIT_S", "600"))
 """How long the Prefect test server may take to answer (TUNEPROOF_TEST_SERVER_WAIT_S overrides)."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_fork_while_threads_run():
+    """os.fork() of the test process while other threads run fails at once, naming them.
+
+    Such a child copies every lock as it stood and can wait forever on one a thread held (the hang that
+    stopped CI for 900 s). tests/test_layers.py finds forking calls in the source; this catches one a
+    library makes on our behalf. subprocess and multiprocessing's spawn never call os.fork.
+    """
+    real_fork = os.fork
+
+    def fork_alone() -> int:
+        others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+        if others:
+            raise RuntimeError(f"os.fork() while threads run ({', '.join(others)}): spawn the process instead")
+        return real_fork()
+
+    os.fork = fork_alone
+    try:
+        yield
+    finally:
+        os.fork = real_fork
 
 
 @pytest.fixture(scope="session")

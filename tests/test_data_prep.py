@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import csv
 import hashlib
@@ -13,13 +14,14 @@ import runpy
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import TEST_BUCKET
+from tests.conftest import TEST_BUCKET, ray_driver
 from training import data_prep, modeling
 from training.data_prep import (
     SCHEMA,
@@ -298,16 +300,22 @@ def test_the_stage_writes_the_same_bytes_with_the_plain_python_template_as_with_
     assert fast["manifest"]["splits"] == jinja["manifest"]["splits"]  # every shard's sha256 and token count
 
 
-def on_a_pool(monkeypatch, chunk_rows: int = 7) -> None:
-    """The stage encodes on two forked workers from the first row, in chunks of `chunk_rows` (on any machine)."""
-    monkeypatch.setattr(data_prep, "POOL_MIN_ROWS", 1)
-    monkeypatch.setattr(data_prep, "POOL_CHUNK_ROWS", chunk_rows)
-    monkeypatch.setattr(data_prep.parallel, "usable_cpus", lambda: 2)
+@contextlib.contextmanager
+def on_a_pool(ray_head, chunk_rows: int = 7) -> Iterator[None]:
+    """The stage encodes on Ray actors of the session's head from the first row, in chunks of `chunk_rows`.
+
+    This process is the head's driver, as a Ray job's entrypoint is; the head has 4 CPUs, so 4 actors.
+    """
+    with pytest.MonkeyPatch.context() as patch, ray_driver(ray_head):
+        patch.setattr(data_prep, "POOL_MIN_ROWS", 1)
+        patch.setattr(data_prep, "POOL_CHUNK_ROWS", chunk_rows)
+        yield
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("shape", ["columns", "messages"])
-def test_the_stage_writes_the_same_bytes_and_drops_on_a_process_pool_as_in_one_process(
-    tmp_path, tiny_dir, monkeypatch, capsys, shape
+def test_the_stage_writes_the_same_bytes_and_drops_on_ray_actors_as_in_one_process(
+    tmp_path, tiny_dir, ray_head, capsys, shape
 ):
     def shaped(rows: list[dict]) -> list[dict]:
         if shape == "columns":
@@ -325,11 +333,10 @@ def test_the_stage_writes_the_same_bytes_and_drops_on_a_process_pool_as_in_one_p
     for n, eval_from in enumerate((None, eval_source)):
         settings = dict(shape=shape, shard_rows=50, max_dropped_fraction=0.2, eval_source=eval_from and str(eval_from))
         one = prepare(config(tmp_path / f"one{n}", tiny_dir, source, **settings))
-        assert "processes" not in capsys.readouterr().out
-        with monkeypatch.context() as patch:
-            on_a_pool(patch)
+        assert "Ray actors" not in capsys.readouterr().out
+        with on_a_pool(ray_head):
             pooled = prepare(config(tmp_path / f"pool{n}", tiny_dir, source, **settings))
-        assert "on 2 processes" in capsys.readouterr().out
+        assert "on 4 Ray actors" in capsys.readouterr().out
         assert pooled["manifest"]["dropped"]["too_long"]["count"] == 4 and pooled["manifest"]["dropped"] != {}
         for key in ("content_hash", "total_rows", "dropped"):
             assert pooled[key] == one[key]
@@ -340,7 +347,8 @@ def test_the_stage_writes_the_same_bytes_and_drops_on_a_process_pool_as_in_one_p
 UNMASKABLE = "{%- if messages[-1]['content'] == 'BAD' %}<|im_start|>ASSISTANT\n{%- endif %}"
 
 
-def test_a_pool_fails_the_stage_on_the_same_row_with_the_same_words(tmp_path, tiny_dir, monkeypatch):
+@pytest.mark.integration
+def test_a_pool_fails_the_stage_on_the_same_row_with_the_same_words(tmp_path, tiny_dir, ray_head):
     model = tmp_path / "model"
     shutil.copytree(tiny_dir, model)
     (model / "chat_template.jinja").write_text(UNMASKABLE + CHAT_TEMPLATE)
@@ -350,8 +358,7 @@ def test_a_pool_fails_the_stage_on_the_same_row_with_the_same_words(tmp_path, ti
     source = write_jsonl(tmp_path / "rows.jsonl", rows)
     with pytest.raises(StageFailure) as one:
         prepare(config(tmp_path / "one", model, source))
-    on_a_pool(monkeypatch)
-    with pytest.raises(StageFailure) as pooled:
+    with on_a_pool(ray_head), pytest.raises(StageFailure) as pooled:
         prepare(config(tmp_path / "pool", model, source))
     assert "not render the generation prompt as a prefix" in one.value.cause
     assert (pooled.value.failure_class, pooled.value.cause) == (one.value.failure_class, one.value.cause)

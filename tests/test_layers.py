@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -148,3 +149,62 @@ def test_the_staged_working_dir_matches_its_hash():
     workdir, digest = stage_working_dir()
     staged = sorted(p for p in workdir.rglob("*") if p.is_file() and p.name != ".complete")
     assert tree_hash(staged, workdir) == digest
+
+
+# No fork of a process that may hold threads: a forked child copies every lock as it stood, and a lock a
+# thread held at that moment (Ray's, a tokenizer pool's, boto3's, logging's) is never released in the
+# child, which then waits on it forever. Workers are spawned (multiprocessing's spawn or forkserver,
+# subprocess) or, inside a Ray job, Ray actors. A genuine exception goes in FORK_ALLOWED with its reason.
+FORK_ALLOWED: dict[str, str] = {}
+"""'path:line' -> why forking there cannot deadlock."""
+FORKING_CALLS = {"fork", "forkpty", "Pool", "Process", "ProcessPoolExecutor", "set_start_method", "get_context"}
+
+
+def fork_uses(path: Path) -> list[str]:
+    """'file:line call' for each call that forks: os.fork, a fork context, or a multiprocessing pool,
+    process or executor built on the platform default (fork on Linux before Python 3.14)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+        owner = ast.unparse(func.value) if isinstance(func, ast.Attribute) else ""
+        if name not in FORKING_CALLS:
+            continue
+        literal = [a.value for a in node.args if isinstance(a, ast.Constant)]
+        if name in ("fork", "forkpty"):
+            forks = owner == "os"
+        elif name in ("get_context", "set_start_method"):
+            forks = owner.endswith("multiprocessing") and literal[:1] in ([], ["fork"])
+        elif name == "ProcessPoolExecutor":
+            forks = not any(k.arg == "mp_context" for k in node.keywords)
+        else:  # Pool / Process on the multiprocessing module itself, not on a chosen context
+            forks = owner in ("multiprocessing", "mp", "multiprocessing.pool")
+        if forks:
+            found.append(f"{path.relative_to(PROJECT_ROOT)}:{node.lineno} {ast.unparse(func)}")
+    return found
+
+
+def test_nothing_forks_a_process_that_may_hold_threads():
+    uses = [use for path in project_files(PROJECT_PACKAGES) for use in fork_uses(path)]
+    assert [use for use in uses if use.split(" ")[0] not in FORK_ALLOWED] == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import os\nos.fork()",
+        "import multiprocessing\nmultiprocessing.get_context('fork').Pool(2)",
+        "import multiprocessing\nmultiprocessing.get_context().Pool(2)",
+        "import multiprocessing\nmultiprocessing.Pool(2)",
+        "import multiprocessing as mp\nmp.Process(target=print)",
+        "from concurrent.futures import ProcessPoolExecutor\nProcessPoolExecutor(2)",
+    ],
+)
+def test_a_fork_is_caught(tmp_path, monkeypatch, source):
+    monkeypatch.setattr(sys.modules[__name__], "PROJECT_ROOT", tmp_path)
+    (tmp_path / "forks.py").write_text(source)
+    assert len(fork_uses(tmp_path / "forks.py")) == 1
+    (tmp_path / "spawns.py").write_text("import multiprocessing\nmultiprocessing.get_context('spawn').Pool(2)")
+    assert fork_uses(tmp_path / "spawns.py") == []

@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import time
 import uuid
+from typing import Any
 
 import pytest
 
@@ -171,27 +172,40 @@ def test_missing_export_is_named(local):
         promote(local, NAME, "ghost", "runs/ghost/model", card("ghost"), None)
 
 
-def _race(root: str, endpoint: str | None, run_id: str, token: str | None, start_at: float) -> str:
+def _race(root: str, endpoint: str | None, run_id: str, token: str | None, start: Any, outcomes: Any) -> None:
     storage = Storage(root, endpoint)
     source = f"runs/{run_id}/model"
-    time.sleep(max(0.0, start_at - time.time()))
+    start.wait(timeout=120)  # every racer has imported and is ready: they promote at the same moment
     try:
-        return "won:" + promote(storage, NAME, run_id, source, card(run_id), token)["version"]
+        outcomes.put("won:" + promote(storage, NAME, run_id, source, card(run_id), token)["version"])
     except PromotionConflict:
-        return "lost"
+        outcomes.put("lost")
 
 
 def race(storage: Storage, racers: int) -> tuple[list[str], list[str]]:
-    """`racers` processes promote over the same incumbent at once; returns (outcomes, run ids)."""
+    """`racers` processes promote over the same incumbent at once; returns (outcomes, run ids).
+
+    The racers are spawned, never forked: this process holds threads (Ray, the Prefect test server,
+    boto3's pools), and a forked child can inherit a lock one of them held and wait on it forever.
+    """
     runs = [f"race{i}" for i in range(racers)]
     for run in runs:
         export(storage, run)
     _, token = read_pointer(storage, NAME)
-    start_at = time.time() + 1.0
-    ctx = multiprocessing.get_context("fork")
-    with ctx.Pool(racers) as pool:
-        outcomes = pool.starmap(_race, [(storage.root, storage.endpoint_url, run, token, start_at) for run in runs])
-    return outcomes, runs
+    ctx = multiprocessing.get_context("spawn")
+    start, outcomes = ctx.Barrier(racers), ctx.Queue()
+    args = [(storage.root, storage.endpoint_url, run, token, start, outcomes) for run in runs]
+    processes = [ctx.Process(target=_race, args=a) for a in args]
+    for process in processes:
+        process.start()
+    try:
+        results = [outcomes.get(timeout=180) for _ in processes]
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    return results, runs
 
 
 def assert_one_winner(storage: Storage, outcomes: list[str]) -> None:

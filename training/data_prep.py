@@ -14,8 +14,8 @@ last one). The hash covers the source bytes, the field mapping, the system promp
 files, the prep settings and the shape (with its template), so a rerun with equal inputs is a cache
 hit that rewrites nothing. Rows that cannot be used are counted by reason; too many of them fail the
 stage as a data failure. From POOL_MIN_ROWS conversations on, the chat template, tokenizing and
-fitting run in chunks on a forked worker per usable CPU (training/parallel.py), merged in order: the
-same bytes, drops and errors as one process.
+fitting run in chunks on Ray actors, one per free CPU of the cluster (training/parallel.py), merged in
+order: the same bytes, drops and errors as one process.
 
 The fine-tune and evaluate stages read the result back with `read_split`.
 """
@@ -64,10 +64,10 @@ RENDER_CHUNK = 1024
 CHATML_TEMPLATE_SHA256 = "2eefca287a0f008b170ce31bc2c4dabb398a64eb74716bf64db5d9a21da50da9"
 """Plain ChatML, no default system turn: the tiny Qwen2's (tuneproof/app/tiny_model.py CHAT_TEMPLATE)."""
 POOL_MIN_ROWS = 20_000
-"""Conversations from which encoding runs on a process pool: below it, a job of a few thousand rows takes
-well under a second here and forking and feeding workers would cost about what they save."""
+"""Conversations from which encoding runs on Ray actors: below it, a job of a few thousand rows takes well
+under a second here and starting and feeding actors would cost about what they save."""
 POOL_CHUNK_ROWS = 4096
-"""Conversations per pool task: thousands, so each task's batched template and tokenizer calls keep their
+"""Conversations per actor task: thousands, so each task's batched template and tokenizer calls keep their
 batching, and enough tasks that the workers finish close together."""
 VERIFY_FIRST, VERIFY_SPREAD = 64, 16
 """Conversations of each plain-Python batch that jinja renders too: the first ones, and some spread through the rest."""
@@ -387,23 +387,24 @@ def encode_splits(
 ) -> dict[str, Encoded]:
     """Each split through encode_split and fit_rows (with the split's `overflow` policy).
 
-    From POOL_MIN_ROWS conversations on, in chunks of POOL_CHUNK_ROWS on forked workers, one per CPU
-    this job may use (training/parallel.py), merged in the original order: a row's example and its
+    From POOL_MIN_ROWS conversations on, in chunks of POOL_CHUNK_ROWS on Ray actors, one per free CPU of
+    the cluster (training/parallel.py), merged in the original order: a row's example and its
     drop depend on that row alone, and Drops.merge keeps each reason's first rows, so the merge is
     what one pass over each split gives. Encoding stops at the first chunk that fails, as one pass would.
     """
     rows = sum(len(convs) for convs in splits.values())
-    workers = parallel.usable_cpus() if rows >= POOL_MIN_ROWS else 1
-    step = POOL_CHUNK_ROWS if workers > 1 else max([len(convs) for convs in splits.values()] + [1])
+    pooled = rows >= POOL_MIN_ROWS
+    step = POOL_CHUNK_ROWS if pooled else max([len(convs) for convs in splits.values()] + [1])
     chunks = [
         (name, start, min(start + step, len(convs)))
         for name, convs in splits.items()
         for start in range(0, len(convs), step)
     ]
+    workers = parallel.ray_workers(len(chunks)) if pooled else 1
     if workers > 1:
-        log(f"encoding {rows} conversations in {len(chunks)} chunks on {workers} processes")
+        log(f"encoding {rows} conversations in {len(chunks)} chunks on {workers} Ray actors")
     encoded = {name: Encoded([], datahash.Drops()) for name in splits}
-    work = parallel.fork_map(encode_chunk, chunks, (tokenizer, data, render, splits, overflow), workers)
+    work = parallel.map_in_order(encode_chunk, chunks, (tokenizer, data, render, splits, overflow), workers)
     with contextlib.closing(work) as results:
         for (name, _, _), (examples, drops, failure) in zip(chunks, results):
             if failure is not None:
@@ -417,7 +418,7 @@ def encode_splits(
 def encode_chunk(
     shared: tuple[Any, DataConfig, ChatRenderer, dict[str, list[Conversation]], dict[str, str]], chunk: Chunk
 ) -> EncodedChunk:
-    """One chunk through encode_split and fit_rows, in a pool worker or in this process."""
+    """One chunk through encode_split and fit_rows, in a Ray actor or in this process."""
     tokenizer, data, render, splits, overflow = shared
     name, start, end = chunk
     drops = datahash.Drops()
@@ -425,7 +426,7 @@ def encode_chunk(
         examples = fit_rows(
             *encode_split(tokenizer, splits[name][start:end], data, drops, render), data, drops, overflow[name]
         )
-    except StageFailure as e:  # its own pickling does not survive the pipe: sent as its two fields
+    except StageFailure as e:  # its own pickling does not survive the trip from an actor: sent as its two fields
         return None, drops, (e.failure_class.value, e.cause)
     return examples_table(examples), drops, None
 

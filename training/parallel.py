@@ -1,81 +1,84 @@
-"""Per-row Python work of a job spread over the CPUs the job may use: forked worker processes, results in order.
+"""Per-row Python work of a job spread over the cluster's CPUs with Ray: results in task order.
 
-    for result in fork_map(work, tasks, shared, workers): ...   # work(shared, task) for each task, in task order
+    workers = ray_workers(len(tasks))                      # the cluster's free CPUs inside a Ray job, else 1
+    for result in map_in_order(work, tasks, shared, workers): ...   # work(shared, task), in task order
 
 The data stage's rendering, label masking and tokenizing is plain Python per row and holds the GIL, so
-threads do not help; processes do. Workers are forked, not spawned: they inherit `shared` (the
-tokenizer, the config, the rows) instead of importing transformers and loading the tokenizer again,
-and only the tasks (small descriptors) and the results cross a pipe. Linux only, which is where Ray
-jobs run; where fork is unavailable, or one worker is all there is, the work runs in this process.
+threads do not help; processes do. Inside a Ray job those processes are Ray actors, the tool a reader
+expects there: one per CPU the cluster has free, each given `shared` (the tokenizer, the config, the
+rows) once through the object store, then fed task descriptors. Nothing is forked: a fork of a process
+that holds threads (a Ray driver, a tokenizer's Rust pool, an S3 client) can copy a lock that some
+thread held and leave the child waiting on it forever. Outside a Ray job (a unit test, a laptop
+script), or with one task, the work runs in this process.
 """
 
 from __future__ import annotations
 
 import gc
-import multiprocessing
 import os
-import signal
-import threading
 from collections.abc import Callable, Generator, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-_shared: Any = None
-"""What a forked worker inherits: set for the pool's lifetime only."""
-_work: Callable[[Any, Any], Any] | None = None
-TOKENIZERS_PARALLELISM = "TOKENIZERS_PARALLELISM"
+MAX_ACTORS = 64
+"""An upper bound on the pool: past it the per-actor copy of `shared` costs more than another CPU gives."""
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity, which a container's or Ray's CPU pinning narrows)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def fork_map(
+def map_in_order(
     work: Callable[[Any, Any], Any], tasks: Iterable[Any], shared: Any, workers: int
 ) -> Generator[Any, None, None]:
-    """work(shared, task) for each task, in task order, on `workers` forked processes when that is more than one.
+    """work(shared, task) for each task, in task order: on `workers` Ray actors when that is more than one.
 
-    Results are yielded as they come in order, so the caller can turn each into its own form and let
-    the worker's go; an exception a task raises is raised here, at that task's place, as Pool.imap does.
+    Results are yielded in order as they come, so the caller can turn each into its own form and let
+    the worker's go; an exception a task raises is raised here, at that task's place.
     """
     tasks = list(tasks)
-    workers = min(workers, len(tasks))
-    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
+    actors = min(workers, len(tasks))
+    if actors < 2:
         yield from (work(shared, task) for task in tasks)
         return
-    global _shared, _work
-    _shared, _work = shared, work
-    # Objects that exist at fork time are never collected by the workers: a collection would write to
-    # every object's header and copy the whole parent heap into each worker, page by page.
-    gc.freeze()
-    # Each worker is one of the job's CPUs already: the tokenizer's own Rust threads would only contend
-    # with the other workers for the same cores (set before the fork, the workers also skip the
-    # tokenizers library's warning about a fork after its threads were used).
-    parallelism = os.environ.get(TOKENIZERS_PARALLELISM)
-    os.environ[TOKENIZERS_PARALLELISM] = "false"
+    import ray
+    from ray.util import ActorPool
+
+    handle = ray.remote(num_cpus=1)(_Worker)
+    shared_ref = ray.put(shared)
+    pool: list[Any] = [handle.remote(work, shared_ref) for _ in range(actors)]
     try:
-        with _forked_with_default_sigterm():
-            pool = multiprocessing.get_context("fork").Pool(workers, initializer=_default_sigterm)
-        with pool:
-            yield from pool.imap(_run, tasks)
+        yield from ActorPool(pool).map(lambda actor, task: actor.run.remote(task), tasks)
     finally:
-        _shared, _work = None, None
-        gc.unfreeze()
-        if parallelism is None:
-            os.environ.pop(TOKENIZERS_PARALLELISM, None)
-        else:
-            os.environ[TOKENIZERS_PARALLELISM] = parallelism
+        for actor in pool:  # a consumer that stops early must not leave actors holding the cluster's CPUs
+            ray.kill(actor)
 
 
-# The pool ends its workers with SIGTERM (on leaving the `with`, after the last result or on an error).
-# A worker that inherited a Python-level SIGTERM handler (the CLI's, which raises, or any that returns)
-# does not die of it while it sleeps, waits on a lock or prints the handler's traceback past a lock a
-# thread of the parent held at fork time: the pool's join then waits forever. The workers therefore
-# take SIGTERM's default, fatal action: forked under it where this runs on the main thread (so even a
-# worker wedged before it runs any Python dies), and set it again as each worker starts.
+def ray_workers(tasks: int) -> int:
+    """How many actors `tasks` tasks should get: the cluster's free CPUs inside a Ray job; 1 outside one."""
+    if tasks < 2:
+        return 1
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        return 1
+    import ray
+
+    if not ray.is_initialized():
+        if "RAY_ADDRESS" not in os.environ:  # set by Ray for a job's entrypoint: not a Ray job
+            return 1
+        ray.init(log_to_driver=False)
+    return max(1, min(tasks, MAX_ACTORS, int(ray.available_resources().get("CPU", 0))))
+
+
+class _Worker:
+    """One Ray actor: `shared` arrives once (Ray resolves the object reference), each task is one call."""
+
+    def __init__(self, work: Callable[[Any, Any], Any], shared: Any) -> None:
+        self.work, self.shared = work, shared
+        # Each actor is one of the job's CPUs already: the tokenizer's own Rust threads would only
+        # contend with the other actors for the same cores.
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        gc.disable()  # as in the driver (collector_paused): the rows are acyclic, reference counting frees them
+
+    def run(self, task: Any) -> Any:
+        return self.work(self.shared, task)
 
 
 @contextmanager
@@ -84,9 +87,8 @@ def collector_paused() -> Iterator[None]:
 
     Parsing, rendering and tokenizing a corpus allocate millions of small acyclic containers (rows,
     token lists) that reference counting frees; the collector finds nothing among them, yet each of its
-    passes walks them all: a quarter of the data stage's CPU time on 100,000 rows. Forked workers
-    inherit the setting. Whatever cycles the block does make (jinja's rendering) wait for the
-    collector's next pass after it.
+    passes walks them all: a quarter of the data stage's CPU time on 100,000 rows. Whatever cycles the
+    block does make (jinja's rendering) wait for the collector's next pass after it.
     """
     was_enabled = gc.isenabled()
     gc.disable()
@@ -95,25 +97,3 @@ def collector_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
-
-
-@contextmanager
-def _forked_with_default_sigterm() -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        yield  # only the main thread may change a handler; the workers' initializer still applies
-        return
-    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    try:
-        yield
-    finally:
-        if previous is not None:  # None: a handler set outside Python, which cannot be put back from here
-            signal.signal(signal.SIGTERM, previous)
-
-
-def _default_sigterm() -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-def _run(task: Any) -> Any:
-    assert _work is not None, "fork_map's work is set before its pool forks"
-    return _work(_shared, task)
