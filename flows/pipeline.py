@@ -33,7 +33,8 @@ from tuneproof.control.record import (
     StageInputs,
 )
 from tuneproof.core import forward_env
-from tuneproof.core.config import PipelineConfig
+from tuneproof.core.config import PipelineConfig, reads_recorded
+from tuneproof.core.config_reads import unread_settings
 from tuneproof.core.names import slug_problem
 from tuneproof.core.results import FailureClass, now_iso, one_line
 from tuneproof.core.storage import Storage
@@ -153,6 +154,10 @@ def end_abnormally(storage: Storage, record: RunRecord | None, e: BaseException)
         logger.error(f"could not mark run {record.run_id} {record.status}: {type(save_error).__name__}: {save_error}")
 
 
+DEFAULTS = PipelineConfig().model_dump(mode="json")
+"""What a setting is when nobody gave it a value: one that differs and that no stage read was ignored."""
+
+
 def missing_forwarded_env(cfg: PipelineConfig) -> str | None:
     """Locally the submitting environment supplies forward_env's values: every name must be set here."""
     missing = [n for n in cfg.runtime_env.forward_env if n not in os.environ]
@@ -180,10 +185,14 @@ def run_stage(
 ) -> StageEntry:
     """One stage with the outputs of earlier stages (from this run's record). The record names the stage
     as running (with its inputs) while it runs, so a flow that dies mid-stage leaves that behind."""
-    why_not = stage.skip(cfg) if stage.skip else None
-    inputs = inputs_now(stage, cfg, wd_hash, record, storage)
+    with reads_recorded(cfg) as skip_reads:
+        why_not = stage.skip(cfg) if stage.skip else None
+    external = stage.external(cfg, storage, record) if stage.external else None
+    config = cfg.model_dump(mode="json")
     if why_not:
+        inputs = table.stage_inputs(stage, config, wd_hash, record, external, skip_reads)
         return StageEntry.skipped(stage.name, why_not).model_copy(update={"inputs": inputs})
+    inputs = table.stage_inputs(stage, config, wd_hash, record, external)  # its last reads, until it has run
     call = StageCall(
         stage=stage.name,
         cfg=cfg,
@@ -200,11 +209,14 @@ def run_stage(
         stage=stage.name, inputs=inputs, job_invocation=call.job_invocation, started_at=now_iso()
     )
     records.save(storage, record)
-    try:
-        entry = stage.run(call)
-    except Exception as e:  # noqa: BLE001 - the record must say how the stage ended, whatever happened
-        get_run_logger().exception(f"stage {stage.name} raised")
-        entry = StageEntry.failed(stage.name, FailureClass.infrastructure, f"{type(e).__name__}: {e}")
+    with reads_recorded(call.cfg) as flow_reads:
+        try:
+            entry = stage.run(call)
+        except Exception as e:  # noqa: BLE001 - the record must say how the stage ended, whatever happened
+            get_run_logger().exception(f"stage {stage.name} raised")
+            entry = StageEntry.failed(stage.name, FailureClass.infrastructure, f"{type(e).__name__}: {e}")
+    reads = table.observed_reads(entry, skip_reads | flow_reads)
+    inputs = table.stage_inputs(stage, config, wd_hash, record, external, reads)
     invocation.running = None
     job_invocation = call.job_invocation if call.job_invocation != call.invocation else None
     return entry.model_copy(update={"inputs": inputs, "job_invocation": job_invocation})
@@ -335,6 +347,10 @@ def unusable_request(storage: Storage, record: RunRecord, cause: str) -> State:
 
 
 def finish(storage: Storage, record: RunRecord, failed: StageEntry | None) -> State:
+    read = [path for entry in record.stages.values() if entry.inputs is not None for path in entry.inputs.config]
+    record.unread_settings = unread_settings(record.config, DEFAULTS, read)
+    if record.unread_settings:
+        get_run_logger().warning(f"settings no stage read (ignored): {', '.join(record.unread_settings)}")
     if failed is None:
         record.status, record.failure_class, record.cause = "succeeded", None, None
     else:

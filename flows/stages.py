@@ -23,7 +23,8 @@ from tasks import resume as resume_tasks
 from tasks.jobs import StageCall, connectivity, evaluate, finetune, job_stage, verify
 from tuneproof.control import registry
 from tuneproof.control.record import DataIdentity, RunRecord, StageEntry, StageInputs, json_schema
-from tuneproof.core.config import PipelineConfig
+from tuneproof.core import config_reads
+from tuneproof.core.config import PipelineConfig, Timeouts
 from tuneproof.core.hashing import sha256_json
 from tuneproof.core.results import FailureClass
 from tuneproof.core.storage import Storage
@@ -57,7 +58,11 @@ class Need:
         return f"{self.stage}.{self.output}"
 
 
-@dataclass(frozen=True)
+IN_FLOW = "in-flow"
+"""A Stage's `timeout` when it runs in the flow process and submits no Ray job (promote)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Stage:
     name: str
     run: Callable[[StageCall], StageEntry]
@@ -68,8 +73,9 @@ class Stage:
     """One line for the terminal summary, from a succeeded stage's summary."""
     fails_as: tuple[FailureClass, ...]
     """The failure classes this stage can end with."""
-    timeout: str | None = None
-    """The config.timeouts field that bounds the stage (job-backed stages)."""
+    timeout: str = ""
+    """The config.timeouts field that bounds the stage's Ray jobs, or IN_FLOW for a stage that submits none.
+    Required: a job without a deadline would be stopped at its first status poll."""
     needs: tuple[Need, ...] = ()
     """Outputs of earlier stages passed to the task as inputs; each needs that stage succeeded."""
     reads: tuple[str, ...] = ()
@@ -82,9 +88,6 @@ class Stage:
     """Identity facts the stage's summary contributes to the record's top level."""
     skip: Callable[[PipelineConfig], str | None] | None = None
     """Why the configured run leaves this stage out, or None to run it."""
-    config: tuple[str, ...] = ()
-    """The config sections the stage's result depends on: a change in one reruns it when a run continues.
-    (timeouts bound a stage but never change its result, so no stage lists them.)"""
     external: Callable[[PipelineConfig, Storage, RunRecord], dict[str, str]] | None = None
     """Inputs from outside the run that the stage's result depends on (evaluate: the production model it
     compares against); part of its inputs key, so a continued run re-evaluates when production moved."""
@@ -92,11 +95,23 @@ class Stage:
     """An interrupted attempt (failed as infrastructure, or cut short by a dead flow) continued with the same
     inputs reuses that attempt's Ray job and Ray Train names, so training resumes from its checkpoint."""
 
+    def __post_init__(self) -> None:
+        if not self.timeout:
+            raise ValueError(
+                f"stage {self.name!r} has no timeout: set timeout= to a config.timeouts field "
+                f"({', '.join(Timeouts.model_fields)}) or to IN_FLOW when it submits no Ray job"
+            )
+        if self.timeout != IN_FLOW and self.timeout not in Timeouts.model_fields:
+            raise ValueError(
+                f"stage {self.name!r}: timeout must name a config.timeouts field ({', '.join(Timeouts.model_fields)}) "
+                f"or be IN_FLOW for a stage that submits no Ray job, got {self.timeout!r}"
+            )
+
     def upstream(self) -> set[str]:
         return {n.stage for n in self.needs} | set(self.reads)
 
     def timeout_s(self, cfg: PipelineConfig) -> int:
-        return int(getattr(cfg.timeouts, self.timeout)) if self.timeout else 0
+        return 0 if self.timeout == IN_FLOW else int(getattr(cfg.timeouts, self.timeout))
 
 
 # ---- evidence, metrics and lifts, stage by stage ------------------------------------------------
@@ -230,7 +245,6 @@ STAGES: tuple[Stage, ...] = (
         evidence=verify_evidence,
         fails_as=(INFRA,),
         timeout="verify",
-        config=("cluster", "storage", "runtime_env"),
         artifact=artifacts.verify_findings,
         lift=lift_cluster,
     ),
@@ -241,7 +255,6 @@ STAGES: tuple[Stage, ...] = (
         evidence=connectivity_evidence,
         fails_as=(INFRA,),
         timeout="connectivity",
-        config=("cluster", "connectivity", "runtime_env"),
         artifact=artifacts.connectivity_table,
         metrics=connectivity_metrics,
     ),
@@ -252,7 +265,6 @@ STAGES: tuple[Stage, ...] = (
         evidence=data_evidence,
         fails_as=(DATA, INFRA),
         timeout="data",
-        config=("data", "model", "runtime_env"),
         artifact=artifacts.dataset_summary,
         lift=lift_data,
     ),
@@ -263,7 +275,6 @@ STAGES: tuple[Stage, ...] = (
         evidence=finetune_evidence,
         fails_as=(INFRA, MODELING, DATA),
         timeout="finetune",
-        config=("model", "train", "runtime_env"),
         resumable=True,
         needs=(Need("data", "dataset_path"),),
         artifact=artifacts.loss_image,
@@ -276,7 +287,6 @@ STAGES: tuple[Stage, ...] = (
         evidence=resume_evidence,
         fails_as=(INFRA,),
         timeout="resume",
-        config=("model", "train", "resume", "runtime_env"),
         needs=(
             Need("data", "dataset_path"),
             Need("finetune", "checkpoints", identity=FINETUNED),
@@ -292,7 +302,6 @@ STAGES: tuple[Stage, ...] = (
         evidence=evaluate_evidence,
         fails_as=(MODELING, INFRA, DATA),
         timeout="evaluate",
-        config=("model", "train", "eval", "runtime_env"),
         external=production_version,
         needs=(Need("data", "dataset_path"), Need("finetune", "export_path", identity=FINETUNED)),
         artifact=artifacts.evaluation_table,
@@ -305,7 +314,7 @@ STAGES: tuple[Stage, ...] = (
         evidence=promote_evidence,
         fails_as=(MODELING, INFRA),
         reads=("finetune", "resume", "evaluate"),
-        config=("model", "promote", "eval"),
+        timeout=IN_FLOW,
         lift=lift_promotion,
     ),
 )
@@ -397,14 +406,31 @@ def stage_inputs(
     working_dir_hash: str,
     record: RunRecord,
     external: dict[str, str] | None = None,
+    reads: Iterable[str] | None = None,
 ) -> StageInputs:
-    """What `stage` would run with now: its config sections (from the config as JSON), the job code, the
-    identities of the outputs it needs as the record holds them (an absent one is "missing") and its
-    external inputs (read by the caller with `stage.external`). Pure."""
-    sections = {name: sha256_json(config.get(name)) for name in stage.config}
+    """What `stage` would run with now: the settings it reads (their values in the config as JSON), the job
+    code, the identities of the outputs it needs as the record holds them (an absent one is "missing") and
+    its external inputs (read by the caller with `stage.external`). `reads`: the settings the stage read
+    when it ran (observed, tuneproof.core.config_reads); None takes what it read last time. Pure."""
+    settings = config_reads.reads_hashes(config, list(reads) if reads is not None else last_reads(stage.name, record))
     needs = {str(need): need_identity(need, record) for need in stage.needs} | (external or {})
-    key = sha256_json({"config": sections, "working_dir_hash": working_dir_hash, "needs": needs})
-    return StageInputs(key=key, config=sections, working_dir_hash=working_dir_hash, needs=needs)
+    key = sha256_json({"config": settings, "working_dir_hash": working_dir_hash, "needs": needs})
+    return StageInputs(key=key, config=settings, working_dir_hash=working_dir_hash, needs=needs)
+
+
+def last_reads(name: str, record: RunRecord) -> list[str]:
+    """The settings stage `name` read the last time it ran in this run; every section but the timeouts (which
+    bound a stage without changing its result) when it never ran, so a first attempt's key misses nothing."""
+    entries = [*record.superseded, record.stages.get(name)]
+    for entry in reversed(entries):
+        if entry is not None and entry.stage == name and entry.inputs is not None:
+            return list(entry.inputs.config)
+    return [s for s in PipelineConfig.model_fields if s not in config_reads.NOT_INPUTS]
+
+
+def observed_reads(entry: StageEntry, flow_side: set[str]) -> set[str]:
+    """The settings a stage read: in its Ray jobs (each job's result says) and in the flow while it ran."""
+    return flow_side.union(*(job.result.config_reads for job in entry.jobs))
 
 
 def need_identity(need: Need, record: RunRecord) -> str:

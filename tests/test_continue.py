@@ -128,10 +128,16 @@ def test_stage_inputs_hash_the_sections_the_code_and_the_needed_outputs_identity
     )
     config = PipelineConfig().model_dump(mode="json")
     evaluate = table.by_name("evaluate")
-    one = table.stage_inputs(evaluate, config, "wd", rec)
+    never_ran = table.stage_inputs(evaluate, config, "wd", rec)
+    assert "timeouts" not in never_ran.config and {"eval", "train", "model"} <= set(never_ran.config)
+    reads = ["eval.max_examples", "model.name"]  # what it read when it ran, observed
+    one = table.stage_inputs(evaluate, config, "wd", rec, reads=reads)
     assert one.needs["finetune.export_path"] == "e1"  # the export's content, not its path
-    assert set(one.config) == set(evaluate.config)
-    assert table.stage_inputs(evaluate, config, "wd", rec) == one  # deterministic
+    assert list(one.config) == reads
+    rec.stages["evaluate"] = entry("evaluate", one.key).model_copy(update={"inputs": one})
+    assert table.stage_inputs(evaluate, config, "wd", rec) == one  # deterministic, and its last reads by default
+    unread = {**config, "eval": {**config["eval"], "max_new_tokens": 9}}
+    assert table.stage_inputs(evaluate, unread, "wd", rec).key == one.key
     retrained = tuned.model_copy(update={"export_sha256": "e2"})
     rec.stages["finetune"] = StageEntry.succeeded("finetune", retrained, "t0")
     assert table.stage_inputs(evaluate, config, "wd", rec).key != one.key
@@ -149,12 +155,15 @@ def test_stage_inputs_hash_the_sections_the_code_and_the_needed_outputs_identity
 CALLS: list[str] = []
 
 
-def stand_in(name: str, needs: tuple[Need, ...], section: str) -> Stage:
-    """A stage that records its call and succeeds with a data-shaped summary (so `needs` resolve)."""
+def stand_in(name: str, needs: tuple[Need, ...], setting: str) -> Stage:
+    """A stage that records its call, reads one setting and succeeds with a data-shaped summary (so `needs`
+    resolve). It declares nothing: the setting it reads is observed."""
 
     @task(name=name)
     def run(call: StageCall) -> StageEntry:
         CALLS.append(name)
+        section, field = setting.split(".")
+        getattr(getattr(call.cfg, section), field)
         summary = DataSummary(dataset_path=f"datasets/{name}/{call.invocation}", content_hash=name, dataset_uri="/x")
         return StageEntry.succeeded(name, summary, "t0")
 
@@ -164,17 +173,17 @@ def stand_in(name: str, needs: tuple[Need, ...], section: str) -> Stage:
         summary=DataSummary,
         evidence=lambda s: s.dataset_path,
         fails_as=(INFRA,),
+        timeout=table.IN_FLOW,
         needs=needs,
-        config=(section,),
     )
 
 
 @pytest.fixture
 def stand_ins(monkeypatch):
     stages = (
-        stand_in("a", (), "data"),
-        stand_in("b", (Need("a", "dataset_path"),), "train"),
-        stand_in("c", (Need("b", "dataset_path"),), "eval"),
+        stand_in("a", (), "data.name"),
+        stand_in("b", (Need("a", "dataset_path"),), "train.lr"),
+        stand_in("c", (Need("b", "dataset_path"),), "eval.max_examples"),
     )
     monkeypatch.setattr(table, "STAGES", stages)
     CALLS.clear()
@@ -202,17 +211,28 @@ def test_a_continued_run_keeps_unchanged_stages_and_reruns_a_changed_one_and_its
     rec = records.load(Storage(str(tmp_path)), "cont")
     assert CALLS == [] and rec.invocations[-1].kept == ["a", "b", "c"] and rec.status == "succeeded"
 
-    CALLS.clear()  # a changed train section reruns b and c, keeps a
+    assert {name: list(rec.stages[name].inputs.config) for name in "abc"} == {
+        "a": ["data.name"],
+        "b": ["train.lr"],
+        "c": ["eval.max_examples"],
+    }  # what each stage read, observed
+
+    CALLS.clear()  # a setting no stage read changes nothing
+    unread = cfg.model_copy(update={"train": cfg.train.model_copy(update={"log_every": 7})})
+    assert pipeline(config=unread, run_id="cont", return_state=True).is_completed()
+    assert CALLS == [] and records.load(Storage(str(tmp_path)), "cont").invocations[-1].kept == ["a", "b", "c"]
+
+    CALLS.clear()  # a changed setting that b read reruns b and c, keeps a
     changed = cfg.model_copy(update={"train": cfg.train.model_copy(update={"lr": 0.003})})
     assert pipeline(config=changed, run_id="cont", return_state=True).is_completed()
     rec = records.load(Storage(str(tmp_path)), "cont")
     assert CALLS == ["b", "c"]
     last = rec.invocations[-1]
-    assert last.kept == ["a"] and last.reran == {"b": "inputs changed: config train", "c": "b reran"}
+    assert last.kept == ["a"] and last.reran == {"b": "inputs changed: config train.lr", "c": "b reran"}
     assert last.status == "succeeded" and last.running is None
     assert [e.stage for e in rec.superseded] == ["b", "c"]
-    assert rec.stages["a"].invocation == 1 and rec.stages["c"].invocation == 3
-    assert rec.stages["c"].summary["dataset_path"] == "datasets/c/3"
+    assert rec.stages["a"].invocation == 1 and rec.stages["c"].invocation == 4
+    assert rec.stages["c"].summary["dataset_path"] == "datasets/c/4"
 
 
 @pytest.mark.integration
@@ -276,3 +296,45 @@ def test_runs_show_says_which_stages_were_kept_and_why_others_reran():
         "2 at t1, succeeded; took over the lease of pid 7: its pid 7 is gone; kept verify, data; "
         "reran finetune (failed (infrastructure): interrupted), evaluate (finetune reran)"
     )
+
+
+# ---------------------------------------------------------------- integration: the real pipeline's reads
+
+
+@pytest.mark.integration
+def test_every_stage_stores_the_settings_its_jobs_read_with_their_values(finished_run):
+    """The record's inputs of each stage are the settings observed in its jobs (and the flow), hashed as the
+    config held them: nothing declared by hand."""
+    from tuneproof.core import config_reads
+
+    rec = finished_run.record
+    for name, stage_entry in rec.stages.items():
+        stored = stage_entry.inputs.config
+        job_reads = config_reads.outermost({p for job in stage_entry.jobs for p in job.result.config_reads})
+        covered = {p for p in job_reads if any(p == s or p.startswith(s + ".") for s in stored)}
+        assert covered == job_reads, f"{name}: its jobs read {sorted(job_reads - covered)}, not in its inputs"
+        assert stored == config_reads.reads_hashes(rec.config, list(stored)), name
+        assert not any(p.split(".")[0] == "timeouts" for p in stored), name
+    # The settings each job reads that a hand list once left out or could drift from:
+    reads = {name: set(e.inputs.config) for name, e in rec.stages.items()}
+    assert {"train.num_workers", "train.use_gpu", "train.sharding", "connectivity.iters"} <= reads["connectivity"]
+    assert {"train.lr", "train.max_steps", "train.seed"} <= reads["finetune"]
+    assert {"eval.max_new_tokens", "eval.gates"} <= reads["evaluate"]
+    assert "data.source" in reads["data"] and not any(p.startswith("eval.") for p in reads["data"])
+
+
+@pytest.mark.integration
+def test_continuing_with_another_world_size_reruns_connectivity_and_keeps_the_data(finished_run):
+    rec = finished_run.record
+    config = {**rec.config, "train": {**rec.config["train"], "num_workers": 4}}
+    wd = rec.stages["connectivity"].inputs.working_dir_hash
+    now = {stage.name: table.stage_inputs(stage, config, wd, rec, _external(rec, stage.name)) for stage in table.STAGES}
+    plan = table.plan_continuation(rec.stages, now)
+    assert "data" in plan.kept and "verify" in plan.kept
+    assert plan.reran["connectivity"] == "inputs changed: config train.num_workers"
+    assert plan.reran["finetune"] == "inputs changed: config train.num_workers"
+
+
+def _external(rec: RunRecord, name: str) -> dict[str, str]:
+    """The external inputs the stage ran with (evaluate's production version), as its entry stored them."""
+    return {k: v for k, v in rec.stages[name].inputs.needs.items() if "." in k and k.split(".")[0] not in table.names()}

@@ -41,9 +41,19 @@ TOY = Stage(
     summary=ToySummary,
     evidence=lambda s: f"{s.letters} letters in {s.dataset_path}",
     fails_as=(FailureClass.infrastructure,),
+    timeout=table.IN_FLOW,  # a task in the flow process: it submits no Ray job
     needs=(Need("data", "dataset_path"),),
     metrics=lambda s: {"toy.letters": float(s.letters)},
 )
+
+
+def test_a_stage_without_a_timeout_is_refused_when_it_is_registered():
+    fields = dict(name="late", run=toy_task, summary=ToySummary, evidence=str, fails_as=(FailureClass.infrastructure,))
+    with pytest.raises(ValueError, match="stage 'late' has no timeout: set timeout= to a config.timeouts field"):
+        Stage(**fields)
+    with pytest.raises(ValueError, match="stage 'late': timeout must name a config.timeouts field .* got 'trian'"):
+        Stage(**fields, timeout="trian")
+    assert Stage(**fields, timeout="finetune").timeout_s(PipelineConfig()) == 3600
 
 
 @pytest.fixture
@@ -79,8 +89,7 @@ def test_the_built_in_table_is_in_pipeline_order_with_needs_on_earlier_stages():
         assert stage.upstream() <= earlier, f"{stage.name} needs a later stage"
         for need in stage.needs:
             assert need.output in table.by_name(need.stage).summary.model_fields, f"{stage.name}: {need}"
-        if stage.timeout:
-            assert stage.timeout in Timeouts.model_fields
+        assert stage.timeout in (*Timeouts.model_fields, table.IN_FLOW)
     assert table.downstream("finetune") == ["resume", "evaluate", "promote"]
     assert table.downstream("data") == ["finetune", "resume", "evaluate", "promote"]
     assert table.downstream("promote") == []

@@ -21,7 +21,7 @@ import os
 import time
 from typing import Any
 
-from training.jobkit import JobContext, log, run_stage
+from training.jobkit import ENV_VAR, JobContext, encode_job, load_context, log, run_stage, worker_reads_saved
 from tuneproof.core import transport
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.results import StageFailure, now_iso
@@ -73,7 +73,7 @@ def run_trainer(ctx: JobContext, backend: str) -> str | None:
     )
     trainer = TorchTrainer(
         rank_main,
-        train_loop_config={"config": cfg.model_dump(mode="json"), "report_parts": list(ctx.stage_parts())},
+        train_loop_config={"job": encode_job(ctx.run_id, ctx.job, cfg)},
         torch_config=TorchConfig(backend=backend),
         scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu),
         run_config=run_config,
@@ -90,17 +90,25 @@ def run_trainer(ctx: JobContext, backend: str) -> str | None:
 
 
 def rank_main(loop_config: dict) -> None:
+    """One rank under Ray Train: its story, with the settings it read saved for the job's result."""
+    from ray import train
+
+    ctx = load_context({ENV_VAR: loop_config["job"]}, forwarded=False)  # runs no user code: no secrets needed
+    context = train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    with worker_reads_saved(ctx, rank):
+        rank_story(ctx, rank, world)
+
+
+def rank_story(ctx: JobContext, rank: int, world: int) -> None:
     """One rank's story: started -> joined (first barrier) -> all-reduce sweep -> FSDP steps -> finished."""
     import ray
     import torch.distributed as dist
-    from ray import train
 
     from training.fsdp import worker_device
 
-    cfg = PipelineConfig.model_validate(loop_config["config"])
-    context = train.get_context()
-    rank, world = context.get_world_rank(), context.get_world_size()
-    report = RankReport(Storage.from_config(cfg.storage), loop_config["report_parts"], rank)
+    cfg = ctx.config
+    report = RankReport(ctx.storage, list(ctx.stage_parts()), rank)
     report.update(
         rank=rank,
         world_size=world,

@@ -370,7 +370,7 @@ def train_loop(loop_config: dict) -> None:
 
     ctx = jobkit.load_context({jobkit.ENV_VAR: loop_config["job"]})
     params = TrainParams.model_validate(ctx.params)
-    with outcome_on_failure(ctx, dist.get_rank()):
+    with jobkit.worker_reads_saved(ctx, dist.get_rank()), outcome_on_failure(ctx, dist.get_rank()):
         w = setup(ctx, params)
         start = restore(w, resolve_start(w))
         w.metrics = previous_metrics(w)

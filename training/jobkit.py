@@ -18,14 +18,15 @@ import os
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from pydantic import BaseModel
 
 from tuneproof.core import forward_env
-from tuneproof.core.config import PipelineConfig
+from tuneproof.core.config import PipelineConfig, reads_recorded
 from tuneproof.core.envelope import ENV_VAR, PROGRESS_PREFIX, JobEnvelope, ProgressEvent
 from tuneproof.core.results import FailureClass, StageFailure, StageResult, now_iso, one_line
 from tuneproof.core.storage import Storage
@@ -54,6 +55,10 @@ class JobContext:
         return ("runs", self.run_id, "stages", self.job, *parts)
 
 
+READS = "reads"
+"""runs/<run>/stages/<job>/reads/: each Ray Train worker's config reads (rank-<r>.json)."""
+
+
 def encode_job(run_id: str, job: str, config: PipelineConfig, params: dict[str, Any] | None = None) -> str:
     return JobEnvelope(run_id=run_id, job=job, config=config, params=params or {}).encode()
 
@@ -78,23 +83,51 @@ def progress(stage: str, done: int, total: int, **metrics: Any) -> None:
 
 
 def run_stage(body: Callable[[JobContext], Summary]) -> None:
-    """Run a stage body, write its StageResult, and exit 0 (succeeded) or 1 (failed)."""
+    """Run a stage body, write its StageResult, and exit 0 (succeeded) or 1 (failed).
+
+    The settings the stage read, here and in its Ray Train workers (`worker_reads_saved`), go into the
+    result: they are the stage's config inputs, which a continued run compares.
+    """
     ctx = load_context(forwarded=False)
     started = now_iso()
+    ctx.storage.remove(*ctx.stage_parts(READS), recursive=True)  # a retried job: only this attempt's reads
+    with reads_recorded(ctx.config) as reads:
+        result = _run_body(ctx, body, started)
+    result.config_reads = sorted(reads | _worker_reads(ctx))
+    ctx.storage.write_json(result.model_dump(mode="json"), *ctx.stage_parts("result.json"))
+    exit_now(0 if result.ok else 1)
+
+
+def _run_body(ctx: JobContext, body: Callable[[JobContext], Summary], started: str) -> StageResult:
     try:
         forward_env.load(ctx.config.runtime_env.forward_env)
         summary = body(ctx)
-        result = StageResult(
+        return StageResult(
             stage=ctx.job, status="succeeded", summary=summary.to_json(), started_at=started, ended_at=now_iso()
         )
     except StageFailure as f:
         log(f"stage failed ({f.failure_class.value}): {f.cause}")
-        result = _failed(ctx, started, f.failure_class, f.cause, f.summary)
+        return _failed(ctx, started, f.failure_class, f.cause, f.summary)
     except Exception as e:  # noqa: BLE001 - every failure must leave a classified result behind
         traceback.print_exc()
-        result = _failed(ctx, started, FailureClass.infrastructure, f"{type(e).__name__}: {e}", None)
-    ctx.storage.write_json(result.model_dump(mode="json"), *ctx.stage_parts("result.json"))
-    exit_now(0 if result.ok else 1)
+        return _failed(ctx, started, FailureClass.infrastructure, f"{type(e).__name__}: {e}", None)
+
+
+@contextmanager
+def worker_reads_saved(ctx: JobContext, rank: int) -> Iterator[None]:
+    """A Ray Train worker's reads of the config, saved beside the job's result for `run_stage` to add."""
+    with reads_recorded(ctx.config) as reads:
+        try:
+            yield
+        finally:
+            ctx.storage.write_json(sorted(reads), *ctx.stage_parts(READS, f"rank-{rank}.json"))
+
+
+def _worker_reads(ctx: JobContext) -> set[str]:
+    found: set[str] = set()
+    for name in ctx.storage.listdir(*ctx.stage_parts(READS)):
+        found.update(ctx.storage.read_json(*ctx.stage_parts(READS, name)))
+    return found
 
 
 def exit_now(code: int) -> NoReturn:

@@ -206,6 +206,8 @@ def print_summary(rec: RunRecord, console: Console) -> None:
     evaluation = rec.summary("evaluate", EvaluateSummary)
     for line in evaluation.gates.lines if evaluation else []:
         print_line(console, f"  gate: {line}")
+    if rec.unread_settings:
+        print_line(console, ("  ignored: ", "yellow"), f"set, but no stage read: {', '.join(rec.unread_settings)}")
     promotion = rec.promotion
     if promotion is not None:
         verdict = f"promoted {promotion.version}" if promotion.promoted else "refused: " + "; ".join(promotion.reasons)

@@ -87,12 +87,13 @@ class JobEntry(Model):
 
 class StageInputs(Model):
     """What a stage's result depends on, so a continued run (`tuneproof run --run-id X`) keeps a stage only
-    when none of it changed: the config sections the stage reads, the job code, and the outputs it needs."""
+    when none of it changed: the settings the stage read, the job code, and the outputs it needs."""
 
     key: str
     """sha256 over the three below: equal keys mean equal inputs."""
     config: dict[str, str]
-    """sha256 of each config section the stage reads, by section name."""
+    """sha256 of each setting the stage read when it ran (observed in its jobs and in the flow, by dotted path:
+    `train.num_workers`, `eval.gates`), or of every section but the timeouts before it first ran."""
     working_dir_hash: str
     """The Ray working_dir hash (tuneproof/core, training, eval) the stage would run."""
     needs: dict[str, str] = {}
@@ -249,6 +250,8 @@ class RunRecord(Model):
     """Entries replaced by a rerun of their stage, oldest first."""
     promotion: PromoteSummary | None = None
     invocations: list[Invocation] = []
+    unread_settings: list[str] = []
+    """Settings given a value of their own that no stage read when the run last ended (config_reads)."""
     overrides: list[Override] = []
 
     def summary(self, stage: str, model: type[S]) -> S | None:

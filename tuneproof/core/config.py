@@ -13,13 +13,15 @@ from __future__ import annotations
 import re
 import reprlib
 import string
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tuneproof.core import config_reads
 from tuneproof.core.credentials import credential_problems
 from tuneproof.core.hashing import sha256_json
 from tuneproof.core.names import check_slug, check_storage_root
@@ -48,6 +50,44 @@ class Strict(BaseModel):
 
     # allow_inf_nan=False: a NaN or inf threshold, tolerance or rate makes every comparison it enters meaningless.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    # A section dumped whole is read whole (tuneproof.core.config_reads); single reads are noted by
+    # _noting_getattribute, installed only while a stage is recorded.
+    def model_dump(self, **kwargs: Any) -> dict[str, Any]:
+        if config_reads.ACTIVE.recorder is not None:
+            config_reads.ACTIVE.recorder.note_whole(self)
+        return super().model_dump(**kwargs)
+
+    def model_dump_json(self, **kwargs: Any) -> str:
+        if config_reads.ACTIVE.recorder is not None:
+            config_reads.ACTIVE.recorder.note_whole(self)
+        return super().model_dump_json(**kwargs)
+
+
+def _noting_getattribute(self: Strict, name: str) -> Any:
+    value = object.__getattribute__(self, name)
+    recorder = config_reads.ACTIVE.recorder
+    if recorder is not None and name[0] != "_":
+        recorder.note(self, name, value)
+    return value
+
+
+@contextmanager
+def reads_recorded(cfg: BaseModel) -> Iterator[set[str]]:
+    """The settings of `cfg` read inside the block (this process, any thread), as dotted paths.
+
+    The attribute hook is installed on the config classes only for the block, so code that runs
+    unrecorded (a Prefect process, an encoding actor's hot loop) pays nothing for it.
+    """
+    installed = "__getattribute__" not in Strict.__dict__
+    with config_reads.recording(cfg) as reads:
+        if installed:
+            setattr(Strict, "__getattribute__", _noting_getattribute)  # noqa: B010 - a slot, set for the block
+        try:
+            yield reads
+        finally:
+            if installed:
+                delattr(Strict, "__getattribute__")
 
 
 class ClusterExpect(Strict):

@@ -57,6 +57,8 @@ class StageResult(BaseModel):
     """The stage's summary model as JSON; the reader validates it with the same model."""
     started_at: str
     ended_at: str
+    config_reads: list[str] = []
+    """The dotted config paths the job read (tuneproof.core.config_reads): the stage's config inputs."""
 
     @property
     def ok(self) -> bool:
