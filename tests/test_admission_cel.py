@@ -47,7 +47,7 @@ from celpy import celtypes
 from celpy.evaluation import CELEvalError
 
 from tests.test_flow_run_job import CANARY_TEMPLATE, rendered_job
-from tuneproof.app.lint import without_prefect_pod_fields
+from tuneproof.app.lint.pools import without_prefect_pod_fields
 from tuneproof.control.images import CANARY_CLUSTER_PREFIX
 from tuneproof.control.kube_canary import canary_manifest, canary_name
 from tuneproof.core.config import PROJECT_ROOT

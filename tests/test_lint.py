@@ -14,14 +14,11 @@ import pytest
 import yaml
 
 from tuneproof.app.cli_eks import lint_command
-from tuneproof.app.lint import (
-    PLACEHOLDER_DIGEST,
-    PLACEHOLDER_UID,
-    cluster_gpu_capacity,
-    lint_paths,
-    node_count,
-    ray_version_in_image,
-)
+from tuneproof.app.lint import lint_paths
+from tuneproof.app.lint.images import PLACEHOLDER_DIGEST, image_ray_version
+from tuneproof.app.lint.raycluster import cluster_gpu_capacity
+from tuneproof.app.lint.storage import node_count
+from tuneproof.app.lint.worker import PLACEHOLDER_UID
 from tuneproof.app.schemas.build import _strict
 from tuneproof.core.config import PROJECT_ROOT, load_config
 from tuneproof.core.findings import errors
@@ -146,6 +143,11 @@ def test_ray_version_must_match_the_image_tag_and_the_profile(deploy):
     assert (by_tag.seen, by_tag.expected) == ("2.57.0", "2.58.0")
     by_config = only(findings, field="spec.rayVersion", message="cluster.expect.ray_version")
     assert by_config.expected == "2.58.0"
+
+
+def ray_version_in_image(image: str) -> str | None:
+    """The Ray version an image's tag names, or None."""
+    return image_ray_version(image)[0]
 
 
 def test_ray_version_is_read_only_from_ray_images():

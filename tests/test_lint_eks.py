@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from tuneproof.app.cli_eks import lint_command, with_prefect_project
-from tuneproof.app.lint import allocatable, eks_instance_types, memory_gib, names_loopback
+from tuneproof.app.lint.nodes import allocatable, eks_instance_types, memory_gib, names_loopback
 from tuneproof.core.config import PROJECT_ROOT
 
 EKS = PROJECT_ROOT / "configs" / "eks.yaml"
