@@ -159,7 +159,7 @@ def test_ray_pods_need_a_memory_backed_dev_shm_of_a_sane_size(project, capsys):
         ),
     )
     code, out = lint(project, capsys)
-    assert code == 1 and "emptyDir.sizeLimit is '160Gi', expected '51.0Gi to 85.0Gi" in out
+    assert code == 1 and "emptyDir.sizeLimit is '160Gi', expected '48.0Gi to 80.0Gi" in out
     assert "count against the memory limit" in out
 
 

@@ -17,6 +17,7 @@ the field, and both values. One module per concern, each stating its checks:
     pools       base job templates and the prefect.yaml deployments on them
     canary      the image canary's pool, account and RayCluster policy
     admission   the admission policy on the flow-run Jobs
+    eks         the eksctl config, the bucket policy, the walkthrough script, the flow-run image's Ray
 
 Without a config only the manifest-internal checks run. Pure apart from reading the files.
 """
@@ -24,6 +25,14 @@ Without a config only the manifest-internal checks run. Pure apart from reading 
 from __future__ import annotations
 
 from tuneproof.app.lint.documents import Doc, load_documents, schema_findings
+from tuneproof.app.lint.eks import (
+    canary_label_findings,
+    cluster_config_findings,
+    iam_policy_findings,
+    placeholder_findings,
+    ray_skew_findings,
+    script_findings,
+)
 from tuneproof.app.lint.pools import job_template_findings, prefect_project_findings
 from tuneproof.app.lint.raycluster import raycluster_findings
 from tuneproof.app.lint.security import namespace_findings, network_policy_findings
@@ -52,11 +61,11 @@ def lint_paths(paths: list[str], config: PipelineConfig | None) -> list[Finding]
 def object_findings(doc: Doc, docs: list[Doc], config: PipelineConfig | None) -> list[Finding]:
     """The checks for one object, by kind; the other linted objects are its context (claims, roles, the worker)."""
     if doc.kind == "RayCluster":
-        return raycluster_findings(doc, docs, config)
+        return raycluster_findings(doc, docs, config) + canary_label_findings(doc, docs)
     if doc.kind in WORKLOAD_KINDS:
         return workload_findings(doc, docs)
     if doc.kind == "StorageClass":
-        return storage_class_findings(doc)
+        return storage_class_findings(doc) + placeholder_findings(doc)
     if doc.kind == "Namespace":
         return namespace_findings(doc)
     if doc.kind == "NetworkPolicy":
@@ -65,4 +74,19 @@ def object_findings(doc: Doc, docs: list[Doc], config: PipelineConfig | None) ->
         return job_template_findings(doc, docs, config)
     if doc.kind == "PrefectProject":
         return prefect_project_findings(doc, docs, config)
+    return aws_findings(doc, docs)
+
+
+def aws_findings(doc: Doc, docs: list[Doc]) -> list[Finding]:
+    """The AWS side (eks.py): the eksctl config, the bucket policy, scripts, pins, example values left in place."""
+    if doc.kind == "ClusterConfig":
+        return cluster_config_findings(doc, docs)
+    if doc.kind == "IAMPolicy":
+        return iam_policy_findings(doc)
+    if doc.kind == "ShellScript":
+        return script_findings(doc, docs)
+    if doc.kind == "Requirements":
+        return ray_skew_findings(doc, docs)
+    if doc.kind == "ServiceAccount":
+        return placeholder_findings(doc)
     return []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from pathlib import Path
@@ -23,7 +24,10 @@ from tuneproof.core.findings import Finding
 SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schemas"
 KUBERNETES_SCHEMA = SCHEMA_DIR / "kubernetes-v1.34.json"
 RAYCLUSTER_SCHEMA = SCHEMA_DIR / "raycluster-v1.json"
-MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
+MANIFEST_SUFFIXES = (".yaml", ".yml", ".json", ".sh")
+FILE_KINDS = ("IAMPolicy", "ShellScript", "Requirements")
+"""Files that are not Kubernetes objects but decide what the cluster gets: an IAM policy document, a shell
+script's commands (deployments/eks-up.sh), a pip requirements file (the flow-run image's)."""
 PLACEHOLDER_VARIABLE = re.compile(r"^\{\{\s*[\w.]+\s*\}\}$")
 
 
@@ -38,6 +42,8 @@ class Doc:
     def kind(self) -> str:
         if is_job_template(self.obj):
             return "PrefectBaseJobTemplate"
+        if is_iam_policy(self.obj):
+            return "IAMPolicy"
         return "PrefectProject" if is_prefect_project(self.obj) else self.obj.get("kind", "")
 
     @property
@@ -57,6 +63,8 @@ class Doc:
     def subject(self) -> str:
         if self.kind.startswith("Prefect"):
             return f"{self.file}: " + ("Prefect base job template" if is_job_template(self.obj) else "Prefect project")
+        if self.kind in FILE_KINDS:
+            return f"{self.file}: {self.kind}"
         return f"{self.file}: {self.kind}/{self.name}"
 
 
@@ -84,7 +92,7 @@ def load_documents(paths: list[str]) -> tuple[list[Doc], list[Finding]]:
             typed = (
                 isinstance(obj, dict) and isinstance(obj.get("kind"), str) and isinstance(obj.get("apiVersion"), str)
             )
-            known = is_job_template(obj) or is_prefect_project(obj) or typed
+            known = is_job_template(obj) or is_prefect_project(obj) or is_iam_policy(obj) or typed
             if not isinstance(obj, dict) or not known:
                 findings.append(
                     Finding(
@@ -104,7 +112,7 @@ def manifest_files(paths: list[str]) -> list[Path]:
     for raw in paths:
         path = Path(raw)
         if path.is_dir():
-            files += sorted(p for p in path.rglob("*") if p.suffix in MANIFEST_SUFFIXES and p.is_file())
+            files += sorted(p for p in path.rglob("*") if is_linted(p) and p.is_file())
         elif path.exists():
             files.append(path)
         else:
@@ -112,8 +120,16 @@ def manifest_files(paths: list[str]) -> list[Path]:
     return files
 
 
+def is_linted(path: Path) -> bool:
+    return path.suffix in MANIFEST_SUFFIXES or (path.name.startswith("requirements") and path.suffix == ".txt")
+
+
 def _parse(file: Path) -> list:
     text = file.read_text(encoding="utf-8")
+    if file.suffix == ".sh":
+        return [{"kind": "ShellScript", "apiVersion": "", "commands": shell_commands(text)}]
+    if file.suffix == ".txt":
+        return [{"kind": "Requirements", "apiVersion": "", "pins": requirement_pins(text)}]
     raw = [json.loads(text)] if file.suffix == ".json" else [d for d in yaml.safe_load_all(text) if d is not None]
     objects: list = []
     for obj in raw:
@@ -132,9 +148,57 @@ def is_prefect_project(obj: dict) -> bool:
     return isinstance(obj, dict) and isinstance(obj.get("deployments"), list) and "kind" not in obj
 
 
+def is_iam_policy(obj: dict) -> bool:
+    """An IAM policy document: a Version and a list of Statements."""
+    return isinstance(obj, dict) and isinstance(obj.get("Statement"), list) and "Version" in obj and "kind" not in obj
+
+
+def shell_commands(text: str) -> list[dict]:
+    """Every simple command of a shell script: {line, argv}, the argv as written (variables unexpanded).
+
+    Enough for the scripts in deployments/: continuation lines are joined, `$(...)`, pipes, `&&`, `||`, `;` and
+    `if`/`!`/`then` split or drop, and a line shlex cannot read (a heredoc body) is skipped."""
+    commands = []
+    logical = re.sub(r"\\\n\s*", " ", text).splitlines()
+    for number, line in enumerate(logical, 1):
+        try:
+            words = shlex.split(line, comments=True)
+        except ValueError:
+            continue
+        argv: list[str] = []
+        for word in [*words, ";"]:
+            if word in (";", "|", "&&", "||", "then", "do", "else", "{", "}") or word.endswith(")"):
+                if word.endswith(")") and word not in (";", "|", "&&", "||"):
+                    argv.append(word.rstrip(")"))
+                if argv:
+                    commands.append({"line": number, "argv": argv})
+                argv = []
+            elif "$(" in word:
+                if argv:
+                    commands.append({"line": number, "argv": argv})
+                argv = [word.split("$(", 1)[1]] if word.split("$(", 1)[1] else []
+            elif not argv and word in ("if", "!", "while", "until", "local", "elif"):
+                continue
+            else:
+                argv.append(word)
+    return commands
+
+
+def requirement_pins(text: str) -> dict[str, str]:
+    """{distribution (lower case): version} of every `name==version` line."""
+    pins = {}
+    for line in text.splitlines():
+        name, sep, version = line.split("#", 1)[0].strip().partition("==")
+        if sep:
+            pins[re.split(r"[\[;]", name)[0].strip().lower()] = version.split(";")[0].strip()
+    return pins
+
+
 def schema_findings(doc: Doc) -> list[Finding]:
-    if doc.kind.startswith("Prefect"):
+    if doc.kind.startswith("Prefect") or doc.kind in FILE_KINDS:
         return []  # a base job template is validated as the Job it renders, in job_template_findings
+    if str(doc.obj.get("apiVersion", "")).startswith("eksctl.io/"):
+        return []  # `eksctl create cluster --dry-run -f` validates it; lint checks the fields it reads (eks.py)
     validator = schema_validator(doc.obj.get("apiVersion", ""), doc.kind)
     if validator is None:
         return [

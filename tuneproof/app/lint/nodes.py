@@ -22,6 +22,9 @@ INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
 DAEMONSET_ALLOWANCE = (0.5, 1.0)
 """(cores, GiB) kept on every node for the EKS add-on DaemonSets (aws-node, kube-proxy, CSI node plugins,
 the NVIDIA and EFA device plugins) when checking that a Ray pod fits its node."""
+EFA_HUGEPAGES_GIB = 5128 * 2 / 1024
+"""Huge pages the EFA installer of EKS's accelerated AMIs reserves on an EFA instance (5128 x 2 MiB, for libfabric's
+buffers; EKS's EFA guide has pods request hugepages-2Mi: 5120Mi): the kubelet takes them out of allocatable memory."""
 SHM_FRACTION = (0.3, 0.5)
 """/dev/shm sizeLimit as a share of the Ray container's memory limit: at least Ray's default object store
 (30% of memory), at most half, since tmpfs pages count against the same limit."""
@@ -118,7 +121,7 @@ def node_fit_findings(doc: Doc, where: str, group: dict) -> list[Finding]:
             "memory",
             requests["memory"],
             allocatable(instance)[1],
-            DAEMONSET_ALLOWANCE[1],
+            DAEMONSET_ALLOWANCE[1] + efa_hugepages_gib(instance),
             "GiB",
         ),
         *_fit(
@@ -134,6 +137,8 @@ def _fit(
     if need <= have - kept:
         return []
     kept_note = f", {kept:g} {unit} of it kept for the node's DaemonSets" if kept else ""
+    if resource == "memory" and kept > DAEMONSET_ALLOWANCE[1]:
+        kept_note += " and EFA's huge pages"
     return [
         Finding(
             subject,
@@ -144,6 +149,11 @@ def _fit(
             "the pod would stay Pending",
         )
     ]
+
+
+def efa_hugepages_gib(instance: dict) -> float:
+    """GiB of memory an instance type's EFA setup holds as huge pages, out of the pods' reach."""
+    return EFA_HUGEPAGES_GIB if instance["efa"] else 0.0
 
 
 def pod_requests(pod_spec: dict) -> dict[str, float]:
