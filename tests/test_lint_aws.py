@@ -94,6 +94,11 @@ def test_the_canary_copy_runs_its_workers_on_their_own_node_group():
     )
     head = copy["spec"]["headGroupSpec"]["template"]["spec"]["nodeSelector"]
     assert head == raycluster["spec"]["headGroupSpec"]["template"]["spec"]["nodeSelector"]
+    # README's optional GCS fault tolerance stays the standing cluster's: the canary's admission policy refuses it
+    raycluster["spec"]["gcsFaultToleranceOptions"] = {"redisAddress": "redis:6379"}
+    assert (
+        "gcsFaultToleranceOptions" not in canary_manifest(raycluster, "img", "tuneproof-canary-x", "tuneproof")["spec"]
+    )
 
 
 def test_eksctl_installs_the_device_plugins_so_a_script_must_not(deploy):

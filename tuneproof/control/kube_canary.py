@@ -76,6 +76,9 @@ def canary_manifest(manifest: dict, image: str, name: str, namespace: str) -> di
     for server_side in ("resourceVersion", "uid", "creationTimestamp", "generation", "managedFields"):
         meta.pop(server_side, None)
     out.pop("status", None)
+    # A candidate's short-lived cluster needs no GCS fault tolerance, must not share the standing cluster's Redis,
+    # and the canary's admission policy refuses the field (deployments/canary.yaml).
+    (out.get("spec") or {}).pop("gcsFaultToleranceOptions", None)
     meta["name"], meta["namespace"] = name, namespace
     meta["labels"] = {**(meta.get("labels") or {}), CANARY_LABEL: "true"}
     spec = out.get("spec") or {}
