@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from tuneproof.app.lint import lint_paths
-from tuneproof.control.kube_canary import CANARY_NODE_GROUP, canary_manifest
+from tuneproof.control.kube_canary import CANARY_LABEL, CANARY_NODE_GROUP, canary_manifest
 from tuneproof.core.config import PROJECT_ROOT, load_config
 from tuneproof.core.findings import Finding, errors
 
@@ -92,6 +92,8 @@ def test_the_canary_copy_runs_its_workers_on_their_own_node_group():
     assert copy["spec"]["workerGroupSpecs"][0]["template"]["spec"]["nodeSelector"]["eks.amazonaws.com/nodegroup"] == (
         CANARY_NODE_GROUP
     )
+    groups = [copy["spec"]["headGroupSpec"], *copy["spec"]["workerGroupSpecs"]]
+    assert all(g["template"]["metadata"]["labels"][CANARY_LABEL] == "true" for g in groups)  # tuneproof-canary-ray
     head = copy["spec"]["headGroupSpec"]["template"]["spec"]["nodeSelector"]
     assert head == raycluster["spec"]["headGroupSpec"]["template"]["spec"]["nodeSelector"]
     # README's optional GCS fault tolerance stays the standing cluster's: the canary's admission policy refuses it

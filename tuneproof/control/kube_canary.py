@@ -83,9 +83,13 @@ def canary_manifest(manifest: dict, image: str, name: str, namespace: str) -> di
     meta["labels"] = {**(meta.get("labels") or {}), CANARY_LABEL: "true"}
     spec = out.get("spec") or {}
     for group in [spec.get("headGroupSpec") or {}, *worker_groups(out)]:
-        pod_spec = (group.get("template") or {}).get("spec") or {}
+        template = group.setdefault("template", {})
+        pod_spec = template.get("spec") or {}
         for container in pod_spec.get("containers") or []:
             container["image"] = image
+        # networkpolicy.yaml's tuneproof-canary-ray selects the canary's pods by it: their ports open to each other only
+        metadata = template.setdefault("metadata", {})
+        metadata["labels"] = {**(metadata.get("labels") or {}), CANARY_LABEL: "true"}
     for group in worker_groups(out):
         pod_spec = group.setdefault("template", {}).setdefault("spec", {})
         # The standing cluster fills its GPU group: the canary's workers go to their own (deployments/cluster.yaml).

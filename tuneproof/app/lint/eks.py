@@ -343,7 +343,7 @@ def canary_label_findings(doc: Doc, docs: list[Doc]) -> list[Finding]:
     peers = [
         (policy, (peer.get("podSelector") or {}).get("matchLabels") or {})
         for policy in docs
-        if policy.kind == "NetworkPolicy" and policy.namespace == doc.namespace
+        if policy.kind == "NetworkPolicy" and policy.namespace == doc.namespace and not _guards_canaries(policy)
         for rule in (policy.obj.get("spec") or {}).get("ingress") or []
         for peer in rule.get("from") or []
     ]
@@ -351,7 +351,7 @@ def canary_label_findings(doc: Doc, docs: list[Doc]) -> list[Finding]:
     for where, group in ray_groups(canary):
         labels = ((group.get("template") or {}).get("metadata") or {}).get("labels") or {}
         for policy, wanted in peers:
-            if wanted and CANARY_LABEL not in wanted and all(labels.get(k) == v for k, v in wanted.items()):
+            if wanted and all(labels.get(k) == v for k, v in wanted.items()):
                 findings.append(
                     Finding(
                         doc.subject,
@@ -363,6 +363,11 @@ def canary_label_findings(doc: Doc, docs: list[Doc]) -> list[Finding]:
                     )
                 )
     return findings
+
+
+def _guards_canaries(policy: Doc) -> bool:
+    """The policy selects the canary's own pods (networkpolicy.yaml's tuneproof-canary-ray), not the standing cluster's."""
+    return CANARY_LABEL in (((policy.obj.get("spec") or {}).get("podSelector") or {}).get("matchLabels") or {})
 
 
 def placeholder_findings(doc: Doc) -> list[Finding]:
