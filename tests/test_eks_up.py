@@ -22,8 +22,10 @@ TOOLS = ("aws", "eksctl", "kubectl", "helm", "crane", "docker", "openssl")
 STUB = r"""#!/usr/bin/env bash
 # Record the call (argv, one field per line, and the Prefect settings it ran with), answer, do nothing.
 name=${0##*/}
-if [ ! -t 0 ] && { [ "$name" = kubectl ] || [ "$name" = docker ]; }; then cat >/dev/null; fi   # a piped manifest
-{ printf '%s\n' "--- $name" "api_url=${PREFECT_API_URL-}" "auth=${PREFECT_API_AUTH_STRING-}"; printf 'arg=%s\n' "$@"; } >>"$STUB_LOG"
+piped=""
+if [ ! -t 0 ] && { [ "$name" = kubectl ] || [ "$name" = docker ]; }; then piped=$(cat); fi   # a piped manifest
+{ printf '%s\n' "--- $name" "api_url=${PREFECT_API_URL-}" "auth=${PREFECT_API_AUTH_STRING-}"; printf 'arg=%s\n' "$@"
+  printf '%s\n' "$piped" | sed -n 's/^kind: */kind=/p'; } >>"$STUB_LOG"
 case " $* " in
   *" get cluster "*|*" head-bucket "*|*" get-policy "*|*" get-role "*|*" describe-repositories "*|*" work-pool inspect "*|*" get secret "*)
     [ "$STUB_EXISTS" = 1 ]; exit ;;
@@ -77,15 +79,15 @@ def run_script(stubs: Path, exists: bool, **env: str) -> list[dict]:
 
 
 def parse_log(text: str) -> list[dict]:
-    """The stubs' records: one per call, {cmd, args, api_url, auth}."""
+    """The stubs' records: one per call, {cmd, args, kinds (of a manifest piped to kubectl), api_url, auth}."""
     calls: list[dict] = []
     for line in text.splitlines():
         if line.startswith("--- "):
-            calls.append({"cmd": line[4:], "args": []})
+            calls.append({"cmd": line[4:], "args": [], "kinds": []})
         else:
             key, _, value = line.partition("=")
-            if key == "arg":
-                calls[-1]["args"].append(value)
+            if key in ("arg", "kind"):
+                calls[-1].setdefault(key + "s", []).append(value)
             else:
                 calls[-1][key] = value
     return calls
@@ -97,6 +99,11 @@ def index(calls: list[dict], cmd: str, *words: str) -> int:
         if call["cmd"] == cmd and all(any(a == w or a.endswith("/" + w) for a in call["args"]) for w in words):
             return i
     raise AssertionError(f"no {cmd} call with {words}: {[(c['cmd'], c['args'][:3]) for c in calls]}")
+
+
+def applied(calls: list[dict], kind: str) -> int:
+    """The position of the first `kubectl apply` whose piped manifest holds an object of this kind."""
+    return next(i for i, c in enumerate(calls) if c["cmd"] == "kubectl" and kind in c["kinds"])
 
 
 def test_a_fresh_account_is_built_in_order(stubs):
@@ -112,13 +119,12 @@ def test_a_fresh_account_is_built_in_order(stubs):
         ("988", "vpc-0test"),
         ("1018-1023", "vpc-0test"),
     }
-    storage = index(calls, "kubectl", "apply")  # the first apply is the namespace; storage after it
-    assert index(calls, "aws", "create-security-group") < storage
+    assert index(calls, "aws", "create-security-group") < applied(calls, "StorageClass")
     assert index(calls, "aws", "create-policy") < index(calls, "eksctl", "iamserviceaccount")
-    # The Ray token and the NetworkPolicy exist before the RayCluster (the stub apply reads stdin: order of applies).
-    applies = [i for i, c in enumerate(calls) if c["cmd"] == "kubectl" and c["args"][:1] == ["apply"]]
+    # The namespace first; the Ray token and the NetworkPolicy before the RayCluster.
     secret_ray = next(i for i, c in enumerate(calls) if "tuneproof-ray-auth" in c["args"] and "create" in c["args"])
-    assert secret_ray < applies[4], "the Ray token Secret before raycluster.yaml (the 5th apply)"
+    assert applied(calls, "Namespace") < secret_ray < applied(calls, "RayCluster")
+    assert applied(calls, "NetworkPolicy") < applied(calls, "RayCluster")
     # Every prefect call runs with the cluster's API and its auth string, never prefect.toml's 127.0.0.1.
     prefect_calls = [c for c in calls if c["cmd"] == "prefect"]
     assert prefect_calls and all(c["api_url"] == "https://prefect.example.com/api" for c in prefect_calls)
@@ -127,7 +133,7 @@ def test_a_fresh_account_is_built_in_order(stubs):
     auth_secret = next(i for i, c in enumerate(calls) if "prefect-api-auth" in c["args"])
     pipeline_pool = index(calls, "prefect", "create", "tuneproof-eks")
     canary_pool = index(calls, "prefect", "create", "tuneproof-eks-canary")
-    workers = applies[-2]  # prefect-worker.yaml, then canary.yaml
+    workers = applied(calls, "Deployment")  # prefect-worker.yaml, then canary.yaml's worker
     assert auth_secret < pipeline_pool < canary_pool < workers
     assert index(calls, "tuneproof", "lint") < index(calls, "prefect", "deploy")
     # eksctl installs both device plugins: nothing installs them again.
