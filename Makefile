@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TP := $(VENV)/bin/tuneproof
 PYTHON ?= python3
 
-.PHONY: setup browser demo test test-fast lint faults bench up down clean
+.PHONY: setup browser shellcheck demo test test-fast lint faults bench up down clean
 
 setup: $(VENV)/.installed
 
@@ -22,7 +22,7 @@ demo: setup
 	$(TP) local up
 	$(TP) run
 
-test: setup browser lint
+test: setup browser shellcheck lint
 	$(PY) -m pytest -q
 
 # Lint, format and types before any test: the same checks a reviewer would make, in seconds.
@@ -38,7 +38,14 @@ browser:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	  else echo "chromium is not installed and cannot be installed here: the browser test will be skipped"; fi; }
 
-test-fast: setup lint
+# tests/test_eks_up.py runs shellcheck over deployments/eks-up.sh (Debian's package, as for the browser).
+shellcheck:
+	@command -v shellcheck >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq shellcheck >/dev/null; \
+	  else echo "shellcheck is not installed and cannot be installed here: its test will be skipped"; fi; }
+
+test-fast: setup shellcheck lint
 	$(PY) -m pytest -q -m "not integration and not browser"
 
 # Inject each fault of issue 11 into a real small run (its own Ray head and Prefect server) and print the

@@ -47,7 +47,7 @@ from celpy import celtypes
 from celpy.evaluation import CELEvalError
 
 from tests.test_flow_run_job import CANARY_TEMPLATE, rendered_job
-from tuneproof.app.lint import without_prefect_pod_fields
+from tuneproof.app.lint.pools import without_prefect_pod_fields
 from tuneproof.control.images import CANARY_CLUSTER_PREFIX
 from tuneproof.control.kube_canary import canary_manifest, canary_name
 from tuneproof.core.config import PROJECT_ROOT
@@ -402,7 +402,7 @@ def test_jobs_of_anyone_but_the_workers_are_not_the_policys():
 # --- the canary's RayClusters ----------------------------------------------------------------------------------
 
 RAYCLUSTERS = policy_named("canary.yaml", "tuneproof-canary-rayclusters")
-NAME, FIELDS, AUTH, HEAD_SERVICE, PODS, POD_VOLUMES, POD_SECRETS = messages(RAYCLUSTERS)
+NAME, FIELDS, AUTH, HEAD_SERVICE, PODS, POD_VOLUMES, POD_SECRETS, POD_LABELS = messages(RAYCLUSTERS)
 
 
 def candidate_cluster(short_id: str = "20261201-140000-abc123") -> dict:
@@ -531,6 +531,19 @@ REFUSED = [
             )
         ),
         POD_SECRETS,
+    ),
+    # labelled as a flow-run pod, a candidate's pods would pass networkpolicy.yaml into the standing cluster
+    (
+        lambda body: body["spec"]["workerGroupSpecs"][-1]["template"]["metadata"]["labels"].update(
+            {"app.kubernetes.io/component": "flow-run"}
+        ),
+        POD_LABELS,
+    ),
+    (
+        lambda body: body["spec"]["headGroupSpec"]["template"]["metadata"]["labels"].update(
+            {"ray.io/cluster": "tuneproof"}
+        ),
+        POD_LABELS,
     ),
 ]
 

@@ -21,7 +21,9 @@ import uuid
 import pytest
 import yaml
 
-from tuneproof.app.lint import load_documents, schema_validator, without_prefect_pod_fields, worker_role_namespaces
+from tuneproof.app.lint.documents import load_documents, schema_validator
+from tuneproof.app.lint.pools import without_prefect_pod_fields
+from tuneproof.app.lint.worker import worker_role_namespaces
 from tuneproof.core.config import PROJECT_ROOT, load_config
 
 KubernetesWorkerJobConfiguration = pytest.importorskip("prefect_kubernetes.worker").KubernetesWorkerJobConfiguration

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from tuneproof.app.cli_eks import lint_command, with_prefect_project
-from tuneproof.app.lint import allocatable, eks_instance_types, memory_gib, names_loopback
+from tuneproof.app.lint.nodes import allocatable, eks_instance_types, memory_gib, names_loopback
 from tuneproof.core.config import PROJECT_ROOT
 
 EKS = PROJECT_ROOT / "configs" / "eks.yaml"
@@ -159,7 +159,7 @@ def test_ray_pods_need_a_memory_backed_dev_shm_of_a_sane_size(project, capsys):
         ),
     )
     code, out = lint(project, capsys)
-    assert code == 1 and "emptyDir.sizeLimit is '160Gi', expected '51.0Gi to 85.0Gi" in out
+    assert code == 1 and "emptyDir.sizeLimit is '160Gi', expected '48.0Gi to 80.0Gi" in out
     assert "count against the memory limit" in out
 
 

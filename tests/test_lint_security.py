@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 from tests.test_lint_eks import edit, eks_deployment, gpu_group, head, in_raycluster, lint, project, ray_container
-from tuneproof.app.lint import selects
+from tuneproof.app.lint.security import selects
 from tuneproof.core.config import PROJECT_ROOT
 
 __all__ = ["project"]  # the fixture, shared with tests/test_lint_eks.py

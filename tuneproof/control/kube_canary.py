@@ -4,8 +4,9 @@
         ... run stages against cluster.address ...
 
 The manifest is deployments/raycluster.yaml with every container of the head and worker groups set to
-the candidate image and a unique name (tuneproof-canary-<short id>), so the canary never touches the
-standing cluster. Ready means what verify needs: the RayCluster's status.state is `ready` AND every pod
+the candidate image, a unique name (tuneproof-canary-<short id>), and the worker groups on the node group
+`gpu-canary` (deployments/cluster.yaml: scaled to 2 nodes for a canary, 0 between), so the canary never
+touches the standing cluster or waits for GPUs it holds. Ready means what verify needs: the RayCluster's status.state is `ready` AND every pod
 the spec asks for (head + worker replicas) is Running with its Ready condition true; the wait is bounded
 and reports progress on each change. The cluster is deleted when the block ends, whatever happened: a
 deletion error is logged, never raised over the block's own outcome (the original failure is the one
@@ -43,6 +44,9 @@ from tuneproof.core.results import FailureClass, StageFailure
 
 GROUP, VERSION, PLURAL = "ray.io", "v1", "rayclusters"
 CANARY_LABEL = "tuneproof.io/image-canary"
+NODE_GROUP_LABEL = "eks.amazonaws.com/nodegroup"
+CANARY_NODE_GROUP = "gpu-canary"
+"""The EKS managed node group the canary's Ray workers run on (deployments/cluster.yaml), apart from the standing cluster's."""
 DASHBOARD_PORT = 8265
 Log = Callable[[str], None]
 
@@ -72,13 +76,24 @@ def canary_manifest(manifest: dict, image: str, name: str, namespace: str) -> di
     for server_side in ("resourceVersion", "uid", "creationTimestamp", "generation", "managedFields"):
         meta.pop(server_side, None)
     out.pop("status", None)
+    # A candidate's short-lived cluster needs no GCS fault tolerance, must not share the standing cluster's Redis,
+    # and the canary's admission policy refuses the field (deployments/canary.yaml).
+    (out.get("spec") or {}).pop("gcsFaultToleranceOptions", None)
     meta["name"], meta["namespace"] = name, namespace
     meta["labels"] = {**(meta.get("labels") or {}), CANARY_LABEL: "true"}
     spec = out.get("spec") or {}
     for group in [spec.get("headGroupSpec") or {}, *worker_groups(out)]:
-        pod_spec = (group.get("template") or {}).get("spec") or {}
+        template = group.setdefault("template", {})
+        pod_spec = template.get("spec") or {}
         for container in pod_spec.get("containers") or []:
             container["image"] = image
+        # networkpolicy.yaml's tuneproof-canary-ray selects the canary's pods by it: their ports open to each other only
+        metadata = template.setdefault("metadata", {})
+        metadata["labels"] = {**(metadata.get("labels") or {}), CANARY_LABEL: "true"}
+    for group in worker_groups(out):
+        pod_spec = group.setdefault("template", {}).setdefault("spec", {})
+        # The standing cluster fills its GPU group: the canary's workers go to their own (deployments/cluster.yaml).
+        pod_spec["nodeSelector"] = {**(pod_spec.get("nodeSelector") or {}), NODE_GROUP_LABEL: CANARY_NODE_GROUP}
     return out
 
 
