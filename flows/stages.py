@@ -241,7 +241,7 @@ STAGES: tuple[Stage, ...] = (
         evidence=connectivity_evidence,
         fails_as=(INFRA,),
         timeout="connectivity",
-        config=("cluster", "connectivity", "runtime_env"),
+        config=("cluster", "connectivity", "train", "runtime_env"),  # train: num_workers, use_gpu, sharding
         artifact=artifacts.connectivity_table,
         metrics=connectivity_metrics,
     ),

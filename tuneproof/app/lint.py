@@ -89,6 +89,7 @@ from tuneproof.control.kube_checks import (
     worker_groups,
 )
 from tuneproof.core.config import PipelineConfig
+from tuneproof.core.files import parse_yaml_all, read_regular
 from tuneproof.core.findings import Finding, Severity
 
 SCHEMA_DIR = Path(__file__).resolve().parent / "schemas"
@@ -260,6 +261,10 @@ def object_findings(doc: Doc, docs: list[Doc], config: PipelineConfig | None) ->
 # ---------------------------------------------------------------- reading
 
 
+MAX_MANIFEST_BYTES = 16 << 20
+"""Kubernetes refuses objects over about 1.5 MB; a file past this (or a device, a FIFO) is no manifest."""
+
+
 def load_documents(paths: list[str]) -> tuple[list[Doc], list[Finding]]:
     docs, findings = [], []
     for file in manifest_files(paths):
@@ -313,8 +318,8 @@ def manifest_files(paths: list[str]) -> list[Path]:
 
 
 def _parse(file: Path) -> list:
-    text = file.read_text(encoding="utf-8")
-    raw = [json.loads(text)] if file.suffix == ".json" else [d for d in yaml.safe_load_all(text) if d is not None]
+    text = read_regular(file, MAX_MANIFEST_BYTES).decode("utf-8")
+    raw = [json.loads(text)] if file.suffix == ".json" else [d for d in parse_yaml_all(text) if d is not None]
     objects: list = []
     for obj in raw:
         kind = obj.get("kind") if isinstance(obj, dict) else None
