@@ -23,19 +23,17 @@ another resource that cannot be read; an unexpected exception is one `error: ...
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import signal
 import sys
-import unicodedata
 from enum import Enum
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import typer
 
+from tuneproof.app.preflight import environment_problems, unknown_stage_lines, unread_difference
 from tuneproof.app.terminal import say, screen
 from tuneproof.core.config import PROJECT_ROOT, ConfigError, PipelineConfig, load_config
 from tuneproof.core.names import slug_problem
@@ -117,39 +115,6 @@ def config_or_exit(config: Path | None, sets: list[str]) -> PipelineConfig:
             say(err, f"  {p}")
         raise typer.Exit(EXIT_INVALID_CONFIG)
     return cfg
-
-
-LOG_LEVEL_VARIABLES = ("PREFECT_LOGGING_LEVEL", "PREFECT_LOGGING_ROOT_LEVEL", "PREFECT_LOGGING_SERVER_LEVEL")
-
-
-def environment_problems(environ: dict[str, str] | os._Environ[str]) -> list[str]:
-    """One line per environment variable a command that runs flows reads and would fail on later (Prefect's
-    settings refuse them with a traceback, or a flow run waits on an API that cannot exist). Pure."""
-    problems = []
-    url = environ.get("PREFECT_API_URL", "")
-    parsed = urlparse(url)
-    if url and (parsed.scheme not in ("http", "https") or not parsed.hostname or not _port_ok(parsed)):
-        problems.append(
-            f"PREFECT_API_URL={url!r} is not an http(s) URL of a Prefect API (e.g. http://127.0.0.1:4200/api); "
-            "fix it, or unset it to run on a temporary local server"
-        )
-    levels = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-    for name in LOG_LEVEL_VARIABLES:
-        value = environ.get(name, "")
-        if value and value.upper() not in levels and not value.isdigit():
-            problems.append(f"{name}={value!r} is not a log level: give one of {', '.join(levels)}")
-    verbose = environ.get("TUNEPROOF_VERBOSE", "")
-    if verbose not in ("", "0", "1"):
-        problems.append(f"TUNEPROOF_VERBOSE={verbose!r}: give 1 (Prefect's console log lines) or 0")
-    return problems
-
-
-def _port_ok(parsed: Any) -> bool:
-    try:
-        parsed.port  # noqa: B018 - raises ValueError for a port that is not a number in 0..65535
-    except ValueError:
-        return False
-    return True
 
 
 def prefect_env_or_exit() -> None:
@@ -271,25 +236,14 @@ def check_until(only: list[str] | None, until: str | None) -> None:
 
 
 def refuse_unknown_stages(option: str, given: list[str]) -> None:
-    """Exit 3 naming each name that is not a stage, escaped to ASCII (a Cyrillic 'е' in 'vеrify' prints like
-    the real one) with the stage it looks like."""
+    """Exit 3 naming each name that is not a stage (escaped, with the stage it looks like)."""
     from flows import stages as table
 
-    known = table.names()
-    unknown = [name for name in given if name not in known]
-    if not unknown:
-        return
-    for name in unknown:
-        match = difflib.get_close_matches(ascii_skeleton(name), known, n=1, cutoff=0.6)
-        hint = f"; did you mean {match[0]!r}?" if match else ""
-        say(err, f"{option}: unknown stage {ascii(name)}{hint} (expected some of {', '.join(known)})")
-    raise typer.Exit(EXIT_INVALID_CONFIG)
-
-
-def ascii_skeleton(name: str) -> str:
-    """The ASCII letters a name is written with, accents and look-alikes from other scripts dropped: what
-    'did you mean' compares."""
-    return "".join(ch for ch in unicodedata.normalize("NFKD", name) if ch.isascii())
+    lines = unknown_stage_lines(option, given, table.names())
+    for line in lines:
+        say(err, line)
+    if lines:
+        raise typer.Exit(EXIT_INVALID_CONFIG)
 
 
 def latest_run_id(cfg: PipelineConfig) -> str:
@@ -343,7 +297,10 @@ def compare(
             check_request(cfgs["A"], cfgs["B"], chosen, repeats)
         except ComparisonRefused as e:
             problems.append(str(e))
-        problems += unread_difference(cfgs["A"], cfgs["B"], chosen)
+        from flows import stages as table
+
+        read = {section for stage in table.plan(chosen) for section in stage.config}
+        problems += unread_difference(cfgs["A"], cfgs["B"], chosen, read)
     if problems:
         say(err, "invalid comparison — nothing was submitted:", "bold red")
         for p in problems:
@@ -361,22 +318,6 @@ def compare(
     if result.get("failure_class"):
         raise typer.Exit(exit_code_for(result["failure_class"]))
     raise typer.Exit(0 if result.get("status") == "succeeded" else EXIT_INVALID_CONFIG)
-
-
-def unread_difference(a: PipelineConfig, b: PipelineConfig, stages: list[str]) -> list[str]:
-    """A refusal when arms A and B differ only in config sections none of the chosen stages reads (the stage
-    table's `config`): every run of both arms would measure the same thing."""
-    from flows import stages as table
-
-    doc_a, doc_b = a.model_dump(mode="json"), b.model_dump(mode="json")
-    differing = sorted(k for k in doc_a.keys() | doc_b.keys() if doc_a.get(k) != doc_b.get(k))
-    read = {section for stage in table.plan(stages) for section in stage.config}
-    if not differing or set(differing) & read:
-        return []
-    return [
-        f"arms A and B differ only in {', '.join(differing)}, which the stages {', '.join(stages)} do not read "
-        f"(they read {', '.join(sorted(read))}): both arms would run the same thing"
-    ]
 
 
 # ---------------------------------------------------------------- runs
