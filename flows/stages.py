@@ -428,6 +428,23 @@ def last_reads(name: str, record: RunRecord) -> list[str]:
     return [s for s in PipelineConfig.model_fields if s not in config_reads.NOT_INPUTS]
 
 
+def reads_when_last_run(stages: list[str], records: Iterable[RunRecord]) -> set[str] | None:
+    """The settings `stages` read the last time each ran with its reads observed (records newest first);
+    None when one of them has not run so, here: what it reads is then not known."""
+    found: set[str] = set()
+    for name in stages:
+        entry = next((r.stages[name] for r in records if name in r.stages and _observed(r.stages[name])), None)
+        if entry is None or entry.inputs is None:
+            return None
+        found |= set(entry.inputs.config)
+    return found
+
+
+def _observed(entry: StageEntry) -> bool:
+    """Inputs keyed by observed reads (dotted settings), not by a first attempt's whole sections."""
+    return entry.inputs is not None and any("." in path for path in entry.inputs.config)
+
+
 def observed_reads(entry: StageEntry, flow_side: set[str]) -> set[str]:
     """The settings a stage read: in its Ray jobs (each job's result says) and in the flow while it ran."""
     return flow_side.union(*(job.result.config_reads for job in entry.jobs))

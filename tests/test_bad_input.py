@@ -11,8 +11,14 @@ server; one case uses the moto S3 server for an object key only a store can hold
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import json
+import os
 import shutil
+import stat
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,11 +26,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+import tasks.promote  # noqa: F401 - Prefect imported once, here: a case's timeout then times the case alone
 from tuneproof.app import cli
 from tuneproof.app.cli import app, guarded
 from tuneproof.control import record as records
 from tuneproof.control.record import CodeIdentity
 from tuneproof.core.config import PROJECT_ROOT, PipelineConfig
+from tuneproof.core.results import FailureClass
 from tuneproof.core.storage import Storage, UnsafePath
 
 TRACEBACK = "Traceback (most recent call last)"
@@ -48,6 +56,8 @@ class Case:
     """Writes the input under the temp dir; returns the CLI arguments."""
     code: int
     phrase: str
+    env: tuple[tuple[str, str], ...] = ()
+    """Environment variables set for the command."""
 
 
 def root_args(tmp: Path) -> list[str]:
@@ -344,23 +354,327 @@ TRANSPORT_CASES = [
     Case("log-bad-expect", lambda tmp: ["transport", str(write(tmp / "n.log", "")), "--expect", "ib"], 2, "'ib'"),
 ]
 
+# ---- a record read from the directory it sits in --------------------------------------------------------------
+
+
+def copied_run(*command: str) -> Callable[[Path], list[str]]:
+    """A good run's directory copied under the name 'copy' (its record still names the original)."""
+
+    def build(tmp: Path) -> list[str]:
+        good_record(tmp)
+        shutil.copytree(tmp / "store" / "runs" / GOOD_RUN, tmp / "store" / "runs" / "copy")
+        return [*command, *root_args(tmp)]
+
+    return build
+
+
+def lease(body: dict | str) -> Callable[[Path], list[str]]:
+    """A run left `running` whose lease.json holds `body` (a dict is completed into a lease of this host)."""
+
+    def build(tmp: Path) -> list[str]:
+        good_record(tmp)
+        if isinstance(body, dict):
+            doc = {"run_id": GOOD_RUN, "holder": "h", "pid": 1, "command": "c", "started": "2026-12-01T00:00:00+00:00"}
+            text = json.dumps({**doc, "renewed": doc["started"], **body})
+        else:
+            text = body
+        write(tmp / "store" / "runs" / GOOD_RUN / "lease.json", text)
+        return ["runs", "list", *root_args(tmp)]
+
+    return build
+
+
+def v1_record(command: str) -> Callable[[Path], list[str]]:
+    """A first-release record (no schema_version) whose stage entry is a number, beside a good run."""
+    return record_file(json.dumps({"run_id": "bad", "stages": {"finetune": 5}}), command)
+
+
+PROVENANCE_CASES = [
+    Case("promote-copied-run", copied_run("promote", "copy", "--force", "--reason", "r"), 3, "is the record of run"),
+    Case("show-copied-run", copied_run("runs", "show", "copy"), 1, f"is the record of run '{GOOD_RUN}', not of 'copy'"),
+    Case("list-copied-run", copied_run("runs", "list"), 0, "a copied run directory?"),
+    Case("lease-naive-time", lease({"renewed": "2026-12-01T00:00:00"}), 0, "is not a readable lease"),
+    Case("lease-absurd-pid", lease({"pid": 10**30}), 0, "is not a readable lease"),
+    Case("lease-negative-pid", lease({"pid": -1}), 0, "is not a readable lease"),
+    Case("lease-nan-ttl", lease('{"ttl_s": NaN}'), 0, "is not a readable lease"),
+    Case("lease-infinite-ttl", lease({"ttl_s": 1e400}), 0, "is not a readable lease"),
+    Case("record-v1-odd-stage-listed", v1_record("list"), 0, "unexpected shape"),
+    Case("record-v1-odd-stage-show", v1_record("show"), 1, "unexpected shape"),
+]
+
+# ---- saved kubectl JSON: the named cluster, all of it -------------------------------------------------------------
+
+
+def fixture_json(name: str) -> dict:
+    return json.loads((K8S_FIXTURES / name).read_text())
+
+
+def clusters(named_state: str | None, other_first: bool = True) -> str:
+    """raycluster.json as a List: a healthy cluster 'other', then the named one (in `named_state`; None: absent)."""
+    named = fixture_json("raycluster.json")
+    other = json.loads(json.dumps(named))
+    other["metadata"]["name"] = "other"
+    items = [other]
+    if named_state is not None:
+        named["status"] = {"state": named_state}
+        items.append(named)
+    return json.dumps({"kind": "List", "items": items if other_first else items[::-1]})
+
+
+def pods(edit: Callable[[list[dict]], list[dict]]) -> str:
+    doc = fixture_json("pods.json")
+    doc["items"] = edit(doc["items"])
+    return json.dumps(doc)
+
+
+def worker_of_another_cluster(items: list[dict]) -> list[dict]:
+    stranger = json.loads(json.dumps(items[2]))
+    stranger["metadata"]["labels"]["ray.io/cluster"] = "other"
+    return [items[0], items[1], stranger]
+
+
+CLUSTER_CASES = [
+    Case("clusters-named-one-failed", saved("raycluster.json", clusters("failed")), 4, "status.state is 'failed'"),
+    Case("clusters-named-one-absent", saved("raycluster.json", clusters(None)), 4, "'tuneproof/other', expected"),
+    Case(
+        "raycluster-listed-twice",
+        saved("raycluster.json", json.dumps({"kind": "List", "items": [fixture_json("raycluster.json")] * 2})),
+        4,
+        "RayCluster tuneproof/tuneproof: entries in the saved objects is 2",
+    ),
+    Case(
+        "pod-duplicate-hides-missing-worker",
+        saved("pods.json", pods(lambda items: [items[0], items[1], items[1]])),
+        4,
+        "entries in the saved objects is 2, expected 1",
+    ),
+    Case(
+        "pod-of-another-cluster",
+        saved("pods.json", pods(worker_of_another_cluster)),
+        4,
+        "workerGroupSpecs[gpu] running pods is 1, expected 2",
+    ),
+]
+
+# ---- special files: FIFOs, devices, files too large -------------------------------------------------------------
+
+
+def fifo(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(path)
+    return path
+
+
+def record_fifo(command: str) -> Callable[[Path], list[str]]:
+    def build(tmp: Path) -> list[str]:
+        good_record(tmp)
+        fifo(tmp / "store" / "runs" / "bad" / "record.json")
+        return ["runs", *command.split(), *(["bad"] if command == "show" else []), *root_args(tmp)]
+
+    return build
+
+
+def saved_fifo(tmp: Path) -> list[str]:
+    args = saved("pods.json", None)(tmp)
+    fifo(tmp / "saved" / "pods.json")
+    return args
+
+
+def saved_device(tmp: Path) -> list[str]:
+    args = saved("pods.json", None)(tmp)
+    (tmp / "saved" / "pods.json").symlink_to("/dev/zero")
+    return args
+
+
+def lease_fifo(tmp: Path) -> list[str]:
+    good_record(tmp)
+    fifo(tmp / "store" / "runs" / GOOD_RUN / "lease.json")
+    return ["runs", "list", *root_args(tmp)]
+
+
+SPECIAL_FILE_CASES = [
+    Case("config-fifo", lambda tmp: ["run", "--config", str(fifo(tmp / "c.yaml"))], 3, "is a FIFO (named pipe)"),
+    Case("config-device", lambda tmp: ["runs", "list", "--config", "/dev/zero"], 3, "is a character device"),
+    Case("config-too-large", config_file("# " + "x" * (1 << 20) + "\n"), 3, "is larger than 1,048,576 bytes"),
+    Case("record-fifo-listed", record_fifo("list"), 0, "unreadable"),
+    Case("record-fifo-show", record_fifo("show"), 1, "not a regular file"),
+    Case("lease-fifo", lease_fifo, 0, "is not a readable lease"),
+    Case("saved-pods-fifo", saved_fifo, 4, "pods.json: cannot be read: is a FIFO"),
+    Case("saved-pods-device", saved_device, 4, "pods.json: cannot be read: is a character device"),
+    Case("manifest-fifo", lambda tmp: ["lint", str(fifo(tmp / "m.yaml")), "-c", EKS], 1, "is a FIFO (named pipe)"),
+    Case("log-fifo", lambda tmp: ["transport", str(fifo(tmp / "n.log"))], 2, "is a FIFO (named pipe)"),
+    Case("log-device", lambda tmp: ["transport", "/dev/zero"], 2, "is a character device"),
+]
+
+# ---- duplicate YAML keys ------------------------------------------------------------------------------------------
+
+WEAKENED_GATE = "eval:\n  gates:\n    exact_match: {min: 0.9}\n    exact_match: {min: 0.0}\n"
+
+DUPLICATE_KEY_CASES = [
+    Case(
+        "config-duplicate-key", config_file(WEAKENED_GATE), 3, "duplicate key 'exact_match' at line 4 (first at line 3)"
+    ),
+    Case(
+        "set-duplicate-key", with_set("eval.gates={exact_match: {min: 1}, exact_match: {min: 0}}"), 3, "duplicate key"
+    ),
+    Case(
+        "manifest-duplicate-key",
+        manifest("apiVersion: v1\nkind: Namespace\nmetadata: {name: a}\nkind: Pod\n"),
+        1,
+        "duplicate key 'kind' at line 4 (first at line 2)",
+    ),
+]
+
+# ---- values validated for what they mean -------------------------------------------------------------------------
+
+MEANING_CASES = [
+    Case("set-seed-negative", with_set("train.seed=-1"), 3, "train.seed"),
+    Case("set-data-seed-huge", with_set("data.seed=99999999999"), 3, "data.seed"),
+    Case("set-image-digest-short", with_set("cluster.expect.image=repo@sha256:abc"), 3, "64 lowercase hex digits"),
+    Case("root-file-scheme-empty", with_set("storage.root=file://"), 3, "file:// names no directory"),
+]
+
+# ---- environment variables -----------------------------------------------------------------------------------------
+
+BAD_URL = (("PREFECT_API_URL", "htp:/127.0.0.1:4200/api"),)
+
+ENV_CASES = [
+    Case("env-prefect-url-mistyped", lambda tmp: ["run", *root_args(tmp)], 3, "PREFECT_API_URL=", BAD_URL),
+    Case(
+        "env-prefect-url-bad-port",
+        lambda tmp: ["verify"],
+        3,
+        "PREFECT_API_URL",
+        (("PREFECT_API_URL", "http://127.0.0.1:99999/api"),),
+    ),
+    Case(
+        "env-prefect-log-level",
+        lambda tmp: ["run", *root_args(tmp)],
+        3,
+        "PREFECT_LOGGING_LEVEL='LOUD' is not a log level",
+        (("PREFECT_LOGGING_LEVEL", "LOUD"),),
+    ),
+    Case("env-verbose-odd", lambda tmp: ["run"], 3, "TUNEPROOF_VERBOSE='yes'", (("TUNEPROOF_VERBOSE", "yes"),)),
+    Case(
+        "env-transport-needs-no-prefect",
+        lambda tmp: ["transport", str(write(tmp / "n.log", ""))],
+        0,
+        "inconclusive",
+        BAD_URL,
+    ),
+    Case("env-runs-list-needs-no-prefect", lambda tmp: ["runs", "list", *root_args(tmp)], 0, "run", BAD_URL),
+]
+
+# ---- names: control characters, look-alikes ----------------------------------------------------------------------
+
+NAME_CASES = [
+    Case("show-id-newline", lambda tmp: ["runs", "show", "abc\n"], 2, "holds a control character"),
+    Case("run-id-escape", lambda tmp: ["run", "--run-id", "a\x1b[2J"], 2, "holds a control character"),
+    Case("only-lookalike", lambda tmp: ["run", "--only", "v\u0435rify"], 3, "'v\\u0435rify'; did you mean 'verify'?"),
+    Case("until-lookalike", lambda tmp: ["run", "--until", "fin\u0435tune"], 3, "did you mean 'finetune'?"),
+    Case(
+        "compare-unread-difference",
+        lambda tmp: data_ran(tmp, "train.lr=0.001", "train.lr=0.002"),
+        3,
+        "differ only in train.lr, which the stages data did not read when they last ran (they read data.source)",
+    ),
+]
+
+
+def data_ran(tmp: Path, a: str, b: str) -> list[str]:
+    """A run whose data stage read only data.source (its reads observed), then `compare` of data under A and B."""
+    from tuneproof.control.record import StageEntry, StageInputs
+
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp / "store")}})
+    rec = records.new_record("seen", cfg, CodeIdentity(git_sha="abc", dirty=False), None)
+    inputs = StageInputs(key="k", config={"data.source": "h"}, working_dir_hash="wd")
+    rec.stages["data"] = StageEntry(stage="data", status="succeeded", started_at="t", ended_at="t", inputs=inputs)
+    records.save(Storage(str(tmp / "store")), rec)
+    return ["compare", "--stages", "data", "--a", a, "--b", b, *root_args(tmp)]
+
+
+# ---- logs and pointers: read what they hold -------------------------------------------------------------------------
+
+EFA_LINE = "NCCL INFO NET/OFI Selected provider is efa, fabric is efa-direct\n"
+
+
+def dangling_pointer(tmp: Path) -> list[str]:
+    registry(tmp, pointer=json.dumps({"version": "v0009-gone"}))
+    return ["models", "list", *root_args(tmp)]
+
+
+READ_CASES = [
+    Case(
+        "log-gzip",
+        lambda tmp: ["transport", str(write(tmp / "n.log.gz", gzip.compress(EFA_LINE.encode())))],
+        0,
+        '"efa"',
+    ),
+    Case("log-utf16", lambda tmp: ["transport", str(write(tmp / "n.log", EFA_LINE.encode("utf-16")))], 0, '"efa"'),
+    Case(
+        "log-utf16-no-bom",
+        lambda tmp: ["transport", str(write(tmp / "n.log", EFA_LINE.encode("utf-16-le")))],
+        0,
+        '"efa"',
+    ),
+    Case(
+        "log-gzip-corrupt",
+        lambda tmp: ["transport", str(write(tmp / "n.gz", b"\x1f\x8bnot gzip"))],
+        2,
+        "not readable gzip",
+    ),
+    Case("pointer-dangling", dangling_pointer, 0, "broken (v0009-gone)"),
+]
+
 CLI_CASES = (
-    CONFIG_CASES + STORAGE_URI_CASES + ID_CASES + STORAGE_FILE_CASES + VERIFY_CASES + LINT_CASES + TRANSPORT_CASES
+    CONFIG_CASES
+    + STORAGE_URI_CASES
+    + ID_CASES
+    + STORAGE_FILE_CASES
+    + VERIFY_CASES
+    + LINT_CASES
+    + TRANSPORT_CASES
+    + PROVENANCE_CASES
+    + CLUSTER_CASES
+    + SPECIAL_FILE_CASES
+    + DUPLICATE_KEY_CASES
+    + MEANING_CASES
+    + ENV_CASES
+    + NAME_CASES
+    + READ_CASES
 )
 
 
+CASE_TIMEOUT_S = 60
+"""A case that blocks (a FIFO opened for reading, a device read to the end) fails here instead of hanging."""
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every path under root with its type and, for a regular file, its content hash (a FIFO is never opened)."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        mode = path.lstat().st_mode
+        kind = hashlib.sha256(path.read_bytes()).hexdigest() if stat.S_ISREG(mode) else oct(stat.S_IFMT(mode))
+        out[str(path.relative_to(root))] = kind
+    return out
+
+
+@pytest.mark.timeout(CASE_TIMEOUT_S)
 @pytest.mark.parametrize("case", CLI_CASES, ids=[c.id for c in CLI_CASES])
 def test_cli_bad_input(case: Case, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # relative defaults (the local storage root) land in the temp dir
     for console in (cli.console, cli.err):
         monkeypatch.setattr(console, "width", 10_000)  # one message, one line: phrases are not cut by wrapping
-    result = CliRunner().invoke(app, case.build(tmp_path))
+    args = case.build(tmp_path)
+    before = tree(tmp_path)
+    result = CliRunner().invoke(app, args, env=dict(case.env))
     # Only SystemExit may leave a command: anything else would have reached the guard in cli.main.
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
     assert TRACEBACK not in result.output
     assert "please report" not in result.output
     assert case.phrase in result.output, result.output
     assert result.exit_code == case.code, result.output
+    assert tree(tmp_path) == before  # a refusal (or a read) leaves nothing behind and changes nothing
 
 
 def test_the_guard_is_one_line_and_exit_4(capsys):
@@ -541,3 +855,63 @@ def test_the_flow_refuses_a_bad_run_id_before_anything_runs(run_id: str, tmp_pat
     state = pipeline.fn(cfg, run_id=run_id)
     assert state.is_failed() and f"run id {run_id!r}" in state.message and "nothing ran" in state.message
     assert not (tmp_path / "store").exists()  # no record, no lease, no job
+
+
+# ---- what storage holds reaches the terminal escaped; errors one line, tables whole, off a terminal ------------------
+
+ESCAPES = "\x1b[2J\x1b[31mALL GATES PASSED\x1b[0m\u202e\r\n"
+
+
+def hostile_record(tmp: Path) -> Storage:
+    """A failed run whose cause (a record on shared storage) holds terminal escape sequences and a bidi override."""
+    storage = good_record(tmp)
+    rec = records.load(storage, GOOD_RUN)
+    rec.status, rec.failure_class, rec.cause = "failed", FailureClass.infrastructure, f"lost a worker {ESCAPES}"
+    records.save(storage, rec)
+    return storage
+
+
+@pytest.mark.parametrize("command", [("runs", "list"), ("runs", "show", GOOD_RUN)])
+def test_escape_sequences_from_a_record_are_shown_escaped(command, tmp_path, monkeypatch):
+    hostile_record(tmp_path)
+    monkeypatch.setattr(cli.console, "width", 10_000)
+    result = CliRunner().invoke(app, [*command, *root_args(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "\x1b" not in result.output and "\u202e" not in result.output and "\r" not in result.output
+    assert "\\x1b[2J\\x1b[31mALL GATES PASSED\\x1b[0m\\u202e\\x0d\\x0a" in result.output
+
+
+def cli_process(args: list[str], tmp: Path, **env: str) -> subprocess.CompletedProcess:
+    """The command line as a separate process writing to pipes (not a terminal), as in CI or `| less`."""
+    return subprocess.run(
+        [sys.executable, "-m", "tuneproof.app.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp,
+        env={**os.environ, **env},
+    )
+
+
+@pytest.mark.timeout(240)
+def test_columns_zero_or_narrow_still_prints_whole_rows_and_one_line_errors(tmp_path):
+    good_record(tmp_path)
+    for columns in ("0", "20", "x"):
+        listed = cli_process(["runs", "list", *root_args(tmp_path)], tmp_path, COLUMNS=columns)
+        assert listed.returncode == 0, listed.stderr
+        assert any(GOOD_RUN in line and "running" in line for line in listed.stdout.splitlines()), listed.stdout
+    missing = tmp_path / ("a-long-folder-name-" * 6) / "profile.yaml"
+    refused = cli_process(["run", "--config", str(missing)], tmp_path, COLUMNS="20")
+    assert refused.returncode == 3
+    assert any(str(missing) in line for line in refused.stderr.splitlines()), refused.stderr
+
+
+def test_transport_does_not_import_prefect(tmp_path):
+    log = write(tmp_path / "n.log", "")
+    code = (
+        "import sys; from tuneproof.app.cli import guarded, app; "
+        f"sys.argv = ['tuneproof', 'transport', {str(log)!r}]; guarded(app); "
+        "print('prefect' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip().endswith("False"), done.stdout + done.stderr

@@ -127,7 +127,7 @@ def test_a_bad_override_names_its_arm(tmp_path):
 @pytest.mark.parametrize(
     "args, code, phrase",
     [
-        (["--stages", "nope", "--b", "connectivity.iters=6"], 3, "--stages: unknown stage(s) nope"),
+        (["--stages", "nope", "--b", "connectivity.iters=6"], 3, "--stages: unknown stage 'nope'"),
         (["--stages", "connectivity", "--b", "connectivity.iters=6", "--repeats", "1"], 3, "at least 2"),
         (["--stages", "connectivity", "--b", "connectivity.iters=6", "--threshold", "2"], 3, "between 0 and 1"),
         (["--stages", "connectivity", "--b", "connectivity.iters=6", "--id", "a/b"], 2, "comparison id"),

@@ -149,7 +149,9 @@ def test_heartbeat_renews(tmp_path):
 
 def test_staleness_is_a_pure_decision():
     now = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
-    info = LeaseInfo(run_id="r", holder="h1", pid=7, command="c", started="", renewed=now.isoformat(), ttl_s=60)
+    info = LeaseInfo(
+        run_id="r", holder="h1", pid=7, command="c", started=now.isoformat(), renewed=now.isoformat(), ttl_s=60
+    )
     assert stale_reason(info, now + timedelta(seconds=59), "h1", lambda pid: True) is None
     assert "not renewed for 61s" in stale_reason(info, now + timedelta(seconds=61), "h1", lambda pid: True)
     assert "pid 7 on h1 is gone" in stale_reason(info, now, "h1", lambda pid: False)

@@ -115,7 +115,10 @@ def test_until_plans_the_stages_up_to_and_including_one_and_refuses_a_typo_or_on
 def test_run_until_a_stage_that_is_not_one_exits_3_naming_it(tmp_path):
     result = CliRunner().invoke(app, ["run", "--until", "fintune", "--set", f"storage.root={tmp_path}"])
     assert result.exit_code == 3, result.output
-    assert "--until: unknown stage 'fintune'; expected one of verify, connectivity, data" in result.output
+    assert (
+        "--until: unknown stage 'fintune'; did you mean 'finetune'? (expected some of verify, connectivity, data"
+        in result.output
+    )
     both = CliRunner().invoke(app, ["run", "--only", "data", "--until", "data", "--set", f"storage.root={tmp_path}"])
     assert both.exit_code == 3 and "--only and --until do not combine" in both.output
     assert not Storage(str(tmp_path)).exists("runs")

@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.console import Console
 
-from flows import stages as table
+from tuneproof.app.preflight import environment_problems, unknown_stage_lines, unread_difference
+from tuneproof.app.terminal import say, screen
 from tuneproof.core.config import PROJECT_ROOT, ConfigError, PipelineConfig, load_config
 from tuneproof.core.names import slug_problem
 from tuneproof.core.results import EXIT_BY_CLASS, EXIT_INVALID_CONFIG, FailureClass, exit_code_for
@@ -56,9 +56,12 @@ app.add_typer(local_app, name="local")
 app.add_typer(runs_app, name="runs")
 app.add_typer(models_app, name="models")
 app.add_typer(images_app, name="images")
-console = Console()
-err = Console(stderr=True)
+# Flows and Prefect are imported by the commands that run them, not here: `transport`, `lint`, `runs list` and
+# `models` never need Prefect, so its settings (a mistyped PREFECT_API_URL) cannot stop them.
+console = screen()
+err = screen(stderr=True)
 
+STAGES_HELP = "names from the stage table (flows/stages.py); an unknown one is refused with the list"
 ConfigOpt = typer.Option(None, "--config", "-c", help="YAML profile (default configs/local.yaml).")
 SetOpt = typer.Option([], "--set", "-s", help="Override a field: dotted.key=value (repeatable).")
 
@@ -80,10 +83,10 @@ def guarded(command: Any) -> int:
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except OSError as e:  # storage or a file vanished, refused or broke mid-read: an infrastructure problem
-        err.print(f"error: cannot read {e.filename or 'storage'}: {e.strerror or e}", markup=False)
+        say(err, f"error: cannot read {e.filename or 'storage'}: {e.strerror or e}")
         return EXIT_UNEXPECTED
     except Exception as e:  # noqa: BLE001 - the point of the guard
-        err.print(f"error: {type(e).__name__}: {e} (please report)", markup=False)
+        say(err, f"error: {type(e).__name__}: {e} (please report)")
         return EXIT_UNEXPECTED
     return 0
 
@@ -107,11 +110,20 @@ def config_or_exit(config: Path | None, sets: list[str]) -> PipelineConfig:
     except ConfigError as e:
         problems = e.problems
     if problems:
-        err.print("[bold red]invalid config[/] — nothing was submitted:")
+        say(err, "invalid config — nothing was submitted:", "bold red")
         for p in problems:
-            err.print(f"  {p}", markup=False)
+            say(err, f"  {p}")
         raise typer.Exit(EXIT_INVALID_CONFIG)
     return cfg
+
+
+def prefect_env_or_exit() -> None:
+    """Before a command imports Prefect: each environment problem on its line, exit 3, nothing ran."""
+    problems = environment_problems(os.environ)
+    for problem in problems:
+        say(err, f"environment: {problem}")
+    if problems:
+        raise typer.Exit(EXIT_INVALID_CONFIG)
 
 
 def preflight(cfg: PipelineConfig) -> list[str]:
@@ -128,7 +140,7 @@ def preflight(cfg: PipelineConfig) -> list[str]:
 def run(
     config: Path | None = ConfigOpt,
     sets: list[str] = SetOpt,
-    only: str | None = typer.Option(None, help=f"Comma-separated subset of: {','.join(table.names())}."),
+    only: str | None = typer.Option(None, help=f"Comma-separated subset of the stages: {STAGES_HELP}."),
     until: str | None = typer.Option(
         None,
         help="Run the stages up to and including this one, then stop; `--run-id RUN` later continues the run.",
@@ -142,12 +154,15 @@ def run(
 ) -> None:
     """Run the pipeline; prints the run id; exit code by failure class."""
     cfg = config_or_exit(config, sets)
+    prefect_env_or_exit()
+    from flows import stages as table
+
     stages = parse_only(only)
     check_until(stages, until)
     if stages and not run_id and table.needs_an_earlier_run(table.plan(stages)):
         run_id = latest_run_id(cfg)
-        console.print(
-            f"--only {','.join(stages)} reruns against the latest run, {run_id} (use --run-id to pick another)"
+        say(
+            console, f"--only {','.join(stages)} reruns against the latest run, {run_id} (use --run-id to pick another)"
         )
     from tuneproof.app.terminal import run_with_display
 
@@ -161,7 +176,7 @@ def run(
     except KeyboardInterrupt as e:
         # The flow has marked its record cancelled, stopped its Ray job and released the run's lease.
         how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
-        err.print(f"[bold red]cancelled[/] ({how}): the record says `cancelled`; continue it with --run-id")
+        say(err, f"cancelled ({how}): the record says `cancelled`; continue it with --run-id", "bold red")
         raise typer.Exit(EXIT_CANCELLED) from None
     finally:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
@@ -192,26 +207,43 @@ def run_exit_code(record: Any) -> int:
 
 
 def parse_only(only: str | None, option: str = "--only") -> list[str] | None:
+    from flows import stages as table
+
     if not only:
         return None
     stages = [s.strip() for s in only.split(",") if s.strip()]
+    refuse_unknown_stages(option, stages)
     try:
         table.plan(stages)
     except table.UnknownStages as e:
-        err.print(f"{option}: {e}", markup=False)
+        say(err, f"{option}: {e}")
         raise typer.Exit(EXIT_INVALID_CONFIG) from None
     return stages
 
 
 def check_until(only: list[str] | None, until: str | None) -> None:
     """--until names one stage of the table and does not combine with --only; exit 3 naming the bad value."""
+    from flows import stages as table
+
     if until is None:
         return
+    refuse_unknown_stages("--until", [until])
     try:
         table.plan(only, until)
     except table.UnknownStages as e:
-        err.print(f"--until: {e}", markup=False)
+        say(err, f"--until: {e}")
         raise typer.Exit(EXIT_INVALID_CONFIG) from None
+
+
+def refuse_unknown_stages(option: str, given: list[str]) -> None:
+    """Exit 3 naming each name that is not a stage (escaped, with the stage it looks like)."""
+    from flows import stages as table
+
+    lines = unknown_stage_lines(option, given, table.names())
+    for line in lines:
+        say(err, line)
+    if lines:
+        raise typer.Exit(EXIT_INVALID_CONFIG)
 
 
 def latest_run_id(cfg: PipelineConfig) -> str:
@@ -222,16 +254,14 @@ def latest_run_id(cfg: PipelineConfig) -> str:
     # A run that is still running (or whose writer died), crashed or was cancelled is no base to rerun against.
     finished = [r for r in recs if r.status in ("succeeded", "failed")]
     if not finished:
-        err.print("--only without --run-id needs an earlier finished run to rerun against; none found")
+        say(err, "--only without --run-id needs an earlier finished run to rerun against; none found")
         raise typer.Exit(EXIT_INVALID_CONFIG)
     return finished[0].run_id
 
 
 @app.command()
 def compare(
-    stages: str = typer.Option(
-        ..., "--stages", help=f"Comma-separated stages each repeat runs: {','.join(table.names())}."
-    ),
+    stages: str = typer.Option(..., "--stages", help=f"Comma-separated stages each repeat runs: {STAGES_HELP}."),
     a: list[str] = typer.Option([], "--a", help="An override for arm A only: dotted.key=value (repeatable)."),
     b: list[str] = typer.Option([], "--b", help="An override for arm B only: dotted.key=value (repeatable)."),
     repeats: int = typer.Option(3, "--repeats", help="Runs per arm, interleaved A B A B ... (at least 2)."),
@@ -258,17 +288,26 @@ def compare(
             problems += [f"arm {arm}: {p}" for p in e.problems]
     if not 0 < threshold < 1:
         problems.append(f"--threshold must be between 0 and 1 (got {threshold})")
+    prefect_env_or_exit()
     if not problems:
         from flows.compare import ComparisonRefused, check_request
 
+        chosen = parse_only(stages, "--stages") or []
         try:
-            check_request(cfgs["A"], cfgs["B"], parse_only(stages, "--stages") or [], repeats)
+            check_request(cfgs["A"], cfgs["B"], chosen, repeats)
         except ComparisonRefused as e:
             problems.append(str(e))
+        from flows import stages as table
+        from tuneproof.control import record
+        from tuneproof.core.storage import Storage
+
+        runs, _ = record.list_records(Storage.from_config(cfgs["A"].storage))
+        read = table.reads_when_last_run(table.names(table.plan(chosen or None)), runs)
+        problems += unread_difference(cfgs["A"], cfgs["B"], chosen, read)
     if problems:
-        err.print("[bold red]invalid comparison[/] — nothing was submitted:")
+        say(err, "invalid comparison — nothing was submitted:", "bold red")
         for p in problems:
-            err.print(f"  {p}")
+            say(err, f"  {p}")
         raise typer.Exit(EXIT_INVALID_CONFIG)
     from tuneproof.app.terminal import run_comparison
 
@@ -292,7 +331,7 @@ def storage_for(config: Path | None, sets: list[str]):
 
     storage = Storage.from_config(config_or_exit(config, sets).storage)
     if not storage.is_s3 and Path(storage.root).exists() and not Path(storage.root).is_dir():
-        err.print(f"storage root {storage.root} is not a directory: check storage.root", markup=False)
+        say(err, f"storage root {storage.root} is not a directory: check storage.root")
         raise typer.Exit(EXIT_BY_CLASS[FailureClass.infrastructure])
     return storage
 
@@ -338,7 +377,10 @@ def shown_status(storage: Any, run_id: str, status: str, cause: str | None) -> t
 
     if status != "running":
         return status, cause
-    _, why = lease.stale(storage, run_id)
+    try:
+        _, why = lease.stale(storage, run_id)
+    except OSError as e:  # this run's lease cannot be read: say so on its row, and list the others
+        return status, f"{cause or ''} (its lease cannot be read: {e.strerror or e})".strip()
     if why is None:
         return status, cause
     return "crashed", f"its writer is gone ({why}); the record was left running"
@@ -358,12 +400,13 @@ def runs_show(
     try:
         rec = record.load(storage, run_id)
     except (FileNotFoundError, record.RecordUnreadable) as e:
-        err.print(str(e), markup=False)
+        say(err, e)
         raise typer.Exit(1) from None
     rec.status, rec.cause = shown_status(storage, run_id, rec.status, rec.cause)  # type: ignore[assignment]
     if as_json:
         print(json.dumps(rec.to_json(), indent=2))
         return
+    prefect_env_or_exit()  # the stage table, which writes each stage's evidence line, imports Prefect's task API
     from pydantic import ValidationError
 
     from tuneproof.app.terminal import print_record
@@ -383,6 +426,7 @@ def runs_diff(
     sets: list[str] = SetOpt,
 ) -> None:
     """What changed between two runs: identity, config fields, and metric deltas."""
+    prefect_env_or_exit()  # the stage table, which names each stage's metrics, imports Prefect's task API
     from tuneproof.app.rundiff import diff_records, render_diff
     from tuneproof.control import record
 
@@ -390,7 +434,7 @@ def runs_diff(
     try:
         a, b = record.load(storage, run_a), record.load(storage, run_b)
     except (FileNotFoundError, record.RecordUnreadable) as e:
-        err.print(str(e), markup=False)
+        say(err, e)
         raise typer.Exit(1) from None
     from pydantic import ValidationError
 
@@ -401,16 +445,15 @@ def runs_diff(
     if as_json:
         print(json.dumps(result, indent=2))
     else:
-        console.print(render_diff(result))
+        for line in render_diff(result).splitlines():
+            say(console, line)
 
 
 def summary_unreadable(run: str, e: Any) -> int:
     """A record that parsed but holds a stage summary its model refuses (hand-edited, another release's)."""
     first = e.errors()[0]
     where = ".".join(str(p) for p in first["loc"])
-    err.print(
-        f"run {run}: a stage summary in record.json is not readable: {e.title}.{where}: {first['msg']}", markup=False
-    )
+    say(err, f"run {run}: a stage summary in record.json is not readable: {e.title}.{where}: {first['msg']}")
     return 1
 
 
@@ -430,6 +473,7 @@ def verify(
 
         raise typer.Exit(verify_from_files_command(str(from_files), str(config) if config else None, sets, as_json))
     cfg = config_or_exit(config, sets)
+    prefect_env_or_exit()
     from tuneproof.app.terminal import run_with_display
 
     rec = run_with_display(cfg, None, ["verify"], console)
@@ -466,14 +510,15 @@ def transport(
     expect: TransportExpect = typer.Option(TransportExpect.any, help="What the logs must show."),
 ) -> None:
     """Classify NCCL logs: efa | socket-fallback | inconclusive | gloo. Non-zero exit when --expect is not met."""
-    from tuneproof.core.transport import verdict_for_files
+    from tuneproof.core.files import read_regular
+    from tuneproof.core.transport import MAX_LOG_BYTES, decode_log, verdict_for_files
 
     texts = {}
     for path in logs:
         try:
-            texts[str(path)] = path.read_text(errors="replace")
-        except OSError as e:
-            err.print(f"cannot read {path}: {e.strerror}", markup=False)
+            texts[str(path)] = decode_log(read_regular(path, MAX_LOG_BYTES))
+        except (OSError, ValueError) as e:
+            say(err, f"cannot read {path}: {getattr(e, 'strerror', None) or e}")
             raise typer.Exit(2) from None
     verdict = verdict_for_files(texts, expect.value)
     print(json.dumps(verdict, indent=2))
@@ -490,7 +535,16 @@ def models_list(
     """Registered models and their production versions."""
     from tuneproof.control.registry import list_models
 
-    models = list_models(storage_for(config, sets))
+    storage = storage_for(config, sets)
+    models = list_models(storage)
+    for m in models:
+        pointed = (m.get("production") or {}).get("version")
+        if pointed is not None and pointed not in m.get("versions", []):
+            # A pointer whose version is gone (deleted, or a copy that never finished) serves nothing.
+            m["problem"] = (
+                f"{storage.uri('models', m['name'], 'production.json')} is broken: it names version {pointed!r}, "
+                f"which is not under {storage.uri('models', m['name'])}"
+            )
     if as_json:
         print(json.dumps(models, indent=2))
         return
@@ -500,7 +554,7 @@ def models_list(
     cells = [
         [
             m["name"],
-            "unreadable" if m.get("problem") else (m.get("production") or {}).get("version", "-"),
+            production_cell(m),
             str(len(m.get("versions", []))),
         ]
         for m in models
@@ -508,7 +562,15 @@ def models_list(
     console.print(whole_table(["model", "production version", "versions"], cells, keep=("model", "production version")))
     for m in models:
         if m.get("problem"):
-            err.print(m["problem"], markup=False)
+            say(err, m["problem"])
+
+
+def production_cell(model: dict) -> str:
+    """The production version, `-` without one, or why the pointer serves nothing (unreadable, broken)."""
+    pointed = (model.get("production") or {}).get("version")
+    if model.get("problem"):
+        return f"broken ({pointed})" if pointed is not None else "unreadable"
+    return pointed or "-"
 
 
 @models_app.command("show")
@@ -523,7 +585,7 @@ def models_show(
     try:
         print(json.dumps(show_model(storage_for(config, sets), name), indent=2))
     except (FileNotFoundError, RegistryUnreadable) as e:
-        err.print(str(e), markup=False)
+        say(err, e)
         raise typer.Exit(1) from None
 
 
@@ -537,25 +599,28 @@ def promote(
 ) -> None:
     """The logged override: promote a run's exported model regardless of its gates."""
     if not force or not reason.strip():
-        err.print("promote is an override of the gates: it needs --force and a non-empty --reason")
+        say(err, "promote is an override of the gates: it needs --force and a non-empty --reason")
         raise typer.Exit(2)
     cfg = config_or_exit(config, sets)
+    prefect_env_or_exit()
     from tasks.promote import forced_promotion
+    from tuneproof.control import record
     from tuneproof.control.lease import Lease, LeaseHeld
-    from tuneproof.control.record import RecordUnreadable
     from tuneproof.core.storage import Storage
 
     storage = Storage.from_config(cfg.resolved().storage)
-    # The override writes the run's record: not while a flow is writing it.
+    # The override writes the run's record: not while a flow is writing it, and not at all when the record is
+    # missing or not this run's (a copied directory): checked before the lease, so a refusal leaves nothing.
     lease = Lease(storage, run_id, None, f"tuneproof promote {run_id} --force")
     try:
-        with lease.held(on_problem=err.print):
+        record.load(storage, run_id)
+        with lease.held(on_problem=lambda problem: say(err, problem)):
             result = forced_promotion(cfg, run_id, reason, os.environ.get("USER", "unknown"))
-    except (FileNotFoundError, RecordUnreadable) as e:  # nothing to promote: a refused request
-        err.print(f"promote refused: {e}", markup=False)
+    except (FileNotFoundError, record.RecordUnreadable) as e:  # nothing to promote: a refused request
+        say(err, f"promote refused: {e}")
         raise typer.Exit(EXIT_INVALID_CONFIG) from None
     except LeaseHeld as e:
-        err.print(f"promote refused, nothing was changed: {e}", markup=False)
+        say(err, f"promote refused, nothing was changed: {e}")
         raise typer.Exit(EXIT_INVALID_CONFIG) from None
     print(json.dumps(result.to_json(), indent=2))
     raise typer.Exit(0 if result.promoted else 1)
@@ -588,9 +653,10 @@ def canary(
     from tuneproof.control.images import image_problem
 
     if candidate_image is not None and (problem := image_problem(candidate_image)):
-        err.print(f"--candidate-image {candidate_image!r} {problem}", markup=False)
+        say(err, f"--candidate-image {candidate_image!r} {problem}")
         raise typer.Exit(EXIT_INVALID_CONFIG)
     cfg = config_or_exit(config, sets)
+    prefect_env_or_exit()
     out = err if as_json else console  # --json: stdout is the decision alone; progress goes to stderr
     raise typer.Exit(canary_command(cfg, candidate_image, max_steps, repeats, threshold, decision_id, as_json, out))
 
@@ -613,6 +679,8 @@ def images_show(
     sets: list[str] = SetOpt,
 ) -> None:
     """One decision: the candidate, what verify saw, the baseline, the comparison and the reasons."""
+    if not as_json:
+        prefect_env_or_exit()  # the decision's rendering is the Prefect artifact's
     from tuneproof.app.images_cli import show_command
 
     raise typer.Exit(show_command(storage_for(config, sets), decision_id, as_json, console, err))
@@ -624,6 +692,7 @@ def images_show(
 @local_app.command("up")
 def local_up(ray_only: bool = typer.Option(False, "--ray-only", help="Start only the Ray head.")) -> None:
     """Start the Ray head (at cluster.address), prepare storage and the tiny base model; Prefect server + worker."""
+    prefect_env_or_exit()
     from tuneproof.app import localctl
 
     raise typer.Exit(localctl.up(console, ray_only=ray_only))
@@ -632,6 +701,7 @@ def local_up(ray_only: bool = typer.Option(False, "--ray-only", help="Start only
 @local_app.command("down")
 def local_down() -> None:
     """Stop what `local up` started."""
+    prefect_env_or_exit()
     from tuneproof.app import localctl
 
     raise typer.Exit(localctl.down(console))
@@ -640,6 +710,7 @@ def local_down() -> None:
 @local_app.command("status")
 def local_status() -> None:
     """What is running."""
+    prefect_env_or_exit()
     from tuneproof.app import localctl
 
     raise typer.Exit(localctl.status(console))

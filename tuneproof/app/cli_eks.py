@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from tuneproof.app.terminal import printable
 from tuneproof.core.config import PROJECT_ROOT, ConfigError, PipelineConfig, load_config
 from tuneproof.core.findings import Finding, errors
 from tuneproof.core.results import EXIT_BY_CLASS, EXIT_INVALID_CONFIG, EXIT_OK, FailureClass
@@ -40,10 +41,16 @@ def lint_command(paths: list[str], config_path: str | None, sets: list[str], rea
     except ConfigError as e:
         return _config_error(e)
     except FileNotFoundError as e:
-        print(str(e), file=sys.stderr)
+        print(printable(e), file=sys.stderr)
         return EXIT_LINT_ERRORS
     _print_findings(findings)
-    print(_tally(findings, f"lint of {', '.join(paths)}" + (f" against profile {cfg.profile}{against}" if cfg else "")))
+    print(
+        printable(
+            _tally(
+                findings, f"lint of {', '.join(paths)}" + (f" against profile {cfg.profile}{against}" if cfg else "")
+            )
+        )
+    )
     return EXIT_LINT_ERRORS if errors(findings) else EXIT_OK
 
 
@@ -86,7 +93,7 @@ def verify_from_files_command(directory: str, config_path: str | None, sets: lis
     except ConfigError as e:
         return _config_error(e)
     except (FileNotFoundError, ValueError) as e:
-        print(str(e), file=sys.stderr)
+        print(printable(e), file=sys.stderr)
         return EXIT_BY_CLASS[FailureClass.infrastructure]
     try:
         findings = check_cluster(objects, cfg)
@@ -94,8 +101,10 @@ def verify_from_files_command(directory: str, config_path: str | None, sets: lis
     except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
         # The files parsed as Kubernetes objects, but a field holds a shape kubectl never writes.
         print(
-            f"{directory}: saved objects have an unexpected shape ({type(e).__name__}: {e}); "
-            "save them again with the commands in deployments/README.md",
+            printable(
+                f"{directory}: saved objects have an unexpected shape ({type(e).__name__}: {e}); "
+                "save them again with the commands in deployments/README.md"
+            ),
             file=sys.stderr,
         )
         return EXIT_BY_CLASS[FailureClass.infrastructure]
@@ -109,7 +118,7 @@ def verify_from_files_command(directory: str, config_path: str | None, sets: lis
         )
     else:
         _print_findings(findings)
-        print(_tally(findings, f"verify of {directory} against profile {cfg.profile}"))
+        print(printable(_tally(findings, f"verify of {directory} against profile {cfg.profile}")))
     return EXIT_BY_CLASS[FailureClass.infrastructure] if errors(findings) else EXIT_OK
 
 
@@ -129,14 +138,14 @@ def _config(config_path: str | None, sets: list[str]) -> PipelineConfig | None:
 def _config_error(e: ConfigError) -> int:
     print("invalid config:", file=sys.stderr)
     for problem in e.problems:
-        print(f"  {problem}", file=sys.stderr)
+        print(f"  {printable(problem)}", file=sys.stderr)
     return EXIT_INVALID_CONFIG
 
 
 def _print_findings(findings: list[Finding]) -> None:
     order = {"error": 0, "warning": 1, "info": 2}
     for f in sorted(findings, key=lambda f: order[f.severity]):
-        print(f"{f.severity.upper():7} {f.line()}")
+        print(f"{f.severity.upper():7} {printable(f.line())}")
 
 
 def _tally(findings: list[Finding], what: str) -> str:

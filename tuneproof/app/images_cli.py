@@ -16,6 +16,7 @@ from typing import Any
 
 from rich.console import Console
 
+from tuneproof.app.terminal import say
 from tuneproof.control import images
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.results import EXIT_BY_CLASS, EXIT_INVALID_CONFIG, EXIT_OK, FailureClass
@@ -28,23 +29,20 @@ def list_command(storage: Storage, as_json: bool, console: Console, err: Console
     try:
         current, _ = images.read_current(storage)
     except images.ImagesUnreadable as e:
-        err.print(str(e), markup=False)
+        say(err, e)
         current = None
     decisions, problems = images.history(storage)
     rows = [images.row(d, current) for d in decisions]
     if as_json:
         print(json.dumps(rows, indent=2))
     elif not rows:
-        err.print(
-            f"no image decisions under {storage.uri(images.IMAGES)}: run `tuneproof canary` to record the first",
-            markup=False,
-        )
+        say(err, f"no image decisions under {storage.uri(images.IMAGES)}: run `tuneproof canary` to record the first")
     else:
         from tuneproof.app.terminal import whole_table
 
         console.print(whole_table(LIST_COLUMNS, [list_cells(r) for r in rows], keep=("decision id", "decision")))
     for problem in problems:
-        err.print(problem, markup=False)
+        say(err, problem)
     return EXIT_OK
 
 
@@ -77,7 +75,7 @@ def show_command(storage: Storage, decision_id: str, as_json: bool, console: Con
         decision = images.load_decision(storage, decision_id)
         current, _ = images.read_current(storage)
     except (FileNotFoundError, images.ImagesUnreadable) as e:
-        err.print(str(e), markup=False)
+        say(err, e)
         return EXIT_ABSENT_OR_REJECTED
     doc = {**decision.to_json(), "current": current is not None and current.decision_id == decision_id}
     if as_json:
@@ -85,8 +83,9 @@ def show_command(storage: Storage, decision_id: str, as_json: bool, console: Con
         return EXIT_OK
     from tasks.image_artifacts import render
 
-    console.print(render(decision), markup=False)
-    console.print(f"current: {'yes' if doc['current'] else 'no'}", markup=False)
+    for line in render(decision).splitlines():
+        say(console, line)
+    say(console, f"current: {'yes' if doc['current'] else 'no'}")
     return EXIT_OK
 
 
@@ -107,10 +106,10 @@ def canary_command(
 
     problem = prefect_api_problem()
     if problem:
-        console.print(f"[bold red]cannot run[/]: {problem}")
+        say(console, f"cannot run: {problem}", "bold red")
         return EXIT_BY_CLASS[FailureClass.infrastructure]
     decision_id = decision_id or records.make_run_id()
-    console.print(f"image canary [bold]{decision_id}[/]: {candidate or 'this environment'}")
+    say(console, f"image canary {decision_id}: {candidate or 'this environment'}")
     with stage_lines(console):
         state = image_canary(
             candidate_image=candidate,
@@ -122,18 +121,18 @@ def canary_command(
             return_state=True,
         )
     if (state.message or "").startswith("nothing ran"):
-        console.print(state.message, markup=False, style="bold red")
+        say(console, state.message, "bold red")
         return EXIT_INVALID_CONFIG
     storage = Storage.from_config(cfg.resolved().storage)
     try:
         decision = images.load_decision(storage, decision_id)
     except (FileNotFoundError, images.ImagesUnreadable):
-        console.print(state.message or "the canary ended without a decision", markup=False, style="bold red")
+        say(console, state.message or "the canary ended without a decision", "bold red")
         return EXIT_BY_CLASS[FailureClass.infrastructure]
     for reason in decision.reasons:
-        console.print(f"  {decision.decision}: {reason}", markup=False)
+        say(console, f"  {decision.decision}: {reason}")
     style = "bold green" if state.is_completed() else "bold red"
-    console.print(state.message or decision.decision, markup=False, style=style)
+    say(console, state.message or decision.decision, style)
     if as_json:  # the caller sent everything else to stderr: stdout is this document alone
         print(json.dumps(decision.to_json(), indent=2))
     return EXIT_OK if state.is_completed() else EXIT_ABSENT_OR_REJECTED

@@ -26,7 +26,13 @@ from tuneproof.app.local import STATE_DIR, RayHead
 from tuneproof.core.config import PROJECT_ROOT, load_config
 
 WORK_POOL = "local-process"
-EKS_WORK_POOL = "tuneproof-eks"
+POOLS = (
+    (WORK_POOL, "process", None),
+    ("tuneproof-eks", "kubernetes", "deployments/prefect-k8s-base-job-template.json"),
+    ("tuneproof-eks-canary", "kubernetes", "deployments/prefect-k8s-canary-job-template.json"),
+)
+"""(name, type, base job template) of each work pool prefect.yaml's deployments name (tests/test_readme.py
+checks the list against prefect.yaml)."""
 PREFECT_HOME = STATE_DIR / "prefect"
 
 
@@ -116,24 +122,16 @@ def start_prefect(console: Console) -> None:
         spawn("prefect-worker", [prefect_bin(), "worker", "start", "--pool", WORK_POOL, "--type", "process"])
 
 
-def ensure_work_pools() -> None:
-    """The local process pool, and the EKS pool prefect.yaml names (so `prefect deploy --all` works here too;
-    on EKS the same command with the same base job template creates it)."""
-    pools = [
-        [WORK_POOL, "--type", "process"],
-        [
-            EKS_WORK_POOL,
-            "--type",
-            "kubernetes",
-            "--base-job-template",
-            str(PROJECT_ROOT / "deployments" / "prefect-k8s-base-job-template.json"),
-        ],
-    ]
-    for args in pools:
+def ensure_work_pools(env: dict[str, str] | None = None) -> None:
+    """Every pool prefect.yaml names (POOLS), so the README's `prefect --no-prompt deploy --all` works here too:
+    the EKS pools get the base job templates they have on EKS, and no worker here (their runs wait for EKS's).
+    `env`: the Prefect environment to create them in (default: the local server's)."""
+    for name, kind, template in POOLS:
+        args = [name, "--type", kind, *(["--base-job-template", str(PROJECT_ROOT / template)] if template else [])]
         # Exits non-zero when the pool already exists, which is fine.
         subprocess.run(
             [prefect_bin(), "--no-prompt", "work-pool", "create", *args],
-            env=prefect_env(),
+            env=env or prefect_env(),
             capture_output=True,
             cwd=PROJECT_ROOT,
         )

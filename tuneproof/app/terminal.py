@@ -5,23 +5,31 @@ own console log lines are kept to warnings unless --verbose (TUNEPROOF_VERBOSE=1
 job logs are in the Prefect UI and in each job's Ray logs. Every stage's evidence line comes from
 the stage table (flows/stages.py). Tables fold long cells instead of cutting them: run ids, versions
 and digests are always shown whole, whatever the terminal's width.
+
+Every command prints through this module's consoles and helpers:
+- `screen()`: a console that, off a terminal (a pipe, a file, CI), is as wide as its widest line, so a
+  table is never cut to 80 columns; on a terminal a COLUMNS that is not a positive number is ignored.
+- `say()`: one message on one line, never wrapped by rich (the terminal may fold it; a copied path stays whole).
+- `printable()`: what storage, a log or a saved file holds is text to show, never control characters
+  to obey: every control character, escape sequence and bidi/zero-width format character is escaped.
+Importing this module does not import Prefect (commands such as `transport` never need it).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from rich import box
-from rich.console import Console, Group
+from rich.console import Console, ConsoleDimensions, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from flows import stages as table
 from tuneproof.control.record import Invocation, RunRecord
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.envelope import ProgressEvent, format_metrics
@@ -40,6 +48,58 @@ STATUS_STYLE = {
 }
 
 
+OFF_TERMINAL_WIDTH = 100_000
+"""Off a terminal nothing wraps or cuts: a table is as wide as it needs (rich never pads it to this width)."""
+UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
+"""C0 and C1 controls (ESC starts every terminal escape sequence; CSI is U+009B), and the format characters
+that reorder or hide text (bidi overrides and isolates, zero-width spaces and joiners, the BOM)."""
+
+
+def printable(text: object) -> str:
+    """`text` with every control or invisible format character written as an escape (\\x1b, \\u202e):
+    a record, log or file on shared storage can never move the cursor, recolour, hide or reorder what an
+    operator reads. Newlines are escaped too: a stored one-line field stays one line."""
+    return UNSAFE.sub(lambda m: _escape(m.group()), str(text))
+
+
+def _escape(ch: str) -> str:
+    code = ord(ch)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+class Screen(Console):
+    """rich's Console, sized for output that is read whole: see the module docstring."""
+
+    def __init__(self, stderr: bool = False):
+        # COLUMNS is read here, at print time: rich's own reading takes COLUMNS=0 as a width of 0 (no output).
+        super().__init__(stderr=stderr, _environ={k: v for k, v in os.environ.items() if k != "COLUMNS"})
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        if self._width is not None:  # set by a caller
+            return super().size
+        if not self.is_terminal:
+            return ConsoleDimensions(OFF_TERMINAL_WIDTH, self._height or 25)
+        columns = os.environ.get("COLUMNS", "")
+        dimensions = super().size
+        if columns.isdigit() and int(columns) > 0:
+            return ConsoleDimensions(int(columns), dimensions.height)
+        return dimensions
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        self._width, self._height = new_size
+
+
+def screen(stderr: bool = False) -> Console:
+    return Screen(stderr=stderr)
+
+
+def say(console: Console, message: object, style: str = "") -> None:
+    """One message as one line: escaped (printable), never markup, never wrapped by rich."""
+    console.print(Text(printable(message), style=style), soft_wrap=True)
+
+
 def whole_table(columns: list[str], rows: list[list[str]], keep: tuple[str, ...] = (), **kwargs: Any) -> Table:
     """A table that never cuts a cell: the `keep` columns (ids, versions) stay whole on one line, the
     others fold onto more lines when the terminal is narrow, instead of ending in '…'."""
@@ -51,13 +111,17 @@ def whole_table(columns: list[str], rows: list[list[str]], keep: tuple[str, ...]
         else:
             t.add_column(column, overflow="fold")
     for row in rows:
-        t.add_row(*(Text(cell) for cell in row))  # cells are data (a cause, a file name), never markup
+        t.add_row(*(Text(printable(cell)) for cell in row))  # cells are data (a cause, a file name), never markup
     return t
 
 
 def print_line(console: Console, *parts: str | tuple[str, str]) -> None:
-    """One line that the terminal, not rich, wraps: a long digest is never broken by inserted newlines."""
-    console.print(Text.assemble(*parts), soft_wrap=True)
+    """One line that the terminal, not rich, wraps: a long digest is never broken by inserted newlines.
+    Every part is shown escaped (printable): parts are data from a record."""
+    console.print(
+        Text.assemble(*(printable(p) if isinstance(p, str) else (printable(p[0]), p[1]) for p in parts)),
+        soft_wrap=True,
+    )
 
 
 class Display:
@@ -115,6 +179,7 @@ def run_with_display(
 ) -> RunRecord | dict[str, Any]:
     """Run the flow in-process with a live display; returns the run record (or, when the flow
     ended before writing one, a minimal failure document)."""
+    from flows import stages as table
     from flows.pipeline import NOTHING_RAN, pipeline
     from tasks import events
     from tuneproof.control import record as records
@@ -122,7 +187,7 @@ def run_with_display(
 
     problem = prefect_api_problem()
     if problem:
-        console.print(f"[bold red]cannot run[/]: {problem}")
+        say(console, f"cannot run: {problem}", "bold red")
         return {"run_id": None, "status": "failed", "failure_class": "infrastructure", "cause": problem}
     run_id = run_id or records.make_run_id()
     console.print(f"run id: [bold]{run_id}[/]")
@@ -142,20 +207,20 @@ def run_with_display(
     console.print()  # the live display's last line is not terminated
     if (state.message or "").startswith(NOTHING_RAN):
         # Refused before any stage ran (another flow holds the run, a missing forwarded variable, ...).
-        console.print(f"[bold red]{state.message}[/]")
+        say(console, state.message, "bold red")
         return {"run_id": run_id, "status": "failed", "failure_class": None, "cause": state.message}
     storage = Storage.from_config(cfg.resolved().storage)
     try:
         rec = records.load(storage, run_id)
     except FileNotFoundError:
-        console.print(f"[bold red]the flow ended before writing a record[/]: {state.message}")
+        say(console, f"the flow ended before writing a record: {state.message}", "bold red")
         return {"run_id": run_id, "status": "crashed", "failure_class": None, "cause": state.message}
     except (OSError, records.RecordUnreadable) as e:
-        console.print(f"[bold red]the run's record cannot be read back[/] ({e}): {state.message}")
+        say(console, f"the run's record cannot be read back ({e}): {state.message}", "bold red")
         return {"run_id": run_id, "status": "crashed", "failure_class": None, "cause": state.message}
     if rec.status == "running":
         # The flow raised and could not even mark its record (the storage that failed refused that too).
-        console.print(f"[bold red]run {run_id} crashed and its record could not be updated[/]: {state.message}")
+        say(console, f"run {run_id} crashed and its record could not be updated: {state.message}", "bold red")
         return {"run_id": run_id, "status": "crashed", "failure_class": None, "cause": state.message}
     print_summary(rec, console)
     return rec
@@ -182,6 +247,8 @@ def prefect_api_problem() -> str | None:
 
 def print_summary(rec: RunRecord, console: Console) -> None:
     """One line per stage (status, then its evidence, or its cause when it failed), the gates, the verdict."""
+    from flows import stages as table
+
     names = [*table.names(), *sorted(set(rec.stages) - set(table.names()))]
     entries = [(name, rec.stages[name]) for name in names if name in rec.stages]
     statuses = [e.status + (f" ({e.failure_class.value})" if e.failure_class else "") for _, e in entries]
@@ -279,7 +346,7 @@ def run_comparison(
 
     problem = prefect_api_problem()
     if problem:
-        console.print(f"[bold red]cannot run[/]: {problem}")
+        say(console, f"cannot run: {problem}", "bold red")
         return {"status": "failed", "failure_class": "infrastructure", "cause": problem}
     comparison_id = comparison_id or records.make_run_id()
     console.print(f"comparison id: [bold]{comparison_id}[/] ({', '.join(stages)}; {repeats} repeats, A B A B ...)")
@@ -297,22 +364,22 @@ def run_comparison(
         )
     if state.is_failed() and (state.message or "").startswith("nothing ran"):
         # Refused before its first run (e.g. an id already taken): whatever is stored under the id is not this.
-        console.print(state.message, markup=False, style="bold red")
+        say(console, state.message, "bold red")
         return {"status": "failed", "cause": state.message}
     try:
         result = cmp.load(Storage.from_config(cfg_a.resolved().storage), comparison_id)
     except FileNotFoundError:
-        console.print(f"[bold red]{state.message}[/]")
+        say(console, state.message, "bold red")
         return {"status": "failed", "cause": state.message}
     rows = cmp.summary_rows(result)
     cells = [[fmt_cell(v) for v in row.values()] for row in rows]
     console.print(whole_table(list(rows[0]) if rows else ["metric"], cells, keep=("metric",)))
     uri = Storage.from_config(cfg_a.resolved().storage).uri("comparisons", comparison_id, cmp.COMPARISON)
-    console.print(f"comparison {comparison_id} {result.status}: {uri}")
+    say(console, f"comparison {comparison_id} {result.status}: {uri}")
     out = result.to_json()
     failed = next((o for o in result.order if o.status != "succeeded"), None)
     if failed is not None:
-        console.print(f"[bold red]{failed.run_id} {failed.status}[/]: {failed.cause}")
+        say(console, f"{failed.run_id} {failed.status}: {failed.cause}", "bold red")
         out["failure_class"] = failed.failure_class or "infrastructure"
     return out
 
@@ -327,7 +394,7 @@ def stage_lines(console: Console) -> Iterator[None]:
     def show(event: dict[str, Any]) -> None:
         if event["kind"] == "stage":
             failure = f" ({event['failure_class']})" if event.get("failure_class") else ""
-            console.print(f"  {event['stage']:<13} {event['status']}{failure}")
+            say(console, f"  {event['stage']:<13} {event['status']}{failure}")
 
     unsubscribe = events.subscribe(show)
     try:

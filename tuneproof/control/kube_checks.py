@@ -4,6 +4,7 @@ Input is the dict that tuneproof.control.kube.fetch_cluster_objects (live) or lo
 (saved `kubectl get -o json` output) returns:
 
     raycluster      the RayCluster object, or None when it does not exist
+    rayclusters     saved files only: every RayCluster saved (the checks pick the one the profile names)
     pods            the RayCluster's pods (label ray.io/cluster=<name>)
     nodes           every node
     resourceslices  DRA ResourceSlices, or None when the API is not served / not readable
@@ -108,27 +109,67 @@ def group_spec(raycluster: dict, group_name: str) -> dict | None:
 
 
 def check_cluster(objects: dict, cfg: PipelineConfig) -> list[Finding]:
-    """Every finding about the running RayCluster, its pods and their nodes."""
+    """Every finding about the running RayCluster the profile names, its pods and their nodes."""
     kcfg = cfg.cluster.kubernetes
+    objects, repeats = named_cluster(objects, kcfg.namespace, kcfg.raycluster)
     raycluster = objects.get("raycluster")
     if raycluster is None:
         return [
+            *repeats,
             Finding(
                 f"RayCluster {kcfg.namespace}/{kcfg.raycluster}",
                 "metadata.name",
-                None,
+                objects.get("other_clusters") or None,
                 kcfg.raycluster,
                 "not found: apply deployments/raycluster.yaml or fix cluster.kubernetes",
-            )
+            ),
         ]
     pods = objects.get("pods") or []
     return [
+        *repeats,
         *readiness(raycluster),
         *pod_presence(raycluster, pods),
         *image_digests(raycluster, pods, cfg.cluster.expect.image),
         *gpu_agreement(raycluster, pods, objects.get("ray_nodes"), cfg.cluster.expect.gpus_per_worker),
         *node_devices(pods, objects.get("nodes") or [], objects.get("resourceslices"), cfg.cluster.expect.efa),
         operator_finding(raycluster, pods, objects.get("operator")),
+    ]
+
+
+def named_cluster(objects: dict, namespace: str, name: str) -> tuple[dict, list[Finding]]:
+    """(the objects of RayCluster namespace/name alone, a finding per object listed more than once).
+
+    Saved files can hold several RayClusters (`kubectl get raycluster -A -o json`) and their pods; only the
+    named one is judged, all of it. A listing never repeats an object, so a repeated pod (which would hide a
+    missing one from a count) or node is an error, not a detail."""
+    raycluster = objects.get("raycluster")
+    clusters = (objects.get("rayclusters") or [raycluster]) if raycluster else []
+    mine = [c for c in clusters if _name(c) == name and _namespace(c, namespace) == namespace]
+    pods = [
+        p
+        for p in objects.get("pods") or []
+        if _labels(p).get(CLUSTER_LABEL) == name and _namespace(p, namespace) == namespace
+    ]
+    repeats = [*_repeated("RayCluster", mine), *_repeated("pod", pods), *_repeated("node", objects.get("nodes") or [])]
+    others = ", ".join(f"{_namespace(c, '?')}/{_name(c)}" for c in clusters if c not in mine)
+    return {**objects, "raycluster": mine[0] if mine else None, "pods": pods, "other_clusters": others}, repeats
+
+
+def _repeated(kind: str, items: list[dict]) -> list[Finding]:
+    counts: dict[tuple[str, str], int] = {}
+    for item in items:
+        key = (_namespace(item, ""), _name(item))
+        counts[key] = counts.get(key, 0) + 1
+    return [
+        Finding(
+            f"{kind} {'/'.join(part for part in key if part)}",
+            "entries in the saved objects",
+            count,
+            1,
+            "a listing never repeats an object, and a repeat could stand in for a missing one: save it again",
+        )
+        for key, count in counts.items()
+        if count > 1
     ]
 
 
@@ -384,6 +425,8 @@ def _ray_node(row: dict) -> dict | None:
 
 def summarize(objects: dict, cfg: PipelineConfig | None = None) -> dict[str, Any]:
     """What the run record keeps: image digest per pod, operator version, worker groups, GPU nodes."""
+    if cfg is not None:
+        objects, _ = named_cluster(objects, cfg.cluster.kubernetes.namespace, cfg.cluster.kubernetes.raycluster)
     raycluster = objects.get("raycluster") or {}
     pods = objects.get("pods") or []
     version, source = operator_version(raycluster, pods, objects.get("operator"))
@@ -460,6 +503,10 @@ def _node_summary(node: dict, resourceslices: list[dict] | None) -> dict:
 
 def _name(obj: dict) -> str:
     return (obj.get("metadata") or {}).get("name", "?")
+
+
+def _namespace(obj: dict, default: str) -> str:
+    return (obj.get("metadata") or {}).get("namespace") or default
 
 
 def _labels(obj: dict) -> dict:

@@ -27,12 +27,17 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from tuneproof.core.files import FileRefused, read_regular
 from tuneproof.core.results import now_iso
 from tuneproof.core.storage import Storage, boto_config, split_s3
 
 LEASE = "lease.json"
+MAX_LEASE_BYTES = 64 << 10
+MAX_PID = 2**22
+"""Linux's largest pid_max: a pid beyond it (or below 1, which os.kill reads as a process group) is not one."""
+MAX_TTL_S = 7 * 86400.0
 DEFAULT_TTL_S = 120.0
 """A holder that has not renewed for this long is presumed dead (the heartbeat renews every ttl/4)."""
 
@@ -45,12 +50,21 @@ class LeaseInfo(BaseModel):
     run_id: str
     holder: str
     """The holder's host name."""
-    pid: int
+    pid: int = Field(ge=1, le=MAX_PID)
     flow_run_id: str | None = None
     command: str
     started: str
     renewed: str
-    ttl_s: float = DEFAULT_TTL_S
+    ttl_s: float = Field(DEFAULT_TTL_S, gt=0, le=MAX_TTL_S, allow_inf_nan=False)
+    """A NaN or infinite ttl would never go stale: its run would show `running` forever."""
+
+    @field_validator("started", "renewed")
+    @classmethod
+    def _aware(cls, v: str) -> str:
+        """An ISO time with its offset: a naive one cannot be compared with now (UTC)."""
+        if datetime.fromisoformat(v).tzinfo is None:
+            raise ValueError(f"time {v!r} has no UTC offset")
+        return v
 
     def describe(self) -> str:
         flow = f"flow run {self.flow_run_id}, " if self.flow_run_id else ""
@@ -101,9 +115,13 @@ def read(storage: Storage, run_id: str) -> LeaseInfo | None:
 
 def stale(storage: Storage, run_id: str) -> tuple[LeaseInfo | None, str | None]:
     """(the lease or None, why it no longer protects its holder or None). No lease counts as 'absent'."""
-    info = read(storage, run_id)
-    if info is None:
+    store = _store(storage, run_id)
+    raw = store.read()
+    if raw is None:
         return None, "no lease"
+    info = _parse(raw[0])
+    if info is None:
+        return None, f"{store.where} is not a readable lease"
     return info, stale_reason(info, datetime.now(UTC), socket.gethostname(), pid_alive)
 
 
@@ -257,10 +275,10 @@ class _LocalStore:
 
     def read(self) -> tuple[bytes, bytes] | None:
         try:
-            body = self.path.read_bytes()
+            body = read_regular(self.path, MAX_LEASE_BYTES)
         except FileNotFoundError:
             return None
-        except IsADirectoryError:  # not a lease (a hand-made folder): read as unreadable bytes, held by nobody
+        except (IsADirectoryError, FileRefused):  # not a lease (a folder, a FIFO): unreadable bytes, held by nobody
             body = b""
         return body, body
 

@@ -13,6 +13,7 @@ releases still show.
 
 from __future__ import annotations
 
+import json
 import secrets
 from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar
@@ -20,6 +21,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from tuneproof.core.config import PipelineConfig
+from tuneproof.core.files import FileRefused, read_stored
 from tuneproof.core.results import FailureClass, JsonDict, StageResult, now_iso, one_line
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import ClusterFacts, PromoteSummary, Summary
@@ -296,18 +298,30 @@ class RecordUnreadable(ValueError):
     """A record.json that exists but is not a run record (truncated, hand-edited, another tool's file)."""
 
 
+MAX_RECORD_BYTES = 64 << 20
+"""A record of many invocations is a few hundred kilobytes; past this it is not one (nor worth reading)."""
+
+
 def load(storage: Storage, run_id: str) -> RunRecord:
+    """The record in runs/<run_id>/, which must name `run_id`: a run directory copied under another name holds
+    the original's record, and a writer trusting it would rewrite the original's (RecordUnreadable)."""
     if not storage.exists("runs", run_id, RECORD):
         raise FileNotFoundError(f"no run record for run {run_id!r} under {storage.uri('runs')}")
     try:
-        return parse(storage.read_json("runs", run_id, RECORD))
-    except (ValueError, UnicodeDecodeError, RecursionError, IsADirectoryError, NotADirectoryError) as e:
-        # A record.json that is a directory, or absurdly nested JSON, is this record's problem; any other
-        # OSError (credentials, network) is the store's, and stays an infrastructure error for the caller.
+        record = parse(json.loads(read_stored(storage, ("runs", run_id, RECORD), MAX_RECORD_BYTES)))
+    except (ValueError, UnicodeDecodeError, RecursionError, IsADirectoryError, NotADirectoryError, FileRefused) as e:
+        # A record.json that is a directory, a FIFO, or absurdly nested JSON, is this record's problem; any
+        # other OSError (credentials, network) is the store's, and stays an infrastructure error for the caller.
         why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}"
         raise RecordUnreadable(
             f"{storage.uri('runs', run_id, RECORD)} is not a readable run record: {one_line(why, 300)}"
         ) from None
+    if record.run_id != run_id:
+        raise RecordUnreadable(
+            f"{storage.uri('runs', run_id, RECORD)} is the record of run {record.run_id!r}, not of {run_id!r} "
+            "(a copied run directory?): it is not read, and never written, under this name"
+        )
+    return record
 
 
 def parse(doc: Any) -> RunRecord:
@@ -316,7 +330,10 @@ def parse(doc: Any) -> RunRecord:
         raise ValueError(f"expected a JSON object, got {type(doc).__name__}")
     version = doc.get("schema_version", 1)
     if version == 1:
-        doc = upgrade_v1(doc)
+        try:
+            doc = upgrade_v1(doc)
+        except (KeyError, TypeError, AttributeError) as e:  # a field of a shape the first release never wrote
+            raise ValueError(f"a schema 1 record of an unexpected shape ({type(e).__name__}: {e})") from None
     elif version != SCHEMA_VERSION:
         raise ValueError(f"schema_version {version!r} is not one this release reads (1..{SCHEMA_VERSION})")
     try:
@@ -363,6 +380,9 @@ def list_records(storage: Storage) -> tuple[list[RunRecord], list[RecordRow]]:
             records.append(load(storage, run_id))
         except RecordUnreadable as e:
             unreadable.append(RecordRow(run_id=run_id, status="unreadable", cause=str(e)))
+        except OSError as e:  # this one file refused (permissions, vanished): one row, not the end of the listing
+            cause = f"{storage.uri('runs', run_id, RECORD)} cannot be read: {e.strerror or e}"
+            unreadable.append(RecordRow(run_id=run_id, status="unreadable", cause=cause))
     return sorted(records, key=lambda r: r.created_at, reverse=True), unreadable
 
 
@@ -376,6 +396,4 @@ def json_schema() -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    import json
-
     print(json.dumps(json_schema(), indent=2, sort_keys=True))

@@ -23,10 +23,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tuneproof.core import config_reads
 from tuneproof.core.credentials import credential_problems
+from tuneproof.core.files import DuplicateKey, parse_yaml, read_regular
 from tuneproof.core.hashing import sha256_json
 from tuneproof.core.names import check_slug, check_storage_root
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+DIGEST_REF = re.compile(r"@sha256:[0-9a-f]{64}$")
+"""The end of an image pinned by digest: a shorter hex string names no image."""
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RESERVED_ENV = {"TUNEPROOF_JOB", "TUNEPROOF_FORWARD_ENV_FILE"}
 """Set by the pipeline for every job (tuneproof.core.envelope, tuneproof.core.forward_env)."""
@@ -34,6 +37,8 @@ DEFAULT_PROFILE = PROJECT_ROOT / "configs" / "local.yaml"
 # Upper bounds: far above any real run, low enough that a typo (an extra digit, a pasted byte count)
 # is refused at submission instead of hanging a cluster or allocating the impossible.
 MAX_STEPS = 10_000_000
+MAX_SEED = 2**32 - 1
+"""numpy's seeds are 0..2**32-1; torch's accept less than Python's ints: a negative seed failed the fine-tune."""
 MAX_BATCH = 65_536
 MAX_SEQ_LEN = 1_048_576
 MAX_WORKERS = 4_096
@@ -115,6 +120,8 @@ class ClusterExpect(Strict):
     def _digest_pinned(cls, v: str | None) -> str | None:
         if v is not None and "@sha256:" not in v:
             raise ValueError(f"image must be pinned by digest (repo@sha256:...), got a tag: {v!r}")
+        if v is not None and not DIGEST_REF.search(v):
+            raise ValueError(f"image digest must be sha256: and 64 lowercase hex digits, got {v.rpartition('@')[2]!r}")
         return v
 
 
@@ -229,7 +236,7 @@ class DataConfig(Strict):
     """Tokens per example, 8..1,048,576."""
     overflow: Literal["drop", "truncate", "pack"] = "drop"
     eval_fraction: float = Field(0.1, gt=0.0, lt=1.0)
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     max_dropped_fraction: float = Field(0.05, ge=0.0, le=1.0)
     """Fail the stage as a data failure when more rows than this are malformed."""
     shard_rows: int = Field(4096, ge=1, le=MAX_EXAMPLES)
@@ -346,7 +353,7 @@ class TrainConfig(Strict):
     checkpoint_every: int = Field(100, ge=1, le=MAX_STEPS)
     num_to_keep: int = Field(3, ge=1, le=1000)
     max_failures: int = Field(0, ge=0, le=100)
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     log_every: int = Field(10, ge=1, le=MAX_STEPS)
     divergence_loss: float = Field(50.0, gt=0.0)
     """A loss above this (or NaN/inf) stops training as a modeling failure."""
@@ -602,7 +609,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not all(parts):
         raise ConfigError([f"--set {item!r}: empty key segment in {key!r}"])
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = parse_yaml(raw) if raw != "" else ""
+    except DuplicateKey as e:
+        raise ConfigError([f"--set {item!r}: {e}"]) from None
     except yaml.YAMLError:
         value = raw
     return parts, value
@@ -663,7 +672,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), r
     """Read a YAML profile, apply --set overrides, validate, resolve relative paths."""
     path = Path(path) if path else DEFAULT_PROFILE
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = parse_yaml(read_regular(path, MAX_CONFIG_BYTES).decode("utf-8")) or {}
     except FileNotFoundError:
         raise ConfigError([f"--config: file not found (got {str(path)!r})"]) from None
     except IsADirectoryError:
@@ -688,6 +697,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), r
     return cfg.resolved(_base_dir(path)) if resolve else cfg
 
 
+MAX_CONFIG_BYTES = 1 << 20
+"""A profile is a few kilobytes; a larger file is not one (and a device would never end)."""
 MAX_CONFIG_DEPTH = 32
 """A profile is a handful of levels deep (eval.gates.<metric>.min); anything past this is not a config."""
 

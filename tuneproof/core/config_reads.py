@@ -125,17 +125,23 @@ def unread_settings(config: dict[str, Any], defaults: dict[str, Any], reads: set
     sections = {path.split(".", 1)[0] for path in covered}
     return [
         path
-        for path, value in _leaves(config, "")
+        for path, value in leaves(config, "")
         if path.split(".", 1)[0] in sections
         and path.split(".", 1)[0] not in NOT_INPUTS
         and value != value_at(defaults, path)
-        and not any(path == read or path.startswith(read + ".") for read in covered)
+        and not is_read(path, covered)
     ]
 
 
-def _leaves(value: Any, path: str) -> Iterator[tuple[str, Any]]:
+def is_read(path: str, reads: set[str] | list[str]) -> bool:
+    """Whether reading `reads` read the setting at `path` (itself, or a section or container holding it)."""
+    return any(path == read or path.startswith(read + ".") for read in reads)
+
+
+def leaves(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted path, value) for every setting of a config as JSON."""
     if isinstance(value, dict) and value:
         for key, inner in value.items():
-            yield from _leaves(inner, f"{path}.{key}" if path else str(key))
+            yield from leaves(inner, f"{path}.{key}" if path else str(key))
     elif path:
         yield path, value

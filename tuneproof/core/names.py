@@ -15,7 +15,8 @@ from __future__ import annotations
 import re
 
 SLUG_MAX_LEN = 64
-SLUG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+SLUG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+"""Matched with fullmatch: `$` would let a trailing newline through."""
 SLUG_RULE = (
     f"1-{SLUG_MAX_LEN} characters of letters, digits, '.', '_' or '-', starting with a letter or digit "
     "(no '/', '..', spaces)"
@@ -32,7 +33,9 @@ def slug_problem(value: object) -> str | None:
         return f"is {len(value)} characters long, at most {SLUG_MAX_LEN} allowed"
     if ".." in value:
         return "must not contain '..'"
-    if not SLUG.match(value):
+    if any(not ch.isprintable() for ch in value):
+        return f"holds a control character; it must be {SLUG_RULE}"
+    if not SLUG.fullmatch(value):
         return f"must be {SLUG_RULE}"
     return None
 
@@ -70,6 +73,8 @@ def storage_root_problem(root: object) -> str | None:
         if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket):
             return f"bucket {bucket!r} is not a valid S3 bucket name (3-63 of a-z, 0-9, '.', '-')"
         return None
+    if sep and scheme == "file" and not rest.strip():
+        return f"file:// names no directory (it would be the current one); give {STORAGE_ROOT_RULE}"
     if sep and scheme != "file":
         return f"scheme {scheme + '://'!r} is not supported; give {STORAGE_ROOT_RULE}"
     if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", root) and not sep:

@@ -18,7 +18,9 @@ Used by the connectivity stage (per rank, then `combine`) and by `tuneproof tran
 
 from __future__ import annotations
 
+import codecs
 import re
+import zlib
 from collections.abc import Iterable
 
 KINDS = ("efa", "socket-fallback", "inconclusive", "gloo")
@@ -27,6 +29,8 @@ GLOO_EVIDENCE = "backend gloo (CPU)"
 NCCL_LOG_ROOT = "/tmp/tuneproof-nccl"
 MAX_EVIDENCE = 20
 """Evidence lines kept per verdict: channel lines repeat for every channel and peer."""
+MAX_LOG_BYTES = 256 << 20
+"""A log, or what a gzipped one expands to, is read up to this size: a larger one is not read whole."""
 
 _SOCKET = [
     re.compile(r"NET/Socket\s*:\s*Using"),
@@ -75,6 +79,24 @@ def classify(lines: Iterable[str]) -> dict:
     if gloo:
         return _verdict("gloo", gloo)
     return {"kind": "inconclusive", "evidence": [f"no NCCL transport line among {seen} lines"]}
+
+
+def decode_log(data: bytes) -> str:
+    """A log file's text: gunzipped when gzipped (at most MAX_LOG_BYTES of it), UTF-16 when it starts with
+    a byte-order mark or reads as UTF-16 (PowerShell's `>` writes it), else UTF-8; undecodable bytes
+    become U+FFFD rather than an error. ValueError for a corrupt gzip stream."""
+    if data[:2] == b"\x1f\x8b":
+        # wbits 16+: the gzip header; max_length bounds what a small file can expand to (a gzip bomb).
+        try:
+            data = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(data, MAX_LOG_BYTES)
+        except zlib.error as e:
+            raise ValueError(f"starts like gzip but is not readable gzip ({e})") from None
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        return data.decode("utf-16", errors="replace")
+    head = data[:4096]
+    if len(head) >= 4 and head[1::2].count(0) > len(head) // 4:  # ASCII text as UTF-16-LE: every other byte NUL
+        return data.decode("utf-16-le", errors="replace")
+    return data.decode("utf-8-sig", errors="replace")
 
 
 def classify_text(text: str) -> dict:

@@ -19,6 +19,7 @@ import jsonschema
 import yaml
 
 from tuneproof.control.kube_checks import worker_groups
+from tuneproof.core.files import parse_yaml_all, read_regular
 from tuneproof.core.findings import Finding
 
 SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schemas"
@@ -124,13 +125,17 @@ def is_linted(path: Path) -> bool:
     return path.suffix in MANIFEST_SUFFIXES or (path.name.startswith("requirements") and path.suffix == ".txt")
 
 
+MAX_MANIFEST_BYTES = 16 << 20
+"""Kubernetes refuses objects over about 1.5 MB; a file past this (or a device, a FIFO) is no manifest."""
+
+
 def _parse(file: Path) -> list:
-    text = file.read_text(encoding="utf-8")
+    text = read_regular(file, MAX_MANIFEST_BYTES).decode("utf-8")
     if file.suffix == ".sh":
         return [{"kind": "ShellScript", "apiVersion": "", "commands": shell_commands(text)}]
     if file.suffix == ".txt":
         return [{"kind": "Requirements", "apiVersion": "", "pins": requirement_pins(text)}]
-    raw = [json.loads(text)] if file.suffix == ".json" else [d for d in yaml.safe_load_all(text) if d is not None]
+    raw = [json.loads(text)] if file.suffix == ".json" else [d for d in parse_yaml_all(text) if d is not None]
     objects: list = []
     for obj in raw:
         kind = obj.get("kind") if isinstance(obj, dict) else None

@@ -1,0 +1,170 @@
+"""The README's commands, as written: every command line of its ```bash blocks is either run here or listed in
+NOT_RUN with the reason, and every `tuneproof` line is at least parsed by the command line itself, so a README
+that drifts (a renamed option, a command that no longer exists, a work pool nobody creates) fails the tests.
+
+    .venv/bin/python -m pytest -q tests/test_readme.py                      # parse + the cheap commands: seconds
+    .venv/bin/python -m pytest -q tests/test_readme.py -m integration       # + the Prefect and evidence blocks
+
+Placeholders (<run-id>, <64 hex>) are filled with real values; the integration half reuses the session's
+Prefect server and finished demo run (tests/conftest.py), so it costs a `prefect deploy` in CI, no more.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+import pytest
+import typer
+import yaml
+
+from tests.conftest import tuneproof
+from tuneproof.app.cli import app
+from tuneproof.core.config import PROJECT_ROOT
+
+README = PROJECT_ROOT / "README.md"
+PLACEHOLDERS = {
+    "<run-id>": "demo",
+    "<run-a>": "demo",
+    "<run-b>": "demo",
+    "<decision-id>": "d1",
+    "<64 hex>": "0" * 64,
+    "<repo@sha256:...>": "repo@sha256:" + "0" * 64,
+    "<clone URL>": "https://example.invalid/tuneproof.git",
+}
+RUN_HERE = {
+    ".venv/bin/tuneproof lint deployments/": "test_cheap_commands_run_as_written",
+    ".venv/bin/tuneproof runs list": "test_cheap_commands_run_as_written (and the evidence block)",
+    "tuneproof images list": "test_cheap_commands_run_as_written",
+    "tuneproof transport nccl-rank0.log --expect efa": "test_cheap_commands_run_as_written",
+    ".venv/bin/tuneproof runs show <run-id>": "test_the_evidence_block_runs_on_the_finished_run",
+    ".venv/bin/tuneproof models show dates-qwen2-tiny": "test_the_evidence_block_runs_on_the_finished_run",
+    ".venv/bin/prefect --no-prompt deploy --all": "test_the_prefect_block_runs_against_a_server",
+    ".venv/bin/prefect deployment run 'tuneproof-pipeline/manual' --param config='{\"train\": {\"max_steps\": 300}}'": (
+        "test_the_prefect_block_runs_against_a_server"
+    ),
+    ".venv/bin/prefect deployment inspect 'tuneproof-pipeline/nightly'": "test_the_prefect_block_runs_against_a_server",
+}
+NOT_RUN = {
+    "make demo": "installs and runs the whole pipeline: the finished_run fixture runs the same `tuneproof run`",
+    "make test": "is the test suite itself",
+    "open http://127.0.0.1:4200": "opens a browser (tests/test_browser*.py drive the UI)",
+    "local up": "binds the profile's fixed ports, which a shared machine's other runs use; fixtures pick free ones",
+    "local down": "stops what `local up` started (see local up)",
+    "tuneproof run": "trains: the pipeline tests (test_full_pipeline, test_continue, test_lora_pipeline) run these",
+    "tuneproof runs diff": "needs two finished runs: tests/test_rundiff.py",
+    "tuneproof compare": "runs several pipelines: tests/test_compare.py",
+    "tuneproof canary": "runs several pipelines (and EKS for --config configs/eks.yaml): tests/test_canary.py",
+    "tuneproof images show": "needs a canary decision: tests/test_canary.py",
+    "tuneproof-image-canary/image-canary": "runs on the EKS canary pool, which has no worker here",
+    "deployments/eks-up.sh": "EKS: needs an AWS account; tests/test_eks_up.py runs it with stub aws/eksctl/kubectl",
+    "torchrun": "needs a GPU",
+    "bench/gpu_pipeline.py": "needs a fresh GPU machine",
+    "bench/gpu_mfu.py --dry-run": "about a minute of CPU; tests/test_flops.py covers its FLOP count",
+}
+
+
+def commands() -> list[str]:
+    """Every command line of the README's ```bash blocks: continuations joined, comments dropped."""
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            if line and not line.startswith("#"):
+                lines.append(" ".join(line.split()))
+    return lines
+
+
+def filled(line: str) -> str:
+    for placeholder, value in PLACEHOLDERS.items():
+        line = line.replace(placeholder, value)
+    return line
+
+
+def tuneproof_args(line: str) -> list[str] | None:
+    """The arguments of a `tuneproof` (or `.venv/bin/tuneproof`) line, or None for another program."""
+    words = shlex.split(filled(line))
+    return words[1:] if words and Path(words[0]).name == "tuneproof" else None
+
+
+def test_every_readme_command_is_run_or_says_why_not():
+    undecided = [line for line in commands() if line not in RUN_HERE and not any(key in line for key in NOT_RUN)]
+    assert undecided == [], f"README commands neither run by a test nor listed in NOT_RUN: {undecided}"
+    unused = [key for key in NOT_RUN if not any(key in line for line in commands())]
+    assert unused == [], f"NOT_RUN names commands the README no longer has: {unused}"
+    assert [line for line in RUN_HERE if line not in commands()] == []
+
+
+@pytest.mark.parametrize("line", [c for c in commands() if tuneproof_args(c) is not None])
+def test_every_tuneproof_line_parses(line: str):
+    """The command and its options exist and take these values (the command is not run)."""
+    args = tuneproof_args(line)
+    assert args is not None
+    command: click.Command = typer.main.get_command(app)
+    ctx = command.make_context("tuneproof", list(args))
+    while isinstance(command, click.Group):
+        name, sub, rest = command.resolve_command(ctx, [*ctx.protected_args, *ctx.args])
+        assert sub is not None, line
+        command, ctx = sub, sub.make_context(name or "", rest, parent=ctx)
+
+
+def test_local_up_creates_every_pool_prefect_yaml_names():
+    """`prefect deploy --all` fails on a deployment whose work pool does not exist: `local up` creates them all."""
+    from tuneproof.app.localctl import POOLS
+
+    project = yaml.safe_load((PROJECT_ROOT / "prefect.yaml").read_text())
+    named = {d["work_pool"]["name"] for d in project["deployments"]}
+    assert named <= {name for name, _, _ in POOLS}
+    assert all((PROJECT_ROOT / template).is_file() for _, _, template in POOLS if template)
+
+
+EFA_LOG = "ip-10-0-1-11:1:1 [0] NCCL INFO NET/OFI Selected provider is efa, fabric is efa-direct\n"
+
+
+def test_cheap_commands_run_as_written(tmp_path, monkeypatch):
+    """Read-only commands over the profile's own (possibly empty) storage, and the transport example on a log
+    of that name; run from the project root as the README says."""
+    monkeypatch.chdir(PROJECT_ROOT)
+    lint = tuneproof(*(tuneproof_args(".venv/bin/tuneproof lint deployments/") or []))
+    assert lint.exit_code == 0, lint.output
+    for line in (".venv/bin/tuneproof runs list", "tuneproof images list"):
+        result = tuneproof(*(tuneproof_args(line) or []))
+        assert result.exit_code == 0, (line, result.output)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "nccl-rank0.log").write_text(EFA_LOG)
+    transport = tuneproof(*(tuneproof_args("tuneproof transport nccl-rank0.log --expect efa") or []))
+    assert transport.exit_code == 0 and '"efa"' in transport.output, transport.output
+
+
+@pytest.mark.integration
+def test_the_evidence_block_runs_on_the_finished_run(finished_run, demo_env):
+    """`runs show`, `runs list`, `models show` as the README's "look at the evidence" gives them, on the
+    session's finished demo run (its storage root appended)."""
+    for line in (
+        ".venv/bin/tuneproof runs show <run-id>",
+        ".venv/bin/tuneproof runs list",
+        ".venv/bin/tuneproof models show dates-qwen2-tiny",
+    ):
+        result = tuneproof(*(tuneproof_args(line) or []), *demo_env.args)
+        assert result.exit_code == 0, (line, result.output)
+        assert "demo" in result.output or "dates-qwen2-tiny" in result.output
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_the_prefect_block_runs_against_a_server(prefect_server):
+    """The README's Prefect block against the session's server, after the pools `local up` creates."""
+    from tuneproof.app import localctl
+
+    env = {**os.environ, "PREFECT_API_URL": f"{prefect_server}/api"}
+    localctl.ensure_work_pools(env)
+    for line in [c for c in commands() if c in RUN_HERE and "prefect" in c.split()[0]]:
+        words = shlex.split(line)
+        words[0] = str(Path(sys.executable).parent / "prefect")
+        done = subprocess.run(words, env=env, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (line, done.stdout[-2000:], done.stderr[-2000:])

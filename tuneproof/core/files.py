@@ -1,0 +1,101 @@
+"""Reading a file someone handed us (a config, a record, saved kubectl output, a log): only a regular file,
+and only up to a size.
+
+    read_regular(Path("configs/local.yaml"), 1 << 20)    # the bytes, or FileRefused naming the file
+    read_stored(storage, ("runs", run, "record.json"), 64 << 20)
+    parse_yaml(text)                                      # yaml.safe_load, but a duplicate key is an error
+
+A FIFO given as a config blocks open() until a writer comes, and a character device (/dev/zero) reads until
+memory runs out: the file is opened non-blocking, its type is checked on the open descriptor (so nothing can
+be swapped in between), and at most `limit` + 1 bytes are ever read. YAML is parsed refusing duplicate keys,
+which yaml.safe_load would resolve silently to the last one.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+if TYPE_CHECKING:
+    from tuneproof.core.storage import Storage
+
+KINDS = {
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+class FileRefused(OSError):
+    """Not a regular file, or larger than the reader allows; `strerror` says which, `filename` names it."""
+
+
+def read_regular(path: str | Path, limit: int) -> bytes:
+    """The whole file at `path`: IsADirectoryError for a directory (as open() would), FileRefused for any
+    other file that is not a regular one or that holds more than `limit` bytes."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        kind = stat.S_IFMT(os.fstat(fd).st_mode)
+        if kind == stat.S_IFDIR:
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
+        if kind != stat.S_IFREG:
+            raise FileRefused(
+                errno.EINVAL, f"is {KINDS.get(kind, 'not a regular file')}, not a regular file", str(path)
+            )
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise FileRefused(errno.EFBIG, f"is larger than {limit:,} bytes, more than such a file can be", str(path))
+    return data
+
+
+def read_stored(storage: Storage, parts: tuple[str, ...], limit: int) -> bytes:
+    """An object under a storage root, refused (FileRefused) when it is not a regular file or over `limit`."""
+    if not storage.is_s3:
+        return read_regular(storage.path(*parts), limit)
+    size = storage.fs.size(storage.path(*parts))
+    if size is not None and size > limit:
+        raise FileRefused(errno.EFBIG, f"is larger than {limit:,} bytes", storage.uri(*parts))
+    return storage.read_bytes(*parts)
+
+
+class DuplicateKey(yaml.YAMLError):
+    """A mapping that names one key twice: YAML keeps the last silently (a gate's threshold could be
+    weakened by a second entry further down), kubectl refuses it; so do we."""
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader refusing duplicate keys. A key a `<<: *anchor` merge brings in may be overridden."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                continue
+            key = self.construct_scalar(key_node)
+            if key in first:
+                raise DuplicateKey(
+                    f"duplicate key {key!r} at line {key_node.start_mark.line + 1} (first at line {first[key]}): "
+                    "remove one of them"
+                )
+            first[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_yaml(text: str) -> Any:
+    """One YAML document, as yaml.safe_load reads it, but a duplicate key is DuplicateKey naming key and line."""
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def parse_yaml_all(text: str) -> list[Any]:
+    """Every document of a YAML stream, as yaml.safe_load_all reads them, duplicate keys refused."""
+    return list(yaml.load_all(text, Loader=UniqueKeyLoader))  # noqa: S506 - a SafeLoader subclass
