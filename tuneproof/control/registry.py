@@ -22,6 +22,7 @@ its own version copy.
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import posixpath
@@ -254,8 +255,13 @@ def default_intent() -> MoveIntent:
 
 
 def current_user() -> str:
-    """Who is moving the pointer: the user this process runs as, on which host."""
-    return f"{os.environ.get('USER') or os.environ.get('LOGNAME') or 'unknown'}@{socket.gethostname()}"
+    """Who is moving the pointer: the user this process runs as (from the environment, else the password
+    database, as a worker's process may have no USER), on which host."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # a uid with no passwd entry (some containers)
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
 
 
 def pointer_doc(name: str, version: str, run_id: str, content_sha256: str | None, move: Move) -> dict:
