@@ -114,7 +114,12 @@ def test_a_rollback_goes_back_only(tmp_path):
     cfg = config(str(tmp_path))
     storage, v1, v2 = promote_two(cfg)
     roll_back(cfg, cfg.model.name, "bad night", "bob", None)
-    for target, why in ((v2, "not earlier than production"), ("v0009-x", "no complete version"), (None, "no earlier")):
+    for target, why in (
+        (v2, "not earlier than production"),
+        (v1, "already production"),
+        ("v0009-x", "no complete version"),
+        (None, "no earlier"),
+    ):
         result = roll_back(cfg, cfg.model.name, "again", "bob", target)
         assert not result.rolled_back and why in result.reasons[0], result.reasons
     assert registry.read_pointer(storage, cfg.model.name)[0]["version"] == v1
@@ -174,7 +179,7 @@ def test_the_cli_shows_the_history_answers_at_and_rolls_back(tmp_path):
     before = tuneproof("models", "history", cfg.model.name, "--at", "2000-01-01", *root)
     assert before.exit_code == 1 and "no recorded production model" in before.output
     again = tuneproof("rollback", cfg.model.name, "--reason", "x", "--to", v2, *root)
-    assert again.exit_code == 3 and "not earlier" in again.output
+    assert again.exit_code == 3 and "not earlier" in again.output, again.output
 
 
 def test_the_card_shows_the_history_up_to_its_promotion(tmp_path):
@@ -245,3 +250,9 @@ def test_the_rollback_deployment_takes_a_typed_form():
     schema = parameter_schema(rollback_flow).model_dump_for_openapi()
     assert set(schema["required"]) == {"model", "reason"}
     assert schema["properties"]["reason"]["minLength"] == 1 and schema["properties"]["model"]["type"] == "string"
+
+
+def test_a_rollback_of_an_unknown_model_is_refused_and_leaves_nothing_behind(tmp_path):
+    result = roll_back(config(str(tmp_path)), "never-promoted", "x", "bob", None)
+    assert not result.rolled_back and "no production model to roll back" in result.reasons[0]
+    assert not (tmp_path / "models").exists()

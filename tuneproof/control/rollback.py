@@ -98,6 +98,8 @@ def rollback(storage: Storage, name: str, reason: str, by: str, to_version: str 
     RollbackRefused when there is no production model, the target is not an earlier complete version,
     or its files do not match its manifest (and its card's content hash); PointerHeld when another flow
     holds the pointer; PromotionConflict when the pointer moved meanwhile. The pointer stays on refusal."""
+    if registry.read_pointer(storage, name)[0] is None:  # before the hold: refusing leaves nothing behind
+        raise RollbackRefused(f"{storage.uri(MODELS, name)}: no production model to roll back")
     with hold(storage, name, "(rollback)", f"rollback {name} by {by}"):
         pointer, token = registry.read_pointer(storage, name)
         if pointer is None:
@@ -129,7 +131,9 @@ def _rollback_target(
         raise RollbackRefused(f"{name}: production {current} has no earlier complete version to roll back to")
     if target not in versions:
         raise RollbackRefused(f"{name}: no complete version {target!r} (complete: {', '.join(versions) or 'none'})")
-    if current in versions and versions.index(target) >= versions.index(current):
+    if target == current:
+        raise RollbackRefused(f"{name}: {target} is already production")
+    if current in versions and versions.index(target) > versions.index(current):
         raise RollbackRefused(f"{name}: {target} is not earlier than production {current}: a rollback goes back")
     card = storage.read_json(MODELS, name, target, CARD_JSON)
     try:
