@@ -12,21 +12,39 @@ pointer untouched and says why. `tuneproof promote RUN --force --reason` is the 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import replace
 from typing import Any
 
 from prefect import task
+from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel, ConfigDict
 
-from tasks.jobs import StageCall
+from tasks import artifacts
+from tasks.jobs import StageCall, runner_for
+from tuneproof.control import cost, history, registry
 from tuneproof.control import record as records
-from tuneproof.control import registry
-from tuneproof.control.record import Override, RunRecord, StageEntry
+from tuneproof.control import rollback as rollbacks
+from tuneproof.control.history import MoveIntent
+from tuneproof.control.lease import Lease, LeaseHeld
+from tuneproof.control.record import JobEntry, Override, RolledBack, RunRecord, StageEntry
 from tuneproof.core import markers
 from tuneproof.core.config import LORA_ADAPTER_DIR, PipelineConfig
 from tuneproof.core.results import FailureClass, now_iso
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import EvaluateSummary, FinetuneSummary, Forced, PromoteSummary, ResumeSummary
+from tuneproof.core.summaries import (
+    CopyCheckSummary,
+    EvaluateSummary,
+    FinetuneSummary,
+    Forced,
+    PromoteSummary,
+    ResumeSummary,
+)
 
 
 def refusal_reasons(cfg: PipelineConfig, record: RunRecord) -> list[str]:
@@ -129,12 +147,34 @@ def promote(call: StageCall) -> StageEntry:
     reasons = refusal_reasons(call.cfg, call.record)
     if reasons:
         return refused(started, reasons, FailureClass.modeling)
-    return move_pointer(call.cfg, call.record, started, forced=None)
+    jobs: list[JobEntry] = []
+    checker = copy_checker(call, jobs)
+    entry = move_pointer(call.cfg, call.record, started, forced=None, check_copy=checker)
+    entry = with_copy_check(entry, jobs)
+    if entry.ok:
+        publish_history(Storage.from_config(call.cfg.storage), call.cfg.model.name, call.record.run_id)
+    return entry
 
 
-def move_pointer(cfg: PipelineConfig, record: RunRecord, started: str, forced: Forced | None) -> StageEntry:
-    """Check the export is the judged content, copy it to a new version and CAS the pointer against the
-    incumbent that was evaluated. Every refusal happens before the pointer is touched."""
+def publish_history(storage: Storage, name: str, key_id: str) -> None:
+    """The model's production history as a markdown artifact of this flow run (where people look)."""
+    moves = registry.read_history(storage, name)
+    text = "\n".join([f"# {name}: production history", "", *history.render(moves)])
+    create_markdown_artifact(
+        text, key=artifacts.key("production-history", key_id), description=f"{name} production history"
+    )
+
+
+def move_pointer(
+    cfg: PipelineConfig,
+    record: RunRecord,
+    started: str,
+    forced: Forced | None,
+    check_copy: Callable[[str], None] | None = None,
+) -> StageEntry:
+    """Check the export is the judged content, copy it to a new version, check the copy (check_copy, given
+    the version's path) and CAS the pointer against the incumbent that was evaluated. Every refusal
+    happens before the pointer is touched."""
     storage = Storage.from_config(cfg.storage)
     finetune = record.summary("finetune", FinetuneSummary)
     if finetune is None or finetune.export_path is None:
@@ -151,26 +191,146 @@ def move_pointer(cfg: PipelineConfig, record: RunRecord, started: str, forced: F
         # between the pointer's swap and the record's save. The same version, not a second copy, and not
         # "the production model changed since evaluation" (it changed to this run).
         logging.getLogger("tuneproof.promote").info(f"{cfg.model.name} {current} is already this run's model")
-        fields = {k: v for k, v in pointer.items() if k in PromoteSummary.model_fields}  # a file: only what we know
-        return StageEntry.succeeded("promote", PromoteSummary(promoted=True, forced=forced, **fields), started)
+        summary = PromoteSummary(promoted=True, forced=forced, **pointer_fields(pointer))
+        return StageEntry.succeeded("promote", summary, started)
     if forced is None and current != evaluated:
         return refused(
             started,
             [f"the production model changed since evaluation ({evaluated} -> {current}); re-evaluate"],
             FailureClass.infrastructure,
         )
-    card = {**model_card(cfg, record, forced), "content_sha256": content}
+    card = {**model_card(cfg, record, forced), "content_sha256": content, "cost": promotion_cost(storage, cfg, record)}
     try:
-        result = registry.promote(
-            storage, cfg.model.name, record.run_id, finetune.export_path, card, token, content_sha256=content
-        )
-    except registry.PromotionConflict as e:
+        with rollbacks.hold(storage, cfg.model.name, record.run_id, f"promote {record.run_id}", HOLD_WAIT_S):
+            result = registry.promote(
+                storage,
+                cfg.model.name,
+                record.run_id,
+                finetune.export_path,
+                card,
+                token,
+                content_sha256=content,
+                intent=move_intent(record, forced),
+                check_copy=check_copy,
+            )
+    except CopyCheckFailed as e:
+        return refused(started, [str(e)], FailureClass.infrastructure)
+    except (registry.PromotionConflict, rollbacks.PointerHeld) as e:
         return refused(started, [f"lost a concurrent promotion: {e}"], FailureClass.infrastructure)
     except markers.ExportUnverified as e:
         return refused(started, [f"the copied model is not the judged export: {e}"], FailureClass.infrastructure)
     logging.getLogger("tuneproof.promote").info(f"promoted {cfg.model.name} {result['version']} (previous: {current})")
-    summary = PromoteSummary(promoted=True, forced=forced, **result)
+    summary = PromoteSummary(promoted=True, forced=forced, **pointer_fields(result))
     return StageEntry.succeeded("promote", summary, started)
+
+
+def promotion_cost(storage: Storage, cfg: PipelineConfig, record: RunRecord) -> dict[str, Any]:
+    """What the version about to be promoted cost (control.cost.VersionCost as JSON): this run, as it stands
+    now, and the model's other runs since the previous promotion."""
+    stored, _ = records.list_records(storage)
+    runs = [r for r in cost.records_of(stored, cfg.model.name) if r.run_id != record.run_id] + [record]
+    now = history.Move(
+        seq=0,
+        kind="promote",
+        from_version=None,
+        to_version="pending",
+        run_id=record.run_id,
+        by="-",
+        at=now_iso(),
+        reason="-",
+    )
+    moves = [*registry.read_history(storage, cfg.model.name), now]
+    side = cost.side_runs(storage, [r.run_id for r in runs])
+    return cost.version_costs(runs, moves, cfg.cost.prices, side)[-1].model_dump(exclude={"version"})
+
+
+COPY_CHECK_EXAMPLES = 32
+"""Eval items the registry copy answers before the pointer moves: enough for a corrupted or wrong model to
+score differently, few enough to cost seconds."""
+
+
+class CopyCheckFailed(RuntimeError):
+    """The registry copy did not score like the evaluated export on the fixed slice (or could not be scored)."""
+
+
+def copy_checker(call: StageCall, jobs: list[JobEntry]) -> Callable[[str], None] | None:
+    """A check_copy for registry.promote: a Ray job (eval.copy_check) that loads the copy from the registry's
+    bytes and scores the first COPY_CHECK_EXAMPLES items evaluate saved; its JobEntry goes to `jobs`.
+    None when the evaluation saved no candidate answers to compare with."""
+    storage = Storage.from_config(call.cfg.storage)
+    items = copy_check_slice(storage, call.record.summary("evaluate", EvaluateSummary))
+    if items is None:
+        return None
+
+    def check(model_path: str) -> None:
+        params = {"model": model_path, **items}
+        spec = call.spec("eval.copy_check", params, suffix="copy-check", summary=CopyCheckSummary)
+        job = runner_for(call).run(replace(spec, timeout_s=call.cfg.timeouts.evaluate))
+        jobs.append(job)
+        if job.result.status != "succeeded":
+            raise CopyCheckFailed(f"copy check ({job.submission_id}): {job.result.cause}")
+
+    return check
+
+
+def copy_check_slice(storage: Storage, evaluation: EvaluateSummary | None) -> dict[str, list[str]] | None:
+    """{"prompts", "references", "answers"}: the first saved predictions with a candidate answer (None: none)."""
+    uri = evaluation.predictions_uri if evaluation else None
+    prefix = storage.uri() + "/"
+    if not uri or not uri.startswith(prefix):
+        return None
+    lines = storage.read_text(*uri.removeprefix(prefix).split("/")).splitlines()
+    rows = [row for row in map(json.loads, filter(None, lines)) if row.get("candidate") is not None]
+    rows = rows[:COPY_CHECK_EXAMPLES]
+    if not rows:
+        return None
+    return {key: [row[field] for row in rows] for key, field in FIELDS.items()}
+
+
+FIELDS = {"prompts": "prompt", "references": "reference", "answers": "candidate"}
+
+
+def with_copy_check(entry: StageEntry, jobs: list[JobEntry]) -> StageEntry:
+    """The promote entry with the copy check's job, and its summary in the promote summary."""
+    if not jobs:
+        return entry
+    update: dict[str, Any] = {"jobs": [*entry.jobs, *jobs]}
+    summary = entry.summary_as(PromoteSummary)
+    if summary is not None and jobs[-1].result.summary is not None:
+        checked = CopyCheckSummary.model_validate(jobs[-1].result.summary)
+        update["summary"] = summary.model_copy(update={"copy_check": checked}).to_json()
+    return entry.model_copy(update=update)
+
+
+HOLD_WAIT_S = 120.0
+"""How long a promotion waits for another flow's hold on the pointer (a rollback, another promotion)."""
+
+
+def pointer_fields(pointer: dict) -> dict[str, Any]:
+    """The pointer's fields a PromoteSummary keeps (the move itself lives in the model's history)."""
+    return {k: v for k, v in pointer.items() if k in PromoteSummary.model_fields}
+
+
+def move_intent(record: RunRecord, forced: Forced | None) -> MoveIntent:
+    """Who moves the pointer and why: the override's author and reason, or the gates' pass with the
+    hash of the evidence they judged."""
+    if forced is not None:
+        return MoveIntent(kind="forced-promote", by=forced.by, reason=forced.reason)
+    return MoveIntent(
+        kind="promote",
+        by=registry.current_user(),
+        reason="every gate and the resume test passed",
+        evidence_sha256=evidence_sha256(record),
+    )
+
+
+def evidence_sha256(record: RunRecord) -> str:
+    """sha256 of the summaries a promotion rests on (fine-tune export, resume test, evaluation). Pure."""
+    judged = {stage: record.stages[stage].summary for stage in EVIDENCE_STAGES if stage in record.stages}
+    return hashlib.sha256(json.dumps(judged, sort_keys=True).encode()).hexdigest()
+
+
+EVIDENCE_STAGES = ("finetune", "resume", "evaluate")
 
 
 def export_problem(storage: Storage, finetune: FinetuneSummary, forced: Forced | None) -> tuple[str | None, str | None]:
@@ -219,4 +379,78 @@ def forced_promotion(cfg: PipelineConfig, run_id: str, reason: str, user: str) -
     )
     record.promotion = result
     records.save(storage, record)
+    return result
+
+
+class RollbackResult(BaseModel):
+    """What `tuneproof rollback` (and the rollback flow) did: the move, or why nothing moved."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rolled_back: bool
+    model: str
+    from_version: str | None = None
+    to_version: str | None = None
+    move: int | None = None
+    """The move's number in the model's production history."""
+    rolled_back_run: str | None = None
+    """The run whose model was production before, whose record now names the rollback."""
+    reasons: list[str] = []
+    """Why it was refused (empty when it moved)."""
+
+
+def roll_back(
+    cfg: PipelineConfig, name: str, reason: str, by: str, to_version: str | None, flow_run_id: str | None = None
+) -> RollbackResult:
+    """Move the pointer back (control.rollback) and note it in the rolled-back run's record, under that
+    run's lease so no flow writes the record meanwhile. Every refusal leaves the pointer where it was."""
+    storage = Storage.from_config(cfg.resolved().storage)
+    pointer, _ = registry.read_pointer(storage, name)
+    run_id: str | None = (pointer or {}).get("run_id")
+    lease = None
+    if run_id and storage.exists("runs", run_id, records.RECORD):
+        lease = Lease(storage, run_id, flow_run_id, f"tuneproof rollback {name}")
+    try:
+        with lease.held(on_problem=logging.getLogger("tuneproof.rollback").warning) if lease else nullcontext():
+            new = rollbacks.rollback(storage, name, reason, by, to_version)
+            move = history.pointer_move(new)
+            assert move is not None and move.from_version is not None  # rollback always records its move
+            if lease is not None:
+                note_rollback(storage, lease.run_id, name, move)
+    except (rollbacks.RollbackRefused, rollbacks.PointerHeld, registry.PromotionConflict, LeaseHeld) as e:
+        return RollbackResult(
+            rolled_back=False, model=name, from_version=(pointer or {}).get("version"), reasons=[str(e)]
+        )
+    return RollbackResult(
+        rolled_back=True,
+        model=name,
+        from_version=move.from_version,
+        to_version=move.to_version,
+        move=move.seq,
+        rolled_back_run=run_id,
+    )
+
+
+def note_rollback(storage: Storage, run_id: str, name: str, move: history.Move) -> None:
+    record = records.load(storage, run_id)
+    record.rollbacks.append(
+        RolledBack(
+            model=name,
+            from_version=str(move.from_version),
+            to_version=move.to_version,
+            by=move.by,
+            reason=move.reason,
+            at=move.at,
+            seq=move.seq,
+        )
+    )
+    records.save(storage, record)
+
+
+@task(name="rollback", cache_policy=NO_CACHE)
+def rollback(
+    cfg: PipelineConfig, name: str, reason: str, by: str, to_version: str | None, flow_run_id: str
+) -> RollbackResult:
+    result = roll_back(cfg, name, reason, by, to_version, flow_run_id)
+    publish_history(Storage.from_config(cfg.resolved().storage), name, f"rollback-{flow_run_id}")
     return result

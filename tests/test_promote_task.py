@@ -124,7 +124,7 @@ def test_promoting_again_a_run_that_is_already_production_keeps_its_version_and_
     repeated = again.summary_as(PromoteSummary)
     assert (repeated.version, repeated.previous_version) == (second.version, first.version) == ("v0002-r2", "v0001-r1")
     assert repeated.promoted_at == second.promoted_at  # the first promotion's, not a new one
-    assert storage.listdir("models", cfg.model.name) == sorted(["v0001-r1", "v0002-r2", registry.POINTER])
+    assert storage.listdir("models", cfg.model.name) == sorted(["v0001-r1", "v0002-r2", registry.POINTER, "history"])
 
 
 def test_forced_promotion_is_recorded_with_who_and_why(tmp_path):

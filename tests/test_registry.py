@@ -157,7 +157,7 @@ def test_stale_token_is_refused_before_copying(local):
     promote(local, NAME, "runA", export(local, "runA"), card("runA"), None)
     with pytest.raises(PromotionConflict, match="expected no production model, found v0001-runA"):
         promote(local, NAME, "runB", export(local, "runB"), card("runB"), None)
-    assert local.listdir("models", NAME) == ["production.json", "v0001-runA"]
+    assert local.listdir("models", NAME) == ["history", "production.json", "v0001-runA"]
 
 
 def test_a_retry_of_the_promoted_run_changes_nothing(local):

@@ -7,8 +7,9 @@
     tuneproof verify [--config F] [--from-files DIR]
     tuneproof lint [PATH...]
     tuneproof transport LOG... [--expect efa]
-    tuneproof models list | show NAME
+    tuneproof models list | show NAME | history NAME [--at TIME] [--json]
     tuneproof promote RUN --force --reason TEXT
+    tuneproof rollback NAME [--to VERSION] --reason TEXT
     tuneproof canary [--candidate-image REPO@sha256:...] [--json]
     tuneproof images list [--json] | show DECISION [--json]
 
@@ -415,6 +416,25 @@ def runs_show(
         print_record(rec, console)
     except ValidationError as e:
         raise typer.Exit(summary_unreadable(run_id, e)) from None
+    print_cost(rec, config_or_exit(config, sets).cost.prices)
+
+
+def print_cost(rec: Any, prices: dict[str, float]) -> None:
+    """What the run cost, stage by stage (superseded attempts included): resource-seconds and money."""
+    from tuneproof.app.terminal import whole_table
+    from tuneproof.control.cost import run_cost, seconds_line
+
+    run = run_cost(rec, prices)
+    cells = [
+        [
+            s.stage + (" (superseded)" if s.superseded else ""),
+            f"{s.seconds:.1f}",
+            seconds_line(s.resource_seconds, s.money),
+        ]
+        for s in run.stages
+    ]
+    console.print(whole_table(["stage", "wall s", "resource-seconds"], cells, keep=("stage",)))
+    console.print(f"cost: {seconds_line(run.resource_seconds, run.money)}; fine-tune steps paid for: {run.steps}")
 
 
 @runs_app.command("diff")
@@ -579,14 +599,87 @@ def models_show(
     config: Path | None = ConfigOpt,
     sets: list[str] = SetOpt,
 ) -> None:
-    """One model: the production pointer and every version with its card."""
+    """One model: the production pointer, every version with its card, the production history, and what
+    each promoted version cost (its run and the model's other runs since the previous promotion)."""
+    from tuneproof.control import cost
+    from tuneproof.control.history import Move
+    from tuneproof.control.record import list_records
     from tuneproof.control.registry import RegistryUnreadable, show_model
 
+    cfg = config_or_exit(config, sets)
+    storage = storage_for(config, sets)
     try:
-        print(json.dumps(show_model(storage_for(config, sets), name), indent=2))
+        shown = show_model(storage, name)
     except (FileNotFoundError, RegistryUnreadable) as e:
         say(err, e)
         raise typer.Exit(1) from None
+    runs = cost.records_of(list_records(storage)[0], name)
+    moves = [Move.model_validate(m) for m in shown["history"]]
+    side = cost.side_runs(storage, [r.run_id for r in runs])
+    shown["cost"] = [v.model_dump() for v in cost.version_costs(runs, moves, cfg.cost.prices, side)]
+    print(json.dumps(shown, indent=2))
+
+
+@models_app.command("history")
+def models_history(
+    name: str = typer.Argument(..., callback=slug_arg("model name")),
+    at: str | None = typer.Option(
+        None, "--at", help="Only the move that made production what it was at this ISO time."
+    ),
+    as_json: bool = typer.Option(False, "--json"),
+    config: Path | None = ConfigOpt,
+    sets: list[str] = SetOpt,
+) -> None:
+    """Every move of the production pointer (from, to, who, when, why), oldest first; or, with --at, what
+    was production at that time."""
+    from tuneproof.control import history
+    from tuneproof.control.registry import RegistryUnreadable, read_history
+
+    try:
+        moves = read_history(storage_for(config, sets), name)
+        when = history.parse_time(at) if at is not None else None
+    except (RegistryUnreadable, history.HistoryUnreadable) as e:
+        err.print(str(e), markup=False)
+        raise typer.Exit(1) from None
+    except ValueError as e:
+        err.print(f"--at: {e}", markup=False)
+        raise typer.Exit(2) from None
+    if when is not None:
+        found = history.production_at(moves, when)
+        moves = [found] if found else []
+        if not found:
+            err.print(f"{name}: no recorded production model at {when.isoformat()}", markup=False)
+    if as_json:
+        print(json.dumps([m.model_dump() for m in moves], indent=2))
+    else:
+        for m in moves:
+            print(m.line())
+    raise typer.Exit(0 if moves else 1)
+
+
+@app.command()
+def rollback(
+    name: str = typer.Argument(..., callback=slug_arg("model name")),
+    to: str | None = typer.Option(
+        None, "--to", callback=slug_arg("version"), help="Default: the version before production."
+    ),
+    reason: str = typer.Option("", "--reason", help="Why production goes back (recorded in the history)."),
+    config: Path | None = ConfigOpt,
+    sets: list[str] = SetOpt,
+) -> None:
+    """Move a model's production pointer back to an earlier version (checked against its manifest)."""
+    if not reason.strip():
+        err.print("rollback needs a non-empty --reason (it is recorded in the production history)")
+        raise typer.Exit(2)
+    cfg = config_or_exit(config, sets)
+    from tasks.promote import roll_back
+    from tuneproof.control.registry import current_user
+
+    result = roll_back(cfg, name, reason, current_user(), to)
+    print(json.dumps(result.model_dump(), indent=2))
+    if not result.rolled_back:
+        err.print("rollback refused, the pointer did not move: " + "; ".join(result.reasons), markup=False)
+    raise typer.Exit(0 if result.rolled_back else EXIT_INVALID_CONFIG)
 
 
 @app.command()

@@ -3,7 +3,8 @@
 Pure over two run records; each stage's metrics come from the stage table. Choices: image digest, per-node Ray/torch/CUDA/NCCL/Python versions,
 environment digest, cluster configuration, code SHA + dirty flag, working_dir hash, every config
 field (dotted names), runtime_env additions, dataset hash. Results: throughput, final loss, eval
-metrics, bus bandwidth — so a team can tell which change explains a different result.
+metrics, bus bandwidth, and what each run cost (seconds per stage, resource-seconds, money with a
+price table) — so a team can tell which change explains a different result.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 from typing import Any
 
 from flows.stages import diff_metrics
+from tuneproof.control import cost
 from tuneproof.control.record import RunRecord
 from tuneproof.core.summaries import NodeFacts
 
@@ -79,7 +81,7 @@ def diff_records(a: RunRecord, b: RunRecord) -> dict[str, Any]:
         for k in sorted(set(ida) | set(idb))
         if not _same(ida.get(k), idb.get(k))
     ]
-    ma, mb = diff_metrics(a), diff_metrics(b)
+    ma, mb = {**diff_metrics(a), **cost.diff_numbers(a)}, {**diff_metrics(b), **cost.diff_numbers(b)}
     deltas = []
     for name in sorted(set(ma) | set(mb)):
         va, vb = ma.get(name), mb.get(name)

@@ -228,6 +228,20 @@ class Override(Model):
     result: PromoteSummary
 
 
+class RolledBack(Model):
+    """This run's model was production until a rollback moved the pointer away from it
+    (`tuneproof rollback NAME`): the move as the production history records it."""
+
+    model: str
+    from_version: str
+    to_version: str
+    by: str
+    reason: str
+    at: str
+    seq: int
+    """The move's number in models/<model>/history/."""
+
+
 class RunRecord(Model):
     schema_version: int = SCHEMA_VERSION
     run_id: str
@@ -255,6 +269,8 @@ class RunRecord(Model):
     unread_settings: list[str] = []
     """Settings given a value of their own that no stage read when the run last ended (config_reads)."""
     overrides: list[Override] = []
+    rollbacks: list[RolledBack] = []
+    """Rollbacks that moved production away from this run's model, oldest first."""
 
     def summary(self, stage: str, model: type[S]) -> S | None:
         """The stage's summary as its model, or None when the stage has no entry or no summary."""

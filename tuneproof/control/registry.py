@@ -6,7 +6,9 @@ reads the pointer. Layout under the storage root:
     models/<name>/<version>/        HF model files + MODEL_CARD.md + card.json (card.json last: the completion marker)
     models/<name>/<version>/adapter/  a LoRA run's peft adapter (adapter_config.json, adapter_model.safetensors);
                                     the version's own files are then the merged model
-    models/<name>/production.json   the pointer, written last, only on promotion
+    models/<name>/production.json   the pointer, written last, only on promotion or rollback
+    models/<name>/history/          every move of the pointer, append-only (tuneproof.control.history)
+    models/<name>/.hold.json        a flow moving the pointer holds it (tuneproof.control.rollback)
 
 Versions are `v<NNNN>-<run_id>`, NNNN one above the highest existing version, so they sort in
 promotion order. The pointer names the model's content hash (the export manifest's content_sha256,
@@ -20,12 +22,17 @@ its own version copy.
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import posixpath
 import re
+import socket
+from collections.abc import Callable
 from typing import Any, TypeGuard
 
+from tuneproof.control import history
+from tuneproof.control.history import Move, MoveIntent
 from tuneproof.core import cas, markers
 from tuneproof.core.cas import file_lock
 from tuneproof.core.config import LORA_ADAPTER_DIR
@@ -103,7 +110,7 @@ def list_models(storage: Storage) -> list[dict]:
     for name in storage.listdir(MODELS):
         if not storage.fs.isdir(storage.path(MODELS, name)):
             continue  # a stray file (notes, a lock) is not a registered model
-        row: dict[str, Any] = {"name": name, "production": None, "versions": _versions(storage, name)}
+        row: dict[str, Any] = {"name": name, "production": None, "versions": versions(storage, name)}
         try:
             row["production"] = read_pointer(storage, name)[0]
         except RegistryUnreadable as e:
@@ -113,14 +120,14 @@ def list_models(storage: Storage) -> list[dict]:
 
 
 def show_model(storage: Storage, name: str) -> dict:
-    """{"name", "pointer", "token", "versions": [{"version", "production", "complete", "card"}]}.
+    """{"name", "pointer", "token", "versions": [{"version", "production", "complete", "card"}], "history": [moves]}.
 
     A version without card.json is an incomplete copy (a promotion that crashed while copying).
     Raises FileNotFoundError for a name with no versions and no pointer.
     """
-    versions = _versions(storage, name)
+    names = versions(storage, name)
     pointer, token = read_pointer(storage, name)
-    if not versions and pointer is None:
+    if not names and pointer is None:
         known = ", ".join(storage.listdir(MODELS)) or "none"
         raise FileNotFoundError(f"no model {name!r} under {storage.uri(MODELS)} (registered: {known})")
     current = pointer["version"] if pointer else None
@@ -128,7 +135,8 @@ def show_model(storage: Storage, name: str) -> dict:
         "name": name,
         "pointer": pointer,
         "token": token,
-        "versions": [_version_row(storage, name, v, current) for v in versions],
+        "versions": [_version_row(storage, name, v, current) for v in names],
+        "history": [m.model_dump() for m in history.read(storage, name, pointer)],
     }
 
 
@@ -160,7 +168,7 @@ def model_parts(storage: Storage, name: str, version: str) -> dict[str, str | No
     }
 
 
-def _versions(storage: Storage, name: str) -> list[str]:
+def versions(storage: Storage, name: str) -> list[str]:
     """Version directories in promotion order."""
     numbered = [(int(m.group(1)), v) for v in storage.listdir(MODELS, name) if (m := _VERSION.match(v))]
     return [v for _, v in sorted(numbered)]
@@ -186,11 +194,17 @@ def promote(
     lock_timeout_s: float = 30.0,
     stale_lock_s: float = 60.0,
     content_sha256: str | None = None,
+    intent: MoveIntent | None = None,
+    check_copy: Callable[[str], None] | None = None,
 ) -> dict:
     """Copy the model at `source_path` to a new version, write its card, then move the pointer to it.
 
     content_sha256, when given, is the hash the caller's evidence is about: the copy must carry an
     export manifest with exactly that content (checked file by file on the copy), and the pointer names it.
+    check_copy, when given, is called with the version's path after the copy and before the swap; what
+    it raises stops the promotion with the pointer unchanged and the copy removed.
+    intent says who promotes and why; the pointer and the history record it as the move (default: a
+    promotion by this process's user).
 
     expected_token is read_pointer's token for the incumbent the candidate was evaluated against
     (None: there was none). If the pointer has moved since, PromotionConflict is raised, before
@@ -203,28 +217,64 @@ def promote(
         return pointer
     if token != expected_token:
         raise PromotionConflict(name, expected_token, token, _version_of(pointer))
+    history.backfill(storage, name, pointer)
     version = next_version(storage.listdir(MODELS, name), run_id)
     _copy_model(storage, source_path, (MODELS, name, version))
-    if content_sha256 is not None:
-        _check_copy(storage, name, version, content_sha256)
-    full_card = {**card, "name": name, "version": version, "run_id": run_id, "source_path": source_path}
+    try:
+        if content_sha256 is not None:
+            _check_copy(storage, name, version, content_sha256)
+        if check_copy is not None:
+            check_copy(posixpath.join(MODELS, name, version))
+    except Exception:
+        storage.remove(MODELS, name, version, recursive=True)
+        raise
+    at = now_iso()
+    move = history.next_move(pointer, intent or default_intent(), version, run_id, at)
+    full_card = {
+        **card,
+        "name": name,
+        "version": version,
+        "run_id": run_id,
+        "source_path": source_path,
+        "history": [m.model_dump() for m in [*history.read(storage, name, pointer), move]],
+    }
     storage.write_bytes(render_model_card(full_card).encode(), MODELS, name, version, CARD_MD)
     storage.write_json(full_card, MODELS, name, version, CARD_JSON)
-    new_pointer = {
+    new_pointer = pointer_doc(name, version, run_id, content_sha256, move)
+    try:
+        swap_pointer(storage, name, new_pointer, expected_token, lock_timeout_s, stale_lock_s)
+    except PromotionConflict:
+        _remove_unpointed(storage, name, version)
+        raise
+    history.append(storage, name, move)
+    return new_pointer
+
+
+def default_intent() -> MoveIntent:
+    return MoveIntent(kind="promote", by=current_user(), reason="every gate and the resume test passed")
+
+
+def current_user() -> str:
+    """Who is moving the pointer: the user this process runs as (from the environment, else the password
+    database, as a worker's process may have no USER), on which host."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # a uid with no passwd entry (some containers)
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+def pointer_doc(name: str, version: str, run_id: str, content_sha256: str | None, move: Move) -> dict:
+    return {
         "name": name,
         "version": version,
         "path": posixpath.join(MODELS, name, version),
         "run_id": run_id,
-        "promoted_at": now_iso(),
-        "previous_version": pointer["version"] if pointer else None,
+        "promoted_at": move.at,
+        "previous_version": move.from_version,
         "content_sha256": content_sha256,
+        "move": move.model_dump(),
     }
-    try:
-        _swap_pointer(storage, name, new_pointer, expected_token, lock_timeout_s, stale_lock_s)
-    except PromotionConflict:
-        _remove_unpointed(storage, name, version)
-        raise
-    return new_pointer
 
 
 def is_promotion_of(pointer: dict | None, run_id: str, content_sha256: str | None) -> TypeGuard[dict]:
@@ -248,17 +298,13 @@ def _copy_model(storage: Storage, source_path: str, dest_parts: tuple[str, ...])
 
 
 def _check_copy(storage: Storage, name: str, version: str, content_sha256: str) -> None:
-    """The copied version must be exactly the content that was judged; otherwise it is removed."""
-    try:
-        manifest = markers.verify_export(storage, MODELS, name, version)
-        if manifest.content_sha256 != content_sha256:
-            raise markers.ExportUnverified(
-                f"{storage.uri(MODELS, name, version)} has content {manifest.content_sha256[:12]}, "
-                f"expected {content_sha256[:12]}"
-            )
-    except markers.ExportUnverified:
-        storage.remove(MODELS, name, version, recursive=True)
-        raise
+    """The version's files must be exactly the content that was judged (ExportUnverified otherwise)."""
+    manifest = markers.verify_export(storage, MODELS, name, version)
+    if manifest.content_sha256 != content_sha256:
+        raise markers.ExportUnverified(
+            f"{storage.uri(MODELS, name, version)} has content {manifest.content_sha256[:12]}, "
+            f"expected {content_sha256[:12]}"
+        )
 
 
 def _remove_unpointed(storage: Storage, name: str, version: str) -> None:
@@ -268,7 +314,7 @@ def _remove_unpointed(storage: Storage, name: str, version: str) -> None:
         storage.remove(MODELS, name, version, recursive=True)
 
 
-def _swap_pointer(
+def swap_pointer(
     storage: Storage, name: str, pointer: dict, expected_token: str | None, lock_timeout_s: float, stale_lock_s: float
 ) -> None:
     data = json.dumps(pointer, indent=2, sort_keys=True).encode()
@@ -288,6 +334,11 @@ def _version_of(pointer: dict | None) -> str | None:
 
 def _pointer_parts(name: str) -> tuple[str, str, str]:
     return (MODELS, name, POINTER)
+
+
+def read_history(storage: Storage, name: str) -> list[Move]:
+    """Every move of the model's production pointer, oldest first (tuneproof.control.history)."""
+    return history.read(storage, name, read_pointer(storage, name)[0])
 
 
 # ---- the model card (pure) -------------------------------------------------------------------
@@ -320,6 +371,12 @@ def render_model_card(card: dict) -> str:
             "",
             *([f"- {line}" for line in card["gates"]] or ["- no gate lines recorded"]),
             "",
+            *(["## Cost", "", *_cost_section(card["cost"], card["run_id"]), ""] if card.get("cost") else []),
+            *(
+                ["## Production history", "", *history.render([Move(**m) for m in card["history"]]), ""]
+                if card.get("history")
+                else []
+            ),
         ]
     )
 
@@ -381,3 +438,32 @@ def _num(x: Any) -> str:
 
 def _delta(a: Any, b: Any) -> str:
     return "–" if a is None or b is None else f"{float(a) - float(b):+.4g}"
+
+
+def _cost_section(cost: dict, run_id: str) -> list[str]:
+    """The version's cost (tuneproof.control.cost.VersionCost as JSON): every charged run, totals, goodput."""
+    resources = sorted({r for run in cost["charged"] for r in run["resource_seconds"]} | {"CPU"})
+    rows = [
+        f"| run | outcome | {' | '.join(f'{r}-seconds' for r in resources)} | cost | fine-tune steps |",
+        "|---|---|" + "---|" * (len(resources) + 2),
+    ]
+    for run in cost["charged"]:
+        outcome = "promoted as this version" if run["run_id"] == run_id else run["status"]
+        seconds = " | ".join(f"{run['resource_seconds'].get(r, 0.0):.1f}" for r in resources)
+        rows.append(f"| {run['run_id']} | {outcome} | {seconds} | {_money(run['money'])} | {run['steps']} |")
+    total = " | ".join(f"**{cost['resource_seconds'].get(r, 0.0):.1f}**" for r in resources)
+    rows.append(
+        f"| **total** | {len(cost['charged'])} run(s) | {total} | **{_money(cost['money'])}** | {cost['steps_paid']} |"
+    )
+    goodput = "n/a (no fine-tune step paid for)" if cost["goodput"] is None else f"{cost['goodput']:.2f}"
+    rows += [
+        "",
+        f"Goodput: {cost['promoted_steps']} fine-tune steps in this model / {cost['steps_paid']} paid for = {goodput}.",
+    ]
+    if cost.get("apart"):
+        rows.append(f"Canary and comparison runs in the same period, not charged: {', '.join(cost['apart'])}.")
+    return rows
+
+
+def _money(value: float | None) -> str:
+    return "no price table" if value is None else f"{value:.4f}"

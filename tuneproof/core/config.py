@@ -444,6 +444,21 @@ class PromoteConfig(Strict):
     approval_timeout_s: int = Field(3600, ge=1, le=MAX_TIMEOUT_S)
 
 
+class CostConfig(Strict):
+    """What compute costs, for the cost and goodput reports (tuneproof.control.cost)."""
+
+    prices: dict[str, float] = {}
+    """Price per resource-hour by Ray resource name ({"CPU": 0.04, "GPU": 2.5}); empty: seconds only."""
+
+    @field_validator("prices")
+    @classmethod
+    def _non_negative(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = {k: p for k, p in v.items() if p < 0}
+        if bad:
+            raise ValueError(f"a price per resource-hour is 0 or more, got {bad}")
+        return v
+
+
 class Timeouts(Strict):
     """Seconds per stage, 1..604,800 (a week)."""
 
@@ -502,6 +517,7 @@ class PipelineConfig(Strict):
     promote: PromoteConfig = PromoteConfig()
     timeouts: Timeouts = Timeouts()
     runtime_env: RuntimeEnvAdditions = RuntimeEnvAdditions()
+    cost: CostConfig = CostConfig()
 
     @model_validator(mode="before")
     @classmethod

@@ -400,6 +400,24 @@ class Forced(Summary):
     bypassed: list[str]
 
 
+class CopyCheckSummary(Summary):
+    """The registry copy, loaded from the registry's own bytes, against the evaluate job's answers on a
+    fixed slice of the eval split (eval/copy_check.py): the same scores, or the promotion stops."""
+
+    model_path: str
+    """The version's storage path, models/<name>/<version>."""
+    content_sha256: str | None = None
+    """The loaded copy's content hash (its files checked against its export manifest before loading)."""
+    examples: int
+    evaluate_scores: dict[str, float]
+    """The configured metrics over the evaluate job's candidate answers on the slice."""
+    copy_scores: dict[str, float]
+    """The same metrics over the copy's answers on the slice."""
+    differing: list[int] = []
+    """Slice positions whose answer differs from the evaluate job's."""
+    passed: bool
+
+
 class PromoteSummary(Summary):
     promoted: bool
     reasons: list[str] = []
@@ -413,3 +431,5 @@ class PromoteSummary(Summary):
     content_sha256: str | None = None
     """The promoted model's content hash (its export manifest's), also in the production pointer."""
     forced: Forced | None = None
+    copy_check: CopyCheckSummary | None = None
+    """The registry copy scored before the pointer moved (None when not run: no evaluation to compare with)."""

@@ -1,0 +1,174 @@
+"""What a run and a promoted version cost, and goodput: pure over records and the production history.
+
+A promoted version is charged its own run and every run of the same model since the previous promotion
+(failed, refused, superseded attempts); canary and comparison runs are listed apart. The integration
+test is the demo's story: a failed run, then a promoted one, whose card charges both.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tuneproof
+from tuneproof.app.rundiff import diff_records
+from tuneproof.control import cost, registry
+from tuneproof.control import record as records
+from tuneproof.control.history import Move
+from tuneproof.control.record import CodeIdentity, JobEntry, RunRecord, RuntimeEnvAdditions, StageEntry, new_record
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.results import FailureClass, StageResult
+from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import FinetuneSummary
+
+GPU_CFG = PipelineConfig.model_validate({"train": {"num_workers": 4, "use_gpu": True}})
+
+
+def job(module: str, start: str, end: str, summary: dict | None = None) -> JobEntry:
+    result = StageResult(stage="s", status="succeeded", summary=summary, started_at=start, ended_at=end)
+    return JobEntry(
+        submission_id=f"x-{module}",
+        entrypoint=f"python -m {module}",
+        job_status="SUCCEEDED",
+        attached=False,
+        working_dir_hash="w",
+        runtime_env_additions=RuntimeEnvAdditions(),
+        submitted_at=start,
+        ended_at=end,
+        result=result,
+    )
+
+
+def at(seconds: int) -> str:
+    return f"2026-12-03T10:{seconds // 60:02d}:{seconds % 60:02d}+00:00"
+
+
+def run(run_id: str, created: int, cfg: PipelineConfig = GPU_CFG, failed: bool = False, steps: int = 100) -> RunRecord:
+    """A run created at `created` seconds whose data job took 10 s and fine-tune 60 s (`steps` steps)."""
+    rec = new_record(run_id, cfg, CodeIdentity(), None)
+    rec.created_at = at(created)
+    data = StageEntry(
+        stage="data",
+        status="succeeded",
+        started_at="a",
+        ended_at="b",
+        jobs=[job("training.data_prep", at(created), at(created + 10))],
+    )
+    ft_summary = FinetuneSummary(
+        run_name=run_id, train_storage_uri="t", checkpoints=[], start_step=0, steps=steps, seconds=60.0
+    ).to_json()
+    finetune = StageEntry(
+        stage="finetune",
+        status="failed" if failed else "succeeded",
+        started_at="a",
+        ended_at="b",
+        summary=ft_summary,
+        jobs=[job("training.finetune", at(created + 10), at(created + 70), ft_summary)],
+    )
+    rec.stages = {"data": data, "finetune": finetune}
+    if failed:
+        rec.status, rec.failure_class = "failed", FailureClass.modeling
+    else:
+        rec.status = "succeeded"
+    return rec
+
+
+def promotion(seq: int, run_id: str, when: int) -> Move:
+    return Move(
+        seq=seq,
+        kind="promote",
+        from_version=None,
+        to_version=f"v000{seq}-{run_id}",
+        run_id=run_id,
+        by="a",
+        at=at(when),
+        reason="x",
+    )
+
+
+def test_a_run_is_charged_by_stage_with_workers_and_gpus():
+    run_cost = cost.run_cost(run("r1", 0), {"CPU": 0.036, "GPU": 3.6})
+    data, finetune = run_cost.stages
+    assert (data.stage, data.seconds, data.resource_seconds) == ("data", 10.0, {"CPU": 10.0})
+    assert finetune.resource_seconds == {"CPU": 240.0, "GPU": 240.0} and finetune.steps == 100  # 4 workers × 60 s
+    assert run_cost.resource_seconds == {"CPU": 250.0, "GPU": 240.0}
+    assert run_cost.money == pytest.approx(250 / 3600 * 0.036 + 240 / 3600 * 3.6)
+    assert cost.run_cost(run("r1", 0), {}).money is None  # no price table: seconds only
+
+
+def test_superseded_attempts_are_paid_for():
+    rec = run("r1", 0)
+    rec.superseded = [rec.stages["finetune"].model_copy()]
+    stages = cost.run_cost(rec, {}).stages
+    assert [(s.stage, s.superseded) for s in stages] == [("finetune", True), ("data", False), ("finetune", False)]
+    assert cost.run_cost(rec, {}).steps == 200
+
+
+def test_a_promoted_version_is_charged_the_failed_runs_since_the_previous_promotion():
+    runs = [run("r1", 0), run("r2-failed", 200, failed=True), run("r3", 400), run("cmp-a1", 500), run("r4", 700)]
+    moves = [promotion(1, "r1", 100), promotion(2, "r3", 600)]
+    first, second = cost.version_costs(runs, moves, {"GPU": 3.6}, frozenset({"cmp-a1"}))
+    assert [c.run_id for c in first.charged] == ["r1"] and first.goodput == 1.0
+    assert [c.run_id for c in second.charged] == ["r2-failed", "r3"]  # r4 came after; cmp-a1 listed apart
+    assert second.apart == ["cmp-a1"] and second.charged[0].status == "failed (modeling)"
+    assert second.resource_seconds == {"CPU": 500.0, "GPU": 480.0} and second.money == pytest.approx(0.48)
+    assert (second.promoted_steps, second.steps_paid, second.goodput) == (100, 200, 0.5)
+    moves.append(promotion(3, "r4", 800))
+    third = cost.version_costs(runs, moves, {}, frozenset({"cmp-a1"}))[-1]
+    assert [c.run_id for c in third.charged] == ["r4"] and third.apart == [] and third.money is None
+
+
+def test_side_runs_are_the_ones_a_canary_or_comparison_names(tmp_path):
+    storage = Storage(str(tmp_path))
+    storage.write_json({}, "images", "d1", "decision.json")
+    storage.write_json({}, "comparisons", "c1", "comparison.json")
+    ids = ["d1-r1", "c1-a2", "c1-b1", "20261203-100000-a12345", "other-r1"]
+    assert cost.side_runs(storage, ids) == {"d1-r1", "c1-a2", "c1-b1"}
+
+
+def test_runs_diff_shows_cost_rows():
+    a, b = run("a", 0), run("b", 0, cfg=PipelineConfig())
+    metrics = {m["metric"]: m for m in diff_records(a, b)["metrics"]}
+    assert metrics["cost.finetune.seconds"]["a"] == 60.0
+    assert (metrics["cost.GPU_seconds"]["a"], metrics["cost.GPU_seconds"]["b"]) == (240.0, None)
+    assert (metrics["cost.CPU_seconds"]["a"], metrics["cost.CPU_seconds"]["b"]) == (250.0, 130.0)  # 2 CPU workers
+
+
+def test_the_card_renders_cost_and_goodput():
+    version = cost.version_costs(
+        [run("r2-failed", 0, failed=True), run("r3", 100)], [promotion(1, "r3", 200)], {"CPU": 0.36}
+    )[0]
+    card = registry.render_model_card(
+        {"name": "m", "version": "v0001-r3", "run_id": "r3", "metrics": {}, "gates": [], "cost": version.model_dump()}
+    )
+    assert "## Cost" in card and "| r2-failed | failed (modeling) | 250.0 | 240.0 | 0.0250 | 100 |" in card
+    assert "| r3 | promoted as this version |" in card
+    assert "Goodput: 100 fine-tune steps in this model / 200 paid for = 0.50." in card
+
+
+@pytest.mark.integration
+def test_after_a_failed_run_the_promoted_versions_cost_includes_it(clone_run):
+    storage = clone_run.storage
+    shutil.rmtree(Path(storage.root) / "models")  # no production model yet, as the demo found it
+    prices = ["--set", 'cost.prices={"CPU": 0.05, "GPU": 2.5}']
+    garbage = Path(storage.root).parent / "garbage.jsonl"
+    garbage.write_text("not json\n" * 50)
+    bad = ["--set", f"data.source={garbage}"]
+    failed = tuneproof("run", "--run-id", "bad-source", "--only", "data", *clone_run.args, *prices, *bad)
+    assert failed.exit_code != 0, failed.output
+    promoted = tuneproof("run", "--run-id", "demo", "--only", "promote", *clone_run.args, *prices)
+    assert promoted.exit_code == 0, promoted.output
+    name = records.load(storage, "demo").config["model"]["name"]
+    version = registry.read_pointer(storage, name)[0]["version"]
+    card = storage.read_json("models", name, version, registry.CARD_JSON)["cost"]
+    assert {c["run_id"] for c in card["charged"]} == {"demo", "bad-source"}
+    assert card["money"] > 0 and card["steps_paid"] >= card["promoted_steps"] > 0
+    text = storage.read_text("models", name, version, registry.CARD_MD)
+    assert "| bad-source | failed (data) |" in text and "Goodput:" in text
+    shown = json.loads(tuneproof("models", "show", name, *clone_run.args, *prices).stdout)
+    assert {c["run_id"] for c in shown["cost"][-1]["charged"]} == {"demo", "bad-source"}
+    runs_show = tuneproof("runs", "show", "demo", *clone_run.args, *prices)
+    assert runs_show.exit_code == 0 and "cost: CPU" in runs_show.output

@@ -1,0 +1,258 @@
+"""Production history and rollback: every move of a model's pointer is logged (from, to, who, when, why),
+"what was production at T" is answered from the log, and a rollback moves the pointer back only to an
+earlier version whose files still match its manifest, never while another flow holds the pointer.
+
+Unit tests on a local root; the same story on a real S3-compatible server (moto), and the rollback
+flow against a real Prefect server, are marked integration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from datetime import timedelta
+
+import pytest
+
+from tasks.promote import evidence_sha256, forced_promotion, move_pointer, roll_back
+from tests.conftest import TEST_BUCKET, tuneproof
+from tests.test_promote_task import passed_record, with_export
+from tuneproof.control import history, registry, rollback
+from tuneproof.control import record as records
+from tuneproof.control.history import Move, MoveIntent, production_at
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import PromoteSummary
+
+
+def config(root: str, endpoint: str | None = None) -> PipelineConfig:
+    return PipelineConfig.model_validate({"storage": {"root": root, "endpoint_url": endpoint}})
+
+
+def promote_two(cfg: PipelineConfig) -> tuple[Storage, str, str]:
+    """r1 promoted on its gates, then r2 (evaluated against r1) forced over its gates by ana."""
+    storage = Storage.from_config(cfg.storage)
+    for run in ("r1", "r2"):
+        with_export(storage, run)
+    first = passed_record(cfg, "r1")
+    records.save(storage, first)
+    assert move_pointer(cfg, first, "t", forced=None).ok
+    second = passed_record(cfg, "r2")
+    second.stages["evaluate"].summary["gates"]["passed"] = False
+    records.save(storage, second)
+    assert forced_promotion(cfg, "r2", "hotfix for the date bug", "ana").promoted
+    return storage, "v0001-r1", "v0002-r2"
+
+
+def assert_promote_promote_rollback(cfg: PipelineConfig) -> None:
+    storage, v1, v2 = promote_two(cfg)
+    name = cfg.model.name
+    result = roll_back(cfg, name, "v2 answers in the wrong format", "bob", None)
+    assert (result.rolled_back, result.from_version, result.to_version, result.move) == (True, v2, v1, 3)
+    assert registry.read_pointer(storage, name)[0]["version"] == v1
+    moves = registry.read_history(storage, name)
+    assert [(m.seq, m.kind, m.from_version, m.to_version) for m in moves] == [
+        (1, "promote", None, v1),
+        (2, "forced-promote", v1, v2),
+        (3, "rollback", v2, v1),
+    ]
+    assert [m.by.split("@")[0] for m in moves][1:] == ["ana", "bob"]
+    assert [m.reason for m in moves] == [
+        "every gate and the resume test passed",
+        "hotfix for the date bug",
+        "v2 answers in the wrong format",
+    ]
+    assert moves[0].evidence_sha256 == evidence_sha256(records.load(storage, "r1"))
+    # The rolled-back run's record names the rollback.
+    (noted,) = records.load(storage, "r2").rollbacks
+    assert (noted.from_version, noted.to_version, noted.by, noted.seq) == (v2, v1, "bob", 3)
+
+
+def test_promote_promote_rollback_is_three_moves_with_who_and_why(tmp_path):
+    assert_promote_promote_rollback(config(str(tmp_path)))
+
+
+def test_a_rollback_to_a_version_whose_files_changed_is_refused_and_the_pointer_stays(tmp_path):
+    cfg = config(str(tmp_path))
+    storage, v1, v2 = promote_two(cfg)
+    storage.write_bytes(b"tampered weights", "models", cfg.model.name, v1, "model.safetensors")
+    result = roll_back(cfg, cfg.model.name, "bad night", "bob", v1)
+    assert not result.rolled_back and "do not match its manifest" in result.reasons[0]
+    assert registry.read_pointer(storage, cfg.model.name)[0]["version"] == v2
+    assert len(registry.read_history(storage, cfg.model.name)) == 2
+    assert records.load(storage, "r2").rollbacks == []
+
+
+def test_a_rollback_is_refused_while_another_flow_holds_the_pointer(tmp_path):
+    cfg = config(str(tmp_path))
+    storage, _, v2 = promote_two(cfg)
+    with rollback.hold(storage, cfg.model.name, "r3", "promote r3"):
+        result = roll_back(cfg, cfg.model.name, "bad night", "bob", None)
+    assert not result.rolled_back and "held by 'promote r3'" in result.reasons[0]
+    assert registry.read_pointer(storage, cfg.model.name)[0]["version"] == v2
+
+
+def test_a_dead_holders_hold_is_taken_over(tmp_path):
+    storage = Storage(str(tmp_path))
+    dead = {
+        "run_id": "r3",
+        "holder": os.uname().nodename,
+        "pid": 2**22 + 7,
+        "command": "promote r3",
+        "started": "2026-01-01T00:00:00+00:00",
+        "renewed": "2026-01-01T00:00:00+00:00",
+        "ttl_s": 1800.0,
+    }
+    storage.write_json(dead, "models", "m", rollback.HOLD)
+    with rollback.hold(storage, "m", "r4", "rollback m"):
+        assert json.loads(storage.read_bytes("models", "m", rollback.HOLD))["run_id"] == "r4"
+    assert not storage.exists("models", "m", rollback.HOLD)
+
+
+def test_a_rollback_goes_back_only(tmp_path):
+    cfg = config(str(tmp_path))
+    storage, v1, v2 = promote_two(cfg)
+    roll_back(cfg, cfg.model.name, "bad night", "bob", None)
+    for target, why in (
+        (v2, "not earlier than production"),
+        (v1, "already production"),
+        ("v0009-x", "no complete version"),
+        (None, "no earlier"),
+    ):
+        result = roll_back(cfg, cfg.model.name, "again", "bob", target)
+        assert not result.rolled_back and why in result.reasons[0], result.reasons
+    assert registry.read_pointer(storage, cfg.model.name)[0]["version"] == v1
+
+
+def test_what_was_production_at_a_time():
+    def move(seq: int, to: str, at: str) -> Move:
+        return Move(seq=seq, kind="promote", from_version=None, to_version=to, run_id="r", by="a", at=at, reason="x")
+
+    moves = [move(1, "v1", "2026-12-01T10:00:00+00:00"), move(2, "v2", "2026-12-02T10:00:00+00:00")]
+    at = history.parse_time
+    assert production_at(moves, at("2026-12-01T09:59:59Z")) is None
+    assert production_at(moves, at("2026-12-01T10:00:00")).to_version == "v1"  # no zone: UTC
+    assert production_at(moves, at("2026-12-02T09:00:00+00:00")).to_version == "v1"
+    assert production_at(moves, at("2026-12-03T00:00:00+00:00")).to_version == "v2"
+    with pytest.raises(ValueError, match="'yesterday' is not ISO 8601"):
+        at("yesterday")
+
+
+def test_a_move_whose_append_was_lost_is_read_from_the_pointer_and_backfilled(tmp_path):
+    cfg = config(str(tmp_path))
+    storage, v1, v2 = promote_two(cfg)
+    name = cfg.model.name
+    storage.remove(*history.entry_parts(name, 2))  # the mover died between the swap and the append
+    assert [m.to_version for m in registry.read_history(storage, name)] == [v1, v2]
+    roll_back(cfg, name, "bad night", "bob", None)
+    assert sorted(storage.listdir("models", name, "history")) == ["000001.json", "000002.json", "000003.json"]
+
+
+def test_an_entry_is_never_rewritten(tmp_path):
+    storage = Storage(str(tmp_path))
+    intent = MoveIntent(kind="promote", by="a", reason="x")
+    first = history.next_move(None, intent, "v0001-r1", "r1", "2026-12-01T10:00:00+00:00")
+    history.append(storage, "m", first)
+    history.append(storage, "m", first)  # a retry of the same move: fine
+    with pytest.raises(history.HistoryUnreadable, match="two movers claimed one sequence number"):
+        history.append(storage, "m", first.model_copy(update={"to_version": "v0002-r2"}))
+
+
+def test_the_cli_shows_the_history_answers_at_and_rolls_back(tmp_path):
+    cfg = config(str(tmp_path))
+    storage, v1, v2 = promote_two(cfg)
+    root = ["--set", f"storage.root={tmp_path}"]
+    refused = tuneproof("rollback", cfg.model.name, *root)
+    assert refused.exit_code == 2 and "--reason" in refused.output
+    done = tuneproof("rollback", cfg.model.name, "--reason", "v2 regressed", *root)
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.stdout)["to_version"] == v1
+    shown = tuneproof("models", "history", cfg.model.name, "--json", *root)
+    assert [m["to_version"] for m in json.loads(shown.stdout)] == [v1, v2, v1]
+    text = tuneproof("models", "history", cfg.model.name, *root).stdout
+    assert "#3" in text and "rollback v0002-r2 -> v0001-r1" in text and "v2 regressed" in text
+    second = registry.read_history(storage, cfg.model.name)[1]
+    just_after = (history.parse_time(second.at) + timedelta(milliseconds=1)).isoformat()
+    at = tuneproof("models", "history", cfg.model.name, "--at", just_after, "--json", *root)
+    assert [m["to_version"] for m in json.loads(at.stdout)] == [v2]
+    before = tuneproof("models", "history", cfg.model.name, "--at", "2000-01-01", *root)
+    assert before.exit_code == 1 and "no recorded production model" in before.output
+    again = tuneproof("rollback", cfg.model.name, "--reason", "x", "--to", v2, *root)
+    assert again.exit_code == 3 and "not earlier" in again.output, again.output
+
+
+def test_the_card_shows_the_history_up_to_its_promotion(tmp_path):
+    cfg = config(str(tmp_path))
+    storage, v1, v2 = promote_two(cfg)
+    card = storage.read_text("models", cfg.model.name, v2, registry.CARD_MD)
+    assert "## Production history" in card
+    assert "| 2 |" in card and "forced-promote | v0001-r1 | v0002-r2 | ana | hotfix for the date bug |" in card
+    shown = registry.show_model(storage, cfg.model.name)
+    assert [m["seq"] for m in shown["history"]] == [1, 2]
+
+
+def test_the_promote_summary_keeps_the_pointer_fields_only(tmp_path):
+    cfg = config(str(tmp_path))
+    storage, v1, _ = promote_two(cfg)
+    summary = records.load(storage, "r2").promotion
+    assert isinstance(summary, PromoteSummary) and summary.previous_version == v1
+
+
+@pytest.mark.integration
+def test_promote_promote_rollback_on_s3(s3_endpoint):
+    assert_promote_promote_rollback(config(f"s3://{TEST_BUCKET}/history-{uuid.uuid4().hex[:8]}", s3_endpoint))
+
+
+@pytest.mark.integration
+def test_the_rollback_flow_runs_on_prefect_with_a_reason(prefect_server, tmp_path):
+    from prefect.client.orchestration import get_client
+
+    from flows.rollback import rollback as rollback_flow
+
+    cfg = config(str(tmp_path))
+    storage, v1, v2 = promote_two(cfg)
+    state = rollback_flow(
+        model=cfg.model.name, reason="v2 regressed overnight", by="oncall", config=cfg, return_state=True
+    )
+    assert state.is_completed(), state.message
+    moves = registry.read_history(storage, cfg.model.name)
+    assert (moves[-1].kind, moves[-1].to_version, moves[-1].by, moves[-1].reason) == (
+        "rollback",
+        v1,
+        "oncall",
+        "v2 regressed overnight",
+    )
+    refused = rollback_flow(model=cfg.model.name, reason="again", config=cfg, return_state=True)
+    assert refused.is_failed() and "no earlier complete version" in refused.message
+    assert registry.read_pointer(storage, cfg.model.name)[0]["version"] == v1
+
+    async def artifact():
+        async with get_client() as client:
+            return await client.read_artifacts()
+
+    import asyncio
+
+    texts = [a.data for a in asyncio.run(artifact()) if a.key and a.key.startswith("production-history-rollback-")]
+    assert any("v2 regressed overnight" in t for t in texts)
+
+
+def test_the_rollback_deployment_takes_a_typed_form():
+    import yaml
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.rollback import rollback as rollback_flow
+    from tuneproof.core.config import PROJECT_ROOT
+
+    doc = yaml.safe_load((PROJECT_ROOT / "prefect.yaml").read_text())
+    (deployment,) = [d for d in doc["deployments"] if d["name"] == "rollback"]
+    assert deployment["entrypoint"] == "flows/rollback.py:rollback" and deployment["parameters"] == {}
+    schema = parameter_schema(rollback_flow).model_dump_for_openapi()
+    assert set(schema["required"]) == {"model", "reason"}
+    assert schema["properties"]["reason"]["minLength"] == 1 and schema["properties"]["model"]["type"] == "string"
+
+
+def test_a_rollback_of_an_unknown_model_is_refused_and_leaves_nothing_behind(tmp_path):
+    result = roll_back(config(str(tmp_path)), "never-promoted", "x", "bob", None)
+    assert not result.rolled_back and "no production model to roll back" in result.reasons[0]
+    assert not (tmp_path / "models").exists()

@@ -1,0 +1,166 @@
+"""Production history: an append-only log of every move of a model's production pointer.
+
+    models/<name>/history/<seq>.json   one Move per pointer move (seq 000001, 000002, ...), each created
+                                       once (exclusive create: O_EXCL lock + existence check locally,
+                                       If-None-Match: * on S3) and never rewritten
+
+The sequence number comes from the pointer: a mover reads the pointer (whose `move` names the move
+that put it there, seq N), and moves it by compare-and-swap to a pointer whose `move` is seq N+1, so
+only the winner of that swap ever writes entry N+1. The entry is appended after the swap; a mover
+that dies between the two leaves its move in the pointer, and `read` (and the next mover, through
+`backfill`) take it from there, so a move is never lost from the history.
+
+`production_at` answers "what was production at time T" from the log alone (pure).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from tuneproof.core import cas
+from tuneproof.core.storage import Storage
+
+MODELS = "models"
+HISTORY = "history"
+
+MoveKind = Literal["promote", "forced-promote", "rollback"]
+
+
+class Move(BaseModel):
+    """One move of the production pointer: from which version to which, who, when and why."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seq: int
+    """1 for the model's first recorded move, one more for each later move."""
+    kind: MoveKind
+    from_version: str | None
+    """Production before the move (None: there was none)."""
+    to_version: str
+    run_id: str
+    """The run that produced `to_version`."""
+    by: str
+    at: str
+    """UTC ISO 8601 time the pointer moved."""
+    reason: str
+    """Why: the gates passed, the override's reason, or the rollback's reason."""
+    evidence_sha256: str | None = None
+    """A promotion's evidence (the judged summaries) by content; None for a rollback."""
+
+    def line(self) -> str:
+        evidence = f" evidence {self.evidence_sha256[:12]}" if self.evidence_sha256 else ""
+        return (
+            f"#{self.seq} {self.at} {self.kind} {self.from_version or '(none)'} -> {self.to_version} "
+            f"by {self.by}: {self.reason}{evidence}"
+        )
+
+
+class MoveIntent(BaseModel):
+    """What a mover says about its move before it knows its sequence number."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: MoveKind
+    by: str
+    reason: str
+    evidence_sha256: str | None = None
+
+
+class HistoryUnreadable(ValueError):
+    """A history entry that exists but is not a Move (truncated, hand-edited)."""
+
+
+def next_move(pointer: dict | None, intent: MoveIntent, to_version: str, run_id: str, at: str) -> Move:
+    """The move that follows the one recorded in `pointer` (pure): seq one above it, from its version."""
+    seq = int(((pointer or {}).get("move") or {}).get("seq", 0)) + 1
+    return Move(
+        seq=seq,
+        from_version=(pointer or {}).get("version"),
+        to_version=to_version,
+        run_id=run_id,
+        at=at,
+        **intent.model_dump(),
+    )
+
+
+def entry_parts(name: str, seq: int) -> tuple[str, str, str, str]:
+    return (MODELS, name, HISTORY, f"{seq:06d}.json")
+
+
+def append(storage: Storage, name: str, move: Move) -> None:
+    """Create the move's entry once; an entry already there must be this same move (a retry's)."""
+    data = move.model_dump_json(indent=2).encode()
+    if cas.write_if(storage, data, None, *entry_parts(name, move.seq)):
+        return
+    existing = _parse(storage, name, storage.read_bytes(*entry_parts(name, move.seq)), move.seq)
+    if existing != move:
+        raise HistoryUnreadable(
+            f"{storage.uri(*entry_parts(name, move.seq))} records {existing.line()!r}, expected {move.line()!r}: "
+            "two movers claimed one sequence number, which the pointer's compare-and-swap should prevent"
+        )
+
+
+def backfill(storage: Storage, name: str, pointer: dict | None) -> None:
+    """Append the move recorded in the current pointer if its mover died before appending it."""
+    move = pointer_move(pointer)
+    if move is not None and not storage.exists(*entry_parts(name, move.seq)):
+        append(storage, name, move)
+
+
+def pointer_move(pointer: dict | None) -> Move | None:
+    """The move a pointer records (None for a pointer written before moves were recorded)."""
+    raw = (pointer or {}).get("move")
+    return Move.model_validate(raw) if raw else None
+
+
+def read(storage: Storage, name: str, pointer: dict | None) -> list[Move]:
+    """Every move of the model's pointer, oldest first, including the current pointer's own move when
+    its entry was never appended."""
+    moves = {}
+    for file in storage.listdir(MODELS, name, HISTORY):
+        if file.endswith(".json") and file[:-5].isdigit():
+            seq = int(file[:-5])
+            moves[seq] = _parse(storage, name, storage.read_bytes(*entry_parts(name, seq)), seq)
+    current = pointer_move(pointer)
+    if current is not None:
+        moves.setdefault(current.seq, current)
+    return [moves[s] for s in sorted(moves)]
+
+
+def _parse(storage: Storage, name: str, data: bytes, seq: int) -> Move:
+    try:
+        return Move.model_validate(json.loads(data))
+    except (ValueError, ValidationError, RecursionError) as e:
+        where = storage.uri(*entry_parts(name, seq))
+        raise HistoryUnreadable(f"{where}: not a production-history entry ({str(e)[:200]})") from None
+
+
+def parse_time(value: str) -> datetime:
+    """An ISO 8601 time; one without a zone is UTC. ValueError names the value and the expected form."""
+    try:
+        t = datetime.fromisoformat(value)
+    except ValueError:
+        raise ValueError(f"time {value!r} is not ISO 8601 (expected e.g. 2026-12-03T14:00:00Z)") from None
+    return t if t.tzinfo else t.replace(tzinfo=UTC)
+
+
+def production_at(moves: list[Move], t: datetime) -> Move | None:
+    """The move that made the version production at time `t` (its to_version), or None when nothing
+    was production yet (or the log starts later). Pure."""
+    before = [m for m in moves if parse_time(m.at) <= t]
+    return max(before, key=lambda m: m.seq) if before else None
+
+
+def render(moves: list[Move]) -> list[str]:
+    """A markdown table of the moves, newest first (the model card and the flow's artifact)."""
+    rows = ["| # | when | move | from | to | by | why |", "|---|---|---|---|---|---|---|"]
+    for m in reversed(moves):
+        why = m.reason + (f" (evidence `{m.evidence_sha256[:12]}`)" if m.evidence_sha256 else "")
+        rows.append(
+            f"| {m.seq} | {m.at} | {m.kind} | {m.from_version or '–'} | {m.to_version} | {m.by} | {why.replace('|', '/')} |"
+        )
+    return rows if moves else ["No earlier moves of the production pointer."]

@@ -1,0 +1,147 @@
+"""Rollback: move a model's production pointer back to an earlier version, and the hold that keeps one
+flow at a time on a model's pointer.
+
+    models/<name>/.hold.json   who is moving the pointer (a promotion while it copies, checks and swaps;
+                               a rollback), created exclusively through tuneproof.core.cas
+
+A rollback checks its target like a promotion checks its copy (the files against the version's
+manifest, the manifest against the card's content hash), then swaps the pointer by compare-and-swap
+against the pointer it read, and appends the move to the history (tuneproof.control.history).
+Every refusal happens before the pointer is touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+
+from tuneproof.control import history, registry
+from tuneproof.control.history import MoveIntent
+from tuneproof.control.lease import LeaseInfo, pid_alive, stale_reason
+from tuneproof.control.registry import CARD_JSON, MODELS
+from tuneproof.core import cas, markers
+from tuneproof.core.results import now_iso
+from tuneproof.core.storage import Storage
+
+HOLD = ".hold.json"
+HOLD_TTL_S = 1800.0
+"""A hold not released after this long is a dead holder's (a promotion's copy check fits well inside it)."""
+
+
+class PointerHeld(RuntimeError):
+    """Another flow is moving the model's pointer (copying, checking or swapping); nothing was changed."""
+
+
+class RollbackRefused(ValueError):
+    """The rollback was refused before the pointer moved: the reason names the version and what is wrong."""
+
+
+@contextlib.contextmanager
+def hold(storage: Storage, name: str, run_id: str, command: str, wait_s: float = 0.0) -> Iterator[None]:
+    """Hold models/<name>/.hold.json for the block, so one flow at a time moves a model's pointer.
+
+    Created exclusively (cas, like the pointer); a hold whose holder is gone (its pid on this host, or
+    HOLD_TTL_S old) is removed and taken. A live one makes this wait up to wait_s, then PointerHeld."""
+    now = now_iso()
+    body = (
+        LeaseInfo(
+            run_id=run_id,
+            holder=socket.gethostname(),
+            pid=os.getpid(),
+            command=command,
+            started=now,
+            renewed=now,
+            ttl_s=HOLD_TTL_S,
+        )
+        .model_dump_json()
+        .encode()
+    )
+    deadline = time.monotonic() + wait_s
+    while not cas.write_if(storage, body, None, MODELS, name, HOLD):
+        holder = _live_holder(storage, name)
+        if holder is not None and time.monotonic() >= deadline:
+            raise PointerHeld(
+                f"{storage.uri(MODELS, name, HOLD)}: the pointer of {name} is held by {holder.describe()}"
+            )
+        time.sleep(0.2 if holder is not None else 0)
+    try:
+        yield
+    finally:
+        data, token = cas.read_versioned(storage, MODELS, name, HOLD)
+        if data == body and token is not None:
+            cas.delete_if(storage, token, MODELS, name, HOLD)
+
+
+def _live_holder(storage: Storage, name: str) -> LeaseInfo | None:
+    """The live holder of the model's hold; a dead holder's hold (or an unreadable one) is removed."""
+    data, token = cas.read_versioned(storage, MODELS, name, HOLD)
+    if data is None or token is None:
+        return None
+    try:
+        info: LeaseInfo | None = LeaseInfo.model_validate_json(data)
+    except ValueError:
+        info = None
+    if info is not None and stale_reason(info, datetime.now(UTC), socket.gethostname(), pid_alive) is None:
+        return info
+    cas.delete_if(storage, token, MODELS, name, HOLD)
+    return None
+
+
+def rollback(storage: Storage, name: str, reason: str, by: str, to_version: str | None = None) -> dict:
+    """Move the pointer back to `to_version` (default: the latest complete version before production),
+    by compare-and-swap, under the model's hold; record the move in the history. Returns the new pointer.
+
+    RollbackRefused when there is no production model, the target is not an earlier complete version,
+    or its files do not match its manifest (and its card's content hash); PointerHeld when another flow
+    holds the pointer; PromotionConflict when the pointer moved meanwhile. The pointer stays on refusal."""
+    if registry.read_pointer(storage, name)[0] is None:  # before the hold: refusing leaves nothing behind
+        raise RollbackRefused(f"{storage.uri(MODELS, name)}: no production model to roll back")
+    with hold(storage, name, "(rollback)", f"rollback {name} by {by}"):
+        pointer, token = registry.read_pointer(storage, name)
+        if pointer is None:
+            raise RollbackRefused(f"{storage.uri(MODELS, name)}: no production model to roll back")
+        versions = [v for v in registry.versions(storage, name) if storage.exists(MODELS, name, v, CARD_JSON)]
+        target, card = _rollback_target(
+            storage, name, versions, pointer["version"], to_version or previous_version(versions, pointer["version"])
+        )
+        history.backfill(storage, name, pointer)
+        intent = MoveIntent(kind="rollback", by=by, reason=reason)
+        move = history.next_move(pointer, intent, target, card["run_id"], now_iso())
+        new_pointer = registry.pointer_doc(name, target, card["run_id"], card.get("content_sha256"), move)
+        registry.swap_pointer(storage, name, new_pointer, token, 30.0, 60.0)
+        history.append(storage, name, move)
+        return new_pointer
+
+
+def previous_version(versions: list[str], current: str) -> str | None:
+    """The latest of `versions` (in promotion order) before `current`; None when there is none. Pure."""
+    earlier = versions[: versions.index(current)] if current in versions else []
+    return earlier[-1] if earlier else None
+
+
+def _rollback_target(
+    storage: Storage, name: str, versions: list[str], current: str, target: str | None
+) -> tuple[str, dict]:
+    """(target, its card), once the target is an earlier complete version whose files match its manifest."""
+    if target is None:
+        raise RollbackRefused(f"{name}: production {current} has no earlier complete version to roll back to")
+    if target not in versions:
+        raise RollbackRefused(f"{name}: no complete version {target!r} (complete: {', '.join(versions) or 'none'})")
+    if target == current:
+        raise RollbackRefused(f"{name}: {target} is already production")
+    if current in versions and versions.index(target) > versions.index(current):
+        raise RollbackRefused(f"{name}: {target} is not earlier than production {current}: a rollback goes back")
+    card = storage.read_json(MODELS, name, target, CARD_JSON)
+    try:
+        content = markers.verify_export(storage, MODELS, name, target).content_sha256
+    except markers.ExportUnverified as e:
+        raise RollbackRefused(f"{name} {target}: its files do not match its manifest: {e}") from None
+    if card.get("content_sha256") not in (None, content):
+        raise RollbackRefused(
+            f"{name} {target}: manifest content {content[:12]}, its card says {card['content_sha256'][:12]}"
+        )
+    return target, card
