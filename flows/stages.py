@@ -59,7 +59,7 @@ class Need:
 
 
 IN_FLOW = "in-flow"
-"""A Stage's `timeout` when it runs in the flow process and submits no Ray job (promote)."""
+"""A Stage's `timeout` when it runs in the flow process and submits no Ray job."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -314,7 +314,7 @@ STAGES: tuple[Stage, ...] = (
         evidence=promote_evidence,
         fails_as=(MODELING, INFRA),
         reads=("finetune", "resume", "evaluate"),
-        timeout=IN_FLOW,
+        timeout="promote",  # the copy check's Ray job
         lift=lift_promotion,
     ),
 )

@@ -17,7 +17,6 @@ import json
 import logging
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import replace
 from typing import Any
 
 from prefect import task
@@ -265,7 +264,7 @@ def copy_checker(call: StageCall, jobs: list[JobEntry]) -> Callable[[str], None]
     def check(model_path: str) -> None:
         params = {"model": model_path, **items}
         spec = call.spec("eval.copy_check", params, suffix="copy-check", summary=CopyCheckSummary)
-        job = runner_for(call).run(replace(spec, timeout_s=call.cfg.timeouts.evaluate))
+        job = runner_for(call).run(spec)
         jobs.append(job)
         if job.result.status != "succeeded":
             raise CopyCheckFailed(f"copy check ({job.submission_id}): {job.result.cause}")

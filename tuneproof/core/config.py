@@ -468,6 +468,8 @@ class Timeouts(Strict):
     finetune: int = Field(3600, ge=1, le=MAX_TIMEOUT_S)
     resume: int = Field(1800, ge=1, le=MAX_TIMEOUT_S)
     evaluate: int = Field(1800, ge=1, le=MAX_TIMEOUT_S)
+    promote: int = Field(1800, ge=1, le=MAX_TIMEOUT_S)
+    """Bounds the copy check's Ray job (the registry copy loaded and scored before the pointer moves)."""
 
 
 class RuntimeEnvAdditions(Strict):
