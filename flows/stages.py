@@ -139,7 +139,8 @@ def lift_data(record: RunRecord, s: DataSummary) -> None:
 def finetune_evidence(s: FinetuneSummary) -> str:
     trained = f", {s.trainable_params:,} of {s.total_params:,} params trained" if s.trainable_params is not None else ""
     mesh = f", {s.sharding} mesh {'x'.join(map(str, s.mesh))}" if s.sharding and s.mesh else ""
-    return f"{s.method}: loss {_num(s.first_loss)} -> {_num(s.final_loss)} in {s.steps} steps{trained}{mesh}"
+    skipped = "".join(f"; skipped {c.name} ({c.reason.rsplit(': ', 1)[-1]})" for c in s.skipped_checkpoints)
+    return f"{s.method}: loss {_num(s.first_loss)} -> {_num(s.final_loss)} in {s.steps} steps{trained}{mesh}{skipped}"
 
 
 def finetune_metrics(s: FinetuneSummary) -> Metrics:

@@ -225,7 +225,11 @@ def worker_for(config: PipelineConfig, **params) -> Worker:
     )
 
 
-def test_start_falls_back_from_an_incomplete_reported_checkpoint(tmp_path, monkeypatch):
+def test_a_reported_checkpoint_that_fails_its_check_mid_run_stops_the_run_instead_of_resaving_its_step(
+    tmp_path, monkeypatch
+):
+    """Within one Ray Train run, Ray's checkpoint manager holds the bad checkpoint: resuming from an older one
+    would save that step again under the name Ray prunes later. The next job's driver skips it properly."""
     import ray.train
 
     config = make_config(str(tmp_path), tmp_path)
@@ -234,7 +238,11 @@ def test_start_falls_back_from_an_incomplete_reported_checkpoint(tmp_path, monke
     cut_short = fake_checkpoint(storage, 8)
     storage.remove(*cut_short, "__0_0.distcp")
     monkeypatch.setattr(ray.train, "get_checkpoint", lambda: ray.train.Checkpoint(storage.path(*cut_short)))
-    assert resolve_start(worker_for(config)).step == 4
+    with pytest.raises(
+        StageFailure,
+        match=r"failed its check during run r1; continue the run .*checkpoint_000004\): .*__0_0\.distcp \(missing",
+    ):
+        resolve_start(worker_for(config))
     storage.remove(*RUN, "checkpoint_000004", recursive=True)
     with pytest.raises(StageFailure, match=r"no complete checkpoint to resume from: .*__0_0\.distcp \(missing") as info:
         resolve_start(worker_for(config))

@@ -236,6 +236,20 @@ class Restart(Summary):
     """What Ray Train reported for the failed attempt (one line), when it reported anything."""
 
 
+class SkippedCheckpoint(Summary):
+    """A checkpoint newer than the one a fine-tune resumed from, left out because it failed its check."""
+
+    name: str
+    """Its directory name, checkpoint_<step>."""
+    step: int
+    reason: str
+    """What the completion check found (no marker, a file missing, a size or sha256 that differs)."""
+    set_aside_as: str | None = None
+    """The directory it was moved to, kept as evidence (None: left where it was, to be saved over)."""
+    dropped_from_ray: bool = False
+    """It was listed in Ray Train's checkpoint manager snapshot and was taken out of it."""
+
+
 class FinetuneSummary(Summary):
     run_name: str
     """Ray Train run name (RunConfig.name): the same name resumes."""
@@ -275,6 +289,9 @@ class FinetuneSummary(Summary):
     and ddp ([workers, 1]); e.g. [2, 2] for 4 workers in shard groups of 2."""
     restarts: list[Restart] = []
     """Worker-group failures Ray Train recovered from in this job, with the step each one resumed at."""
+    skipped_checkpoints: list[SkippedCheckpoint] = []
+    """Checkpoints newer than the one this job resumed from that failed their completion check: left out of
+    the restore and of Ray Train's checkpoint bookkeeping alike."""
 
 
 # ---- 5 resume --------------------------------------------------------------------------------
