@@ -92,6 +92,8 @@ def row_for(
         problems.append(f"the continuation exited {cont.exit_code}: {cont.tail(600)}")
     if compared["same_as_reference"] is not True:
         problems.append("the continued fine-tune's export differs from the reference's")
+    if compared["same_data_order"] is False:
+        problems.append("the continued fine-tune trained on other samples than the reference (data-order ledger)")
     notes = "; ".join(problems) if problems else continuation_note(rec)
     return FaultRow(
         fault=name,

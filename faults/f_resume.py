@@ -1,6 +1,7 @@
-"""Issue 28's rows on resuming: a corrupted checkpoint skipped in step with Ray Train.
+"""Issue 28's rows on resuming: a corrupted checkpoint skipped in step with Ray Train; a planted sampler bug
+caught by the data-order ledger.
 
-    python -m faults --only corrupt-checkpoint
+    python -m faults --only corrupt-checkpoint,sampler-seed-lost
 
 corrupt-checkpoint  the pipeline through the fine-tune is stopped (`ray job stop`) once checkpoint 20 is
                     registered by Ray Train; one byte in the middle of the newest complete checkpoint's largest shard is
@@ -9,6 +10,11 @@ corrupt-checkpoint  the pipeline through the fine-tune is stopped (`ray job stop
                     finish, and export the reference's weights. num_to_keep 2 makes Ray Train prune twice
                     after the step is saved again: with the bad checkpoint left in Ray's bookkeeping, that
                     prune fails the run on "Path not found" (issue 28's held-out failure)
+sampler-seed-lost   the pipeline through the resume test with a planted sampler bug: the continue phase's
+                    workers, once they restore the interruption step, lose their epoch seed
+                    (TUNEPROOF_FAULT_AT=sampler:35) and draw the rest of the epoch unseeded. resume.loss_rtol
+                    is 1.0, so replayed losses "look close"; the resume test must still fail, its ledger
+                    comparison naming the first step whose samples differ (36)
 """
 
 from __future__ import annotations
@@ -17,11 +23,13 @@ import json
 import time
 from pathlib import Path
 
-from faults.f_flow import continue_run, logged_step, ray_client, row_for, start, wait_for
+from faults.f_flow import FLOW, continue_run, logged_step, ray_client, row_for, start, wait_for
+from faults.f_train import forwarded
 from faults.harness import FaultRow, Lab, scenario
 from training.checkpointing import RAY_SNAPSHOT, latest_complete_checkpoint, snapshot_checkpoints
+from training.fault_hooks import FAULT_AT
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import FinetuneSummary
+from tuneproof.core.summaries import FinetuneSummary, ResumeSummary
 
 KEEP_TWO = ("train.num_to_keep=2",)
 
@@ -112,3 +120,48 @@ def check_skipped(tuned: FinetuneSummary | None, corrupted: int) -> list[str]:
             f"the record does not name checkpoint {corrupted} as skipped for its sha256: {tuned.skipped_checkpoints}"
         )
     return problems
+
+
+INTERRUPT_AT = 35
+"""The resume test's interruption step on the fault workload: its seed is the last checkpoint (30) that leaves
+resume.extra_steps + replay_steps (5 + 5) steps before step 40."""
+
+
+@scenario(order=37, name="sampler-seed-lost")
+def sampler_seed_lost(lab: Lab) -> FaultRow:
+    lab.reference()
+    run_id = "resume-sampler-seed-lost"
+    spec = f"sampler:{INTERRUPT_AT}"
+    sets = [*FLOW, "resume.loss_rtol=1.0", forwarded(FAULT_AT)]
+    out = lab.run(run_id, only=None, until="resume", sets=sets, env={FAULT_AT: spec})
+    rec = out.record
+    entry = rec.stages.get("resume") if rec else None
+    summary = rec.summary("resume", ResumeSummary) if rec else None
+    ledger = summary.ledger_comparison if summary else None
+    losses = summary.loss_comparison if summary else None
+    caught = (
+        out.exit_code == 4
+        and entry is not None
+        and out.failure_class == "infrastructure"
+        and summary is not None
+        and summary.interrupted_at_step == INTERRUPT_AT
+        and ledger is not None
+        and ledger.first_differing_step == INTERRUPT_AT + 1
+        and "data order differs" in (entry.cause or "")
+    )
+    loss_note = (
+        f"max relative loss difference {losses.max_rel_diff:.3g} (ok at rtol 1.0: {losses.ok})"
+        if losses
+        else "no loss comparison"
+    )
+    return FaultRow(
+        fault="sampler-seed-lost",
+        injected_at=f"the resume test's restore of step {INTERRUPT_AT}",
+        outcome="failed-as-expected" if caught else "FAILED",
+        failure_class=out.failure_class,
+        seconds=round(out.seconds, 1),
+        how=f"{FAULT_AT}={spec}: the restored workers draw their epoch order unseeded; resume.loss_rtol=1.0",
+        notes=f"{loss_note}; ledger: {ledger.reason if ledger else None}; cause: {(entry.cause if entry else out.tail(300))}"[
+            :600
+        ],
+    )

@@ -153,7 +153,14 @@ def finetune_metrics(s: FinetuneSummary) -> Metrics:
 
 
 def resume_evidence(s: ResumeSummary) -> str:
-    return f"restored step {s.restored_step}, max loss diff {s.max_loss_diff}"
+    ledger = s.ledger_comparison
+    if ledger is None:
+        order = ""
+    elif ledger.ok:
+        order = f", same samples as the main run over {ledger.steps_compared} steps"
+    else:
+        order = f", samples differ from step {ledger.first_differing_step}"
+    return f"restored step {s.restored_step}, max loss diff {s.max_loss_diff}{order}"
 
 
 def resume_metrics(s: ResumeSummary) -> Metrics:

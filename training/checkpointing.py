@@ -88,6 +88,9 @@ class TrainingProgress:
     """Parameters of the LR schedule (it is a pure function of the step, so that is its whole state)."""
     rng: dict[str, Any]
     """RNG states of torch (CPU and CUDA), python and numpy on this rank."""
+    ledger: str | None = None
+    """The data-order ledger after `step` (training.train_data.fold_ledger): a running sha256 of every step's
+    sample ids. The same on every rank; None in checkpoints written before the ledger existed."""
 
     def file_name(self) -> str:
         return progress_file(self.rank)

@@ -66,7 +66,7 @@ from tuneproof.core.hashing import IGNORE_INDEX
 from tuneproof.core.markers import Digests, ExportUnverified, read_export_manifest
 from tuneproof.core.results import FailureClass, StageFailure, one_line
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import FinetuneSummary, LossPoint
+from tuneproof.core.summaries import FinetuneSummary, LossPoint, ledger_points
 
 if TYPE_CHECKING:  # torch and the data module load inside workers only
     import torch
@@ -287,6 +287,7 @@ def summarize(ctx: JobContext, params: TrainParams, outcome: dict, seconds: floa
             read_jsonl(ctx.storage, *ctx.stage_parts(FAILURES)),
             rows,
         ),
+        ledger=ledger_points(rows),
     )
 
 
@@ -350,6 +351,10 @@ class Worker:
     """The checkpoint whose shards are being written in the background; not complete, no marker yet."""
     staging: StagingBuffers = field(default_factory=StagingBuffers)
     """CPU memory each asynchronous save copies the state into, kept across saves (one save at a time)."""
+    ledger: str | None = ""
+    """The data-order ledger after the last step trained (training.train_data.fold_ledger); "" before step 1."""
+    samples: str = ""
+    """The last step's sample ids, as their digest (every rank's)."""
 
     def log(self, message: str) -> None:
         if self.rank == 0:
@@ -385,6 +390,7 @@ def train_loop(loop_config: dict) -> None:
             w.attempt = begin_attempt(w.storage, ctx.stage_parts(), start, w.restored_from)
         for step in range(start + 1, params.max_steps + 1):
             stats = train_step(w, step)
+            account_samples(w, step)
             complete_checkpoint(w)  # the previous step's save was written while this step ran
             fault_hooks.after_step(w.rank, step)
             record(w, step, stats, start)
@@ -531,9 +537,26 @@ def restore(w: Worker, ref: CheckpointRef | None) -> int:
             "ranks the checkpoint did not have start from rank 0's RNG state, so replay is not exact"
         )
     restore_rng(progress.rng)
+    w.ledger = progress.ledger
+    fault_hooks.after_restore(w.batches, progress.step)
     w.restored_from = ref.uri
     w.log(f"RESUMED at step {progress.step} from {ref.uri}")
     return progress.step
+
+
+def account_samples(w: Worker, step: int) -> None:
+    """Fold the ids of the samples every rank trained on at `step` into the data-order ledger (collective).
+
+    The ids are what each rank's batches were cut from, gathered rather than recomputed from the plan, so a
+    sampler that drifted on one rank (or after a restore) shows in the ledger."""
+    import torch.distributed as dist
+
+    from training.train_data import fold_ledger, samples_digest
+
+    every_rank: list[list[int]] = [[] for _ in range(w.world_size)]
+    dist.all_gather_object(every_rank, w.batches.sample_ids(step))
+    ids = [i for rank_ids in every_rank for i in rank_ids]
+    w.samples, w.ledger = samples_digest(ids), fold_ledger(w.ledger, step, ids)
 
 
 def previous_metrics(w: Worker) -> list[dict[str, Any]]:
@@ -624,7 +647,8 @@ def record(w: Worker, step: int, stats: dict[str, Any], start: int) -> None:
     """Rank 0 keeps every step's metrics; prints progress and saves metrics.jsonl every log_every steps."""
     if w.rank != 0:
         return
-    row = {"step": step, **{k: finite_or_none(v) for k, v in stats.items()}, "time": time.time(), "attempt": w.attempt}
+    row: dict[str, Any] = {"step": step, **{k: finite_or_none(v) for k, v in stats.items()}}
+    row |= {"time": time.time(), "attempt": w.attempt, "samples": w.samples, "ledger": w.ledger}
     w.metrics.append(row)
     if step == start + 1:
         w.first_step_completed_at = row["time"]
@@ -715,6 +739,7 @@ def progress_at(w: Worker, step: int) -> TrainingProgress:
         world_size=w.world_size,
         schedule=w.schedule.to_dict(),
         rng=capture_rng(),
+        ledger=w.ledger,
     )
 
 
