@@ -47,8 +47,8 @@ def restarts_of(run: RunOutcome) -> list[Restart]:
 
 def describe(restarts: list[Restart]) -> str:
     return "; ".join(
-        f"record: restart {r.attempt} after step {r.at_step}, restored step {r.restored_step}"
-        + (f" ({r.cause[:120]})" if r.cause else "")
+        f"record: restart {r.attempt} after step {r.at_step}, restored step {r.restored_step}, "
+        f"{r.lost_steps} steps lost" + (f" ({r.cause[:120]})" if r.cause else "")
         for r in restarts
     )
 

@@ -162,7 +162,12 @@ def test_restarts_pair_each_new_attempt_with_the_step_and_failure_before_it():
     failures = [{"time": 150.0, "cause": "rank 1: ActorDiedError"}, {"time": 90.0, "cause": "earlier"}]
     assert restarts(attempts, failures, rows) == [
         Restart(
-            attempt=1, at_step=23, restored_step=20, restored_from="/s/checkpoint_000020", cause=failures[0]["cause"]
+            attempt=1,
+            at_step=23,
+            restored_step=20,
+            restored_from="/s/checkpoint_000020",
+            cause=failures[0]["cause"],
+            lost_steps=3,
         )
     ]
     assert restarts(attempts[:1], failures, rows) == []

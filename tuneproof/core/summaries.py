@@ -249,6 +249,10 @@ class Restart(Summary):
     restored_from: str | None = None
     cause: str | None = None
     """What Ray Train reported for the failed attempt (one line), when it reported anything."""
+    lost_steps: int | None = None
+    """Steps the failed attempt trained past the checkpoint the new one resumed from, trained again
+    (at_step - restored_step); None when it logged no step. Only logged steps count: with train.log_every
+    above 1, steps since the last flush of metrics.jsonl are not seen."""
 
 
 class SkippedCheckpoint(Summary):
