@@ -44,13 +44,13 @@ UNTIL = "finetune"
 """Where these rows' runs stop: the faults hit the fine-tune, and what runs after it is not in question."""
 
 
-def start(lab: Lab, run_id: str) -> RunProcess:
-    return lab.start(run_id, only=None, until=UNTIL, sets=FLOW)
+def start(lab: Lab, run_id: str, sets: tuple[str, ...] = ()) -> RunProcess:
+    return lab.start(run_id, only=None, until=UNTIL, sets=[*FLOW, *sets])
 
 
-def continue_run(lab: Lab, run_id: str) -> RunOutcome:
+def continue_run(lab: Lab, run_id: str, sets: tuple[str, ...] = ()) -> RunOutcome:
     """`tuneproof run --run-id X --until finetune` with the same config: the continuation."""
-    return lab.run(run_id, only=None, until=UNTIL, sets=FLOW)
+    return lab.run(run_id, only=None, until=UNTIL, sets=[*FLOW, *sets])
 
 
 def wait_for(what: str, check: Callable[[], Any], proc: RunProcess, timeout: float = 600) -> Any:
@@ -92,6 +92,8 @@ def row_for(
         problems.append(f"the continuation exited {cont.exit_code}: {cont.tail(600)}")
     if compared["same_as_reference"] is not True:
         problems.append("the continued fine-tune's export differs from the reference's")
+    if compared["same_data_order"] is False:
+        problems.append("the continued fine-tune trained on other samples than the reference (data-order ledger)")
     notes = "; ".join(problems) if problems else continuation_note(rec)
     return FaultRow(
         fault=name,

@@ -47,8 +47,8 @@ def restarts_of(run: RunOutcome) -> list[Restart]:
 
 def describe(restarts: list[Restart]) -> str:
     return "; ".join(
-        f"record: restart {r.attempt} after step {r.at_step}, restored step {r.restored_step}"
-        + (f" ({r.cause[:120]})" if r.cause else "")
+        f"record: restart {r.attempt} after step {r.at_step}, restored step {r.restored_step}, "
+        f"{r.lost_steps} steps lost" + (f" ({r.cause[:120]})" if r.cause else "")
         for r in restarts
     )
 
@@ -68,7 +68,9 @@ def kill_at_step(run: RunProcess, pid_file: Path, step: int, timeout: float = 60
     raise RuntimeError(f"no worker reached step {step} ({pid_file}) before the run ended or {timeout:.0f} s passed")
 
 
-def survived(run: RunOutcome, same: bool | None, restarts_ok: bool) -> str:
+def survived(run: RunOutcome, compared: dict, restarts_ok: bool) -> str:
+    """A restart must reproduce the reference's weights and its data order (no sample skipped or repeated)."""
+    same = compared["same_as_reference"] and compared["same_data_order"] is not False
     return "survived" if run.exit_code == 0 and same and restarts_ok else "FAILED"
 
 
@@ -88,7 +90,7 @@ def worker_sigkill(lab: Lab) -> FaultRow:
     return FaultRow(
         fault="worker-sigkill",
         injected_at=f"step {step} of {MAX_STEPS}",
-        outcome=survived(out, compared["same_as_reference"], restarts_ok),
+        outcome=survived(out, compared, restarts_ok),
         how=f"kill -9 {pid} (Ray Train rank 1, pid from {FAULT_PIDS}); train.max_failures=1",
         notes=describe(restarts) or f"no restart in the record; exit {out.exit_code}: {out.tail(300)}",
         **compared,
@@ -109,7 +111,7 @@ def checkpoint_sigkill(lab: Lab) -> FaultRow:
     return FaultRow(
         fault="checkpoint-sigkill",
         injected_at=f"during checkpoint {at} save (shards uploaded, marker not yet written)",
-        outcome=survived(out, compared["same_as_reference"], restarts_ok),
+        outcome=survived(out, compared, restarts_ok),
         how=f"{FAULT_AT}=checkpoint:{at}: rank 0 SIGKILLs itself before the completion marker",
         notes=(describe(restarts) or "no restart in the record")
         + f"; fired: {fired}; complete checkpoints at the end: {kept}",

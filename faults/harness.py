@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict
 from tuneproof.app.local import HeadExited, RayHead, free_port, start_ray_head
 from tuneproof.app.servers import FAKE_AWS, OFFLINE_ENV, environ, prefect_server
 from tuneproof.control import record as records
+from tuneproof.control.resume_evidence import as_ledger, compare_ledgers
 from tuneproof.core.config import PROJECT_ROOT
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import FinetuneSummary
@@ -67,6 +68,8 @@ class FaultRow(BaseModel):
     weights_sha256: str | None = None
     """content_sha256 of the export's manifest (tuneproof.core.markers)."""
     same_as_reference: bool | None = None
+    same_data_order: bool | None = None
+    """The fine-tune's data-order ledger equals the reference's on every step both trained (None: no ledger)."""
     seconds: float
     time_lost_s: float | None = None
     """seconds minus the reference run's seconds: what the fault cost."""
@@ -263,16 +266,18 @@ class Lab:
 
     def compare(self, run: RunOutcome) -> dict[str, Any]:
         """FaultRow fields comparing a run's fine-tune with the reference's: failure class, loss, hash,
-        sameness, time lost."""
+        sameness of the weights and of the data order (every step both trained), time lost."""
         ref, summary = self.reference(), run.finetune
         ref_summary = ref.finetune
         assert ref_summary is not None  # reference() checked it
         sha = summary.export_sha256 if summary else None
+        order = compare_ledgers(as_ledger(ref_summary.ledger), as_ledger(summary.ledger)) if summary else None
         return {
             "failure_class": run.failure_class,
             "final_loss": summary.final_loss if summary else None,
             "weights_sha256": sha,
             "same_as_reference": None if sha is None else sha == ref_summary.export_sha256,
+            "same_data_order": order["ok"] if order and order["steps_compared"] else None,
             "seconds": round(run.seconds, 1),
             "time_lost_s": round(run.seconds - ref.seconds, 1),
         }
@@ -361,12 +366,15 @@ def write_report(path: Path, rows: list[FaultRow], total_seconds: float, machine
     path.write_text(json.dumps(report(rows, total_seconds, machine), indent=2) + "\n")
 
 
-TABLE_COLUMNS = ("fault", "injected at", "outcome", "class", "final loss", "weights", "same", "s", "lost s", "how")
+TABLE_COLUMNS = (
+    "fault", "injected at", "outcome", "class", "final loss", "weights", "same", "order", "s", "lost s", "how",
+)  # fmt: skip
 
 
 def table_cells(row: FaultRow) -> list[str]:
     """One row's cells, in TABLE_COLUMNS order. Pure."""
     same = {True: "yes", False: "NO", None: "-"}[row.same_as_reference]
+    order = {True: "same", False: "DIFFERS", None: "-"}[row.same_data_order]
     return [
         row.fault,
         row.injected_at,
@@ -375,6 +383,7 @@ def table_cells(row: FaultRow) -> list[str]:
         "-" if row.final_loss is None else f"{row.final_loss:.4f}",
         (row.weights_sha256 or "-")[:12],
         same,
+        order,
         f"{row.seconds:.0f}",
         "-" if row.time_lost_s is None else f"{row.time_lost_s:+.0f}",
         row.how,

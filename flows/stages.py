@@ -154,7 +154,8 @@ def lift_data(record: RunRecord, s: DataSummary) -> None:
 def finetune_evidence(s: FinetuneSummary) -> str:
     trained = f", {s.trainable_params:,} of {s.total_params:,} params trained" if s.trainable_params is not None else ""
     mesh = f", {s.sharding} mesh {'x'.join(map(str, s.mesh))}" if s.sharding and s.mesh else ""
-    return f"{s.method}: loss {_num(s.first_loss)} -> {_num(s.final_loss)} in {s.steps} steps{trained}{mesh}"
+    skipped = "".join(f"; skipped {c.name} ({c.reason.rsplit(': ', 1)[-1]})" for c in s.skipped_checkpoints)
+    return f"{s.method}: loss {_num(s.first_loss)} -> {_num(s.final_loss)} in {s.steps} steps{trained}{mesh}{skipped}"
 
 
 def finetune_metrics(s: FinetuneSummary) -> Metrics:
@@ -167,7 +168,14 @@ def finetune_metrics(s: FinetuneSummary) -> Metrics:
 
 
 def resume_evidence(s: ResumeSummary) -> str:
-    return f"restored step {s.restored_step}, max loss diff {s.max_loss_diff}"
+    ledger = s.ledger_comparison
+    if ledger is None:
+        order = ""
+    elif ledger.ok:
+        order = f", same samples as the main run over {ledger.steps_compared} steps"
+    else:
+        order = f", samples differ from step {ledger.first_differing_step}"
+    return f"restored step {s.restored_step}, max loss diff {s.max_loss_diff}{order}"
 
 
 def resume_metrics(s: ResumeSummary) -> Metrics:

@@ -26,16 +26,18 @@ from prefect import task
 from tasks import events
 from tasks.jobs import RETRY, StageCall, entry_from_jobs, runner_for
 from tuneproof.control.record import StageEntry
-from tuneproof.control.resume_evidence import check_restart, compare_losses
+from tuneproof.control.resume_evidence import as_ledger, check_restart, compare_ledgers, compare_losses
 from tuneproof.core.results import FailureClass, now_iso
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import (
     CheckpointRef,
     FinetuneSummary,
+    LedgerComparison,
     LossComparison,
     LossPoint,
     ResumeJobSummary,
     ResumeSummary,
+    ledger_points,
 )
 
 
@@ -126,8 +128,15 @@ def judge(
     resumed = job.resumed
     assert resumed is not None  # the caller returns early without a continue phase
     storage = Storage.from_config(cfg.storage)
-    replayed = interrupted_losses(storage, call.run_id, job.interrupt_job) | as_losses(resumed.loss_curve)
+    interrupted = phase_rows(storage, call.run_id, job.interrupt_job)
+    replayed = as_losses([(r["step"], r["loss"]) for r in interrupted if "loss" in r]) | as_losses(resumed.loss_curve)
     comparison = LossComparison.model_validate(compare_losses(as_losses(main_curve), replayed, cfg.resume.loss_rtol))
+    main = call.record.summary("finetune", FinetuneSummary)
+    ledger = LedgerComparison.model_validate(
+        compare_ledgers(
+            as_ledger(main.ledger if main else []), as_ledger(ledger_points(interrupted)) | as_ledger(resumed.ledger)
+        )
+    )
     problems = []
     if job.interrupted_at_step != interrupt_at:
         problems.append(f"the interrupt phase was killed after step {job.interrupted_at_step}, not {interrupt_at}")
@@ -138,6 +147,9 @@ def judge(
             f"replayed losses differ from the main run: max relative difference "
             f"{comparison.max_rel_diff:.3g} > tolerance {cfg.resume.loss_rtol}"
         )
+    if not ledger.ok:
+        what = "differs from the main run's" if ledger.steps_compared else "cannot be checked"
+        problems.append(f"the data order {what}: {ledger.reason}")
     first_at, killed_at = resumed.first_step_completed_at, job.interrupted_at
     return ResumeSummary(
         seed_checkpoint=seed,
@@ -149,6 +161,7 @@ def judge(
         loss_comparison=comparison,
         max_loss_diff=comparison.max_abs_diff,
         loss_rtol=cfg.resume.loss_rtol,
+        ledger_comparison=ledger,
         problems=problems,
     )
 
@@ -158,10 +171,10 @@ def as_losses(points: list[LossPoint]) -> dict[int, float]:
     return {int(step): float("nan") if loss is None else float(loss) for step, loss in points}
 
 
-def interrupted_losses(storage: Storage, run_id: str, job: str) -> dict[int, float]:
-    """Losses the interrupt phase logged before it was killed (its metrics.jsonl was flushed at the checkpoint)."""
+def phase_rows(storage: Storage, run_id: str, job: str) -> list[dict]:
+    """The metrics rows the interrupt phase logged before it was killed (its metrics.jsonl was flushed at the
+    checkpoint): losses and ledger of the steps it trained."""
     parts = ("runs", run_id, "stages", job, "metrics.jsonl")
     if not storage.exists(*parts):
-        return {}
-    rows = [json.loads(line) for line in storage.read_text(*parts).splitlines() if line.strip()]
-    return as_losses([(r["step"], r["loss"]) for r in rows if "loss" in r])
+        return []
+    return [json.loads(line) for line in storage.read_text(*parts).splitlines() if line.strip()]

@@ -23,6 +23,7 @@ from training.checkpointing import (
     check_complete,
     checkpoint_dir_name,
     complete_checkpoints,
+    find_checkpoints,
     finish_saving_shards,
     latest_complete_checkpoint,
     load_shards,
@@ -31,7 +32,9 @@ from training.checkpointing import (
     restore_rng,
     save_shards,
     set_aside_unusable_ray_snapshot,
+    skip_unusable,
     snapshot_checkpoints,
+    snapshot_without,
     start_saving_shards,
     step_of,
     unusable_ray_snapshot,
@@ -122,7 +125,12 @@ def test_a_failed_run_drops_only_its_unmarked_checkpoints(tmp_path):
 def ray_snapshot(*names: str) -> bytes:
     """Ray Train 2.60's snapshot of a run that reported these checkpoints (its shape, trimmed)."""
     results = [{"version": 0, "checkpoint_dir_name": name, "metrics": {"step": step_of(name)}} for name in names]
-    state = {"ray_version": "2.60.0", "checkpoint_results": results, "latest_checkpoint_result": results[-1]}
+    state = {
+        "ray_version": "2.60.0",
+        "checkpoint_results": results,
+        "checkpoint_report_indices": list(range(len(results))),
+        "latest_checkpoint_result": results[-1],
+    }
     return json.dumps(state).encode()
 
 
@@ -159,6 +167,139 @@ def test_the_checkpoints_a_snapshot_names_are_found_wherever_they_sit():
     state = {"a": [{"checkpoint_dir_name": "checkpoint_000001"}, {"x": {"checkpoint_dir_name": "checkpoint_000002"}}]}
     assert snapshot_checkpoints(state) == {"checkpoint_000001", "checkpoint_000002"}
     assert snapshot_checkpoints({"checkpoint_dir_name": None, "n": 3}) == set() and snapshot_checkpoints([]) == set()
+
+
+def flip_a_byte(storage: Storage, parts: tuple[str, ...], name: str = "__1_0.distcp") -> None:
+    data = bytearray(storage.read_bytes(*parts, name))
+    data[len(data) // 2] ^= 0xFF  # same size: only the sha256 can tell
+    storage.write_bytes(bytes(data), *parts, name)
+
+
+def test_a_corrupted_newest_checkpoint_is_skipped_set_aside_and_dropped_from_rays_snapshot(tmp_path):
+    storage = Storage(str(tmp_path))
+    for step in (4, 8, 12):
+        fake_checkpoint(storage, step)
+    fake_checkpoint(storage, 16, marked=False)  # a save cut short after 12
+    flip_a_byte(storage, (*RUN, "checkpoint_000012"))
+    storage.write_bytes(ray_snapshot("checkpoint_000004", "checkpoint_000008", "checkpoint_000012"), *RUN, RAY_SNAPSHOT)
+    found = find_checkpoints(storage, *RUN)
+    assert found.latest.step == 8 and [(n, s) for n, s, _ in found.unusable] == [
+        ("checkpoint_000016", 16),
+        ("checkpoint_000012", 12),
+    ]
+    skipped = skip_unusable(storage, found, *RUN)
+    unmarked, flipped = skipped
+    assert (unmarked.name, unmarked.set_aside_as, unmarked.dropped_from_ray) == ("checkpoint_000016", None, False)
+    assert "no completion marker" in unmarked.reason
+    assert flipped.name == "checkpoint_000012" and flipped.dropped_from_ray and "__1_0.distcp" in flipped.reason
+    assert "sha256" in flipped.reason
+    assert flipped.set_aside_as.startswith("checkpoint_000012.unusable-") and storage.exists(*RUN, flipped.set_aside_as)
+    assert not storage.exists(*RUN, "checkpoint_000012")  # the step is saved again into a clean directory
+    state = json.loads(storage.read_bytes(*RUN, RAY_SNAPSHOT))
+    assert snapshot_checkpoints(state) == {"checkpoint_000004", "checkpoint_000008"}
+    assert state["latest_checkpoint_result"]["checkpoint_dir_name"] == "checkpoint_000008"
+    assert latest_complete_checkpoint(storage, *RUN).step == 8
+    assert skip_unusable(storage, find_checkpoints(storage, *RUN), *RUN) == [
+        skipped[0]
+    ]  # once done, only the unmarked save (left in place) is found again
+
+
+def test_with_no_complete_checkpoint_nothing_is_skipped_and_the_restart_decides(tmp_path):
+    storage = Storage(str(tmp_path))
+    flip_a_byte(storage, fake_checkpoint(storage, 4))
+    storage.write_bytes(ray_snapshot("checkpoint_000004"), *RUN, RAY_SNAPSHOT)
+    found = find_checkpoints(storage, *RUN)
+    assert found.latest is None and skip_unusable(storage, found, *RUN) == []
+    assert storage.exists(*RUN, "checkpoint_000004") and storage.exists(*RUN, RAY_SNAPSHOT)
+
+
+def test_a_snapshot_without_checkpoints_keeps_its_pairs_aligned_and_moves_latest_back():
+    state = json.loads(ray_snapshot("checkpoint_000004", "checkpoint_000008", "checkpoint_000012"))
+    state |= {
+        "checkpoint_report_indices": [0, 1, 2],
+        "pending_training_results": [state["checkpoint_results"][2]],
+        "pending_validation_specs": [True],
+        "validated_checkpoint_dir_names": ["checkpoint_000004", "checkpoint_000012"],
+        "current_report_index": 3,
+    }
+    out = snapshot_without(state, {"checkpoint_000012"})
+    assert [r["checkpoint_dir_name"] for r in out["checkpoint_results"]] == ["checkpoint_000004", "checkpoint_000008"]
+    assert out["checkpoint_report_indices"] == [0, 1] and out["current_report_index"] == 3
+    assert out["pending_training_results"] == [] and out["pending_validation_specs"] == []
+    assert out["validated_checkpoint_dir_names"] == ["checkpoint_000004"]
+    assert out["latest_checkpoint_result"]["checkpoint_dir_name"] == "checkpoint_000008"
+    assert (
+        snapshot_without(state, {"checkpoint_000004", "checkpoint_000008", "checkpoint_000012"})[
+            "latest_checkpoint_result"
+        ]
+        is None
+    )
+    with pytest.raises(ValueError, match="checkpoint_results has 3 entries, checkpoint_report_indices 1"):
+        snapshot_without(state | {"checkpoint_report_indices": [0]}, {"checkpoint_000012"})
+    with pytest.raises(ValueError, match="no checkpoint_results"):
+        snapshot_without({"ray_version": "2.58.0"}, {"checkpoint_000012"})
+
+
+def test_a_snapshot_in_an_unknown_shape_is_set_aside_whole(tmp_path):
+    storage = Storage(str(tmp_path))
+    fake_checkpoint(storage, 4)
+    flip_a_byte(storage, fake_checkpoint(storage, 8))
+    storage.write_bytes(
+        json.dumps({"results": [{"checkpoint_dir_name": "checkpoint_000008"}]}).encode(), *RUN, RAY_SNAPSHOT
+    )
+    (skipped,) = skip_unusable(storage, find_checkpoints(storage, *RUN), *RUN)
+    assert skipped.dropped_from_ray and not storage.exists(*RUN, RAY_SNAPSHOT)
+    assert any(n.startswith(f"{RAY_SNAPSHOT}.unusable-") for n in storage.listdir(*RUN))
+
+
+def test_rays_own_checkpoint_manager_loads_the_rewritten_snapshot_and_prunes_without_a_missing_path(tmp_path):
+    """The held-out failure, replayed on Ray Train's own CheckpointManager (no cluster): checkpoint 20 of a
+    run is corrupted; the continuation resumes from 10 and saves 20, 30, 40 again with num_to_keep 2. Left in
+    Ray's snapshot, the old 20 and the new one are two entries for one directory: pruning the first deletes
+    the second, pruning the second fails on "Path not found". Skipped, Ray hands out 10 and prunes cleanly."""
+    import asyncio
+
+    import pyarrow.fs
+    from ray.train import CheckpointConfig
+    from ray.train._checkpoint import Checkpoint
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import CheckpointManager
+    from ray.train.v2._internal.execution.context import StorageContext
+    from ray.train.v2._internal.execution.training_report import _TrainingReport
+
+    storage = Storage(str(tmp_path))
+    fs = pyarrow.fs.LocalFileSystem()
+
+    def manager() -> CheckpointManager:
+        context = StorageContext(
+            storage_path=storage.path(*RUN[:-1]), experiment_dir_name=RUN[-1], storage_filesystem=fs
+        )
+        return CheckpointManager(CheckpointConfig(num_to_keep=2), context)
+
+    def report(cm: CheckpointManager, step: int) -> None:
+        parts = fake_checkpoint(storage, step)
+        checkpoint = Checkpoint(path=storage.path(*parts), filesystem=fs)
+        cm.register_checkpoint(_TrainingReport(checkpoint=checkpoint, metrics={"step": step}, validation=False))
+
+    async def first_run() -> None:
+        cm = manager()
+        for step in (10, 20):
+            report(cm, step)
+
+    async def continuation() -> int | None:
+        cm = manager()
+        restored = cm.latest_checkpoint_result
+        for step in (20, 30, 40):
+            report(cm, step)
+        return step_of(restored.checkpoint.path.rsplit("/", 1)[-1]) if restored else None
+
+    asyncio.run(first_run())
+    flip_a_byte(storage, (*RUN, "checkpoint_000020"))
+    (skipped,) = skip_unusable(storage, find_checkpoints(storage, *RUN), *RUN)
+    assert skipped.name == "checkpoint_000020" and skipped.dropped_from_ray
+    assert asyncio.run(continuation()) == 10
+    kept = sorted(n for n in storage.listdir(*RUN) if step_of(n) is not None)
+    assert kept == ["checkpoint_000030", "checkpoint_000040"]
+    assert [c.step for c in complete_checkpoints(storage, *RUN)] == [40, 30]
 
 
 def test_no_checkpoints_at_all_is_none(tmp_path):

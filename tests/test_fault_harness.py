@@ -25,6 +25,7 @@ def row(**overrides) -> FaultRow:
         "final_loss": 0.123456,
         "weights_sha256": "ab" * 32,
         "same_as_reference": True,
+        "same_data_order": True,
         "seconds": 61.24,
         "time_lost_s": 14.0,
         "how": "kill -9 of rank 1's pid",
@@ -78,6 +79,7 @@ def test_table_cells_shorten_the_hash_and_sign_the_time_lost():
         "0.1235",
         "abababababab",
         "yes",
+        "same",
         "61",
         "+14",
         "kill -9 of rank 1's pid",
@@ -85,6 +87,7 @@ def test_table_cells_shorten_the_hash_and_sign_the_time_lost():
     cells = table_cells(row(outcome="failed-as-expected", failure_class="infrastructure", same_as_reference=None))
     assert cells[2:4] == ["failed-as-expected", "infrastructure"] and cells[6] == "-"
     assert table_cells(row(same_as_reference=False))[6] == "NO"
+    assert table_cells(row(same_data_order=False))[7] == "DIFFERS" and table_cells(row(same_data_order=None))[7] == "-"
 
 
 def test_the_table_shows_every_row_and_the_notes(registry):

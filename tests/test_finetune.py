@@ -39,11 +39,11 @@ from training.finetune import (
 from training.jobkit import JobContext
 from training.restarts import restarts
 from training.train_data import BatchLayout, StepBatches, load_examples, rank_slices
-from tuneproof.control.resume_evidence import compare_losses
+from tuneproof.control.resume_evidence import as_ledger, compare_ledgers, compare_losses
 from tuneproof.core.config import PROJECT_ROOT, PipelineConfig
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import Restart
+from tuneproof.core.summaries import Restart, ledger_points
 
 DATASET = "datasets/reverse/abc123"
 DIGIT0, SEP, EOS = 3, 13, 14  # token ids of the synthetic task (digits are 3..12)
@@ -162,7 +162,12 @@ def test_restarts_pair_each_new_attempt_with_the_step_and_failure_before_it():
     failures = [{"time": 150.0, "cause": "rank 1: ActorDiedError"}, {"time": 90.0, "cause": "earlier"}]
     assert restarts(attempts, failures, rows) == [
         Restart(
-            attempt=1, at_step=23, restored_step=20, restored_from="/s/checkpoint_000020", cause=failures[0]["cause"]
+            attempt=1,
+            at_step=23,
+            restored_step=20,
+            restored_from="/s/checkpoint_000020",
+            cause=failures[0]["cause"],
+            lost_steps=3,
         )
     ]
     assert restarts(attempts[:1], failures, rows) == []
@@ -225,7 +230,11 @@ def worker_for(config: PipelineConfig, **params) -> Worker:
     )
 
 
-def test_start_falls_back_from_an_incomplete_reported_checkpoint(tmp_path, monkeypatch):
+def test_a_reported_checkpoint_that_fails_its_check_mid_run_stops_the_run_instead_of_resaving_its_step(
+    tmp_path, monkeypatch
+):
+    """Within one Ray Train run, Ray's checkpoint manager holds the bad checkpoint: resuming from an older one
+    would save that step again under the name Ray prunes later. The next job's driver skips it properly."""
     import ray.train
 
     config = make_config(str(tmp_path), tmp_path)
@@ -234,7 +243,11 @@ def test_start_falls_back_from_an_incomplete_reported_checkpoint(tmp_path, monke
     cut_short = fake_checkpoint(storage, 8)
     storage.remove(*cut_short, "__0_0.distcp")
     monkeypatch.setattr(ray.train, "get_checkpoint", lambda: ray.train.Checkpoint(storage.path(*cut_short)))
-    assert resolve_start(worker_for(config)).step == 4
+    with pytest.raises(
+        StageFailure,
+        match=r"failed its check during run r1; continue the run .*checkpoint_000004\): .*__0_0\.distcp \(missing",
+    ):
+        resolve_start(worker_for(config))
     storage.remove(*RUN, "checkpoint_000004", recursive=True)
     with pytest.raises(StageFailure, match=r"no complete checkpoint to resume from: .*__0_0\.distcp \(missing") as info:
         resolve_start(worker_for(config))
@@ -400,6 +413,19 @@ def test_the_resume_job_kills_its_run_after_a_checkpoint_and_restarts_it_there(l
     assert sorted(interrupted) == [5, 6] and [s for s, _ in resumed.loss_curve] == [7, 8, 9]
     verdict = compare_losses(losses(main), interrupted | dict(resumed.loss_curve), rtol=0.0)
     assert verdict["ok"] and verdict["steps_compared"] == 5 and verdict["max_abs_diff"] == 0.0, verdict
+    # The data order too: both phases trained on the main run's samples, step for step, and the ledger each
+    # checkpoint carried on (the seed's, then the interruption's) makes every running hash equal as well.
+    rows = [
+        json.loads(line)
+        for line in storage.read_text("runs", "run-a", "stages", "resume-t1-interrupt", "metrics.jsonl").splitlines()
+    ]
+    replay = as_ledger(ledger_points(rows)) | as_ledger(resumed.ledger)
+    order = compare_ledgers(as_ledger(main["ledger"]), replay)
+    assert order["ok"] and order["steps_compared"] == 5 and all(ledger for _, ledger in replay.values()), order
+    progress = storage.read_json(
+        "runs", "run-a", "train", "run-a-resume-t1", "checkpoint_000006", "progress-rank1.json"
+    )
+    assert progress["ledger"][:16] == {step: running for step, _, running in main["ledger"]}[6]
 
 
 @pytest.mark.integration
@@ -499,3 +525,46 @@ def test_data_prep_and_fine_tune_on_s3_read_back_from_the_bucket(ray_cluster, tm
     assert exported["tie_word_embeddings"] is True
     assert latest_complete_checkpoint(storage, "runs", "run-s3", "train", "run-s3").step == 4
     assert all(math.isfinite(loss) for _, loss in summary["loss_curve"])
+
+
+def test_every_ranks_sample_ids_together_cover_one_global_batch_in_the_planned_order(tmp_path):
+    storage = Storage(str(tmp_path))
+    examples = load_examples(storage, write_dataset(storage), "train")
+    layout = BatchLayout(micro_batch_size=4, grad_accum_steps=2, world_size=2)
+    ranks = [StepBatches(examples, layout, seed=5, rank=r, pad_id=0) for r in range(2)]
+    epoch_one = ranks[0].order(1)
+    for step in (17, 18):  # epoch 1's first two steps: one global batch of 16 each, no sample twice
+        ids = ranks[0].sample_ids(step) + ranks[1].sample_ids(step)
+        start = (step - 17) * layout.global_batch
+        assert ids == epoch_one[start : start + layout.global_batch].tolist()
+        trained = ranks[0].micro_batches(step)[0]["input_ids"][0]
+        first = examples[ids[0]].input_ids
+        assert trained[: len(first)].tolist() == first.tolist()
+
+
+def test_the_ledger_folds_each_steps_ids_and_stays_unknown_after_an_unknown_start():
+    from training.train_data import fold_ledger, samples_digest
+
+    one = fold_ledger("", 1, [3, 1, 2])
+    assert one == fold_ledger("", 1, [3, 1, 2]) and len(one) == 64
+    assert fold_ledger(one, 2, [0, 4]) != fold_ledger(one, 2, [4, 0])  # the order within a step counts
+    assert fold_ledger(one, 2, [0, 4]) != fold_ledger(fold_ledger("", 1, [3, 2, 1]), 2, [0, 4])  # and every step before
+    assert fold_ledger(None, 2, [0, 4]) is None
+    assert samples_digest([3, 1, 2]) != samples_digest([3, 12]) and len(samples_digest([1])) == 16
+
+
+def test_the_planted_sampler_bug_changes_what_a_restored_worker_trains_on(tmp_path, monkeypatch):
+    """TUNEPROOF_FAULT_AT=sampler:<step>: a worker restored at that step loses its epoch seed (the fault the
+    data-order ledger must catch); restored at any other step it is inert."""
+    from training import fault_hooks
+
+    storage = Storage(str(tmp_path))
+    examples = load_examples(storage, write_dataset(storage), "train")
+    layout = BatchLayout(micro_batch_size=4, grad_accum_steps=2, world_size=2)
+    planned, restored = (StepBatches(examples, layout, seed=5, rank=0, pad_id=0) for _ in range(2))
+    monkeypatch.setenv(fault_hooks.FAULT_AT, "sampler:8")
+    fault_hooks.after_restore(restored, 4)
+    assert restored.sample_ids(9) == planned.sample_ids(9)
+    fault_hooks.after_restore(restored, 8)
+    assert restored.sample_ids(9) != planned.sample_ids(9)
+    assert sorted(restored.order(0).tolist()) == list(range(len(examples)))  # still a permutation, just unseeded

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from tuneproof.control.resume_evidence import check_restart, compare_losses
+from tuneproof.control.resume_evidence import check_restart, compare_ledgers, compare_losses
 from tuneproof.core.findings import Finding
 
 
@@ -82,14 +82,21 @@ def test_a_resume_job_must_leave_steps_to_replay():
 # ---------------------------------------------------------------- the task's judgement of the job
 
 
-def judged(tmp_path, killed_at: int | None = 304, restored: int | None = 304, replay_loss_at_307: float = 0.7):
+def judged(
+    tmp_path,
+    killed_at: int | None = 304,
+    restored: int | None = 304,
+    replay_loss_at_307: float = 0.7,
+    samples_at_306: str = "s306",
+):
     """The judge's verdict on a resume job whose interrupt phase logged steps 301..304 and whose continue
-    phase logged 305..309, against a main run whose loss at step s is 1/s (0.7 at 307 matches nothing)."""
+    phase logged 305..309, against a main run whose loss at step s is 1/s (0.7 at 307 matches nothing) and
+    whose step s trained on samples "s<s>" (a running ledger "r<s>"), as the replay's did but at 306."""
     import json
 
     from tasks.jobs import StageCall
     from tasks.resume import judge
-    from tuneproof.control.record import CodeIdentity, new_record
+    from tuneproof.control.record import CodeIdentity, StageEntry, new_record
     from tuneproof.core.config import PipelineConfig
     from tuneproof.core.summaries import CheckpointRef, FinetuneSummary, ResumeJobSummary, ResumeSummary
 
@@ -97,8 +104,10 @@ def judged(tmp_path, killed_at: int | None = 304, restored: int | None = 304, re
     main = [(s, 1 / s) for s in range(1, 401)]
     metrics = tmp_path / "runs" / "r1" / "stages" / "resume-t1-interrupt" / "metrics.jsonl"
     metrics.parent.mkdir(parents=True)
-    metrics.write_text("".join(json.dumps({"step": s, "loss": 1 / s}) + "\n" for s in range(301, 305)))
+    rows = [{"step": s, "loss": 1 / s, "samples": f"s{s}", "ledger": f"r{s}"} for s in range(301, 305)]
+    metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))
     replayed = [(s, replay_loss_at_307 if s == 307 else 1 / s) for s in range(305, 310)]
+    ledger = [(s, samples_at_306 if s == 306 else f"s{s}", None if s >= 306 else f"r{s}") for s in range(305, 310)]
     resumed = FinetuneSummary(
         run_name="r1-resume-t1",
         train_storage_uri="x",
@@ -109,6 +118,7 @@ def judged(tmp_path, killed_at: int | None = 304, restored: int | None = 304, re
         loss_curve=replayed,
         restored_step=restored,
         first_step_completed_at=1010.0,
+        ledger=ledger,
     )
     job = ResumeJobSummary(
         interrupt_job="resume-t1-interrupt",
@@ -117,7 +127,13 @@ def judged(tmp_path, killed_at: int | None = 304, restored: int | None = 304, re
         interrupted_at=1000.0,
         resumed=resumed,
     )
-    call = StageCall("resume", cfg, "r1", 1, 60, ResumeSummary, {}, new_record("r1", cfg, CodeIdentity(), None))
+    record = new_record("r1", cfg, CodeIdentity(), None)
+    tuned = FinetuneSummary(
+        run_name="r1", train_storage_uri="x", checkpoints=[], start_step=0, steps=400, seconds=1.0,
+        ledger=[(s, f"s{s}", f"r{s}") for s in range(1, 401)],
+    )  # fmt: skip
+    record.stages["finetune"] = StageEntry.succeeded("finetune", tuned, "t0")
+    call = StageCall("resume", cfg, "r1", 1, 60, ResumeSummary, {}, record)
     return judge(call, job, CheckpointRef(300, "/ckpt/300"), 304, main)
 
 
@@ -126,6 +142,16 @@ def test_the_judge_passes_a_kill_at_the_interruption_step_restored_there_with_ev
     assert verdict.problems == [] and verdict.interrupted and verdict.restored_step == 304
     assert verdict.loss_comparison.steps_compared == 9 and verdict.max_loss_diff == 0.0
     assert verdict.seconds_to_first_resumed_step == 10.0  # from the kill to the restarted run's first step
+    assert verdict.ledger_comparison.ok and verdict.ledger_comparison.steps_compared == 9
+
+
+def test_the_judge_fails_a_replay_that_trained_on_other_samples_even_with_every_loss_equal(tmp_path):
+    verdict = judged(tmp_path, replay_loss_at_307=1 / 307, samples_at_306="planted")
+    assert verdict.loss_comparison.ok and verdict.ledger_comparison.first_differing_step == 306
+    assert verdict.problems == [
+        "the data order differs from the main run's: 1 of 9 steps trained on other samples than the reference; "
+        "first at step 306: its samples differ (replay planted, reference s306)"
+    ]
 
 
 def test_the_judge_names_a_wrong_restore_a_wrong_kill_step_and_a_differing_loss(tmp_path):
@@ -133,3 +159,36 @@ def test_the_judge_names_a_wrong_restore_a_wrong_kill_step_and_a_differing_loss(
     assert problems[0] == "the interrupt phase was killed after step 308, not 304"
     assert "restored_step" in problems[1] and "300" in problems[1] and "304" in problems[1]
     assert problems[2].startswith("replayed losses differ from the main run")
+
+
+def test_identical_ledgers_pass_over_every_common_step():
+    reference = {1: ("a", "r1"), 2: ("b", "r2"), 3: ("c", "r3")}
+    verdict = compare_ledgers(reference, {2: ("b", "r2"), 3: ("c", "r3"), 4: ("d", "r4")})
+    assert verdict == {"steps_compared": 2, "first_differing_step": None, "ok": True, "reason": None}
+
+
+def test_the_first_step_whose_samples_differ_is_named():
+    reference = {5: ("a", "r5"), 6: ("b", "r6"), 7: ("c", "r7")}
+    verdict = compare_ledgers(reference, {5: ("a", "r5"), 6: ("x", "q6"), 7: ("y", "q7")})
+    assert not verdict["ok"] and verdict["first_differing_step"] == 6
+    assert verdict["reason"] == (
+        "2 of 3 steps trained on other samples than the reference; first at step 6: its samples differ "
+        "(replay x, reference b)"
+    )
+
+
+def test_the_same_samples_after_a_different_history_fail_on_the_running_ledger():
+    """A restore that skipped or repeated samples before the checkpoint: each later step trains on the planned
+    samples, but the running ledger it carried on says the history differs."""
+    verdict = compare_ledgers({5: ("a", "r5"), 6: ("b", "r6")}, {5: ("a", "q5"), 6: ("b", "q6")})
+    assert verdict["first_differing_step"] == 5 and "running ledger (the order before it)" in verdict["reason"]
+    unknown = compare_ledgers({5: ("a", "r5"), 6: ("b", "r6")}, {5: ("a", None), 6: ("b", None)})
+    assert unknown["ok"]  # resumed from a checkpoint without a ledger: the per-step samples still count
+
+
+def test_ledgers_without_a_common_step_are_not_evidence():
+    verdict = compare_ledgers({1: ("a", "r")}, {9: ("a", "r")})
+    assert (
+        not verdict["ok"]
+        and verdict["reason"] == "no common steps: reference logged steps 1..1, replay logged steps 9..9"
+    )

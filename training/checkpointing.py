@@ -45,7 +45,7 @@ from tuneproof.core import markers
 from tuneproof.core.markers import Digests, ExportManifest
 from tuneproof.core.results import now_iso
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import CheckpointRef
+from tuneproof.core.summaries import CheckpointRef, SkippedCheckpoint
 
 __all__ = ["CheckpointRef"]  # re-exported: workers and tests name checkpoints through this module
 
@@ -88,6 +88,9 @@ class TrainingProgress:
     """Parameters of the LR schedule (it is a pure function of the step, so that is its whole state)."""
     rng: dict[str, Any]
     """RNG states of torch (CPU and CUDA), python and numpy on this rank."""
+    ledger: str | None = None
+    """The data-order ledger after `step` (training.train_data.fold_ledger): a running sha256 of every step's
+    sample ids. The same on every rank; None in checkpoints written before the ledger existed."""
 
     def file_name(self) -> str:
         return progress_file(self.rank)
@@ -593,17 +596,123 @@ def set_aside_unusable_ray_snapshot(storage: Storage, *run_parts: str) -> str | 
     was done, or None when there was nothing to do. Without it, the run starts with no Ray-side history and
     resumes from its latest complete checkpoint by completion marker (resolve_start), as always."""
     problem = unusable_ray_snapshot(storage, *run_parts)
-    if problem is None:
-        return None
+    return None if problem is None else set_aside_ray_snapshot(storage, problem, *run_parts)
+
+
+def set_aside_ray_snapshot(storage: Storage, problem: str, *run_parts: str) -> str:
     aside = f"{RAY_SNAPSHOT}.unusable-{time.strftime('%Y%m%dT%H%M%S')}"
     storage.write_bytes(storage.read_bytes(*run_parts, RAY_SNAPSHOT), *run_parts, aside)
     storage.remove(*run_parts, RAY_SNAPSHOT)
     return f"Ray Train's {RAY_SNAPSHOT} of this run is unusable ({problem}); set aside as {aside}"
 
 
+@dataclass(frozen=True)
+class CheckpointsFound:
+    """A run's checkpoints as a new job finds them: where it resumes, and what newer failed its check."""
+
+    latest: CheckpointRef | None
+    """The newest complete checkpoint (None: there is none)."""
+    unusable: list[tuple[str, int, str]]
+    """(dir name, step, problem) of every checkpoint newer than `latest` that failed check_complete, newest first."""
+
+
+def find_checkpoints(storage: Storage, *run_parts: str) -> CheckpointsFound:
+    """Check the run's checkpoints newest first until one is complete (older ones are not read)."""
+    unusable: list[tuple[str, int, str]] = []
+    for step, name in list_checkpoints(storage, *run_parts):
+        problem = check_complete(storage, *run_parts, name)
+        if problem is None:
+            return CheckpointsFound(
+                CheckpointRef(read_step(storage, *run_parts, name), storage.uri(*run_parts, name)), unusable
+            )
+        unusable.append((name, step, problem))
+    return CheckpointsFound(None, unusable)
+
+
+def skip_unusable(storage: Storage, found: CheckpointsFound, *run_parts: str) -> list[SkippedCheckpoint]:
+    """Leave every checkpoint newer than the newest complete one out of Ray Train's bookkeeping and out of
+    the way of the steps that will be saved again; returns what was done to each. Call before the trainer
+    starts (its controller reads the snapshot once, at start).
+
+    Ray's snapshot is rewritten first, without them: its checkpoint manager would otherwise hand the restart
+    one of them, and later prune it by path, failing the run on a path that is gone or deleting the
+    checkpoint saved again under the same name. Then a checkpoint whose marker is there but whose files do
+    not match it is moved aside (checkpoint_<step>.unusable-<time>, a name no listing takes for a checkpoint),
+    kept as evidence; one without a marker (a save cut short) stays, to be saved over. With no complete
+    checkpoint at all nothing is done: the restart then fails naming the problem, or starts fresh when Ray
+    knew of no checkpoint."""
+    if found.latest is None or not found.unusable:
+        return []
+    names = {name for name, _, _ in found.unusable}
+    dropped = drop_from_ray_snapshot(storage, names, *run_parts)
+    skipped = []
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    for name, step, problem in found.unusable:
+        aside = None
+        if storage.exists(*run_parts, name, MARKER):
+            aside = f"{name}.unusable-{stamp}"
+            storage.fs.mv(storage.path(*run_parts, name), storage.path(*run_parts, aside), recursive=True)
+        skipped.append(
+            SkippedCheckpoint(
+                name=name, step=step, reason=problem, set_aside_as=aside, dropped_from_ray=name in dropped
+            )
+        )
+    return skipped
+
+
+def drop_from_ray_snapshot(storage: Storage, names: set[str], *run_parts: str) -> set[str]:
+    """Rewrite Ray Train's snapshot without the named checkpoints; returns those it listed. A snapshot in a
+    shape this does not know is set aside whole (Ray then starts with no history: resolve_start still
+    resumes from the newest complete checkpoint, by its marker)."""
+    if not storage.exists(*run_parts, RAY_SNAPSHOT):
+        return set()
+    state = json.loads(storage.read_bytes(*run_parts, RAY_SNAPSHOT))
+    listed = names & snapshot_checkpoints(state)
+    if not listed:
+        return set()
+    try:
+        kept = snapshot_without(state, listed)
+    except ValueError as e:
+        set_aside_ray_snapshot(storage, f"cannot take {', '.join(sorted(listed))} out of it: {e}", *run_parts)
+        return listed
+    storage.write_bytes(json.dumps(kept).encode(), *run_parts, RAY_SNAPSHOT)
+    return listed
+
+
+def snapshot_without(state: Any, names: set[str]) -> dict[str, Any]:
+    """Ray Train V2's checkpoint-manager snapshot without the named checkpoints; its latest checkpoint becomes
+    the newest one kept. Pure. Read by key (Ray's schema is private): raises ValueError when a key it needs
+    is missing or its paired lists differ in length."""
+
+    def name(result: Any) -> str:
+        if not isinstance(result, dict) or not isinstance(result.get("checkpoint_dir_name"), str):
+            raise ValueError(f"a checkpoint result without a checkpoint_dir_name: {str(result)[:80]}")
+        return result["checkpoint_dir_name"]
+
+    if not isinstance(state, dict) or "checkpoint_results" not in state or "latest_checkpoint_result" not in state:
+        raise ValueError("no checkpoint_results or latest_checkpoint_result")
+    out = dict(state)
+    pairs = {"checkpoint_results": "checkpoint_report_indices", "pending_training_results": "pending_validation_specs"}
+    for results, partner in pairs.items():
+        listed, other = state.get(results, []), state.get(partner, [])
+        if len(listed) != len(other):
+            raise ValueError(f"{results} has {len(listed)} entries, {partner} {len(other)}")
+        kept = [(r, o) for r, o in zip(listed, other) if name(r) not in names]
+        if results in state:
+            out[results], out[partner] = [r for r, _ in kept], [o for _, o in kept]
+    for key, value in state.items():
+        if key.endswith("_checkpoint_dir_names") and isinstance(value, list):
+            out[key] = [n for n in value if n not in names]
+    latest = state["latest_checkpoint_result"]
+    if latest is not None and name(latest) in names:
+        by_index = sorted(zip(out["checkpoint_report_indices"], range(len(out["checkpoint_results"]))))
+        out["latest_checkpoint_result"] = out["checkpoint_results"][by_index[-1][1]] if by_index else None
+    return out
+
+
 def latest_complete_checkpoint(storage: Storage, *run_parts: str) -> CheckpointRef | None:
     """The newest checkpoint of a run whose marker and files check out; None when there is none."""
-    return next(complete_checkpoints(storage, *run_parts), None)
+    return find_checkpoints(storage, *run_parts).latest
 
 
 @contextlib.contextmanager

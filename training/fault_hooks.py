@@ -3,6 +3,9 @@
     TUNEPROOF_FAULT_AT=checkpoint:<step>   rank 0 SIGKILLs itself once the shards of checkpoint <step> are
                                            uploaded and before its completion marker is written (once per
                                            run: the firing is recorded in the stage's fault-fired.json first)
+    TUNEPROOF_FAULT_AT=sampler:<step>      a planted sampler bug: a worker that restores the checkpoint of
+                                           <step> loses its epoch seed, and draws every epoch's order from
+                                           an unseeded generator (each rank its own) from then on
     TUNEPROOF_FAULT_PIDS=<dir>             every rank writes <dir>/rank<r>.json ({pid, step}) after each step,
                                            so the harness can SIGKILL a worker at a step it chooses
 
@@ -17,13 +20,17 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tuneproof.core.storage import Storage
+
+if TYPE_CHECKING:
+    from training.train_data import StepBatches
 
 FAULT_AT = "TUNEPROOF_FAULT_AT"
 FAULT_PIDS = "TUNEPROOF_FAULT_PIDS"
 FIRED = "fault-fired.json"
-KINDS = ("checkpoint",)
+KINDS = ("checkpoint", "sampler")
 
 
 class BadFaultSpec(ValueError):
@@ -76,3 +83,14 @@ def before_marker(storage: Storage, fired_parts: tuple[str, ...], rank: int, ste
         return
     storage.write_json({"fault": point.spec(), "pid": os.getpid(), "time": time.time()}, *fired_parts, FIRED)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def after_restore(batches: StepBatches, step: int) -> None:
+    """With TUNEPROOF_FAULT_AT=sampler:<step>, after restoring that step: plant the sampler bug the data-order
+    ledger must catch (the resumed run's losses can still look close to the reference's)."""
+    point = fault_point()
+    if point is None or point.kind != "sampler" or point.step != step:
+        return
+    import numpy as np
+
+    batches.order = lambda epoch: np.random.default_rng().permutation(len(batches.examples))

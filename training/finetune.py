@@ -8,7 +8,7 @@ V2). Each worker: load the base model -> FSDP2 -> restore the latest complete ch
 params.init_from, else start fresh -> train (warmup + cosine, grad accumulation, clipping),
 checkpointing every train.checkpoint_every steps and at the end -> rank 0 exports a Hugging Face
 model to runs/<run>/model. A checkpoint's shards are written and hashed in the background (asynchronous
-DCP save) while the next step trains; it is completed (Ray upload, then the marker) right after that step,
+DCP save) while the next step trains; it is completed (the marker, then Ray Train registers it) right after that step,
 so an unfinished save never has a marker, and training stalls by the state's copy to CPU memory plus
 whatever of the write outlasts one step (bench/checkpoint.py measures it in steps). Workers hand results back through storage, never as exceptions
 crossing Ray: runs/<run>/stages/<job>/metrics.jsonl (every step) and outcome.json (how it ended).
@@ -44,6 +44,7 @@ from training.checkpointing import (
     check_complete,
     checkpoint_dir_name,
     complete_checkpoints,
+    find_checkpoints,
     finish_saving_shards,
     latest_complete_checkpoint,
     load_shards,
@@ -53,6 +54,7 @@ from training.checkpointing import (
     restore_rng,
     seed_everything,
     set_aside_unusable_ray_snapshot,
+    skip_unusable,
     start_saving_shards,
     write_hf_export,
     write_marker,
@@ -64,7 +66,7 @@ from tuneproof.core.hashing import IGNORE_INDEX
 from tuneproof.core.markers import Digests, ExportUnverified, read_export_manifest
 from tuneproof.core.results import FailureClass, StageFailure, one_line
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import FinetuneSummary, LossPoint
+from tuneproof.core.summaries import FinetuneSummary, LossPoint, ledger_points
 
 if TYPE_CHECKING:  # torch and the data module load inside workers only
     import torch
@@ -144,16 +146,22 @@ def finetune(ctx: JobContext) -> FinetuneSummary:
     started = time.time()
     if params.init_from:
         require_complete(params.init_from, ctx.config.storage.endpoint_url, "params.init_from")
-    refuse_nothing_to_train(ctx, params)
-    if set_aside := set_aside_unusable_ray_snapshot(ctx.storage, *ctx.run_parts("train", params.run_name)):
+    run_parts = ctx.run_parts("train", params.run_name)
+    found = find_checkpoints(ctx.storage, *run_parts)
+    refuse_nothing_to_train(params, found.latest)
+    if set_aside := set_aside_unusable_ray_snapshot(ctx.storage, *run_parts):
         jobkit.log(f"{set_aside}: the run resumes from its latest complete checkpoint")
+    skipped = skip_unusable(ctx.storage, found, *run_parts)
+    for s in skipped:
+        done = f"set aside as {s.set_aside_as}" if s.set_aside_as else "left to be saved over"
+        jobkit.log(f"skipped {s.name} ({s.reason}): {done}, out of Ray Train's snapshot: {s.dropped_from_ray}")
     for name in (OUTCOME, ATTEMPTS, FAILURES, INTERRUPTED):  # an earlier job's ending says nothing of this one
         ctx.storage.remove(*ctx.stage_parts(name))
     error = run_trainer(ctx, params)
     if error is not None and (dropped := remove_unmarked(ctx.storage, *ctx.run_parts("train", params.run_name))):
         jobkit.log(f"removed checkpoints the failed run left without a completion marker: {', '.join(dropped)}")
     outcome = read_outcome(ctx, error)
-    summary = summarize(ctx, params, outcome, time.time() - started)
+    summary = summarize(ctx, params, outcome, time.time() - started).model_copy(update={"skipped_checkpoints": skipped})
     if outcome["status"] == "diverged":
         raise StageFailure(FailureClass.modeling, outcome["cause"], summary)
     return summary
@@ -165,9 +173,8 @@ def require_complete(uri: str, endpoint_url: str | None, what: str) -> None:
         raise StageFailure(FailureClass.infrastructure, f"{what} is not a complete checkpoint: {problem}")
 
 
-def refuse_nothing_to_train(ctx: JobContext, params: TrainParams) -> None:
+def refuse_nothing_to_train(params: TrainParams, latest: CheckpointRef | None) -> None:
     """A run whose latest complete checkpoint is already at (or past) max_steps would train 0 steps."""
-    latest = latest_complete_checkpoint(ctx.storage, *ctx.run_parts("train", params.run_name))
     if latest is not None and latest.step >= params.max_steps:
         raise StageFailure(
             FailureClass.modeling,
@@ -280,6 +287,7 @@ def summarize(ctx: JobContext, params: TrainParams, outcome: dict, seconds: floa
             read_jsonl(ctx.storage, *ctx.stage_parts(FAILURES)),
             rows,
         ),
+        ledger=ledger_points(rows),
     )
 
 
@@ -343,6 +351,10 @@ class Worker:
     """The checkpoint whose shards are being written in the background; not complete, no marker yet."""
     staging: StagingBuffers = field(default_factory=StagingBuffers)
     """CPU memory each asynchronous save copies the state into, kept across saves (one save at a time)."""
+    ledger: str | None = ""
+    """The data-order ledger after the last step trained (training.train_data.fold_ledger); "" before step 1."""
+    samples: str = ""
+    """The last step's sample ids, as their digest (every rank's)."""
 
     def log(self, message: str) -> None:
         if self.rank == 0:
@@ -378,6 +390,7 @@ def train_loop(loop_config: dict) -> None:
             w.attempt = begin_attempt(w.storage, ctx.stage_parts(), start, w.restored_from)
         for step in range(start + 1, params.max_steps + 1):
             stats = train_step(w, step)
+            account_samples(w, step)
             complete_checkpoint(w)  # the previous step's save was written while this step ran
             fault_hooks.after_step(w.rank, step)
             record(w, step, stats, start)
@@ -472,8 +485,11 @@ def check_checkpoint_home(w: Worker) -> None:
 def resolve_start(w: Worker) -> CheckpointRef | None:
     """The latest complete checkpoint of this run, else params.init_from, else None (fresh).
 
-    Ray's own latest checkpoint may be one whose save was cut short; then the newest complete one
-    under the run's storage is used, and with none at all the run cannot continue.
+    Ray's own latest checkpoint is always complete when this starts: Ray registers a checkpoint only after its
+    marker (complete_checkpoint), and the job's driver takes any that failed its check since out of Ray's
+    bookkeeping (skip_unusable). One that fails here changed during this Ray Train run: the run stops, naming
+    it, and its continuation skips it. A newer complete checkpoint than Ray's (the kill fell between the
+    marker and Ray's registration) is resumed from: Ray never held it, so nothing of Ray's points at its step.
     """
     import ray.train
 
@@ -488,7 +504,14 @@ def resolve_start(w: Worker) -> CheckpointRef | None:
                 f"run {w.params.run_name} has no complete checkpoint to resume from: {problem}",
             )
         if problem and latest is not None:
-            w.log(f"Ray's latest checkpoint is incomplete ({problem}); resuming from {latest.uri} instead")
+            # It passed the job's check at start, so it changed while this Ray Train run held it. Resuming from
+            # an older one here would save its step again under the name Ray's checkpoint manager still holds
+            # (and later prunes); a new job takes it out of Ray's bookkeeping first (skip_unusable).
+            raise StageFailure(
+                FailureClass.infrastructure,
+                f"Ray Train's latest checkpoint failed its check during run {w.params.run_name}; continue the run "
+                f"(a new job skips it and resumes from {latest.uri}): {problem}",
+            )
     if latest is not None:
         if w.params.init_from:
             w.log(f"run {w.params.run_name} has its own checkpoints; params.init_from {w.params.init_from} is not used")
@@ -514,9 +537,26 @@ def restore(w: Worker, ref: CheckpointRef | None) -> int:
             "ranks the checkpoint did not have start from rank 0's RNG state, so replay is not exact"
         )
     restore_rng(progress.rng)
+    w.ledger = progress.ledger
+    fault_hooks.after_restore(w.batches, progress.step)
     w.restored_from = ref.uri
     w.log(f"RESUMED at step {progress.step} from {ref.uri}")
     return progress.step
+
+
+def account_samples(w: Worker, step: int) -> None:
+    """Fold the ids of the samples every rank trained on at `step` into the data-order ledger (collective).
+
+    The ids are what each rank's batches were cut from, gathered rather than recomputed from the plan, so a
+    sampler that drifted on one rank (or after a restore) shows in the ledger."""
+    import torch.distributed as dist
+
+    from training.train_data import fold_ledger, samples_digest
+
+    every_rank: list[list[int]] = [[] for _ in range(w.world_size)]
+    dist.all_gather_object(every_rank, w.batches.sample_ids(step))
+    ids = [i for rank_ids in every_rank for i in rank_ids]
+    w.samples, w.ledger = samples_digest(ids), fold_ledger(w.ledger, step, ids)
 
 
 def previous_metrics(w: Worker) -> list[dict[str, Any]]:
@@ -607,7 +647,8 @@ def record(w: Worker, step: int, stats: dict[str, Any], start: int) -> None:
     """Rank 0 keeps every step's metrics; prints progress and saves metrics.jsonl every log_every steps."""
     if w.rank != 0:
         return
-    row = {"step": step, **{k: finite_or_none(v) for k, v in stats.items()}, "time": time.time(), "attempt": w.attempt}
+    row: dict[str, Any] = {"step": step, **{k: finite_or_none(v) for k, v in stats.items()}}
+    row |= {"time": time.time(), "attempt": w.attempt, "samples": w.samples, "ledger": w.ledger}
     w.metrics.append(row)
     if step == start + 1:
         w.first_step_completed_at = row["time"]
@@ -647,14 +688,16 @@ def save_checkpoint(w: Worker, step: int) -> None:
 
 
 def complete_checkpoint(w: Worker) -> None:
-    """Wait for the save in flight (if any); Ray Train registers the stored directory; rank 0 then writes
-    the marker, last.
+    """Wait for the save in flight (if any); rank 0 writes the marker; then Ray Train registers the directory.
 
     Every rank's files are in storage before the all_gather returns (each waited for its own), so the
     marker never precedes a shard. Ray is not asked to copy anything (NO_UPLOAD): the files are already
     where it keeps checkpoints, and its bookkeeping (get_checkpoint after a restart, num_to_keep) covers
-    the directory as it would an uploaded one. A save that fails or is cut short raises here (or never
-    gets here): no marker, so it never counts.
+    the directory as it would an uploaded one. Ray registers a checkpoint once every rank has reported it,
+    and rank 0 reports only after its marker: Ray never holds a checkpoint that was not complete, so a
+    restart never resumes behind Ray's latest and saves a step Ray already holds again (two entries for one
+    directory, and Ray's pruning of the older one deletes the newer). A save that fails or is cut short
+    raises here (or never gets here): no marker, not in Ray's bookkeeping, so it never counts.
     """
     import ray.train
     import torch.distributed as dist
@@ -668,6 +711,11 @@ def complete_checkpoint(w: Worker) -> None:
     every_rank: list[Digests] = [{} for _ in range(w.world_size)]
     dist.all_gather_object(every_rank, files)
     name = checkpoint_dir_name(saving.step)
+    fault_hooks.before_marker(w.storage, w.ctx.stage_parts(), w.rank, saving.step)
+    if w.rank == 0:
+        listed = {file: digest for files_of_rank in every_rank for file, digest in files_of_rank.items()}
+        write_marker(w.storage, saving.step, listed, *w.run_parts, name)
+        w.log(f"checkpoint step {saving.step} complete: {saving.uri} (waited {waited:.2f}s for the background write)")
     ray_storage = ray.train.get_context().get_storage()
     ray.train.report(
         {"step": saving.step},
@@ -676,11 +724,6 @@ def complete_checkpoint(w: Worker) -> None:
         ),
         checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD,
     )
-    fault_hooks.before_marker(w.storage, w.ctx.stage_parts(), w.rank, saving.step)
-    if w.rank == 0:
-        listed = {file: digest for files_of_rank in every_rank for file, digest in files_of_rank.items()}
-        write_marker(w.storage, saving.step, listed, *w.run_parts, name)
-        w.log(f"checkpoint step {saving.step} complete: {saving.uri} (waited {waited:.2f}s for the background write)")
 
 
 def progress_at(w: Worker, step: int) -> TrainingProgress:
@@ -696,6 +739,7 @@ def progress_at(w: Worker, step: int) -> TrainingProgress:
         world_size=w.world_size,
         schedule=w.schedule.to_dict(),
         rng=capture_rng(),
+        ledger=w.ledger,
     )
 
 

@@ -68,18 +68,21 @@ class FailureLog(ray.train.UserCallback):
 
 def restarts(attempts: list[dict], failures: list[dict], rows: list[dict]) -> list[Restart]:
     """One Restart per attempt after the first: the step the one before it stopped at (its last logged
-    row), the failure the controller saw in between, and where the new attempt resumed. Pure."""
+    row), the failure the controller saw in between, where the new attempt resumed, and the steps lost
+    between the two. Pure."""
     found = []
     for before, after in zip(attempts, attempts[1:]):
         steps = [r["step"] for r in rows if r.get("attempt") == before["attempt"] and r["time"] >= before["started_at"]]
         causes = [f["cause"] for f in failures if before["started_at"] <= f["time"] <= after["started_at"]]
+        at_step = max(steps, default=None)
         found.append(
             Restart(
                 attempt=after["attempt"],
-                at_step=max(steps, default=None),
+                at_step=at_step,
                 restored_step=after["restored_step"],
                 restored_from=after["restored_from"],
                 cause=causes[0] if causes else None,
+                lost_steps=None if at_step is None else max(0, at_step - after["restored_step"]),
             )
         )
     return found

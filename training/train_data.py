@@ -11,11 +11,17 @@ reads a split back, checked against the manifest. Here:
 - an epoch's tail that cannot fill a global batch is skipped, so every rank runs the same steps.
 
 Which examples a step sees depends only on (seed, step, layout), so a run resumed at step k
-trains on exactly the batches the uninterrupted run saw from k + 1 on. Runs inside Ray Train workers.
+trains on exactly the batches the uninterrupted run saw from k + 1 on. The data-order ledger holds
+that to account: each step's sample ids (their indices in the train split, every rank's, in rank order)
+are folded into a running sha256 (`fold_ledger`) that every checkpoint saves, so a resumed run's ledger
+equals the uninterrupted run's step for step only if no sample was skipped, repeated or reordered.
+Runs inside Ray Train workers.
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -109,9 +115,33 @@ class StepBatches:
     def __init__(self, examples: list[TrainExample], layout: BatchLayout, seed: int, rank: int, pad_id: int):
         self.examples, self.layout, self.seed, self.rank, self.pad_id = examples, layout, seed, rank, pad_id
         self.per_epoch = steps_per_epoch(len(examples), layout)
-        self._order = lru_cache(maxsize=2)(lambda epoch: epoch_order(len(examples), seed, epoch))
+        self.order: Callable[[int], np.ndarray] = lru_cache(maxsize=2)(
+            lambda epoch: epoch_order(len(examples), seed, epoch)
+        )
+        """epoch -> that epoch's permutation of example indices (a fault hook may replace it: a planted bug)."""
 
     def micro_batches(self, step: int) -> list[dict]:
+        return [collate([self.examples[i] for i in s], self.pad_id) for s in self.slices(step)]
+
+    def sample_ids(self, step: int) -> list[int]:
+        """The indices (in the train split) of the examples this rank trains on at `step`, in order."""
+        return [int(i) for s in self.slices(step) for i in s]
+
+    def slices(self, step: int) -> list[np.ndarray]:
         epoch, index = position(step, self.per_epoch)
-        slices = rank_slices(self._order(epoch), index, self.layout, self.rank)
-        return [collate([self.examples[i] for i in s], self.pad_id) for s in slices]
+        return rank_slices(self.order(epoch), index, self.layout, self.rank)
+
+
+def samples_digest(ids: Sequence[int]) -> str:
+    """A short digest of one step's sample ids in the order trained (16 hex digits). Pure."""
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
+
+
+def fold_ledger(ledger: str | None, step: int, ids: Sequence[int]) -> str | None:
+    """The data-order ledger after `step`: sha256 of the ledger before it, the step and its sample ids. Pure.
+
+    A fresh run starts from ""; None (a checkpoint written before the ledger existed) stays None: the
+    order before it is unknown, so no running hash can vouch for it."""
+    if ledger is None:
+        return None
+    return hashlib.sha256(f"{ledger}|{step}|{','.join(map(str, ids))}".encode()).hexdigest()

@@ -1,5 +1,8 @@
 """Resume evidence: did a restarted run pick up where it stopped, and do replayed steps match? Pure.
 
+Two comparisons: the losses of replayed steps, and the data-order ledger (which samples each step trained
+on, and a running hash over every step before it) on every step both runs trained.
+
 The resume test (stage 5) stops a run after a checkpoint, restarts it under the same name, and
 hands these functions what the runs logged: the restored step, and per-step losses of the
 reference run and of the replay. On CPU in fp32 with the same world size, replayed losses are
@@ -12,6 +15,7 @@ import math
 from typing import Any
 
 from tuneproof.core.findings import Finding
+from tuneproof.core.summaries import LedgerPoint
 
 
 def compare_losses(reference: dict[int, float], replay: dict[int, float], rtol: float) -> dict[str, Any]:
@@ -40,6 +44,44 @@ def compare_losses(reference: dict[int, float], replay: dict[int, float], rtol: 
             f"replay {first['replay']!r}, reference {first['reference']!r} (rtol {rtol})"
         )
     return _verdict(common, diffs, mismatches, reason)
+
+
+Ledger = dict[int, tuple[str, str | None]]
+"""{step: (digest of the sample ids trained at that step, the running data-order ledger after it, or None)}."""
+
+
+def as_ledger(points: list[LedgerPoint]) -> Ledger:
+    """{step: (samples digest, running ledger)} of a fine-tune's ledger points (FinetuneSummary.ledger)."""
+    return {int(step): (samples, ledger) for step, samples, ledger in points}
+
+
+def compare_ledgers(reference: Ledger, replay: Ledger) -> dict[str, Any]:
+    """Compare two runs' data-order ledgers on every step both ran; ok needs at least one such step and no
+    difference. A step differs when its samples differ, or when its running ledger differs where both
+    runs know it (then the order before it differed: a sample skipped or repeated earlier, or a restore
+    that carried another run's ledger). Returns {"steps_compared", "first_differing_step", "ok", "reason"}.
+    """
+    common = sorted(set(reference) & set(replay))
+    if not common:
+        none_common = f"no common steps: reference logged {_span(reference)}, replay logged {_span(replay)}"
+        return {"steps_compared": 0, "first_differing_step": None, "ok": False, "reason": none_common}
+    differing = [step for step in common if _ledger_differs(reference[step], replay[step])]
+    reason = None
+    if differing:
+        first = differing[0]
+        what = "samples" if reference[first][0] != replay[first][0] else "running ledger (the order before it)"
+        reason = (
+            f"{len(differing)} of {len(common)} steps trained on other samples than the reference; first at step "
+            f"{first}: its {what} differ (replay {replay[first][0]}, reference {reference[first][0]})"
+        )
+    first_step = differing[0] if differing else None
+    return {"steps_compared": len(common), "first_differing_step": first_step, "ok": not differing, "reason": reason}
+
+
+def _ledger_differs(reference: tuple[str, str | None], replay: tuple[str, str | None]) -> bool:
+    if reference[0] != replay[0]:
+        return True
+    return reference[1] is not None and replay[1] is not None and reference[1] != replay[1]
 
 
 def check_restart(expected_step: int, restored_step: int | None, subject: str = "resumed run") -> Finding | None:
@@ -78,5 +120,5 @@ def _verdict(common: list[int], diffs: list[dict], mismatches: list[dict], reaso
     }
 
 
-def _span(losses: dict[int, float]) -> str:
+def _span(losses: dict[int, Any]) -> str:
     return f"steps {min(losses)}..{max(losses)}" if losses else "no steps"

@@ -220,6 +220,21 @@ class DataSummary(Summary):
 
 LossPoint = tuple[int, float | None]
 """(step, loss); None where the loss was not finite."""
+LedgerPoint = tuple[int, str, str | None]
+"""(step, digest of the sample ids every rank trained on at that step, the data-order ledger after it: the
+running sha256 over every step's ids, cut to LEDGER_DIGITS; None when the run resumed from a checkpoint
+written before the ledger existed)."""
+LEDGER_DIGITS = 16
+
+
+def ledger_points(rows: list[dict[str, Any]]) -> list[LedgerPoint]:
+    """The ledger points of a fine-tune's metrics rows, one per step (a step replayed after a restart: its
+    last row), the running ledger cut to LEDGER_DIGITS; rows without a ledger are left out. Pure."""
+    by_step = {r["step"]: r for r in rows if r.get("samples")}
+    return [
+        (step, r["samples"], r["ledger"][:LEDGER_DIGITS] if r.get("ledger") else None)
+        for step, r in sorted(by_step.items())
+    ]
 
 
 class Restart(Summary):
@@ -234,6 +249,24 @@ class Restart(Summary):
     restored_from: str | None = None
     cause: str | None = None
     """What Ray Train reported for the failed attempt (one line), when it reported anything."""
+    lost_steps: int | None = None
+    """Steps the failed attempt trained past the checkpoint the new one resumed from, trained again
+    (at_step - restored_step); None when it logged no step. Only logged steps count: with train.log_every
+    above 1, steps since the last flush of metrics.jsonl are not seen."""
+
+
+class SkippedCheckpoint(Summary):
+    """A checkpoint newer than the one a fine-tune resumed from, left out because it failed its check."""
+
+    name: str
+    """Its directory name, checkpoint_<step>."""
+    step: int
+    reason: str
+    """What the completion check found (no marker, a file missing, a size or sha256 that differs)."""
+    set_aside_as: str | None = None
+    """The directory it was moved to, kept as evidence (None: left where it was, to be saved over)."""
+    dropped_from_ray: bool = False
+    """It was listed in Ray Train's checkpoint manager snapshot and was taken out of it."""
 
 
 class FinetuneSummary(Summary):
@@ -275,6 +308,12 @@ class FinetuneSummary(Summary):
     and ddp ([workers, 1]); e.g. [2, 2] for 4 workers in shard groups of 2."""
     restarts: list[Restart] = []
     """Worker-group failures Ray Train recovered from in this job, with the step each one resumed at."""
+    ledger: list[LedgerPoint] = []
+    """The data-order ledger of every step this job trained (training.train_data): which samples each step
+    consumed, and the running hash that every checkpoint carries on."""
+    skipped_checkpoints: list[SkippedCheckpoint] = []
+    """Checkpoints newer than the one this job resumed from that failed their completion check: left out of
+    the restore and of Ray Train's checkpoint bookkeeping alike."""
 
 
 # ---- 5 resume --------------------------------------------------------------------------------
@@ -297,6 +336,16 @@ class LossComparison(Summary):
     reason: str | None = None
 
 
+class LedgerComparison(Summary):
+    """The resume test's data-order check: the replay's ledger against the main run's, step for step."""
+
+    steps_compared: int
+    first_differing_step: int | None = None
+    """The first step whose samples (or the running ledger before them) differ from the main run's."""
+    ok: bool
+    reason: str | None = None
+
+
 class ResumeSummary(Summary):
     seed_checkpoint: CheckpointRef | None = None
     """The main-run checkpoint the test starts from."""
@@ -316,6 +365,9 @@ class ResumeSummary(Summary):
     loss_comparison: LossComparison | None = None
     max_loss_diff: float | None = None
     loss_rtol: float | None = None
+    ledger_comparison: LedgerComparison | None = None
+    """Which samples the interrupted and restarted runs trained on, against the main run, over every step both
+    ran: a restart that skips, repeats or reorders samples fails here even when its losses look close."""
     problems: list[str] = []
 
 
