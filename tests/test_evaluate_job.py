@@ -30,7 +30,7 @@ from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
 
 ANSWER = "2024-01-05"
-PROMPTS = [f"date {'x' * (i % 5)} {i}" for i in range(12)]
+PROMPTS = [f"date {'x' * (i % 5)} {i}" for i in range(36)]
 DATASET = "datasets/dates/0123abcd"
 GATES = {"exact_match": {"min": 0.8, "min_improvement": 0.5, "max_regression": 0.02}}
 
@@ -86,7 +86,7 @@ def world(tmp_path_factory):
     from transformers import AutoTokenizer
 
     root = tmp_path_factory.mktemp("evaluate")
-    corpus = [conversation_text(None, p, ANSWER) for p in PROMPTS] * 4
+    corpus = [conversation_text(None, p, ANSWER) for p in PROMPTS]
     base = build_tiny_model(root / "base", corpus, hidden=32, layers=2, vocab_size=300)
     tokenizer = AutoTokenizer.from_pretrained(base)
     rows = [encode(tokenizer, p, ANSWER) for p in PROMPTS]
@@ -103,7 +103,7 @@ def make_ctx(world, run_id: str, storage_root: str, endpoint: str | None = None,
                 "metrics": ["exact_match", "rouge_l"],
                 "max_new_tokens": 16,
                 "batch_size": 5,
-                "max_examples": 10,
+                "max_examples": 30,
                 "predictions_cap": 4,
                 "gates": GATES,
                 **eval_overrides,
@@ -136,9 +136,17 @@ def test_trained_candidate_passes_as_the_first_model(world, store, capsys):
     assert cand["metrics"]["eval_loss"] < base["metrics"]["eval_loss"]
     assert cand["metrics"]["perplexity"] == pytest.approx(math.exp(cand["metrics"]["eval_loss"]))
     assert summary["models"]["incumbent"] is None and summary["incumbent_version"] is None
-    assert summary["examples"] == 10
+    assert summary["examples"] == 30
     assert summary["gates"]["passed"]
-    assert summary["gates"]["lines"][0] == "exact_match >= 0.8: 1 (pass)"
+    assert summary["gates"]["lines"][0] == (
+        "exact_match >= 0.8: 1 [0.8865, 1] (n=30, Wilson score, 95% interval: 95% with Holm over 2, p=0.0031) (pass)"
+    )
+    first = summary["gates"]["verdicts"][0]
+    assert first["outcome"] == "pass" and first["split_sha256"] == summary["eval_split_sha256"]
+    scored = json.loads(store.read_text("runs/good/stages/evaluate/item_scores.json"))
+    assert scored["split_sha256"] == summary["eval_split_sha256"]
+    assert scored["scores"]["candidate"]["exact_match"] == [1.0] * 30
+    assert scored["scores"]["base"]["rouge_l"] == [0.0] * 30
     assert summary["gates"]["lines"][2].endswith("no incumbent: first model, regression gate not applicable")
 
     predictions = [
@@ -155,7 +163,7 @@ def test_trained_candidate_passes_as_the_first_model(world, store, capsys):
         for line in capsys.readouterr().out.splitlines()
         if line.startswith(jobkit.PROGRESS_PREFIX)
     ]
-    assert progress[-1] == {"stage": "evaluate", "done": 20, "total": 20, "model": "base"}
+    assert progress[-1] == {"stage": "evaluate", "done": 60, "total": 60, "model": "base"}
 
 
 def test_untrained_candidate_fails_as_modeling_with_the_evidence(world, store):
@@ -164,13 +172,14 @@ def test_untrained_candidate_fails_as_modeling_with_the_evidence(world, store):
         evaluate_body(make_ctx(world, "raw", store.root))
     failure = info.value
     assert failure.failure_class is FailureClass.modeling
-    assert failure.cause == "exact_match >= 0.8: 0 (fail) (+1 more)"
+    assert failure.cause.startswith("exact_match >= 0.8: 0 [0, 0.1434] (n=30, Wilson score")
+    assert failure.cause.endswith("(fail) (+1 more)")
     assert failure.summary.gates.passed is False
     assert failure.summary.models["candidate"].metrics["exact_match"] == 0.0
     assert store.exists("runs/raw/stages/evaluate/predictions.jsonl")
 
 
-def test_the_production_model_is_the_incumbent(world, store):
+def test_the_production_model_is_the_incumbent_and_a_handful_of_items_cannot_resolve_its_margin(world, store):
     upload_export(store, world["trained"], "first")
     registry.promote(
         store, "dates-qwen2-tiny", "first", "runs/first/model", {"metrics": {}, "gates": []}, expected_token=None
@@ -179,13 +188,21 @@ def test_the_production_model_is_the_incumbent(world, store):
     ctx = make_ctx(world, "second", store.root)
     pointer, _ = registry.read_pointer(store, "dates-qwen2-tiny")
     ctx.params["incumbent"] = {"version": pointer["version"], "path": pointer["path"]}
-    summary = evaluate_body(ctx).to_json()
+    with pytest.raises(StageFailure) as info:
+        evaluate_body(ctx)
+    summary = info.value.summary.to_json()
     assert summary["incumbent_version"] == "v0001-first"
     assert summary["models"]["incumbent"]["path"] == "models/dates-qwen2-tiny/v0001-first"
     assert summary["models"]["incumbent"]["metrics"]["exact_match"] == 1.0
-    assert (
-        summary["gates"]["lines"][2]
-        == "exact_match regression vs incumbent <= 0.02: +0 (candidate 1, incumbent 1) (pass)"
+    # 30 items on which both are right cannot show a regression of at most 0.02: refused, not "worse"
+    regression = summary["gates"]["verdicts"][2]
+    assert regression["outcome"] == "insufficient" and regression["items_needed"] > 30
+    assert info.value.failure_class is FailureClass.modeling
+    assert info.value.cause == regression["line"]
+    assert regression["line"].startswith("exact_match regression vs incumbent <= 0.02: +0 [-0.1")
+    assert regression["line"].endswith(
+        f"(insufficient evidence: the interval straddles 0.02; about {regression['items_needed']:,} items at the "
+        "observed disagreement would resolve it)"
     )
     first = json.loads(store.read_text("runs/second/stages/evaluate/predictions.jsonl").splitlines()[0])
     assert first["incumbent"] == ANSWER
@@ -207,8 +224,8 @@ def test_the_entrypoint_writes_a_classified_result(world, store):
     assert proc.returncode == 1, proc.stderr[-2000:]
     result = store.read_json("runs/cli/stages/evaluate/result.json")
     assert result["status"] == "failed" and result["failure_class"] == "modeling"
-    assert result["cause"].startswith("exact_match >= 0.8: 0 (fail)")
-    assert "[tuneproof] gate: exact_match >= 0.8: 0 (fail)" in proc.stdout
+    assert result["cause"].startswith("exact_match >= 0.8: 0 [0, 0.6261] (n=3, Wilson score")
+    assert "[tuneproof] gate: exact_match >= 0.8: 0 [0, 0.6261]" in proc.stdout
 
 
 def test_an_unfinished_export_is_not_evaluated(world, store):

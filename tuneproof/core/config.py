@@ -192,6 +192,9 @@ class DataConfig(Strict):
     seed: int = 0
     max_dropped_fraction: float = Field(0.05, ge=0.0, le=1.0)
     """Fail the stage as a data failure when more rows than this are malformed."""
+    max_contamination: float = Field(0.0, ge=0.0, le=1.0)
+    """Largest share of eval items that may repeat the training split (normalised exact match or a shared
+    13-word n-gram); above it the data stage fails as a data failure naming the items. 0: none may."""
     shard_rows: int = Field(4096, ge=1, le=MAX_EXAMPLES)
 
     @field_validator("name")
@@ -383,6 +386,10 @@ class EvalConfig(Strict):
     predictions_cap: int = Field(200, ge=0, le=MAX_EXAMPLES)
     gates: dict[str, Gate] = {"exact_match": Gate(min=0.8, min_improvement=0.5, max_regression=0.02)}
     """At least one gate: with none, every candidate would pass and promotion would judge nothing."""
+    confidence: float = Field(0.95, ge=0.5, lt=1.0)
+    """Confidence of each gate's two-sided interval, 0.5..<1 (Holm-adjusted across the gates): a gate passes
+    when the interval's lower bound reaches its threshold, so a model exactly at the threshold passes at
+    most (1 - confidence) / 2 of the time."""
 
     @field_validator("gates")
     @classmethod
