@@ -13,6 +13,15 @@ and metric to item_scores.json beside it: the gates are decided on those per-ite
 (insufficient evidence), fails the stage as a modeling failure whose summary still carries every number
 and gate line.
 
+Before any model verdict the evaluation tests itself, and a failed self-test ends the stage as
+"evaluation invalid: ..." in the infrastructure class (exit 4: the measuring apparatus failed, not the
+model), never as a gate failure: every local metric must score the references, put through the same
+post-processing, at its maximum (1) on every item; and no more than eval.max_truncated_fraction of the
+references may need more than eval.max_new_tokens tokens (with the stop token) in the candidate's
+tokenizer: then a correct answer would be cut off. Each model's answers that end at max_new_tokens without
+a stop token, and empty ones, are counted and logged; with references that fit, a model that does not
+stop is the model's failure (a fine-tune that lost its end of turn), judged by the gates.
+
 Every verdict names what it judged: each model's content hash (candidate and incumbent checked
 against their export manifest on the copy that is loaded; the base hashed when it is a directory),
 the eval split's hash (over its shards' sha256) and each metric module's hash.
@@ -30,7 +39,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from eval.gates import Scores, decide
-from eval.generation import eval_loss, generate, pad_token_id, pick_device
+from eval.generation import eval_loss, generate_checked, pad_token_id, pick_device
 from eval.metrics_loader import load_metric
 from training import jobkit
 from training.checkpointing import check_complete
@@ -106,6 +115,7 @@ def evaluate_body(ctx: JobContext) -> EvaluateSummary:
     require_complete_export(ctx, params.candidate)
     sources = model_sources(ctx, params)
     metrics = {name: load_metric(name, cfg.hub_metrics) for name in cfg.metrics}
+    check_references({n: m for n, m in metrics.items() if metric_module_hash(n, cfg.hub_metrics)}, data.references)
     counter = _Progress(total=len(sources) * len(data.prompts))
     results = {s.role: evaluate_model(ctx, s, data, metrics, counter) for s in sources}
     predictions_uri = save_predictions(ctx, data, results)
@@ -201,8 +211,10 @@ def evaluate_model(ctx: JobContext, source: ModelSource, data: EvalSet, metrics:
     cfg = ctx.config.eval
     started = time.monotonic()
     model, tokenizer, content = load_for_eval(ctx, source)
+    if source.role == "candidate":
+        check_reference_room(tokenizer, data.references, cfg.max_new_tokens, cfg.max_truncated_fraction)
     jobkit.log(f"{source.role}: {source.path} (content {str(content)[:12]}) on {model.device} ({model.dtype})")
-    answers = generate(
+    answers, cut = generate_checked(
         model,
         tokenizer,
         data.prompts,
@@ -210,6 +222,7 @@ def evaluate_model(ctx: JobContext, source: ModelSource, data: EvalSet, metrics:
         cfg.batch_size,
         on_batch=lambda n: counter.advance(n, source.role),
     )
+    count_generations(source.role, answers, cut)
     values = score(metrics, answers, data.references)
     items = item_scores(metrics, answers, data.references, values)
     values.update(eval_loss(model, data.input_ids, data.labels, cfg.batch_size, pad_token_id(tokenizer)))
@@ -270,6 +283,46 @@ def item_scores(
             if math.isclose(sum(values) / len(values), totals[key], abs_tol=1e-9):
                 items[key] = values
     return items
+
+
+def invalid(cause: str) -> StageFailure:
+    """A failed self-test: the evaluation cannot judge any model, so it is not a modeling failure."""
+    return StageFailure(FailureClass.infrastructure, f"evaluation invalid: {cause}")
+
+
+def check_references(metrics: dict, references: list[str]) -> None:
+    """Each local metric (scores in [0, 1]) must give the references, as answers, 1 on every item: a
+    post-processing or extraction step that changes a correct answer would score correct models down."""
+    totals = score(metrics, references, references)
+    for key, values in item_scores(metrics, references, references, totals).items():
+        wrong = [i for i, v in enumerate(values) if v < 1.0 - 1e-9]
+        if wrong:
+            first = wrong[0]
+            raise invalid(
+                f"{key} scores the references as answers {totals[key]:.4g}, below 1 on {len(wrong)} of "
+                f"{len(values)} items (first: item {first}, reference {references[first][:80]!r} scores "
+                f"{values[first]:.4g}): the metric's post-processing changes a correct answer"
+            )
+
+
+def check_reference_room(tokenizer, references: list[str], max_new_tokens: int, cap: float) -> None:
+    """The references, with a stop token, must fit in max_new_tokens: else a correct answer is cut off and
+    scored wrong, and a gate would fail the setting instead of the model."""
+    lengths = [len(ids) + 1 for ids in tokenizer(references, add_special_tokens=False)["input_ids"]]
+    long = sum(n > max_new_tokens for n in lengths)
+    if references and long / len(references) > cap:
+        raise invalid(
+            f"{long} of {len(references)} references ({long / len(references):.1%}) need more than "
+            f"eval.max_new_tokens={max_new_tokens} tokens (longest {max(lengths)} with the stop token), over "
+            f"eval.max_truncated_fraction={cap:g}: a correct answer would be cut off; raise eval.max_new_tokens"
+        )
+
+
+def count_generations(role: str, answers: list[str], cut: list[bool]) -> None:
+    """Log answers that end at max_new_tokens without a stop token, and empty ones, per model."""
+    truncated, empty = sum(cut), sum(1 for a in answers if not a)
+    if truncated or empty:
+        jobkit.log(f"{role}: {truncated} of {len(answers)} answers end at max_new_tokens without a stop, {empty} empty")
 
 
 def save_item_scores(ctx: JobContext, split: str, results: dict[str, ModelEval]) -> str:

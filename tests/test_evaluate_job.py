@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from eval.evaluate_job import evaluate_body
+from eval.evaluate_job import check_reference_room, check_references, evaluate_body
 from eval.generation import eval_loss, generate, right_padded
+from eval.metrics_loader import load_metric
 from tests.conftest import TEST_BUCKET
 from training import jobkit, modeling
 from training.checkpointing import publish_export
@@ -292,3 +293,51 @@ def test_eval_loss_matches_the_models_own_loss(world, base_model):
 def test_right_padding_rejects_misaligned_rows():
     with pytest.raises(ValueError, match="eval row 1: 2 input_ids but 3 labels"):
         right_padded([[1], [1, 2]], [[1], [1, 2, 3]], 0)
+
+
+# ---- the self-test -------------------------------------------------------------------------------
+
+
+class OffByOne:
+    """exact_match with a planted extraction bug: the answer's last character is lost before comparing."""
+
+    name = "exact_match"
+
+    def _compute(self, predictions, references):
+        hits = sum(p.strip()[:-1] == r.strip() for p, r in zip(predictions, references))
+        return {"exact_match": hits / len(predictions) if predictions else 0.0}
+
+    def compute(self, predictions, references):
+        return self._compute(predictions, references)
+
+
+def test_a_planted_extraction_bug_fails_the_self_test():
+    with pytest.raises(StageFailure) as info:
+        check_references({"exact_match": OffByOne()}, [ANSWER, "1999-12-14"])
+    assert info.value.failure_class is FailureClass.infrastructure
+    assert info.value.cause == (
+        "evaluation invalid: exact_match scores the references as answers 0, below 1 on 2 of 2 items (first: item 0, "
+        "reference '2024-01-05' scores 0): the metric's post-processing changes a correct answer"
+    )
+    check_references({"exact_match": load_metric("exact_match"), "rouge_l": load_metric("rouge_l")}, [ANSWER, "a b"])
+
+
+def test_references_that_do_not_fit_max_new_tokens_make_the_evaluation_invalid(world):
+    tokenizer = world["tokenizer"]
+    check_reference_room(tokenizer, [ANSWER] * 50, 16, 0.02)
+    with pytest.raises(StageFailure) as info:
+        check_reference_room(tokenizer, [ANSWER], 2, 0.02)
+    assert info.value.failure_class is FailureClass.infrastructure
+    assert info.value.cause.startswith(
+        "evaluation invalid: 1 of 1 references (100.0%) need more than eval.max_new_tokens=2"
+    )
+
+
+def test_too_small_max_new_tokens_is_an_invalid_evaluation_not_a_gate_failure(world, store):
+    upload_export(store, world["trained"], "short")
+    with pytest.raises(StageFailure) as info:
+        evaluate_body(make_ctx(world, "short", store.root, max_new_tokens=2))
+    assert info.value.failure_class is FailureClass.infrastructure
+    assert info.value.cause.startswith("evaluation invalid: 30 of 30 references (100.0%) need more than ")
+    assert info.value.cause.endswith("a correct answer would be cut off; raise eval.max_new_tokens")
+    print(info.value.cause)

@@ -41,8 +41,7 @@ def measure(train: Iterable[str], eval_items: Iterable[tuple[str, str]], n: int 
     for text in train:
         tokens = words(text)
         whole.add(hash(tuple(tokens)))
-        if len(tokens) >= n:
-            grams |= ngram_hashes(tokens, n)
+        grams.update(hash(tuple(tokens[i : i + n])) for i in range(len(tokens) - n + 1))
     exact, overlapping, total = 0, [], 0
     for item_id, text in eval_items:
         total += 1
