@@ -7,8 +7,20 @@ params (EvalParams): candidate "runs/<run>/model" (storage-relative HF export), 
 from the registry when it built the job (None before the first promotion).
 Each model in turn, one in memory at a time: greedy answers to the eval split's prompts, the
 configured `evaluate` metrics over them, eval loss and perplexity over input_ids/labels.
-Per-example answers go to runs/<run>/stages/<job>/predictions.jsonl. A failed gate fails the
-stage as a modeling failure whose summary still carries every number and gate line.
+Per-example answers go to runs/<run>/stages/<job>/predictions.jsonl, and every item's score per model
+and metric to item_scores.json beside it: the gates are decided on those per-item scores, paired by item
+(eval/gates.py), so a verdict replays from that file. A failed gate, or one the items cannot resolve
+(insufficient evidence), fails the stage as a modeling failure whose summary still carries every number
+and gate line.
+
+Before any model verdict the evaluation tests itself, and a failed self-test ends the stage as
+"evaluation invalid: ..." in the infrastructure class (exit 4: the measuring apparatus failed, not the
+model), never as a gate failure: every local metric must score the references, put through the same
+post-processing, at its maximum (1) on every item; and no more than eval.max_truncated_fraction of the
+references may need more than eval.max_new_tokens tokens (with the stop token) in the candidate's
+tokenizer: then a correct answer would be cut off. Each model's answers that end at max_new_tokens without
+a stop token, and empty ones, are counted and logged; with references that fit, a model that does not
+stop is the model's failure (a fine-tune that lost its end of turn), judged by the gates.
 
 Every verdict names what it judged: each model's content hash (candidate and incumbent checked
 against their export manifest on the copy that is loaded; the base hashed when it is a directory),
@@ -19,14 +31,15 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from eval.gates import decide
-from eval.generation import eval_loss, generate, pad_token_id, pick_device
+from eval.gates import Scores, decide
+from eval.generation import eval_loss, generate_checked, pad_token_id, pick_device
 from eval.metrics_loader import load_metric
 from training import jobkit
 from training.checkpointing import check_complete
@@ -85,8 +98,13 @@ class ModelSource:
 class ModelEval:
     answers: list[str]
     metrics: dict[str, float]
+    items: dict[str, list[float]]
+    """Each item's score, for the metrics whose value is the mean of its items' scores."""
     seconds: float
     content_sha256: str | None
+
+    def scores(self) -> Scores:
+        return Scores(self.metrics, self.items)
 
 
 def evaluate_body(ctx: JobContext) -> EvaluateSummary:
@@ -97,11 +115,16 @@ def evaluate_body(ctx: JobContext) -> EvaluateSummary:
     require_complete_export(ctx, params.candidate)
     sources = model_sources(ctx, params)
     metrics = {name: load_metric(name, cfg.hub_metrics) for name in cfg.metrics}
+    check_references({n: m for n, m in metrics.items() if metric_module_hash(n, cfg.hub_metrics)}, data.references)
     counter = _Progress(total=len(sources) * len(data.prompts))
     results = {s.role: evaluate_model(ctx, s, data, metrics, counter) for s in sources}
     predictions_uri = save_predictions(ctx, data, results)
-    incumbent = results["incumbent"].metrics if "incumbent" in results else None
-    decision = decide(results["candidate"].metrics, results["base"].metrics, incumbent, cfg.gates)
+    split = eval_split_hash(ctx, params.dataset)
+    item_scores_uri = save_item_scores(ctx, split, results)
+    incumbent = results["incumbent"].scores() if "incumbent" in results else None
+    decision = decide(
+        results["candidate"].scores(), results["base"].scores(), incumbent, cfg.gates, cfg.confidence, split
+    )
     for line in decision.lines:
         jobkit.log(f"gate: {line}")
     summary = EvaluateSummary(
@@ -109,9 +132,10 @@ def evaluate_body(ctx: JobContext) -> EvaluateSummary:
         incumbent_version=params.incumbent.version if params.incumbent else None,
         gates=decision,
         predictions_uri=predictions_uri,
+        item_scores_uri=item_scores_uri,
         examples=len(data.prompts),
         device=str(pick_device()[0]),
-        eval_split_sha256=eval_split_hash(ctx, params.dataset),
+        eval_split_sha256=split,
         metric_sha256={name: metric_module_hash(name, cfg.hub_metrics) for name in cfg.metrics},
     )
     if not decision.passed:
@@ -187,8 +211,10 @@ def evaluate_model(ctx: JobContext, source: ModelSource, data: EvalSet, metrics:
     cfg = ctx.config.eval
     started = time.monotonic()
     model, tokenizer, content = load_for_eval(ctx, source)
+    if source.role == "candidate":
+        check_reference_room(tokenizer, data.references, cfg.max_new_tokens, cfg.max_truncated_fraction)
     jobkit.log(f"{source.role}: {source.path} (content {str(content)[:12]}) on {model.device} ({model.dtype})")
-    answers = generate(
+    answers, cut = generate_checked(
         model,
         tokenizer,
         data.prompts,
@@ -196,12 +222,14 @@ def evaluate_model(ctx: JobContext, source: ModelSource, data: EvalSet, metrics:
         cfg.batch_size,
         on_batch=lambda n: counter.advance(n, source.role),
     )
+    count_generations(source.role, answers, cut)
     values = score(metrics, answers, data.references)
+    items = item_scores(metrics, answers, data.references, values)
     values.update(eval_loss(model, data.input_ids, data.labels, cfg.batch_size, pad_token_id(tokenizer)))
     del model, tokenizer
     _free_memory()
     jobkit.log(f"{source.role}: " + ", ".join(f"{k}={v:.4g}" for k, v in values.items()))
-    return ModelEval(answers, values, round(time.monotonic() - started, 2), content)
+    return ModelEval(answers, values, items, round(time.monotonic() - started, 2), content)
 
 
 def load_for_eval(ctx: JobContext, source: ModelSource):
@@ -231,6 +259,78 @@ def score(metrics: dict, answers: list[str], references: list[str]) -> dict[str,
             if isinstance(value, (int, float)):
                 values[key] = float(value)
     return values
+
+
+def item_scores(
+    metrics: dict, answers: list[str], references: list[str], totals: dict[str, float]
+) -> dict[str, list[float]]:
+    """Each item's score under each metric, by the metric module's own computation on that one item.
+
+    Kept only for a key whose item scores average to the value the metric reported over the whole set:
+    a corpus-level metric (BLEU-like) is not a mean over items, so its gates compare points instead.
+    `_compute` is the method every `evaluate` module implements; calling it per item skips the public
+    compute's per-call Arrow cache (17 ms an item, 15 s for 300 items and three models on the demo).
+    """
+    items: dict[str, list[float]] = {}
+    for metric in metrics.values():
+        try:
+            per_item = [metric._compute(predictions=[a], references=[r]) for a, r in zip(answers, references)]
+        except Exception as e:  # a hub metric that cannot score one item alone: its gates compare points
+            jobkit.log(f"{metric.name}: no per-item scores ({type(e).__name__}: {e}); its gates compare points")
+            continue
+        for key in (k for k in (per_item[0] if per_item else {}) if k in totals):
+            values = [float(row[key]) for row in per_item]
+            if math.isclose(sum(values) / len(values), totals[key], abs_tol=1e-9):
+                items[key] = values
+    return items
+
+
+def invalid(cause: str) -> StageFailure:
+    """A failed self-test: the evaluation cannot judge any model, so it is not a modeling failure."""
+    return StageFailure(FailureClass.infrastructure, f"evaluation invalid: {cause}")
+
+
+def check_references(metrics: dict, references: list[str]) -> None:
+    """Each local metric (scores in [0, 1]) must give the references, as answers, 1 on every item: a
+    post-processing or extraction step that changes a correct answer would score correct models down."""
+    totals = score(metrics, references, references)
+    for key, values in item_scores(metrics, references, references, totals).items():
+        wrong = [i for i, v in enumerate(values) if v < 1.0 - 1e-9]
+        if wrong:
+            first = wrong[0]
+            raise invalid(
+                f"{key} scores the references as answers {totals[key]:.4g}, below 1 on {len(wrong)} of "
+                f"{len(values)} items (first: item {first}, reference {references[first][:80]!r} scores "
+                f"{values[first]:.4g}): the metric's post-processing changes a correct answer"
+            )
+
+
+def check_reference_room(tokenizer, references: list[str], max_new_tokens: int, cap: float) -> None:
+    """The references, with a stop token, must fit in max_new_tokens: else a correct answer is cut off and
+    scored wrong, and a gate would fail the setting instead of the model."""
+    lengths = [len(ids) + 1 for ids in tokenizer(references, add_special_tokens=False)["input_ids"]]
+    long = sum(n > max_new_tokens for n in lengths)
+    if references and long / len(references) > cap:
+        raise invalid(
+            f"{long} of {len(references)} references ({long / len(references):.1%}) need more than "
+            f"eval.max_new_tokens={max_new_tokens} tokens (longest {max(lengths)} with the stop token), over "
+            f"eval.max_truncated_fraction={cap:g}: a correct answer would be cut off; raise eval.max_new_tokens"
+        )
+
+
+def count_generations(role: str, answers: list[str], cut: list[bool]) -> None:
+    """Log answers that end at max_new_tokens without a stop token, and empty ones, per model."""
+    truncated, empty = sum(cut), sum(1 for a in answers if not a)
+    if truncated or empty:
+        jobkit.log(f"{role}: {truncated} of {len(answers)} answers end at max_new_tokens without a stop, {empty} empty")
+
+
+def save_item_scores(ctx: JobContext, split: str, results: dict[str, ModelEval]) -> str:
+    """{"split_sha256", "scores": {role: {metric: [one score per item]}}}: what the gates were decided on."""
+    body = {"split_sha256": split, "scores": {role: result.items for role, result in results.items()}}
+    parts = ctx.stage_parts("item_scores.json")
+    ctx.storage.write_bytes(json.dumps(body).encode(), *parts)
+    return ctx.storage.uri(*parts)
 
 
 def save_predictions(ctx: JobContext, data: EvalSet, results: dict[str, ModelEval]) -> str:

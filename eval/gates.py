@@ -1,124 +1,232 @@
-"""The gate decision: does the candidate beat its base and hold against the incumbent?
+"""The gate decision: does the candidate beat its base and hold against the incumbent, and how sure is that?
 
-Pure: metric dicts and the gate policy in, a GateDecision out; no I/O. The evaluate job calls
-`decide` on the metrics it computed; the promote task only reads the decision it left behind.
-Each configured threshold gives one verdict with one human line, e.g.
-    exact_match >= 0.8: 0.93 (pass)
-    exact_match improvement over base >= 0.5: +0.93 (candidate 0.93, base 0) (pass)
-    exact_match regression vs incumbent <= 0.02: +0.01 (candidate 0.93, incumbent 0.94) (pass)
-A missing or NaN value fails its gate: a metric that could not be computed proves nothing.
+Pure: each model's metrics and per-item scores plus the gate policy in, a GateDecision out; no I/O. The
+evaluate job calls `decide` on what it scored; the promote task only reads the decision it left behind.
+
+Each threshold is decided on an interval over the items (tuneproof/core/stats.py), paired by item when
+two models are compared: a two-sided interval at `eval.confidence` (so a model exactly at a threshold
+passes at most (1 - confidence) / 2 of the time), widened by Holm's step-down across the gates decided
+at once:
+  min              the candidate's own lower bound must reach the threshold (a lower bound, not the point:
+                   an absolute floor is met only when the items show it);
+  min_improvement  the lower bound of candidate - base must reach the threshold;
+  max_regression   non-inferiority: the lower bound of candidate - incumbent must stay above -margin
+                   (shown as a regression, incumbent - candidate, whose upper bound must stay within it).
+Three outcomes: pass; fail (the whole interval is on the wrong side); insufficient evidence (it straddles
+the threshold: promotion is refused, with the number of items that would resolve it). Lines look like
+    exact_match >= 0.8: 0.98 [0.957, 0.9908] (n=300, Wilson score, 98.33% interval: 95% with Holm over 3, p<0.0001) (pass)
+A metric without per-item scores (eval_loss, perplexity: token-weighted over the split) is compared on its
+point value, and the line says so. A missing or NaN value fails its gate: it proves nothing.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from tuneproof.core import stats
 from tuneproof.core.config import Gate
-from tuneproof.core.summaries import GateDecision, GateKind, Verdict
+from tuneproof.core.stats import TOLERANCE, Evidence
+from tuneproof.core.summaries import GateDecision, GateKind, GateOutcome, Verdict
 
 Metrics = Mapping[str, Any]
 
-# Metric arithmetic in floats: 0.85 - 0.35 is 0.4999999999999999, which must still meet 0.5.
-TOLERANCE = 1e-9
+
+@dataclass(frozen=True)
+class Scores:
+    """One model's evaluation: each metric's value, and, for metrics scored item by item, each item's score
+    (the same items in the same order for every model)."""
+
+    metrics: Metrics
+    items: Mapping[str, Sequence[float]] = field(default_factory=dict)
 
 
-def decide(candidate: Metrics, base: Metrics, incumbent: Metrics | None, policy: Mapping[str, Gate]) -> GateDecision:
-    """Apply every threshold of every gate in `policy` (metric name -> config.Gate or alike).
+@dataclass(frozen=True)
+class Check:
+    """One threshold before the decision: its quantity is `sign * value` must reach `sign * threshold`."""
+
+    metric: str
+    gate: GateKind
+    head: str
+    threshold: float
+    detail: str = ""
+    evidence: Evidence | None = None
+    point: float | None = None
+    """The quantity as shown (a regression is shown as incumbent - candidate)."""
+    shown_sign: float = 1.0
+    """-1 for a regression: shown value = -(candidate - incumbent)."""
+    target: float = 0.0
+    """The threshold on the tested quantity (candidate, or candidate - other)."""
+    settled: tuple[bool, str] | None = None
+    """(passed, words) when no interval is involved: a missing value, no incumbent, a point comparison."""
+
+
+def decide(
+    candidate: Scores,
+    base: Scores,
+    incumbent: Scores | None,
+    policy: Mapping[str, Gate],
+    confidence: float = 0.95,
+    split_sha256: str | None = None,
+) -> GateDecision:
+    """Apply every threshold of every gate in `policy` (metric name -> config.Gate).
 
     Passes only when every verdict passes; an empty policy passes with a line saying so.
     """
-    verdicts = [
-        v for metric, gate in policy.items() for v in _metric_verdicts(metric, gate, candidate, base, incumbent)
-    ]
-    if not verdicts:
+    checks = [c for metric, gate in policy.items() for c in _checks(metric, gate, candidate, base, incumbent)]
+    if not checks:
         return GateDecision(passed=True, lines=["no gates configured: nothing to check"], verdicts=[])
+    tested = [c for c in checks if c.evidence is not None]
+    alpha = (1.0 - confidence) / 2  # each bound of a two-sided interval at `confidence`
+    p_values = [c.evidence.p_value(c.target) for c in tested if c.evidence is not None]
+    levels = dict(zip(map(id, tested), stats.holm_levels(p_values, alpha)))
+    family = f"{fmt(100 * confidence)}% with Holm over {len(tested)}" if len(tested) > 1 else None
+    verdicts = [
+        _verdict(c, levels.get(id(c), alpha), p, family, split_sha256)
+        for c, p in zip(checks, _p_values_in_order(checks, tested, p_values))
+    ]
     return GateDecision(passed=all(v.passed for v in verdicts), lines=[v.line for v in verdicts], verdicts=verdicts)
 
 
-def _metric_verdicts(
-    metric: str, gate: Gate, candidate: Metrics, base: Metrics, incumbent: Metrics | None
-) -> list[Verdict]:
-    verdicts = []
+def _p_values_in_order(checks: list[Check], tested: list[Check], p_values: list[float]) -> list[float | None]:
+    by_check = dict(zip(map(id, tested), p_values))
+    return [by_check.get(id(c)) for c in checks]
+
+
+# ---- the checks each gate asks for --------------------------------------------------------------------
+
+
+def _checks(metric: str, gate: Gate, candidate: Scores, base: Scores, incumbent: Scores | None) -> list[Check]:
+    checks = []
     if gate.min is not None:
-        verdicts.append(_min_verdict(metric, gate, gate.min, candidate))
+        checks.append(_min_check(metric, gate, gate.min, candidate))
     if gate.min_improvement is not None:
-        verdicts.append(_improvement_verdict(metric, gate, gate.min_improvement, candidate, base))
-    if gate.max_regression is not None:
-        verdicts.append(_regression_verdict(metric, gate, gate.max_regression, candidate, incumbent))
-    return verdicts
-
-
-def _min_verdict(metric: str, gate: Gate, threshold: float, candidate: Metrics) -> Verdict:
-    op = ">=" if gate.higher_is_better else "<="
-    head = f"{metric} {op} {fmt(threshold)}"
-    value = _read(candidate, metric, "candidate")
-    if isinstance(value, str):
-        return _verdict(metric, "min", None, threshold, False, f"{head}: {value} (fail)")
-    passed = value >= threshold - TOLERANCE if gate.higher_is_better else value <= threshold + TOLERANCE
-    return _verdict(metric, "min", value, threshold, passed, f"{head}: {fmt(value)} ({_word(passed)})")
-
-
-def _improvement_verdict(metric: str, gate: Gate, at_least: float, candidate: Metrics, base: Metrics) -> Verdict:
-    head = f"{metric} improvement over base >= {fmt(at_least)}"
-    gain = _gain(metric, gate, candidate, base, "base")
-    if isinstance(gain, str):
-        return _verdict(metric, "min_improvement", None, at_least, False, f"{head}: {gain} (fail)")
-    value, detail = gain
-    passed = value >= at_least - TOLERANCE
-    return _verdict(
-        metric,
-        "min_improvement",
-        value,
-        at_least,
-        passed,
-        f"{head}: {fmt(value, signed=True)} ({detail}) ({_word(passed)})",
-    )
-
-
-def _regression_verdict(
-    metric: str, gate: Gate, at_most: float, candidate: Metrics, incumbent: Metrics | None
-) -> Verdict:
-    head = f"{metric} regression vs incumbent <= {fmt(at_most)}"
-    if incumbent is None:
-        return _verdict(
-            metric,
-            "max_regression",
-            None,
-            at_most,
-            True,
-            f"{head}: no incumbent: first model, regression gate not applicable",
+        head = f"{metric} improvement over base >= {fmt(gate.min_improvement)}"
+        checks.append(
+            _paired_check(metric, gate, "min_improvement", head, gate.min_improvement, candidate, base, "base")
         )
-    gain = _gain(metric, gate, candidate, incumbent, "incumbent")
-    if isinstance(gain, str):
-        return _verdict(metric, "max_regression", None, at_most, False, f"{head}: {gain} (fail)")
-    value, detail = -gain[0], gain[1]  # the regression is the gain lost
-    passed = value <= at_most + TOLERANCE
-    return _verdict(
-        metric,
-        "max_regression",
-        value,
-        at_most,
-        passed,
-        f"{head}: {fmt(value, signed=True)} ({detail}) ({_word(passed)})",
+    if gate.max_regression is not None:
+        head = f"{metric} regression vs incumbent <= {fmt(gate.max_regression)}"
+        if incumbent is None:
+            settled = (True, "no incumbent: first model, regression gate not applicable")
+            checks.append(Check(metric, "max_regression", head, gate.max_regression, settled=settled))
+        else:
+            checks.append(
+                _paired_check(
+                    metric, gate, "max_regression", head, gate.max_regression, candidate, incumbent, "incumbent"
+                )
+            )
+    return checks
+
+
+def _min_check(metric: str, gate: Gate, threshold: float, candidate: Scores) -> Check:
+    head = f"{metric} {'>=' if gate.higher_is_better else '<='} {fmt(threshold)}"
+    value = _read(candidate.metrics, metric, "candidate")
+    if isinstance(value, str):
+        return Check(metric, "min", head, threshold, settled=(False, value))
+    sign = 1.0 if gate.higher_is_better else -1.0
+    items = candidate.items.get(metric)
+    if not items:
+        passed = sign * value >= sign * threshold - TOLERANCE
+        return Check(metric, "min", head, threshold, settled=(passed, f"{fmt(value)} (point: no per-item scores)"))
+    evidence = stats.single(items) if sign > 0 else stats.Bootstrap([-x for x in items], span=(-1.0, 0.0))
+    return Check(
+        metric, "min", head, threshold, evidence=evidence, point=value, shown_sign=sign, target=sign * threshold
     )
 
 
-def _gain(metric: str, gate: Gate, candidate: Metrics, other: Metrics, other_role: str) -> tuple[float, str] | str:
-    """(how much better the candidate is than `other`, 'candidate x, <role> y'), or why it cannot be said."""
-    cand = _read(candidate, metric, "candidate")
-    ref = _read(other, metric, other_role)
-    if isinstance(cand, str):
-        return cand
-    if isinstance(ref, str):
-        return ref
-    gain = cand - ref if gate.higher_is_better else ref - cand
-    return gain, f"candidate {fmt(cand)}, {other_role} {fmt(ref)}"
+def _paired_check(
+    metric: str,
+    gate: Gate,
+    kind: GateKind,
+    head: str,
+    threshold: float,
+    candidate: Scores,
+    other: Scores,
+    role: str,
+) -> Check:
+    """Gain = candidate - other (other - candidate when lower is better); improvement shows the gain, a
+    regression shows its negative. The tested quantity is always the gain."""
+    cand, ref = _read(candidate.metrics, metric, "candidate"), _read(other.metrics, metric, role)
+    if isinstance(cand, str) or isinstance(ref, str):
+        return Check(metric, kind, head, threshold, settled=(False, cand if isinstance(cand, str) else str(ref)))
+    sign = 1.0 if gate.higher_is_better else -1.0
+    gain = sign * (cand - ref)
+    shown_sign = 1.0 if kind == "min_improvement" else -1.0
+    target = threshold if kind == "min_improvement" else -threshold
+    detail = f"candidate {fmt(cand)}, {role} {fmt(ref)}"
+    ours, theirs = candidate.items.get(metric), other.items.get(metric)
+    if not ours or not theirs:
+        passed = gain >= target - TOLERANCE
+        words = f"{fmt(shown_sign * gain, signed=True)} ({detail}; point: no per-item scores)"
+        return Check(metric, kind, head, threshold, settled=(passed, words))
+    if len(ours) != len(theirs):
+        raise ValueError(
+            f"{metric}: candidate has {len(ours)} item scores, {role} {len(theirs)}; a paired gate needs the same items"
+        )
+    evidence = (
+        stats.paired(ours, theirs) if sign > 0 else stats.Bootstrap([y - x for x, y in zip(ours, theirs)], (-1.0, 1.0))
+    )
+    return Check(metric, kind, head, threshold, detail, evidence, shown_sign * gain, shown_sign, target)
 
 
-def _verdict(metric: str, gate: GateKind, value: float | None, threshold: float, passed: bool, line: str) -> Verdict:
-    return Verdict(metric=metric, gate=gate, value=value, threshold=threshold, passed=passed, line=line)
+# ---- the verdict -----------------------------------------------------------------------------------------
+
+
+def _verdict(check: Check, alpha: float, p: float | None, family: str | None, split: str | None) -> Verdict:
+    common = {"metric": check.metric, "gate": check.gate, "threshold": check.threshold, "split_sha256": split}
+    if check.evidence is None:
+        passed, words = check.settled or (False, "nothing to decide on")
+        word = "pass" if passed else "fail"
+        line = f"{check.head}: {words}" + ("" if "not applicable" in words else f" ({word})")
+        value = check.point
+        return Verdict(**common, value=value, passed=passed, outcome=word, line=line)
+    evidence = check.evidence
+    lo, hi = evidence.bounds(alpha)
+    result: GateOutcome = stats.outcome(lo, hi, check.target)
+    needed = evidence.items_needed(check.target, alpha) if result == "insufficient" else None
+    shown = sorted((check.shown_sign * lo, check.shown_sign * hi))
+    interval = (shown[0], shown[1])
+    level = 1.0 - 2 * alpha
+    signed = check.gate != "min"
+    text = f"{fmt(check.point or 0.0, signed)} [{fmt(interval[0], signed)}, {fmt(interval[1], signed)}]"
+    how = f"n={evidence.n}, {evidence.method}, {fmt(100 * level)}% interval"
+    how += f": {family}" if family else ""
+    how += f", {_p_text(p)}" if p is not None else ""
+    context = f"{check.detail}; {how}" if check.detail else how
+    line = f"{check.head}: {text} ({context}) ({_outcome_words(result, needed, check.threshold, check.gate)})"
+    return Verdict(
+        **common,
+        value=check.point,
+        passed=result == "pass",
+        outcome=result,
+        line=line,
+        n=evidence.n,
+        method=evidence.method,
+        interval=interval,
+        level=level,
+        p_value=p,
+        items_needed=needed,
+    )
+
+
+def _outcome_words(result: GateOutcome, needed: int | None, threshold: float, gate: GateKind) -> str:
+    """'pass', 'fail', or why the items cannot tell, never that the model is worse."""
+    if result != "insufficient":
+        return result
+    head = f"insufficient evidence: the interval straddles {fmt(threshold)}"
+    if needed is None:
+        return f"{head}, and no number of items resolves a value this close to it"
+    rates = "score" if gate == "min" else "disagreement"
+    return f"{head}; about {needed:,} items at the observed {rates} would resolve it"
+
+
+def _p_text(p: float) -> str:
+    if p >= 0.5:
+        return "p>0.5" if p >= 1.0 else f"p={p:.2g}"
+    return "p<0.0001" if p < 1e-4 else f"p={p:.2g}"
 
 
 def _read(metrics: Metrics, metric: str, role: str) -> float | str:
@@ -133,10 +241,6 @@ def _read(metrics: Metrics, metric: str, role: str) -> float | str:
     if math.isnan(value):
         return f"{role} value is NaN"
     return value
-
-
-def _word(passed: bool) -> str:
-    return "pass" if passed else "fail"
 
 
 def fmt(x: float, signed: bool = False) -> str:

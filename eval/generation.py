@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,32 +46,40 @@ def pad_token_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_token_ids(tokenizer)[0]
 
 
+def generate(*args: Any, **kwargs: Any) -> list[str]:
+    """generate_checked's answers alone, for callers that do not count cut-off answers (benches)."""
+    return generate_checked(*args, **kwargs)[0]
+
+
 @torch.no_grad()
-def generate(
+def generate_checked(
     model,
     tokenizer,
     prompts: Sequence[str],
     max_new_tokens: int,
     batch_size: int,
     on_batch: Callable[[int], None] | None = None,
-) -> list[str]:
-    """Greedy answers, one per prompt, stripped; `on_batch(n)` after each batch of n prompts."""
+) -> tuple[list[str], list[bool]]:
+    """Greedy answers, one per prompt, stripped, and cut: cut[i] is true when answer i stopped at
+    max_new_tokens without a stop token. `on_batch(n)` after each batch of n prompts."""
     # Prompts of similar length share a batch, so left padding wastes little compute.
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    answers = [""] * len(prompts)
+    answers, cut = [""] * len(prompts), [False] * len(prompts)
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
-        for row, text in zip(rows, _generate_batch(model, tokenizer, [prompts[i] for i in rows], max_new_tokens)):
-            answers[row] = text
+        texts, cuts = _generate_batch(model, tokenizer, [prompts[i] for i in rows], max_new_tokens)
+        for row, text, was_cut in zip(rows, texts, cuts):
+            answers[row], cut[row] = text, was_cut
         if on_batch:
             on_batch(len(rows))
-    return answers
+    return answers, cut
 
 
-def _generate_batch(model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[str]:
+def _generate_batch(model, tokenizer, prompts: list[str], max_new_tokens: int) -> tuple[list[str], list[bool]]:
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False).to(
         model.device
     )
+    stops = stop_token_ids(tokenizer)
     # Explicit greedy settings: a model's generation_config (Qwen instruct ships sampling and
     # repetition_penalty=1.05) would otherwise fill them in and change the answers.
     out = model.generate(
@@ -80,10 +89,14 @@ def _generate_batch(model, tokenizer, prompts: list[str], max_new_tokens: int) -
         repetition_penalty=1.0,
         max_new_tokens=max_new_tokens,
         pad_token_id=pad_token_id(tokenizer),
-        eos_token_id=stop_token_ids(tokenizer),
+        eos_token_id=stops,
     )
-    answers = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-    return [a.strip() for a in answers]
+    new = out[:, enc["input_ids"].shape[1] :]
+    answers = tokenizer.batch_decode(new, skip_special_tokens=True)
+    # A row that never produced a stop token within max_new_tokens was cut off, whatever it decoded to.
+    full = new.shape[1] >= max_new_tokens
+    cut = [full and not any(int(t) in stops for t in row) for row in new]
+    return [a.strip() for a in answers], cut
 
 
 @torch.no_grad()

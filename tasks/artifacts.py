@@ -34,7 +34,6 @@ from tuneproof.core.summaries import (
     FinetuneSummary,
     LossPoint,
     ModelScore,
-    Verdict,
     VerifySummary,
 )
 
@@ -210,7 +209,7 @@ def evaluation_table(record: RunRecord, entry: StageEntry, storage: Storage) -> 
             {
                 "metric": name,
                 **{role: metric_cell(summary.models.get(role), name) for role in ("candidate", "base", "incumbent")},
-                "gates": ", ".join(f"{v.gate}: {verdict_word(v)}" for v in verdicts) or "not gated",
+                "gates": ", ".join(f"{v.gate}: {v.brief()}" for v in verdicts) or "not gated",
             }
         )
     verdict = "passed" if summary.gates.passed else "failed"
@@ -221,12 +220,6 @@ def evaluation_table(record: RunRecord, entry: StageEntry, storage: Storage) -> 
         f"Candidate vs base vs incumbent ({summary.incumbent_version or 'no incumbent'}); gates {verdict}:\n\n"
         + "\n".join(f"* {line}" for line in summary.gates.lines),
     )
-
-
-def verdict_word(v: Verdict) -> str:
-    if not v.passed:
-        return "FAIL"
-    return "pass" if v.value is not None else "n/a (no incumbent)"
 
 
 def metric_cell(model: ModelScore | None, name: str) -> Any:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import random
+from collections import Counter
 
 import pytest
 
@@ -42,7 +45,7 @@ def test_each_metric_knows_which_way_is_better(name, direction):
 def test_a_clear_doubling_is_better_with_an_interval_above_one():
     m = cmp.compare_metric("finetune.tokens_per_s", [100.0, 102.0, 98.0], [200.0, 205.0, 195.0], threshold=0.05)
     assert m.a.median == 100.0 and m.b.median == 200.0 and (m.a.min, m.a.max) == (98.0, 102.0)
-    assert m.ratio == pytest.approx(2.0)
+    assert m.ratio == pytest.approx(2.0, rel=1e-3)  # of geometric means
     assert m.ci95 is not None and 1.8 < m.ci95[0] <= m.ratio <= m.ci95[1] < 2.2
     assert m.verdict == "better"
 
@@ -52,10 +55,41 @@ def test_a_slower_step_is_worse_even_though_its_number_is_higher():
     assert m.verdict == "worse"
 
 
-def test_overlapping_noise_is_no_detectable_difference():
+def test_overlapping_noise_is_insufficient_repeats_with_the_repeats_needed():
     m = cmp.compare_metric("finetune.tokens_per_s", [100.0, 130.0, 90.0], [110.0, 95.0, 125.0], threshold=0.05)
-    assert m.ci95 is not None and m.ci95[0] < 1.0 < m.ci95[1]
-    assert m.verdict == "no detectable difference"
+    assert m.ci95 is not None and m.ci95[0] < 1.0 - 0.05 and m.ci95[1] > 1.0 + 0.05
+    assert m.verdict == "insufficient repeats" and m.method == "t on log ratio"
+    assert m.repeats_needed is not None and m.repeats_needed > 3
+
+
+def test_two_repeats_make_a_t_interval_not_a_bootstrap():
+    # A percentile bootstrap of two values per arm spans only the values seen; t with 2 df is honest.
+    m = cmp.compare_metric("connectivity.busbw_GBps@1048576B", [1.0, 0.5], [0.46, 0.48], threshold=0.1)
+    assert m.ci95 is not None and m.ci95[0] < 0.2 and m.ci95[1] > 1.0
+    assert m.verdict == "insufficient repeats"
+
+
+def test_a_and_a_is_no_detectable_difference_in_at_least_95_percent():
+    """Arms that differ only in their label: 3 % multiplicative noise, 5 repeats, threshold 10 %."""
+    rng = random.Random(11)
+    verdicts = Counter()
+    for _ in range(1000):
+        a, b = ([rng.lognormvariate(0, 0.03) * 100 for _ in range(5)] for _ in range(2))
+        verdicts[cmp.compare_metric("finetune.tokens_per_s", a, b, threshold=0.1).verdict] += 1
+    assert verdicts["no detectable difference"] >= 950, verdicts
+    assert verdicts["better"] + verdicts["worse"] <= 10, verdicts
+
+
+def test_a_and_a_with_two_or_three_noisy_repeats_never_claims_a_change():
+    """5 % noise at 2-3 repeats cannot resolve 10 %: it says so instead of better or worse."""
+    rng = random.Random(12)
+    for repeats in (2, 3):
+        verdicts = Counter()
+        for _ in range(1000):
+            a, b = ([rng.lognormvariate(0, 0.05) for _ in range(repeats)] for _ in range(2))
+            verdicts[cmp.compare_metric("finetune.tokens_per_s", a, b, threshold=0.1).verdict] += 1
+        assert verdicts["better"] + verdicts["worse"] <= 50, (repeats, verdicts)
+        assert verdicts["insufficient repeats"] > verdicts["no detectable difference"], (repeats, verdicts)
 
 
 def test_a_consistent_change_below_the_threshold_is_no_detectable_difference():
@@ -76,9 +110,12 @@ def test_metrics_a_run_lacks_add_nothing_to_its_arm():
     assert by_name["n.tokens_per_s"].a.values == []
 
 
-def test_the_bootstrap_is_reproducible():
-    a, b = [1.0, 1.2, 0.9, 1.1], [1.3, 1.4, 1.2, 1.5]
-    assert cmp.bootstrap_ratio_ci(a, b, seed=3) == cmp.bootstrap_ratio_ci(a, b, seed=3)
+def test_the_interval_is_students_t_on_the_log_ratio():
+    # log values a: 0, 0.1, -0.1; b: log 2 + the same: difference log 2, pooled sd 0.1, t(0.975, 4) = 2.776
+    a = [1.0, math.exp(0.1), math.exp(-0.1)]
+    m = cmp.compare_metric("x.tokens_per_s", a, [2 * x for x in a], threshold=0.05)
+    half = 2.7764451 * 0.1 * math.sqrt(2 / 3)
+    assert m.ratio == pytest.approx(2.0) and m.ci95 == pytest.approx((2 * math.exp(-half), 2 * math.exp(half)))
 
 
 def test_a_comparison_id_is_taken_once(tmp_path):
@@ -186,7 +223,7 @@ def test_connectivity_under_two_settings_three_interleaved_repeats(prefect_serve
         assert len(m.a.values) == 3 and len(m.b.values) == 3
         assert m.a.min <= m.a.median <= m.a.max and m.b.min <= m.b.median <= m.b.max
         assert m.ratio is not None and m.ci95 is not None and m.ci95[0] <= m.ci95[1]
-        assert m.verdict in ("better", "worse", "no detectable difference")
+        assert m.verdict in ("better", "worse", "no detectable difference", "insufficient repeats")
         assert m.direction == "higher"
 
     # The artifacts on the comparison's flow run: the table and the bandwidth plot.

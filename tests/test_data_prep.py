@@ -635,3 +635,37 @@ def test_prepare_on_s3_and_read_back(s3_endpoint, tmp_path, tiny_dir):
     assert train.num_rows == 90 and len(summary["manifest"]["splits"]["train"]["shards"]) == 2
     assert train.to_pylist() == read_split(Storage(str(tmp_path / "store")), local["dataset_path"], "train").to_pylist()
     assert prepare(cfg)["cache_hit"] is True
+
+
+def test_an_eval_file_that_repeats_training_rows_is_refused_naming_the_overlap(tmp_path, tiny_dir):
+    train = DATES[:50]
+    verbatim = DATES[3:5]
+    reformatted = [{"input": DATES[7]["input"].upper() + " ", "output": DATES[7]["output"].replace("-", " - ")}]
+    eval_src = write_jsonl(tmp_path / "eval.jsonl", DATES[60:67] + verbatim + reformatted)
+    cfg = config(tmp_path / "store", tiny_dir, write_jsonl(tmp_path / "train.jsonl", train), eval_source=str(eval_src))
+    with pytest.raises(StageFailure) as info:
+        prepare(cfg)
+    failure = info.value
+    assert failure.failure_class is FailureClass.data
+    assert failure.cause == (
+        "eval split overlaps the training split: 3 of 10 eval items (30.0%; 3 normalised exact matches, the rest a "
+        "shared 13-word n-gram) > data.max_contamination 0: eval_source:7, eval_source:8, eval_source:9"
+    )
+    found = failure.summary.contamination
+    assert (found.overlapping, found.eval_items, found.overlapping_ids) == (
+        3,
+        10,
+        [f"eval_source:{i}" for i in (7, 8, 9)],
+    )
+    assert not list((tmp_path / "store").rglob("manifest.json"))  # refused before anything was written
+
+    allowed = cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_contamination": 0.3})})
+    manifest = prepare(allowed)["manifest"]
+    assert manifest["contamination"]["overlapping"] == 3 and manifest["contamination"]["fraction"] == 0.3
+    with pytest.raises(StageFailure, match="overlaps the training split: 3 of 10"):
+        prepare(cfg)  # the cached dataset is judged again under the stricter limit
+
+
+def test_a_clean_split_records_zero_contamination(tmp_path, tiny_dir):
+    manifest = prepare(config(tmp_path / "store", tiny_dir, write_jsonl(tmp_path / "d.jsonl", DATES[:200])))["manifest"]
+    assert manifest["contamination"]["overlapping"] == 0 and manifest["contamination"]["eval_items"] > 0

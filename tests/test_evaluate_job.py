@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from eval.evaluate_job import evaluate_body
+from eval.evaluate_job import check_reference_room, check_references, evaluate_body
 from eval.generation import eval_loss, generate, right_padded
+from eval.metrics_loader import load_metric
 from tests.conftest import TEST_BUCKET
 from training import jobkit, modeling
 from training.checkpointing import publish_export
@@ -30,7 +31,7 @@ from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
 
 ANSWER = "2024-01-05"
-PROMPTS = [f"date {'x' * (i % 5)} {i}" for i in range(12)]
+PROMPTS = [f"date {'x' * (i % 5)} {i}" for i in range(36)]
 DATASET = "datasets/dates/0123abcd"
 GATES = {"exact_match": {"min": 0.8, "min_improvement": 0.5, "max_regression": 0.02}}
 
@@ -86,7 +87,7 @@ def world(tmp_path_factory):
     from transformers import AutoTokenizer
 
     root = tmp_path_factory.mktemp("evaluate")
-    corpus = [conversation_text(None, p, ANSWER) for p in PROMPTS] * 4
+    corpus = [conversation_text(None, p, ANSWER) for p in PROMPTS]
     base = build_tiny_model(root / "base", corpus, hidden=32, layers=2, vocab_size=300)
     tokenizer = AutoTokenizer.from_pretrained(base)
     rows = [encode(tokenizer, p, ANSWER) for p in PROMPTS]
@@ -103,7 +104,7 @@ def make_ctx(world, run_id: str, storage_root: str, endpoint: str | None = None,
                 "metrics": ["exact_match", "rouge_l"],
                 "max_new_tokens": 16,
                 "batch_size": 5,
-                "max_examples": 10,
+                "max_examples": 30,
                 "predictions_cap": 4,
                 "gates": GATES,
                 **eval_overrides,
@@ -136,9 +137,17 @@ def test_trained_candidate_passes_as_the_first_model(world, store, capsys):
     assert cand["metrics"]["eval_loss"] < base["metrics"]["eval_loss"]
     assert cand["metrics"]["perplexity"] == pytest.approx(math.exp(cand["metrics"]["eval_loss"]))
     assert summary["models"]["incumbent"] is None and summary["incumbent_version"] is None
-    assert summary["examples"] == 10
+    assert summary["examples"] == 30
     assert summary["gates"]["passed"]
-    assert summary["gates"]["lines"][0] == "exact_match >= 0.8: 1 (pass)"
+    assert summary["gates"]["lines"][0] == (
+        "exact_match >= 0.8: 1 [0.8865, 1] (n=30, Wilson score, 95% interval: 95% with Holm over 2, p=0.0031) (pass)"
+    )
+    first = summary["gates"]["verdicts"][0]
+    assert first["outcome"] == "pass" and first["split_sha256"] == summary["eval_split_sha256"]
+    scored = json.loads(store.read_text("runs/good/stages/evaluate/item_scores.json"))
+    assert scored["split_sha256"] == summary["eval_split_sha256"]
+    assert scored["scores"]["candidate"]["exact_match"] == [1.0] * 30
+    assert scored["scores"]["base"]["rouge_l"] == [0.0] * 30
     assert summary["gates"]["lines"][2].endswith("no incumbent: first model, regression gate not applicable")
 
     predictions = [
@@ -155,7 +164,7 @@ def test_trained_candidate_passes_as_the_first_model(world, store, capsys):
         for line in capsys.readouterr().out.splitlines()
         if line.startswith(jobkit.PROGRESS_PREFIX)
     ]
-    assert progress[-1] == {"stage": "evaluate", "done": 20, "total": 20, "model": "base"}
+    assert progress[-1] == {"stage": "evaluate", "done": 60, "total": 60, "model": "base"}
 
 
 def test_untrained_candidate_fails_as_modeling_with_the_evidence(world, store):
@@ -164,13 +173,14 @@ def test_untrained_candidate_fails_as_modeling_with_the_evidence(world, store):
         evaluate_body(make_ctx(world, "raw", store.root))
     failure = info.value
     assert failure.failure_class is FailureClass.modeling
-    assert failure.cause == "exact_match >= 0.8: 0 (fail) (+1 more)"
+    assert failure.cause.startswith("exact_match >= 0.8: 0 [0, 0.1434] (n=30, Wilson score")
+    assert failure.cause.endswith("(fail) (+1 more)")
     assert failure.summary.gates.passed is False
     assert failure.summary.models["candidate"].metrics["exact_match"] == 0.0
     assert store.exists("runs/raw/stages/evaluate/predictions.jsonl")
 
 
-def test_the_production_model_is_the_incumbent(world, store):
+def test_the_production_model_is_the_incumbent_and_a_handful_of_items_cannot_resolve_its_margin(world, store):
     upload_export(store, world["trained"], "first")
     registry.promote(
         store, "dates-qwen2-tiny", "first", "runs/first/model", {"metrics": {}, "gates": []}, expected_token=None
@@ -179,13 +189,21 @@ def test_the_production_model_is_the_incumbent(world, store):
     ctx = make_ctx(world, "second", store.root)
     pointer, _ = registry.read_pointer(store, "dates-qwen2-tiny")
     ctx.params["incumbent"] = {"version": pointer["version"], "path": pointer["path"]}
-    summary = evaluate_body(ctx).to_json()
+    with pytest.raises(StageFailure) as info:
+        evaluate_body(ctx)
+    summary = info.value.summary.to_json()
     assert summary["incumbent_version"] == "v0001-first"
     assert summary["models"]["incumbent"]["path"] == "models/dates-qwen2-tiny/v0001-first"
     assert summary["models"]["incumbent"]["metrics"]["exact_match"] == 1.0
-    assert (
-        summary["gates"]["lines"][2]
-        == "exact_match regression vs incumbent <= 0.02: +0 (candidate 1, incumbent 1) (pass)"
+    # 30 items on which both are right cannot show a regression of at most 0.02: refused, not "worse"
+    regression = summary["gates"]["verdicts"][2]
+    assert regression["outcome"] == "insufficient" and regression["items_needed"] > 30
+    assert info.value.failure_class is FailureClass.modeling
+    assert info.value.cause == regression["line"]
+    assert regression["line"].startswith("exact_match regression vs incumbent <= 0.02: +0 [-0.1")
+    assert regression["line"].endswith(
+        f"(insufficient evidence: the interval straddles 0.02; about {regression['items_needed']:,} items at the "
+        "observed disagreement would resolve it)"
     )
     first = json.loads(store.read_text("runs/second/stages/evaluate/predictions.jsonl").splitlines()[0])
     assert first["incumbent"] == ANSWER
@@ -207,8 +225,8 @@ def test_the_entrypoint_writes_a_classified_result(world, store):
     assert proc.returncode == 1, proc.stderr[-2000:]
     result = store.read_json("runs/cli/stages/evaluate/result.json")
     assert result["status"] == "failed" and result["failure_class"] == "modeling"
-    assert result["cause"].startswith("exact_match >= 0.8: 0 (fail)")
-    assert "[tuneproof] gate: exact_match >= 0.8: 0 (fail)" in proc.stdout
+    assert result["cause"].startswith("exact_match >= 0.8: 0 [0, 0.6261] (n=3, Wilson score")
+    assert "[tuneproof] gate: exact_match >= 0.8: 0 [0, 0.6261]" in proc.stdout
 
 
 def test_an_unfinished_export_is_not_evaluated(world, store):
@@ -275,3 +293,51 @@ def test_eval_loss_matches_the_models_own_loss(world, base_model):
 def test_right_padding_rejects_misaligned_rows():
     with pytest.raises(ValueError, match="eval row 1: 2 input_ids but 3 labels"):
         right_padded([[1], [1, 2]], [[1], [1, 2, 3]], 0)
+
+
+# ---- the self-test -------------------------------------------------------------------------------
+
+
+class OffByOne:
+    """exact_match with a planted extraction bug: the answer's last character is lost before comparing."""
+
+    name = "exact_match"
+
+    def _compute(self, predictions, references):
+        hits = sum(p.strip()[:-1] == r.strip() for p, r in zip(predictions, references))
+        return {"exact_match": hits / len(predictions) if predictions else 0.0}
+
+    def compute(self, predictions, references):
+        return self._compute(predictions, references)
+
+
+def test_a_planted_extraction_bug_fails_the_self_test():
+    with pytest.raises(StageFailure) as info:
+        check_references({"exact_match": OffByOne()}, [ANSWER, "1999-12-14"])
+    assert info.value.failure_class is FailureClass.infrastructure
+    assert info.value.cause == (
+        "evaluation invalid: exact_match scores the references as answers 0, below 1 on 2 of 2 items (first: item 0, "
+        "reference '2024-01-05' scores 0): the metric's post-processing changes a correct answer"
+    )
+    check_references({"exact_match": load_metric("exact_match"), "rouge_l": load_metric("rouge_l")}, [ANSWER, "a b"])
+
+
+def test_references_that_do_not_fit_max_new_tokens_make_the_evaluation_invalid(world):
+    tokenizer = world["tokenizer"]
+    check_reference_room(tokenizer, [ANSWER] * 50, 16, 0.02)
+    with pytest.raises(StageFailure) as info:
+        check_reference_room(tokenizer, [ANSWER], 2, 0.02)
+    assert info.value.failure_class is FailureClass.infrastructure
+    assert info.value.cause.startswith(
+        "evaluation invalid: 1 of 1 references (100.0%) need more than eval.max_new_tokens=2"
+    )
+
+
+def test_too_small_max_new_tokens_is_an_invalid_evaluation_not_a_gate_failure(world, store):
+    upload_export(store, world["trained"], "short")
+    with pytest.raises(StageFailure) as info:
+        evaluate_body(make_ctx(world, "short", store.root, max_new_tokens=2))
+    assert info.value.failure_class is FailureClass.infrastructure
+    assert info.value.cause.startswith("evaluation invalid: 30 of 30 references (100.0%) need more than ")
+    assert info.value.cause.endswith("a correct answer would be cut off; raise eval.max_new_tokens")
+    print(info.value.cause)

@@ -1,111 +1,151 @@
-"""The gate decision (eval/gates.py): pure, so every case is a plain call."""
+"""The gate decision (eval/gates.py): pure, so every case, simulated evaluations included, is a plain call."""
 
 from __future__ import annotations
 
 import math
+import random
 
-from eval.gates import decide, fmt
+from eval.gates import Scores, decide, fmt
 from tuneproof.core.config import Gate
 
 EM = {"exact_match": Gate(min=0.8, min_improvement=0.5, max_regression=0.02)}
+SPLIT = "ab" * 32
 
 
-def test_passes_when_every_threshold_is_met():
-    d = decide({"exact_match": 0.93}, {"exact_match": 0.0}, {"exact_match": 0.94}, EM)
-    assert d.passed
-    assert d.lines == [
-        "exact_match >= 0.8: 0.93 (pass)",
-        "exact_match improvement over base >= 0.5: +0.93 (candidate 0.93, base 0) (pass)",
-        "exact_match regression vs incumbent <= 0.02: +0.01 (candidate 0.93, incumbent 0.94) (pass)",
+def scores(items: list[float], metric: str = "exact_match") -> Scores:
+    return Scores({metric: sum(items) / len(items)}, {metric: items})
+
+
+def points(**metrics: float) -> Scores:
+    return Scores(metrics)
+
+
+def test_a_clear_candidate_passes_every_gate_with_its_interval():
+    candidate = [1] * 294 + [0] * 6
+    incumbent = [1] * 293 + [0] + [1] + [0] * 5  # disagrees with the candidate on 2 items, 1 each way
+    d = decide(scores(candidate), scores([0] * 300), scores(incumbent), EM, split_sha256=SPLIT)
+    assert d.passed, d.lines
+    assert [(v.gate, v.outcome, v.n, v.method) for v in d.verdicts] == [
+        ("min", "pass", 300, "Wilson score"),
+        ("min_improvement", "pass", 300, "Newcombe paired score"),
+        ("max_regression", "pass", 300, "Newcombe paired score"),
     ]
-    assert [(v.gate, v.passed) for v in d.verdicts] == [
-        ("min", True),
-        ("min_improvement", True),
-        ("max_regression", True),
-    ]
-    assert d.failure_cause() == ""
-
-
-def test_min_fails_alone():
-    d = decide({"exact_match": 0.79}, {"exact_match": 0.0}, None, EM)
-    assert not d.passed
-    assert d.failure_cause() == "exact_match >= 0.8: 0.79 (fail)"
-    assert [v.passed for v in d.verdicts] == [False, True, True]
-
-
-def test_min_improvement_fails_alone():
-    d = decide({"exact_match": 0.9}, {"exact_match": 0.5}, None, EM)
-    assert not d.passed
-    assert d.failure_cause() == "exact_match improvement over base >= 0.5: +0.4 (candidate 0.9, base 0.5) (fail)"
-    failed = [v for v in d.verdicts if not v.passed]
-    assert len(failed) == 1 and math.isclose(failed[0].value, 0.4) and failed[0].threshold == 0.5
-
-
-def test_regression_vs_incumbent_fails_alone():
-    d = decide({"exact_match": 0.9}, {"exact_match": 0.1}, {"exact_match": 0.95}, EM)
-    assert not d.passed
-    assert (
-        d.failure_cause() == "exact_match regression vs incumbent <= 0.02: +0.05 (candidate 0.9, incumbent 0.95) (fail)"
+    assert d.lines[1] == (
+        "exact_match improvement over base >= 0.5: +0.98 [+0.9445, +0.9922] (candidate 0.98, base 0; n=300, "
+        "Newcombe paired score, 98.33% interval: 95% with Holm over 3, p<0.0001) (pass)"
     )
+    regression = d.verdicts[2]
+    assert regression.value == 0 and regression.interval is not None
+    assert regression.interval[0] < 0 < regression.interval[1] <= 0.02  # shown as incumbent - candidate
+    assert all(v.split_sha256 == SPLIT and v.p_value is not None and v.level >= 0.95 for v in d.verdicts)
+    assert d.failure_cause() == ""
+    six = [1] * 291 + [0] * 3 + [1] * 3 + [0] * 3  # 6 disagreements on 300 items cannot resolve 0.02
+    unsure = decide(scores(candidate), scores([0] * 300), scores(six), EM).verdicts[2]
+    assert unsure.outcome == "insufficient" and 300 < unsure.items_needed < 400
+
+
+def test_both_perfect_on_a_small_set_is_insufficient_evidence_for_a_small_margin():
+    d = decide(scores([1] * 15), scores([0] * 15), scores([1] * 15), {"exact_match": Gate(max_regression=0.02)})
+    assert not d.passed
+    regression = d.verdicts[0]
+    assert regression.outcome == "insufficient" and not regression.passed
+    assert regression.items_needed is not None and regression.items_needed > 15
+    assert f"about {regression.items_needed:,} items at the observed disagreement would resolve it" in regression.line
+    assert "(fail)" not in regression.line and "worse" not in regression.line
+    assert d.failure_cause() == regression.line
+
+
+def test_all_wrong_base_against_all_right_candidate_passes_half_a_point_on_a_small_set():
+    gate = {"exact_match": Gate(min_improvement=0.5)}
+    d = decide(scores([1] * 10), scores([0] * 10), None, gate)
+    assert d.passed and d.verdicts[0].outcome == "pass" and d.verdicts[0].n == 10
+    assert d.verdicts[0].interval[0] >= 0.5
+    assert decide(scores([1] * 20), scores([0] * 20), None, EM).passed  # the demo's gates, Holm over 2, 20 items
+
+
+def test_a_clear_regression_fails_and_a_failure_leads_the_cause():
+    candidate = [1] * 200 + [0] * 100
+    incumbent = [1] * 290 + [0] * 10
+    d = decide(scores(candidate), scores([0] * 300), scores(incumbent), EM)
+    assert [v.outcome for v in d.verdicts] == ["fail", "pass", "fail"]
+    assert d.failure_cause().startswith("exact_match >= 0.8: 0.6667 [") and d.failure_cause().endswith("(+1 more)")
+    mixed = decide(
+        scores([1] * 15), scores([0] * 15), scores([1] * 15), {"exact_match": Gate(min=0.99, max_regression=0.02)}
+    )
+    assert [v.outcome for v in mixed.verdicts] == ["insufficient", "insufficient"]
+
+
+def test_failed_before_insufficient_in_the_cause():
+    policy = {"exact_match": Gate(max_regression=0.02), "rouge_l": Gate(min=0.9)}
+    cand = Scores({"exact_match": 1.0, "rouge_l": 0.1}, {"exact_match": [1] * 15})
+    d = decide(cand, cand, scores([1] * 15), policy)
+    assert [v.outcome for v in d.verdicts] == ["insufficient", "fail"]
+    assert d.failure_cause().startswith("rouge_l >= 0.9: 0.1 (point: no per-item scores) (fail)")
 
 
 def test_no_incumbent_makes_regression_not_applicable():
-    d = decide({"exact_match": 0.9}, {"exact_match": 0.1}, None, EM)
+    d = decide(scores([1] * 50), scores([0] * 50), None, EM)
     assert d.passed
     verdict = d.verdicts[-1]
     assert verdict.gate == "max_regression" and verdict.passed and verdict.value is None
     assert verdict.line.endswith("no incumbent: first model, regression gate not applicable")
 
 
-def test_every_failure_counted_in_the_cause():
-    d = decide({"exact_match": 0.1}, {"exact_match": 0.1}, {"exact_match": 0.9}, EM)
-    assert not d.passed
-    assert d.failure_cause() == "exact_match >= 0.8: 0.1 (fail) (+2 more)"
+def test_continuous_metric_uses_a_seeded_paired_bootstrap():
+    rng = random.Random(7)
+    base = [rng.random() * 0.4 for _ in range(200)]
+    cand = [min(1.0, b + 0.3 + rng.gauss(0, 0.05)) for b in base]
+    policy = {"rouge_l": Gate(min_improvement=0.2)}
+    one = decide(scores(cand, "rouge_l"), scores(base, "rouge_l"), None, policy)
+    two = decide(scores(cand, "rouge_l"), scores(base, "rouge_l"), None, policy)
+    assert one.passed and one.verdicts[0].method == "paired bootstrap" and one.lines == two.lines
+    few = decide(scores(cand[:8], "rouge_l"), scores(base[:8], "rouge_l"), None, policy)
+    assert few.verdicts[0].outcome == "insufficient" and few.verdicts[0].items_needed >= 20
+
+
+def test_metrics_without_item_scores_compare_points_and_say_so():
+    policy = {"eval_loss": Gate(min=1.0, min_improvement=0.5, max_regression=0.1, higher_is_better=False)}
+    good = decide(points(eval_loss=0.4), points(eval_loss=2.0), points(eval_loss=0.45), policy)
+    assert good.passed
+    assert good.lines == [
+        "eval_loss <= 1: 0.4 (point: no per-item scores) (pass)",
+        "eval_loss improvement over base >= 0.5: +1.6 (candidate 0.4, base 2; point: no per-item scores) (pass)",
+        "eval_loss regression vs incumbent <= 0.1: -0.05 (candidate 0.4, incumbent 0.45; point: no per-item scores) (pass)",
+    ]
+    assert all(v.method is None and v.interval is None for v in good.verdicts)
+    bad = decide(points(eval_loss=1.2), points(eval_loss=1.5), points(eval_loss=0.9), policy)
+    assert [v.outcome for v in bad.verdicts] == ["fail", "fail", "fail"]
 
 
 def test_nan_and_missing_values_fail_their_gates():
-    nan = decide({"exact_match": float("nan")}, {"exact_match": 0.0}, None, EM)
+    nan = decide(points(exact_match=float("nan")), points(exact_match=0.0), None, EM)
     assert [v.passed for v in nan.verdicts] == [False, False, True]
     assert nan.lines[0] == "exact_match >= 0.8: candidate value is NaN (fail)"
-    missing_base = decide({"exact_match": 0.9}, {}, {"exact_match": 0.9}, EM)
+    missing_base = decide(points(exact_match=0.9), points(), points(exact_match=0.9), EM)
     assert [v.passed for v in missing_base.verdicts] == [True, False, True]
     assert "base value missing (have: none)" in missing_base.lines[1]
-    missing_incumbent = decide({"exact_match": 0.9}, {"exact_match": 0.0}, {"rouge_l": 0.5}, EM)
-    assert not missing_incumbent.passed
+    missing_incumbent = decide(points(exact_match=0.9), points(exact_match=0.0), points(rouge_l=0.5), EM)
     assert "incumbent value missing (have: rouge_l)" in missing_incumbent.lines[2]
 
 
-def test_lower_is_better_flips_every_comparison():
-    policy = {"eval_loss": Gate(min=1.0, min_improvement=0.5, max_regression=0.1, higher_is_better=False)}
-    good = decide({"eval_loss": 0.4}, {"eval_loss": 2.0}, {"eval_loss": 0.45}, policy)
-    assert good.passed
-    assert good.lines == [
-        "eval_loss <= 1: 0.4 (pass)",
-        "eval_loss improvement over base >= 0.5: +1.6 (candidate 0.4, base 2) (pass)",
-        "eval_loss regression vs incumbent <= 0.1: -0.05 (candidate 0.4, incumbent 0.45) (pass)",
-    ]
-    bad = decide({"eval_loss": 1.2}, {"eval_loss": 1.5}, {"eval_loss": 0.9}, policy)
-    assert [v.passed for v in bad.verdicts] == [False, False, False]
-
-
 def test_float_rounding_does_not_fail_an_exact_threshold():
-    # 0.85 - 0.35 == 0.49999999999999994 in floats; the gate is about the metric, not the arithmetic.
-    d = decide({"exact_match": 0.85}, {"exact_match": 0.35}, None, {"exact_match": Gate(min_improvement=0.5)})
+    d = decide(points(exact_match=0.85), points(exact_match=0.35), None, {"exact_match": Gate(min_improvement=0.5)})
     assert d.passed
 
 
 def test_several_metrics_and_an_empty_policy():
     policy = {"exact_match": Gate(min=0.5), "rouge_l": Gate(min=0.9)}
-    d = decide({"exact_match": 0.6, "rouge_l": 0.8}, {}, None, policy)
+    d = decide(points(exact_match=0.6, rouge_l=0.8), points(), None, policy)
     assert [v.metric for v in d.verdicts] == ["exact_match", "rouge_l"] and not d.passed
-    empty = decide({}, {}, None, {})
+    empty = decide(points(), points(), None, {})
     assert empty.passed and empty.lines == ["no gates configured: nothing to check"]
 
 
 def test_the_decision_is_the_summary_shape():
-    out = decide({"exact_match": 0.93}, {"exact_match": 0.0}, None, EM).to_json()
+    out = decide(scores([1] * 20), scores([0] * 20), None, EM).to_json()
     assert set(out) == {"passed", "lines", "verdicts"}
-    assert set(out["verdicts"][0]) == {"metric", "gate", "value", "threshold", "passed", "line"}
+    assert set(out["verdicts"][0]) >= {"metric", "gate", "value", "threshold", "passed", "line", "outcome", "n"}
+    assert set(out["verdicts"][0]) >= {"method", "interval", "level", "p_value", "items_needed", "split_sha256"}
 
 
 def test_number_format():
@@ -116,3 +156,54 @@ def test_number_format():
         and fmt(-0.05, signed=True) == "-0.05"
         and fmt(float("inf")) == "inf"
     )
+
+
+# ---- simulated evaluations (the issue's "must show") -----------------------------------------------------
+
+
+def simulate(rng: random.Random, n: int, p_other: float, p_gain: float, p_loss: float) -> tuple[list, list]:
+    """Paired outcomes: the other model right with p_other; the candidate gains a wrong item with p_gain
+    and loses a right one with p_loss (true difference (1 - p_other) * p_gain - p_other * p_loss)."""
+    cand, other = [], []
+    for _ in range(n):
+        right = rng.random() < p_other
+        flip = rng.random() < (p_loss if right else p_gain)
+        other.append(int(right))
+        cand.append(int(right != flip))
+    return cand, other
+
+
+def share_passing(policy, *, role: str, n: int, p_other: float, p_gain: float, p_loss: float, runs: int = 1000):
+    rng = random.Random(2026)
+    passed = 0
+    for _ in range(runs):
+        cand, other = simulate(rng, n, p_other, p_gain, p_loss)
+        base, incumbent = (scores(other), None) if role == "base" else (scores([0] * n), scores(other))
+        passed += decide(scores(cand), base, incumbent, policy).passed
+    return passed / runs
+
+
+def test_no_true_difference_at_margin_zero_promotes_at_most_five_percent():
+    # The candidate is the incumbent with a tenth of its items flipped each way: true difference 0.
+    rate = share_passing(
+        {"exact_match": Gate(max_regression=0.0)},
+        role="incumbent",
+        n=300,
+        p_other=0.85,
+        p_gain=0.5,
+        p_loss=0.5 * 0.15 / 0.85,
+    )
+    assert rate <= 0.05, rate
+    rate = share_passing(
+        {"exact_match": Gate(min_improvement=0.0)}, role="base", n=300, p_other=0.7, p_gain=0.2, p_loss=0.2 * 0.3 / 0.7
+    )
+    assert rate <= 0.05, rate
+
+
+def test_a_true_ten_point_improvement_on_300_items_passes_at_least_95_percent():
+    # base right on 75 %; the candidate fixes 55 % of its misses and breaks 5 % of its hits: +10 points.
+    rate = share_passing(
+        {"exact_match": Gate(min_improvement=0.0)}, role="base", n=300, p_other=0.75, p_gain=0.55, p_loss=0.05
+    )
+    assert rate >= 0.95, rate
+    assert math.isclose(0.25 * 0.55 - 0.75 * 0.05, 0.1)

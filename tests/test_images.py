@@ -94,12 +94,13 @@ def test_one_run_each_compares_by_the_threshold():
     assert decide(None, base, lossier, 0.1)[1][0].startswith("finetune.final_loss: worse (lower is better)")
 
 
-def test_repeats_on_both_sides_use_the_bootstrap_interval():
+def test_repeats_on_both_sides_use_the_t_interval():
     base = decision("d1", OLD, finetune__tokens_per_s=[1000.0, 1010.0, 990.0])
     noisy = {"finetune.tokens_per_s": [700.0, 1300.0, 1000.0]}
-    verdict, _, compared = decide(None, base, noisy, 0.1)
+    verdict, reasons, compared = decide(None, base, noisy, 0.1)
     assert verdict == "adopt" and compared[0].ci95 is not None
-    assert compared[0].verdict == "no detectable difference"  # three noisy repeats cannot say worse
+    assert compared[0].verdict == "insufficient repeats"  # three noisy repeats cannot say worse, nor equal
+    assert reasons[1].startswith("finetune.tokens_per_s: insufficient repeats to tell a 10% change from noise (")
     slower = {"finetune.tokens_per_s": [700.0, 710.0, 690.0]}
     verdict, reasons, compared = decide(None, base, slower, 0.1)
     assert verdict == "reject" and "95% CI" in reasons[0]

@@ -54,3 +54,12 @@ def test_an_image_update_shows_digest_and_per_node_versions():
     bw = {m["metric"]: m for m in result["metrics"] if m["metric"].startswith("connectivity.busbw")}
     assert abs(bw["connectivity.busbw_GBps@4194304B"]["delta"] - 1.0) < 1e-9  # every size is a metric
     assert bw["connectivity.busbw_GBps@1024B"]["delta"] == 0.0
+
+
+def test_gate_verdicts_show_their_interval_and_items():
+    a, b = record("a"), record("b")
+    verdict = b.stages["evaluate"].summary["gates"]["verdicts"][0]
+    verdict.update(outcome="insufficient", passed=False, interval=[0.7961, 1.0], n=15, items_needed=16)
+    text = render_diff(diff_records(a, b))
+    assert "gates (a -> b):" in text
+    assert "  exact_match min: pass -> insufficient evidence [0.7961, 1] n=15 (16 items would resolve it)" in text

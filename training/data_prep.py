@@ -39,13 +39,21 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from training import parallel
+from training.contamination import measure as measure_overlap
 from training.jobkit import JobContext, log, progress, run_stage
 from training.modeling import load_text_tokenizer
 from tuneproof.core import datahash, shapes
 from tuneproof.core.config import DataConfig
 from tuneproof.core.results import FailureClass, StageFailure, now_iso, one_line
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import DatasetManifest, DataSummary, Shard, SourceIdentity, SplitMeta
+from tuneproof.core.summaries import (
+    Contamination,
+    DatasetManifest,
+    DataSummary,
+    Shard,
+    SourceIdentity,
+    SplitMeta,
+)
 
 SCHEMA = pa.schema(
     [
@@ -132,9 +140,11 @@ def prepare_data(ctx: JobContext) -> DataSummary:
     dataset_path = posixpath.join("datasets", cfg.data.name, content_hash)
     if storage.exists(dataset_path, "manifest.json"):
         log(f"dataset {dataset_path} already prepared: cache hit, nothing rewritten")
-        return stage_summary(storage, dataset_path, read_manifest(storage, dataset_path), cache_hit=True)
+        cached = read_manifest(storage, dataset_path)
+        check_contamination(cached.contamination, cfg.data.max_contamination)
+        return stage_summary(storage, dataset_path, cached, cache_hit=True)
 
-    splits, total_rows = build_splits(cfg.data, shape, tokenizer, parsed, eval_parsed, drops)
+    splits, total_rows, contamination = build_splits(cfg.data, shape, tokenizer, parsed, eval_parsed, drops)
     enforce_limits(splits, drops, total_rows, cfg.data.max_dropped_fraction)
     manifest = DatasetManifest(
         name=cfg.data.name,
@@ -152,6 +162,7 @@ def prepare_data(ctx: JobContext) -> DataSummary:
         dropped=drops.to_json(),
         total_rows=total_rows,
         dropped_fraction=drops.total / total_rows,
+        contamination=contamination,
     )
     storage.write_json(manifest.to_json(), dataset_path, "manifest.json")  # last: the dataset counts only from here on
     log(
@@ -200,6 +211,7 @@ def stage_summary(storage: Storage, dataset_path: str, manifest: DatasetManifest
         total_rows=manifest.total_rows,
         dropped=manifest.dropped,
         dropped_fraction=manifest.dropped_fraction,
+        contamination=manifest.contamination,
     )
 
 
@@ -305,8 +317,9 @@ def parse_parquet(source: Source):
 
 def build_splits(
     data: DataConfig, shape: str, tokenizer, parsed: Parsed, eval_parsed: Parsed | None, drops: datahash.Drops
-) -> tuple[dict[str, pa.Table], int]:
-    """({"train": table, "eval": table} of SCHEMA rows, total rows read); dropped rows go to drops."""
+) -> tuple[dict[str, pa.Table], int, Contamination]:
+    """({"train": table, "eval": table} of SCHEMA rows, total rows read, the eval split's overlap with the
+    train split); dropped rows go to drops. Fails before encoding when the overlap is over the limit."""
     render = ChatRenderer(tokenizer)  # one per run: a mismatch found in the train split holds for the eval split
     convs, total = conversations(parsed, data, shape, drops, "source")
     if eval_parsed is None:
@@ -318,6 +331,8 @@ def build_splits(
         total += eval_total
         order = datahash.rank_for_split([c.split_key() for c in convs], data.seed)
         train_convs = [convs[i] for i in order]
+    contamination = contamination_of(train_convs, eval_convs)
+    check_contamination(contamination, data.max_contamination)
     progress("data", 1, 3, rows=total)
     # Packing serves training only; evaluation needs one prompt per row.
     overflow: dict[str, str] = {"train": data.overflow, "eval": "drop" if data.overflow == "pack" else data.overflow}
@@ -326,7 +341,34 @@ def build_splits(
     if data.overflow == "pack":
         splits["train"] = examples_table(pack_split(table_examples(splits["train"]), data.max_seq_len))
     progress("data", 2, 3, rows=total, dropped=drops.total)
-    return splits, total
+    return splits, total, contamination
+
+
+def contamination_of(train: list[Conversation], eval_convs: list[Conversation]) -> Contamination:
+    """Overlap of the eval conversations with the training ones, over every turn's text."""
+    return measure_overlap(
+        (conversation_text(c) for c in train), ((f"{c.where}:{c.row}", conversation_text(c)) for c in eval_convs)
+    )
+
+
+def conversation_text(conv: Conversation) -> str:
+    if conv.messages is None:
+        return " ".join(conv.parts.values())
+    return " ".join(turn.get("content", "") for turn in conv.messages)
+
+
+def check_contamination(found: Contamination | None, limit: float) -> None:
+    """A data failure naming the overlapping eval items when more than `limit` of them repeat training rows."""
+    if found is None or found.fraction <= limit:
+        return
+    ids = ", ".join(found.overlapping_ids[:10]) + (" ..." if found.overlapping > 10 else "")
+    raise StageFailure(
+        FailureClass.data,
+        f"eval split overlaps the training split: {found.overlapping} of {found.eval_items} eval items "
+        f"({found.fraction:.1%}; {found.exact_matches} normalised exact matches, the rest a shared "
+        f"{found.ngram}-word n-gram) > data.max_contamination {limit:g}: {ids}",
+        DataSummary(contamination=found),
+    )
 
 
 def conversations(

@@ -3,8 +3,9 @@
 Pure over two run records; each stage's metrics come from the stage table. Choices: image digest, per-node Ray/torch/CUDA/NCCL/Python versions,
 environment digest, cluster configuration, code SHA + dirty flag, working_dir hash, every config
 field (dotted names), runtime_env additions, dataset hash. Results: throughput, final loss, eval
-metrics, bus bandwidth, and what each run cost (seconds per stage, resource-seconds, money with a
-price table) — so a team can tell which change explains a different result.
+metrics, bus bandwidth, each gate's verdict with its interval and item count (a gate that moved from pass
+to insufficient evidence on fewer items is not a worse model), and what each run cost (seconds per stage,
+resource-seconds, money with a price table) — so a team can tell which change explains a different result.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 from flows.stages import diff_metrics
 from tuneproof.control import cost
 from tuneproof.control.record import RunRecord
-from tuneproof.core.summaries import NodeFacts
+from tuneproof.core.summaries import EvaluateSummary, NodeFacts
 
 NODE_FIELDS = (
     "ray_version",
@@ -87,7 +88,25 @@ def diff_records(a: RunRecord, b: RunRecord) -> dict[str, Any]:
         va, vb = ma.get(name), mb.get(name)
         delta = vb - va if va is not None and vb is not None else None
         deltas.append({"metric": name, "a": va, "b": vb, "delta": delta})
-    return {"a": a.run_id, "b": b.run_id, "changed": bool(changes), "changes": changes, "metrics": deltas}
+    return {
+        "a": a.run_id,
+        "b": b.run_id,
+        "changed": bool(changes),
+        "changes": changes,
+        "metrics": deltas,
+        "gates": gate_pairs(a, b),
+    }
+
+
+def gate_verdicts(record: RunRecord) -> dict[str, str]:
+    """'exact_match min' -> 'pass [0.95, 0.99] n=300' for each gate verdict of the run's evaluation."""
+    summary = record.summary("evaluate", EvaluateSummary)
+    return {f"{v.metric} {v.gate}": v.brief() for v in summary.gates.verdicts} if summary else {}
+
+
+def gate_pairs(a: RunRecord, b: RunRecord) -> list[dict[str, str | None]]:
+    va, vb = gate_verdicts(a), gate_verdicts(b)
+    return [{"gate": name, "a": va.get(name), "b": vb.get(name)} for name in sorted(set(va) | set(vb))]
 
 
 def render_diff(result: dict[str, Any]) -> str:
@@ -103,6 +122,9 @@ def render_diff(result: dict[str, Any]) -> str:
             continue
         delta = "" if m["delta"] is None else f"  ({m['delta']:+.4g})"
         lines.append(f"  {m['metric']}: {_fmt(m['a'])} -> {_fmt(m['b'])}{delta}")
+    if result.get("gates"):
+        lines.append("gates (a -> b):")
+        lines += [f"  {g['gate']}: {g['a'] or '-'} -> {g['b'] or '-'}" for g in result["gates"]]
     return "\n".join(lines)
 
 

@@ -2,10 +2,16 @@
 
 A comparison is a list of runs (ordinary runs, each with its own record) in the order A1 B1 A2 B2 …,
 so slow drift on a shared machine (another job, a warming cache) falls on both arms alike. Per
-metric it keeps every value, the median and spread of each arm, and a bootstrap 95 % interval of the
-ratio of medians B/A. The verdict says "no detectable difference" unless the whole interval lies on
-one side of 1 and the ratio moves by at least the threshold, so that three noisy repeats cannot
-produce a confident-sounding answer.
+metric it keeps every value, the median and spread of each arm, the ratio B/A of geometric means and
+its 95 % Student t interval on the log scale (tuneproof/core/stats.py: valid from 2 repeats an arm,
+where a percentile bootstrap of 2-3 values is not an interval at all). The verdict is
+  better / worse (higher / lower)  the whole interval is on one side of 1 and the ratio moves by at
+                                   least the threshold;
+  no detectable difference         the interval fits inside 1 +/- threshold: any difference is smaller
+                                   than what was asked to detect;
+  insufficient repeats             neither: these repeats cannot tell, and `repeats_needed` says how
+                                   many an arm would at the spread seen;
+so that three noisy repeats cannot produce a confident-sounding answer either way.
 
 The statistics are pure functions; `save` and `load` are the only I/O.
 """
@@ -13,18 +19,19 @@ The statistics are pure functions; `save` and `load` are the only I/O.
 from __future__ import annotations
 
 import json
-import random
 import statistics
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tuneproof.core import cas
+from tuneproof.core import cas, stats
 from tuneproof.core.storage import Storage
 
 COMPARISON = "comparison.json"
 Direction = Literal["higher", "lower", "none"]
-Verdict = Literal["better", "worse", "higher", "lower", "no detectable difference", "not enough data"]
+Verdict = Literal[
+    "better", "worse", "higher", "lower", "no detectable difference", "insufficient repeats", "not enough data"
+]
 Arm = Literal["A", "B"]
 
 
@@ -46,10 +53,14 @@ class MetricComparison(Model):
     a: Spread
     b: Spread
     ratio: float | None
-    """median(B) / median(A)."""
+    """B / A: the ratio of geometric means when there is an interval, else of medians."""
     ci95: tuple[float, float] | None
-    """Bootstrap 95 % interval of the ratio of medians."""
+    """95 % Student t interval of the ratio (log scale, pooled spread); None below 2 values an arm."""
     verdict: Verdict
+    method: str | None = None
+    """How the interval was made ('t on log ratio'); None for records made before it."""
+    repeats_needed: int | None = None
+    """With 'insufficient repeats': repeats an arm that would resolve the threshold at the spread seen."""
 
 
 class ArmIdentity(Model):
@@ -117,54 +128,43 @@ def spread(values: list[float]) -> Spread:
     return Spread(values=values, median=statistics.median(values), min=min(values), max=max(values))
 
 
-def bootstrap_ratio_ci(
-    a: list[float], b: list[float], iterations: int = 2000, seed: int = 0
-) -> tuple[float, float] | None:
-    """95 % percentile interval of median(B*)/median(A*) over resamples of each arm with replacement.
-
-    None when either arm is empty or A's resampled median can be zero (the ratio is undefined)."""
-    if not a or not b or any(x <= 0 for x in a):
-        return None
-    rng = random.Random(seed)
-    ratios = sorted(
-        statistics.median(rng.choices(b, k=len(b))) / statistics.median(rng.choices(a, k=len(a)))
-        for _ in range(iterations)
-    )
-    return ratios[int(0.025 * (iterations - 1))], ratios[int(0.975 * (iterations - 1))]
-
-
-def verdict(
-    dir_: Direction, ratio: float | None, ci: tuple[float, float] | None, threshold: float, n_a: int, n_b: int
-) -> Verdict:
+def verdict(dir_: Direction, interval: stats.RatioInterval | None, threshold: float) -> Verdict:
     """'better'/'worse' (or 'higher'/'lower' for a metric with no better side) only when the whole
-    interval is on one side of 1 and the median ratio moves by at least the threshold."""
-    if ratio is None or ci is None or n_a < 2 or n_b < 2:
+    interval is on one side of 1 and the ratio moves by at least the threshold; 'no detectable
+    difference' when the interval fits inside 1 +/- threshold; otherwise 'insufficient repeats'."""
+    if interval is None:
         return "not enough data"
     moved: Literal["higher", "lower"]
-    if ci[0] > 1.0 and ratio >= 1.0 + threshold:
+    if interval.lo > 1.0 and interval.ratio >= 1.0 + threshold:
         moved = "higher"
-    elif ci[1] < 1.0 and ratio <= 1.0 - threshold:
+    elif interval.hi < 1.0 and interval.ratio <= 1.0 - threshold:
         moved = "lower"
-    else:
+    elif interval.lo >= 1.0 - threshold and interval.hi <= 1.0 + threshold:
         return "no detectable difference"
+    else:
+        return "insufficient repeats"
     if dir_ == "none":
         return moved
     return "better" if moved == dir_ else "worse"
 
 
-def compare_metric(name: str, a: list[float], b: list[float], threshold: float, seed: int = 0) -> MetricComparison:
+def compare_metric(name: str, a: list[float], b: list[float], threshold: float) -> MetricComparison:
     sa, sb = spread(a), spread(b)
-    ratio = sb.median / sa.median if sa.median and sb.median is not None else None
-    ci = bootstrap_ratio_ci(a, b, seed=seed)
-    d = direction(name)
+    interval = stats.log_ratio_interval(a, b)
+    medians = sb.median / sa.median if sa.median and sb.median is not None else None
+    result = verdict(direction(name), interval, threshold)
     return MetricComparison(
         name=name,
-        direction=d,
+        direction=direction(name),
         a=sa,
         b=sb,
-        ratio=ratio,
-        ci95=ci,
-        verdict=verdict(d, ratio, ci, threshold, len(a), len(b)),
+        ratio=interval.ratio if interval else medians,
+        ci95=(interval.lo, interval.hi) if interval else None,
+        verdict=result,
+        method="t on log ratio" if interval else None,
+        repeats_needed=stats.repeats_needed(interval, threshold)
+        if interval and result == "insufficient repeats"
+        else None,
     )
 
 
@@ -174,10 +174,10 @@ def compare_all(
     """One comparison per metric any run reported; a run that lacks a value adds nothing to its arm."""
     names = sorted({n for run in a_runs + b_runs for n in run})
     out = []
-    for i, name in enumerate(names):
+    for name in names:
         a = [v for run in a_runs if (v := run.get(name)) is not None]
         b = [v for run in b_runs if (v := run.get(name)) is not None]
-        out.append(compare_metric(name, a, b, threshold, seed=i))
+        out.append(compare_metric(name, a, b, threshold))
     return out
 
 
@@ -192,7 +192,7 @@ def summary_rows(result: Comparison) -> list[dict[str, Any]]:
             "B min..max": f"{m.b.min:.4g}..{m.b.max:.4g}" if m.b.values else "",
             "B/A": m.ratio,
             "95% CI of B/A": f"{m.ci95[0]:.3f}..{m.ci95[1]:.3f}" if m.ci95 else "",
-            "verdict": m.verdict,
+            "verdict": m.verdict + (f" ({m.repeats_needed} repeats an arm would tell)" if m.repeats_needed else ""),
         }
         for m in result.metrics
     ]

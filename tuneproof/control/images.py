@@ -165,7 +165,7 @@ def decide(
 
     A failed canary run rejects. With no baseline the candidate is adopted as the first baseline. Otherwise
     every baseline metric with a better side is compared: with two or more values on each side by the
-    comparison's bootstrap verdict, else by the threshold on the ratio of medians; a metric that got
+    comparison's t interval verdict, else by the threshold on the ratio of medians; a metric that got
     worse, or that the candidate no longer reports, rejects.
     """
     if failure is not None:
@@ -182,14 +182,18 @@ def decide(
     if reasons:
         return "reject", reasons, comparisons
     better = sum(m.verdict == "better" for m in comparisons)
-    return (
-        "adopt",
-        [
-            f"no metric worse than {baseline.decision_id} ({baseline.candidate_image}) beyond {threshold:.0%}: "
-            f"{len(comparisons)} compared, {better} better"
-        ],
-        comparisons,
-    )
+    unresolved = [m for m in comparisons if m.verdict == "insufficient repeats"]
+    reasons = [
+        f"no metric worse than {baseline.decision_id} ({baseline.candidate_image}) beyond {threshold:.0%}: "
+        f"{len(comparisons)} compared, {better} better"
+    ]
+    # Not shown worse is not shown equal: say which metrics these repeats could not resolve either way.
+    reasons += [
+        f"{m.name}: insufficient repeats to tell a {threshold:.0%} change from noise"
+        + (f" ({m.repeats_needed} repeats a side would)" if m.repeats_needed else "")
+        for m in unresolved
+    ]
+    return "adopt", reasons, comparisons
 
 
 def compare_metrics(
@@ -197,12 +201,12 @@ def compare_metrics(
 ) -> list[MetricComparison]:
     """One comparison (A = baseline, B = candidate) per metric both measured that has a better side (pure)."""
     out = []
-    for i, name in enumerate(sorted(set(baseline) & set(candidate))):
+    for name in sorted(set(baseline) & set(candidate)):
         a, b = baseline[name], candidate[name]
         if not a or not b or cmp.direction(name) == "none":
             continue
         if len(a) >= 2 and len(b) >= 2:
-            out.append(cmp.compare_metric(name, a, b, threshold, seed=i))
+            out.append(cmp.compare_metric(name, a, b, threshold))
         else:
             out.append(threshold_comparison(name, a, b, threshold))
     return out

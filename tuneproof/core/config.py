@@ -239,6 +239,9 @@ class DataConfig(Strict):
     seed: int = Field(0, ge=0, le=MAX_SEED)
     max_dropped_fraction: float = Field(0.05, ge=0.0, le=1.0)
     """Fail the stage as a data failure when more rows than this are malformed."""
+    max_contamination: float = Field(0.0, ge=0.0, le=1.0)
+    """Largest share of eval items that may repeat the training split (normalised exact match or a shared
+    13-word n-gram); above it the data stage fails as a data failure naming the items. 0: none may."""
     shard_rows: int = Field(4096, ge=1, le=MAX_EXAMPLES)
 
     @field_validator("name")
@@ -430,6 +433,14 @@ class EvalConfig(Strict):
     predictions_cap: int = Field(200, ge=0, le=MAX_EXAMPLES)
     gates: dict[str, Gate] = {"exact_match": Gate(min=0.8, min_improvement=0.5, max_regression=0.02)}
     """At least one gate: with none, every candidate would pass and promotion would judge nothing."""
+    max_truncated_fraction: float = Field(0.02, ge=0.0, le=1.0)
+    """Largest share of the eval references that may need more than max_new_tokens tokens (with the stop
+    token); above it a correct answer would be cut off, and the evaluation is invalid (infrastructure), not
+    a gate failure."""
+    confidence: float = Field(0.95, ge=0.5, lt=1.0)
+    """Confidence of each gate's two-sided interval, 0.5..<1 (Holm-adjusted across the gates): a gate passes
+    when the interval's lower bound reaches its threshold, so a model exactly at the threshold passes at
+    most (1 - confidence) / 2 of the time."""
 
     @field_validator("gates")
     @classmethod

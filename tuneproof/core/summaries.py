@@ -180,6 +180,22 @@ class DropCount(Summary):
     examples: list[DropExample]
 
 
+class Contamination(Summary):
+    """How much of the eval split repeats the training split (training/contamination.py)."""
+
+    ngram: int
+    """Words per n-gram; items shorter than this are compared whole."""
+    eval_items: int
+    exact_matches: int
+    """Eval items whose normalised text (case, whitespace, punctuation) equals a training item's."""
+    overlapping: int
+    """Eval items that match exactly or share a word n-gram with a training item."""
+    fraction: float
+    """overlapping / eval_items; the data stage fails above data.max_contamination."""
+    overlapping_ids: list[str] = []
+    """The first overlapping items as '<source|eval_source>:<row>' (row index in that file)."""
+
+
 class DatasetManifest(Summary):
     """datasets/<name>/<hash>/manifest.json, written last: the dataset counts only once it exists."""
 
@@ -201,6 +217,8 @@ class DatasetManifest(Summary):
     dropped: dict[str, DropCount] = {}
     total_rows: int
     dropped_fraction: float
+    contamination: Contamination | None = None
+    """Overlap of the eval split with the training split; None in manifests made before it was measured."""
 
 
 class DataSummary(Summary):
@@ -214,6 +232,8 @@ class DataSummary(Summary):
     """Rows read; with `dropped`, the evidence of a data failure that left no manifest."""
     dropped: dict[str, DropCount] = {}
     dropped_fraction: float | None = None
+    contamination: Contamination | None = None
+    """The eval split's overlap with the training split, kept also when it failed the stage."""
 
 
 # ---- 4 finetune ------------------------------------------------------------------------------
@@ -403,10 +423,15 @@ class ModelScore(Summary):
 
 
 GateKind = Literal["min", "min_improvement", "max_regression"]
+GateOutcome = Literal["pass", "fail", "insufficient"]
 
 
 class Verdict(Summary):
-    """One threshold of one gate, with its human line, e.g. 'exact_match >= 0.8: 0.93 (pass)'."""
+    """One threshold of one gate, with its human line, e.g.
+    'exact_match >= 0.8: 0.98 [0.957, 0.9908] (n=300, Wilson score, 98.33% interval: 95% with Holm over 3, p<0.0001) (pass)'.
+
+    outcome 'insufficient' means the interval straddles the threshold: promotion is refused, but the
+    model is not shown to be worse; items_needed says how many items would resolve it."""
 
     metric: str
     gate: GateKind
@@ -415,6 +440,32 @@ class Verdict(Summary):
     threshold: float
     passed: bool
     line: str
+    outcome: GateOutcome | None = None
+    """pass / fail / insufficient; None only in records written before intervals."""
+    n: int | None = None
+    """Items the interval stands on (None: no per-item scores, a point comparison)."""
+    method: str | None = None
+    """How the interval was made: 'Newcombe paired score', 'Wilson score', 'paired bootstrap', 'point ...'."""
+    interval: tuple[float, float] | None = None
+    """Lower and upper bound of `value`: a two-sided interval at `level`."""
+    level: float | None = None
+    """The interval's confidence after Holm's adjustment (eval.confidence when the gate is alone)."""
+    p_value: float | None = None
+    """One-sided p-value of 'the threshold is not met' (before Holm; Holm decides through `level`)."""
+    items_needed: int | None = None
+    """With an insufficient outcome: items at the observed disagreement that would resolve it."""
+    split_sha256: str | None = None
+    """The eval split every score of this verdict came from."""
+
+    def brief(self) -> str:
+        """'pass [0.95, 0.99] n=300', 'FAIL ...', 'insufficient evidence [...] n=15 (189 items would resolve it)'."""
+        bounds = "" if self.interval is None else f" [{self.interval[0]:.4g}, {self.interval[1]:.4g}] n={self.n}"
+        if self.outcome == "insufficient":
+            needed = f"{self.items_needed:,} items would resolve it" if self.items_needed else "no item count would"
+            return f"insufficient evidence{bounds} ({needed})"
+        if not self.passed:
+            return "FAIL" + bounds
+        return "pass" + bounds if self.value is not None else "n/a (no incumbent)"
 
 
 class GateDecision(Summary):
@@ -423,8 +474,11 @@ class GateDecision(Summary):
     verdicts: list[Verdict]
 
     def failure_cause(self) -> str:
-        """'<first failing line> (+N more)': the one-line cause of a refused candidate."""
-        return first_and_more([v.line for v in self.verdicts if not v.passed])
+        """'<first failing line> (+N more)': the one-line cause of a refused candidate; failed verdicts
+        come before those with insufficient evidence, so the cause names a real failure when there is one."""
+        refused = [v for v in self.verdicts if not v.passed]
+        refused.sort(key=lambda v: v.outcome == "insufficient")
+        return first_and_more([v.line for v in refused])
 
 
 class EvaluateSummary(Summary):
@@ -432,6 +486,8 @@ class EvaluateSummary(Summary):
     incumbent_version: str | None = None
     gates: GateDecision
     predictions_uri: str | None = None
+    item_scores_uri: str | None = None
+    """item_scores.json: every item's score per model and metric, the evidence each gate was decided on."""
     examples: int
     device: str | None = None
     eval_split_sha256: str | None = None

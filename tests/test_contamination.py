@@ -1,0 +1,50 @@
+"""training/contamination.py: normalised exact matches and 13-word n-gram overlap, linear in rows."""
+
+from __future__ import annotations
+
+import time
+
+from training.contamination import NGRAM, measure, words
+
+LONG = "the quick brown fox jumps over the lazy dog while the cat watches from the old wooden fence"
+
+
+def test_words_fold_case_punctuation_and_whitespace():
+    assert words("  Jan. 5,\t2024!  ") == ["jan", "5", "2024"] == words("jan 5 2024")
+
+
+def test_verbatim_and_reformatted_rows_match_exactly():
+    train = ["5 Mar 2021 2021-03-05", "December 14, 1999 1999-12-14"]
+    found = measure(
+        train,
+        [
+            ("eval:0", "5 Mar 2021 2021-03-05"),
+            ("eval:1", "december 14 1999  1999 12 14"),
+            ("eval:2", "7 May 2001 2001-05-07"),
+        ],
+    )
+    assert (found.exact_matches, found.overlapping, found.eval_items) == (2, 2, 3)
+    assert found.overlapping_ids == ["eval:0", "eval:1"] and round(found.fraction, 4) == 0.6667
+
+
+def test_a_shared_13_word_run_overlaps_and_a_shorter_one_does_not():
+    train = [LONG]
+    shared = " ".join(LONG.split()[2 : 2 + NGRAM])
+    short = " ".join(LONG.split()[:5])  # compared whole: it is not a whole training row
+    found = measure(train, [("a", f"prefix words then {shared} and more"), ("b", short), ("c", "unrelated " * 20)])
+    assert found.overlapping_ids == ["a"] and found.exact_matches == 0
+
+
+def test_nothing_shared_is_clean_and_an_empty_eval_set_is_zero():
+    assert measure(["a b c"], [("x", "d e f")]).overlapping == 0
+    empty = measure(["a b c"], [])
+    assert empty.eval_items == 0 and empty.fraction == 0.0
+
+
+def test_linear_in_rows():
+    train = [f"row {i} " + LONG for i in range(20_000)]
+    eval_items = [(str(i), f"item {i} of the eval split, with words of its own") for i in range(2_000)]
+    started = time.perf_counter()
+    found = measure(train, eval_items)
+    assert found.overlapping == 0
+    assert time.perf_counter() - started < 30  # hashed sets; a pairwise scan would be 40 million comparisons

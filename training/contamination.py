@@ -1,0 +1,60 @@
+"""Does the eval split repeat the training split? Normalised exact matches and word n-gram overlap (pure).
+
+Called by the data stage (training/data_prep.py) on the conversations of both splits, before anything is
+encoded or trained: an eval set that repeats training rows passes every gate on memorised answers.
+
+Text is normalised (case folded, punctuation to spaces, whitespace collapsed) and cut into words. An eval
+item overlaps when its normalised text equals a training item's, or when any of its word n-grams
+(n = 13, as in GPT-3's and the Pile's decontamination) occurs in a training item; an item shorter than n
+words is compared whole, with training items of any length compared whole. Linear in rows: each side is
+hashed once into sets (Python's hash, stable within the one process that compares), no pairwise scan.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from tuneproof.core.summaries import Contamination
+
+NGRAM = 13
+"""Words per n-gram."""
+IDS_KEPT = 50
+"""Overlapping item ids kept in the manifest; the counts are always complete."""
+
+_PUNCTUATION = re.compile(r"[^\w\s]+")
+
+
+def words(text: str) -> list[str]:
+    """Case folded, punctuation to spaces, split on whitespace: 'Jan. 5,  2024' -> ['jan', '5', '2024']."""
+    return _PUNCTUATION.sub(" ", text.casefold()).split()
+
+
+def ngram_hashes(tokens: list[str], n: int = NGRAM) -> set[int]:
+    return {hash(tuple(tokens[i : i + n])) for i in range(len(tokens) - n + 1)}
+
+
+def measure(train: Iterable[str], eval_items: Iterable[tuple[str, str]], n: int = NGRAM) -> Contamination:
+    """Overlap of `eval_items` ((item id, text)) with the `train` texts."""
+    whole: set[int] = set()
+    grams: set[int] = set()
+    for text in train:
+        tokens = words(text)
+        whole.add(hash(tuple(tokens)))
+        grams.update(hash(tuple(tokens[i : i + n])) for i in range(len(tokens) - n + 1))
+    exact, overlapping, total = 0, [], 0
+    for item_id, text in eval_items:
+        total += 1
+        tokens = words(text)
+        same = hash(tuple(tokens)) in whole
+        exact += same
+        if same or (len(tokens) >= n and not grams.isdisjoint(ngram_hashes(tokens, n))):
+            overlapping.append(item_id)
+    return Contamination(
+        ngram=n,
+        eval_items=total,
+        exact_matches=exact,
+        overlapping=len(overlapping),
+        fraction=len(overlapping) / total if total else 0.0,
+        overlapping_ids=overlapping[:IDS_KEPT],
+    )
