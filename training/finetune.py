@@ -60,7 +60,6 @@ from training.checkpointing import (
 from training.jobkit import JobContext, run_stage
 from training.lora import ADAPTER_DIR
 from training.schedule import WarmupCosine
-from tuneproof.core.hashing import IGNORE_INDEX
 from tuneproof.core.markers import Digests, ExportUnverified, read_export_manifest
 from tuneproof.core.results import FailureClass, StageFailure, one_line
 from tuneproof.core.storage import Storage
@@ -418,6 +417,7 @@ def setup(ctx: JobContext, params: TrainParams) -> Worker:
     from training.fsdp import local_world_size, mesh_shape, peak_flops, shard_model, worker_device
     from training.lora import parameter_counts
     from training.modeling import load_model
+    from training.step import build_optimizer, compile_layers
     from training.train_data import BatchLayout, StepBatches, load_examples
 
     hf_logging.disable_progress_bar()  # tqdm bars make unreadable job logs
@@ -435,9 +435,11 @@ def setup(ctx: JobContext, params: TrainParams) -> Worker:
 
         apply_lora(model, cfg.lora, cfg.seed)  # in place: `model` now carries the adapters, its base frozen
     counts = parameter_counts(model)
+    if cfg.compile:
+        compile_layers(model)
     shard_model(model, device, cfg.activation_checkpointing, cfg.sharding, cfg.shard_group_size).train()
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = build_optimizer(trainable, cfg.lr, cfg.weight_decay, device)
     layout = BatchLayout(cfg.micro_batch_size, cfg.grad_accum_steps, world)
     batches = StepBatches(load_examples(ctx.storage, params.dataset, "train"), layout, cfg.seed, rank, pad_id)
     schedule = WarmupCosine(cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
@@ -525,12 +527,10 @@ def previous_metrics(w: Worker) -> list[dict[str, Any]]:
 
 
 def train_step(w: Worker, step: int) -> dict[str, Any]:
-    """One optimizer step over grad_accum_steps micro-batches; the loss is the mean over all target tokens."""
-    import torch
-    import torch.distributed as dist
-
+    """One optimizer step over grad_accum_steps micro-batches (training.step); the loss is the mean over all
+    target tokens."""
     from training.flops import mfu
-    from training.fsdp import clip_gradients
+    from training.step import global_counts, optimizer_step
 
     began = time.perf_counter()
     lr = w.schedule.lr_at(step)
@@ -538,22 +538,13 @@ def train_step(w: Worker, step: int) -> dict[str, Any]:
         group["lr"] = lr
     micro = [{k: v.to(w.device) for k, v in b.items()} for b in w.batches.micro_batches(step)]
     targets, tokens = global_counts(micro, w.device)
-    loss_sum = torch.zeros((), device=w.device)
-    for i, batch in enumerate(micro):
-        w.model.set_requires_gradient_sync(i == len(micro) - 1)  # type: ignore[operator]  # FSDP2: reduce-scatter once per step
-        summed = token_loss_sum(w.model, batch)
-        if step == w.params.inject_nan_at_step:
-            summed = summed * float("nan")
-        # FSDP averages gradients over ranks, so scale by world_size to get sum / global targets.
-        (summed * w.world_size / targets).backward()
-        loss_sum += summed.detach()
-    dist.all_reduce(loss_sum)
-    grad_norm = clip_gradients(w.model, w.ctx.config.train.max_grad_norm)
-    w.optimizer.step()
-    w.optimizer.zero_grad(set_to_none=True)
+    poison = step == w.params.inject_nan_at_step
+    loss, grad_norm = optimizer_step(
+        w.model, w.optimizer, micro, targets, w.ctx.config.train.max_grad_norm, poison=poison
+    )
     seconds = time.perf_counter() - began
     stats = {
-        "loss": float(loss_sum) / targets,
+        "loss": loss,
         "lr": lr,
         "grad_norm": grad_norm,
         "tokens_per_s": tokens / seconds,
@@ -562,36 +553,6 @@ def train_step(w: Worker, step: int) -> dict[str, Any]:
     if w.peak_flops:
         stats["mfu"] = mfu(w.flops_per_token, tokens / seconds / w.world_size, w.peak_flops)
     return stats
-
-
-def global_counts(micro: list[dict], device) -> tuple[int, int]:
-    """(target tokens, real tokens) of this step across every rank and micro-batch."""
-    import torch
-    import torch.distributed as dist
-
-    counts = torch.tensor(
-        [
-            sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro),
-            sum(int(b["attention_mask"].sum()) for b in micro),
-        ],
-        dtype=torch.float64,
-        device=device,
-    )
-    dist.all_reduce(counts)
-    return max(int(counts[0]), 1), int(counts[1])
-
-
-def token_loss_sum(model, batch: dict):
-    """Summed next-token cross entropy over the labelled positions (fp32 logits)."""
-    import torch.nn.functional as F
-
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    return F.cross_entropy(
-        logits[:, :-1].float().flatten(0, 1),
-        batch["labels"][:, 1:].flatten(),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
 
 
 def divergence(loss: float, step: int, limit: float) -> str | None:
