@@ -284,8 +284,26 @@ def sweep_variant(plan: Plan, variant: Variant, peak: float | None) -> Callable[
         if peak:
             flops = train_flops_per_token(ModelShape.from_hf(model_config(plan.shape)), plan.seq_len)
             row.figures["mfu"] = mfu(flops, tokens_per_s, peak)
+        if variant.checkpointing != "selective":  # the estimate knows checkpointing on or off
+            row.figures["estimate_gib"] = estimated_gib(plan, variant)
 
     return body
+
+
+def estimated_gib(plan: Plan, variant: Variant) -> float:
+    """What the fine-tune's fit estimate (training.memory) says this variant needs, to judge it by the
+    measured peak. Imported here: it needs pydantic (a carried wheel on the lent machine)."""
+    from training.memory import fit_estimate
+
+    train = argparse.Namespace(
+        method="full",
+        micro_batch_size=variant.micro_batch,
+        activation_checkpointing=variant.checkpointing == "full",
+        sharding="full",
+        shard_group_size=None,
+    )
+    fit = fit_estimate(model_config(plan.shape), train, plan.seq_len, 1, plan.device.type == "cuda", None)
+    return round(fit.total_bytes / 2**30, 3)
 
 
 def job_phase(plan: Plan, state: dict[str, Any]) -> Callable[[Row], None]:

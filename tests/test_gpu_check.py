@@ -129,4 +129,5 @@ def test_dry_run_passes_with_only_what_the_machine_has(tmp_path):
         "selective",
         "full",
     }
+    assert rows["chunked loss + fused AdamW"]["figures"]["estimate_gib"] > 0
     assert (tmp_path / "gpu_check.log").read_text().strip().endswith("gpu_check.json")

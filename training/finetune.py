@@ -60,10 +60,11 @@ from training.checkpointing import (
 from training.jobkit import JobContext, run_stage
 from training.lora import ADAPTER_DIR
 from training.schedule import WarmupCosine
+from tuneproof.core.fit import refusal
 from tuneproof.core.markers import Digests, ExportUnverified, read_export_manifest
 from tuneproof.core.results import FailureClass, StageFailure, one_line
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import FinetuneSummary, LossPoint
+from tuneproof.core.summaries import FinetuneSummary, FitEstimate, LossPoint, RankMemory
 
 if TYPE_CHECKING:  # torch and the data module load inside workers only
     import torch
@@ -103,6 +104,8 @@ class TrainParams(BaseModel):
     """Test hook: make the loss NaN at this step."""
     invocation: int | None = None
     """The run record's invocation this job belongs to; written into the export's manifest."""
+    gpu_memory_bytes: int | None = Field(None, ge=1)
+    """The smallest GPU the verify stage reported (the task reads it from the record); None: unknown."""
 
     @model_validator(mode="after")
     def _stop_on_a_checkpoint(self) -> TrainParams:
@@ -144,6 +147,7 @@ def finetune(ctx: JobContext) -> FinetuneSummary:
     if params.init_from:
         require_complete(params.init_from, ctx.config.storage.endpoint_url, "params.init_from")
     refuse_nothing_to_train(ctx, params)
+    fit = check_fit(ctx, params)
     if set_aside := set_aside_unusable_ray_snapshot(ctx.storage, *ctx.run_parts("train", params.run_name)):
         jobkit.log(f"{set_aside}: the run resumes from its latest complete checkpoint")
     for name in (OUTCOME, ATTEMPTS, FAILURES, INTERRUPTED):  # an earlier job's ending says nothing of this one
@@ -152,7 +156,7 @@ def finetune(ctx: JobContext) -> FinetuneSummary:
     if error is not None and (dropped := remove_unmarked(ctx.storage, *ctx.run_parts("train", params.run_name))):
         jobkit.log(f"removed checkpoints the failed run left without a completion marker: {', '.join(dropped)}")
     outcome = read_outcome(ctx, error)
-    summary = summarize(ctx, params, outcome, time.time() - started)
+    summary = summarize(ctx, params, outcome, time.time() - started, fit)
     if outcome["status"] == "diverged":
         raise StageFailure(FailureClass.modeling, outcome["cause"], summary)
     return summary
@@ -236,7 +240,26 @@ def train_failure_cause(error: str, where: str) -> str:
     return f"Ray Train run failed: {error}"
 
 
-def summarize(ctx: JobContext, params: TrainParams, outcome: dict, seconds: float) -> FinetuneSummary:
+def check_fit(ctx: JobContext, params: TrainParams) -> FitEstimate | None:
+    """On GPU, the configuration's memory per GPU estimated before any Ray Train run starts (training.memory);
+    a configuration that cannot fit on the smallest GPU the verify stage reported is refused, naming both."""
+    from training.memory import fit_estimate
+    from training.modeling import load_config
+
+    cfg = ctx.config
+    if not cfg.train.use_gpu:
+        return None
+    model_config = load_config(cfg.model.source, cfg.model.revision, cfg.storage.endpoint_url)
+    workers, seq_len = cfg.train.num_workers, cfg.data.max_seq_len
+    fit = fit_estimate(model_config, cfg.train, seq_len, workers, gpu=True, capacity_bytes=params.gpu_memory_bytes)
+    if cause := refusal(fit, cfg.train.micro_batch_size):
+        raise StageFailure(FailureClass.infrastructure, cause)
+    return fit
+
+
+def summarize(
+    ctx: JobContext, params: TrainParams, outcome: dict, seconds: float, fit: FitEstimate | None = None
+) -> FinetuneSummary:
     from training.restarts import ATTEMPTS, FAILURES, read_jsonl, restarts
 
     rows = read_metrics(ctx.storage, ctx.stage_parts(METRICS))
@@ -274,6 +297,8 @@ def summarize(ctx: JobContext, params: TrainParams, outcome: dict, seconds: floa
         sharding=ctx.config.train.sharding,
         mesh=outcome.get("mesh"),
         adapter_path=posixpath.join(export, ADAPTER_DIR) if export and ctx.config.train.method == "lora" else None,
+        memory=[RankMemory.model_validate(m) for m in outcome.get("memory", [])],
+        fit_estimate=fit,
         restarts=restarts(
             read_jsonl(ctx.storage, *ctx.stage_parts(ATTEMPTS)),
             read_jsonl(ctx.storage, *ctx.stage_parts(FAILURES)),
@@ -710,8 +735,15 @@ def export_model(w: Worker, step: int) -> str:
 def finish(
     w: Worker, start: int, step: int, status: str, cause: str | None = None, export_path: str | None = None
 ) -> None:
-    """Rank 0 saves the metrics and writes outcome.json, which the driver reads."""
+    """Rank 0 saves the metrics and writes outcome.json, which the driver reads, with every rank's peak
+    memory. Collective."""
+    import torch.distributed as dist
+
+    from training.memory import rank_memory
+
     flush_metrics(w)
+    memory: list[Any] = [None] * w.world_size
+    dist.all_gather_object(memory, rank_memory(w.rank, w.device).to_json())
     if w.rank != 0:
         return
     if cause:
@@ -727,6 +759,7 @@ def finish(
         "trainable_params": w.param_counts[0],
         "total_params": w.param_counts[1],
         "mesh": w.mesh,
+        "memory": memory,
     }
     w.storage.write_json(outcome, *w.ctx.stage_parts(OUTCOME))
 
