@@ -127,6 +127,8 @@ def evaluate_body(ctx: JobContext) -> EvaluateSummary:
     )
     for line in decision.lines:
         jobkit.log(f"gate: {line}")
+    from training.memory import rank_memory
+
     summary = EvaluateSummary(
         models={role: _model_summary(sources, results, role) for role in ROLES},
         incumbent_version=params.incumbent.version if params.incumbent else None,
@@ -135,6 +137,7 @@ def evaluate_body(ctx: JobContext) -> EvaluateSummary:
         item_scores_uri=item_scores_uri,
         examples=len(data.prompts),
         device=str(pick_device()[0]),
+        memory=[rank_memory(0, pick_device()[0])],  # one process evaluates
         eval_split_sha256=split,
         metric_sha256={name: metric_module_hash(name, cfg.hub_metrics) for name in cfg.metrics},
     )

@@ -142,7 +142,18 @@ def finetune(call: StageCall) -> StageEntry:
         "run_name": run_name,
         "invocation": call.invocation,
     }
+    if call.cfg.train.use_gpu and (capacity := verified_gpu_memory(call.record)) is not None:
+        params["gpu_memory_bytes"] = capacity  # the job refuses a configuration that cannot fit it
     return run_job_stage.with_options(name=call.stage)(call, "training.finetune", params)
+
+
+def verified_gpu_memory(record: RunRecord) -> int | None:
+    """The smallest GPU memory the run's verify stage reported; None without one. Pure."""
+    from tuneproof.core.fit import gpu_capacity
+
+    entry = record.stages.get("verify")
+    summary = entry.summary_as(VerifySummary) if entry else None
+    return gpu_capacity(summary.nodes) if summary else None
 
 
 def finetune_run_name(record: RunRecord, run_id: str, invocation: int, continue_previous: bool) -> str:

@@ -62,11 +62,11 @@ from training.checkpointing import (
 from training.jobkit import JobContext, run_stage
 from training.lora import ADAPTER_DIR
 from training.schedule import WarmupCosine
-from tuneproof.core.hashing import IGNORE_INDEX
+from tuneproof.core.fit import refusal
 from tuneproof.core.markers import Digests, ExportUnverified, read_export_manifest
 from tuneproof.core.results import FailureClass, StageFailure, one_line
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import FinetuneSummary, LossPoint, ledger_points
+from tuneproof.core.summaries import FinetuneSummary, FitEstimate, LossPoint, RankMemory, ledger_points
 
 if TYPE_CHECKING:  # torch and the data module load inside workers only
     import torch
@@ -106,6 +106,8 @@ class TrainParams(BaseModel):
     """Test hook: make the loss NaN at this step."""
     invocation: int | None = None
     """The run record's invocation this job belongs to; written into the export's manifest."""
+    gpu_memory_bytes: int | None = Field(None, ge=1)
+    """The smallest GPU the verify stage reported (the task reads it from the record); None: unknown."""
 
     @model_validator(mode="after")
     def _stop_on_a_checkpoint(self) -> TrainParams:
@@ -149,6 +151,7 @@ def finetune(ctx: JobContext) -> FinetuneSummary:
     run_parts = ctx.run_parts("train", params.run_name)
     found = find_checkpoints(ctx.storage, *run_parts)
     refuse_nothing_to_train(params, found.latest)
+    fit = check_fit(ctx, params)
     if set_aside := set_aside_unusable_ray_snapshot(ctx.storage, *run_parts):
         jobkit.log(f"{set_aside}: the run resumes from its latest complete checkpoint")
     skipped = skip_unusable(ctx.storage, found, *run_parts)
@@ -161,7 +164,9 @@ def finetune(ctx: JobContext) -> FinetuneSummary:
     if error is not None and (dropped := remove_unmarked(ctx.storage, *ctx.run_parts("train", params.run_name))):
         jobkit.log(f"removed checkpoints the failed run left without a completion marker: {', '.join(dropped)}")
     outcome = read_outcome(ctx, error)
-    summary = summarize(ctx, params, outcome, time.time() - started).model_copy(update={"skipped_checkpoints": skipped})
+    summary = summarize(ctx, params, outcome, time.time() - started, fit).model_copy(
+        update={"skipped_checkpoints": skipped}
+    )
     if outcome["status"] == "diverged":
         raise StageFailure(FailureClass.modeling, outcome["cause"], summary)
     return summary
@@ -244,7 +249,26 @@ def train_failure_cause(error: str, where: str) -> str:
     return f"Ray Train run failed: {error}"
 
 
-def summarize(ctx: JobContext, params: TrainParams, outcome: dict, seconds: float) -> FinetuneSummary:
+def check_fit(ctx: JobContext, params: TrainParams) -> FitEstimate | None:
+    """On GPU, the configuration's memory per GPU estimated before any Ray Train run starts (training.memory);
+    a configuration that cannot fit on the smallest GPU the verify stage reported is refused, naming both."""
+    from training.memory import fit_estimate
+    from training.modeling import load_config
+
+    cfg = ctx.config
+    if not cfg.train.use_gpu:
+        return None
+    model_config = load_config(cfg.model.source, cfg.model.revision, cfg.storage.endpoint_url)
+    workers, seq_len = cfg.train.num_workers, cfg.data.max_seq_len
+    fit = fit_estimate(model_config, cfg.train, seq_len, workers, gpu=True, capacity_bytes=params.gpu_memory_bytes)
+    if cause := refusal(fit, cfg.train.micro_batch_size):
+        raise StageFailure(FailureClass.infrastructure, cause)
+    return fit
+
+
+def summarize(
+    ctx: JobContext, params: TrainParams, outcome: dict, seconds: float, fit: FitEstimate | None = None
+) -> FinetuneSummary:
     from training.restarts import ATTEMPTS, FAILURES, read_jsonl, restarts
 
     rows = read_metrics(ctx.storage, ctx.stage_parts(METRICS))
@@ -282,6 +306,8 @@ def summarize(ctx: JobContext, params: TrainParams, outcome: dict, seconds: floa
         sharding=ctx.config.train.sharding,
         mesh=outcome.get("mesh"),
         adapter_path=posixpath.join(export, ADAPTER_DIR) if export and ctx.config.train.method == "lora" else None,
+        memory=[RankMemory.model_validate(m) for m in outcome.get("memory", [])],
+        fit_estimate=fit,
         restarts=restarts(
             read_jsonl(ctx.storage, *ctx.stage_parts(ATTEMPTS)),
             read_jsonl(ctx.storage, *ctx.stage_parts(FAILURES)),
@@ -431,6 +457,7 @@ def setup(ctx: JobContext, params: TrainParams) -> Worker:
     from training.fsdp import local_world_size, mesh_shape, peak_flops, shard_model, worker_device
     from training.lora import parameter_counts
     from training.modeling import load_model
+    from training.step import build_optimizer, compile_layers
     from training.train_data import BatchLayout, StepBatches, load_examples
 
     hf_logging.disable_progress_bar()  # tqdm bars make unreadable job logs
@@ -448,9 +475,11 @@ def setup(ctx: JobContext, params: TrainParams) -> Worker:
 
         apply_lora(model, cfg.lora, cfg.seed)  # in place: `model` now carries the adapters, its base frozen
     counts = parameter_counts(model)
+    if cfg.compile:
+        compile_layers(model)
     shard_model(model, device, cfg.activation_checkpointing, cfg.sharding, cfg.shard_group_size).train()
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = build_optimizer(trainable, cfg.lr, cfg.weight_decay, device)
     layout = BatchLayout(cfg.micro_batch_size, cfg.grad_accum_steps, world)
     batches = StepBatches(load_examples(ctx.storage, params.dataset, "train"), layout, cfg.seed, rank, pad_id)
     schedule = WarmupCosine(cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
@@ -565,12 +594,10 @@ def previous_metrics(w: Worker) -> list[dict[str, Any]]:
 
 
 def train_step(w: Worker, step: int) -> dict[str, Any]:
-    """One optimizer step over grad_accum_steps micro-batches; the loss is the mean over all target tokens."""
-    import torch
-    import torch.distributed as dist
-
+    """One optimizer step over grad_accum_steps micro-batches (training.step); the loss is the mean over all
+    target tokens."""
     from training.flops import mfu
-    from training.fsdp import clip_gradients
+    from training.step import global_counts, optimizer_step
 
     began = time.perf_counter()
     lr = w.schedule.lr_at(step)
@@ -578,22 +605,13 @@ def train_step(w: Worker, step: int) -> dict[str, Any]:
         group["lr"] = lr
     micro = [{k: v.to(w.device) for k, v in b.items()} for b in w.batches.micro_batches(step)]
     targets, tokens = global_counts(micro, w.device)
-    loss_sum = torch.zeros((), device=w.device)
-    for i, batch in enumerate(micro):
-        w.model.set_requires_gradient_sync(i == len(micro) - 1)  # type: ignore[operator]  # FSDP2: reduce-scatter once per step
-        summed = token_loss_sum(w.model, batch)
-        if step == w.params.inject_nan_at_step:
-            summed = summed * float("nan")
-        # FSDP averages gradients over ranks, so scale by world_size to get sum / global targets.
-        (summed * w.world_size / targets).backward()
-        loss_sum += summed.detach()
-    dist.all_reduce(loss_sum)
-    grad_norm = clip_gradients(w.model, w.ctx.config.train.max_grad_norm)
-    w.optimizer.step()
-    w.optimizer.zero_grad(set_to_none=True)
+    poison = step == w.params.inject_nan_at_step
+    loss, grad_norm = optimizer_step(
+        w.model, w.optimizer, micro, targets, w.ctx.config.train.max_grad_norm, poison=poison
+    )
     seconds = time.perf_counter() - began
     stats = {
-        "loss": float(loss_sum) / targets,
+        "loss": loss,
         "lr": lr,
         "grad_norm": grad_norm,
         "tokens_per_s": tokens / seconds,
@@ -602,36 +620,6 @@ def train_step(w: Worker, step: int) -> dict[str, Any]:
     if w.peak_flops:
         stats["mfu"] = mfu(w.flops_per_token, tokens / seconds / w.world_size, w.peak_flops)
     return stats
-
-
-def global_counts(micro: list[dict], device) -> tuple[int, int]:
-    """(target tokens, real tokens) of this step across every rank and micro-batch."""
-    import torch
-    import torch.distributed as dist
-
-    counts = torch.tensor(
-        [
-            sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro),
-            sum(int(b["attention_mask"].sum()) for b in micro),
-        ],
-        dtype=torch.float64,
-        device=device,
-    )
-    dist.all_reduce(counts)
-    return max(int(counts[0]), 1), int(counts[1])
-
-
-def token_loss_sum(model, batch: dict):
-    """Summed next-token cross entropy over the labelled positions (fp32 logits)."""
-    import torch.nn.functional as F
-
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    return F.cross_entropy(
-        logits[:, :-1].float().flatten(0, 1),
-        batch["labels"][:, 1:].flatten(),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
 
 
 def divergence(loss: float, step: int, limit: float) -> str | None:
@@ -793,8 +781,15 @@ def export_model(w: Worker, step: int) -> str:
 def finish(
     w: Worker, start: int, step: int, status: str, cause: str | None = None, export_path: str | None = None
 ) -> None:
-    """Rank 0 saves the metrics and writes outcome.json, which the driver reads."""
+    """Rank 0 saves the metrics and writes outcome.json, which the driver reads, with every rank's peak
+    memory. Collective."""
+    import torch.distributed as dist
+
+    from training.memory import rank_memory
+
     flush_metrics(w)
+    memory: list[Any] = [None] * w.world_size
+    dist.all_gather_object(memory, rank_memory(w.rank, w.device).to_json())
     if w.rank != 0:
         return
     if cause:
@@ -810,6 +805,7 @@ def finish(
         "trainable_params": w.param_counts[0],
         "total_params": w.param_counts[1],
         "mesh": w.mesh,
+        "memory": memory,
     }
     w.storage.write_json(outcome, *w.ctx.stage_parts(OUTCOME))
 

@@ -1,6 +1,6 @@
 """Training FLOPs per token of a decoder-only LM, and MFU against a GPU's dense bf16 peak. Pure.
 
-Used by the fine-tune (its per-step MFU on GPU) and bench/gpu_mfu.py; tests/test_flops.py checks
+Used by the fine-tune (its per-step MFU on GPU) and bench/gpu_check.py; tests/test_flops.py checks
 the count against a hand count and against torch's own FLOP counter on a tiny Qwen2.
 
 The convention (model FLOPs, as MFU counts them; PaLM, Chowdhery et al. 2022, appendix B):

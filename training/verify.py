@@ -115,6 +115,9 @@ def node_facts() -> dict[str, Any]:
         "cuda_version": torch.version.cuda,
         "nccl_version": nccl_version(),
         "gpus_visible": torch.cuda.device_count(),
+        "gpu_memory_bytes": [
+            torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())
+        ],
         "environment_digest": environment_digest(installed_distributions()),
     }
 

@@ -343,6 +343,9 @@ class TrainConfig(Strict):
     weight_decay: float = Field(0.0, ge=0.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
     activation_checkpointing: bool = False
+    compile: bool = False
+    """torch.compile each decoder layer (training.step.compile_layers). Off by default: on CPU compiling
+    costs more than it saves at these sizes; on GPU bench/gpu_check.py measures what it gains."""
     sharding: Literal["full", "hybrid", "ddp"] = "full"
     """How parameters, gradients and optimizer state spread over the workers. full: sharded over all
     of them (FSDP2, least memory). hybrid: sharded within a group of shard_group_size workers and

@@ -66,6 +66,8 @@ class NodeFacts(Summary):
     nccl_version: str | None = None
     gpus_visible: int | None = None
     """GPUs torch sees on the node."""
+    gpu_memory_bytes: list[int] = []
+    """Total memory of each GPU torch sees on the node (what a fine-tune's fit estimate is compared with)."""
     environment_digest: str | None = None
     """sha256 over the node's installed distributions (name==version)."""
 
@@ -289,6 +291,45 @@ class SkippedCheckpoint(Summary):
     """It was listed in Ray Train's checkpoint manager snapshot and was taken out of it."""
 
 
+class RankMemory(Summary):
+    """The most memory one rank held while the stage ran: CUDA's allocator peaks on a GPU, the process's
+    peak resident set on CPU (and beside a GPU: the host side of the same process)."""
+
+    rank: int
+    device: str
+    """cuda:N or cpu."""
+    max_allocated_bytes: int | None = None
+    """torch.cuda.max_memory_allocated: the most bytes tensors held at once (GPU only)."""
+    max_reserved_bytes: int | None = None
+    """torch.cuda.max_memory_reserved: the most the caching allocator took from the GPU (GPU only)."""
+    peak_rss_bytes: int
+    """The process's peak resident set size (getrusage ru_maxrss)."""
+
+
+class FitEstimate(Summary):
+    """Bytes per GPU a fine-tune configuration needs, estimated before any Ray Train run starts
+    (tuneproof.core.fit), with the capacity it was compared with."""
+
+    params_bytes: int
+    """fp32 master weights, this rank's shard."""
+    grads_bytes: int
+    """fp32 gradients of the trainable parameters, this rank's shard."""
+    optimizer_bytes: int
+    """AdamW's two fp32 moments of the trainable parameters, this rank's shard."""
+    gathered_bytes: int
+    """Unsharded compute copies FSDP2 gathers at once (the root group and two decoder layers; every layer
+    under ddp)."""
+    activation_bytes: int
+    """What autograd saves for backward at train.micro_batch_size x data.max_seq_len (a probe forward)."""
+    loss_bytes: int
+    """The chunked loss's logits, their gradient and its softmax, one chunk at a time."""
+    total_bytes: int
+    shard_degree: int
+    """Ranks one parameter is sharded over (world under full, the group under hybrid, 1 under ddp)."""
+    capacity_bytes: int | None = None
+    """The smallest GPU the verified cluster reports (None: unknown, or a CPU run)."""
+
+
 class FinetuneSummary(Summary):
     run_name: str
     """Ray Train run name (RunConfig.name): the same name resumes."""
@@ -334,6 +375,10 @@ class FinetuneSummary(Summary):
     skipped_checkpoints: list[SkippedCheckpoint] = []
     """Checkpoints newer than the one this job resumed from that failed their completion check: left out of
     the restore and of Ray Train's checkpoint bookkeeping alike."""
+    memory: list[RankMemory] = []
+    """Peak memory of every rank of the run's last attempt, by rank."""
+    fit_estimate: FitEstimate | None = None
+    """What the configuration was estimated to need per GPU before the run, beside `memory`'s measurement."""
 
 
 # ---- 5 resume --------------------------------------------------------------------------------
@@ -494,6 +539,8 @@ class EvaluateSummary(Summary):
     """Hash over the eval split's shards (path and sha256 from the dataset manifest)."""
     metric_sha256: dict[str, str | None] = {}
     """Each metric's module hash (None for a hub metric)."""
+    memory: list[RankMemory] = []
+    """Peak memory of the evaluating process (one rank)."""
 
 
 # ---- 7 promote -------------------------------------------------------------------------------

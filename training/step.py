@@ -1,0 +1,161 @@
+"""The fine-tune's optimizer step: loss, gradient accumulation, clipping, AdamW. Imports torch only.
+
+training/finetune.py's train_step runs `optimizer_step` once per step; bench/gpu_check.py runs the same
+function on a GPU machine that has torch and transformers but no Ray, Prefect or pydantic, which is why
+nothing here imports more than torch and tuneproof.core.hashing (the standard library only).
+
+The loss never holds the full fp32 logits: `token_loss_sum` takes the decoder's final hidden states,
+keeps the labelled positions, and computes logits and cross entropy a chunk of rows at a time, each
+chunk recomputed in backward (activation checkpointing of the lm_head). At Qwen2.5-1.5B's 151,936
+classes the full fp32 logits of one 2,048-token sequence are 1.2 GB, and the log-softmax saved for
+backward as much again; a chunk is LOGITS_PER_CHUNK elements (512 MB in fp32) whatever the sequence.
+`full_logits_loss_sum` is the path it replaced: the reference of the equality test and the bench's
+baseline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from tuneproof.core.hashing import IGNORE_INDEX
+
+LOGITS_PER_CHUNK = 2**27
+"""Logit elements one chunk of the loss computes at once (rows = this // vocab, at least 1)."""
+
+LossFn = Callable[[Any, dict], torch.Tensor]
+
+
+def token_loss_sum(model, batch: dict, chunk_rows: int | None = None) -> torch.Tensor:
+    """Summed next-token cross entropy over the labelled positions, in fp32, chunk by chunk.
+
+    Equal (to fp32 rounding) to full_logits_loss_sum, in value and gradients; chunk_rows overrides the
+    rows per chunk (tests use small chunks to cross chunk boundaries)."""
+    hidden = final_hidden_states(model, batch)[:, :-1]
+    labels = batch["labels"][:, 1:]
+    keep = labels != IGNORE_INDEX
+    rows, targets = hidden[keep], labels[keep]  # prompt and padding positions cost no lm_head FLOPs
+    head = model.get_output_embeddings()
+    per_chunk = chunk_rows or max(1, LOGITS_PER_CHUNK // head.out_features)
+    total = rows[:0].float().sum()  # zero, connected to the graph even with no labelled row
+    for start in range(0, len(targets), per_chunk):
+        end = start + per_chunk
+        total = total + checkpoint(_chunk_loss, head, rows[start:end], targets[start:end], use_reentrant=False)
+    return total
+
+
+def _chunk_loss(head, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(rows).float(), targets, reduction="sum")
+
+
+def final_hidden_states(model, batch: dict) -> torch.Tensor:
+    """The decoder's last hidden states (after its final norm), from one forward of the whole model.
+
+    The whole model runs, not its decoder alone, so FSDP2's root unshards the embedding and lm_head as it
+    does for any forward (its root keeps them unsharded until backward); logits_to_keep=1 makes the
+    model's own lm_head compute one position instead of every one."""
+    seen: list[torch.Tensor] = []
+    hook = model.get_decoder().register_forward_hook(lambda _m, _a, out: seen.append(out.last_hidden_state))
+    try:
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=1)
+    finally:
+        hook.remove()
+    return seen[-1]
+
+
+def full_logits_loss_sum(model, batch: dict) -> torch.Tensor:
+    """The loss as it was before chunking: every position's fp32 logits at once. Reference only."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return F.cross_entropy(
+        logits[:, :-1].float().flatten(0, 1),
+        batch["labels"][:, 1:].flatten(),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+def global_counts(micro: list[dict], device) -> tuple[int, int]:
+    """(target tokens, real tokens) of this step across every rank and micro-batch. Collective."""
+    import torch.distributed as dist
+
+    counts = torch.tensor(
+        [
+            sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro),
+            sum(int(b["attention_mask"].sum()) for b in micro),
+        ],
+        dtype=torch.float64,
+        device=device,
+    )
+    dist.all_reduce(counts)
+    return max(int(counts[0]), 1), int(counts[1])
+
+
+def optimizer_step(
+    model,
+    optimizer: torch.optim.Optimizer,
+    micro: list[dict],
+    targets: int,
+    max_grad_norm: float,
+    loss_fn: LossFn = token_loss_sum,
+    poison: bool = False,
+) -> tuple[float, float]:
+    """Forward and backward over the micro-batches, one gradient reduction, clip, AdamW; returns the step's
+    mean loss over all `targets` target tokens of every rank, and the gradient norm before clipping.
+
+    FSDP averages gradients over ranks, so each micro-batch's summed loss is scaled by world_size / targets
+    to get sum / global targets. poison: multiply the loss by NaN (the divergence test's hook). Collective."""
+    import torch.distributed as dist
+
+    from training.fsdp import clip_gradients
+
+    world_size = dist.get_world_size()
+    loss_sum = torch.zeros((), device=next(iter(model.parameters())).device)
+    for i, batch in enumerate(micro):
+        model.set_requires_gradient_sync(i == len(micro) - 1)  # FSDP2: reduce-scatter once per step
+        summed = loss_fn(model, batch)
+        if poison:
+            summed = summed * float("nan")
+        (summed * world_size / targets).backward()
+        loss_sum += summed.detach()
+    dist.all_reduce(loss_sum)
+    grad_norm = clip_gradients(model, max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss_sum) / targets, grad_norm
+
+
+def build_optimizer(params, lr: float, weight_decay: float, device: torch.device, fused: bool | None = None):
+    """AdamW, fused (one kernel for every parameter's update) on CUDA, torch's default elsewhere.
+
+    fused: None picks by device; the bench sets it to compare both."""
+    use_fused = device.type == "cuda" if fused is None else fused
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=use_fused)
+
+
+def compile_layers(model, backend: str = "inductor") -> None:
+    """torch.compile each decoder layer in place, before sharding (per-block, as torchtitan does): one
+    compiled graph shared by every layer, FSDP2's collectives left outside it."""
+    from training.fsdp import decoder_layers
+
+    for layer in decoder_layers(model):
+        layer.compile(backend=backend)
+
+
+def set_activation_checkpointing(model, mode: str) -> None:
+    """off, full (every decoder layer recomputed in backward) or selective (every second layer).
+
+    Uses transformers' own per-layer switch, so parameter names (and checkpoints) do not change."""
+    if mode not in ("off", "selective", "full"):
+        raise ValueError(f"activation checkpointing must be off, selective or full, got {mode!r}")
+    if mode == "off":
+        return
+    from training.fsdp import decoder_layers
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if mode == "selective":
+        for layer in decoder_layers(model)[1::2]:
+            setattr(layer, "gradient_checkpointing", False)  # noqa: B010 - an attribute mypy cannot see on a Module
