@@ -6,7 +6,8 @@
 Run by bench/finetune_step.py and bench/scaling.py as a Ray driver of the benchmark's cluster. Each
 worker loads the same model in fp32, fully_shards every decoder layer and then the root (Ray's FSDP
 example), trains with AdamW on the prepared dataset's train shards (the same parquet files the
-fine-tune reads: right-padded batches of --batch examples per rank) and times each optimizer step.
+fine-tune reads, cut into the very batches the fine-tune trains on: training.train_data's seeded
+order, rank slices and right padding, --batch examples per rank) and times each optimizer step.
 No checkpoints, no metrics files, no progress lines: rank 0 writes its step times to --out.
 """
 
@@ -18,26 +19,24 @@ import time
 from pathlib import Path
 
 
-def batches(data_dir: str, batch: int, rank: int, world: int):
-    """Endless right-padded batches of this rank's share of the train split, in file order."""
+def batches(data_dir: str, batch: int, seed: int, pad_id: int, rank: int, world: int):
+    """Step s's micro-batch for this rank, exactly as the fine-tune builds it (training.train_data):
+    the same seeded epoch order, rank slice and right padding, so both sides train on identical batches."""
+    import numpy as np
     import pyarrow.parquet as pq
-    import torch
+
+    from training.train_data import BatchLayout, StepBatches, TrainExample
 
     table = pq.read_table(sorted(Path(data_dir, "train").glob("*.parquet")))
     ids, labels = table.column("input_ids").to_pylist(), table.column("labels").to_pylist()
-    mine = list(zip(ids, labels))[rank::world]
+    examples = [
+        TrainExample(np.asarray(i, dtype=np.int64), np.asarray(lab, dtype=np.int64)) for i, lab in zip(ids, labels)
+    ]
+    steps = StepBatches(examples, BatchLayout(batch, 1, world), seed, rank, pad_id)
+    step = 0
     while True:
-        for start in range(0, len(mine) - batch + 1, batch):
-            chunk = mine[start : start + batch]
-            width = max(len(i) for i, _ in chunk)
-            input_ids = torch.zeros(batch, width, dtype=torch.long)
-            target = torch.full((batch, width), -100, dtype=torch.long)
-            mask = torch.zeros(batch, width, dtype=torch.long)
-            for row, (i, lab) in enumerate(chunk):
-                input_ids[row, : len(i)] = torch.tensor(i)
-                target[row, : len(lab)] = torch.tensor(lab)
-                mask[row, : len(i)] = 1
-            yield {"input_ids": input_ids, "labels": target, "attention_mask": mask}
+        step += 1
+        yield from steps.micro_batches(step)
 
 
 def train_loop(config: dict) -> None:
@@ -52,7 +51,8 @@ def train_loop(config: dict) -> None:
         fully_shard(layer)
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"])
-    data = batches(config["data"], config["batch"], rank, world)
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0  # the fine-tune's rule
+    data = batches(config["data"], config["batch"], config["seed"], pad_id, rank, world)
     times = []
     for _ in range(config["steps"]):
         began = time.perf_counter()
@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--seed", type=int, default=0, help="the fine-tune's train.seed: the same batch order")
     parser.add_argument("--out", required=True)
     parser.add_argument(
         "--storage", default="/tmp/tp-bench-bare-train", help="Ray Train storage_path (nothing is saved)"
@@ -83,7 +84,7 @@ def main() -> None:
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    config = {k: getattr(args, k) for k in ("model", "data", "steps", "batch", "lr", "out")}
+    config = {k: getattr(args, k) for k in ("model", "data", "steps", "batch", "lr", "seed", "out")}
     TorchTrainer(
         train_loop,
         train_loop_config=config,

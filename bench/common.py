@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -57,6 +58,11 @@ class Target:
     def text(self) -> str:
         return f"{self.op} {self.value:g}"
 
+    def crossed_by(self, interval: tuple[float, float]) -> bool:
+        """Whether the target's value lies within `interval` (inclusive): the data cannot say which side holds."""
+        low, high = interval
+        return low <= self.value <= high
+
     def miss(self, ratio: float) -> str | None:
         """How far a ratio is from the target, in words; None when it is met."""
         if self.met(ratio):
@@ -83,6 +89,41 @@ def ratio(ours: float, bare: float) -> float:
     return ours / bare if bare else math.inf
 
 
+def difference(ours: float, bare: float) -> float:
+    """ours - bare: the seconds ours adds (the pipeline's per-stage figure)."""
+    return ours - bare
+
+
+MIN_REPEATS = 5
+"""Fewer rounds than this give a bootstrap interval too coarse to tell a miss from noise."""
+
+
+def bootstrap_interval(
+    ours: Sequence[float],
+    bare: Sequence[float],
+    figure: Callable[[float, float], float] = ratio,
+    level: float = 0.95,
+    draws: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of figure(median(ours), median(bare)).
+
+    Each draw resamples both sides with replacement, independently (each side's repeats are its own
+    sample of the machine); the seed is fixed so a summary can be recomputed from its samples exactly.
+    """
+    if not ours or not bare:
+        raise ValueError(f"a bootstrap needs measurements on both sides, got {len(ours)} ours and {len(bare)} bare")
+    if not 0 < level < 1:
+        raise ValueError(f"confidence level must be in (0, 1), got {level}")
+    rng = random.Random(seed)
+    figures = sorted(
+        figure(statistics.median(rng.choices(ours, k=len(ours))), statistics.median(rng.choices(bare, k=len(bare))))
+        for _ in range(draws)
+    )
+    tail = (1 - level) / 2
+    return figures[int(tail * (draws - 1))], figures[math.ceil((1 - tail) * (draws - 1))]
+
+
 class BenchResult(BaseModel):
     """One entry of bench/out/summary.json."""
 
@@ -95,19 +136,39 @@ class BenchResult(BaseModel):
     ok: bool | None
     """Whether the ratio meets the target; None when there is no target or no ratio."""
     repeats: int
+    interval: tuple[float, float] | None = None
+    """95 % bootstrap interval of the ratio (bench.common.bootstrap_interval); None for a curve."""
+    noisy: bool | None = None
+    """The interval contains the target's value: `ok` is a coin the machine's noise could flip."""
     details: dict[str, Any]
 
 
-def compare(ours: Sequence[float], bare: Sequence[float], target: Target, **details: Any) -> BenchResult:
-    """The result of a side-by-side benchmark: ratio of medians, its verdict, both sides' spreads."""
+def compare(
+    ours: Sequence[float],
+    bare: Sequence[float],
+    target: Target,
+    figure: Callable[[float, float], float] = ratio,
+    **details: Any,
+) -> BenchResult:
+    """The result of a side-by-side benchmark: figure (the ratio, by default) of the medians, its
+    bootstrap interval, its verdict, whether noise could flip it, and every sample of both sides."""
     a, b = Spread.of(ours), Spread.of(bare)
-    r = ratio(a.median, b.median)
+    r = figure(a.median, b.median)
+    low, high = bootstrap_interval(ours, bare, figure)
     return BenchResult(
         ratio=round(r, 4),
         target=target.text(),
         ok=target.met(r),
         repeats=min(a.n, b.n),
-        details={"ours": vars(a), "bare": vars(b), "miss": target.miss(r), **details},
+        interval=(round(low, 4), round(high, 4)),
+        noisy=target.crossed_by((low, high)),
+        details={
+            "ours": vars(a),
+            "bare": vars(b),
+            "samples": {"ours": list(ours), "bare": list(bare)},
+            "miss": target.miss(r),
+            **details,
+        },
     )
 
 
@@ -148,12 +209,14 @@ def write_summary(path: Path, results: Mapping[str, BenchResult]) -> dict[str, A
 
 
 def table(results: Mapping[str, BenchResult]) -> str:
-    """One line per benchmark: name, ratio, target, verdict."""
-    lines = [f"{'benchmark':<16} {'ratio':>9}  {'target':<8} {'ok':<4} repeats"]
+    """One line per benchmark: name, figure, its interval, target, verdict, noisy, repeats."""
+    lines = [f"{'benchmark':<16} {'ratio':>9} {'interval':<19} {'target':<8} {'ok':<4} {'noisy':<5} repeats"]
     for name, r in results.items():
         shown = "-" if r.ratio is None else f"{r.ratio:.3g}"
+        span = "-" if r.interval is None else f"[{r.interval[0]:.3g}, {r.interval[1]:.3g}]"
         verdict = {True: "yes", False: "NO", None: "-"}[r.ok]
-        lines.append(f"{name:<16} {shown:>9}  {r.target or '-':<8} {verdict:<4} {r.repeats}")
+        noisy = {True: "noisy", False: "no", None: "-"}[r.noisy]
+        lines.append(f"{name:<16} {shown:>9} {span:<19} {r.target or '-':<8} {verdict:<4} {noisy:<5} {r.repeats}")
     return "\n".join(lines)
 
 

@@ -2,8 +2,9 @@
 
     python -m bench.run --only finetune_step
 
-Both sides: the same tiny Qwen2, the same prepared dataset, micro-batch 32 per rank, 2 workers on
-the same local Ray head, the same number of steps. Ours is the fine-tune stage's job (checkpoint at
+Both sides: the same tiny Qwen2, the same prepared dataset cut into identical batches (the same
+seed, order, rank slices and padding), micro-batch 32 per rank, 2 workers on the same local Ray
+head, the same number of steps. Ours is the fine-tune stage's job (checkpoint at
 the end, no export); its step times are the `step_seconds` rank 0 writes to metrics.jsonl. Bare is
 bench/bare_train.py. The median over a run's steps is one measurement; runs alternate ours / bare.
 """
@@ -32,7 +33,7 @@ def bare_step(bench: Bench, storage, dataset: str, steps: int, workers: int, tag
     out = bench.fresh_dir("bare-train") / "times.json"
     args = ["bench/bare_train.py", "--model", str(bench.model_dir), "--data", str(storage / dataset)]
     args += ["--workers", str(workers), "--steps", str(steps), "--batch", "32", "--out", str(out)]
-    args += ["--storage", str(bench.fresh_dir("bare-train-storage"))]
+    args += ["--storage", str(bench.fresh_dir("bare-train-storage")), "--seed", str(bench.config(storage).train.seed)]
     run_python(args, bench.driver_env())
     return statistics.median(json.loads(out.read_text())["step_seconds"])
 
@@ -61,5 +62,5 @@ def run(bench: Bench, repeats: int, quick: bool) -> BenchResult:
         steps=steps,
         workers=2,
         micro_batch_size=32,
-        samples=measured,
+        batches="identical: training.train_data.StepBatches with the fine-tune's seed on both sides",
     )

@@ -50,5 +50,4 @@ def run(bench: Bench, repeats: int, quick: bool) -> BenchResult:
         unit="s to first step",
         ours_is="resumed",
         bare_is="cold",
-        samples=measured,
     )

@@ -1,12 +1,13 @@
 """`make bench`: tuneproof measured against the bare stack, side by side, interleaved, in one run.
 
-    python -m bench.run                                  # every benchmark, 3 repeats (about 15 min on 2 idle cores)
+    python -m bench.run                                  # every benchmark, 5 repeats (about 25 min on 2 idle cores)
     python -m bench.run --only resume,checkpoint --repeats 5
     python -m bench.run --quick                          # smaller corpora, fewer steps and sizes (a smoke run)
 
 Starts a local Ray head on 127.0.0.1 (and moto, a Prefect server where a benchmark needs them),
-runs each benchmark, prints min/median/max of each side and the ratio against its target, writes
-bench/out/summary.json ({name: {ratio, target, ok, repeats, details}}; a partial run updates only
+runs each benchmark, prints min/median/max of each side and the ratio against its target with its
+95 % bootstrap interval (noisy when the interval holds the target), writes bench/out/summary.json
+({name: {ratio, target, ok, repeats, interval, noisy, details}}; a partial run updates only
 its own entries) and stops everything it started. A benchmark that fails is reported as failed
 (ok false, the error in details) and the others still run. Exit code 0 when every benchmark ran,
 whatever the verdicts: a missed target is a finding, not a crash.
@@ -22,7 +23,7 @@ import time
 import traceback
 from pathlib import Path
 
-from bench.common import BenchResult, table, write_summary
+from bench.common import MIN_REPEATS, BenchResult, table, write_summary
 
 OUT = Path(__file__).resolve().parent / "out"
 BENCHMARKS = (
@@ -32,18 +33,24 @@ BENCHMARKS = (
     "data_prep",
     "finetune_step",
     "resume",
+    "resume_load",
     "pipeline",
     "scaling",
 )
 """Run order: the quick ones first, so a broken environment shows in seconds."""
-IN_PROCESS = {"eval_batching", "checkpoint"}
+IN_PROCESS = {"eval_batching", "checkpoint", "resume_load"}
 """Benchmarks that run in this process and need no Ray head."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=",".join(BENCHMARKS), help=f"comma-separated, of: {','.join(BENCHMARKS)}")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds per side-by-side benchmark (>= 1)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=MIN_REPEATS,
+        help=f"interleaved rounds per side-by-side benchmark (default {MIN_REPEATS}: fewer make the intervals coarse)",
+    )
     parser.add_argument("--pipeline-repeats", type=int, default=1, help="whole-pipeline runs (2-5 min each here)")
     parser.add_argument("--quick", action="store_true", help="smaller sizes everywhere (the output says which ran)")
     parser.add_argument("--max-rows", type=int, default=None, help="scaling: largest data-prep corpus to run")

@@ -14,8 +14,10 @@ from bench.common import (
     BenchResult,
     Spread,
     Target,
+    bootstrap_interval,
     compare,
     curve_table,
+    difference,
     interleave,
     loglog_slope,
     table,
@@ -65,8 +67,52 @@ def test_compare_is_the_ratio_of_medians_with_its_verdict():
     assert result.ratio == pytest.approx(2.2 / 1.1)
     assert (result.target, result.ok, result.repeats) == ("<= 1.05", False, 3)
     assert result.details["ours"] == {"n": 3, "min": 2.0, "median": 2.2, "max": 9.0}
+    assert result.details["samples"] == {"ours": [2.0, 2.2, 9.0], "bare": [2.0, 1.0, 1.1]}
     assert result.details["unit"] == "s"
     assert "misses <= 1.05" in result.details["miss"]
+
+
+def test_the_bootstrap_interval_holds_the_figure_and_only_values_the_samples_allow():
+    ours, bare = [2.0, 2.1, 2.2, 2.4, 3.0], [1.0, 1.0, 1.1, 1.2, 1.3]
+    low, high = bootstrap_interval(ours, bare)
+    # every resampled median is one of a side's values, so the ratio stays within these bounds
+    assert 2.0 / 1.3 <= low <= 2.2 / 1.1 <= high <= 3.0 / 1.0
+    assert bootstrap_interval(ours, bare) == (low, high)  # a fixed seed: recomputable from the summary
+    assert bootstrap_interval([2.0] * 5, [1.0] * 5) == (2.0, 2.0)  # no spread, no width
+
+
+def test_the_interval_of_a_difference_is_in_seconds_added():
+    low, high = bootstrap_interval([10.0, 11.0, 12.0, 13.0, 14.0], [9.0] * 5, difference)
+    assert 1.0 <= low <= 3.0 <= high <= 5.0
+
+
+def test_more_repeats_of_the_same_spread_narrow_the_interval():
+    few = bootstrap_interval([1.0, 1.5, 2.0, 2.5, 3.0], [1.0] * 5)
+    many = bootstrap_interval([1.0, 1.5, 2.0, 2.5, 3.0] * 8, [1.0] * 40)
+    assert many[1] - many[0] < few[1] - few[0]
+
+
+@pytest.mark.parametrize(("ours", "bare", "level"), [([], [1.0], 0.95), ([1.0], [1.0], 1.0)])
+def test_the_bootstrap_refuses_what_it_cannot_resample(ours, bare, level):
+    with pytest.raises(ValueError, match="both sides|level"):
+        bootstrap_interval(ours, bare, level=level)
+
+
+def test_a_ratio_whose_interval_holds_the_target_is_noisy_whatever_its_verdict():
+    target = Target("<=", 1.2)
+    steady = compare([1.0, 1.0, 1.01, 1.02, 1.0], [1.0, 1.0, 0.99, 1.0, 1.01], target)
+    assert steady.ok is True and steady.noisy is False
+    assert steady.interval is not None and steady.interval[1] < 1.2
+
+    shaky = compare([0.8, 1.0, 1.1, 1.4, 1.6], [1.0, 0.9, 1.0, 1.1, 1.0], target)
+    assert shaky.ok is True and shaky.noisy is True  # the median meets it, the interval does not promise it
+    assert target.crossed_by((1.0, 1.2)) and not target.crossed_by((1.21, 2.0))
+
+
+def test_compare_takes_a_difference_for_seconds_added():
+    result = compare([12.0, 12.5, 13.5, 12.2, 13.2], [10.0, 10.1, 9.9, 10.0, 10.2], Target("<=", 3), difference)
+    assert result.ratio == pytest.approx(2.5)
+    assert result.ok is True and result.noisy is True  # 2.5 s median, but 3 s lies inside its interval
 
 
 def test_a_bare_side_of_zero_gives_an_infinite_ratio_that_misses_a_cost_target():
@@ -104,6 +150,8 @@ def test_the_summary_keeps_entries_a_partial_run_did_not_touch(tmp_path):
         "target": "<= 2",
         "ok": False,
         "repeats": 5,
+        "interval": None,
+        "noisy": None,
         "details": {"why": "slower"},
     }
     assert written["checkpoint"]["ratio"] == 1.0
@@ -118,14 +166,14 @@ def test_an_unreadable_summary_is_replaced_not_fatal(tmp_path):
 
 def test_the_table_shows_each_verdict():
     results = {
-        "fast": BenchResult(ratio=0.5, target="<= 1", ok=True, repeats=3, details={}),
-        "slow": BenchResult(ratio=4.0, target="<= 1", ok=False, repeats=3, details={}),
+        "fast": BenchResult(ratio=0.5, target="<= 1", ok=True, repeats=5, interval=(0.4, 0.6), noisy=False, details={}),
+        "slow": BenchResult(ratio=4.0, target="<= 1", ok=False, repeats=5, interval=(0.9, 5.0), noisy=True, details={}),
         "curve": BenchResult(ratio=None, target=None, ok=None, repeats=1, details={}),
     }
     lines = table(results).splitlines()
-    assert lines[1].split() == ["fast", "0.5", "<=", "1", "yes", "3"]
-    assert lines[2].split()[-2] == "NO"
-    assert lines[3].split() == ["curve", "-", "-", "-", "1"]
+    assert lines[1].split() == ["fast", "0.5", "[0.4,", "0.6]", "<=", "1", "yes", "no", "5"]
+    assert lines[2].split()[-3:] == ["NO", "noisy", "5"]
+    assert lines[3].split() == ["curve", "-", "-", "-", "-", "-", "1"]
 
 
 def test_a_curve_table_ends_with_its_slope():
