@@ -107,19 +107,27 @@ step4_storage() {
 }
 
 step5_identities() {
-  log "5. IAM: the bucket policy and the three roles that write the bucket (IRSA)"
-  local policy="arn:aws:iam::$ACCOUNT_ID:policy/tuneproof-s3"
-  if ! aws iam get-policy --policy-arn "$policy" >/dev/null 2>&1; then
-    render "$DEPLOY/s3-policy.json" >"$WORK/s3-policy.json"
-    aws iam create-policy --policy-name tuneproof-s3 --policy-document "file://$WORK/s3-policy.json"
-  fi
-  local pair
-  for pair in tuneproof-ray:tuneproof-ray-s3 tuneproof-pipeline:tuneproof-pipeline-s3 tuneproof-canary:tuneproof-canary-s3; do
-    if aws iam get-role --role-name "${pair##*:}" >/dev/null 2>&1; then continue; fi
+  log "5. IAM: the bucket policies and the four roles that use the bucket (IRSA)"
+  ensure_policy tuneproof-s3 s3-policy.json
+  ensure_policy tuneproof-canary-s3 s3-canary-policy.json
+  local triple
+  # account:role:policy. A candidate image runs as tuneproof-canary-ray: its policy writes the canary prefix only.
+  for triple in tuneproof-ray:tuneproof-ray-s3:tuneproof-s3 tuneproof-pipeline:tuneproof-pipeline-s3:tuneproof-s3 \
+    tuneproof-canary:tuneproof-canary-s3:tuneproof-s3 tuneproof-canary-ray:tuneproof-canary-ray-s3:tuneproof-canary-s3; do
+    local account="${triple%%:*}" rest="${triple#*:}"
+    if aws iam get-role --role-name "${rest%%:*}" >/dev/null 2>&1; then continue; fi
     # role only: the service accounts themselves are in storage.yaml, rbac.yaml and canary.yaml
     eksctl create iamserviceaccount --cluster "$CLUSTER" --region "$AWS_REGION" --namespace "$NAMESPACE" \
-      --name "${pair%%:*}" --role-name "${pair##*:}" --attach-policy-arn "$policy" --role-only --approve
+      --name "$account" --role-name "${rest%%:*}" --attach-policy-arn "arn:aws:iam::$ACCOUNT_ID:policy/${rest##*:}" \
+      --role-only --approve
   done
+}
+
+# ensure_policy NAME FILE: the IAM policy from deployments/FILE (the bucket's name rendered in), once.
+ensure_policy() {
+  if aws iam get-policy --policy-arn "arn:aws:iam::$ACCOUNT_ID:policy/$1" >/dev/null 2>&1; then return; fi
+  render "$DEPLOY/$2" >"$WORK/$2"
+  aws iam create-policy --policy-name "$1" --policy-document "file://$WORK/$2"
 }
 
 step6_images() {
@@ -138,12 +146,17 @@ step6_images() {
 }
 
 step7_cluster_objects() {
-  log "7. namespace, Ray token, storage, RBAC, NetworkPolicy, the RayCluster"
+  log "7. namespace, Ray tokens (standing and canary), storage, RBAC, NetworkPolicy, the RayCluster"
   "$TUNEPROOF" lint "$DEPLOY/"
   apply "$DEPLOY/namespace.yaml"
-  if ! kubectl -n "$NAMESPACE" get secret tuneproof-ray-auth >/dev/null 2>&1; then
-    secret tuneproof-ray-auth --from-literal=auth_token="$(openssl rand -hex 32)"   # never rotated by a rerun
-  fi
+  local token
+  # Two tokens, each its own random value: the canary's clusters and flow runs (kube_canary.py,
+  # prefect-k8s-canary-job-template.json) never hold the standing cluster's. Never rotated by a rerun.
+  for token in tuneproof-ray-auth tuneproof-canary-ray-auth; do
+    if ! kubectl -n "$NAMESPACE" get secret "$token" >/dev/null 2>&1; then
+      secret "$token" --from-literal=auth_token="$(openssl rand -hex 32)"
+    fi
+  done
   apply "$DEPLOY/storage.yaml"
   apply "$DEPLOY/rbac.yaml"
   apply "$DEPLOY/networkpolicy.yaml"            # before the RayCluster: its pods are never reachable from elsewhere

@@ -115,10 +115,14 @@ def canary_workload(cfg: PipelineConfig, storage: Storage, candidate: str, max_s
 
     The cluster and storage stay the profile's, less its version expectations; the fine-tune is cut to
     max_steps with no resume test; every gate only asks that its metric was computed: a canary judges the image against
-    the baseline image's measurements, not the short model against the production gates.
+    the baseline image's measurements, not the short model against the production gates. On eks the runs' storage
+    root is <root>/canary: the canary's Ray pods run the candidate image under a role that writes only there
+    (deployments/s3-canary-policy.json), so `tuneproof runs show` finds them with --set storage.root=<root>/canary.
     """
     data = production_config(storage, cfg.model.name) or cfg.model_dump(mode="json")
     data.update(cluster=cfg.cluster.model_dump(mode="json"), storage=cfg.storage.model_dump(mode="json"))
+    if cfg.cluster.backend == "eks":
+        data["storage"]["root"] = f"{cfg.storage.root.rstrip('/')}/{images.CANARY_STORAGE_DIR}"
     expect = data["cluster"]["expect"]
     expect["image"] = candidate if cfg.cluster.backend == "eks" else None
     # A candidate brings its own versions: verify records them (and still requires every node to agree

@@ -326,8 +326,13 @@ def test_each_workers_rendered_job_is_admitted_for_that_worker_only(pool, worker
     other = CANARY_WORKER if worker == PIPELINE_WORKER else PIPELINE_WORKER
     theirs = job_admission(job, other)
     account = {PIPELINE_WORKER: "tuneproof-pipeline", CANARY_WORKER: "tuneproof-canary"}[other]
-    assert theirs.refusals == (f"a Job of this worker runs as {account}, never as another account of the namespace",)
-    assert ACCOUNT is None  # that message is the policy's messageExpression, naming the worker's own account
+    token = {PIPELINE_WORKER: "tuneproof-ray-auth", CANARY_WORKER: "tuneproof-canary-ray-auth"}[other]
+    # Neither the account nor the Ray token crosses pools: a canary run never holds the standing cluster's token.
+    assert theirs.refusals == (
+        f"a Job of this worker runs as {account}, never as another account of the namespace",
+        f"the only volume of a flow-run Job of this worker is its Ray token Secret {token}",
+    )
+    assert ACCOUNT is None and VOLUMES is None  # the policy's messageExpressions, naming the worker's own
 
 
 def _image(job: dict) -> None:
@@ -380,7 +385,9 @@ def test_a_changed_flow_run_job_is_refused_with_the_policys_message(pool, change
     job = worker_job(pool)
     change(job)
     worker = PIPELINE_WORKER if pool == "pipeline" else CANARY_WORKER
-    assert job_admission(job, worker).refusals == (message,)
+    token = "tuneproof-ray-auth" if pool == "pipeline" else "tuneproof-canary-ray-auth"
+    expected = message or f"the only volume of a flow-run Job of this worker is its Ray token Secret {token}"
+    assert job_admission(job, worker).refusals == (expected,)
 
 
 @pytest.mark.parametrize("change", [_account, _no_account])

@@ -50,6 +50,8 @@ def test_the_workload_is_short_resume_free_and_measured_not_gated(tmp_path):
     on_eks = canary_workload(eks, Storage(str(tmp_path)), OLD, 40)
     assert on_eks.cluster.expect.image == OLD and on_eks.train.num_workers == eks.train.num_workers
     assert on_eks.cluster.expect.nccl_version is None and on_eks.cluster.expect.efa  # EFA still required
+    # the candidate's Ray pods may write only the canary prefix (deployments/s3-canary-policy.json)
+    assert on_eks.storage.root == f"{tmp_path}/canary" and eks.storage.root == str(tmp_path)
 
 
 def test_images_commands_on_an_empty_registry_and_bad_ids(tmp_path):

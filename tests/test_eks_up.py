@@ -164,3 +164,33 @@ def test_the_script_refuses_to_start_without_the_prefect_api(stubs):
 def test_shellcheck_passes_the_script():
     done = subprocess.run(["shellcheck", "--severity=style", str(SCRIPT)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout
+
+
+def test_the_canary_gets_its_own_token_and_a_role_limited_to_its_prefix(stubs):
+    calls = run_script(stubs, exists=False)
+    roles = {
+        c["args"][c["args"].index("--name") + 1]: (
+            c["args"][c["args"].index("--role-name") + 1],
+            c["args"][c["args"].index("--attach-policy-arn") + 1].rsplit("/", 1)[-1],
+        )
+        for c in calls
+        if "iamserviceaccount" in c["args"]
+    }
+    assert roles["tuneproof-canary-ray"] == ("tuneproof-canary-ray-s3", "tuneproof-canary-s3")
+    assert roles["tuneproof-ray"] == ("tuneproof-ray-s3", "tuneproof-s3")
+    documents = {
+        c["args"][c["args"].index("--policy-name") + 1]: c["args"][c["args"].index("--policy-document") + 1]
+        for c in calls
+        if "create-policy" in c["args"]
+    }
+    assert documents["tuneproof-canary-s3"].endswith("/s3-canary-policy.json"), documents
+    tokens = {
+        c["args"][c["args"].index("generic") + 1]: next(a for a in c["args"] if a.startswith("--from-literal="))
+        for c in calls
+        if "generic" in c["args"] and "auth_token" in " ".join(c["args"])
+    }
+    assert set(tokens) == {"tuneproof-ray-auth", "tuneproof-canary-ray-auth"}
+    assert len([c for c in calls if c["cmd"] == "openssl" and "rand" in c["args"]]) == 2, "each its own random token"
+    assert max(index(calls, "kubectl", "tuneproof-canary-ray-auth"), index(calls, "kubectl", "tuneproof-ray-auth")) < (
+        applied(calls, "RayCluster")
+    )

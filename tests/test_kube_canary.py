@@ -128,7 +128,11 @@ def test_the_canary_manifest_is_a_valid_raycluster_running_only_the_candidate():
     groups = [body["spec"]["headGroupSpec"], *body["spec"]["workerGroupSpecs"]]
     images = {c["image"] for g in groups for c in g["template"]["spec"]["containers"]}
     assert images == {CANDIDATE}
+    # the canary's own token and bucket identity, never the standing cluster's (SECURITY.md, "The image canary")
+    assert body["spec"]["authOptions"] == {"mode": "token", "secretName": "tuneproof-canary-ray-auth"}
+    assert {g["template"]["spec"]["serviceAccountName"] for g in groups} == {"tuneproof-canary-ray"}
     assert manifest()["metadata"]["name"] == "tuneproof"  # the standing cluster's manifest is untouched
+    assert manifest()["spec"]["authOptions"]["secretName"] == "tuneproof-ray-auth"
     assert expected_pods(body) == 3
 
 

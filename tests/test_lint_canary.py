@@ -38,6 +38,14 @@ def account_variable(policy: dict) -> dict:
     return next(v for v in policy["spec"]["variables"] if v["name"] == "account")
 
 
+def lint_fails(project, capsys, name: str, change) -> str:
+    """lint's output for the copy with `change` applied to deployments/<name>; exit 1 asserted."""
+    edit(deploy(project, name), change)
+    code, out = lint(project, capsys)
+    assert code == 1
+    return out
+
+
 # ---------------------------------------------------------------- the canary's RBAC
 
 
@@ -149,13 +157,15 @@ def test_the_canary_template_is_the_pipelines_but_for_the_account(project, capsy
     assert (
         f"{CANARY_TEMPLATE}: Prefect base job template: differences from {project}/deployments/{TEMPLATE} is "
         "['job_configuration.job_manifest.spec.template.spec.containers[0].securityContext.allowPrivilegeEscalation', "
-        "'variables.properties.memory_limit.default'], expected 'none but the service account (and descriptions)'"
+        "'variables.properties.memory_limit.default'], expected 'none but the service account and the Ray token Secret (and descriptions)'"
     ) in out
 
 
-def test_the_committed_canary_template_differs_only_in_the_account():
+def test_the_committed_canary_template_differs_only_in_the_account_and_the_token():
     base = json.loads((PROJECT_ROOT / "deployments" / TEMPLATE).read_text())
     canary = json.loads((PROJECT_ROOT / "deployments" / CANARY_TEMPLATE).read_text())
+    tokens = [template_pod(t)["volumes"][0]["secret"].pop("secretName") for t in (base, canary)]
+    assert tokens == ["tuneproof-ray-auth", "tuneproof-canary-ray-auth"]
     for template in (base, canary):
         template["variables"].pop("description")
         template["variables"]["properties"].pop("service_account_name")
@@ -267,11 +277,11 @@ def test_the_canarys_rayclusters_are_held_by_an_admission_policy(project, capsys
     assert "delete the standing RayCluster" in out
 
 
-def test_the_canary_cluster_policy_follows_the_ray_pods_identity(project, capsys):
+def test_the_canary_cluster_policy_holds_the_canary_to_its_own_identity(project, capsys):
     def loosen(policy):
         for v in policy["spec"]["validations"]:
             v["expression"] = (
-                v["expression"].replace("'tuneproof-ray'", "'default'").replace("'tuneproof-canary-'", "'t'")
+                v["expression"].replace("'tuneproof-canary-ray'", "'default'").replace("'tuneproof-canary-'", "'t'")
             )
 
     edit(deploy(project, "canary.yaml"), in_canary_cluster_policy(loosen))
@@ -279,9 +289,72 @@ def test_the_canary_cluster_policy_follows_the_ray_pods_identity(project, capsys
     assert code == 1
     policy = "ValidatingAdmissionPolicy/tuneproof-canary-rayclusters: spec.validations"
     assert f"{policy} is \"no expression naming 'tuneproof-canary-'\", expected 'tuneproof-canary-'" in out
-    assert f"{policy} is \"no expression naming 'tuneproof-ray'\", expected 'tuneproof-ray'" in out
-    assert "RayCluster/tuneproof spec.headGroupSpec's service account: the canary's RayClusters must keep to it" in out
-    assert "'tuneproof-ray-auth'" not in out  # the token Secret is still named
+    assert f"{policy} is \"no expression naming 'tuneproof-canary-ray'\", expected 'tuneproof-canary-ray'" in out
+    assert "the canary clusters' pods' own service account" in out
+    assert "'tuneproof-canary-ray-auth'\"" not in out  # the token Secret is still named
+
+
+def test_the_canary_cluster_policy_never_admits_the_standing_clusters_token_or_account(project, capsys):
+    def production(policy):  # the canary's RayClusters held to raycluster.yaml's identity, as before issue 32
+        for v in policy["spec"]["validations"]:
+            v["expression"] = (
+                v["expression"]
+                .replace("'tuneproof-canary-ray-auth'", "'tuneproof-ray-auth'")
+                .replace("'tuneproof-canary-ray'", "'tuneproof-ray'")
+            )
+
+    out = lint_fails(project, capsys, "canary.yaml", in_canary_cluster_policy(production))
+    policy = "ValidatingAdmissionPolicy/tuneproof-canary-rayclusters: spec.validations"
+    assert (
+        f"{policy} is \"an expression naming 'tuneproof-ray-auth'\", expected 'none naming tuneproof-ray-auth'" in out
+    )
+    assert f"{policy} is \"an expression naming 'tuneproof-ray'\", expected 'none naming tuneproof-ray'" in out
+    assert "RayCluster/tuneproof's token Secret: a candidate image given it could submit jobs to the standing" in out
+
+
+def test_the_canary_template_never_mounts_the_standing_clusters_token(project, capsys):
+    def production_token(template):
+        template_pod(template)["volumes"][0]["secret"]["secretName"] = "tuneproof-ray-auth"
+
+    out = lint_fails(project, capsys, CANARY_TEMPLATE, production_token)
+    assert (
+        f"{CANARY_TEMPLATE}: Prefect base job template: job_manifest volumes[ray-auth].secret.secretName is "
+        "'tuneproof-ray-auth', expected 'tuneproof-canary-ray-auth'"
+    ) in out
+    assert "would let a candidate's flow run submit jobs to production" in out
+
+
+def in_canary_ray_account(change):
+    return lambda doc: (
+        change(doc["metadata"])
+        if doc.get("kind") == "ServiceAccount" and doc["metadata"]["name"] == "tuneproof-canary-ray"
+        else None
+    )
+
+
+def test_the_canary_clusters_account_has_a_bucket_role_of_its_own(project, capsys):
+    standing = {"eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/tuneproof-ray-s3"}
+    out = lint_fails(project, capsys, "canary.yaml", in_canary_ray_account(lambda m: m.update(annotations=standing)))
+    assert (
+        "ServiceAccount/tuneproof-canary-ray: metadata.annotations[eks.amazonaws.com/role-arn] is "
+        "'arn:aws:iam::123456789012:role/tuneproof-ray-s3', expected \"an IAM role of its own, not tuneproof-ray's\""
+    ) in out
+
+
+def test_the_canary_clusters_account_must_exist(project, capsys):
+    out = lint_fails(project, capsys, "canary.yaml", in_canary_ray_account(lambda m: m.update(name="someone-else")))
+    assert "the canary clusters' service account tuneproof-canary-ray is 'tuneproof-canary-ray (not among" in out
+
+
+def test_the_canary_bucket_policy_writes_only_the_canary_prefix(project, capsys):
+    def whole_bucket(policy):
+        policy["Statement"][2]["Resource"] = "arn:aws:s3:::tuneproof-artifacts/*"
+
+    out = lint_fails(project, capsys, "s3-canary-policy.json", whole_bucket)
+    assert (
+        "s3-canary-policy.json: IAMPolicy: Statement[WriteTheCanaryPrefixOnly].Resource is "
+        "'arn:aws:s3:::tuneproof-artifacts/*', expected 'arn:aws:s3:::<bucket>/<storage root>/canary/*'"
+    ) in out
 
 
 def test_the_canary_template_without_canary_yaml_names_what_is_missing(project, capsys):

@@ -258,6 +258,8 @@ def medians(metrics: dict[str, list[float]]) -> dict[str, float]:
 
 # ---- EKS runs read the pointer -----------------------------------------------------------------
 
+CANARY_STORAGE_DIR = "canary"
+"""On eks the canary's runs live under <storage root>/canary/, the only prefix its Ray pods' role may write."""
 CANARY_CLUSTER_PREFIX = "tuneproof-canary-"
 """Ephemeral canary RayClusters run their candidate, never the pointer's image."""
 

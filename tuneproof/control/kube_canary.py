@@ -6,7 +6,10 @@
 The manifest is deployments/raycluster.yaml with every container of the head and worker groups set to
 the candidate image, a unique name (tuneproof-canary-<short id>), and the worker groups on the node group
 `gpu-canary` (deployments/cluster.yaml: scaled to 2 nodes for a canary, 0 between), so the canary never
-touches the standing cluster or waits for GPUs it holds. Ready means what verify needs: the RayCluster's status.state is `ready` AND every pod
+touches the standing cluster or waits for GPUs it holds. The copy runs with the canary's own identity, never
+production's: Ray token auth from the Secret `tuneproof-canary-ray-auth` (the canary's flow-run pod mounts the
+same Secret, prefect-k8s-canary-job-template.json) and every pod as `tuneproof-canary-ray`, whose IRSA role
+writes only the canary prefix of the bucket (deployments/canary.yaml, s3-canary-policy.json). Ready means what verify needs: the RayCluster's status.state is `ready` AND every pod
 the spec asks for (head + worker replicas) is Running with its Ready condition true; the wait is bounded
 and reports progress on each change. The cluster is deleted when the block ends, whatever happened: a
 deletion error is logged, never raised over the block's own outcome (the original failure is the one
@@ -47,6 +50,10 @@ CANARY_LABEL = "tuneproof.io/image-canary"
 NODE_GROUP_LABEL = "eks.amazonaws.com/nodegroup"
 CANARY_NODE_GROUP = "gpu-canary"
 """The EKS managed node group the canary's Ray workers run on (deployments/cluster.yaml), apart from the standing cluster's."""
+CANARY_TOKEN_SECRET = "tuneproof-canary-ray-auth"
+"""The canary clusters' Ray token: a candidate image never sees the standing cluster's (deployments/canary.yaml)."""
+CANARY_RAY_ACCOUNT = "tuneproof-canary-ray"
+"""The canary clusters' pods' service account: its IRSA role writes the bucket's canary prefix only."""
 DASHBOARD_PORT = 8265
 Log = Callable[[str], None]
 
@@ -70,7 +77,8 @@ def canary_name(short_id: str) -> str:
 
 
 def canary_manifest(manifest: dict, image: str, name: str, namespace: str) -> dict:
-    """The RayCluster manifest renamed and running `image` in every head and worker container (pure)."""
+    """The RayCluster manifest renamed, running `image` in every head and worker container, under the canary's
+    own token Secret and service account (pure)."""
     out = copy.deepcopy(manifest)
     meta = out.setdefault("metadata", {})
     for server_side in ("resourceVersion", "uid", "creationTimestamp", "generation", "managedFields"):
@@ -82,11 +90,15 @@ def canary_manifest(manifest: dict, image: str, name: str, namespace: str) -> di
     meta["name"], meta["namespace"] = name, namespace
     meta["labels"] = {**(meta.get("labels") or {}), CANARY_LABEL: "true"}
     spec = out.get("spec") or {}
+    if spec.get("authOptions"):  # a candidate holding production's token could submit jobs to the standing cluster
+        spec["authOptions"] = {**spec["authOptions"], "secretName": CANARY_TOKEN_SECRET}
     for group in [spec.get("headGroupSpec") or {}, *worker_groups(out)]:
         template = group.setdefault("template", {})
         pod_spec = template.get("spec") or {}
         for container in pod_spec.get("containers") or []:
             container["image"] = image
+        if pod_spec:  # production's account carries the role that writes every run and model in the bucket
+            pod_spec["serviceAccountName"] = CANARY_RAY_ACCOUNT
         # networkpolicy.yaml's tuneproof-canary-ray selects the canary's pods by it: their ports open to each other only
         metadata = template.setdefault("metadata", {})
         metadata["labels"] = {**(metadata.get("labels") or {}), CANARY_LABEL: "true"}

@@ -24,6 +24,7 @@ Without a config only the manifest-internal checks run. Pure apart from reading 
 
 from __future__ import annotations
 
+from tuneproof.app.lint.canary import canary_bucket_policy_findings, canary_ray_account_findings
 from tuneproof.app.lint.documents import Doc, load_documents, schema_findings
 from tuneproof.app.lint.eks import (
     canary_label_findings,
@@ -82,11 +83,11 @@ def aws_findings(doc: Doc, docs: list[Doc]) -> list[Finding]:
     if doc.kind == "ClusterConfig":
         return cluster_config_findings(doc, docs)
     if doc.kind == "IAMPolicy":
-        return iam_policy_findings(doc)
+        return iam_policy_findings(doc) + canary_bucket_policy_findings(doc)
     if doc.kind == "ShellScript":
         return script_findings(doc, docs)
     if doc.kind == "Requirements":
         return ray_skew_findings(doc, docs)
     if doc.kind == "ServiceAccount":
-        return placeholder_findings(doc)
+        return placeholder_findings(doc) + canary_ray_account_findings(doc, docs)
     return []

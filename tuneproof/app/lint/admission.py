@@ -58,6 +58,12 @@ def admission_policy_findings(doc: Doc, docs: list[Doc], pod_spec: dict) -> list
     text = " ".join(
         str(v.get("expression")) for p in policies for v in (p.obj.get("spec") or {}).get("validations") or []
     )
+    read = " ".join(  # a name in a variable a validation reads is admitted as if it were in the validation
+        str(v.get("expression"))
+        for p in policies
+        for v in (p.obj.get("spec") or {}).get("variables") or []
+        if f"variables.{v.get('name')}" in text
+    )
     pins = _flow_run_pins(doc, docs, pod_spec)
     account = pins.pop("service account")
     findings = [
@@ -69,7 +75,7 @@ def admission_policy_findings(doc: Doc, docs: list[Doc], pod_spec: dict) -> list
             f"{doc.file} pins the flow runs' {what} to it: the policy must admit exactly that",
         )
         for what, value in pins.items()
-        if value and f"'{value}'" not in text
+        if value and f"'{value}'" not in f"{text} {read}"
     ]
     return (
         findings

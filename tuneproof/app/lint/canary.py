@@ -5,17 +5,23 @@
   that account; no other template pins it;
 - the roles bound to tuneproof-canary write nothing but create/delete on rayclusters and grant every call
   the canary makes;
-- a Deny-bound policy holds the canary's RayCluster creates and deletes to its name prefix and to
-  raycluster.yaml's service account and token Secret.
+- a Deny-bound policy holds the canary's RayCluster creates and deletes to its name prefix and to the
+  canary's own service account and token Secret (tuneproof/control/kube_canary.py), never naming the standing
+  RayCluster's;
+- the canary's identity is its own: its template mounts the canary's token Secret, never a RayCluster's
+  (tuneproof.app.lint.pools), its Ray pods' account carries another IAM role than the standing Ray pods', and
+  the canary's bucket policy (s3-canary-policy.json) writes nothing outside the canary prefix.
 """
 
 from __future__ import annotations
 
 from pathlib import Path, PurePosixPath
 
-from tuneproof.app.lint.documents import Doc, group_pod_spec, pinned_value, ray_groups
+from tuneproof.app.lint.documents import Doc, as_list, group_pod_spec, pinned_value, ray_groups
 from tuneproof.app.lint.rbac import denying_policies, write_findings
-from tuneproof.control.images import CANARY_CLUSTER_PREFIX
+from tuneproof.app.lint.storage import IRSA_ANNOTATION, irsa_findings
+from tuneproof.control.images import CANARY_CLUSTER_PREFIX, CANARY_STORAGE_DIR
+from tuneproof.control.kube_canary import CANARY_RAY_ACCOUNT, CANARY_TOKEN_SECRET
 from tuneproof.core.findings import Finding
 
 PIPELINE_POOL = "tuneproof-eks"
@@ -95,13 +101,15 @@ def canary_template_findings(doc: Doc, docs: list[Doc]) -> list[Finding]:
         findings.append(Finding(doc.subject, field, account, CANARY_ACCOUNT, why))
     pipeline = pool_template(docs, PIPELINE_POOL)
     differences = _differences(_but_the_account(pipeline.obj), _but_the_account(doc.obj)) if pipeline else []
+    # The canary's flow runs hold the canary's token (checked by pools._token_mount_findings), not the pipeline's.
+    differences = [d for d in differences if not d.endswith(".secret.secretName")]
     if differences:
         findings.append(
             Finding(
                 doc.subject,
                 f"differences from {pipeline.file if pipeline else ''}",
                 differences[:5],
-                "none but the service account (and descriptions)",
+                "none but the service account and the Ray token Secret (and descriptions)",
                 "the canary's flow-run pod is the pipeline's (image, namespace, hardening, Secrets) under another "
                 "identity: change both templates together",
             )
@@ -110,7 +118,7 @@ def canary_template_findings(doc: Doc, docs: list[Doc]) -> list[Finding]:
 
 
 def canary_raycluster_policy_findings(doc: Doc, docs: list[Doc], account: str, namespace: str | None) -> list[Finding]:
-    """The API server holds the canary's RayClusters to raycluster.yaml's identity and Secrets, and its own names.
+    """The API server holds the canary's RayClusters to the canary's own identity and Secrets, and its own names.
 
     The KubeRay operator, not the canary, creates the pods: the canary's RBAC does not bound what they run as.
     """
@@ -130,14 +138,12 @@ def canary_raycluster_policy_findings(doc: Doc, docs: list[Doc], account: str, n
     text = " ".join(
         str(v.get("expression")) for p in policies for v in (p.obj.get("spec") or {}).get("validations") or []
     )
-    wanted = {CANARY_CLUSTER_PREFIX: "the canary's name prefix (tuneproof/control/kube_canary.py)"}  # value: why
-    for raycluster in (d for d in docs if d.kind == "RayCluster"):
-        if secret := ((raycluster.obj.get("spec") or {}).get("authOptions") or {}).get("secretName"):
-            wanted.setdefault(secret, f"{raycluster.subject}'s token Secret")
-        for where, group in ray_groups(raycluster.obj):
-            if ray_account := group_pod_spec(group).get("serviceAccountName"):
-                wanted.setdefault(ray_account, f"{raycluster.subject} {where}'s service account")
-    return [
+    wanted = {  # value: why
+        CANARY_CLUSTER_PREFIX: "the canary's name prefix (tuneproof/control/kube_canary.py)",
+        CANARY_TOKEN_SECRET: "the canary clusters' own token Secret (tuneproof/control/kube_canary.py)",
+        CANARY_RAY_ACCOUNT: "the canary clusters' pods' own service account (tuneproof/control/kube_canary.py)",
+    }
+    findings = [
         Finding(
             policies[0].subject,
             "spec.validations",
@@ -147,6 +153,87 @@ def canary_raycluster_policy_findings(doc: Doc, docs: list[Doc], account: str, n
         )
         for value, what in wanted.items()
         if f"'{value}'" not in text
+    ]
+    return findings + [
+        Finding(
+            policies[0].subject,
+            "spec.validations",
+            f"an expression naming '{value}'",
+            f"none naming {value}",
+            f"{what}: a candidate image given it could submit jobs to the standing cluster or write its runs, "
+            "models and pointers in the bucket",
+        )
+        for value, what in _standing_identity(docs).items()
+        if f"'{value}'" in text
+    ]
+
+
+def _standing_identity(docs: list[Doc]) -> dict[str, str]:
+    """The standing RayClusters' token Secrets and pod service accounts: value -> what it is."""
+    found: dict[str, str] = {}
+    for raycluster in (d for d in docs if d.kind == "RayCluster"):
+        if secret := ((raycluster.obj.get("spec") or {}).get("authOptions") or {}).get("secretName"):
+            found.setdefault(secret, f"{raycluster.subject}'s token Secret")
+        for where, group in ray_groups(raycluster.obj):
+            if ray_account := group_pod_spec(group).get("serviceAccountName"):
+                found.setdefault(ray_account, f"{raycluster.subject} {where}'s service account")
+    return found
+
+
+def canary_ray_account_findings(doc: Doc, docs: list[Doc]) -> list[Finding]:
+    """The canary clusters' account has an IAM role (IRSA) of its own, not the standing Ray pods' one."""
+    if doc.name != CANARY_RAY_ACCOUNT:
+        return []
+    field = f"metadata.annotations[{IRSA_ANNOTATION}]"
+    role = ((doc.obj.get("metadata") or {}).get("annotations") or {}).get(IRSA_ANNOTATION)
+    standing = _standing_identity(docs)
+    shared = [
+        d.name
+        for d in docs
+        if d.kind == "ServiceAccount" and d.name in standing and d.name != doc.name and _role(d) == role
+    ]
+    if role and not shared:
+        return []
+    return [
+        Finding(
+            doc.subject,
+            field,
+            role if role else None,
+            "an IAM role of its own" + (f", not {shared[0]}'s" if shared else ""),
+            "a candidate image runs as this account: with the standing Ray pods' role it could overwrite any run, "
+            "model or pointer in the bucket (SECURITY.md, 'The image canary'); without one it has no S3 credentials",
+        )
+    ]
+
+
+def _role(doc: Doc) -> str | None:
+    return ((doc.obj.get("metadata") or {}).get("annotations") or {}).get(IRSA_ANNOTATION)
+
+
+CANARY_POLICY_FILE = "s3-canary-policy.json"
+"""The canary Ray role's bucket policy (deployments/eks-up.sh attaches it to tuneproof-canary-ray-s3)."""
+WRITE_ACTIONS = ("s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload", "s3:*", "*")
+
+
+def canary_bucket_policy_findings(doc: Doc) -> list[Finding]:
+    """The canary Ray role's policy writes objects only under <storage root>/canary/ (flows/canary.py's runs)."""
+    if PurePosixPath(Path(doc.file).as_posix()).name != CANARY_POLICY_FILE:
+        return []
+    return [
+        Finding(
+            doc.subject,
+            f"Statement[{s.get('Sid') or i}].Resource",
+            resource,
+            f"arn:aws:s3:::<bucket>/<storage root>/{CANARY_STORAGE_DIR}/*",
+            "a candidate image writes with this policy: outside the canary prefix it could overwrite production's "
+            "runs, models or the image and model pointers",
+        )
+        for i, s in enumerate(doc.obj.get("Statement") or [])
+        if isinstance(s, dict)
+        and s.get("Effect") == "Allow"
+        and any(a in WRITE_ACTIONS or str(a).endswith("*") for a in as_list(s.get("Action")))
+        for resource in as_list(s.get("Resource"))
+        if not str(resource).endswith(f"/{CANARY_STORAGE_DIR}/*")
     ]
 
 
@@ -185,6 +272,14 @@ def canary_role_findings(doc: Doc, docs: list[Doc], account: str, namespace: str
         "and writes nothing else",
     )
     findings += canary_raycluster_policy_findings(doc, docs, account, namespace)
+    findings += irsa_findings(
+        doc.subject,
+        f"the canary clusters' service account {CANARY_RAY_ACCOUNT}",
+        CANARY_RAY_ACCOUNT,
+        namespace,
+        docs,
+        "tuneproof/control/kube_canary.py runs every canary Ray pod as it (deployments/canary.yaml)",
+    )
     missing = [
         f"{verb} {resource}" + (f".{group}" if group else "")
         for (group, resource), verbs in CANARY_NEEDS.items()

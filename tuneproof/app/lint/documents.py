@@ -302,3 +302,8 @@ def unique(findings: list[Finding]) -> list[Finding]:
 
 def pinned_value(schema: dict):
     return schema["const"] if "const" in schema else (schema.get("enum") or [None])[0]
+
+
+def as_list(value) -> list:
+    """A JSON field that may hold one value or a list of them (IAM's Action and Resource), as a list."""
+    return value if isinstance(value, list) else [value]

@@ -16,7 +16,7 @@
 
 from __future__ import annotations
 
-from tuneproof.app.lint.documents import Doc, group_pod_spec, ray_groups, schema_findings
+from tuneproof.app.lint.documents import Doc, as_list, group_pod_spec, ray_groups, schema_findings
 from tuneproof.app.lint.nodes import (
     DAEMONSET_ALLOWANCE,
     INSTANCE_TYPE_LABEL,
@@ -296,8 +296,8 @@ def _program(word: str, assigned: dict[str, str]) -> str:
 def iam_policy_findings(doc: Doc) -> list[Finding]:
     """The statement on the bucket's objects allows every action the pipeline's writers take."""
     statements = [s for s in doc.obj.get("Statement") or [] if isinstance(s, dict) and s.get("Effect") == "Allow"]
-    on_objects = [s for s in statements if any(str(r).endswith("/*") for r in _list(s.get("Resource")))]
-    granted = {a for s in on_objects for a in _list(s.get("Action"))}
+    on_objects = [s for s in statements if any(str(r).endswith("/*") for r in as_list(s.get("Resource")))]
+    granted = {a for s in on_objects for a in as_list(s.get("Action"))}
     if not on_objects or "s3:*" in granted:
         return []
     return [
@@ -314,10 +314,6 @@ def iam_policy_findings(doc: Doc) -> list[Finding]:
         for action in OBJECT_ACTIONS
         if action not in granted
     ]
-
-
-def _list(value) -> list:
-    return value if isinstance(value, list) else [value]
 
 
 def ray_skew_findings(doc: Doc, docs: list[Doc]) -> list[Finding]:

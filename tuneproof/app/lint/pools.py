@@ -21,10 +21,12 @@ import jsonschema
 from tuneproof.app.lint.admission import admission_policy_findings
 from tuneproof.app.lint.canary import (
     CANARY_ACCOUNT,
+    CANARY_POOL,
     canary_placement_findings,
     canary_role_findings,
     canary_template_findings,
     pool_template,
+    template_pool,
 )
 from tuneproof.app.lint.documents import (
     PLACEHOLDER_VARIABLE,
@@ -43,6 +45,7 @@ from tuneproof.app.lint.rbac import read_only_findings
 from tuneproof.app.lint.security import api_token_findings, pod_security_findings
 from tuneproof.app.lint.storage import irsa_findings, mount_for
 from tuneproof.app.lint.worker import literal_credential_findings, worker_role_namespaces
+from tuneproof.control.kube_canary import CANARY_TOKEN_SECRET
 from tuneproof.control.kube_checks import ray_container
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.findings import Finding
@@ -210,6 +213,13 @@ def _token_mount_findings(doc: Doc, docs: list[Doc], pod_spec: dict, defaults: d
         if d.kind == "RayCluster"
         if (name := ((d.obj.get("spec") or {}).get("authOptions") or {}).get("secretName"))
     }
+    why = "the RayCluster's spec.authOptions.secretName: the flow would send a token the cluster rejects"
+    if template_pool(doc) == CANARY_POOL:  # the canary's flow runs talk to the canary's clusters only
+        wanted = {CANARY_TOKEN_SECRET}
+        why = (
+            "the canary clusters' own token (tuneproof/control/kube_canary.py): the canary cluster rejects any other, "
+            "and the standing cluster's would let a candidate's flow run submit jobs to production"
+        )
     if wanted and secret not in wanted:
         return [
             Finding(
@@ -217,7 +227,7 @@ def _token_mount_findings(doc: Doc, docs: list[Doc], pod_spec: dict, defaults: d
                 f"job_manifest volumes[{mount.get('name')}].secret.secretName",
                 secret,
                 sorted(wanted)[0],
-                "the RayCluster's spec.authOptions.secretName: the flow would send a token the cluster rejects",
+                why,
             )
         ]
     return []
