@@ -27,6 +27,7 @@ from bench.common import BenchResult, table, write_summary
 OUT = Path(__file__).resolve().parent / "out"
 BENCHMARKS = (
     "eval_batching",
+    "packing",
     "checkpoint",
     "stage_overhead",
     "data_prep",
@@ -36,7 +37,7 @@ BENCHMARKS = (
     "scaling",
 )
 """Run order: the quick ones first, so a broken environment shows in seconds."""
-IN_PROCESS = {"eval_batching", "checkpoint"}
+IN_PROCESS = {"eval_batching", "packing", "checkpoint"}
 """Benchmarks that run in this process and need no Ray head."""
 
 

@@ -435,11 +435,12 @@ def setup(ctx: JobContext, params: TrainParams) -> Worker:
 
         apply_lora(model, cfg.lora, cfg.seed)  # in place: `model` now carries the adapters, its base frozen
     counts = parameter_counts(model)
+    layout = BatchLayout(cfg.micro_batch_size, cfg.grad_accum_steps, world)
+    batches = StepBatches(load_examples(ctx.storage, params.dataset, "train"), layout, cfg.seed, rank, pad_id)
+    probe_first_batch(model.to(device), batches, rank)
     shard_model(model, device, cfg.activation_checkpointing, cfg.sharding, cfg.shard_group_size).train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    layout = BatchLayout(cfg.micro_batch_size, cfg.grad_accum_steps, world)
-    batches = StepBatches(load_examples(ctx.storage, params.dataset, "train"), layout, cfg.seed, rank, pad_id)
     schedule = WarmupCosine(cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
     w = Worker(
         ctx, params, rank, world, device, model, optimizer, batches, schedule, flops_per_token, peak_flops(device)
@@ -452,6 +453,18 @@ def setup(ctx: JobContext, params: TrainParams) -> Worker:
         f"method {cfg.method}: {counts[0]:,} of {counts[1]:,} parameters train; {cfg.sharding} sharding, mesh {w.mesh}"
     )
     return w
+
+
+def probe_first_batch(model, batches: StepBatches, rank: int) -> None:
+    """With packed rows, step 1's first micro-batch goes through training.packing's probe on the fp32
+    model before it is sharded (on GPU FSDP2 computes in bf16): a leak across examples fails the stage."""
+    from training.packing import probe_packing
+
+    rows = batches.micro_examples(1)[0]
+    if any(row.packed for row in rows):
+        worst = probe_packing(model, rows, batches.pad_id)
+        if rank == 0:
+            jobkit.log(f"packing probe: per-example loss packed vs alone agrees within {worst:.2g} on the first batch")
 
 
 def check_checkpoint_home(w: Worker) -> None:
@@ -585,7 +598,9 @@ def token_loss_sum(model, batch: dict):
     """Summed next-token cross entropy over the labelled positions (fp32 logits)."""
     import torch.nn.functional as F
 
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    from training.packing import forward_inputs
+
+    logits = model(**forward_inputs(model, batch)).logits
     return F.cross_entropy(
         logits[:, :-1].float().flatten(0, 1),
         batch["labels"][:, 1:].flatten(),
