@@ -59,6 +59,7 @@ from training.checkpointing import (
 )
 from training.jobkit import JobContext, run_stage
 from training.lora import ADAPTER_DIR
+from training.modeling import base_model_facts
 from training.schedule import WarmupCosine
 from tuneproof.core.hashing import IGNORE_INDEX
 from tuneproof.core.markers import Digests, ExportUnverified, read_export_manifest
@@ -280,6 +281,7 @@ def summarize(ctx: JobContext, params: TrainParams, outcome: dict, seconds: floa
             read_jsonl(ctx.storage, *ctx.stage_parts(FAILURES)),
             rows,
         ),
+        base_model=base_model_facts(ctx.config.model.source),
     )
 
 

@@ -222,6 +222,17 @@ LossPoint = tuple[int, float | None]
 """(step, loss); None where the loss was not finite."""
 
 
+class BaseModelFacts(Summary):
+    """What a base model directory's base.json says of how it was made (the tiny local base writes one)."""
+
+    content_hash: str
+    """sha256 over the build's recipe, model shape and input files: the same hash, the same base."""
+    recipe: dict[str, Any]
+    """How it was pre-trained (tuneproof/app/tiny_base.SkillsRecipe): steps, batch, lr, seed, data, ..."""
+    skills_exact_match: dict[str, float] = {}
+    """Its exact match on each bundled skill suite when it was built."""
+
+
 class Restart(Summary):
     """One restart of the Ray Train worker group within a fine-tune job (train.max_failures allows it)."""
 
@@ -275,6 +286,8 @@ class FinetuneSummary(Summary):
     and ddp ([workers, 1]); e.g. [2, 2] for 4 workers in shard groups of 2."""
     restarts: list[Restart] = []
     """Worker-group failures Ray Train recovered from in this job, with the step each one resumed at."""
+    base_model: BaseModelFacts | None = None
+    """The base's identity when its directory carries base.json (the pre-trained tiny base); else None."""
 
 
 # ---- 5 resume --------------------------------------------------------------------------------
