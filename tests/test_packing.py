@@ -9,9 +9,9 @@ import torch
 
 from tests.tiny import tiny_qwen2
 from training.data_prep import Example, examples_table, pack_split, table_examples
-from training.finetune import token_loss_sum
+from training.finetune import probe_first_batch, token_loss_sum
 from training.packing import PROBE_TOLERANCE, block_causal_mask, forward_inputs, probe_packing
-from training.train_data import TrainExample, collate
+from training.train_data import BatchLayout, StepBatches, TrainExample, collate
 from tuneproof.core.results import FailureClass, StageFailure
 
 VOCAB = 40
@@ -102,3 +102,17 @@ def test_pack_split_records_each_rows_example_lengths_and_they_survive_the_table
     assert [r.segments for r in rows] == [[4, 3], [5, 2], [6]]
     assert [len(r.input_ids) for r in rows] == [7, 7, 6]
     assert [r.segments for r in table_examples(examples_table(rows))] == [[4, 3], [5, 2], [6]]
+
+
+def test_the_fine_tune_probes_its_first_packed_batch_and_fails_a_leaking_model_as_infrastructure(monkeypatch):
+    batches = StepBatches(packed_rows() * 2, BatchLayout(4, 1, 1), seed=0, rank=0, pad_id=0)
+    model = tiny_qwen2(VOCAB, seed=4).eval()
+    probe_first_batch(model, batches, rank=0)  # packed rows kept apart: passes
+
+    def ignoring_boundaries(model, batch):  # a forward that drops the position ids and the block mask
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+    monkeypatch.setattr("training.packing.forward_inputs", ignoring_boundaries)
+    with pytest.raises(StageFailure, match="packing probe") as failed:
+        probe_first_batch(model, batches, rank=0)
+    assert failed.value.failure_class == FailureClass.infrastructure
