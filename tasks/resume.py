@@ -19,8 +19,6 @@ An unusable checkpoint is an infrastructure failure, and blocks promotion.
 
 from __future__ import annotations
 
-import json
-
 from prefect import task
 
 from tasks import events
@@ -28,6 +26,7 @@ from tasks.jobs import RETRY, StageCall, entry_from_jobs, runner_for
 from tuneproof.control.record import StageEntry
 from tuneproof.control.resume_evidence import check_restart, compare_losses
 from tuneproof.core.results import FailureClass, now_iso
+from tuneproof.core.rowlog import read_rows
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import (
     CheckpointRef,
@@ -160,8 +159,5 @@ def as_losses(points: list[LossPoint]) -> dict[int, float]:
 
 def interrupted_losses(storage: Storage, run_id: str, job: str) -> dict[int, float]:
     """Losses the interrupt phase logged before it was killed (its metrics.jsonl was flushed at the checkpoint)."""
-    parts = ("runs", run_id, "stages", job, "metrics.jsonl")
-    if not storage.exists(*parts):
-        return {}
-    rows = [json.loads(line) for line in storage.read_text(*parts).splitlines() if line.strip()]
+    rows = read_rows(storage, "runs", run_id, "stages", job, "metrics.jsonl")
     return as_losses([(r["step"], r["loss"]) for r in rows if "loss" in r])
