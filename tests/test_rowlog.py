@@ -89,3 +89,16 @@ def test_on_s3_each_flush_is_a_numbered_chunk_read_back_in_order(s3_endpoint):
     check_resumed(storage)
     remove_log(storage, *LOG)
     assert read_rows(storage, *LOG) == []
+
+
+@pytest.mark.integration
+def test_an_s3_writer_that_keeps_its_chunk_number_lists_once(s3_endpoint, monkeypatch):
+    storage = Storage(f"s3://{TEST_BUCKET}/rowlog-{uuid.uuid4().hex[:8]}", s3_endpoint)
+    chunk = append_rows(storage, [{"step": 1}], *LOG)
+    listings = []
+    monkeypatch.setattr(storage, "listdir", lambda *p: listings.append(p) or [])
+    for step in (2, 3):
+        chunk = append_rows(storage, [{"step": step}], *LOG, chunk=chunk + 1)
+    assert chunk == 3 and listings == []
+    monkeypatch.undo()
+    assert [r["step"] for r in read_rows(storage, *LOG)] == [1, 2, 3]

@@ -330,6 +330,8 @@ class Worker:
     peak_flops: float | None
     metrics: list[dict[str, Any]] = field(default_factory=list)
     """Rank 0: the rows logged since the last flush, which appends them to metrics.jsonl."""
+    metrics_chunk: int | None = None
+    """On S3, the number of this worker's last metrics chunk (None: list the chunks once to find it)."""
     restored_from: str | None = None
     attempt: int = 0
     """Which start of the worker group this is within the job (0 first; more after Ray Train restarts)."""
@@ -620,7 +622,8 @@ def finite_or_none(value: float) -> float | None:
 def flush_metrics(w: Worker) -> None:
     """Rank 0 appends the rows logged since the last flush: the cost is theirs, not the whole log's."""
     if w.rank == 0 and w.metrics:
-        append_rows(w.storage, w.metrics, *w.ctx.stage_parts(METRICS))
+        after = None if w.metrics_chunk is None else w.metrics_chunk + 1
+        w.metrics_chunk = append_rows(w.storage, w.metrics, *w.ctx.stage_parts(METRICS), chunk=after)
         w.metrics = []
 
 

@@ -29,22 +29,31 @@ def chunk_dir(name: str) -> str:
     return f"{name}.d"
 
 
-def append_rows(storage: Storage, rows: list[dict[str, Any]], *parts: str) -> None:
-    """Add `rows` to the log at `parts` (its last part is the log's name); nothing is rewritten."""
+def append_rows(storage: Storage, rows: list[dict[str, Any]], *parts: str, chunk: int | None = None) -> int | None:
+    """Add `rows` to the log at `parts` (its last part is the log's name); nothing is rewritten.
+
+    On S3 returns the chunk number written: a writer that passes it + 1 back as `chunk` next time skips
+    listing the chunks (a listing per flush would grow with the log). None on local disk."""
     if not rows:
-        return
+        return None if chunk is None else chunk - 1
     data = "".join(json.dumps(r) + "\n" for r in rows).encode()
     if storage.is_s3:
         *folder, name = parts
-        chunks = storage.listdir(*folder, chunk_dir(name))
-        number = max((int(c.split(".")[0]) for c in chunks if c.split(".")[0].isdigit()), default=0) + 1
+        number = chunk if chunk is not None else next_chunk(storage, *folder, chunk_dir(name))
         storage.write_bytes(data, *folder, chunk_dir(name), f"{number:0{CHUNK_DIGITS}d}.jsonl")
-        return
+        return number
     path = storage.path(*parts)
     os.makedirs(posixpath.dirname(path), exist_ok=True)
     with open(path, "ab") as f:
         drop_torn_tail(f)
         f.write(data)
+    return None
+
+
+def next_chunk(storage: Storage, *folder: str) -> int:
+    """One past the highest chunk number under `folder` (1 for none)."""
+    names = [c.split(".")[0] for c in storage.listdir(*folder)]
+    return max((int(n) for n in names if n.isdigit()), default=0) + 1
 
 
 def drop_torn_tail(f: Any) -> None:
