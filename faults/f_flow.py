@@ -23,6 +23,7 @@ from ray.job_submission import JobSubmissionClient
 from faults.harness import FaultRow, Lab, RunOutcome, RunProcess, scenario, start_head
 from tuneproof.control import record as records
 from tuneproof.core.config import PROJECT_ROOT
+from tuneproof.core.rowlog import read_rows
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import FinetuneSummary
 
@@ -68,11 +69,8 @@ def wait_for(what: str, check: Callable[[], Any], proc: RunProcess, timeout: flo
 
 def logged_step(storage: Storage, run_id: str, job: str = "finetune") -> int:
     """The last step the fine-tune job logged to its metrics.jsonl (0 before the first)."""
-    parts = ("runs", run_id, "stages", job, "metrics.jsonl")
-    if not storage.exists(*parts):
-        return 0
-    lines = [line for line in storage.read_text(*parts).splitlines() if line.strip()]
-    return json.loads(lines[-1])["step"] if lines else 0
+    rows = read_rows(storage, "runs", run_id, "stages", job, "metrics.jsonl")
+    return rows[-1]["step"] if rows else 0
 
 
 def ray_client(lab: Lab) -> JobSubmissionClient:

@@ -19,8 +19,6 @@ An unusable checkpoint is an infrastructure failure, and blocks promotion.
 
 from __future__ import annotations
 
-import json
-
 from prefect import task
 
 from tasks import events
@@ -28,6 +26,7 @@ from tasks.jobs import RETRY, StageCall, entry_from_jobs, runner_for
 from tuneproof.control.record import StageEntry
 from tuneproof.control.resume_evidence import as_ledger, check_restart, compare_ledgers, compare_losses
 from tuneproof.core.results import FailureClass, now_iso
+from tuneproof.core.rowlog import read_rows
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import (
     CheckpointRef,
@@ -174,7 +173,4 @@ def as_losses(points: list[LossPoint]) -> dict[int, float]:
 def phase_rows(storage: Storage, run_id: str, job: str) -> list[dict]:
     """The metrics rows the interrupt phase logged before it was killed (its metrics.jsonl was flushed at the
     checkpoint): losses and ledger of the steps it trained."""
-    parts = ("runs", run_id, "stages", job, "metrics.jsonl")
-    if not storage.exists(*parts):
-        return []
-    return [json.loads(line) for line in storage.read_text(*parts).splitlines() if line.strip()]
+    return read_rows(storage, "runs", run_id, "stages", job, "metrics.jsonl")

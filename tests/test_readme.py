@@ -63,9 +63,13 @@ NOT_RUN = {
     "tuneproof images show": "needs a canary decision: tests/test_canary.py",
     "tuneproof-image-canary/image-canary": "runs on the EKS canary pool, which has no worker here",
     "deployments/eks-up.sh": "EKS: needs an AWS account; tests/test_eks_up.py runs it with stub aws/eksctl/kubectl",
-    "torchrun": "needs a GPU",
-    "bench/gpu_pipeline.py": "needs a fresh GPU machine",
-    "bench/gpu_mfu.py --dry-run": "about a minute of CPU; tests/test_flops.py covers its FLOP count",
+    "tuneproof models history": "needs promotions: tests/test_history.py promotes, rolls back and reads the history",
+    "tuneproof rollback": "needs two promotions: tests/test_history.py",
+    "tuneproof-rollback/rollback": "needs the rollback deployment's worker: tests/test_history.py runs the flow",
+    "tuneproof models show dates-qwen2-tiny": "the evidence block runs the same command (.venv/bin/tuneproof)",
+    ".git/info/exclude": "part of the GPU check's device call (bench/gpu_check.py; tests/test_gpu_check.py)",
+    "pip download --no-deps --only-binary": "fetches the GPU check's wheels (tests/test_gpu_check.py hides them)",
+    "bench/gpu_check.py": "needs the lent GPU machine; tests/test_gpu_check.py runs its --dry-run",
 }
 
 

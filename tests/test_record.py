@@ -103,3 +103,54 @@ def test_tables_show_whole_run_ids_versions_and_digests_at_80_columns(v1_storage
     folded = "".join(shown.output.split())  # a long digest may fold across lines, never be cut
     assert digest in folded and "…" not in shown.output
     assert "v0001-20261201-041236-af7799" in shown.output
+
+
+def saved_runs(storage: Storage, v1_storage: Path, count: int) -> list[str]:
+    """`count` runs saved as the flow saves them (record.json + row.json), the newest one failed."""
+    base = records.load(Storage(str(v1_storage)), V1_RUNS["v1-demo"])
+    ids = []
+    for i in range(count):
+        run = base.model_copy(update={"run_id": f"20261202-00000{i}-run", "created_at": f"2026-12-02T00:00:0{i}+00:00"})
+        if i == count - 1:
+            run.status, run.cause = "failed", "a gate said no"
+        records.save(storage, run)
+        ids.append(run.run_id)
+    return ids
+
+
+def test_runs_list_reads_each_runs_small_row_not_its_record(tmp_path, v1_storage, monkeypatch):
+    storage = Storage(str(tmp_path / "store"))
+    ids = saved_runs(storage, v1_storage, 3)
+    monkeypatch.setattr(records, "load", lambda *a: pytest.fail("a whole record was read to list runs"))
+    rows = records.list_rows(storage)
+    assert [r.run_id for r in rows] == ids[::-1]  # newest first
+    assert (rows[0].status, rows[0].cause) == ("failed", "a gate said no")
+    assert all(len(storage.read_bytes("runs", i, records.ROW)) < 400 for i in ids)
+
+
+def test_a_run_without_a_readable_row_is_listed_from_its_record_or_as_unreadable(tmp_path, v1_storage):
+    storage = Storage(str(tmp_path / "store"))
+    ids = saved_runs(storage, v1_storage, 3)
+    storage.write_bytes(b"{not json", "runs", ids[0], records.ROW)  # a torn row: the record decides
+    storage.remove("runs", ids[1], records.ROW)  # a record written before rows were
+    shutil.copytree(storage.path("runs", ids[2]), storage.path("runs", "20261203-000000-copy"))  # another run's row
+    (tmp_path / "store" / "runs" / "strays").mkdir()  # no record: not a run
+    rows = {r.run_id: r for r in records.list_rows(storage)}
+    assert sorted(rows) == sorted([*ids, "20261203-000000-copy"])
+    assert rows[ids[0]].status == rows[ids[1]].status == "succeeded"
+    assert rows["20261203-000000-copy"].status == "unreadable"
+    assert "a copied run directory?" in (rows["20261203-000000-copy"].cause or "")
+
+
+@pytest.mark.integration
+def test_runs_list_reads_rows_on_s3_too(s3_endpoint, v1_storage):
+    import uuid
+
+    from .conftest import TEST_BUCKET
+
+    storage = Storage(f"s3://{TEST_BUCKET}/rows-{uuid.uuid4().hex[:8]}", s3_endpoint)
+    ids = saved_runs(storage, v1_storage, 2)
+    storage.write_bytes(b"[1, 2]", "runs", "20261203-000000-bad", records.RECORD)
+    rows = records.list_rows(storage)
+    assert [r.run_id for r in rows] == [*ids[::-1], "20261203-000000-bad"]
+    assert rows[-1].status == "unreadable"

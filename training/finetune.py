@@ -23,7 +23,6 @@ A job whose run already holds a complete checkpoint at max_steps would train not
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import posixpath
@@ -66,6 +65,7 @@ from training.schedule import WarmupCosine
 from tuneproof.core.fit import refusal
 from tuneproof.core.markers import Digests, ExportUnverified, read_export_manifest
 from tuneproof.core.results import FailureClass, StageFailure, one_line
+from tuneproof.core.rowlog import append_rows, read_rows, remove_log
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import FinetuneSummary, FitEstimate, LossPoint, RankMemory, ledger_points
 
@@ -159,8 +159,10 @@ def finetune(ctx: JobContext) -> FinetuneSummary:
     for s in skipped:
         done = f"set aside as {s.set_aside_as}" if s.set_aside_as else "left to be saved over"
         jobkit.log(f"skipped {s.name} ({s.reason}): {done}, out of Ray Train's snapshot: {s.dropped_from_ray}")
-    for name in (OUTCOME, ATTEMPTS, FAILURES, INTERRUPTED):  # an earlier job's ending says nothing of this one
+    for name in (OUTCOME, INTERRUPTED):  # an earlier job's ending says nothing of this one
         ctx.storage.remove(*ctx.stage_parts(name))
+    for log in (ATTEMPTS, FAILURES):
+        remove_log(ctx.storage, *ctx.stage_parts(log))
     error = run_trainer(ctx, params)
     if error is not None and (dropped := remove_unmarked(ctx.storage, *ctx.run_parts("train", params.run_name))):
         jobkit.log(f"removed checkpoints the failed run left without a completion marker: {', '.join(dropped)}")
@@ -270,7 +272,7 @@ def check_fit(ctx: JobContext, params: TrainParams) -> FitEstimate | None:
 def summarize(
     ctx: JobContext, params: TrainParams, outcome: dict, seconds: float, fit: FitEstimate | None = None
 ) -> FinetuneSummary:
-    from training.restarts import ATTEMPTS, FAILURES, read_jsonl, restarts
+    from training.restarts import ATTEMPTS, FAILURES, restarts
 
     rows = read_metrics(ctx.storage, ctx.stage_parts(METRICS))
     curve = loss_curve(rows)
@@ -310,8 +312,8 @@ def summarize(
         memory=[RankMemory.model_validate(m) for m in outcome.get("memory", [])],
         fit_estimate=fit,
         restarts=restarts(
-            read_jsonl(ctx.storage, *ctx.stage_parts(ATTEMPTS)),
-            read_jsonl(ctx.storage, *ctx.stage_parts(FAILURES)),
+            read_rows(ctx.storage, *ctx.stage_parts(ATTEMPTS)),
+            read_rows(ctx.storage, *ctx.stage_parts(FAILURES)),
             rows,
         ),
         ledger=ledger_points(rows),
@@ -328,9 +330,8 @@ def export_content_hash(storage: Storage, export: str) -> str:
 
 
 def read_metrics(storage: Storage, parts: tuple[str, ...]) -> list[dict[str, Any]]:
-    if not storage.exists(*parts):
-        return []
-    return [json.loads(line) for line in storage.read_text(*parts).splitlines() if line.strip()]
+    """Every row every attempt of this job logged, in order (a replayed step's row comes after the first)."""
+    return read_rows(storage, *parts)
 
 
 def latest_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -364,7 +365,9 @@ class Worker:
     """Model FLOPs per trained token (training.flops), for MFU."""
     peak_flops: float | None
     metrics: list[dict[str, Any]] = field(default_factory=list)
-    """Rank 0: every metrics row of this job so far, rewritten whole to metrics.jsonl."""
+    """Rank 0: the rows logged since the last flush, which appends them to metrics.jsonl."""
+    metrics_chunk: int | None = None
+    """On S3, the number of this worker's last metrics chunk (None: list the chunks once to find it)."""
     restored_from: str | None = None
     attempt: int = 0
     """Which start of the worker group this is within the job (0 first; more after Ray Train restarts)."""
@@ -413,7 +416,6 @@ def train_loop(loop_config: dict) -> None:
     with jobkit.worker_reads_saved(ctx, dist.get_rank()), outcome_on_failure(ctx, dist.get_rank()):
         w = setup(ctx, params)
         start = restore(w, resolve_start(w))
-        w.metrics = previous_metrics(w)
         if w.rank == 0:
             w.attempt = begin_attempt(w.storage, ctx.stage_parts(), start, w.restored_from)
         for step in range(start + 1, params.max_steps + 1):
@@ -603,11 +605,6 @@ def account_samples(w: Worker, step: int) -> None:
     w.samples, w.ledger = samples_digest(ids), fold_ledger(w.ledger, step, ids)
 
 
-def previous_metrics(w: Worker) -> list[dict[str, Any]]:
-    """Rank 0 keeps every row earlier attempts of this job wrote (a replayed step's new row supersedes)."""
-    return read_metrics(w.storage, w.ctx.stage_parts(METRICS)) if w.rank == 0 else []
-
-
 def train_step(w: Worker, step: int) -> dict[str, Any]:
     """One optimizer step over grad_accum_steps micro-batches (training.step); the loss is the mean over all
     target tokens."""
@@ -647,7 +644,7 @@ def divergence(loss: float, step: int, limit: float) -> str | None:
 
 
 def record(w: Worker, step: int, stats: dict[str, Any], start: int) -> None:
-    """Rank 0 keeps every step's metrics; prints progress and saves metrics.jsonl every log_every steps."""
+    """Rank 0 keeps the step's metrics row; prints progress and appends to metrics.jsonl every log_every steps."""
     if w.rank != 0:
         return
     row: dict[str, Any] = {"step": step, **{k: finite_or_none(v) for k, v in stats.items()}}
@@ -667,9 +664,11 @@ def finite_or_none(value: float) -> float | None:
 
 
 def flush_metrics(w: Worker) -> None:
-    if w.rank == 0:
-        text = "".join(json.dumps(r) + "\n" for r in w.metrics)
-        w.storage.write_bytes(text.encode(), *w.ctx.stage_parts(METRICS))
+    """Rank 0 appends the rows logged since the last flush: the cost is theirs, not the whole log's."""
+    if w.rank == 0 and w.metrics:
+        after = None if w.metrics_chunk is None else w.metrics_chunk + 1
+        w.metrics_chunk = append_rows(w.storage, w.metrics, *w.ctx.stage_parts(METRICS), chunk=after)
+        w.metrics = []
 
 
 def save_checkpoint(w: Worker, step: int) -> None:

@@ -12,13 +12,13 @@ failed attempt stopped. Used by training/finetune.py (driver, workers and the co
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
 import ray.train
 
 from tuneproof.core.results import one_line
+from tuneproof.core.rowlog import append_rows, read_rows
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import Restart
 
@@ -26,28 +26,16 @@ ATTEMPTS = "attempts.jsonl"
 FAILURES = "failures.jsonl"
 
 
-def read_jsonl(storage: Storage, *parts: str) -> list[dict[str, Any]]:
-    if not storage.exists(*parts):
-        return []
-    return [json.loads(line) for line in storage.read_text(*parts).splitlines() if line.strip()]
-
-
-def append_jsonl(storage: Storage, row: dict[str, Any], *parts: str) -> None:
-    """Append one row (rewriting the small file whole: object stores cannot append)."""
-    text = "".join(json.dumps(r) + "\n" for r in [*read_jsonl(storage, *parts), row])
-    storage.write_bytes(text.encode(), *parts)
-
-
 def begin_attempt(storage: Storage, stage_parts: tuple[str, ...], restored_step: int, restored_from: str | None) -> int:
     """Rank 0, once restored: record this attempt; returns its number (0 for the job's first)."""
-    attempt = len(read_jsonl(storage, *stage_parts, ATTEMPTS))
+    attempt = len(read_rows(storage, *stage_parts, ATTEMPTS))
     row = {
         "attempt": attempt,
         "restored_step": restored_step,
         "restored_from": restored_from,
         "started_at": time.time(),
     }
-    append_jsonl(storage, row, *stage_parts, ATTEMPTS)
+    append_rows(storage, [row], *stage_parts, ATTEMPTS)
     return attempt
 
 
@@ -63,7 +51,7 @@ class FailureLog(ray.train.UserCallback):
             for rank, error in sorted(worker_exceptions.items())
         )
         row = {"time": time.time(), "cause": cause[:500]}
-        append_jsonl(Storage(self.root, self.endpoint_url), row, *self.stage_parts, FAILURES)
+        append_rows(Storage(self.root, self.endpoint_url), [row], *self.stage_parts, FAILURES)
 
 
 def restarts(attempts: list[dict], failures: list[dict], rows: list[dict]) -> list[Restart]:

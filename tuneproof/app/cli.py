@@ -251,9 +251,9 @@ def latest_run_id(cfg: PipelineConfig) -> str:
     from tuneproof.control import record
     from tuneproof.core.storage import Storage
 
-    recs, _ = record.list_records(Storage.from_config(cfg.storage))
+    rows = record.list_rows(Storage.from_config(cfg.storage))
     # A run that is still running (or whose writer died), crashed or was cancelled is no base to rerun against.
-    finished = [r for r in recs if r.status in ("succeeded", "failed")]
+    finished = [r for r in rows if r.status in ("succeeded", "failed")]
     if not finished:
         say(err, "--only without --run-id needs an earlier finished run to rerun against; none found")
         raise typer.Exit(EXIT_INVALID_CONFIG)
@@ -345,17 +345,7 @@ def runs_list(
     from tuneproof.control import record
 
     storage = storage_for(config, sets)
-    recs, unreadable = record.list_records(storage)
-    rows = [
-        record.RecordRow(
-            run_id=r.run_id,
-            created_at=r.created_at,
-            status=r.status,
-            failure_class=r.failure_class.value if r.failure_class else None,
-            cause=r.cause,
-        )
-        for r in recs
-    ] + unreadable
+    rows = record.list_rows(storage)
     for row in rows:
         if row.status == "running":
             row.status, row.cause = shown_status(storage, row.run_id, row.status, row.cause)

@@ -6,6 +6,9 @@ runtime_env additions, times), its summary (the stage's model from tuneproof.cor
 as JSON and read back with `RunRecord.summary`), failure class and cause. The flow is the only
 writer; it rewrites the whole document after each stage.
 
+Beside it, runs/<run>/row.json holds the record's `runs list` line (RecordRow), rewritten with it, so
+listing N runs reads N small files, not N whole records (their size grows with stages and reruns).
+
 The JSON Schema of this document is committed (schemas/run-record.schema.json) and `schema_version`
 says which shape a stored record has; `load` upgrades older shapes, so records written by earlier
 releases still show.
@@ -27,6 +30,8 @@ from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import ClusterFacts, PromoteSummary, Summary
 
 RECORD = "record.json"
+ROW = "row.json"
+MAX_ROW_BYTES = 64 << 10
 SCHEMA_VERSION = 2
 """1: the untyped record of the first release (no schema_version field). 2: this module's models."""
 
@@ -306,8 +311,10 @@ def new_record(run_id: str, cfg: PipelineConfig, code: CodeIdentity, flow_run_id
 
 
 def save(storage: Storage, record: RunRecord) -> None:
+    """Write the record, then its listing row (a crash between the two leaves a row one save behind)."""
     record.updated_at = now_iso()
     storage.write_json(record.to_json(), "runs", record.run_id, RECORD)
+    storage.write_json(row_of(record).model_dump(), "runs", record.run_id, ROW)
 
 
 class RecordUnreadable(ValueError):
@@ -386,19 +393,56 @@ class RecordRow(BaseModel):
     cause: str | None = None
 
 
+def row_of(record: RunRecord) -> RecordRow:
+    return RecordRow(
+        run_id=record.run_id,
+        created_at=record.created_at,
+        status=record.status,
+        failure_class=record.failure_class.value if record.failure_class else None,
+        cause=record.cause,
+    )
+
+
+def list_rows(storage: Storage) -> list[RecordRow]:
+    """One row per run that has a record, newest first: its row.json, or, for a record written before rows
+    were (or whose row cannot be read), the record itself; a run whose record cannot be read is one row
+    marked unreadable. Reads one small file per run, whatever the size of the records."""
+    rows = [row for run_id in storage.listdir("runs") if (row := read_row(storage, run_id)) is not None]
+    dated, undated = [r for r in rows if r.created_at], [r for r in rows if not r.created_at]
+    return sorted(dated, key=lambda r: r.created_at or "", reverse=True) + undated
+
+
+def read_row(storage: Storage, run_id: str) -> RecordRow | None:
+    """The run's listing row; None when runs/<run_id> holds no record (another tool's folder)."""
+    try:
+        row = RecordRow.model_validate_json(read_stored(storage, ("runs", run_id, ROW), MAX_ROW_BYTES))
+    except (OSError, ValidationError):
+        row = None  # missing (an older record), hand-edited or unreadable: the record decides
+    if row is not None and row.run_id == run_id:
+        return row
+    found = load_or_row(storage, run_id)
+    return row_of(found) if isinstance(found, RunRecord) else found
+
+
+def load_or_row(storage: Storage, run_id: str) -> RunRecord | RecordRow | None:
+    """The run's record; a row marked unreadable when it cannot be read; None when there is no record."""
+    if not storage.exists("runs", run_id, RECORD):
+        return None
+    try:
+        return load(storage, run_id)
+    except RecordUnreadable as e:
+        return RecordRow(run_id=run_id, status="unreadable", cause=str(e))
+    except OSError as e:  # this one file refused (permissions, vanished): one row, not the end of the listing
+        cause = f"{storage.uri('runs', run_id, RECORD)} cannot be read: {e.strerror or e}"
+        return RecordRow(run_id=run_id, status="unreadable", cause=cause)
+
+
 def list_records(storage: Storage) -> tuple[list[RunRecord], list[RecordRow]]:
-    """(every readable record newest first, a row per record.json that could not be read)."""
-    records, unreadable = [], []
-    for run_id in storage.listdir("runs"):
-        if not storage.exists("runs", run_id, RECORD):
-            continue
-        try:
-            records.append(load(storage, run_id))
-        except RecordUnreadable as e:
-            unreadable.append(RecordRow(run_id=run_id, status="unreadable", cause=str(e)))
-        except OSError as e:  # this one file refused (permissions, vanished): one row, not the end of the listing
-            cause = f"{storage.uri('runs', run_id, RECORD)} cannot be read: {e.strerror or e}"
-            unreadable.append(RecordRow(run_id=run_id, status="unreadable", cause=cause))
+    """(every readable record newest first, a row per record.json that could not be read). Reads every
+    record whole: `runs list` uses list_rows."""
+    found = [f for run_id in storage.listdir("runs") if (f := load_or_row(storage, run_id)) is not None]
+    records = [f for f in found if isinstance(f, RunRecord)]
+    unreadable = [f for f in found if isinstance(f, RecordRow)]
     return sorted(records, key=lambda r: r.created_at, reverse=True), unreadable
 
 
