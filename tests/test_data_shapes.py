@@ -359,7 +359,9 @@ def test_manifest_records_the_shape_and_the_hash_covers_it(tmp_path, tiny_dir):
     last = prepare(config(store, tiny_dir, chat, loss_on="last_assistant"))
     assert last.content_hash != auto.content_hash and last.manifest.loss_on == "last_assistant"
 
-    columns = write_jsonl(tmp_path / "cols.jsonl", [{"instruction": "a b", "input": "", "output": "c"}] * 20)
+    # Distinct rows: 20 copies of one row would put the eval items in the training split (contamination).
+    rows = [{"instruction": f"a b {i}", "input": "", "output": f"c {i}"} for i in range(20)]
+    columns = write_jsonl(tmp_path / "cols.jsonl", rows)
     templated = [
         prepare(config(store, tiny_dir, columns, template={"prompt": p})).content_hash
         for p in ("{instruction}\n\n{input}", "{instruction}\n{input}")

@@ -113,10 +113,14 @@ def test_the_rendered_canary_job_runs_as_the_canary_on_its_own_pool(monkeypatch)
     docs, _ = load_documents([str(PROJECT_ROOT / "deployments")])
     assert job["metadata"]["namespace"] in worker_role_namespaces(docs)["tuneproof-eks-canary"]
 
-    # the same pod as a pipeline flow run's, but for the account: hardening, token mount, Secrets
+    # the same pod as a pipeline flow run's, but for the account and the Ray token it mounts (the canary's own):
+    # hardening, mount paths, Secrets otherwise alike
     pipeline_pod = rendered_job(monkeypatch)["spec"]["template"]["spec"]
     differing = {k for k in pod.keys() | pipeline_pod.keys() if k != "containers" and pod.get(k) != pipeline_pod.get(k)}
-    assert differing == {"serviceAccountName"}
+    assert differing == {"serviceAccountName", "volumes"}
+    secrets = {v.get("secret", {}).get("secretName") for v in pod["volumes"]}
+    assert "tuneproof-canary-ray-auth" in secrets and "tuneproof-ray-auth" not in secrets
+    assert "tuneproof-ray-auth" in {v.get("secret", {}).get("secretName") for v in pipeline_pod["volumes"]}
     strip = ("env",)  # carries the flow run's own id
     assert [{k: v for k, v in c.items() if k not in strip} for c in pod["containers"]] == [
         {k: v for k, v in c.items() if k not in strip} for c in pipeline_pod["containers"]
