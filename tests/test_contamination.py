@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from training import data_prep
 from training.contamination import NGRAM, measure, words
 
 LONG = "the quick brown fox jumps over the lazy dog while the cat watches from the old wooden fence"
@@ -48,3 +49,25 @@ def test_linear_in_rows():
     found = measure(train, eval_items)
     assert found.overlapping == 0
     assert time.perf_counter() - started < 30  # hashed sets; a pairwise scan would be 40 million comparisons
+
+
+def test_a_templates_own_text_is_not_overlap():
+    """Alpaca-style rows share the template's long preamble: that says nothing of the rows, only their fields do."""
+    from tuneproof.core.config import DataConfig
+
+    preamble = (
+        "Below is an instruction that describes a task. Write a response that appropriately completes the request."
+    )
+    data = DataConfig.model_validate(
+        {
+            "shape": "template",
+            "template": {"prompt": preamble + "\n\n### Instruction:\n{instruction}\n\n### Response:\n"},
+        }
+    )
+    literals = data_prep.template_literals(data)
+    rows = [
+        f"{preamble}\n\n### Instruction:\nName colour number {i} of the rainbow\n\n### Response:\n" for i in range(4)
+    ]
+    convs = [data_prep.Conversation("source", i, {"prompt": p, "response": f"colour {i}"}) for i, p in enumerate(rows)]
+    assert data_prep.contamination_of(convs[:3], convs[3:], literals).fraction == 0
+    assert data_prep.contamination_of(convs[:3], convs[2:3], literals).fraction == 1  # a real repeat still counts

@@ -28,6 +28,7 @@ import hashlib
 import io
 import json
 import posixpath
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -331,7 +332,7 @@ def build_splits(
         total += eval_total
         order = datahash.rank_for_split([c.split_key() for c in convs], data.seed)
         train_convs = [convs[i] for i in order]
-    contamination = contamination_of(train_convs, eval_convs)
+    contamination = contamination_of(train_convs, eval_convs, template_literals(data))
     check_contamination(contamination, data.max_contamination)
     progress("data", 1, 3, rows=total)
     # Packing serves training only; evaluation needs one prompt per row.
@@ -344,17 +345,32 @@ def build_splits(
     return splits, total, contamination
 
 
-def contamination_of(train: list[Conversation], eval_convs: list[Conversation]) -> Contamination:
-    """Overlap of the eval conversations with the training ones, over every turn's text."""
+def contamination_of(
+    train: list[Conversation], eval_convs: list[Conversation], literals: tuple[str, ...] = ()
+) -> Contamination:
+    """Overlap of the eval conversations with the training ones, over every turn's text (`literals`: the
+    template's own text, left out: every row shares it, so it says nothing of the row)."""
     return measure_overlap(
-        (conversation_text(c) for c in train), ((f"{c.where}:{c.row}", conversation_text(c)) for c in eval_convs)
+        (conversation_text(c, literals) for c in train),
+        ((f"{c.where}:{c.row}", conversation_text(c, literals)) for c in eval_convs),
     )
 
 
-def conversation_text(conv: Conversation) -> str:
-    if conv.messages is None:
-        return " ".join(conv.parts.values())
-    return " ".join(turn.get("content", "") for turn in conv.messages)
+def conversation_text(conv: Conversation, literals: tuple[str, ...] = ()) -> str:
+    if conv.messages is not None:
+        return " ".join(turn.get("content", "") for turn in conv.messages)
+    text = " \n ".join(conv.parts.values())
+    for literal in literals:
+        text = text.replace(literal, " \n ")
+    return text
+
+
+def template_literals(data: DataConfig) -> tuple[str, ...]:
+    """The fixed text of the template shape's prompt and response (between its {column} fields), longest first."""
+    if data.template is None:
+        return ()
+    pieces = re.split(r"\{[^{}]*\}", data.template.prompt + "\n" + data.template.response)
+    return tuple(sorted({p.strip() for p in pieces if p.strip()}, key=len, reverse=True))
 
 
 def check_contamination(found: Contamination | None, limit: float) -> None:
