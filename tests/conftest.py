@@ -189,9 +189,14 @@ def finished_run(prefect_server, demo_env, tmp_path_factory):
     Its storage root is copied as it stood when the run finished; tests that change a run take a
     copy of that (`clone_run`) so that no test sees another's changes.
     """
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
     from tuneproof.control import record as records
 
-    result = tuneproof("run", "--run-id", "demo", *demo_env.args)
+    # The session's server by name: the first test to ask for this run may sit in a module whose own
+    # test harness is the innermost Prefect setting, and a run reported there is gone with that module.
+    with temporary_settings({PREFECT_API_URL: f"{prefect_server}/api"}):
+        result = tuneproof("run", "--run-id", "demo", *demo_env.args)
     assert result.exit_code == 0, result.output
     pristine = tmp_path_factory.mktemp("demo-pristine")
     shutil.copytree(demo_env.root / "storage", pristine / "storage", symlinks=True)

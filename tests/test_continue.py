@@ -190,12 +190,11 @@ def stand_ins(monkeypatch):
     return stages
 
 
-@pytest.fixture(scope="module")
-def prefect_harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+@pytest.fixture
+def prefect_harness(prefect_server):
+    """The session's server: a module-scoped test harness here would be the innermost Prefect setting when
+    the shared demo run or the session server is first made, and they would report to it and outlive it."""
+    return prefect_server
 
 
 @pytest.mark.integration
