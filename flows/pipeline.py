@@ -134,7 +134,7 @@ def run_plan(
         end_abnormally(storage, record, e)
         raise
     finally:
-        forward_env.discard(run_id)
+        forward_env.discard(forward_env.run_key(run_id, storage.root))
 
 
 def end_abnormally(storage: Storage, record: RunRecord | None, e: BaseException) -> None:

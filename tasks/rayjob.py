@@ -225,10 +225,12 @@ class RayJobRunner:
         sid, attached, entrypoint, wd_hash = self.submit_or_attach(spec)
         try:
             status = self.follow(sid, spec.timeout_s, stop_when)
-            forward_env.discard(self.run_id, spec.job)  # the job has ended: nothing reads its values again
+            forward_env.discard(
+                forward_env.run_key(self.run_id, self.storage.root), spec.job
+            )  # the job has ended: nothing reads its values again
             result = self.read_result(spec, sid, status)
         except JobTimeout as e:
-            forward_env.discard(self.run_id, spec.job)
+            forward_env.discard(forward_env.run_key(self.run_id, self.storage.root), spec.job)
             status = self.client.get_job_status(sid)
             result = StageResult(
                 stage=spec.job,
@@ -283,7 +285,9 @@ class RayJobRunner:
         if names and self.cfg.cluster.backend == "local":
             # Values go to a private file on this machine; Ray sees (and logs) only its path. On EKS the
             # Ray pods have them from a Kubernetes Secret.
-            env[forward_env.FILE_VAR] = str(forward_env.write_values(names, self.run_id, spec.job))
+            env[forward_env.FILE_VAR] = str(
+                forward_env.write_values(names, forward_env.run_key(self.run_id, self.storage.root), spec.job)
+            )
         runtime_env: dict[str, Any] = {"working_dir": workdir, "env_vars": env}
         if pip := self.cfg.job_pip(spec.module):  # the user's additions, and peft for a LoRA fine-tune
             runtime_env["pip"] = pip

@@ -13,6 +13,7 @@ The run record keeps the names only (`forwarded_env`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -32,6 +33,12 @@ def private_dir() -> Path:
     path.mkdir(mode=0o700, exist_ok=True)
     os.chmod(path, 0o700)  # an existing directory keeps no wider mode
     return path
+
+
+def run_key(run_id: str, storage_root: str) -> str:
+    """The value files' name for one run: its id and its storage root, since two runs with one id may write
+    to two roots on one machine at once (two checkouts' demos), and one must not remove the other's file."""
+    return f"{run_id}-{hashlib.sha256(storage_root.encode()).hexdigest()[:12]}"
 
 
 def write_values(names: list[str], run_id: str, job: str, environ: MutableMapping[str, str] | None = None) -> Path:
