@@ -18,7 +18,10 @@ Before any model verdict the evaluation tests itself, and a failed self-test end
 model), never as a gate failure: every local metric must score the references, put through the same
 post-processing, at its maximum (1) on every item; and no more than eval.max_truncated_fraction of the
 references may need more than eval.max_new_tokens tokens (with the stop token) in the candidate's
-tokenizer: then a correct answer would be cut off. Each model's answers that end at max_new_tokens without
+tokenizer: then a correct answer would be cut off; the candidate's and the base's tokenizer must carry the
+chat template the data stage rendered the eval prompts with (the dataset manifest's chat_template_sha256);
+and the base's answers must repeat those of its latest earlier evaluation on the same split
+(eval/reproduce.py), else "evaluation not reproducible: ...", also infrastructure. Each model's answers that end at max_new_tokens without
 a stop token, and empty ones, are counted and logged; with references that fit, a model that does not
 stop is the model's failure (a fine-tune that lost its end of turn), judged by the gates.
 
