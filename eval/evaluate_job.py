@@ -21,9 +21,10 @@ references may need more than eval.max_new_tokens tokens (with the stop token) i
 tokenizer: then a correct answer would be cut off; the candidate's and the base's tokenizer must carry the
 chat template the data stage rendered the eval prompts with (the dataset manifest's chat_template_sha256);
 and the base's answers must repeat those of its latest earlier evaluation on the same split
-(eval/reproduce.py), else "evaluation not reproducible: ...", also infrastructure. Each model's answers that end at max_new_tokens without
-a stop token, and empty ones, are counted and logged; with references that fit, a model that does not
-stop is the model's failure (a fine-tune that lost its end of turn), judged by the gates.
+(eval/reproduce.py), else "evaluation not reproducible: ...", also infrastructure. Each model's answers
+that end at max_new_tokens without a stop token, and empty ones, are counted and logged; with references
+that fit, a model that does not stop is the model's failure (a fine-tune that lost its end of turn),
+judged by the gates.
 
 Every verdict names what it judged: each model's content hash (candidate and incumbent checked
 against their export manifest on the copy that is loaded; the base hashed when it is a directory),
