@@ -18,9 +18,13 @@ Before any model verdict the evaluation tests itself, and a failed self-test end
 model), never as a gate failure: every local metric must score the references, put through the same
 post-processing, at its maximum (1) on every item; and no more than eval.max_truncated_fraction of the
 references may need more than eval.max_new_tokens tokens (with the stop token) in the candidate's
-tokenizer: then a correct answer would be cut off. Each model's answers that end at max_new_tokens without
-a stop token, and empty ones, are counted and logged; with references that fit, a model that does not
-stop is the model's failure (a fine-tune that lost its end of turn), judged by the gates.
+tokenizer: then a correct answer would be cut off; the candidate's and the base's tokenizer must carry the
+chat template the data stage rendered the eval prompts with (the dataset manifest's chat_template_sha256);
+and the base's answers must repeat those of its latest earlier evaluation on the same split
+(eval/reproduce.py), else "evaluation not reproducible: ...", also infrastructure. Each model's answers
+that end at max_new_tokens without a stop token, and empty ones, are counted and logged; with references
+that fit, a model that does not stop is the model's failure (a fine-tune that lost its end of turn),
+judged by the gates.
 
 Every verdict names what it judged: each model's content hash (candidate and incumbent checked
 against their export manifest on the copy that is loaded; the base hashed when it is a directory),
@@ -41,6 +45,7 @@ from pydantic import BaseModel, ConfigDict
 from eval.gates import Scores, decide
 from eval.generation import eval_loss, generate_checked, pad_token_id, pick_device
 from eval.metrics_loader import load_metric
+from eval.reproduce import base_reproduction
 from training import jobkit
 from training.checkpointing import check_complete
 from training.data_prep import read_manifest
@@ -48,6 +53,7 @@ from training.jobkit import JobContext, run_stage
 from training.modeling import load_model, load_tokenizer, materialize
 from training.train_data import read_split
 from tuneproof.core import markers
+from tuneproof.core.hashing import chat_template_sha256
 from tuneproof.core.metric_names import resolve_metric
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.summaries import ROLES, EvaluateSummary, ModelScore
@@ -80,6 +86,8 @@ class EvalSet:
     references: list[str]
     input_ids: list[list[int]]
     labels: list[list[int]]
+    chat_template_sha256: str | None
+    """The template the data stage rendered the prompts with (its manifest's); None for an older manifest."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +110,7 @@ class ModelEval:
     """Each item's score, for the metrics whose value is the mean of its items' scores."""
     seconds: float
     content_sha256: str | None
+    chat_template_sha256: str | None
 
     def scores(self) -> Scores:
         return Scores(self.metrics, self.items)
@@ -118,8 +127,10 @@ def evaluate_body(ctx: JobContext) -> EvaluateSummary:
     check_references({n: m for n, m in metrics.items() if metric_module_hash(n, cfg.hub_metrics)}, data.references)
     counter = _Progress(total=len(sources) * len(data.prompts))
     results = {s.role: evaluate_model(ctx, s, data, metrics, counter) for s in sources}
-    predictions_uri = save_predictions(ctx, data, results)
     split = eval_split_hash(ctx, params.dataset)
+    base = results["base"]
+    reproduction = base_reproduction(ctx.storage, ctx.run_id, split, base.content_sha256, base.answers, cfg)
+    predictions_uri = save_predictions(ctx, data, results)
     item_scores_uri = save_item_scores(ctx, split, results)
     incumbent = results["incumbent"].scores() if "incumbent" in results else None
     decision = decide(
@@ -140,6 +151,8 @@ def evaluate_body(ctx: JobContext) -> EvaluateSummary:
         memory=[rank_memory(0, pick_device()[0])],  # one process evaluates
         eval_split_sha256=split,
         metric_sha256={name: metric_module_hash(name, cfg.hub_metrics) for name in cfg.metrics},
+        chat_template_sha256=data.chat_template_sha256,
+        base_reproduction=reproduction,
     )
     if not decision.passed:
         raise StageFailure(FailureClass.modeling, decision.failure_cause(), summary)
@@ -158,7 +171,12 @@ def read_eval_set(ctx: JobContext, dataset: str) -> EvalSet:
             FailureClass.data, f"eval split of {ctx.storage.uri(dataset)} has no rows: nothing to evaluate on"
         )
     cols = {name: table.column(name).to_pylist() for name in ("prompt", "reference", "input_ids", "labels")}
-    return EvalSet(cols["prompt"], cols["reference"], cols["input_ids"], cols["labels"])
+    template = read_manifest(ctx.storage, dataset).chat_template_sha256
+    if template is None:
+        jobkit.log(
+            f"self-test: {dataset}'s manifest records no chat template (older data stage): templates not checked"
+        )
+    return EvalSet(cols["prompt"], cols["reference"], cols["input_ids"], cols["labels"], template)
 
 
 def eval_split_hash(ctx: JobContext, dataset: str) -> str:
@@ -214,9 +232,13 @@ def evaluate_model(ctx: JobContext, source: ModelSource, data: EvalSet, metrics:
     cfg = ctx.config.eval
     started = time.monotonic()
     model, tokenizer, content = load_for_eval(ctx, source)
+    template = check_template(source.role, tokenizer, data.chat_template_sha256)
     if source.role == "candidate":
         check_reference_room(tokenizer, data.references, cfg.max_new_tokens, cfg.max_truncated_fraction)
-    jobkit.log(f"{source.role}: {source.path} (content {str(content)[:12]}) on {model.device} ({model.dtype})")
+    jobkit.log(
+        f"{source.role}: {source.path} (content {str(content)[:12]}, chat template {str(template)[:12]}) "
+        f"on {model.device} ({model.dtype})"
+    )
     answers, cut = generate_checked(
         model,
         tokenizer,
@@ -232,7 +254,7 @@ def evaluate_model(ctx: JobContext, source: ModelSource, data: EvalSet, metrics:
     del model, tokenizer
     _free_memory()
     jobkit.log(f"{source.role}: " + ", ".join(f"{k}={v:.4g}" for k, v in values.items()))
-    return ModelEval(answers, values, items, round(time.monotonic() - started, 2), content)
+    return ModelEval(answers, values, items, round(time.monotonic() - started, 2), content, template)
 
 
 def load_for_eval(ctx: JobContext, source: ModelSource):
@@ -308,6 +330,24 @@ def check_references(metrics: dict, references: list[str]) -> None:
             )
 
 
+def check_template(role: str, tokenizer, rendered_with: str | None) -> str | None:
+    """The hash of the chat template `role`'s tokenizer lays prompts out with. The eval prompts are the data
+    stage's renderings: the candidate's and the base's template must be the one they were rendered with,
+    else the model is scored on prompts laid out for another template and the evaluation is invalid. An
+    incumbent's may differ (it was trained before a change of base model): logged, not refused."""
+    mine = chat_template_sha256(getattr(tokenizer, "chat_template", None))
+    if rendered_with is None or mine == rendered_with:
+        return mine
+    what = (
+        f"the {role} model's chat template (sha256 {mine}) is not the one the data stage rendered the eval "
+        f"prompts with (sha256 {rendered_with}, in the dataset manifest)"
+    )
+    if role == "incumbent":
+        jobkit.log(f"note: {what}: the incumbent answers prompts laid out for another template")
+        return mine
+    raise invalid(f"{what}: prepare the data with the tokenizer the model is evaluated with (re-run data)")
+
+
 def check_reference_room(tokenizer, references: list[str], max_new_tokens: int, cap: float) -> None:
     """The references, with a stop token, must fit in max_new_tokens: else a correct answer is cut off and
     scored wrong, and a gate would fail the setting instead of the model."""
@@ -354,7 +394,13 @@ def _model_summary(sources: list[ModelSource], results: dict[str, ModelEval], ro
         return None
     path = next(s.path for s in sources if s.role == role)
     result = results[role]
-    return ModelScore(path=path, metrics=result.metrics, seconds=result.seconds, content_sha256=result.content_sha256)
+    return ModelScore(
+        path=path,
+        metrics=result.metrics,
+        seconds=result.seconds,
+        content_sha256=result.content_sha256,
+        chat_template_sha256=result.chat_template_sha256,
+    )
 
 
 def _free_memory() -> None:

@@ -50,7 +50,8 @@ def image_canary(
     config: PipelineConfig = PipelineConfig(),
     max_steps: int = 60,
     # Three: one run per side compares single noisy values (the same local environment was rejected for a
-    # 0.81 bus bandwidth ratio that way); 2+ on both sides compares by the bootstrap interval.
+    # 0.81 bus bandwidth ratio that way); 2+ on both sides compares by the t interval on log values, as
+    # `tuneproof compare` does (a metric those repeats cannot resolve is named, with the repeats needed).
     repeats: int = 3,
     threshold: float = 0.10,
     decision_id: str | None = None,

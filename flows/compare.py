@@ -58,8 +58,10 @@ def compare(
     sets_b: list[str] | None = None,
     comparison_id: str | None = None,
 ) -> State:
-    """Run `stages` under A and B as A1 B1 A2 B2 …; per metric: medians, spread, a bootstrap interval of
-    B/A and a verdict. A run that fails is recorded in the order and ends the comparison as failed."""
+    """Run `stages` under A and B as A1 B1 A2 B2 …; per metric: medians, spread, the ratio B/A with its
+    Student t interval on log values (valid from 2 repeats an arm) and a verdict: better, worse, no
+    detectable difference or insufficient repeats (with the repeats needed). A run that fails is recorded
+    in the order and ends the comparison as failed."""
     try:
         check_request(config_a, config_b, stages, repeats)
     except (ComparisonRefused, table.UnknownStages) as e:

@@ -9,9 +9,15 @@ from tuneproof.core.summaries import DatasetManifest, SourceIdentity
 
 
 def write_prepared(
-    storage: Storage, path: str, name: str, splits: dict[str, list[Example]], shard_rows: int = 4096
+    storage: Storage,
+    path: str,
+    name: str,
+    splits: dict[str, list[Example]],
+    shard_rows: int = 4096,
+    chat_template_sha256: str | None = None,
 ) -> DatasetManifest:
-    """Parquet shards per split, then manifest.json last; the source identity is a stand-in."""
+    """Parquet shards per split, then manifest.json last; the source identity is a stand-in, the chat
+    template hash that of the template the rows were rendered with, where the test knows it."""
     meta = write_splits(storage, path, {split: examples_table(rows) for split, rows in splits.items()}, shard_rows)
     total = sum(len(examples) for examples in splits.values())
     manifest = DatasetManifest(
@@ -22,6 +28,7 @@ def write_prepared(
         source=SourceIdentity(uri="generated-by-test", sha256="0" * 64, bytes=0),
         tokenizer_sha256="0" * 64,
         settings={},
+        chat_template_sha256=chat_template_sha256,
         splits=meta,
         total_rows=total,
         dropped_fraction=0.0,

@@ -376,6 +376,8 @@ def test_prepares_splits_with_masked_prompts_then_hits_the_cache(tmp_path, tiny_
     assert [s["rows"] for s in manifest["splits"]["train"]["shards"]] == [64, 64, 52]
     assert manifest["source"]["sha256"] == datahash.sha256_bytes(source.read_bytes())
     assert manifest["dropped"] == {} and manifest["total_rows"] == 200 and manifest["dropped_fraction"] == 0
+    # what evaluate checks each model's template against: the one these prompts were rendered with
+    assert manifest["chat_template_sha256"] == hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest()
 
     storage = Storage(str(tmp_path / "store"))
     train, eval_ = (read_split(storage, summary["dataset_path"], s) for s in ("train", "eval"))

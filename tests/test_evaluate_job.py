@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from eval import evaluate_job
 from eval.evaluate_job import check_reference_room, check_references, evaluate_body
 from eval.generation import eval_loss, generate, right_padded
 from eval.metrics_loader import load_metric
@@ -24,9 +26,10 @@ from tests.conftest import TEST_BUCKET
 from training import jobkit, modeling
 from training.checkpointing import publish_export
 from training.jobkit import JobContext
-from tuneproof.app.tiny_model import build_tiny_model, conversation_text
+from tuneproof.app.tiny_model import CHAT_TEMPLATE, build_tiny_model, conversation_text
 from tuneproof.control import registry
 from tuneproof.core.config import PROJECT_ROOT, PipelineConfig
+from tuneproof.core.hashing import chat_template_sha256
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
 
@@ -34,6 +37,8 @@ ANSWER = "2024-01-05"
 PROMPTS = [f"date {'x' * (i % 5)} {i}" for i in range(36)]
 DATASET = "datasets/dates/0123abcd"
 GATES = {"exact_match": {"min": 0.8, "min_improvement": 0.5, "max_regression": 0.02}}
+TEMPLATE_SHA = chat_template_sha256(CHAT_TEMPLATE)
+"""The tiny model's chat template, which rendered the eval rows (chat_prompt)."""
 
 
 def chat_prompt(tokenizer, text: str) -> str:
@@ -60,7 +65,9 @@ def write_dataset(storage: Storage, rows: list[dict]) -> None:
     from tests.datasets import write_prepared
     from training.data_prep import Example
 
-    write_prepared(storage, DATASET, "dates", {"eval": [Example(**row) for row in rows]})
+    write_prepared(
+        storage, DATASET, "dates", {"eval": [Example(**row) for row in rows]}, chat_template_sha256=TEMPLATE_SHA
+    )
 
 
 def train_constant_answer(base: Path, rows: list[dict], out: Path, steps: int = 60) -> Path:
@@ -138,6 +145,9 @@ def test_trained_candidate_passes_as_the_first_model(world, store, capsys):
     assert cand["metrics"]["perplexity"] == pytest.approx(math.exp(cand["metrics"]["eval_loss"]))
     assert summary["models"]["incumbent"] is None and summary["incumbent_version"] is None
     assert summary["examples"] == 30
+    assert (
+        summary["chat_template_sha256"] == cand["chat_template_sha256"] == base["chat_template_sha256"] == TEMPLATE_SHA
+    )
     assert summary["gates"]["passed"]
     assert summary["gates"]["lines"][0] == (
         "exact_match >= 0.8: 1 [0.8865, 1] (n=30, Wilson score, 95% interval: 95% with Holm over 2, p=0.0031) (pass)"
@@ -343,3 +353,67 @@ def test_too_small_max_new_tokens_is_an_invalid_evaluation_not_a_gate_failure(wo
     assert info.value.cause.startswith("evaluation invalid: 30 of 30 references (100.0%) need more than ")
     assert info.value.cause.endswith("a correct answer would be cut off; raise eval.max_new_tokens")
     print(info.value.cause)
+
+
+def test_a_planted_extraction_bug_ends_evaluate_before_any_model_is_scored(world, store, monkeypatch):
+    upload_export(store, world["trained"], "offbyone")
+    monkeypatch.setattr(
+        evaluate_job, "load_metric", lambda name, hub: OffByOne() if name == "exact_match" else load_metric(name)
+    )
+    with pytest.raises(StageFailure) as info:
+        evaluate_body(make_ctx(world, "offbyone", store.root))
+    assert info.value.failure_class is FailureClass.infrastructure
+    assert info.value.cause.startswith(
+        "evaluation invalid: exact_match scores the references as answers 0, below 1 on 30 of 30"
+    )
+    assert not store.exists("runs/offbyone/stages/evaluate/predictions.jsonl")  # no model answered
+
+
+def test_a_chat_template_changed_after_data_prep_makes_the_evaluation_invalid(world, store, tmp_path):
+    """The candidate's tokenizer now lays prompts out with another template than the eval rows were rendered with."""
+    edited = shutil.copytree(world["trained"], tmp_path / "edited")
+    changed = "{{- '<|im_start|>system\\nBe brief.<|im_end|>\\n' }}" + CHAT_TEMPLATE
+    (edited / "chat_template.jinja").write_text(changed)
+    upload_export(store, edited, "edited")
+    with pytest.raises(StageFailure) as info:
+        evaluate_body(make_ctx(world, "edited", store.root))
+    assert info.value.failure_class is FailureClass.infrastructure
+    assert info.value.cause == (
+        f"evaluation invalid: the candidate model's chat template (sha256 {chat_template_sha256(changed)}) is not "
+        f"the one the data stage rendered the eval prompts with (sha256 {TEMPLATE_SHA}, in the dataset manifest): "
+        "prepare the data with the tokenizer the model is evaluated with (re-run data)"
+    )
+    print(info.value.cause)
+
+
+def test_the_base_reproduces_its_answers_and_planted_sampling_is_not_reproducible(world, store, monkeypatch, capsys):
+    from transformers.generation.utils import GenerationMixin
+
+    for run in ("first", "again"):
+        upload_export(store, world["trained"], run)
+        summary = evaluate_body(make_ctx(world, run, store.root))
+    reproduction = summary.base_reproduction
+    assert reproduction is not None
+    assert (reproduction.earlier_run, reproduction.items, reproduction.differing) == ("first", 30, 0)
+    assert (
+        "self-test: base answers 30 of 30 items as in run 'first' (batch 5 on cpu): reproduced"
+        in capsys.readouterr().out
+    )
+    reference = reproduction.reference_uri
+
+    greedy = GenerationMixin.generate
+
+    def sampling(self, *args, **kwargs):  # a planted nondeterminism: sampling left on
+        return greedy(self, *args, **{**kwargs, "do_sample": True, "temperature": 2.0, "top_k": 0})
+
+    monkeypatch.setattr(GenerationMixin, "generate", sampling)
+    upload_export(store, world["trained"], "sampled")
+    with pytest.raises(StageFailure) as info:
+        evaluate_body(make_ctx(world, "sampled", store.root))
+    assert info.value.failure_class is FailureClass.infrastructure
+    cause = info.value.cause
+    assert cause.startswith("evaluation not reproducible: the base (content ")
+    assert "items differently than in run 'again' on the same split" in cause
+    assert "(then batch 5 on cpu, now batch 5 on cpu), over eval.max_irreproducible_fraction=0.02" in cause
+    assert json.loads(Path(reference).read_text())["run_id"] == "again"  # a failed check leaves the reference
+    print(cause)

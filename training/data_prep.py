@@ -45,6 +45,7 @@ from training.jobkit import JobContext, log, progress, run_stage
 from training.modeling import load_text_tokenizer
 from tuneproof.core import datahash, shapes
 from tuneproof.core.config import DataConfig
+from tuneproof.core.hashing import chat_template_sha256
 from tuneproof.core.results import FailureClass, StageFailure, now_iso, one_line
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import (
@@ -159,6 +160,7 @@ def prepare_data(ctx: JobContext) -> DataSummary:
         shape=shape,
         template_sha256=shapes.template_sha256(template_dict(cfg.data)) if shape == "template" else None,
         loss_on=cfg.data.loss_on if shape == "messages" else None,
+        chat_template_sha256=chat_template_sha256(getattr(tokenizer, "chat_template", None)),
         splits=write_splits(storage, dataset_path, splits, cfg.data.shard_rows),
         dropped=drops.to_json(),
         total_rows=total_rows,

@@ -440,6 +440,11 @@ class EvalConfig(Strict):
     """Largest share of the eval references that may need more than max_new_tokens tokens (with the stop
     token); above it a correct answer would be cut off, and the evaluation is invalid (infrastructure), not
     a gate failure."""
+    max_irreproducible_fraction: float = Field(0.02, ge=0.0, le=1.0)
+    """Largest share of the items a base model evaluated before on the same split (same content, same
+    max_new_tokens) may answer differently now; above it greedy decoding did not repeat itself and the
+    evaluation is not reproducible (infrastructure). Not 0: across batch sizes and devices greedy answers
+    can flip on near-ties."""
     confidence: float = Field(0.95, ge=0.5, lt=1.0)
     """Confidence of each gate's two-sided interval, 0.5..<1 (Holm-adjusted across the gates): a gate passes
     when the interval's lower bound reaches its threshold, so a model exactly at the threshold passes at

@@ -26,3 +26,11 @@ def sha256_json(obj: Any) -> str:
 def files_sha256(file_hashes: dict[str, str]) -> str:
     """One hash over a set of files given as {relative name: sha256 of its bytes}; the order does not matter."""
     return sha256_json(sorted(file_hashes.items()))
+
+
+def chat_template_sha256(template: str | dict[str, str] | None) -> str | None:
+    """The hash of a tokenizer's chat template (its `chat_template`: one jinja string, or named ones), which
+    decides how a conversation is rendered into a prompt; None for a tokenizer without one."""
+    if template is None:
+        return None
+    return sha256_bytes(template.encode()) if isinstance(template, str) else sha256_json(template)

@@ -215,6 +215,9 @@ class DatasetManifest(Summary):
     """The template shape's prompt template and response column, hashed; the content hash covers it."""
     loss_on: str | None = None
     """The messages shape: all_assistant or last_assistant."""
+    chat_template_sha256: str | None = None
+    """The chat template every split's prompts were rendered with (hashing.chat_template_sha256); evaluate
+    refuses to score a model whose template differs. None in manifests made before it was recorded."""
     splits: dict[str, SplitMeta]
     dropped: dict[str, DropCount] = {}
     total_rows: int
@@ -465,6 +468,9 @@ class ModelScore(Summary):
     content_sha256: str | None = None
     """What was scored: an export's manifest hash (checked on the loaded copy), a directory's file hash,
     None for a hub id (its revision is in the config)."""
+    chat_template_sha256: str | None = None
+    """The chat template of the tokenizer the model was prompted with (the self-test holds the candidate's
+    and the base's to the data stage's; an incumbent's that differs is logged)."""
 
 
 GateKind = Literal["min", "min_improvement", "max_regression"]
@@ -526,6 +532,21 @@ class GateDecision(Summary):
         return first_and_more([v.line for v in refused])
 
 
+class Reproduction(Summary):
+    """The self-test's check that the base's greedy answers repeat those of its latest earlier evaluation on
+    the same split with the same max_new_tokens (eval/reproduce.py)."""
+
+    reference_uri: str
+    """evaluations/<split>/base-<content>-tokens<max_new_tokens>.json, now holding this evaluation's answers."""
+    earlier_run: str | None = None
+    """The run whose answers were compared; None when there was none (this evaluation is the first)."""
+    items: int = 0
+    """Items both evaluations answered."""
+    differing: int = 0
+    """Of those, the items answered differently (at most eval.max_irreproducible_fraction, or the
+    evaluation is not reproducible)."""
+
+
 class EvaluateSummary(Summary):
     models: dict[Role, ModelScore | None]
     incumbent_version: str | None = None
@@ -539,6 +560,11 @@ class EvaluateSummary(Summary):
     """Hash over the eval split's shards (path and sha256 from the dataset manifest)."""
     metric_sha256: dict[str, str | None] = {}
     """Each metric's module hash (None for a hub metric)."""
+    chat_template_sha256: str | None = None
+    """The chat template the data stage rendered the eval prompts with (its manifest's); None for a dataset
+    prepared before manifests recorded it."""
+    base_reproduction: Reproduction | None = None
+    """The base's answers against its earlier evaluation; None for a base without a content hash (a hub id)."""
     memory: list[RankMemory] = []
     """Peak memory of the evaluating process (one rank)."""
 
