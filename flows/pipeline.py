@@ -218,8 +218,9 @@ def run_stage(
         except Exception as e:  # noqa: BLE001 - the record must say how the stage ended, whatever happened
             get_run_logger().exception(f"stage {stage.name} raised")
             entry = StageEntry.failed(stage.name, FailureClass.infrastructure, f"{type(e).__name__}: {e}")
-    reads = table.observed_reads(entry, skip_reads | flow_reads)
-    inputs = table.stage_inputs(stage, config, wd_hash, record, external, reads)
+    if table.reads_reported(entry):  # else the key it had before it ran: its last reads, or every section
+        reads = table.observed_reads(entry, skip_reads | flow_reads)
+        inputs = table.stage_inputs(stage, config, wd_hash, record, external, reads)
     invocation.running = None
     job_invocation = call.job_invocation if call.job_invocation != call.invocation else None
     return entry.model_copy(update={"inputs": inputs, "job_invocation": job_invocation})

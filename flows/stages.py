@@ -478,6 +478,13 @@ def observed_reads(entry: StageEntry, flow_side: set[str]) -> set[str]:
     return flow_side.union(*(job.result.config_reads for job in entry.jobs))
 
 
+def reads_reported(entry: StageEntry) -> bool:
+    """False when the stage's Ray jobs were cut short before saying what they read (a stopped or killed job): its
+    observed reads are then only the flow's, a key too narrow to notice a changed setting (train.lr) when the
+    stage is continued; the caller keeps the key it had before the stage ran. Pure."""
+    return not entry.jobs or any(job.result.config_reads for job in entry.jobs)
+
+
 def need_identity(need: Need, record: RunRecord) -> str:
     entry = record.stages.get(need.stage)
     summary = entry.summary_as(by_name(need.stage).summary) if entry and entry.ok else None

@@ -147,6 +147,28 @@ def test_the_needs_identity_not_the_rerun_decides_the_fine_tunes_key():
     assert resumes(rec, table.stage_inputs(FINETUNE, config, "wd", rec)) is None
 
 
+def test_a_job_cut_short_keeps_the_key_it_had_before_it_ran_so_a_changed_setting_trains_fresh():
+    """A stopped job reports no reads: keyed by the flow's few reads, a changed train.lr would have resumed."""
+    from tuneproof.control.record import JobEntry, RuntimeEnvAdditions
+    from tuneproof.core.results import StageResult
+
+    result = StageResult(stage="finetune", status="failed", failure_class=INFRA, started_at="t0", ended_at="t1")
+    stopped = JobEntry(
+        submission_id="r-finetune", entrypoint="python -m training.finetune", job_status="STOPPED", attached=False,
+        working_dir_hash="wd", runtime_env_additions=RuntimeEnvAdditions(), submitted_at="t0", ended_at="t1",
+        result=result,
+    )  # fmt: skip
+    assert not table.reads_reported(StageEntry.failed("finetune", INFRA, "STOPPED", jobs=[stopped]))
+    assert table.reads_reported(StageEntry.failed("promote", INFRA, "no job"))  # in-flow: the flow's reads are all
+    config = PipelineConfig().model_dump(mode="json")
+    rec = rerun_with_only()
+    before = table.stage_inputs(FINETUNE, config, "wd", rec)  # before it ran: every section but the timeouts
+    rec.superseded.append(interrupted(before.key, invocation=1).model_copy(update={"inputs": before}))
+    assert resumes(rec, table.stage_inputs(FINETUNE, config, "wd", rec)) == 1
+    changed = {**config, "train": {**config["train"], "lr": 0.5}}
+    assert resumes(rec, table.stage_inputs(FINETUNE, changed, "wd", rec)) is None
+
+
 def test_modeling_failures_and_failed_stages_rerun_with_their_cause():
     entries = finished()
     entries["finetune"] = entry("finetune", "k-finetune", "failed", failure_class=FailureClass.modeling, cause="nan")
