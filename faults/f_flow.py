@@ -4,7 +4,7 @@ finetune; the stages after it add minutes and nothing these faults touch), inter
 `tuneproof run --run-id X --until finetune`: the record must show what was kept, what reran and why, and the
 continued fine-tune must export the reference's weights (CPU fp32 replays exactly).
 
-    python -m faults --only job-stopped,head-restarted,flow-sigkill,flow-sigterm
+    python -m faults --only job-stopped,only-data-finetune,head-restarted,flow-sigkill,flow-sigterm
 """
 
 from __future__ import annotations
@@ -123,14 +123,19 @@ def attached_to_running_job(rec: records.RunRecord) -> bool:
     return bool(entry and entry.jobs and entry.jobs[0].attached)
 
 
-def check_resumed(rec: records.RunRecord | None, problems: list[str], at_least: int) -> None:
+def check_resumed(
+    rec: records.RunRecord | None,
+    problems: list[str],
+    at_least: int,
+    kept: tuple[str, ...] = ("verify", "connectivity", "data"),
+) -> None:
     """The continued fine-tune restored a checkpoint (never from zero), or attached to the interrupted
-    attempt's job that was still running; the earlier stages were kept."""
+    attempt's job that was still running; the earlier stages (`kept`) were kept."""
     if rec is None:
         problems.append("the continuation left no record")
         return
     last = rec.invocations[-1]
-    for stage in ("verify", "connectivity", "data"):
+    for stage in kept:
         if stage not in last.kept:
             problems.append(f"{stage} was not kept: {last.reran.get(stage)}")
     tuned = rec.summary("finetune", FinetuneSummary)
@@ -153,17 +158,59 @@ def job_stopped(lab: Lab) -> FaultRow:
     step = wait_for(f"fine-tune step {STOP_AFTER_STEP}", lambda: logged_step(proc.storage, run_id) >= STOP_AFTER_STEP and logged_step(proc.storage, run_id), proc)  # fmt: skip
     ray_client(lab).stop_job(f"{run_id}-finetune")
     first = proc.wait()
-    problems = []
-    entry = first.record.stages.get("finetune") if first.record else None
-    if first.exit_code != 4 or entry is None or entry.failure_class is None or "STOPPED" not in (entry.cause or ""):
-        cause = entry.cause if entry else None
-        problems.append(f"the stopped run should fail as infrastructure (exit 4), got {first.exit_code}: {cause}")
+    problems = stop_problems(first)
     cont = continue_run(lab, run_id)
     check_resumed(cont.record, problems, 20)
     return row_for(
         lab, "job-stopped", f"step {step} of 40 (fine-tune)", "JobSubmissionClient.stop_job(<run>-finetune)",
         first, cont, problems,
     )  # fmt: skip
+
+
+def stop_problems(first: RunOutcome) -> list[str]:
+    """A run whose fine-tune job was stopped must fail as infrastructure (exit 4), naming the stop."""
+    entry = first.record.stages.get("finetune") if first.record else None
+    if first.exit_code == 4 and entry is not None and entry.failure_class and "STOPPED" in (entry.cause or ""):
+        return []
+    cause = entry.cause if entry else None
+    return [f"the stopped run should fail as infrastructure (exit 4), got {first.exit_code}: {cause}"]
+
+
+# ---------------------------------------------------------------- issue 28 item 8: continued with --only
+
+
+@scenario(order=31, name="only-data-finetune")
+def only_data_finetune(lab: Lab) -> FaultRow:
+    """`ray job stop` of the fine-tune mid-run, then `run --only data,finetune --run-id X` (same settings): data
+    reruns to the same content hash, so the fine-tune's inputs are unchanged and it resumes from checkpoint 20
+    instead of training again from step 0."""
+    lab.reference()
+    run_id = "flow-only-data-finetune"
+    proc = lab.start(run_id)  # the harness's stages: data, finetune
+    step = wait_for(f"fine-tune step {STOP_AFTER_STEP}", lambda: logged_step(proc.storage, run_id) >= STOP_AFTER_STEP and logged_step(proc.storage, run_id), proc)  # fmt: skip
+    ray_client(lab).stop_job(f"{run_id}-finetune")
+    first = proc.wait()
+    problems = stop_problems(first)
+    cont = lab.run(run_id)
+    check_resumed(cont.record, problems, 20, kept=())
+    problems += same_dataset(cont.record)
+    return row_for(
+        lab, "only-data-finetune", f"step {step} of 40 (fine-tune)",
+        "JobSubmissionClient.stop_job(<run>-finetune), then run --only data,finetune --run-id X",
+        first, cont, problems,
+    )  # fmt: skip
+
+
+def same_dataset(rec: records.RunRecord | None) -> list[str]:
+    """The continuation's data stage reran (invocation 2) to the content hash the interrupted fine-tune used."""
+    if rec is None or "data" not in rec.stages:
+        return ["the continuation has no data stage"]
+    hashes = [
+        e.summary.get("content_hash") for e in [*rec.superseded, rec.stages["data"]] if e.stage == "data" and e.summary
+    ]
+    if rec.stages["data"].invocation != 2 or len(set(hashes)) != 1:
+        return [f"data should rerun to one content hash, got invocation {rec.stages['data'].invocation}: {hashes}"]
+    return []
 
 
 # ---------------------------------------------------------------- row 5: Ray head restarted between stages

@@ -99,7 +99,7 @@ def run_plan(
     try:
         if lease.taken_over:
             get_run_logger().warning(lease.taken_over)
-        record, plan, resumes = open_record(storage, cfg, run_id, plan, only, lease.taken_over, until)
+        record, plan = open_record(storage, cfg, run_id, plan, only, lease.taken_over, until)
         invocation = record.invocations[-1]
         if invocation.kept:
             get_run_logger().info(f"run {run_id} continues: kept {', '.join(invocation.kept)}")
@@ -115,7 +115,7 @@ def run_plan(
         wd_hash = working_dir_hash()
         for stage in plan:
             try:
-                entry = run_stage(stage, cfg, record, storage, wd_hash, resumes.get(stage.name))
+                entry = run_stage(stage, cfg, record, storage, wd_hash)
             except MissingStageOutput as e:
                 return unusable_request(storage, record, str(e))
             record_stage(record, stage, entry)
@@ -181,10 +181,10 @@ def run_stage(
     record: RunRecord,
     storage: Storage,
     wd_hash: str,
-    resumes: int | None = None,
 ) -> StageEntry:
-    """One stage with the outputs of earlier stages (from this run's record). The record names the stage
-    as running (with its inputs) while it runs, so a flow that dies mid-stage leaves that behind."""
+    """One stage with the outputs of earlier stages (from this run's record). An interrupted attempt with the
+    inputs it has now is continued under that attempt's Ray names (table.resumes_invocation). The record names
+    the stage as running (with its inputs) while it runs, so a flow that dies mid-stage leaves that behind."""
     with reads_recorded(cfg) as skip_reads:
         why_not = stage.skip(cfg) if stage.skip else None
     external = stage.external(cfg, storage, record) if stage.external else None
@@ -193,6 +193,10 @@ def run_stage(
         inputs = table.stage_inputs(stage, config, wd_hash, record, external, skip_reads)
         return StageEntry.skipped(stage.name, why_not).model_copy(update={"inputs": inputs})
     inputs = table.stage_inputs(stage, config, wd_hash, record, external)  # its last reads, until it has run
+    invocation = record.invocations[-1]
+    resumes = table.resumes_invocation(stage, inputs, record)
+    if resumes is not None:
+        note_resume(invocation, stage.name, resumes)
     call = StageCall(
         stage=stage.name,
         cfg=cfg,
@@ -204,7 +208,6 @@ def run_stage(
         record=record.model_copy(deep=True),
         resumes=resumes,
     )
-    invocation = record.invocations[-1]
     invocation.running = StageAttempt(
         stage=stage.name, inputs=inputs, job_invocation=call.job_invocation, started_at=now_iso()
     )
@@ -215,11 +218,19 @@ def run_stage(
         except Exception as e:  # noqa: BLE001 - the record must say how the stage ended, whatever happened
             get_run_logger().exception(f"stage {stage.name} raised")
             entry = StageEntry.failed(stage.name, FailureClass.infrastructure, f"{type(e).__name__}: {e}")
-    reads = table.observed_reads(entry, skip_reads | flow_reads)
-    inputs = table.stage_inputs(stage, config, wd_hash, record, external, reads)
+    if table.reads_reported(entry):  # else the key it had before it ran: its last reads, or every section
+        reads = table.observed_reads(entry, skip_reads | flow_reads)
+        inputs = table.stage_inputs(stage, config, wd_hash, record, external, reads)
     invocation.running = None
     job_invocation = call.job_invocation if call.job_invocation != call.invocation else None
     return entry.model_copy(update={"inputs": inputs, "job_invocation": job_invocation})
+
+
+def note_resume(invocation: Invocation, stage: str, resumes: int) -> None:
+    """The invocation says the stage resumed, after why it reran (a continuation's reason, e.g. "data reran")."""
+    why = invocation.reran.get(stage)
+    note = f"resumes invocation {resumes}'s training from its checkpoint (its inputs are unchanged)"
+    invocation.reran[stage] = f"{why}; {note}" if why else note
 
 
 def open_record(
@@ -230,11 +241,10 @@ def open_record(
     only: list[str] | None,
     taken_over: str | None = None,
     until: str | None = None,
-) -> tuple[RunRecord, list[Stage], dict[str, int]]:
+) -> tuple[RunRecord, list[Stage]]:
     """A fresh record, or the run's own: then `only` reruns a subset, and no `only` continues the run (stages
-    whose inputs are unchanged are kept; with `until`, up to that stage). Returns the record, the stages to run and the interrupted stages
-    that resume an earlier invocation's jobs."""
-    resumes: dict[str, int] = {}
+    whose inputs are unchanged are kept; with `until`, up to that stage). Returns the record and the stages to
+    run."""
     kept: list[str] = []
     reran: dict[str, str] = {}
     if storage.exists("runs", run_id, records.RECORD):
@@ -247,7 +257,6 @@ def open_record(
             planned = table.names(plan)  # with --until, what lies past it neither runs nor counts as rerun
             kept = continuation.kept
             reran = {name: why for name, why in continuation.reran.items() if name in planned}
-            resumes = {name: n for name, n in continuation.resumes.items() if name in planned}
             plan = [stage for stage in plan if stage.name not in kept]
         record.status, record.failure_class, record.cause = "running", None, None
         record.config, record.config_hash = cfg.model_dump(mode="json"), cfg.config_hash()
@@ -270,7 +279,7 @@ def open_record(
         )
     )
     records.save(storage, record)
-    return record, plan, resumes
+    return record, plan
 
 
 def inputs_now(stage: Stage, cfg: PipelineConfig, wd_hash: str, record: RunRecord, storage: Storage) -> StageInputs:

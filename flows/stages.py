@@ -426,14 +426,34 @@ def stage_inputs(
     return StageInputs(key=key, config=settings, working_dir_hash=working_dir_hash, needs=needs)
 
 
+def attempts(name: str, record: RunRecord) -> list[StageEntry]:
+    """Every entry of stage `name` in this run, oldest first: the superseded ones, then the current one."""
+    return [e for e in [*record.superseded, record.stages.get(name)] if e is not None and e.stage == name]
+
+
 def last_reads(name: str, record: RunRecord) -> list[str]:
     """The settings stage `name` read the last time it ran in this run; every section but the timeouts (which
     bound a stage without changing its result) when it never ran, so a first attempt's key misses nothing."""
-    entries = [*record.superseded, record.stages.get(name)]
-    for entry in reversed(entries):
-        if entry is not None and entry.stage == name and entry.inputs is not None:
+    for entry in reversed(attempts(name, record)):
+        if entry.inputs is not None:
             return list(entry.inputs.config)
     return [s for s in PipelineConfig.model_fields if s not in config_reads.NOT_INPUTS]
+
+
+def resumes_invocation(stage: Stage, now: StageInputs, record: RunRecord) -> int | None:
+    """The invocation whose interrupted attempt `stage` continues, or None to start fresh. It continues when the
+    stage is resumable and its latest attempt in this run was interrupted (failed as infrastructure: a stopped
+    job, a dead flow) with the inputs key it has now. `now` is taken just before the stage runs, after any
+    upstream stage reran: an upstream that reran to the same output identity (data's content hash) leaves the
+    key equal, so `--only data,finetune` resumes as a continuation does. Pure."""
+    latest = attempts(stage.name, record)[-1:]
+    if not stage.resumable or not latest:
+        return None
+    entry = latest[0]
+    interrupted = entry.status == "failed" and entry.failure_class == INFRA
+    if not interrupted or entry.inputs is None or entry.inputs.key != now.key:
+        return None
+    return entry.job_invocation or entry.invocation
 
 
 def reads_when_last_run(stages: list[str], records: Iterable[RunRecord]) -> set[str] | None:
@@ -458,6 +478,13 @@ def observed_reads(entry: StageEntry, flow_side: set[str]) -> set[str]:
     return flow_side.union(*(job.result.config_reads for job in entry.jobs))
 
 
+def reads_reported(entry: StageEntry) -> bool:
+    """False when the stage's Ray jobs were cut short before saying what they read (a stopped or killed job): its
+    observed reads are then only the flow's, a key too narrow to notice a changed setting (train.lr) when the
+    stage is continued; the caller keeps the key it had before the stage ran. Pure."""
+    return not entry.jobs or any(job.result.config_reads for job in entry.jobs)
+
+
 def need_identity(need: Need, record: RunRecord) -> str:
     entry = record.stages.get(need.stage)
     summary = entry.summary_as(by_name(need.stage).summary) if entry and entry.ok else None
@@ -475,21 +502,18 @@ def jsonable(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class Continuation:
-    """How a run continues: the stages kept, the stages that run again with why, and the interrupted stages
-    that resume an earlier invocation's Ray jobs (stage -> that invocation's number)."""
+    """How a run continues: the stages kept and the stages that run again with why. Whether an interrupted
+    stage resumes is decided as it starts (`resumes_invocation`), once what it needs has rerun."""
 
     kept: list[str]
     reran: dict[str, str]
-    resumes: dict[str, int]
 
 
 def plan_continuation(entries: dict[str, StageEntry], now: dict[str, StageInputs]) -> Continuation:
     """Keep a stage only when it succeeded (or was skipped) with the inputs it would have now and nothing it
-    needs or reads runs again; everything else reruns, with the reason. A resumable stage that was
-    interrupted (failed as infrastructure) with the same inputs continues its attempt's jobs. Pure."""
+    needs or reads runs again; everything else reruns, with the reason. Pure."""
     kept: list[str] = []
     reran: dict[str, str] = {}
-    resumes: dict[str, int] = {}
     for stage in STAGES:
         entry = entries.get(stage.name)
         upstream = [name for name in names() if name in stage.upstream() and name in reran]
@@ -504,12 +528,9 @@ def plan_continuation(entries: dict[str, StageEntry], now: dict[str, StageInputs
         elif entry.status == "failed":
             failure = entry.failure_class.value if entry.failure_class else "unclassified"
             reran[stage.name] = f"failed ({failure}): {entry.cause}"
-            if stage.resumable and entry.failure_class == INFRA:
-                resumes[stage.name] = entry.job_invocation or entry.invocation
-                reran[stage.name] += f"; resumes invocation {resumes[stage.name]}'s training from its checkpoint"
         else:
             kept.append(stage.name)
-    return Continuation(kept, reran, resumes)
+    return Continuation(kept, reran)
 
 
 def changed_inputs(before: StageInputs, now: StageInputs) -> str:

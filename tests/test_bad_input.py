@@ -492,6 +492,44 @@ def lease_fifo(tmp: Path) -> list[str]:
     return ["runs", "list", *root_args(tmp)]
 
 
+def registry_special(name: str, make: Callable[[Path], object], command: str = "list") -> Callable[[Path], list[str]]:
+    """The registry with one file (production.json, or the version's card.json) replaced by `make`'s (a FIFO, a
+    file too large); `command` is `models list|show` or `rollback` (from a production version to this one)."""
+
+    def build(tmp: Path) -> list[str]:
+        models = registry(tmp)
+        if command == "rollback":
+            write(models / MODEL / "v0002-later" / "card.json", json.dumps({"metrics": {}}))
+            write(models / MODEL / "production.json", json.dumps({"version": "v0002-later"}))
+        target = models / MODEL / (name if name == "production.json" else f"v0001-{GOOD_RUN}/{name}")
+        target.unlink(missing_ok=True)
+        make(target)
+        if command == "rollback":
+            return ["rollback", MODEL, "--reason", "bad-input test", *root_args(tmp)]
+        return ["models", command, *([MODEL] if command == "show" else []), *root_args(tmp)]
+
+    return build
+
+
+def too_large(limit: int) -> Callable[[Path], Path]:
+    return lambda path: write(path, b" " * (limit + 1))
+
+
+DECISION_ID = "20261201-000000-abc123"
+
+
+def images_special(name: str, make: Callable[[Path], object], command: str = "list") -> Callable[[Path], list[str]]:
+    """images/current.json, or a decision's decision.json, replaced by `make`'s; `images list` or `images show`."""
+
+    def build(tmp: Path) -> list[str]:
+        images = tmp / "store" / "images"
+        make(images / (name if name == "current.json" else f"{DECISION_ID}/{name}"))
+        shown = [DECISION_ID, "--json"] if command == "show" else []
+        return ["images", command, *shown, *root_args(tmp)]
+
+    return build
+
+
 SPECIAL_FILE_CASES = [
     Case("config-fifo", lambda tmp: ["run", "--config", str(fifo(tmp / "c.yaml"))], 3, "is a FIFO (named pipe)"),
     Case("config-device", lambda tmp: ["runs", "list", "--config", "/dev/zero"], 3, "is a character device"),
@@ -504,6 +542,47 @@ SPECIAL_FILE_CASES = [
     Case("manifest-fifo", lambda tmp: ["lint", str(fifo(tmp / "m.yaml")), "-c", EKS], 1, "is a FIFO (named pipe)"),
     Case("log-fifo", lambda tmp: ["transport", str(fifo(tmp / "n.log"))], 2, "is a FIFO (named pipe)"),
     Case("log-device", lambda tmp: ["transport", "/dev/zero"], 2, "is a character device"),
+    Case(
+        "pointer-fifo",
+        registry_special("production.json", fifo),
+        0,
+        "production.json: cannot be read as the production pointer: is a FIFO (named pipe)",
+    ),
+    Case(
+        "pointer-too-large",
+        registry_special("production.json", too_large(1 << 20), "show"),
+        1,
+        "cannot be read as the production pointer: is larger than 1,048,576 bytes",
+    ),
+    Case("card-fifo", registry_special("card.json", fifo, "show"), 0, "is a FIFO (named pipe), not a regular file"),
+    Case(
+        "card-too-large", registry_special("card.json", too_large(16 << 20), "show"), 0, "larger than 16,777,216 bytes"
+    ),
+    Case("rollback-card-fifo", registry_special("card.json", fifo, "rollback"), 3, "is a FIFO (named pipe)"),
+    Case(
+        "image-pointer-fifo",
+        images_special("current.json", fifo),
+        0,
+        "current.json: cannot be read as the current-image pointer: is a FIFO (named pipe)",
+    ),
+    Case(
+        "image-pointer-too-large",
+        images_special("current.json", too_large(1 << 20)),
+        0,
+        "cannot be read as the current-image pointer: is larger than 1,048,576 bytes",
+    ),
+    Case(
+        "image-decision-fifo",
+        images_special("decision.json", fifo, "show"),
+        1,
+        "decision.json: cannot be read as an image decision: is a FIFO (named pipe)",
+    ),
+    Case(
+        "image-decision-too-large",
+        images_special("decision.json", too_large(16 << 20)),
+        0,
+        "cannot be read as an image decision: is larger than 16,777,216 bytes",
+    ),
 ]
 
 # ---- duplicate YAML keys ------------------------------------------------------------------------------------------
@@ -816,6 +895,26 @@ def test_s3_mirror_refuses_a_key_with_dotdot(s3_endpoint, tmp_path):
     with pytest.raises(UnsafePath, match="'..' segment"):
         storage.download_dir(mirror, "model")
     assert not (tmp_path / "escape.txt").exists() and not (tmp_path / "mirror" / "escape.txt").exists()
+
+
+@pytest.mark.integration
+def test_s3_objects_too_large_for_a_lease_or_a_pointer_are_refused_by_name(s3_endpoint):
+    """On S3 the size is checked on the response (its ContentLength, then what arrives), never read whole."""
+    import boto3
+
+    from tests.conftest import TEST_BUCKET
+    from tuneproof.control import images, lease, registry
+
+    storage = Storage(f"s3://{TEST_BUCKET}/oversized", s3_endpoint)
+    client = boto3.client("s3", endpoint_url=s3_endpoint)
+    big = b" " * ((1 << 20) + 1)
+    for key in ("runs/r/lease.json", f"models/{MODEL}/production.json", "images/current.json"):
+        client.put_object(Bucket=TEST_BUCKET, Key=f"oversized/{key}", Body=big)
+    assert lease.stale(storage, "r") == (None, f"{storage.uri('runs', 'r', 'lease.json')} is not a readable lease")
+    with pytest.raises(registry.RegistryUnreadable, match="production.json: .* is larger than 1,048,576 bytes"):
+        registry.read_pointer(storage, MODEL)
+    with pytest.raises(images.ImagesUnreadable, match="current.json: .* is larger than 1,048,576 bytes"):
+        images.read_current(storage)
 
 
 @pytest.mark.integration

@@ -42,7 +42,7 @@ def finished() -> dict[str, StageEntry]:
 
 def test_a_finished_run_with_unchanged_inputs_keeps_every_stage():
     plan = table.plan_continuation(finished(), same_inputs())
-    assert plan.kept == ALL and plan.reran == {} and plan.resumes == {}
+    assert plan.kept == ALL and plan.reran == {}
 
 
 def test_a_changed_config_section_reruns_its_stage_and_everything_downstream():
@@ -60,7 +60,6 @@ def test_a_changed_config_section_reruns_its_stage_and_everything_downstream():
         "evaluate": "finetune reran",
         "promote": "finetune, resume, evaluate reran",
     }
-    assert plan.resumes == {}  # changed inputs train fresh
 
 
 def test_changed_code_and_a_changed_needed_output_are_named():
@@ -69,7 +68,7 @@ def test_changed_code_and_a_changed_needed_output_are_named():
     assert table.changed_inputs(before, now) == "code (working_dir wd1 -> wd2), finetune.export_path"
 
 
-def test_an_interrupted_fine_tune_with_the_same_inputs_resumes_its_invocation():
+def test_an_interrupted_fine_tune_with_the_same_inputs_reruns_and_resumes_its_invocation():
     entries = finished()
     for name in ("resume", "evaluate", "promote"):
         del entries[name]  # the run stopped at the fine-tune
@@ -78,26 +77,105 @@ def test_an_interrupted_fine_tune_with_the_same_inputs_resumes_its_invocation():
     )
     plan = table.plan_continuation(entries, same_inputs())
     assert plan.kept == ["verify", "connectivity", "data"]
-    assert plan.resumes == {"finetune": 2}
-    assert plan.reran["finetune"].startswith("failed (infrastructure): Ray job x STOPPED; resumes invocation 2")
+    assert plan.reran["finetune"] == "failed (infrastructure): Ray job x STOPPED"
     assert plan.reran["evaluate"] == "finetune reran"
+    assert resumes(record_with(entries), inputs("k-finetune")) == 2
+
+
+# ---- whether an interrupted stage resumes: decided as it starts, after what it needs has rerun
+
+FINETUNE = table.by_name("finetune")
+
+
+def resumes(rec: RunRecord, now: StageInputs, stage: Stage = FINETUNE) -> int | None:
+    return table.resumes_invocation(stage, now, rec)
+
+
+def interrupted(key: str = "k-finetune", **fields) -> StageEntry:
+    return entry("finetune", key, "failed", failure_class=INFRA, cause="Ray job x STOPPED", **fields)
+
+
+def rerun_with_only(*superseded: StageEntry) -> RunRecord:
+    """A record as `--only data,finetune` leaves it when the fine-tune starts: data reran (in `stages`), the
+    fine-tune's earlier attempts superseded, oldest first."""
+    rec = record_with({"data": entry("data", "k-data", invocation=2)})
+    rec.superseded = [entry("data", "k-data"), *superseded]
+    return rec
+
+
+def test_only_data_and_finetune_resumes_the_interrupted_fine_tune_when_data_kept_its_identity():
+    rec = rerun_with_only(interrupted(invocation=1))
+    assert resumes(rec, inputs("k-finetune")) == 1
+
+
+def test_a_fine_tune_whose_inputs_changed_after_its_upstream_reran_starts_fresh():
+    rec = rerun_with_only(interrupted(invocation=1))
+    assert resumes(rec, inputs("k-finetune-new-dataset")) is None
 
 
 def test_a_resumed_attempt_that_is_interrupted_again_still_resumes_the_first_one():
-    entries = finished()
-    entries["finetune"] = entry(
-        "finetune", "k-finetune", "failed", failure_class=INFRA, cause="x", invocation=3, job_invocation=1
-    )
-    assert table.plan_continuation(entries, same_inputs()).resumes == {"finetune": 1}
+    rec = rerun_with_only(interrupted(invocation=1), interrupted(invocation=3, job_invocation=1))
+    assert resumes(rec, inputs("k-finetune")) == 1
 
 
-def test_modeling_failures_and_non_resumable_stages_rerun_fresh():
+def test_only_the_latest_attempt_counts_and_only_when_it_was_interrupted():
+    fresh_after = rerun_with_only(interrupted(invocation=1), entry("finetune", "k-finetune", invocation=2))
+    assert resumes(fresh_after, inputs("k-finetune")) is None  # it finished since: a rerun trains fresh
+    modeling = interrupted(invocation=1).model_copy(update={"failure_class": FailureClass.modeling})
+    assert resumes(rerun_with_only(modeling), inputs("k-finetune")) is None  # nan loss: no checkpoint to trust
+    keyless = interrupted(invocation=1).model_copy(update={"inputs": None})
+    assert resumes(rerun_with_only(keyless), inputs("k-finetune")) is None  # an earlier release's entry
+    assert resumes(rerun_with_only(), inputs("k-finetune")) is None  # never ran
+
+
+def test_a_stage_that_is_not_resumable_never_resumes():
+    rec = record_with({"data": entry("data", "k-data", "failed", failure_class=INFRA, cause="s3 down")})
+    assert resumes(rec, inputs("k-data"), table.by_name("data")) is None
+
+
+def test_the_needs_identity_not_the_rerun_decides_the_fine_tunes_key():
+    """Data rerun to the same content hash: the fine-tune's key is the one it was interrupted with."""
+    data = DataSummary(dataset_path="datasets/dates/abc", content_hash="abc", dataset_uri="/x")
+    config = PipelineConfig().model_dump(mode="json")
+    first = record_with({"data": StageEntry.succeeded("data", data, "t0")})
+    before = table.stage_inputs(FINETUNE, config, "wd", first)
+    rec = rerun_with_only(interrupted(before.key, invocation=1).model_copy(update={"inputs": before}))
+    rec.stages["data"] = StageEntry.succeeded("data", data, "t1").model_copy(update={"invocation": 2})
+    assert resumes(rec, table.stage_inputs(FINETUNE, config, "wd", rec)) == 1
+    other = data.model_copy(update={"dataset_path": "datasets/dates/def", "content_hash": "def"})
+    rec.stages["data"] = StageEntry.succeeded("data", other, "t1")
+    assert resumes(rec, table.stage_inputs(FINETUNE, config, "wd", rec)) is None
+
+
+def test_a_job_cut_short_keeps_the_key_it_had_before_it_ran_so_a_changed_setting_trains_fresh():
+    """A stopped job reports no reads: keyed by the flow's few reads, a changed train.lr would have resumed."""
+    from tuneproof.control.record import JobEntry, RuntimeEnvAdditions
+    from tuneproof.core.results import StageResult
+
+    result = StageResult(stage="finetune", status="failed", failure_class=INFRA, started_at="t0", ended_at="t1")
+    stopped = JobEntry(
+        submission_id="r-finetune", entrypoint="python -m training.finetune", job_status="STOPPED", attached=False,
+        working_dir_hash="wd", runtime_env_additions=RuntimeEnvAdditions(), submitted_at="t0", ended_at="t1",
+        result=result,
+    )  # fmt: skip
+    assert not table.reads_reported(StageEntry.failed("finetune", INFRA, "STOPPED", jobs=[stopped]))
+    assert table.reads_reported(StageEntry.failed("promote", INFRA, "no job"))  # in-flow: the flow's reads are all
+    config = PipelineConfig().model_dump(mode="json")
+    rec = rerun_with_only()
+    before = table.stage_inputs(FINETUNE, config, "wd", rec)  # before it ran: every section but the timeouts
+    rec.superseded.append(interrupted(before.key, invocation=1).model_copy(update={"inputs": before}))
+    assert resumes(rec, table.stage_inputs(FINETUNE, config, "wd", rec)) == 1
+    changed = {**config, "train": {**config["train"], "lr": 0.5}}
+    assert resumes(rec, table.stage_inputs(FINETUNE, changed, "wd", rec)) is None
+
+
+def test_modeling_failures_and_failed_stages_rerun_with_their_cause():
     entries = finished()
     entries["finetune"] = entry("finetune", "k-finetune", "failed", failure_class=FailureClass.modeling, cause="nan")
     entries["data"] = entry("data", "k-data", "failed", failure_class=INFRA, cause="s3 down")
     plan = table.plan_continuation(entries, same_inputs())
-    assert plan.resumes == {}
     assert plan.reran["data"] == "failed (infrastructure): s3 down"
+    assert plan.reran["finetune"] == "data reran"
 
 
 def test_missing_results_and_results_without_a_key_rerun():

@@ -36,6 +36,7 @@ from tuneproof.control.comparison import MetricComparison
 from tuneproof.core import cas
 from tuneproof.core.checks import environment_digest
 from tuneproof.core.config import PipelineConfig
+from tuneproof.core.files import read_stored
 from tuneproof.core.names import slug_problem
 from tuneproof.core.results import one_line
 from tuneproof.core.storage import Storage
@@ -43,6 +44,9 @@ from tuneproof.core.storage import Storage
 IMAGES = "images"
 DECISION = "decision.json"
 CURRENT = "current.json"
+MAX_DECISION_BYTES = 16 << 20
+"""A decision is kilobytes (metrics of a few repeats, reasons, versions); a bigger one, or a FIFO in its place,
+is refused by name instead of read until memory runs out."""
 LOCAL_REPOSITORY = "local-env"
 """The repository part of the local profile's "image": the environment verify fingerprints."""
 IMAGE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/:-]*@sha256:[0-9a-f]{64}$"
@@ -354,7 +358,11 @@ def load_decision(storage: Storage, decision_id: str) -> Decision:
         known = ", ".join(decision_ids(storage)) or "none: run `tuneproof canary` first"
         raise FileNotFoundError(f"no image decision {decision_id!r} under {storage.uri(IMAGES)} (decisions: {known})")
     try:
-        return Decision.model_validate(storage.read_json(IMAGES, decision_id, DECISION))
+        data = read_stored(storage, (IMAGES, decision_id, DECISION), MAX_DECISION_BYTES)
+    except OSError as e:
+        raise ImagesUnreadable(f"{where}: cannot be read as an image decision: {e.strerror or e}") from None
+    try:
+        return Decision.model_validate(json.loads(data))
     except (ValueError, RecursionError) as e:
         raise ImagesUnreadable(f"{where}: not an image decision ({one_line(str(e), 200)})") from None
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from tuneproof.core.files import FileRefused, read_regular
+from tuneproof.core.files import FileRefused, read_regular, read_s3_body
 from tuneproof.core.results import now_iso
 from tuneproof.core.storage import Storage, boto_config, split_s3
 
@@ -327,7 +327,10 @@ class _S3Store:
             obj = self.client.get_object(Bucket=self.bucket, Key=self.key)
         except self.client.exceptions.NoSuchKey:
             return None
-        return obj["Body"].read(), obj["ETag"]
+        try:
+            return read_s3_body(obj, MAX_LEASE_BYTES, self.where), obj["ETag"]
+        except FileRefused:  # not a lease (megabytes of something): unreadable bytes, held by nobody
+            return b"", obj["ETag"]
 
     def replace(self, body: bytes, token: Any) -> str | None:
         return self._put(body, IfMatch=token)

@@ -36,6 +36,7 @@ from tuneproof.control.history import Move, MoveIntent
 from tuneproof.core import cas, markers
 from tuneproof.core.cas import file_lock
 from tuneproof.core.config import LORA_ADAPTER_DIR
+from tuneproof.core.files import read_stored
 from tuneproof.core.results import now_iso, one_line
 from tuneproof.core.storage import Storage
 
@@ -46,6 +47,9 @@ POINTER = "production.json"
 CARD_JSON = "card.json"
 CARD_MD = "MODEL_CARD.md"
 LOCK = ".production.json.lock"
+MAX_CARD_BYTES = 16 << 20
+"""A card is kilobytes (metrics, gate lines, provenance, history); a bigger one, or a FIFO in its place, is refused
+by name (tuneproof.core.files.FileRefused) instead of read until memory runs out."""
 _VERSION = re.compile(r"^v(\d{4,})-(.+)$")
 
 
@@ -151,10 +155,15 @@ def _version_row(storage: Storage, name: str, version: str, current: str | None)
     }
     if complete:
         try:
-            row["card"] = storage.read_json(MODELS, name, version, CARD_JSON)
+            row["card"] = read_card(storage, name, version)
         except (ValueError, OSError, RecursionError) as e:
             row["problem"] = f"{storage.uri(MODELS, name, version, CARD_JSON)} is unreadable: {one_line(str(e), 200)}"
     return row
+
+
+def read_card(storage: Storage, name: str, version: str) -> Any:
+    """A version's card.json as JSON: FileRefused (not a regular file, over MAX_CARD_BYTES), ValueError (not JSON)."""
+    return json.loads(read_stored(storage, (MODELS, name, version, CARD_JSON), MAX_CARD_BYTES))
 
 
 def model_parts(storage: Storage, name: str, version: str) -> dict[str, str | None]:

@@ -24,7 +24,7 @@ from tuneproof.control.history import MoveIntent
 from tuneproof.control.lease import LeaseInfo, pid_alive, stale_reason
 from tuneproof.control.registry import CARD_JSON, MODELS
 from tuneproof.core import cas, markers
-from tuneproof.core.results import now_iso
+from tuneproof.core.results import now_iso, one_line
 from tuneproof.core.storage import Storage
 
 HOLD = ".hold.json"
@@ -135,7 +135,13 @@ def _rollback_target(
         raise RollbackRefused(f"{name}: {target} is already production")
     if current in versions and versions.index(target) > versions.index(current):
         raise RollbackRefused(f"{name}: {target} is not earlier than production {current}: a rollback goes back")
-    card = storage.read_json(MODELS, name, target, CARD_JSON)
+    try:
+        card = registry.read_card(storage, name, target)
+    except (ValueError, OSError, RecursionError) as e:
+        where = storage.uri(MODELS, name, target, CARD_JSON)
+        raise RollbackRefused(f"{name} {target}: {where} cannot be read: {one_line(str(e), 200)}") from None
+    if not isinstance(card, dict):
+        raise RollbackRefused(f"{name} {target}: its card.json is not a JSON object")
     try:
         content = markers.verify_export(storage, MODELS, name, target).content_sha256
     except markers.ExportUnverified as e:

@@ -26,8 +26,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from tuneproof.core.files import read_regular, read_s3_body
 from tuneproof.core.results import now_iso
 from tuneproof.core.storage import Storage, boto_config
+
+MAX_OBJECT_BYTES = 1 << 20
+"""The largest object compare-and-swap reads: a pointer or a hold is a few hundred bytes; a bigger one (or a FIFO
+in its place) is refused by name (tuneproof.core.files.FileRefused) instead of read until memory runs out."""
 
 _CONFLICT_CODES = ("PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey", "412", "409")
 """412: the condition failed; 409: a concurrent conditional write won; NoSuchKey: If-Match on a deleted key."""
@@ -38,11 +43,12 @@ def content_token(data: bytes) -> str:
 
 
 def read_versioned(storage: Storage, *parts: str) -> tuple[bytes | None, str | None]:
-    """(bytes, token) of the object, or (None, None) when there is none."""
+    """(bytes, token) of the object, or (None, None) when there is none; FileRefused when it is not a regular file
+    or holds more than MAX_OBJECT_BYTES."""
     if storage.is_s3:
         return _s3_read(storage, parts)
     try:
-        data = Path(storage.path(*parts)).read_bytes()
+        data = read_regular(storage.path(*parts), MAX_OBJECT_BYTES)
     except FileNotFoundError:
         return None, None
     return data, content_token(data)
@@ -196,7 +202,7 @@ def _s3_read(storage: Storage, parts: tuple[str, ...]) -> tuple[bytes | None, st
             return None, None
         raise
     # Body and ETag come from one response, so the token is the one of the bytes returned.
-    return obj["Body"].read(), obj["ETag"]
+    return read_s3_body(obj, MAX_OBJECT_BYTES, storage.uri(*parts)), obj["ETag"]
 
 
 def _s3_conditional(storage: Storage, parts: tuple[str, ...], operation: str, **kwargs) -> bool:

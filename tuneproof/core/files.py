@@ -3,6 +3,7 @@ and only up to a size.
 
     read_regular(Path("configs/local.yaml"), 1 << 20)    # the bytes, or FileRefused naming the file
     read_stored(storage, ("runs", run, "record.json"), 64 << 20)
+    read_s3_body(client.get_object(...), 64 << 10, uri)     # an S3 response's body, at most that many bytes
     parse_yaml(text)                                      # yaml.safe_load, but a duplicate key is an error
 
 A FIFO given as a config blocks open() until a writer comes, and a character device (/dev/zero) reads until
@@ -66,6 +67,17 @@ def read_stored(storage: Storage, parts: tuple[str, ...], limit: int) -> bytes:
     if size is not None and size > limit:
         raise FileRefused(errno.EFBIG, f"is larger than {limit:,} bytes", storage.uri(*parts))
     return storage.read_bytes(*parts)
+
+
+def read_s3_body(response: dict[str, Any], limit: int, where: str) -> bytes:
+    """The body of an S3 GetObject response, refused (FileRefused naming `where`) when it holds more than `limit`
+    bytes: by its ContentLength before anything is read, and by what arrives, whatever that header claimed."""
+    length = response.get("ContentLength")
+    data = response["Body"].read(limit + 1) if not (isinstance(length, int) and length > limit) else None
+    if data is None or len(data) > limit:
+        response["Body"].close()
+        raise FileRefused(errno.EFBIG, f"is larger than {limit:,} bytes, more than such a file can be", where)
+    return data
 
 
 class DuplicateKey(yaml.YAMLError):
