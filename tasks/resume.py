@@ -25,18 +25,20 @@ from tasks import events
 from tasks.jobs import RETRY, StageCall, entry_from_jobs, runner_for
 from tuneproof.control.record import StageEntry
 from tuneproof.control.resume_evidence import as_ledger, check_restart, compare_ledgers, compare_losses
-from tuneproof.core.results import FailureClass, now_iso
-from tuneproof.core.rowlog import read_rows
+from tuneproof.core.results import FailureClass, StageFailure, now_iso
+from tuneproof.core.rowlog import read_rows, rows_sha256
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import (
     CheckpointRef,
     FinetuneSummary,
     LedgerComparison,
+    LedgerPoint,
     LossComparison,
     LossPoint,
     ResumeJobSummary,
     ResumeSummary,
     ledger_points,
+    loss_curve,
 )
 
 
@@ -128,13 +130,18 @@ def judge(
     assert resumed is not None  # the caller returns early without a continue phase
     storage = Storage.from_config(cfg.storage)
     interrupted = phase_rows(storage, call.run_id, job.interrupt_job)
-    replayed = as_losses([(r["step"], r["loss"]) for r in interrupted if "loss" in r]) | as_losses(resumed.loss_curve)
-    comparison = LossComparison.model_validate(compare_losses(as_losses(main_curve), replayed, cfg.resume.loss_rtol))
     main = call.record.summary("finetune", FinetuneSummary)
-    ledger = LedgerComparison.model_validate(
-        compare_ledgers(
-            as_ledger(main.ledger if main else []), as_ledger(ledger_points(interrupted)) | as_ledger(resumed.ledger)
+    try:
+        main_curve, main_ledger = every_point(storage, main, main_curve) if main else (main_curve, [])
+        resumed_curve, resumed_ledger = every_point(storage, resumed, resumed.loss_curve)
+    except StageFailure as e:
+        return ResumeSummary(
+            seed_checkpoint=seed, interrupted=True, interrupted_at_step=job.interrupted_at_step, problems=[e.cause]
         )
+    replayed = as_losses([(r["step"], r["loss"]) for r in interrupted if "loss" in r]) | as_losses(resumed_curve)
+    comparison = LossComparison.model_validate(compare_losses(as_losses(main_curve), replayed, cfg.resume.loss_rtol))
+    ledger = LedgerComparison.model_validate(
+        compare_ledgers(as_ledger(main_ledger), as_ledger(ledger_points(interrupted)) | as_ledger(resumed_ledger))
     )
     problems = []
     if job.interrupted_at_step != interrupt_at:
@@ -168,6 +175,24 @@ def judge(
 def as_losses(points: list[LossPoint]) -> dict[int, float]:
     """{step: loss}, a loss that was not finite (logged as null) as NaN, which never matches."""
     return {int(step): float("nan") if loss is None else float(loss) for step, loss in points}
+
+
+def every_point(
+    storage: Storage, summary: FinetuneSummary, curve: list[LossPoint]
+) -> tuple[list[LossPoint], list[LedgerPoint]]:
+    """Every step's loss and ledger point of a fine-tune: `curve` and the summary's ledger when the summary
+    holds every step; else (a long run's thinned summary) read back from the metrics log it names, which must
+    hash as it did when the summary was written (else StageFailure, naming both hashes)."""
+    if not summary.thinned:
+        return curve, summary.ledger
+    rows = read_rows(storage, *(summary.metrics_path or "").split("/"))
+    if (seen := rows_sha256(rows)) != summary.metrics_sha256:
+        raise StageFailure(
+            FailureClass.infrastructure,
+            f"metrics log {summary.metrics_path} changed since its fine-tune summary was written: "
+            f"sha256 {seen}, expected {summary.metrics_sha256}",
+        )
+    return loss_curve(rows), ledger_points(rows)
 
 
 def phase_rows(storage: Storage, run_id: str, job: str) -> list[dict]:

@@ -133,6 +133,15 @@ def prefect_server(tmp_path_factory):
         EventsWorker.drain_all()
 
 
+@pytest.fixture
+def prefect_harness(prefect_server):
+    """What a test whose flows need a Prefect API asks for: the session's server. A module's own
+    `prefect_test_harness` cost a server start per module (tens of seconds on 2 cores), and while it was the
+    innermost Prefect setting, a session fixture first made then (the demo run, the session server) reported
+    to it and outlived it."""
+    return prefect_server
+
+
 @dataclass(frozen=True)
 class DemoEnv:
     """The embedded default pointed at the session's Ray head, a tiny base model and a storage root."""

@@ -17,14 +17,6 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def prefect_harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
-@pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     from tuneproof.app.tiny_model import ensure_tiny_model
     from tuneproof.core.config import PROJECT_ROOT

@@ -268,13 +268,6 @@ def stand_ins(monkeypatch):
     return stages
 
 
-@pytest.fixture
-def prefect_harness(prefect_server):
-    """The session's server: a module-scoped test harness here would be the innermost Prefect setting when
-    the shared demo run or the session server is first made, and they would report to it and outlive it."""
-    return prefect_server
-
-
 @pytest.mark.integration
 def test_a_continued_run_keeps_unchanged_stages_and_reruns_a_changed_one_and_its_downstream(
     prefect_harness, stand_ins, tmp_path

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import json
 import threading
@@ -147,19 +148,13 @@ def test_forced_promotion_is_recorded_with_who_and_why(tmp_path):
     assert json.loads(listed.output)[0]["production"]["run_id"] == "r1"
 
 
-@pytest.fixture(scope="module")
-def prefect_harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
 @pytest.mark.integration
 @pytest.mark.parametrize("approve", [True, False])
 def test_approval_pauses_the_flow_before_the_pointer_moves(prefect_harness, tmp_path, approve):
     """With promote.require_approval the flow pauses for a typed form; the answer decides the pointer."""
     from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
+    from prefect.client.schemas.objects import StateType
     from prefect.flow_runs import resume_flow_run
 
     from flows.pipeline import pipeline
@@ -171,12 +166,14 @@ def test_approval_pauses_the_flow_before_the_pointer_moves(prefect_harness, tmp_
     with_export(storage, "r1")
     records.save(storage, passed_record(cfg))
     answered = {}
+    paused_only = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PAUSED])))
 
     def approver():
         async def answer():
             async with get_client() as client:
                 for _ in range(240):
-                    runs = await client.read_flow_runs()
+                    # The session's server holds other tests' flow runs too: ask for the paused ones only.
+                    runs = await client.read_flow_runs(flow_run_filter=paused_only)
                     paused = [r for r in runs if r.state and r.state.is_paused()]
                     if paused:
                         await resume_flow_run(
@@ -193,7 +190,8 @@ def test_approval_pauses_the_flow_before_the_pointer_moves(prefect_harness, tmp_
 
         asyncio.run(answer())
 
-    thread = threading.Thread(target=approver)
+    # The session server's API URL is a context setting: the approver's thread needs this context's copy.
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(approver,))
     thread.start()
     state = pipeline(config=cfg, run_id="r1", only=["promote"], return_state=True)
     thread.join(60)

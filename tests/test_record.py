@@ -154,3 +154,59 @@ def test_runs_list_reads_rows_on_s3_too(s3_endpoint, v1_storage):
     rows = records.list_rows(storage)
     assert [r.run_id for r in rows] == [*ids[::-1], "20261203-000000-bad"]
     assert rows[-1].status == "unreadable"
+
+
+def test_a_100000_step_fine_tune_leaves_a_record_of_at_most_64_kb(tmp_path):
+    """The record stays bounded at 100,000 steps: it keeps a thinned curve and ledger for display, and names
+    the metrics log that holds every step by path and hash; what `runs show` prints is unchanged."""
+    import random
+
+    from flows.stages import finetune_evidence
+    from training.finetune import curve_fields, loss_curve
+    from tuneproof.core.config import PipelineConfig
+    from tuneproof.core.results import StageResult
+    from tuneproof.core.rowlog import append_rows, read_rows, rows_sha256
+    from tuneproof.core.summaries import CURVE_POINTS, CheckpointRef, FinetuneSummary
+
+    steps, rng = 100_000, random.Random(0)
+    rows = [
+        {"step": step, "loss": 3 / step**0.1 + rng.random() / 100, "tokens_per_s": 1234.5 + rng.random(),
+         "samples": f"{step * 7919:016x}", "ledger": f"{step * 104729:064x}"}
+        for step in range(1, steps + 1)
+    ]  # fmt: skip
+    storage = Storage(str(tmp_path))
+    append_rows(storage, rows, "runs", "big", "stages", "finetune", "metrics.jsonl")
+    uri = f"{tmp_path}/runs/big/train/big-finetune"
+    summary = FinetuneSummary(
+        run_name="big-finetune",
+        train_storage_uri=uri,
+        checkpoints=[CheckpointRef(s, f"{uri}/checkpoint_{s:06d}") for s in (99_800, 99_900, 100_000)],
+        latest_checkpoint=CheckpointRef(100_000, f"{uri}/checkpoint_100000"),
+        start_step=0,
+        steps=steps,
+        seconds=86_400.0,
+        **curve_fields(rows, "runs/big/stages/finetune/metrics.jsonl"),
+    )
+    result = StageResult(
+        stage="finetune", status="succeeded", summary=summary.to_json(), started_at="t0", ended_at="t1"
+    )
+    job = records.JobEntry(
+        submission_id="big-finetune-1", entrypoint="python -m training.finetune", job_status="SUCCEEDED",
+        attached=False, working_dir_hash="0" * 64, runtime_env_additions=records.RuntimeEnvAdditions(),
+        submitted_at="t0", ended_at="t1", result=result,
+    )  # fmt: skip
+    rec = records.new_record("big", PipelineConfig(), records.CodeIdentity(git_sha="abc", dirty=False), None)
+    rec.stages["finetune"] = records.StageEntry.from_jobs("finetune", result, [job], "t0")
+    records.save(storage, rec)
+
+    size = len((tmp_path / "runs" / "big" / "record.json").read_bytes())
+    assert size <= 64 << 10, f"record.json is {size} bytes at {steps} steps, expected at most {64 << 10}"
+    shown = records.load(storage, "big").summary("finetune", FinetuneSummary)
+    assert shown is not None and shown.thinned and shown.curve_steps == steps
+    assert len(shown.loss_curve) == CURVE_POINTS and len(shown.ledger) == CURVE_POINTS
+    whole = loss_curve(rows)
+    assert shown.loss_curve[0] == whole[0] and shown.loss_curve[-1] == whole[-1]
+    assert finetune_evidence(shown) == f"full: loss {whole[0][1]:.3f} -> {whole[-1][1]:.3f} in 100000 steps"
+    # Every step is where the record says, as it was when the summary was written.
+    logged = read_rows(storage, *shown.metrics_path.split("/"))
+    assert loss_curve(logged) == whole and rows_sha256(logged) == shown.metrics_sha256

@@ -192,3 +192,27 @@ def test_ledgers_without_a_common_step_are_not_evidence():
         not verdict["ok"]
         and verdict["reason"] == "no common steps: reference logged steps 1..1, replay logged steps 9..9"
     )
+
+
+def test_a_long_runs_thinned_summary_is_judged_on_every_logged_step_and_a_changed_log_is_refused(tmp_path):
+    """The record keeps at most CURVE_POINTS of a long run's losses; the resume test reads them all back from
+    the metrics log the summary names, and only as they were when the summary was written."""
+    from tasks.resume import every_point
+    from training.finetune import curve_fields, loss_curve
+    from tuneproof.core.results import StageFailure
+    from tuneproof.core.rowlog import append_rows
+    from tuneproof.core.storage import Storage
+    from tuneproof.core.summaries import CURVE_POINTS, FinetuneSummary, ledger_points
+
+    rows = [{"step": s, "loss": 1 / s, "samples": f"s{s}", "ledger": f"r{s}"} for s in range(1, 3 * CURVE_POINTS)]
+    storage, log = Storage(str(tmp_path)), ("runs", "r1", "stages", "finetune", "metrics.jsonl")
+    append_rows(storage, rows, *log)
+    fields = curve_fields(rows, "/".join(log))
+    summary = FinetuneSummary(run_name="r1", train_storage_uri="x", checkpoints=[], start_step=0, steps=len(rows),
+                              seconds=1.0, **fields)  # fmt: skip
+    assert summary.thinned and len(summary.loss_curve) == CURVE_POINTS
+    assert every_point(storage, summary, summary.loss_curve) == (loss_curve(rows), ledger_points(rows))
+
+    append_rows(storage, [{"step": 7, "loss": 0.5, "samples": "s7", "ledger": "r7"}], *log)  # a replay, after
+    with pytest.raises(StageFailure, match=f"changed since .*expected {fields['metrics_sha256']}"):
+        every_point(storage, summary, summary.loss_curve)

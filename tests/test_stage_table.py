@@ -62,14 +62,6 @@ def with_toy(monkeypatch):
     return TOY
 
 
-@pytest.fixture(scope="module")
-def prefect_harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
 def seeded_run(root, run_id: str = "toy-run") -> tuple[PipelineConfig, Storage]:
     """A finished run whose data stage succeeded (its record only: the toy stage needs nothing else)."""
     cfg = PipelineConfig.model_validate({"storage": {"root": str(root)}})

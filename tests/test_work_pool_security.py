@@ -88,14 +88,6 @@ def test_the_worker_hands_flow_runs_a_reference_to_its_auth_secret(monkeypatch):
 # ---------------------------------------------------------------- the Prefect server and the variables schema
 
 
-@pytest.fixture(scope="module")
-def prefect_server():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
 async def _eks_pool_and_deployment(client) -> tuple:
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.utilities.templating import apply_values

@@ -64,9 +64,17 @@ from training.schedule import WarmupCosine
 from tuneproof.core.fit import refusal
 from tuneproof.core.markers import Digests, ExportUnverified, read_export_manifest
 from tuneproof.core.results import FailureClass, StageFailure, one_line
-from tuneproof.core.rowlog import append_rows, read_rows, remove_log
+from tuneproof.core.rowlog import append_rows, read_rows, remove_log, rows_sha256
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import FinetuneSummary, FitEstimate, LossPoint, RankMemory, ledger_points
+from tuneproof.core.summaries import (
+    FinetuneSummary,
+    FitEstimate,
+    RankMemory,
+    latest_rows,
+    ledger_points,
+    loss_curve,
+    thin,
+)
 
 if TYPE_CHECKING:  # torch and the data module load inside workers only
     import torch
@@ -274,7 +282,6 @@ def summarize(
     from training.restarts import ATTEMPTS, FAILURES, restarts
 
     rows = read_metrics(ctx.storage, ctx.stage_parts(METRICS))
-    curve = loss_curve(rows)
     run_parts = ctx.run_parts("train", params.run_name)
     checkpoints = sorted(complete_checkpoints(ctx.storage, *run_parts), key=lambda c: c.step)
     speeds = [r["tokens_per_s"] for r in latest_rows(rows)]
@@ -290,9 +297,7 @@ def summarize(
         start_step=outcome["start_step"],
         restored_from=outcome["restored_from"],
         steps=outcome["steps"],
-        first_loss=curve[0][1] if curve else None,
-        final_loss=curve[-1][1] if curve else None,
-        loss_curve=curve,
+        **curve_fields(rows, posixpath.join(*ctx.stage_parts(METRICS))),
         tokens_per_s=sum(speeds) / len(speeds) if speeds else None,
         seconds=round(seconds, 3),
         export_path=export,
@@ -315,8 +320,22 @@ def summarize(
             read_rows(ctx.storage, *ctx.stage_parts(FAILURES)),
             rows,
         ),
-        ledger=ledger_points(rows),
     )
+
+
+def curve_fields(rows: list[dict[str, Any]], metrics_path: str) -> dict[str, Any]:
+    """The summary's loss and ledger fields from every metrics row. The record keeps at most CURVE_POINTS of
+    each (its size must not grow with the steps); the log itself, named by path and hash, keeps them all. Pure."""
+    curve = loss_curve(rows)
+    return {
+        "first_loss": curve[0][1] if curve else None,
+        "final_loss": curve[-1][1] if curve else None,
+        "loss_curve": thin(curve),
+        "curve_steps": len(curve),
+        "ledger": thin(ledger_points(rows)),
+        "metrics_path": metrics_path,
+        "metrics_sha256": rows_sha256(rows),
+    }
 
 
 def export_content_hash(storage: Storage, export: str) -> str:
@@ -330,16 +349,6 @@ def export_content_hash(storage: Storage, export: str) -> str:
 def read_metrics(storage: Storage, parts: tuple[str, ...]) -> list[dict[str, Any]]:
     """Every row every attempt of this job logged, in order (a replayed step's row comes after the first)."""
     return read_rows(storage, *parts)
-
-
-def latest_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per step, the last one written: a step replayed after a restart supersedes the earlier try."""
-    by_step = {r["step"]: r for r in rows}
-    return [by_step[s] for s in sorted(by_step)]
-
-
-def loss_curve(rows: list[dict[str, Any]]) -> list[LossPoint]:
-    return [(r["step"], r["loss"]) for r in latest_rows(rows)]
 
 
 # ---------------------------------------------------------------- workers

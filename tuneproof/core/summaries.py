@@ -12,7 +12,7 @@ fields are errors, so a job that writes the wrong thing fails loudly at the boun
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -252,6 +252,35 @@ written before the ledger existed)."""
 LEDGER_DIGITS = 16
 
 
+CURVE_POINTS = 100
+"""The most loss-curve and ledger points a fine-tune summary keeps: the record must stay small (≤ 64 KB at
+100,000 steps); every point stays in the job's metrics log, which the summary names by path and hash."""
+
+
+def latest_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per step, the last one written: a step replayed after a restart supersedes the earlier try. Pure."""
+    by_step = {r["step"]: r for r in rows}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def loss_curve(rows: list[dict[str, Any]]) -> list[LossPoint]:
+    """(step, loss) of every step of a fine-tune's metrics rows, in step order. Pure."""
+    return [(r["step"], r["loss"]) for r in latest_rows(rows)]
+
+
+P = TypeVar("P", bound=tuple)
+
+
+def thin(points: list[P], limit: int = CURVE_POINTS) -> list[P]:
+    """At most `limit` of `points`, evenly spaced, the first and the last always among them; all of them when
+    there are no more than `limit`. For display: the whole series is in the metrics log. Pure."""
+    if len(points) <= limit:
+        return list(points)
+    last = len(points) - 1
+    picks = sorted({round(i * last / (limit - 1)) for i in range(limit)})
+    return [points[i] for i in picks]
+
+
 def ledger_points(rows: list[dict[str, Any]]) -> list[LedgerPoint]:
     """The ledger points of a fine-tune's metrics rows, one per step (a step replayed after a restart: its
     last row), the running ledger cut to LEDGER_DIGITS; rows without a ledger are left out. Pure."""
@@ -345,6 +374,15 @@ class FinetuneSummary(Summary):
     first_loss: float | None = None
     final_loss: float | None = None
     loss_curve: list[LossPoint] = []
+    """At most CURVE_POINTS (step, loss) points, evenly spaced, first and last included: for display. Every
+    step's loss is in the metrics log (`metrics_path`)."""
+    curve_steps: int | None = None
+    """How many steps the whole loss curve has (None in records written before the curve was thinned, whose
+    `loss_curve` and `ledger` hold every step)."""
+    metrics_path: str | None = None
+    """Storage path of the job's metrics log (tuneproof.core.rowlog): every step's loss and ledger."""
+    metrics_sha256: str | None = None
+    """rowlog.rows_sha256 of that log's rows as this summary read them: a reader checks it got the same."""
     tokens_per_s: float | None = None
     seconds: float
     export_path: str | None = None
@@ -373,8 +411,14 @@ class FinetuneSummary(Summary):
     restarts: list[Restart] = []
     """Worker-group failures Ray Train recovered from in this job, with the step each one resumed at."""
     ledger: list[LedgerPoint] = []
-    """The data-order ledger of every step this job trained (training.train_data): which samples each step
-    consumed, and the running hash that every checkpoint carries on."""
+    """The data-order ledger of the steps this job trained (training.train_data): which samples each step
+    consumed, and the running hash that every checkpoint carries on; thinned like `loss_curve`."""
+
+    @property
+    def thinned(self) -> bool:
+        """True when `loss_curve` and `ledger` hold only some steps (read the rest from `metrics_path`)."""
+        return self.curve_steps is not None and self.curve_steps > len(self.loss_curve)
+
     skipped_checkpoints: list[SkippedCheckpoint] = []
     """Checkpoints newer than the one this job resumed from that failed their completion check: left out of
     the restore and of Ray Train's checkpoint bookkeeping alike."""
