@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TP := $(VENV)/bin/tuneproof
 PYTHON ?= python3
 
-.PHONY: setup browser shellcheck demo test test-fast lint faults bench up down clean
+.PHONY: setup browser shellcheck demo test test-fast lint schema faults bench up down clean
 
 setup: $(VENV)/.installed
 
@@ -34,6 +34,10 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+
+# The run record's JSON Schema, with each stage's summary model, from the stage table: run it when a model changes.
+schema: setup
+	$(PY) -m tuneproof.control.stages > schemas/run-record.schema.json
 
 # The browser test drives Debian's Chromium (Playwright's own browser download cannot work offline).
 browser:

@@ -31,8 +31,8 @@ one (4 layers at hidden 256, ~50 MB in ~150 tensors of ~0.3 MB), where DCP's fix
 (planning, a torch.save record per tensor) is a third of ours' time and would misjudge a real save.
 
 details: per side min/median/max bytes/s; `phases`, the median seconds and share of each part of
-ours (state_dict, staging: the copy to CPU in the training thread; dcp_plan, dcp_write, dcp_metadata,
-progress_file, sha256, upload (S3 only): the background thread; marker), largest first, and
+ours, timed from outside the save path (start: state dict and the copy to CPU in the training thread;
+background: DCP's write, progress file, sha256 + fsync, upload (S3 only); marker), largest first, and
 `dominant`; `async_stall`: with the asynchronous save, the training steps stalled per checkpoint
 (measure_stall: a loop of real training steps on the same model, local storage, a checkpoint every few
 steps completed one step later as the fine-tune does), its max and ok (max <= 1).
@@ -118,15 +118,15 @@ def save_ours(model, optimizer, group, buffers, storage, name: str) -> tuple[int
     save into storage waited for at once (throughput, not overlap: the stall is measured apart), the marker."""
     from training.checkpointing import finish_saving_shards, start_saving_shards, write_marker
 
+    phases: dict[str, float] = {}
     began = time.perf_counter()
-    saving = start_saving_shards(model, optimizer, progress(), storage, ("ckpt", name), group, buffers=buffers)
-    files = finish_saving_shards(saving)
-    phases = {k: v for k, v in saving.phases.items() if k != "waited"}  # waited overlaps the writer's phases
+    with timed(phases, "start"):  # in the training loop: state dict and the copy to CPU memory
+        saving = start_saving_shards(model, optimizer, progress(), storage, ("ckpt", name), group, buffers=buffers)
+    with timed(phases, "background"):  # DCP's write, the progress file, sha256 + fsync, the S3 upload
+        files = finish_saving_shards(saving)
     with timed(phases, "marker"):
         write_marker(storage, 1, files, "ckpt", name)
-    seconds = time.perf_counter() - began
-    phases["other"] = max(0.0, seconds - sum(phases.values()))  # progress capture, the marker's removal
-    return sum(f.size for f in files.values()), seconds, phases
+    return sum(f.size for f in files.values()), time.perf_counter() - began, phases
 
 
 @contextlib.contextmanager

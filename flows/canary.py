@@ -23,12 +23,12 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.states import Completed, Failed, State
 
-from flows import stages as table
 from flows.compare import read_record
 from flows.pipeline import NOTHING_RAN, pipeline
 from tasks import image_artifacts
 from tuneproof.control import images, registry
 from tuneproof.control import record as records
+from tuneproof.control import stages as table
 from tuneproof.control.images import CandidateImage, Decision, ImageVersions
 from tuneproof.control.kube_canary import ephemeral_raycluster
 from tuneproof.control.record import RunRecord

@@ -13,11 +13,11 @@ import time
 from prefect import flow, get_run_logger
 from prefect.states import Completed, Failed, State
 
-from flows import stages as table
 from flows.pipeline import StageName, pipeline
 from tasks import compare_artifacts
 from tuneproof.control import comparison as cmp
 from tuneproof.control import record as records
+from tuneproof.control import stages as table
 from tuneproof.control.comparison import ArmIdentity, Comparison, RunOutcome
 from tuneproof.control.record import RunRecord
 from tuneproof.core.config import PipelineConfig

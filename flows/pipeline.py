@@ -1,8 +1,9 @@
 """The tuneproof pipeline flow: verify -> connectivity -> data -> finetune -> resume -> evaluate -> promote.
 
 Run it with `tuneproof run` (in-process) or from a Prefect deployment (prefect.yaml). The flow
-only orders and branches: the stage table (flows/stages.py) says what each stage runs and needs,
-every result lands in the run record, and the first failed stage ends the run with its failure class.
+only orders and branches: the stage table (tuneproof/control/stages.py) says what each stage needs,
+flows/stage_tasks.py which task runs it, every result lands in the run record, and the first failed
+stage ends the run with its failure class.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ from prefect.runtime import flow_run
 from prefect.states import Completed, Failed, State
 from pydantic import WithJsonSchema
 
-from flows import stages as table
-from flows.stages import MissingStageOutput, Stage, UnknownStages
+from flows.stage_tasks import ARTIFACTS, task_for
 from tasks import artifacts, events
 from tasks.jobs import StageCall
 from tuneproof.control import images
 from tuneproof.control import record as records
+from tuneproof.control import stages as table
 from tuneproof.control.identity import git_identity, working_dir_hash
 from tuneproof.control.lease import Lease, LeaseHeld
 from tuneproof.control.record import (
@@ -32,6 +33,7 @@ from tuneproof.control.record import (
     StageEntry,
     StageInputs,
 )
+from tuneproof.control.stages import MissingStageOutput, Stage, UnknownStages
 from tuneproof.core import forward_env
 from tuneproof.core.config import PipelineConfig, reads_recorded
 from tuneproof.core.config_reads import unread_settings
@@ -110,7 +112,7 @@ def run_plan(
         get_run_logger().info(
             f"run {run_id}: stages {', '.join(table.names(plan)) or 'none'}; storage {storage.uri('runs', run_id)}"
         )
-        if any(stage.artifact is artifacts.loss_image for stage in plan):
+        if any(ARTIFACTS.get(stage.name) is artifacts.loss_image for stage in plan):
             artifacts.import_plotting_in_background()
         wd_hash = working_dir_hash()
         for stage in plan:
@@ -120,7 +122,7 @@ def run_plan(
                 return unusable_request(storage, record, str(e))
             record_stage(record, stage, entry)
             records.save(storage, record)
-            publish(stage.artifact, record, entry, storage)
+            publish(ARTIFACTS.get(stage.name), record, entry, storage)
             events.publish(
                 "stage",
                 stage=stage.name,
@@ -214,7 +216,7 @@ def run_stage(
     records.save(storage, record)
     with reads_recorded(call.cfg) as flow_reads:
         try:
-            entry = stage.run(call)
+            entry = task_for(stage)(call)
         except Exception as e:  # noqa: BLE001 - the record must say how the stage ended, whatever happened
             get_run_logger().exception(f"stage {stage.name} raised")
             entry = StageEntry.failed(stage.name, FailureClass.infrastructure, f"{type(e).__name__}: {e}")

@@ -1,7 +1,7 @@
 """Prefect artifacts: the evidence, where people deciding on a model look (the flow run page).
 
-The flow publishes each finished stage's artifact (the stage table in flows/stages.py names which
-function below is a stage's), then the stage table and the run report when the run ends; the job
+The flow publishes each finished stage's artifact (flows/stage_tasks.py names which function
+below is a stage's), then the stage table and the run report when the run ends; the job
 tasks keep a progress artifact per stage. Keys are per run (`<kind>-<run>` in lowercase with dashes,
 as Prefect requires) so a run's artifacts version together. A table cell that begins with '>=' renders
 as a quote in the UI, so gate thresholds are written 'at least 0.8' instead.

@@ -1,7 +1,7 @@
 """Prefect tasks for the job-backed stages: build the job request, run it, return the stage's record entry.
 
 The flow hands every stage task one StageCall: the config, the run, which invocation this is, the
-stage's timeout and summary model from the stage table (flows/stages.py), and the earlier stages'
+stage's timeout and summary model from the stage table (tuneproof/control/stages.py), and the earlier stages'
 outputs the table says it needs. Classified failures are values (a failed StageEntry), not
 exceptions, so Prefect retries (retries=1) only cover the unexpected — a lost connection while
 following a job — and a retry re-attaches to the same Ray submission.

@@ -1,4 +1,4 @@
-"""Stage 7, promote (a Prefect task, not a Ray job): only on evidence, and never over a stale incumbent.
+"""The promote stage (a Prefect task, not a Ray job): only on evidence, and never over a stale incumbent.
 
 Promotion needs evidence about exactly the model it copies: the current (not superseded) evaluation
 passed every gate for the content hash of the current fine-tune's export, the export in storage still

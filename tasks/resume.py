@@ -1,4 +1,4 @@
-"""Stage 5, the resume test: prove that a checkpoint restores, instead of assuming it.
+"""The resume stage: prove that a checkpoint restores, instead of assuming it.
 
 One Ray job (training.resume) in two phases, under one Ray Train run name "<run>-resume-t<N>":
 1. interrupt: a new training run starts from an intermediate checkpoint k of the main run, checkpoints

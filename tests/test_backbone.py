@@ -115,10 +115,10 @@ def test_a_prefect_retry_attaches_to_the_same_ray_submission(prefect_harness, ov
     """The first attempt loses its connection while following the job; the retry must re-attach."""
     from prefect import flow
 
-    from flows.stages import by_name
     from tasks.jobs import StageCall, verify
     from tasks.rayjob import RayJobRunner
     from tuneproof.control.record import CodeIdentity, new_record
+    from tuneproof.control.stages import by_name
 
     real_follow = RayJobRunner.follow
     calls = {"n": 0}

@@ -939,7 +939,7 @@ def test_the_suite_is_big_enough():
 
 
 def test_stage_names_are_slugs():
-    from flows import stages as table
+    from tuneproof.control import stages as table
     from tuneproof.core.names import check_slug
 
     for name in table.names():

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import TEST_BUCKET
+from tests.tiny import save_checkpoint
 from training.checkpointing import (
     MARKER,
     RAY_SNAPSHOT,
@@ -30,7 +31,6 @@ from training.checkpointing import (
     missing_files,
     remove_unmarked,
     restore_rng,
-    save_shards,
     set_aside_unusable_ray_snapshot,
     skip_unusable,
     snapshot_checkpoints,
@@ -363,7 +363,7 @@ def test_dcp_round_trip_restores_weights_optimizer_and_progress(single_rank_grou
     progress = TrainingProgress(
         step=1, epoch=0, batch_in_epoch=1, seed=0, rank=0, world_size=1, schedule={"peak_lr": 1e-2}, rng=capture_rng()
     )
-    files = save_shards(model, optimizer, progress, tmp_path / "ckpt")
+    files = save_checkpoint(model, optimizer, progress, tmp_path / "ckpt")
     assert {".metadata", "progress-rank0.json"} <= set(files) and any(f.endswith(".distcp") for f in files)
 
     other, other_optimizer = tiny_sharded_model(seed=1)
@@ -411,7 +411,7 @@ def test_an_async_save_holds_the_weights_of_its_step_while_training_goes_on(sing
 
 def test_saves_that_reuse_staging_buffers_each_hold_their_own_step(single_rank_group, tmp_path):
     """The kept CPU buffers are overwritten by the next save: each checkpoint must still hold the weights,
-    optimizer moments and learning rate of the step it was taken at, and the phases are recorded."""
+    optimizer moments and learning rate of the step it was taken at."""
     import torch.distributed as dist
 
     model, optimizer = tiny_sharded_model(seed=0)
@@ -425,7 +425,6 @@ def test_saves_that_reuse_staging_buffers_each_hold_their_own_step(single_rank_g
             model, optimizer, progress_at_step(step), Storage(str(tmp_path)), (f"s{step}",), group, buffers=buffers
         )
         assert any(f.endswith(".distcp") for f in finish_saving_shards(saving))
-        assert {"staging", "dcp_write", "sha256", "waited"} <= set(saving.phases)
     first = buffers.state
     assert first is not None
 
@@ -513,7 +512,7 @@ def test_an_async_save_to_s3_uploads_each_file_and_leaves_no_staging_copy(single
     files = finish_saving_shards(saving)
 
     assert sorted(files) == [".metadata", "__0_0.distcp", "__0_1.distcp", "progress-rank0.json"]
-    assert "upload" in saving.phases
+    assert set(files) <= set(storage.listdir(*parts))  # uploaded by the background thread
     assert set(Path(tempfile.gettempdir()).glob("tuneproof-save-*")) == staged_before
     write_marker(storage, 3, files, *parts)
     assert check_complete(storage, *parts) is None

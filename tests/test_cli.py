@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 
 from typer.testing import CliRunner
 
-from flows import stages as table
 from tuneproof.app.cli import app, run_exit_code
 from tuneproof.control import record as records
+from tuneproof.control import stages as table
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import DataSummary
 
 EFA_LOG = """\
 ip-10-0-1-5:1234:1234 [0] NCCL INFO NCCL version 2.29.7+cuda13.0
@@ -74,6 +77,33 @@ def test_runs_list_is_newest_first_and_show_reads_one(tmp_path):
     assert json.loads(shown.output)["config_hash"] == cfg.config_hash()
     missing = CliRunner().invoke(app, ["runs", "show", "nope", "--set", f"storage.root={tmp_path}"])
     assert missing.exit_code == 1 and "nope" in missing.output
+
+
+READERS_WITHOUT_PREFECT = """
+import sys
+from typer.testing import CliRunner
+from tuneproof.app.cli import app
+for args in (["runs", "list"], ["runs", "show", "run-a"], ["runs", "diff", "run-a", "run-b"]):
+    result = CliRunner().invoke(app, [*args, "--set", f"storage.root={sys.argv[1]}"])
+    assert result.exit_code == 0, (args, result.output)
+print(sorted(name for name in sys.modules if name.split(".")[0] == "prefect"))
+"""
+
+
+def test_the_run_readers_start_without_prefect(tmp_path):
+    """`runs list|show|diff` read records and the stage table's facts: importing Prefect (seconds, and its
+    settings can refuse to load) is not theirs to pay. Run in a fresh interpreter so nothing is preloaded."""
+    storage = Storage(str(tmp_path))
+    for run_id in ("run-a", "run-b"):
+        rec = records.new_record(run_id, PipelineConfig(), records.CodeIdentity(git_sha="abc", dirty=False), None)
+        data = DataSummary(dataset_path="datasets/dates/abc", content_hash="abc", dataset_uri=f"{tmp_path}/x")
+        rec.stages["data"] = records.StageEntry.succeeded("data", data, "t0")
+        records.save(storage, rec)
+    ran = subprocess.run(
+        [sys.executable, "-c", READERS_WITHOUT_PREFECT, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.splitlines()[-1] == "[]", ran.stdout
 
 
 def test_only_plans_and_exit_codes():

@@ -6,15 +6,18 @@ tests read as its specification; one integration test runs it through the real f
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from prefect import task
 
-from flows import stages as table
+from flows import stage_tasks
 from flows.pipeline import pipeline
-from flows.stages import Need, Stage
 from tasks.jobs import StageCall
 from tuneproof.control import record as records
+from tuneproof.control import stages as table
 from tuneproof.control.record import RunRecord, StageEntry, StageInputs
+from tuneproof.control.stages import Need, Stage
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.results import FailureClass
 from tuneproof.core.storage import Storage
@@ -231,6 +234,7 @@ def test_stage_inputs_hash_the_sections_the_code_and_the_needed_outputs_identity
 # ---------------------------------------------------------------- integration: through the real flow
 
 CALLS: list[str] = []
+STAND_IN_TASKS: dict[str, Callable[[StageCall], StageEntry]] = {}
 
 
 def stand_in(name: str, needs: tuple[Need, ...], setting: str) -> Stage:
@@ -245,9 +249,9 @@ def stand_in(name: str, needs: tuple[Need, ...], setting: str) -> Stage:
         summary = DataSummary(dataset_path=f"datasets/{name}/{call.invocation}", content_hash=name, dataset_uri="/x")
         return StageEntry.succeeded(name, summary, "t0")
 
+    STAND_IN_TASKS[name] = run
     return Stage(
         name=name,
-        run=run,
         summary=DataSummary,
         evidence=lambda s: s.dataset_path,
         fails_as=(INFRA,),
@@ -264,6 +268,7 @@ def stand_ins(monkeypatch):
         stand_in("c", (Need("b", "dataset_path"),), "eval.max_examples"),
     )
     monkeypatch.setattr(table, "STAGES", stages)
+    monkeypatch.setattr(stage_tasks, "TASKS", dict(STAND_IN_TASKS))
     CALLS.clear()
     return stages
 

@@ -14,7 +14,6 @@ import json
 import pytest
 
 from flows import pipeline
-from flows import stages as table
 from tasks import promote as promote_tasks
 from tasks.jobs import finetune_run_name
 from tests.conftest import TEST_BUCKET, tuneproof
@@ -22,6 +21,7 @@ from tests.test_promote_task import EXPORT_SHA256, passed_record, with_export
 from training.checkpointing import check_complete
 from tuneproof.control import record as records
 from tuneproof.control import registry
+from tuneproof.control import stages as table
 from tuneproof.control.record import StageEntry
 from tuneproof.core import cas, markers
 from tuneproof.core.config import PipelineConfig

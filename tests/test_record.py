@@ -12,9 +12,9 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from flows.stages import record_schema
 from tuneproof.app import cli
 from tuneproof.control import record as records
+from tuneproof.control.stages import record_schema
 from tuneproof.core.config import PROJECT_ROOT
 from tuneproof.core.storage import Storage
 
@@ -45,7 +45,7 @@ def tuneproof(*args: str, width: int = 80):
 
 
 def test_the_committed_schema_is_the_models_schema():
-    """Regenerate with `python -m flows.stages > schemas/run-record.schema.json` when a model changes."""
+    """Regenerate with `make schema` when a model changes."""
     assert json.loads(SCHEMA_FILE.read_text()) == json.loads(json.dumps(record_schema()))
 
 

@@ -113,7 +113,8 @@ def one_sgd_step(model, rank: int) -> dict:
 
 def reshard_full_to_hybrid(workdir: Path, rank: int) -> dict:
     """Save model + AdamW state under full sharding, load into a differently seeded hybrid model."""
-    from training.checkpointing import TrainingProgress, capture_rng, load_shards, save_shards
+    from tests.tiny import save_checkpoint
+    from training.checkpointing import TrainingProgress, capture_rng, load_shards
     from training.fsdp import full_state_dict
 
     saved = tiny_model("full")
@@ -124,7 +125,7 @@ def reshard_full_to_hybrid(workdir: Path, rank: int) -> dict:
     progress = TrainingProgress(
         step=1, epoch=0, batch_in_epoch=1, seed=0, rank=rank, world_size=WORLD, schedule={}, rng=capture_rng()
     )
-    save_shards(saved, saved_optimizer, progress, workdir / "ckpt")
+    save_checkpoint(saved, saved_optimizer, progress, workdir / "ckpt")
     loaded = tiny_model("hybrid", seed=1)
     loaded_optimizer = torch.optim.AdamW(loaded.parameters(), lr=1e-2)
     restored = load_shards(loaded, loaded_optimizer, workdir / "ckpt", rank)

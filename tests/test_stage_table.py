@@ -9,13 +9,14 @@ import pytest
 from prefect import task
 from typer.testing import CliRunner
 
-from flows import stages as table
+from flows import stage_tasks
 from flows.pipeline import pipeline
-from flows.stages import Need, Stage
 from tasks.jobs import StageCall
 from tuneproof.app.cli import app
 from tuneproof.control import record as records
+from tuneproof.control import stages as table
 from tuneproof.control.record import CodeIdentity, StageEntry
+from tuneproof.control.stages import Need, Stage
 from tuneproof.core.config import PipelineConfig, Timeouts
 from tuneproof.core.results import FailureClass
 from tuneproof.core.storage import Storage
@@ -37,7 +38,6 @@ def toy_task(call: StageCall) -> StageEntry:
 
 TOY = Stage(
     name="toy",
-    run=toy_task,
     summary=ToySummary,
     evidence=lambda s: f"{s.letters} letters in {s.dataset_path}",
     fails_as=(FailureClass.infrastructure,),
@@ -48,7 +48,7 @@ TOY = Stage(
 
 
 def test_a_stage_without_a_timeout_is_refused_when_it_is_registered():
-    fields = dict(name="late", run=toy_task, summary=ToySummary, evidence=str, fails_as=(FailureClass.infrastructure,))
+    fields = dict(name="late", summary=ToySummary, evidence=str, fails_as=(FailureClass.infrastructure,))
     with pytest.raises(ValueError, match="stage 'late' has no timeout: set timeout= to a config.timeouts field"):
         Stage(**fields)
     with pytest.raises(ValueError, match="stage 'late': timeout must name a config.timeouts field .* got 'trian'"):
@@ -59,6 +59,7 @@ def test_a_stage_without_a_timeout_is_refused_when_it_is_registered():
 @pytest.fixture
 def with_toy(monkeypatch):
     monkeypatch.setattr(table, "STAGES", (*table.STAGES, TOY))
+    monkeypatch.setitem(stage_tasks.TASKS, "toy", toy_task)
     return TOY
 
 

@@ -19,3 +19,19 @@ def tiny_qwen2(vocab_size: int, seed: int):
     )
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config)
+
+
+def save_checkpoint(model, optimizer, progress, directory):
+    """Save one checkpoint into `directory` through the fine-tune's own save path (start, then wait at once)
+    and return this rank's files with size and sha256. Collective: every rank of the default group calls it."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from training.checkpointing import finish_saving_shards, start_saving_shards
+    from tuneproof.core.storage import Storage
+
+    directory = Path(directory)
+    group = dist.new_group(backend="gloo")  # the save's collectives stay off the default group, as in training
+    saving = start_saving_shards(model, optimizer, progress, Storage(str(directory.parent)), (directory.name,), group)
+    return finish_saving_shards(saving)

@@ -157,62 +157,6 @@ def _jsonable(value: Any) -> Any:
 # ---- save / load (collective: every rank calls these) ----
 
 
-def save_shards(
-    model,
-    optimizer,
-    progress: TrainingProgress,
-    local_dir: str | Path,
-    trainable_only: bool = False,
-    phases: dict[str, float] | None = None,
-) -> Digests:
-    """DCP-save this rank's shards of model + optimizer and its progress; returns its files with size and sha256.
-
-    trainable_only (LoRA): the frozen base is left out; it is reloaded from the base model on resume.
-    phases, when given, gets the seconds of each part (state_dict, dcp_plan, dcp_write, sha256, ...).
-    local_dir: a local directory (tests and benchmarks; the fine-tune saves with start_saving_shards).
-    """
-    import torch.distributed.checkpoint as dcp
-
-    clock = _Phases(phases)
-    with clock("state_dict"):
-        state = _checkpoint_state(model, optimizer, trainable_only)
-    writer = shard_writer(local_dir)
-    with clock("dcp_save"):
-        dcp.save(state, storage_writer=writer)
-    clock.split("dcp_save", writer.seconds, rest="dcp_plan")  # DCP's planning: what its write did not take
-    with clock("progress_file"):
-        Path(local_dir, progress.file_name()).write_text(json.dumps(asdict(progress), indent=1))
-    with clock("sha256"):
-        return digest_files(local_dir, sorted(local_files(local_dir)), durable=True)
-
-
-class _Phases:
-    """Seconds per named part of a save, added into a caller's dict (or nowhere when it gave none)."""
-
-    def __init__(self, into: dict[str, float] | None) -> None:
-        self.into = into
-
-    @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        began = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(name, time.perf_counter() - began)
-
-    def add(self, name: str, seconds: float) -> None:
-        if self.into is not None:
-            self.into[name] = self.into.get(name, 0.0) + seconds
-
-    def split(self, whole: str, parts: dict[str, float], rest: str) -> None:
-        """Replace `whole` by the `parts` timed within it, the remainder named `rest`."""
-        if self.into is None or whole not in self.into:
-            return
-        total = self.into.pop(whole)
-        self.into.update(parts)
-        self.into[rest] = max(0.0, total - sum(parts.values()))
-
-
 class StagingBuffers:
     """The CPU memory an asynchronous save copies the state into, kept from one save to the next.
 
@@ -239,9 +183,9 @@ class StagingBuffers:
 
 
 def shard_writer(local_dir: str | Path, buffers: StagingBuffers | None = None):
-    """DCP's FileSystemWriter for one rank's shards, its write and metadata timed (`.seconds`) and the files
-    it wrote named (`.written`: this rank's shard files, and .metadata on the coordinator), so a rank
-    writing into a directory the other ranks share hashes only its own.
+    """DCP's FileSystemWriter for one rank's shards, the files it wrote named (`.written`: this rank's shard
+    files, and .metadata on the coordinator), so a rank writing into a directory the other ranks share
+    hashes only its own.
 
     DCP's own fsync (sync_files) is off: the caller makes the files durable with digest_files, which
     fsyncs each one while it hashes it rather than after.
@@ -251,23 +195,18 @@ def shard_writer(local_dir: str | Path, buffers: StagingBuffers | None = None):
     class ShardWriter(FileSystemWriter):
         def __init__(self) -> None:
             super().__init__(str(local_dir), sync_files=False, thread_count=WRITER_THREADS)
-            self.seconds: dict[str, float] = {}
             self.written: list[str] = []
 
         def stage(self, state_dict):
             return super().stage(state_dict) if buffers is None else buffers.copy_of(state_dict)
 
         def write_data(self, plan, planner):
-            began = time.perf_counter()
             future = super().write_data(plan, planner)  # FileSystemWriter has written when it returns
-            self.seconds["dcp_write"] = time.perf_counter() - began
             self.written += sorted({r.storage_data.relative_path for r in future.value()})
             return future
 
         def finish(self, metadata, results) -> None:
-            began = time.perf_counter()
             super().finish(metadata, results)
-            self.seconds["dcp_metadata"] = time.perf_counter() - began
             self.written.append(METADATA)
 
     return ShardWriter()
@@ -283,9 +222,6 @@ class ShardsInFlight:
     """The checkpoint directory in storage."""
     digests: Future[Digests]
     """This rank's files with size and sha256, once the background thread has stored and hashed them."""
-    phases: dict[str, float]
-    """Seconds of each part so far (state_dict, staging, dcp_plan, dcp_write, dcp_metadata, sha256, upload,
-    waited)."""
 
     @property
     def step(self) -> int:
@@ -317,18 +253,14 @@ def start_saving_shards(
     """
     import torch.distributed.checkpoint as dcp
 
-    phases: dict[str, float] = {}
-    clock = _Phases(phases)
     if progress.rank == 0:
         storage.remove(*parts, MARKER)
     write_dir = Path(tempfile.mkdtemp(prefix="tuneproof-save-")) if storage.is_s3 else Path(storage.path(*parts))
     write_dir.mkdir(parents=True, exist_ok=True)
     writer = shard_writer(write_dir, buffers)
-    with clock("state_dict"):
-        state = _checkpoint_state(model, optimizer, trainable_only)
-    with clock("staging"):  # the copy to CPU memory, in the caller
-        response = dcp.async_save(state, storage_writer=writer, process_group=process_group)
-    began_writing = time.perf_counter()
+    state = _checkpoint_state(model, optimizer, trainable_only)
+    # The copy to CPU memory happens here, in the caller; the write runs in DCP's thread.
+    response = dcp.async_save(state, storage_writer=writer, process_group=process_group)
     # The default stager copies synchronously and returns the write's Future; a staging stager returns both.
     written = response if isinstance(response, Future) else response.upload_completion
     digests: Future[Digests] = Future()
@@ -338,14 +270,11 @@ def start_saving_shards(
         then (S3) the upload of each file."""
         try:
             done.result()
-            phases.update(writer.seconds)
-            clock.add("dcp_plan", time.perf_counter() - began_writing - sum(writer.seconds.values()))
-            with clock("progress_file"):
-                Path(write_dir, progress.file_name()).write_text(json.dumps(asdict(progress), indent=1))
-            with clock("sha256"):  # and, where the directory is the storage, the fsync beside it
-                files = digest_files(write_dir, [*writer.written, progress.file_name()], durable=not storage.is_s3)
+            Path(write_dir, progress.file_name()).write_text(json.dumps(asdict(progress), indent=1))
+            # sha256 of every file and, where the directory is the storage, the fsync beside it
+            files = digest_files(write_dir, [*writer.written, progress.file_name()], durable=not storage.is_s3)
             if storage.is_s3:
-                with clock("upload"), ThreadPoolExecutor(WRITER_THREADS) as uploads:
+                with ThreadPoolExecutor(WRITER_THREADS) as uploads:
                     list(uploads.map(lambda name: storage.put_file(write_dir / name, *parts, name), files))
         except BaseException as e:  # handed to finish_saving_shards, which re-raises it in the training loop
             failed: BaseException | None = e
@@ -359,7 +288,7 @@ def start_saving_shards(
             digests.set_exception(failed)
 
     written.add_done_callback(store_when_written)
-    return ShardsInFlight(progress, storage.uri(*parts), digests, phases)
+    return ShardsInFlight(progress, storage.uri(*parts), digests)
 
 
 def digest_files(directory: Path | str, names: Sequence[str], durable: bool) -> Digests:
@@ -401,12 +330,8 @@ def fsync_path(path: Path) -> None:
 
 def finish_saving_shards(saving: ShardsInFlight) -> Digests:
     """Wait for the background write and hashes (re-raising their error); returns this rank's files
-    with size and sha256. The wait is added to saving.phases as "waited"."""
-    began = time.perf_counter()
-    try:
-        return saving.digests.result()
-    finally:
-        saving.phases["waited"] = time.perf_counter() - began
+    with size and sha256."""
+    return saving.digests.result()
 
 
 def _checkpoint_state(model, optimizer, trainable_only: bool) -> dict[str, Any]:

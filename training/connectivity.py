@@ -1,4 +1,4 @@
-"""Stage 2, connectivity: every rank starts, joins collectives and finishes; bandwidth; transport.
+"""The connectivity stage: every rank starts, joins collectives and finishes; bandwidth; transport.
 
 Runs as a Ray job: `python -m training.connectivity` with TUNEPROOF_JOB set. On GPU the
 submitting task adds nccl_env(<run>-connectivity) to the job's env, so each NCCL process logs

@@ -1,4 +1,4 @@
-"""Stage 3, data: read the real source, apply the chat template, tokenize, split, write it content-addressed.
+"""The data stage: read the real source, apply the chat template, tokenize, split, write it content-addressed.
 
 Runs inside a Ray job, submitted by tasks/ as
 

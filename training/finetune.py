@@ -1,4 +1,4 @@
-"""Stage 4: fine-tune with FSDP2 under Ray Train, sharded checkpoints on shared storage, HF export.
+"""The finetune stage: fine-tune with FSDP2 under Ray Train, sharded checkpoints on shared storage, HF export.
 
     TUNEPROOF_JOB=<jobkit.encode_job(...)> python -m training.finetune    (submitted by tasks/ as a Ray job)
 

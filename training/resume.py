@@ -1,4 +1,4 @@
-"""Stage 5's job, the resume test: a run killed right after a checkpoint restarts under its name, at that step.
+"""The resume stage's job: a run killed right after a checkpoint restarts under its name, at that step.
 
     TUNEPROOF_JOB=<jobkit.encode_job(...)> python -m training.resume    (submitted by tasks/resume.py)
 

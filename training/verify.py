@@ -1,4 +1,4 @@
-"""Stage 1, verify: every alive Ray node runs what the pipeline expects, and storage works from a worker.
+"""The verify stage: every alive Ray node runs what the pipeline expects, and storage works from a worker.
 
 Runs as a Ray job: `python -m training.verify` with TUNEPROOF_JOB set (tasks/jobs.py submits it).
 One probe task per alive node, pinned to it, collects versions, GPU counts and an environment

@@ -62,7 +62,7 @@ app.add_typer(images_app, name="images")
 console = screen()
 err = screen(stderr=True)
 
-STAGES_HELP = "names from the stage table (flows/stages.py); an unknown one is refused with the list"
+STAGES_HELP = "names from the stage table (tuneproof/control/stages.py); an unknown one is refused with the list"
 ConfigOpt = typer.Option(None, "--config", "-c", help="YAML profile (default configs/local.yaml).")
 SetOpt = typer.Option([], "--set", "-s", help="Override a field: dotted.key=value (repeatable).")
 
@@ -156,7 +156,7 @@ def run(
     """Run the pipeline; prints the run id; exit code by failure class."""
     cfg = config_or_exit(config, sets)
     prefect_env_or_exit()
-    from flows import stages as table
+    from tuneproof.control import stages as table
 
     stages = parse_only(only)
     check_until(stages, until)
@@ -208,7 +208,7 @@ def run_exit_code(record: Any) -> int:
 
 
 def parse_only(only: str | None, option: str = "--only") -> list[str] | None:
-    from flows import stages as table
+    from tuneproof.control import stages as table
 
     if not only:
         return None
@@ -224,7 +224,7 @@ def parse_only(only: str | None, option: str = "--only") -> list[str] | None:
 
 def check_until(only: list[str] | None, until: str | None) -> None:
     """--until names one stage of the table and does not combine with --only; exit 3 naming the bad value."""
-    from flows import stages as table
+    from tuneproof.control import stages as table
 
     if until is None:
         return
@@ -238,7 +238,7 @@ def check_until(only: list[str] | None, until: str | None) -> None:
 
 def refuse_unknown_stages(option: str, given: list[str]) -> None:
     """Exit 3 naming each name that is not a stage (escaped, with the stage it looks like)."""
-    from flows import stages as table
+    from tuneproof.control import stages as table
 
     lines = unknown_stage_lines(option, given, table.names())
     for line in lines:
@@ -298,8 +298,8 @@ def compare(
             check_request(cfgs["A"], cfgs["B"], chosen, repeats)
         except ComparisonRefused as e:
             problems.append(str(e))
-        from flows import stages as table
         from tuneproof.control import record
+        from tuneproof.control import stages as table
         from tuneproof.core.storage import Storage
 
         runs, _ = record.list_records(Storage.from_config(cfgs["A"].storage))
@@ -397,7 +397,6 @@ def runs_show(
     if as_json:
         print(json.dumps(rec.to_json(), indent=2))
         return
-    prefect_env_or_exit()  # the stage table, which writes each stage's evidence line, imports Prefect's task API
     from pydantic import ValidationError
 
     from tuneproof.app.terminal import print_record
@@ -436,7 +435,6 @@ def runs_diff(
     sets: list[str] = SetOpt,
 ) -> None:
     """What changed between two runs: identity, config fields, and metric deltas."""
-    prefect_env_or_exit()  # the stage table, which names each stage's metrics, imports Prefect's task API
     from tuneproof.app.rundiff import diff_records, render_diff
     from tuneproof.control import record
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from flows.stages import diff_metrics
 from tuneproof.control import cost
 from tuneproof.control.record import RunRecord
+from tuneproof.control.stages import diff_metrics
 from tuneproof.core.summaries import EvaluateSummary, NodeFacts
 
 NODE_FIELDS = (
@@ -75,7 +75,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def diff_records(a: RunRecord, b: RunRecord) -> dict[str, Any]:
-    """Changed choices and metric deltas; the metrics are each stage's own (flows.stages.diff_metrics)."""
+    """Changed choices and metric deltas; the metrics are each stage's own (tuneproof.control.stages.diff_metrics)."""
     ida, idb = identity(a), identity(b)
     changes = [
         {"field": k, "a": ida.get(k), "b": idb.get(k)}

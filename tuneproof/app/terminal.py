@@ -3,7 +3,7 @@
 The flow runs in this process; stage/job/progress events arrive through tasks.events. Prefect's
 own console log lines are kept to warnings unless --verbose (TUNEPROOF_VERBOSE=1), since the full
 job logs are in the Prefect UI and in each job's Ray logs. Every stage's evidence line comes from
-the stage table (flows/stages.py). Tables fold long cells instead of cutting them: run ids, versions
+the stage table (tuneproof/control/stages.py). Tables fold long cells instead of cutting them: run ids, versions
 and digests are always shown whole, whatever the terminal's width.
 
 Every command prints through this module's consoles and helpers:
@@ -179,10 +179,10 @@ def run_with_display(
 ) -> RunRecord | dict[str, Any]:
     """Run the flow in-process with a live display; returns the run record (or, when the flow
     ended before writing one, a minimal failure document)."""
-    from flows import stages as table
     from flows.pipeline import NOTHING_RAN, pipeline
     from tasks import events
     from tuneproof.control import record as records
+    from tuneproof.control import stages as table
     from tuneproof.core.storage import Storage
 
     problem = prefect_api_problem()
@@ -247,7 +247,7 @@ def prefect_api_problem() -> str | None:
 
 def print_summary(rec: RunRecord, console: Console) -> None:
     """One line per stage (status, then its evidence, or its cause when it failed), the gates, the verdict."""
-    from flows import stages as table
+    from tuneproof.control import stages as table
 
     names = [*table.names(), *sorted(set(rec.stages) - set(table.names()))]
     entries = [(name, rec.stages[name]) for name in names if name in rec.stages]

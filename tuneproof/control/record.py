@@ -447,13 +447,9 @@ def list_records(storage: Storage) -> tuple[list[RunRecord], list[RecordRow]]:
 
 
 def json_schema() -> dict[str, Any]:
-    """The committed JSON Schema of record.json (schemas/run-record.schema.json): regenerate with
-    `python -m tuneproof.control.record > schemas/run-record.schema.json` when the models change."""
+    """The record's own models' JSON Schema; the committed schemas/run-record.schema.json adds each stage's
+    summary model to it (tuneproof.control.stages.record_schema; `make schema` regenerates it)."""
     schema = RunRecord.model_json_schema(mode="serialization")
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = f"tuneproof run record, schema_version {SCHEMA_VERSION}"
     return schema
-
-
-if __name__ == "__main__":
-    print(json.dumps(json_schema(), indent=2, sort_keys=True))

@@ -3,7 +3,7 @@
 Two comparisons: the losses of replayed steps, and the data-order ledger (which samples each step trained
 on, and a running hash over every step before it) on every step both runs trained.
 
-The resume test (stage 5) stops a run after a checkpoint, restarts it under the same name, and
+The resume test (the resume stage) stops a run after a checkpoint, restarts it under the same name, and
 hands these functions what the runs logged: the restored step, and per-step losses of the
 reference run and of the replay. On CPU in fp32 with the same world size, replayed losses are
 bit-identical (rtol 0); bf16 on GPU needs a small tolerance.

@@ -491,8 +491,9 @@ class Timeouts(Strict):
     """Bounds the copy check's Ray job (the registry copy loaded and scored before the pointer moves)."""
 
 
-class RuntimeEnvAdditions(Strict):
-    """Dependencies added at submission; recorded with every stage."""
+class RuntimeEnvSettings(Strict):
+    """What the user adds to every job's runtime_env. What a job was submitted with (these plus the method's
+    packages, forwarded variables by name only) is the record's RuntimeEnvAdditions."""
 
     pip: list[str] = []
     env_vars: dict[str, str] = {}
@@ -513,7 +514,7 @@ class RuntimeEnvAdditions(Strict):
         return list(dict.fromkeys(v))
 
     @model_validator(mode="after")
-    def _not_both(self) -> RuntimeEnvAdditions:
+    def _not_both(self) -> RuntimeEnvSettings:
         both = sorted(set(self.forward_env) & set(self.env_vars))
         if both:
             raise ValueError(f"forward_env and env_vars both set {both}: a variable is either forwarded or given")
@@ -537,7 +538,7 @@ class PipelineConfig(Strict):
     eval: EvalConfig = EvalConfig()
     promote: PromoteConfig = PromoteConfig()
     timeouts: Timeouts = Timeouts()
-    runtime_env: RuntimeEnvAdditions = RuntimeEnvAdditions()
+    runtime_env: RuntimeEnvSettings = RuntimeEnvSettings()
     cost: CostConfig = CostConfig()
 
     @model_validator(mode="before")

@@ -3,7 +3,7 @@
 A job builds its stage's summary (training/verify.py builds a VerifySummary, and so on) and its
 harness writes it into result.json; the task that submitted the job reads it back with the same
 model, and every reader after that (the flow, the record, the CLI, artifacts, promotion) gets these
-types instead of digging through dicts. The stage table (flows/stages.py) names each stage's model.
+types instead of digging through dicts. The stage table (tuneproof/control/stages.py) names each stage's model.
 
 Fields a failed stage may not have reached are optional; everything else is required, and unknown
 fields are errors, so a job that writes the wrong thing fails loudly at the boundary.

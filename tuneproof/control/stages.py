@@ -1,12 +1,14 @@
 """The stage table: what each stage is, needs and shows, defined once and read by everything else.
 
-The flow runs STAGES in order; `--only` planning, the terminal summary, the Prefect artifacts,
-`runs diff` and the record's JSON Schema all read the same descriptors. Adding a stage is its job
-module (training/ or eval/), its summary model (tuneproof/core/summaries.py), its config section,
-and one Stage(...) below; a stage that is one Ray job needs no task of its own (`job_stage`).
+The flow runs STAGES in order; `--only` planning, the terminal summary, `runs diff` and the record's
+JSON Schema all read the same descriptors. These are facts only: nothing here imports Prefect, so the
+readers (`tuneproof runs list|show|diff`) start without it. Which Prefect task runs a stage and which
+artifact it publishes is bound in flows/stage_tasks.py; a stage that is one Ray job names its module
+(`job=`) and needs no task of its own. Adding a stage is its job module (training/ or eval/), its
+summary model (tuneproof/core/summaries.py), its timeout (tuneproof/core/config.py) and one Stage(...) below.
 
 Read it top to bottom: the small functions first (evidence lines, diff metrics, identity lifted
-into the record), then the table.
+into the record), then the table. Regenerate the record's committed JSON Schema with `make schema`.
 """
 
 from __future__ import annotations
@@ -17,10 +19,6 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tasks import artifacts
-from tasks import promote as promote_tasks
-from tasks import resume as resume_tasks
-from tasks.jobs import StageCall, connectivity, evaluate, finetune, job_stage, verify
 from tuneproof.control import registry
 from tuneproof.control.record import DataIdentity, RunRecord, StageEntry, StageInputs, json_schema
 from tuneproof.core import config_reads
@@ -65,8 +63,6 @@ IN_FLOW = "in-flow"
 @dataclass(frozen=True, kw_only=True)
 class Stage:
     name: str
-    run: Callable[[StageCall], StageEntry]
-    """The stage's task (or the flow-side function that calls it): StageCall in, record entry out."""
     summary: type[Summary]
     """The model of what the stage proves (tuneproof.core.summaries)."""
     evidence: Callable[[Any], str]
@@ -80,8 +76,9 @@ class Stage:
     """Outputs of earlier stages passed to the task as inputs; each needs that stage succeeded."""
     reads: tuple[str, ...] = ()
     """Earlier stages whose evidence this stage judges from the record (not inputs)."""
-    artifact: Callable[[RunRecord, StageEntry, Storage], None] | None = None
-    """What the stage adds to the flow run page."""
+    job: str | None = None
+    """The module of a stage that is one Ray job (`python -m <job>`); None for a stage whose Prefect task
+    is bound by name in flows/stage_tasks.py."""
     metrics: Callable[[Any], Metrics] | None = None
     """Numbers `runs diff` compares between two runs."""
     lift: Callable[[RunRecord, Any], None] | None = None
@@ -229,17 +226,6 @@ def lift_promotion(record: RunRecord, s: PromoteSummary) -> None:
     record.promotion = s
 
 
-def promote_stage(call: StageCall) -> StageEntry:
-    """Runs in the flow (not a task): an approval pause must belong to the flow run itself."""
-    if call.cfg.promote.require_approval and not promote_tasks.refusal_reasons(call.cfg, call.record):
-        from flows.approval import ask_for_approval  # Prefect's pause API, only when approval is configured
-
-        approval = ask_for_approval(call.cfg, call.record)
-        if not approval.approve:
-            return promote_tasks.approval_refused(call.record.updated_at, approval.approver, approval.comment)
-    return promote_tasks.promote(call)
-
-
 # ---- the table ---------------------------------------------------------------------------------
 
 FINETUNED = "export_sha256"
@@ -248,49 +234,41 @@ FINETUNED = "export_sha256"
 STAGES: tuple[Stage, ...] = (
     Stage(
         name="verify",
-        run=verify,
         summary=VerifySummary,
         evidence=verify_evidence,
         fails_as=(INFRA,),
         timeout="verify",
-        artifact=artifacts.verify_findings,
         lift=lift_cluster,
     ),
     Stage(
         name="connectivity",
-        run=connectivity,
         summary=ConnectivitySummary,
         evidence=connectivity_evidence,
         fails_as=(INFRA,),
         timeout="connectivity",
-        artifact=artifacts.connectivity_table,
         metrics=connectivity_metrics,
     ),
     Stage(
         name="data",
-        run=job_stage("training.data_prep"),
+        job="training.data_prep",
         summary=DataSummary,
         evidence=data_evidence,
         fails_as=(DATA, INFRA),
         timeout="data",
-        artifact=artifacts.dataset_summary,
         lift=lift_data,
     ),
     Stage(
         name="finetune",
-        run=finetune,
         summary=FinetuneSummary,
         evidence=finetune_evidence,
         fails_as=(INFRA, MODELING, DATA),
         timeout="finetune",
         resumable=True,
         needs=(Need("data", "dataset_path"),),
-        artifact=artifacts.loss_image,
         metrics=finetune_metrics,
     ),
     Stage(
         name="resume",
-        run=resume_tasks.resume_test,
         summary=ResumeSummary,
         evidence=resume_evidence,
         fails_as=(INFRA,),
@@ -305,19 +283,16 @@ STAGES: tuple[Stage, ...] = (
     ),
     Stage(
         name="evaluate",
-        run=evaluate,
         summary=EvaluateSummary,
         evidence=evaluate_evidence,
         fails_as=(MODELING, INFRA, DATA),
         timeout="evaluate",
         external=production_version,
         needs=(Need("data", "dataset_path"), Need("finetune", "export_path", identity=FINETUNED)),
-        artifact=artifacts.evaluation_table,
         metrics=evaluate_metrics,
     ),
     Stage(
         name="promote",
-        run=promote_stage,
         summary=PromoteSummary,
         evidence=promote_evidence,
         fails_as=(MODELING, INFRA),
@@ -578,7 +553,8 @@ def diff_metrics(record: RunRecord) -> Metrics:
 
 def record_schema() -> dict[str, Any]:
     """The run record's JSON Schema with each stage's summary model: a succeeded `verify` entry's summary
-    must be a VerifySummary, and so on. Committed as schemas/run-record.schema.json (tests check it)."""
+    must be a VerifySummary, and so on. Committed as schemas/run-record.schema.json (`make schema` runs this
+    module to regenerate it; tests check it)."""
     schema = json_schema()
     defs = schema.setdefault("$defs", {})
     conditions = []
