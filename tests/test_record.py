@@ -161,8 +161,8 @@ def test_a_100000_step_fine_tune_leaves_a_record_of_at_most_64_kb(tmp_path):
     the metrics log that holds every step by path and hash; what `runs show` prints is unchanged."""
     import random
 
-    from flows.stages import finetune_evidence
     from training.finetune import curve_fields, loss_curve
+    from tuneproof.control.stages import finetune_evidence
     from tuneproof.core.config import PipelineConfig
     from tuneproof.core.results import StageResult
     from tuneproof.core.rowlog import append_rows, read_rows, rows_sha256
