@@ -108,6 +108,7 @@ def model_card(cfg: PipelineConfig, record: RunRecord, forced: Forced | None = N
         "name": cfg.model.name,
         "run_id": record.run_id,
         "base_model": cfg.model.source,
+        **base_facts(record),
         **method_facts(record),
         "metrics": {role: (score.metrics if score else None) for role, score in evaluation.models.items()}
         if evaluation
@@ -125,6 +126,14 @@ def model_card(cfg: PipelineConfig, record: RunRecord, forced: Forced | None = N
         "resume": {"restored_step": resume.restored_step, "max_loss_diff": resume.max_loss_diff} if resume else {},
         "forced": forced.to_json() if forced else None,
     }
+
+
+def base_facts(record: RunRecord) -> dict[str, Any]:
+    """The base's content hash and recipe, where the fine-tune found its build record (base.json)."""
+    finetune = record.summary("finetune", FinetuneSummary)
+    if finetune is None or finetune.base_model is None:
+        return {}
+    return {"base_content_hash": finetune.base_model.content_hash, "base_recipe": finetune.base_model.recipe}
 
 
 def method_facts(record: RunRecord) -> dict[str, Any]:

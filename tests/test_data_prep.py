@@ -490,12 +490,14 @@ def test_overflow_truncate_and_pack(tmp_path, tiny_dir):
     storage = Storage(str(tmp_path / "store"))
     truncated = prepare(config(tmp_path / "store", tiny_dir, source, max_seq_len=44, overflow="truncate"))
     train = read_split(storage, truncated["dataset_path"], "train").to_pylist()
-    assert len(train) == 54 and all(len(r["input_ids"]) == 44 for r in train)
+    assert len(train) == 54 and all(len(r["input_ids"]) == 44 and r["segments"] is None for r in train)
     packed = prepare(config(tmp_path / "store", tiny_dir, source, max_seq_len=160, overflow="pack"))
     train = read_split(storage, packed["dataset_path"], "train").to_pylist()
     eval_ = read_split(storage, packed["dataset_path"], "eval").to_pylist()
     assert sum(r["labels"].count(2) for r in train) == 54  # every example's <|im_end|> target, packed ~3 per row
     assert len(train) < 54 and all(len(r["input_ids"]) <= 160 and r["prompt"] == "" for r in train)
+    assert sum(len(r["segments"]) for r in train) == 54  # each row names the lengths of the examples in it
+    assert all(sum(r["segments"]) == len(r["input_ids"]) for r in train)
     assert len(eval_) == 6 and all(r["prompt"] and r["reference"] for r in eval_)
 
 

@@ -63,6 +63,18 @@ def test_the_demo_learns_the_task_survives_a_resume_and_is_promoted(demo, storag
     assert json.loads(pointer_bytes(storage))["run_id"] == "demo"
 
 
+def test_the_record_and_the_card_name_the_bases_hash_and_recipe(demo, demo_env, storage):
+    source = next(s.split("=", 1)[1] for s in demo_env.sets if s.startswith("model.source="))
+    built = json.loads((Path(source) / "base.json").read_text())
+    base = demo.summary("finetune", FinetuneSummary).base_model
+    assert base is not None and (base.content_hash, base.recipe) == (built["content_hash"], built["recipe"])
+    version = json.loads(pointer_bytes(storage))["version"]
+    card = storage.read_json("models", "dates-qwen2-tiny", version, "card.json")
+    assert (card["base_content_hash"], card["base_recipe"]) == (built["content_hash"], built["recipe"])
+    card_md = storage.read_bytes("models", "dates-qwen2-tiny", version, "MODEL_CARD.md").decode()
+    assert built["content_hash"] in card_md
+
+
 def test_unchanged_inputs_reuse_the_prepared_dataset(demo, base_args, storage):
     result = tuneproof("run", "--only", "data", "--run-id", "demo-data-again", *base_args)
     assert result.exit_code == 0, result.output

@@ -281,6 +281,8 @@ def test_model_card_renders_provenance_metrics_and_gates():
             **card("runB", incumbent_version="v0001-runA"),
             "version": "v0002-runB",
             "source_path": "runs/runB/model",
+            "base_content_hash": "ba5e",
+            "base_recipe": {"steps": 900, "seed": 0},
             "metrics": {
                 "candidate": {"exact_match": 0.93},
                 "base": {"exact_match": 0.0},
@@ -296,6 +298,8 @@ def test_model_card_renders_provenance_metrics_and_gates():
         "| code SHA | `c0de` |",
         "| config hash | `cf9` |",
         "| run | `runB` |",
+        "| base content hash | `ba5e` |",
+        '| base recipe | `{"seed": 0, "steps": 900}` |',
         "restored at step 100",
         "| exact_match | 0.93 | 0 | 0.9 | +0.93 | +0.03 |",
         "- exact_match >= 0.8: 0.93 (pass)",

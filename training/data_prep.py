@@ -63,6 +63,9 @@ SCHEMA = pa.schema(
         ("labels", pa.list_(pa.int32())),
         ("prompt", pa.string()),  # the rendered chat prompt with the generation prompt, for evaluation
         ("reference", pa.string()),  # the response text
+        # data.overflow pack: the lengths of the examples packed into the row, so training can keep them
+        # apart (position ids, attention, labels); null for a row of one example.
+        ("segments", pa.list_(pa.int32())),
     ]
 )
 # Conversations per batched chat-template call: large enough that the call's set-up is noise, small
@@ -114,6 +117,8 @@ class Example:
     labels: list[int]
     prompt: str
     reference: str
+    segments: list[int] | None = None
+    """Lengths of the examples packed into this row (pack_split); None for one example."""
 
 
 @parallel.collector_paused()
@@ -176,7 +181,7 @@ def prepare_data(ctx: JobContext) -> DataSummary:
 
 def prep_settings(data: DataConfig) -> dict[str, Any]:
     """Settings that change what is written (max_dropped_fraction only decides pass/fail)."""
-    return {
+    settings: dict[str, Any] = {
         "format": data.format,
         "max_seq_len": data.max_seq_len,
         "overflow": data.overflow,
@@ -184,6 +189,9 @@ def prep_settings(data: DataConfig) -> dict[str, Any]:
         "seed": data.seed,
         "shard_rows": data.shard_rows,
     }
+    if data.overflow == "pack":  # packed rows written before the segments column were one flat sequence:
+        settings["pack_boundaries"] = "segments"  # a new hash, so such a dataset is never reused
+    return settings
 
 
 def resolve_shape(data: DataConfig, parsed: Parsed) -> str:
@@ -769,9 +777,16 @@ def fit_rows(
 
 
 def pack_split(examples: list[Example], max_seq_len: int) -> list[Example]:
-    """The fitted examples packed together, in order, into rows of at most max_seq_len tokens."""
+    """The fitted examples packed together, in order, into rows of at most max_seq_len tokens, each row
+    with the lengths of the examples in it (its segments)."""
     packed = datahash.pack(((ex.input_ids, ex.labels) for ex in examples), max_seq_len)
-    return [Example(ids, labels, "", "") for ids, labels in packed]
+    rows, remaining = [], iter(examples)
+    for ids, labels in packed:  # a row is the next few examples whole, in order: take lengths until it is full
+        lengths: list[int] = []
+        while sum(lengths) < len(ids):
+            lengths.append(len(next(remaining).input_ids))
+        rows.append(Example(ids, labels, "", "", lengths))
+    return rows
 
 
 def enforce_limits(splits: dict[str, pa.Table], drops: datahash.Drops, total_rows: int, limit: float) -> None:
@@ -834,6 +849,7 @@ def examples_table(examples: list[Example]) -> pa.Table:
             "labels": [e.labels for e in examples],
             "prompt": [e.prompt for e in examples],
             "reference": [e.reference for e in examples],
+            "segments": [e.segments for e in examples],
         },
         schema=SCHEMA,
     )

@@ -60,6 +60,7 @@ from training.checkpointing import (
 )
 from training.jobkit import JobContext, run_stage
 from training.lora import ADAPTER_DIR
+from training.modeling import base_model_facts
 from training.schedule import WarmupCosine
 from tuneproof.core.fit import refusal
 from tuneproof.core.markers import Digests, ExportUnverified, read_export_manifest
@@ -320,6 +321,7 @@ def summarize(
             read_rows(ctx.storage, *ctx.stage_parts(FAILURES)),
             rows,
         ),
+        base_model=base_model_facts(ctx.config.model.source),
     )
 
 
@@ -486,13 +488,14 @@ def setup(ctx: JobContext, params: TrainParams) -> Worker:
 
         apply_lora(model, cfg.lora, cfg.seed)  # in place: `model` now carries the adapters, its base frozen
     counts = parameter_counts(model)
+    layout = BatchLayout(cfg.micro_batch_size, cfg.grad_accum_steps, world)
+    batches = StepBatches(load_examples(ctx.storage, params.dataset, "train"), layout, cfg.seed, rank, pad_id)
+    probe_first_batch(model.to(device), batches, rank)  # the fp32 model, before it is sharded or compiled
     if cfg.compile:
         compile_layers(model)
     shard_model(model, device, cfg.activation_checkpointing, cfg.sharding, cfg.shard_group_size).train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(trainable, cfg.lr, cfg.weight_decay, device)
-    layout = BatchLayout(cfg.micro_batch_size, cfg.grad_accum_steps, world)
-    batches = StepBatches(load_examples(ctx.storage, params.dataset, "train"), layout, cfg.seed, rank, pad_id)
     schedule = WarmupCosine(cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
     w = Worker(
         ctx, params, rank, world, device, model, optimizer, batches, schedule, flops_per_token, peak_flops(device)
@@ -505,6 +508,18 @@ def setup(ctx: JobContext, params: TrainParams) -> Worker:
         f"method {cfg.method}: {counts[0]:,} of {counts[1]:,} parameters train; {cfg.sharding} sharding, mesh {w.mesh}"
     )
     return w
+
+
+def probe_first_batch(model, batches: StepBatches, rank: int) -> None:
+    """With packed rows, step 1's first micro-batch goes through training.packing's probe on the fp32
+    model before it is sharded (on GPU FSDP2 computes in bf16): a leak across examples fails the stage."""
+    from training.packing import probe_packing
+
+    rows = batches.micro_examples(1)[0]
+    if any(row.packed for row in rows):
+        worst = probe_packing(model, rows, batches.pad_id)
+        if rank == 0:
+            jobkit.log(f"packing probe: per-example loss packed vs alone agrees within {worst:.2g} on the first batch")
 
 
 def check_checkpoint_home(w: Worker) -> None:

@@ -136,6 +136,22 @@ def direct_tokenizer_class(ref: Path) -> str | None:
     return name if name in DIRECT_TOKENIZERS.get(model_type, ()) else None
 
 
+def base_model_facts(source: str):
+    """BaseModelFacts from base.json in a local model directory (the tiny base's build record), or None:
+    a hub id or s3:// prefix, or a directory without one, names no build."""
+    from tuneproof.core.summaries import BaseModelFacts
+
+    path = Path(source) / "base.json"
+    if source.startswith("s3://") or not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        # The build record also keeps its training losses and time: the facts are the fields named here.
+        return BaseModelFacts.model_validate({k: v for k, v in record.items() if k in BaseModelFacts.model_fields})
+    except (OSError, ValueError, AttributeError) as e:
+        raise ModelUnreadable(f"model directory {source}: base.json is not a base model's build record: {e}") from e
+
+
 def load_model(source: str, revision: str | None = None, endpoint_url: str | None = None, dtype=None):
     """AutoModelForCausalLM from safetensors only (use_safetensors=True refuses pickled .bin weights)."""
     from transformers import AutoModelForCausalLM

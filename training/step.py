@@ -61,15 +61,42 @@ def final_hidden_states(model, batch: dict) -> torch.Tensor:
     seen: list[torch.Tensor] = []
     hook = model.get_decoder().register_forward_hook(lambda _m, _a, out: seen.append(out.last_hidden_state))
     try:
-        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=1)
+        model(**forward_inputs(model, batch), logits_to_keep=1)
     finally:
         hook.remove()
     return seen[-1]
 
 
+def forward_inputs(model, batch: dict) -> dict:
+    """Keyword arguments of model(...) for a collated batch (its labels stay out)."""
+    if "position_ids" not in batch:  # one example per row: the padding mask says everything
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    implementation = str(getattr(model.config, "_attn_implementation", None) or "sdpa")
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    if implementation.startswith("flash"):
+        return inputs  # varlen: sequences start where the position ids restart
+    inputs["attention_mask"] = block_causal_mask(batch["position_ids"], eager=implementation == "eager")
+    return inputs
+
+
+def block_causal_mask(position_ids: torch.Tensor, eager: bool = False) -> torch.Tensor:
+    """(batch, 1, L, L) mask: query q sees key k when k <= q and both lie in one example (a run of position
+    ids from 0). Boolean (True: attend) for SDPA; additive fp32 (0 or the dtype's min) for eager attention,
+    which adds the mask it is given to its scores."""
+    example = (position_ids == 0).cumsum(dim=-1)
+    width = position_ids.shape[-1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=position_ids.device).tril()
+    allowed = (example[:, :, None] == example[:, None, :]) & causal
+    if not eager:
+        return allowed[:, None]
+    return torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(torch.float32).min
+    )[:, None]
+
+
 def full_logits_loss_sum(model, batch: dict) -> torch.Tensor:
     """The loss as it was before chunking: every position's fp32 logits at once. Reference only."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logits = model(**forward_inputs(model, batch)).logits
     return F.cross_entropy(
         logits[:, :-1].float().flatten(0, 1),
         batch["labels"][:, 1:].flatten(),

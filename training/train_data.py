@@ -2,12 +2,17 @@
 
 The data stage writes datasets/<name>/<hash>/{train,eval}/part-*.parquet (columns input_ids and
 labels as list<int32>, -100 on prompt tokens, no padding) and manifest.json last; its `read_split`
-reads a split back, checked against the manifest. Here:
+reads a split back, checked against the manifest. Under data.overflow: pack a row holds several examples
+and its `segments` column their lengths (null for a row of one example). Here:
 
 - every epoch visits the examples in a permutation seeded by (seed, epoch);
 - step s takes the next global batch (micro_batch_size x grad_accum_steps x world_size examples);
   rank r takes its contiguous slice and cuts it into grad_accum_steps micro-batches;
 - a micro-batch is right-padded to its longest example (labels -100, attention 0 on padding);
+- a micro-batch with packed rows also carries position_ids that restart at each example (and at the
+  padding), and the label of each example's first token is -100: nothing learns across a boundary.
+  training.modeling.forward_inputs turns those position ids into a block-diagonal mask (or the varlen
+  path of a flash-attention model), so each example attends to itself only;
 - an epoch's tail that cannot fill a global batch is skipped, so every rank runs the same steps.
 
 Which examples a step sees depends only on (seed, step, layout), so a run resumed at step k
@@ -35,15 +40,34 @@ from tuneproof.core.storage import Storage
 
 @dataclass(frozen=True)
 class TrainExample:
+    """One row: one example, or (segments set) several packed end to end."""
+
     input_ids: np.ndarray
     labels: np.ndarray
+    segments: tuple[int, ...] | None = None
+    """Lengths of the examples packed into this row, in order (summing to its length); None: one example."""
+
+    @property
+    def packed(self) -> bool:
+        return self.segments is not None and len(self.segments) > 1
+
+    def unpacked(self) -> list[TrainExample]:
+        """The row's examples, each on its own (as the drop policy would have stored them)."""
+        if not self.segments:
+            return [self]
+        cuts = np.cumsum((0, *self.segments))
+        return [TrainExample(self.input_ids[a:b], self.labels[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
 
 
 def load_examples(storage: Storage, dataset_path: str, split: str = "train") -> list[TrainExample]:
     """Every example of a split, in the order the data stage wrote them."""
     table = read_split(storage, dataset_path, split)
     ids, labels = table.column("input_ids").to_pylist(), table.column("labels").to_pylist()
-    return [TrainExample(np.asarray(i, dtype=np.int64), np.asarray(lab, dtype=np.int64)) for i, lab in zip(ids, labels)]
+    segments = table.column("segments").to_pylist()
+    return [
+        TrainExample(np.asarray(i, dtype=np.int64), np.asarray(lab, dtype=np.int64), tuple(seg) if seg else None)
+        for i, lab, seg in zip(ids, labels, segments)
+    ]
 
 
 @dataclass(frozen=True)
@@ -94,7 +118,9 @@ def rank_slices(order: np.ndarray, batch_in_epoch: int, layout: BatchLayout, ran
 
 
 def collate(examples: list[TrainExample], pad_id: int) -> dict:
-    """Right-pad to the longest example: input_ids, labels (-100 on padding), attention_mask."""
+    """Right-pad to the longest row: input_ids, labels (-100 on padding), attention_mask (1 on real tokens);
+    with packed rows also position_ids (restarting per example and at the padding), and -100 on the label
+    of every example's first token, which in a packed row the previous example's last token would predict."""
     import torch
 
     width = max(len(e.input_ids) for e in examples)
@@ -106,7 +132,18 @@ def collate(examples: list[TrainExample], pad_id: int) -> dict:
         input_ids[row, :n] = torch.from_numpy(e.input_ids)
         labels[row, :n] = torch.from_numpy(e.labels)
         attention[row, :n] = 1
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
+    batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
+    if any(e.packed for e in examples):
+        batch["position_ids"] = torch.from_numpy(np.stack([restarting_positions(e, width) for e in examples]))
+        for row, e in enumerate(examples):
+            labels[row, np.cumsum((0, *(e.segments or ())))[1:-1]] = IGNORE_INDEX
+    return batch
+
+
+def restarting_positions(example: TrainExample, width: int) -> np.ndarray:
+    """0, 1, ... within each example of the row, and again over its padding up to `width`. Pure."""
+    lengths = [*(example.segments or (len(example.input_ids),)), width - len(example.input_ids)]
+    return np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])
 
 
 class StepBatches:
@@ -121,7 +158,11 @@ class StepBatches:
         """epoch -> that epoch's permutation of example indices (a fault hook may replace it: a planted bug)."""
 
     def micro_batches(self, step: int) -> list[dict]:
-        return [collate([self.examples[i] for i in s], self.pad_id) for s in self.slices(step)]
+        return [collate(examples, self.pad_id) for examples in self.micro_examples(step)]
+
+    def micro_examples(self, step: int) -> list[list[TrainExample]]:
+        """This rank's micro-batches of step `step`, as the rows they collate."""
+        return [[self.examples[i] for i in s] for s in self.slices(step)]
 
     def sample_ids(self, step: int) -> list[int]:
         """The indices (in the train split) of the examples this rank trains on at `step`, in order."""

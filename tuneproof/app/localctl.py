@@ -10,6 +10,7 @@ profile and from Prefect's settings, so changing a port is one edit. Pids and po
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -93,7 +94,11 @@ def prepare_model_and_storage(cfg, console: Console) -> None:
 
     Path(cfg.storage.root).mkdir(parents=True, exist_ok=True)
     if ensure_tiny_model(cfg.model.source, cfg.data.source):
-        console.print(f"created the tiny base model at {cfg.model.source}")
+        facts = json.loads((Path(cfg.model.source) / "base.json").read_text())
+        console.print(
+            f"placed the pre-trained tiny base at {cfg.model.source} (content hash {facts['content_hash'][:12]}, "
+            f"skills exact match {facts['skills_exact_match']})"
+        )
 
 
 def start_ray(console: Console, address: str) -> None:

@@ -2,10 +2,13 @@
 
     python -m tuneproof.app.tiny_model OUT_DIR [--data data/dates/dates.jsonl] [--seed 0]
 
-`tuneproof local up` calls `ensure_tiny_model` to create .tuneproof/base-models/tiny-qwen2 when it
-is missing. Nothing is downloaded: the tokenizer is trained here with the `tokenizers` library and
-the weights are random (seeded), so the untrained model scores 0 on the task and any gain is the
-fine-tune's.
+`tuneproof local up` calls `ensure_tiny_model` to create .tuneproof/base-models/tiny-qwen2. Nothing is
+downloaded: the tokenizer is trained here with the `tokenizers` library, the weights start random
+(seeded) and are then pre-trained on the bundled general skills (tuneproof/app/tiny_base.py), so the
+base knows something a fine-tune can lose, and scores 0 on the date task: any gain there is the
+fine-tune's. The build is cached by its content hash (the recipe, the model's shape, the tokenizer
+corpus and the skills data) under BASE_CACHE and copied into place; base.json in the model directory
+names the hash, the recipe and the skills' scores at build time.
 
 The tokenizer follows Qwen2's design at toy size: byte-level BPE over Qwen2's pre-tokenizer split,
 which keeps every digit its own token (the task is copying and reordering digits), while words
@@ -20,8 +23,11 @@ import argparse
 import json
 import shutil
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+from tuneproof.app.tiny_base import SkillsRecipe, content_hash, pretrain, suite_scores
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
@@ -40,8 +46,13 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "data" / "dates" / "dates.jsonl"
+PROJECT = Path(__file__).resolve().parents[2]
+DEFAULT_DATA = PROJECT / "data" / "dates" / "dates.jsonl"
 ROLES = ("system", "user", "assistant")
+BASE_CACHE = PROJECT / ".tuneproof" / "base-models" / "cache"
+"""Built bases by content hash: a second `local up` (or a test session) copies one instead of training."""
+BASE_FACTS = "base.json"
+MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", BASE_FACTS)
 
 
 def build_tiny_model(
@@ -51,8 +62,11 @@ def build_tiny_model(
     layers: int = 2,
     seed: int = 0,
     vocab_size: int = 512,
+    recipe: SkillsRecipe | None = None,
+    base_hash: str | None = None,
 ) -> Path:
-    """Write tokenizer + Qwen2 config + random safetensors weights to out_dir (replacing it whole).
+    """Write tokenizer + Qwen2 config + safetensors weights to out_dir (replacing it whole): random
+    (seeded), or with `recipe` pre-trained on the skills and base.json written (naming `base_hash`).
 
     vocab_size caps the BPE vocabulary (256 bytes + 3 special tokens + merges); 259 gives a pure
     byte/character-level tokenizer.
@@ -64,6 +78,9 @@ def build_tiny_model(
         tokenizer = train_tokenizer(corpus, vocab_size)
         tokenizer.save_pretrained(staging)
         model = init_model(tokenizer, hidden, layers, seed)
+        if recipe is not None:
+            facts = pretrained_facts(model, tokenizer, recipe, base_hash)
+            (staging / BASE_FACTS).write_text(json.dumps(facts, indent=2, sort_keys=True) + "\n")
         model.save_pretrained(staging, safe_serialization=True)
         # Written in a staging dir and moved into place, so a half-built model is never picked up.
         # mkdtemp (and the safetensors writer) make files private; Ray workers and uploads read them.
@@ -76,6 +93,20 @@ def build_tiny_model(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir
+
+
+def pretrained_facts(model, tokenizer, recipe: SkillsRecipe, base_hash: str | None) -> dict:
+    """Pre-train `model` in place; what base.json says about it: hash, recipe, losses, suite scores, seconds."""
+    began = time.perf_counter()
+    losses = pretrain(model, tokenizer, recipe, PROJECT)
+    seconds = time.perf_counter() - began
+    return {
+        "content_hash": base_hash,
+        "recipe": recipe.to_json(),
+        "losses": losses,
+        "skills_exact_match": suite_scores(model, tokenizer, PROJECT / "data" / "skills" / "suites"),
+        "train_seconds": round(seconds, 1),
+    }
 
 
 def train_tokenizer(corpus: Iterable[str], vocab_size: int = 512):
@@ -163,15 +194,42 @@ def task_corpus(data_path: str | Path, system_prompt: str | None) -> Iterator[st
                 yield conversation_text(system_prompt, row["input"], row["output"])
 
 
-def ensure_tiny_model(out_dir: str | Path, data_path: str | Path = DEFAULT_DATA, seed: int = 0) -> bool:
-    """Build the tiny model at out_dir unless a complete one is there; True when it was created."""
+def ensure_tiny_model(
+    out_dir: str | Path, data_path: str | Path = DEFAULT_DATA, seed: int = 0, recipe: SkillsRecipe = SkillsRecipe()
+) -> bool:
+    """Put the pre-trained tiny base at out_dir unless the one there has this build's content hash; True
+    when it was (re)placed. Built once per hash into BASE_CACHE, then copied from there."""
     from tuneproof.core.config import DataConfig
 
     out_dir = Path(out_dir)
-    if all((out_dir / name).exists() for name in ("config.json", "model.safetensors", "tokenizer.json")):
+    key = content_hash(recipe, {"hidden": 64, "layers": 2, "seed": seed}, [Path(data_path), PROJECT / recipe.data])
+    if built_hash(out_dir) == key:
         return False
-    build_tiny_model(out_dir, task_corpus(data_path, DataConfig().system_prompt), seed=seed)
+    cached = BASE_CACHE / key
+    if built_hash(cached) != key:
+        build_tiny_model(
+            cached, task_corpus(data_path, DataConfig().system_prompt), seed=seed, recipe=recipe, base_hash=key
+        )
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
+    try:  # copied beside the target and renamed into place: a half-copied base is never picked up
+        shutil.copytree(cached, staging / "model")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        (staging / "model").rename(out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return True
+
+
+def built_hash(model_dir: Path) -> str | None:
+    """The content hash a complete model directory's base.json names; None when absent or incomplete."""
+    if not all((model_dir / name).exists() for name in MODEL_FILES):
+        return None
+    try:
+        return json.loads((model_dir / BASE_FACTS).read_text()).get("content_hash")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -410,6 +410,8 @@ def _provenance_rows(card: dict) -> list[str]:
         ("run", card["run_id"]),
         ("source", card.get("source_path")),
         ("base model", card.get("base_model")),
+        ("base content hash", card.get("base_content_hash")),
+        ("base recipe", card.get("base_recipe") and json.dumps(card["base_recipe"], sort_keys=True)),
         ("method", card.get("method") and _method_line(card)),
         ("dataset hash", card.get("dataset_hash")),
         ("image digest", card.get("image_digest")),

@@ -291,6 +291,17 @@ def ledger_points(rows: list[dict[str, Any]]) -> list[LedgerPoint]:
     ]
 
 
+class BaseModelFacts(Summary):
+    """What a base model directory's base.json says of how it was made (the tiny local base writes one)."""
+
+    content_hash: str
+    """sha256 over the build's recipe, model shape and input files: the same hash, the same base."""
+    recipe: dict[str, Any]
+    """How it was pre-trained (tuneproof/app/tiny_base.SkillsRecipe): steps, batch, lr, seed, data, ..."""
+    skills_exact_match: dict[str, float] = {}
+    """Its exact match on each bundled skill suite when it was built."""
+
+
 class Restart(Summary):
     """One restart of the Ray Train worker group within a fine-tune job (train.max_failures allows it)."""
 
@@ -426,6 +437,8 @@ class FinetuneSummary(Summary):
     """Peak memory of every rank of the run's last attempt, by rank."""
     fit_estimate: FitEstimate | None = None
     """What the configuration was estimated to need per GPU before the run, beside `memory`'s measurement."""
+    base_model: BaseModelFacts | None = None
+    """The base's identity when its directory carries base.json (the pre-trained tiny base); else None."""
 
 
 # ---- 5 resume --------------------------------------------------------------------------------
