@@ -150,8 +150,12 @@ def prepare_data(ctx: JobContext) -> DataSummary:
         log(f"dataset {dataset_path} already prepared: cache hit, nothing rewritten")
         cached = read_manifest(storage, dataset_path)
         check_contamination(cached.contamination, cfg.data.max_contamination)
-        train_convs = split_conversations(cfg.data, shape, parsed, eval_parsed, datahash.Drops())[0]
-        suites = suite_overlaps(cfg, train_convs)
+        # The suites are not part of the dataset's identity (a new suite must not retrain), so they are
+        # checked against the training split again; only when there are any, since it re-reads every row.
+        train = (
+            split_conversations(cfg.data, shape, parsed, eval_parsed, datahash.Drops())[0] if cfg.eval.suites else []
+        )
+        suites = suite_overlaps(cfg, train)
         return stage_summary(storage, dataset_path, cached, cache_hit=True, suites=suites)
 
     splits, total_rows, contamination, suites = build_splits(cfg, shape, tokenizer, parsed, eval_parsed, drops)
