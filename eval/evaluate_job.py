@@ -13,6 +13,10 @@ and metric to item_scores.json beside it: the gates are decided on those per-ite
 (insufficient evidence), fails the stage as a modeling failure whose summary still carries every number
 and gate line.
 
+Beside the task's split, each regression suite of eval.suites (eval/suites.py) is asked of the same loaded
+model, item by item, and decided with the same gates against base and incumbent, one Holm family per suite;
+a suite's failed or unresolved gate fails the stage as a modeling failure whose cause names the suite.
+
 Before any model verdict the evaluation tests itself, and a failed self-test ends the stage as
 "evaluation invalid: ..." in the infrastructure class (exit 4: the measuring apparatus failed, not the
 model), never as a gate failure: every local metric must score the references, put through the same
@@ -46,6 +50,7 @@ from eval.gates import Scores, decide
 from eval.generation import eval_loss, generate_checked, pad_token_id, pick_device
 from eval.metrics_loader import load_metric
 from eval.reproduce import base_reproduction
+from eval.suites import Suite, chat_prompts, overall, read_suite, suite_score
 from training import jobkit
 from training.checkpointing import check_complete
 from training.data_prep import read_manifest
@@ -111,6 +116,8 @@ class ModelEval:
     seconds: float
     content_sha256: str | None
     chat_template_sha256: str | None
+    suites: dict[str, Scores]
+    """Each regression suite's metrics and item scores (eval.suites), by suite name."""
 
     def scores(self) -> Scores:
         return Scores(self.metrics, self.items)
@@ -125,8 +132,14 @@ def evaluate_body(ctx: JobContext) -> EvaluateSummary:
     sources = model_sources(ctx, params)
     metrics = {name: load_metric(name, cfg.hub_metrics) for name in cfg.metrics}
     check_references({n: m for n, m in metrics.items() if metric_module_hash(n, cfg.hub_metrics)}, data.references)
-    counter = _Progress(total=len(sources) * len(data.prompts))
-    results = {s.role: evaluate_model(ctx, s, data, metrics, counter) for s in sources}
+    suites = [
+        read_suite(name, suite, ctx.config.storage.endpoint_url).with_metrics(load_metric)
+        for name, suite in cfg.suites.items()
+    ]
+    for suite in suites:
+        check_references(suite.metrics, suite.references)
+    counter = _Progress(total=len(sources) * (len(data.prompts) + sum(len(s.ids) for s in suites)))
+    results = {s.role: evaluate_model(ctx, s, data, metrics, counter, suites) for s in sources}
     split = eval_split_hash(ctx, params.dataset)
     base = results["base"]
     reproduction = base_reproduction(ctx.storage, ctx.run_id, split, base.content_sha256, base.answers, cfg)
@@ -136,7 +149,8 @@ def evaluate_body(ctx: JobContext) -> EvaluateSummary:
     decision = decide(
         results["candidate"].scores(), results["base"].scores(), incumbent, cfg.gates, cfg.confidence, split
     )
-    for line in decision.lines:
+    scored = [suite_score(s, {role: r.suites[s.name] for role, r in results.items()}, cfg.confidence) for s in suites]
+    for line in overall(decision, scored).lines:
         jobkit.log(f"gate: {line}")
     from training.memory import rank_memory
 
@@ -153,9 +167,11 @@ def evaluate_body(ctx: JobContext) -> EvaluateSummary:
         metric_sha256={name: metric_module_hash(name, cfg.hub_metrics) for name in cfg.metrics},
         chat_template_sha256=data.chat_template_sha256,
         base_reproduction=reproduction,
+        suites=scored,
     )
-    if not decision.passed:
-        raise StageFailure(FailureClass.modeling, decision.failure_cause(), summary)
+    verdict = overall(decision, scored)
+    if not verdict.passed:
+        raise StageFailure(FailureClass.modeling, verdict.failure_cause(), summary)
     return summary
 
 
@@ -228,13 +244,16 @@ def model_sources(ctx: JobContext, params: EvalParams) -> list[ModelSource]:
     return sources
 
 
-def evaluate_model(ctx: JobContext, source: ModelSource, data: EvalSet, metrics: dict, counter: _Progress) -> ModelEval:
+def evaluate_model(
+    ctx: JobContext, source: ModelSource, data: EvalSet, metrics: dict, counter: _Progress, suites: list[Suite]
+) -> ModelEval:
     cfg = ctx.config.eval
     started = time.monotonic()
     model, tokenizer, content = load_for_eval(ctx, source)
     template = check_template(source.role, tokenizer, data.chat_template_sha256)
     if source.role == "candidate":
-        check_reference_room(tokenizer, data.references, cfg.max_new_tokens, cfg.max_truncated_fraction)
+        for references in [data.references, *(s.references for s in suites)]:
+            check_reference_room(tokenizer, references, cfg.max_new_tokens, cfg.max_truncated_fraction)
     jobkit.log(
         f"{source.role}: {source.path} (content {str(content)[:12]}, chat template {str(template)[:12]}) "
         f"on {model.device} ({model.dtype})"
@@ -251,10 +270,28 @@ def evaluate_model(ctx: JobContext, source: ModelSource, data: EvalSet, metrics:
     values = score(metrics, answers, data.references)
     items = item_scores(metrics, answers, data.references, values)
     values.update(eval_loss(model, data.input_ids, data.labels, cfg.batch_size, pad_token_id(tokenizer)))
+    suite_scores = {s.name: answer_suite(ctx, model, tokenizer, s, source.role, counter) for s in suites}
     del model, tokenizer
     _free_memory()
     jobkit.log(f"{source.role}: " + ", ".join(f"{k}={v:.4g}" for k, v in values.items()))
-    return ModelEval(answers, values, items, round(time.monotonic() - started, 2), content, template)
+    return ModelEval(answers, values, items, round(time.monotonic() - started, 2), content, template, suite_scores)
+
+
+def answer_suite(ctx: JobContext, model, tokenizer, suite: Suite, role: str, counter: _Progress) -> Scores:
+    """One model's greedy answers to a regression suite, scored item by item with the suite's metrics."""
+    cfg = ctx.config.eval
+    answers, cut = generate_checked(
+        model,
+        tokenizer,
+        chat_prompts(tokenizer, suite.inputs),
+        cfg.max_new_tokens,
+        cfg.batch_size,
+        on_batch=lambda n: counter.advance(n, role),
+    )
+    count_generations(f"{role} on suite {suite.name}", answers, cut)
+    values = score(suite.metrics, answers, suite.references)
+    jobkit.log(f"{role} on suite {suite.name}: " + ", ".join(f"{k}={v:.4g}" for k, v in values.items()))
+    return Scores(values, item_scores(suite.metrics, answers, suite.references, values))
 
 
 def load_for_eval(ctx: JobContext, source: ModelSource):
@@ -369,11 +406,21 @@ def count_generations(role: str, answers: list[str], cut: list[bool]) -> None:
 
 
 def save_item_scores(ctx: JobContext, split: str, results: dict[str, ModelEval]) -> str:
-    """{"split_sha256", "scores": {role: {metric: [one score per item]}}}: what the gates were decided on."""
-    body = {"split_sha256": split, "scores": {role: result.items for role, result in results.items()}}
+    """{"split_sha256", "scores": {role: {metric: [one score per item]}}, "suites": {suite: {role: {metric:
+    [...]}}}}: what the gates were decided on."""
+    suites = {name: {role: dict(r.suites[name].items) for role, r in results.items()} for name in _suite_names(results)}
+    body = {
+        "split_sha256": split,
+        "scores": {role: result.items for role, result in results.items()},
+        "suites": suites,
+    }
     parts = ctx.stage_parts("item_scores.json")
     ctx.storage.write_bytes(json.dumps(body).encode(), *parts)
     return ctx.storage.uri(*parts)
+
+
+def _suite_names(results: dict[str, ModelEval]) -> list[str]:
+    return list(next(iter(results.values())).suites) if results else []
 
 
 def save_predictions(ctx: JobContext, data: EvalSet, results: dict[str, ModelEval]) -> str:

@@ -11,7 +11,8 @@ at once:
                    an absolute floor is met only when the items show it);
   min_improvement  the lower bound of candidate - base must reach the threshold;
   max_regression   non-inferiority: the lower bound of candidate - incumbent must stay above -margin
-                   (shown as a regression, incumbent - candidate, whose upper bound must stay within it).
+                   (shown as a regression, incumbent - candidate, whose upper bound must stay within it);
+  max_regression_vs_base  the same against the base (a regression suite: the fine-tune must not forget).
 Three outcomes: pass; fail (the whole interval is on the wrong side); insufficient evidence (it straddles
 the threshold: promotion is refused, with the number of items that would resolve it). Lines look like
     exact_match >= 0.8: 0.98 [0.957, 0.9908] (n=300, Wilson score, 98.33% interval: 95% with Holm over 3, p<0.0001) (pass)
@@ -107,6 +108,10 @@ def _checks(metric: str, gate: Gate, candidate: Scores, base: Scores, incumbent:
         checks.append(
             _paired_check(metric, gate, "min_improvement", head, gate.min_improvement, candidate, base, "base")
         )
+    if gate.max_regression_vs_base is not None:
+        head = f"{metric} regression vs base <= {fmt(gate.max_regression_vs_base)}"
+        threshold = gate.max_regression_vs_base
+        checks.append(_paired_check(metric, gate, "max_regression_vs_base", head, threshold, candidate, base, "base"))
     if gate.max_regression is not None:
         head = f"{metric} regression vs incumbent <= {fmt(gate.max_regression)}"
         if incumbent is None:

@@ -220,6 +220,15 @@ def evaluation_table(record: RunRecord, entry: StageEntry, storage: Storage) -> 
         f"Candidate vs base vs incumbent ({summary.incumbent_version or 'no incumbent'}); gates {verdict}:\n\n"
         + "\n".join(f"* {line}" for line in summary.gates.lines),
     )
+    if summary.suites:
+        passed = "passed" if all(s.gates.passed for s in summary.suites) else "failed"
+        table(
+            "suites",
+            record.run_id,
+            [row.to_json() for row in summary.suite_rows()],
+            f"Regression suites x models ({summary.incumbent_version or 'no incumbent'}); suite gates {passed}:\n\n"
+            + "\n".join(f"* {line}" for s in summary.suites for line in s.gates.lines),
+        )
 
 
 def metric_cell(model: ModelScore | None, name: str) -> Any:

@@ -82,6 +82,9 @@ def evaluation_reasons(record: RunRecord, finetune: FinetuneSummary) -> list[str
         ]
     if not evaluation.ok or summary is None or not summary.gates.passed:
         return [f"evaluation gates not passed: {evaluation.cause or evaluation.status}"]
+    forgot = [s.gates.failure_cause() for s in summary.suites if not s.gates.passed]
+    if forgot:
+        return [f"regression suite gates not passed: {cause}" for cause in forgot]
     scored = summary.models.get("candidate")
     scored_hash = scored.content_sha256 if scored else None
     if scored_hash != finetune.export_sha256:
@@ -114,7 +117,10 @@ def model_card(cfg: PipelineConfig, record: RunRecord, forced: Forced | None = N
         if evaluation
         else {},
         "incumbent_version": evaluation.incumbent_version if evaluation else None,
-        "gates": evaluation.gates.lines if evaluation else [],
+        "gates": [*evaluation.gates.lines, *(line for s in evaluation.suites for line in s.gates.lines)]
+        if evaluation
+        else [],
+        "suites": [row.to_json() for row in evaluation.suite_rows()] if evaluation and evaluation.suites else [],
         "dataset_hash": record.data.content_hash if record.data else None,
         "image": cfg.cluster.expect.image,
         "image_digest": cluster.image_digest if cluster else None,

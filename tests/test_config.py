@@ -136,3 +136,44 @@ def test_a_deeply_nested_profile_is_refused_whatever_the_recursion_limit(tmp_pat
     )
     with pytest.raises(ConfigError, match="x: unknown key"):  # deep but within the bound: validated as usual
         load_config(at_limit)
+
+
+# ---- eval.suites ------------------------------------------------------------------------------
+
+
+FORGET_PROFILE = PROJECT_ROOT / "configs" / "local-forget.yaml"
+
+
+def test_the_forgetting_profile_carries_the_bundled_suites_as_absolute_paths_with_their_gates():
+    suites = load_config(FORGET_PROFILE).eval.suites
+    assert sorted(suites) == ["add", "capital", "reverse"]
+    assert suites["add"].source == str(PROJECT_ROOT / "data" / "skills" / "suites" / "add.jsonl")
+    gate = suites["add"].gates()["exact_match"]
+    assert gate.max_regression_vs_base == gate.max_regression == suites["add"].margin
+
+
+def test_a_bad_suite_margin_and_an_unknown_suite_key_are_named_with_their_values():
+    with pytest.raises(ConfigError) as e:
+        load_config(
+            FORGET_PROFILE,
+            ["eval.suites.add.margin=1.5", "eval.suites.capital.margin=-0.1", "eval.suites.reverse.threshold=0.1"],
+        )
+    problems = "\n".join(e.value.problems)
+    assert "eval.suites.add.margin: Input should be less than 1 (got 1.5)" in problems
+    assert "eval.suites.capital.margin: Input should be greater than 0 (got -0.1)" in problems
+    assert "eval.suites.reverse.threshold: unknown key (got 0.1)" in problems
+
+
+def test_an_unknown_suite_file_and_metric_are_refused_before_anything_runs(tmp_path):
+    from tuneproof.core.metric_names import check_eval_config
+
+    cfg = load_config(
+        FORGET_PROFILE,
+        ["eval.suites.mine.source=data/skills/suites/nope.jsonl", "eval.suites.add.metrics=[exact_matsh]"],
+    )
+    problems = check_eval_config(cfg.eval)
+    missing = str(PROJECT_ROOT / "data" / "skills" / "suites" / "nope.jsonl")
+    assert f"eval.suites.mine.source: no such file (got {missing!r}); give a JSONL file of items" in problems
+    assert any(p.startswith("eval.suites.add.metrics: metric 'exact_matsh' is not a local module") for p in problems)
+    with pytest.raises(ConfigError, match="suite name 'Bad Name'"):
+        load_config(DEFAULT_PROFILE, ["eval.suites={'Bad Name': {source: data/skills/suites/add.jsonl}}"])

@@ -37,7 +37,7 @@ from training.jobkit import ENV_VAR, JobContext, encode_job
 from training.modeling import direct_tokenizer_class, load_text_tokenizer, load_tokenizer
 from tuneproof.app.tiny_model import CHAT_TEMPLATE, DEFAULT_DATA, build_tiny_model, task_corpus
 from tuneproof.core import datahash
-from tuneproof.core.config import PipelineConfig
+from tuneproof.core.config import PipelineConfig, SuiteConfig
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
 
@@ -673,3 +673,22 @@ def test_an_eval_file_that_repeats_training_rows_is_refused_naming_the_overlap(t
 def test_a_clean_split_records_zero_contamination(tmp_path, tiny_dir):
     manifest = prepare(config(tmp_path / "store", tiny_dir, write_jsonl(tmp_path / "d.jsonl", DATES[:200])))["manifest"]
     assert manifest["contamination"]["overlapping"] == 0 and manifest["contamination"]["eval_items"] > 0
+
+
+def test_a_suite_the_training_split_repeats_is_a_data_failure_also_on_a_cache_hit(tmp_path, tiny_dir):
+    """A regression suite's items in the training split measure recall, not retention: refused naming the
+    suite; the suites are not in the dataset's identity, so a cache hit checks them again."""
+    source = write_jsonl(tmp_path / "dates.jsonl", DATES[:100])
+    clean = write_jsonl(tmp_path / "clean.jsonl", [{"input": "add 1 and 2", "output": "3"}])
+    leaked = write_jsonl(tmp_path / "leaked.jsonl", DATES[:100])  # every row: 90 train, 10 eval
+    cfg = config(tmp_path / "store", tiny_dir, source)
+    cfg.eval.suites = {"clean": SuiteConfig(source=str(clean))}
+    first = prepare(cfg)
+    [suite] = first["suites"]
+    assert (suite["name"], suite["items"], suite["contamination"]["overlapping"]) == ("clean", 1, 0)
+    assert suite["sha256"] == datahash.sha256_bytes(clean.read_bytes())
+    cfg.eval.suites = {"leaked": SuiteConfig(source=str(leaked))}
+    with pytest.raises(StageFailure) as info:
+        prepare(cfg)
+    assert info.value.failure_class is FailureClass.data
+    assert info.value.cause.startswith(f"suite leaked ({leaked}) overlaps the training split: 90 of 100 eval items")

@@ -417,3 +417,29 @@ def test_the_base_reproduces_its_answers_and_planted_sampling_is_not_reproducibl
     assert "(then batch 5 on cpu, now batch 5 on cpu), over eval.max_irreproducible_fraction=0.02" in cause
     assert json.loads(Path(reference).read_text())["run_id"] == "again"  # a failed check leaves the reference
     print(cause)
+
+
+def test_a_users_own_suite_file_is_scored_for_every_model_and_gated(world, store, tmp_path):
+    """eval.suites names a JSONL file of the user's: every model answers its items, and its gates (at most
+    `margin` below the base; no incumbent yet) decide on them, paired by item, naming the file's hash."""
+    import hashlib
+
+    mine = tmp_path / "must-not-regress.jsonl"
+    mine.write_text("".join(json.dumps({"input": f"date q {i}", "output": ANSWER}) + "\n" for i in range(12)))
+    upload_export(store, world["trained"], "suite")
+    ctx = make_ctx(world, "suite", store.root, suites={"mine": {"source": str(mine), "margin": 0.2}})
+    summary = evaluate_body(ctx)
+
+    [suite] = summary.suites
+    assert (suite.name, suite.items, suite.sha256) == ("mine", 12, hashlib.sha256(mine.read_bytes()).hexdigest())
+    assert suite.metrics["candidate"] == {"exact_match": 1.0} and suite.metrics["base"] == {"exact_match": 0.0}
+    assert suite.metrics["incumbent"] is None
+    vs_base = suite.gates.verdicts[0]
+    assert vs_base.gate == "max_regression_vs_base" and vs_base.passed and vs_base.n == 12
+    assert vs_base.split_sha256 == suite.sha256
+    assert vs_base.line.startswith(
+        "suite mine: exact_match regression vs base <= 0.2: -1 [-1, -0.6571] (candidate 1, base 0; n=12"
+    )
+    scored = json.loads(store.read_text("runs/suite/stages/evaluate/item_scores.json"))
+    assert scored["suites"]["mine"]["candidate"]["exact_match"] == [1.0] * 12
+    assert [row.suite for row in summary.suite_rows()] == ["task", "mine"]

@@ -39,12 +39,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from eval.suites import read_suite
 from training import parallel
 from training.contamination import measure as measure_overlap
 from training.jobkit import JobContext, log, progress, run_stage
 from training.modeling import load_text_tokenizer
 from tuneproof.core import datahash, shapes
-from tuneproof.core.config import DataConfig
+from tuneproof.core.config import DataConfig, PipelineConfig
 from tuneproof.core.hashing import chat_template_sha256
 from tuneproof.core.results import FailureClass, StageFailure, now_iso, one_line
 from tuneproof.core.storage import Storage
@@ -55,6 +56,7 @@ from tuneproof.core.summaries import (
     Shard,
     SourceIdentity,
     SplitMeta,
+    SuiteFile,
 )
 
 SCHEMA = pa.schema(
@@ -149,9 +151,15 @@ def prepare_data(ctx: JobContext) -> DataSummary:
         log(f"dataset {dataset_path} already prepared: cache hit, nothing rewritten")
         cached = read_manifest(storage, dataset_path)
         check_contamination(cached.contamination, cfg.data.max_contamination)
-        return stage_summary(storage, dataset_path, cached, cache_hit=True)
+        # The suites are not part of the dataset's identity (a new suite must not retrain), so they are
+        # checked against the training split again; only when there are any, since it re-reads every row.
+        train = (
+            split_conversations(cfg.data, shape, parsed, eval_parsed, datahash.Drops())[0] if cfg.eval.suites else []
+        )
+        suites = suite_overlaps(cfg, train)
+        return stage_summary(storage, dataset_path, cached, cache_hit=True, suites=suites)
 
-    splits, total_rows, contamination = build_splits(cfg.data, shape, tokenizer, parsed, eval_parsed, drops)
+    splits, total_rows, contamination, suites = build_splits(cfg, shape, tokenizer, parsed, eval_parsed, drops)
     enforce_limits(splits, drops, total_rows, cfg.data.max_dropped_fraction)
     manifest = DatasetManifest(
         name=cfg.data.name,
@@ -176,7 +184,7 @@ def prepare_data(ctx: JobContext) -> DataSummary:
     log(
         f"dataset {dataset_path} ({shape}): train {len(splits['train'])} rows, eval {len(splits['eval'])} rows, dropped {drops.total}"
     )
-    return stage_summary(storage, dataset_path, manifest, cache_hit=False)
+    return stage_summary(storage, dataset_path, manifest, cache_hit=False, suites=suites)
 
 
 def prep_settings(data: DataConfig) -> dict[str, Any]:
@@ -212,7 +220,9 @@ def shape_identity(data: DataConfig, shape: str) -> dict[str, Any] | None:
     return shapes.shape_identity(shape, template_dict(data), data.messages_column, data.loss_on)
 
 
-def stage_summary(storage: Storage, dataset_path: str, manifest: DatasetManifest, cache_hit: bool) -> DataSummary:
+def stage_summary(
+    storage: Storage, dataset_path: str, manifest: DatasetManifest, cache_hit: bool, suites: list[SuiteFile]
+) -> DataSummary:
     return DataSummary(
         dataset_path=dataset_path,
         dataset_uri=storage.uri(dataset_path),
@@ -223,6 +233,7 @@ def stage_summary(storage: Storage, dataset_path: str, manifest: DatasetManifest
         dropped=manifest.dropped,
         dropped_fraction=manifest.dropped_fraction,
         contamination=manifest.contamination,
+        suites=suites,
     )
 
 
@@ -327,23 +338,17 @@ def parse_parquet(source: Source):
 
 
 def build_splits(
-    data: DataConfig, shape: str, tokenizer, parsed: Parsed, eval_parsed: Parsed | None, drops: datahash.Drops
-) -> tuple[dict[str, pa.Table], int, Contamination]:
+    cfg: PipelineConfig, shape: str, tokenizer, parsed: Parsed, eval_parsed: Parsed | None, drops: datahash.Drops
+) -> tuple[dict[str, pa.Table], int, Contamination, list[SuiteFile]]:
     """({"train": table, "eval": table} of SCHEMA rows, total rows read, the eval split's overlap with the
-    train split); dropped rows go to drops. Fails before encoding when the overlap is over the limit."""
+    train split, each regression suite's); dropped rows go to drops. Fails before encoding when an overlap is
+    over the limit."""
+    data = cfg.data
     render = ChatRenderer(tokenizer)  # one per run: a mismatch found in the train split holds for the eval split
-    convs, total = conversations(parsed, data, shape, drops, "source")
-    if eval_parsed is None:
-        keys = [c.split_key() for c in convs]
-        train_idx, eval_idx = datahash.split_indices(keys, data.eval_fraction, data.seed)
-        train_convs, eval_convs = [convs[i] for i in train_idx], [convs[i] for i in eval_idx]
-    else:
-        eval_convs, eval_total = conversations(eval_parsed, data, shape, drops, "eval_source")
-        total += eval_total
-        order = datahash.rank_for_split([c.split_key() for c in convs], data.seed)
-        train_convs = [convs[i] for i in order]
+    train_convs, eval_convs, total = split_conversations(data, shape, parsed, eval_parsed, drops)
     contamination = contamination_of(train_convs, eval_convs, template_literals(data))
     check_contamination(contamination, data.max_contamination)
+    suites = suite_overlaps(cfg, train_convs)
     progress("data", 1, 3, rows=total)
     # Packing serves training only; evaluation needs one prompt per row.
     overflow: dict[str, str] = {"train": data.overflow, "eval": "drop" if data.overflow == "pack" else data.overflow}
@@ -352,7 +357,36 @@ def build_splits(
     if data.overflow == "pack":
         splits["train"] = examples_table(pack_split(table_examples(splits["train"]), data.max_seq_len))
     progress("data", 2, 3, rows=total, dropped=drops.total)
-    return splits, total, contamination
+    return splits, total, contamination, suites
+
+
+def split_conversations(
+    data: DataConfig, shape: str, parsed: Parsed, eval_parsed: Parsed | None, drops: datahash.Drops
+) -> tuple[list[Conversation], list[Conversation], int]:
+    """(train conversations, eval conversations, rows read): the seeded split, or eval_source as the eval split."""
+    convs, total = conversations(parsed, data, shape, drops, "source")
+    if eval_parsed is None:
+        keys = [c.split_key() for c in convs]
+        train_idx, eval_idx = datahash.split_indices(keys, data.eval_fraction, data.seed)
+        return [convs[i] for i in train_idx], [convs[i] for i in eval_idx], total
+    eval_convs, eval_total = conversations(eval_parsed, data, shape, drops, "eval_source")
+    order = datahash.rank_for_split([c.split_key() for c in convs], data.seed)
+    return [convs[i] for i in order], eval_convs, total + eval_total
+
+
+def suite_overlaps(cfg: PipelineConfig, train: list[Conversation]) -> list[SuiteFile]:
+    """Each regression suite (eval.suites) hashed and measured against the training split: a suite whose items
+    the fine-tune trains on measures recall, not retention, so above data.max_contamination it is a data failure."""
+    literals = template_literals(cfg.data)
+    files = []
+    for name, suite_cfg in cfg.eval.suites.items():
+        suite = read_suite(name, suite_cfg, cfg.storage.endpoint_url)
+        found = measure_overlap((conversation_text(c, literals) for c in train), suite.texts())
+        files.append(
+            SuiteFile(name=name, source=suite.source, sha256=suite.sha256, items=len(suite.ids), contamination=found)
+        )
+        check_contamination(found, cfg.data.max_contamination, f"suite {name} ({suite.source})")
+    return files
 
 
 def contamination_of(
@@ -383,14 +417,14 @@ def template_literals(data: DataConfig) -> tuple[str, ...]:
     return tuple(sorted({p.strip() for p in pieces if p.strip()}, key=len, reverse=True))
 
 
-def check_contamination(found: Contamination | None, limit: float) -> None:
+def check_contamination(found: Contamination | None, limit: float, what: str = "eval split") -> None:
     """A data failure naming the overlapping eval items when more than `limit` of them repeat training rows."""
     if found is None or found.fraction <= limit:
         return
     ids = ", ".join(found.overlapping_ids[:10]) + (" ..." if found.overlapping > 10 else "")
     raise StageFailure(
         FailureClass.data,
-        f"eval split overlaps the training split: {found.overlapping} of {found.eval_items} eval items "
+        f"{what} overlaps the training split: {found.overlapping} of {found.eval_items} eval items "
         f"({found.fraction:.1%}; {found.exact_matches} normalised exact matches, the rest a shared "
         f"{found.ngram}-word n-gram) > data.max_contamination {limit:g}: {ids}",
         DataSummary(contamination=found),

@@ -16,7 +16,7 @@ from typing import Any
 from tuneproof.control import cost
 from tuneproof.control.record import RunRecord
 from tuneproof.control.stages import diff_metrics
-from tuneproof.core.summaries import EvaluateSummary, NodeFacts
+from tuneproof.core.summaries import ROLES, EvaluateSummary, NodeFacts, SuiteRow
 
 NODE_FIELDS = (
     "ray_version",
@@ -95,13 +95,41 @@ def diff_records(a: RunRecord, b: RunRecord) -> dict[str, Any]:
         "changes": changes,
         "metrics": deltas,
         "gates": gate_pairs(a, b),
+        "suites": suite_pairs(a, b),
     }
 
 
 def gate_verdicts(record: RunRecord) -> dict[str, str]:
     """'exact_match min' -> 'pass [0.95, 0.99] n=300' for each gate verdict of the run's evaluation."""
     summary = record.summary("evaluate", EvaluateSummary)
-    return {f"{v.metric} {v.gate}": v.brief() for v in summary.gates.verdicts} if summary else {}
+    if summary is None:
+        return {}
+    verdicts = {f"{v.metric} {v.gate}": v.brief() for v in summary.gates.verdicts}
+    verdicts.update(
+        {f"suite {s.name}: {v.metric} {v.gate}": v.brief() for s in summary.suites for v in s.gates.verdicts}
+    )
+    return verdicts
+
+
+def suite_rows(record: RunRecord) -> dict[str, SuiteRow]:
+    """'<suite> <metric>' -> its row of the suites x models table (the task's split included); {} without suites."""
+    summary = record.summary("evaluate", EvaluateSummary)
+    if summary is None or not summary.suites:
+        return {}
+    return {f"{row.suite} {row.metric}": row for row in summary.suite_rows()}
+
+
+def suite_pairs(a: RunRecord, b: RunRecord) -> list[dict[str, Any]]:
+    """The suites x models table of both runs side by side: each model's value in a and in b, per suite."""
+    ra, rb = suite_rows(a), suite_rows(b)
+    return [
+        {"suite": name, **{role: [_value(ra.get(name), role), _value(rb.get(name), role)] for role in ROLES}}
+        for name in sorted(set(ra) | set(rb), key=lambda n: (not n.startswith("task "), n))
+    ]
+
+
+def _value(row: SuiteRow | None, role: str) -> float | None:
+    return getattr(row, role) if row else None
 
 
 def gate_pairs(a: RunRecord, b: RunRecord) -> list[dict[str, str | None]]:
@@ -125,8 +153,15 @@ def render_diff(result: dict[str, Any]) -> str:
     if result.get("gates"):
         lines.append("gates (a -> b):")
         lines += [f"  {g['gate']}: {g['a'] or '-'} -> {g['b'] or '-'}" for g in result["gates"]]
+    if result.get("suites"):
+        lines.append("suites x models (a -> b):")
+        for row in result["suites"]:
+            cells = ", ".join(f"{role} {_fmt(row[role][0])} -> {_fmt(row[role][1])}" for role in ROLES)
+            lines.append(f"  {row['suite']}: {cells}")
     return "\n".join(lines)
 
 
 def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
     return f"{v:.4g}" if isinstance(v, float) else str(v)

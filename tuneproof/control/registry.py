@@ -358,7 +358,8 @@ def render_model_card(card: dict) -> str:
 
     Needs name, version, run_id, metrics ({"candidate", "base", "incumbent": {metric: value} | None})
     and gates (the gate lines); shows incumbent_version, forced ({"by", "reason", "bypassed"}),
-    dataset_hash, base_model, image_digest, code_sha, config_hash, resume when present.
+    dataset_hash, base_model, image_digest, code_sha, config_hash, resume and suites (the suites x models
+    table) when present.
     """
     return "\n".join(
         [
@@ -380,6 +381,7 @@ def render_model_card(card: dict) -> str:
             "",
             *([f"- {line}" for line in card["gates"]] or ["- no gate lines recorded"]),
             "",
+            *(["## Regression suites", "", *suite_table(card["suites"]), ""] if card.get("suites") else []),
             *(["## Cost", "", *_cost_section(card["cost"], card["run_id"]), ""] if card.get("cost") else []),
             *(
                 ["## Production history", "", *history.render([Move(**m) for m in card["history"]]), ""]
@@ -441,6 +443,16 @@ def _metric_table(metrics: dict, incumbent_version: str | None) -> list[str]:
         c, b, i = cand.get(metric), base.get(metric), inc.get(metric)
         rows.append(f"| {metric} | {_num(c)} | {_num(b)} | {_num(i)} | {_delta(c, b)} | {_delta(c, i)} |")
     return rows
+
+
+def suite_table(rows: list[dict]) -> list[str]:
+    """Markdown suites x models: one row per suite (the task's split first) and metric, with its verdicts (pure).
+    `rows` are SuiteRow dicts (EvaluateSummary.suite_rows)."""
+    lines = ["| suite | metric | candidate | base | incumbent | verdict |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        values = " | ".join(_num(r[role]) for role in ("candidate", "base", "incumbent"))
+        lines.append(f"| {r['suite']} | {r['metric']} | {values} | {r['verdict']} |")
+    return lines
 
 
 def _num(x: Any) -> str:

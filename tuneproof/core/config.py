@@ -414,14 +414,44 @@ class Gate(Strict):
     """Candidate minus base must be at least this (base minus candidate when lower is better)."""
     max_regression: float | None = None
     """Incumbent minus candidate may be at most this; checked only when an incumbent exists."""
+    max_regression_vs_base: float | None = None
+    """Base minus candidate may be at most this: non-inferiority against the base (a regression suite's gate)."""
     higher_is_better: bool = True
     """False for losses and perplexity: every comparison flips."""
 
     @model_validator(mode="after")
     def _some_threshold(self) -> Gate:
-        if self.min is None and self.min_improvement is None and self.max_regression is None:
-            raise ValueError("a gate needs at least one of min, min_improvement, max_regression (got none)")
+        if all(v is None for v in (self.min, self.min_improvement, self.max_regression, self.max_regression_vs_base)):
+            raise ValueError(
+                "a gate needs at least one of min, min_improvement, max_regression, max_regression_vs_base (got none)"
+            )
         return self
+
+
+class SuiteConfig(Strict):
+    """A "must not regress" suite: JSONL items {"input", "output"} (an "id" optional), each asked as one user
+    turn with no system prompt. Candidate, base and incumbent answer every item; each metric gets a
+    non-inferiority gate against the base and against the incumbent with this suite's margin."""
+
+    source: str
+    """The JSONL file: a path (relative to the project root) or s3:// URI. Hashed, scored and checked
+    against the training split for overlap."""
+    metrics: list[str] = ["exact_match"]
+    """Item-scored metrics (local `evaluate` modules), as eval.metrics."""
+    margin: float = Field(0.1, gt=0.0, lt=1.0)
+    """How far the candidate may fall below the base and the incumbent on this suite, >0..<1: the gate passes
+    when the interval's lower bound of candidate - other stays above -margin."""
+
+    @field_validator("metrics")
+    @classmethod
+    def _some_metric(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("a suite needs at least one metric (got [])")
+        return v
+
+    def gates(self) -> dict[str, Gate]:
+        """The suite's gates: each metric may regress by at most `margin` against base and incumbent."""
+        return {m: Gate(max_regression_vs_base=self.margin, max_regression=self.margin) for m in self.metrics}
 
 
 class EvalConfig(Strict):
@@ -449,12 +479,22 @@ class EvalConfig(Strict):
     """Confidence of each gate's two-sided interval, 0.5..<1 (Holm-adjusted across the gates): a gate passes
     when the interval's lower bound reaches its threshold, so a model exactly at the threshold passes at
     most (1 - confidence) / 2 of the time."""
+    suites: dict[str, SuiteConfig] = {}
+    """Regression suites by name (a slug), scored beside the task's own eval split: each is its own gate
+    family (Holm within the suite), and any suite's failed or unresolved gate refuses the candidate."""
 
     @field_validator("gates")
     @classmethod
     def _some_gate(cls, v: dict[str, Gate]) -> dict[str, Gate]:
         if not v:
             raise ValueError("eval.gates is empty: promotion would judge nothing; configure at least one gate")
+        return v
+
+    @field_validator("suites")
+    @classmethod
+    def _suite_names(cls, v: dict[str, SuiteConfig]) -> dict[str, SuiteConfig]:
+        for name in v:
+            check_slug("suite name", name)
         return v
 
 
@@ -603,6 +643,9 @@ class PipelineConfig(Strict):
             if dotted == "model.source" and not _names_a_local_model(value, base):
                 continue  # a hub id ("Qwen/Qwen2.5-1.5B"): the jobs load it from the hub, not from base/Qwen/...
             data[section][key] = str((base / value).resolve())
+        for suite in data["eval"]["suites"].values():
+            if _is_relative_local_path(suite["source"]):
+                suite["source"] = str((base / suite["source"]).resolve())
         return PipelineConfig.model_validate(data)
 
 

@@ -9,6 +9,8 @@ not a failure after training; the evaluate job loads what `resolve_metric` names
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tuneproof.core.config import PROJECT_ROOT
 
 METRICS_DIR = PROJECT_ROOT / "eval" / "metrics"
@@ -78,9 +80,22 @@ def check_gate_names(metric_names: list[str], gate_names: list[str]) -> list[str
 
 
 def check_eval_config(eval_cfg) -> list[str]:
-    """Every metric and gate-name problem of an EvalConfig as 'eval.<field>: ...' lines, before any job runs."""
+    """Every metric, gate-name and suite problem of an EvalConfig as 'eval.<field>: ...' lines, before any job runs."""
     metric_problems = [f"eval.metrics: {p}" for p in check_metric_names(eval_cfg.metrics, eval_cfg.hub_metrics)]
-    return metric_problems + check_gate_names(eval_cfg.metrics, list(eval_cfg.gates))
+    return metric_problems + check_gate_names(eval_cfg.metrics, list(eval_cfg.gates)) + check_suites(eval_cfg.suites)
+
+
+def check_suites(suites: dict) -> list[str]:
+    """'eval.suites.<name>.<field>: ...' per suite whose local file is not a file, or whose metric is not a
+    local module (a suite is scored item by item: a hub metric may not score one item alone)."""
+    problems = []
+    for name, suite in suites.items():
+        if "://" not in suite.source and not Path(suite.source).is_file():
+            problems.append(
+                f"eval.suites.{name}.source: no such file (got {suite.source!r}); give a JSONL file of items"
+            )
+        problems += [f"eval.suites.{name}.metrics: {p}" for p in check_metric_names(suite.metrics, allow_hub=False)]
+    return problems
 
 
 def _is_slug(name: str) -> bool:

@@ -11,6 +11,7 @@ fields are errors, so a job that writes the wrong thing fails loudly at the boun
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, TypeVar
 
@@ -226,6 +227,17 @@ class DatasetManifest(Summary):
     """Overlap of the eval split with the training split; None in manifests made before it was measured."""
 
 
+class SuiteFile(Summary):
+    """One regression suite as the data stage checked it: its file's hash and its overlap with the training split."""
+
+    name: str
+    source: str
+    sha256: str
+    """sha256 of the file's bytes: the evaluate stage's verdicts on the suite name the same hash."""
+    items: int
+    contamination: Contamination
+
+
 class DataSummary(Summary):
     dataset_path: str | None = None
     """Storage path datasets/<name>/<hash>; None when the stage failed before writing one."""
@@ -239,6 +251,8 @@ class DataSummary(Summary):
     dropped_fraction: float | None = None
     contamination: Contamination | None = None
     """The eval split's overlap with the training split, kept also when it failed the stage."""
+    suites: list[SuiteFile] = []
+    """eval.suites, each hashed and checked against the training split (data.max_contamination applies)."""
 
 
 # ---- 4 finetune ------------------------------------------------------------------------------
@@ -530,7 +544,7 @@ class ModelScore(Summary):
     and the base's to the data stage's; an incumbent's that differs is logged)."""
 
 
-GateKind = Literal["min", "min_improvement", "max_regression"]
+GateKind = Literal["min", "min_improvement", "max_regression", "max_regression_vs_base"]
 GateOutcome = Literal["pass", "fail", "insufficient"]
 
 
@@ -604,6 +618,31 @@ class Reproduction(Summary):
     evaluation is not reproducible)."""
 
 
+class SuiteScore(Summary):
+    """One regression suite (eval.suites): what was scored, each model's metrics on it and the suite's gates."""
+
+    name: str
+    source: str
+    sha256: str
+    """sha256 of the suite file's bytes; every verdict of `gates` names it as its split."""
+    items: int
+    metrics: dict[Role, dict[str, float] | None]
+    """Per model (None: no incumbent), the suite's metrics."""
+    gates: GateDecision
+
+
+class SuiteRow(Summary):
+    """One row of the suites x models table: a suite (or the task's own split) and one metric."""
+
+    suite: str
+    metric: str
+    candidate: float | None
+    base: float | None
+    incumbent: float | None
+    verdict: str
+    """Its gates' verdicts in brief ('vs base: pass [..] n=80; vs incumbent: n/a (no incumbent)')."""
+
+
 class EvaluateSummary(Summary):
     models: dict[Role, ModelScore | None]
     incumbent_version: str | None = None
@@ -624,6 +663,35 @@ class EvaluateSummary(Summary):
     """The base's answers against its earlier evaluation; None for a base without a content hash (a hub id)."""
     memory: list[RankMemory] = []
     """Peak memory of the evaluating process (one rank)."""
+    suites: list[SuiteScore] = []
+    """The regression suites scored beside the task's split, in config order."""
+
+    def suite_rows(self, task: str = "task") -> list[SuiteRow]:
+        """The suites x models table: the task's own split first (its gated metrics), then every suite's metrics."""
+        rows = [
+            _suite_row(task, metric, {r: (m.metrics if m else None) for r, m in self.models.items()}, self.gates)
+            for metric in sorted({v.metric for v in self.gates.verdicts})
+        ]
+        for suite in self.suites:
+            metrics = sorted({name for values in suite.metrics.values() if values for name in values})
+            rows += [_suite_row(suite.name, metric, suite.metrics, suite.gates) for metric in metrics]
+        return rows
+
+
+GATE_WORDS: dict[GateKind, str] = {
+    "min": "min",
+    "min_improvement": "gain vs base",
+    "max_regression": "vs incumbent",
+    "max_regression_vs_base": "vs base",
+}
+
+
+def _suite_row(
+    suite: str, metric: str, metrics: Mapping[Role, Mapping[str, float | None] | None], gates: GateDecision
+) -> SuiteRow:
+    values = {role: (metrics.get(role) or {}).get(metric) for role in ROLES}
+    verdicts = "; ".join(f"{GATE_WORDS[v.gate]}: {v.brief()}" for v in gates.verdicts if v.metric == metric)
+    return SuiteRow(suite=suite, metric=metric, **values, verdict=verdicts or "not gated")
 
 
 # ---- 7 promote -------------------------------------------------------------------------------

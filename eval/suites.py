@@ -1,0 +1,124 @@
+"""Regression suites (eval.suites): "must not regress" item files scored beside the task's own eval split.
+
+A suite is a JSONL file of items {"input", "output"} (an "id" optional): the bundled general skills the
+tiny base was pre-trained on (data/skills/suites/), or a user's own file. The data stage reads each one to
+hash it and check it against the training split (training/data_prep.py); the evaluate job reads it again,
+asks every model each item as one user turn, and decides the suite's gates (SuiteConfig.gates: at most
+`margin` below the base and below the incumbent) with eval/gates.py, one Holm family per suite. A fine-tune
+that wins its task but forgets a skill fails here, with a line that names the suite.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from eval.gates import Scores, decide
+from tuneproof.core.config import SuiteConfig
+from tuneproof.core.datahash import sha256_bytes
+from tuneproof.core.results import FailureClass, StageFailure
+from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import GateDecision, SuiteScore
+
+
+@dataclass(frozen=True)
+class Suite:
+    """One suite file as read: its name, where it came from, its bytes' hash and its items in file order."""
+
+    name: str
+    source: str
+    sha256: str
+    ids: list[str]
+    inputs: list[str]
+    references: list[str]
+    config: SuiteConfig
+    metrics: dict[str, Any] = field(default_factory=dict)
+    """The loaded metric modules (evaluate job only; `with_metrics`)."""
+
+    def with_metrics(self, load: Callable[[str, bool], Any]) -> Suite:
+        """This suite with its metric modules loaded (local modules only: preflight checked the names)."""
+        return replace(self, metrics={name: load(name, False) for name in self.config.metrics})
+
+    def texts(self) -> list[tuple[str, str]]:
+        """(item id, input and answer): what the contamination check compares with the training split."""
+        return [(i, f"{x} \n {y}") for i, x, y in zip(self.ids, self.inputs, self.references)]
+
+
+def read_suite(name: str, config: SuiteConfig, endpoint_url: str | None) -> Suite:
+    """The suite's items; an unreadable file, a row that is not {"input": str, "output": str} or an empty file
+    is a data failure naming the suite, the file and the line."""
+    try:
+        raw = Storage(config.source, endpoint_url).read_bytes()
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
+        raise StageFailure(FailureClass.data, f"suite {name}: {config.source} is unreadable: {e}") from e
+    ids, inputs, outputs = [], [], []
+    for number, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        row = _item(line)
+        if row is None:
+            raise StageFailure(
+                FailureClass.data,
+                f'suite {name}: {config.source} line {number} is not an item {{"input": text, "output": text}}: {line[:80]!r}',
+            )
+        ids.append(str(row.get("id", f"{name}:{number}")))
+        inputs.append(row["input"])
+        outputs.append(row["output"])
+    if not ids:
+        raise StageFailure(FailureClass.data, f"suite {name}: {config.source} has no items")
+    return Suite(name, config.source, sha256_bytes(raw), ids, inputs, outputs, config)
+
+
+def _item(line: str) -> dict | None:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    ok = isinstance(row, dict) and isinstance(row.get("input"), str) and isinstance(row.get("output"), str)
+    return row if ok else None
+
+
+def chat_prompts(tokenizer, inputs: list[str]) -> list[str]:
+    """Each input as one user turn, ready for the answer: how the base learned its skills (no system prompt)."""
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": x}], tokenize=False, add_generation_prompt=True)
+        for x in inputs
+    ]
+
+
+def suite_score(suite: Suite, scores: Mapping[str, Scores], confidence: float) -> SuiteScore:
+    """The suite's metrics per model and its gate decision (candidate vs base and incumbent, paired by item),
+    every line starting 'suite <name>: ' so a refusal names the suite."""
+    decision = decide(
+        scores["candidate"], scores["base"], scores.get("incumbent"), suite.config.gates(), confidence, suite.sha256
+    )
+    return SuiteScore(
+        name=suite.name,
+        source=suite.source,
+        sha256=suite.sha256,
+        items=len(suite.ids),
+        metrics={role: dict(s.metrics) if s else None for role, s in _roles(scores).items()},
+        gates=named(decision, suite.name),
+    )
+
+
+def _roles(scores: Mapping[str, Scores]) -> dict:
+    return {role: scores.get(role) for role in ("candidate", "base", "incumbent")}
+
+
+def named(decision: GateDecision, suite: str) -> GateDecision:
+    prefix = f"suite {suite}: "
+    verdicts = [v.model_copy(update={"line": prefix + v.line}) for v in decision.verdicts]
+    return GateDecision(passed=decision.passed, lines=[prefix + line for line in decision.lines], verdicts=verdicts)
+
+
+def overall(task: GateDecision, suites: list[SuiteScore]) -> GateDecision:
+    """The task's gates and every suite's as one decision: passed only when all passed (for the failure cause)."""
+    decisions = [task, *(s.gates for s in suites)]
+    return GateDecision(
+        passed=all(d.passed for d in decisions),
+        lines=[line for d in decisions for line in d.lines],
+        verdicts=[v for d in decisions for v in d.verdicts],
+    )
