@@ -137,6 +137,14 @@ def dataset_summary(record: RunRecord, entry: StageEntry, storage: Storage) -> N
         "",
         f"Source: `{m.source.uri}`; {m.total_rows} rows; dropped {m.dropped_fraction:.2%}",
         "",
+        *(
+            [
+                f"Replayed into the training split: `{m.replay.uri}` ({m.settings['replay']['share']:.0%} of its rows)",
+                "",
+            ]
+            if m.replay
+            else []
+        ),
         "| split | rows | tokens | shards |",
         "|---|---|---|---|",
     ]

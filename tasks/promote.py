@@ -38,6 +38,7 @@ from tuneproof.core.results import FailureClass, now_iso
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import (
     CopyCheckSummary,
+    DataSummary,
     EvaluateSummary,
     FinetuneSummary,
     Forced,
@@ -122,6 +123,7 @@ def model_card(cfg: PipelineConfig, record: RunRecord, forced: Forced | None = N
         else [],
         "suites": [row.to_json() for row in evaluation.suite_rows()] if evaluation and evaluation.suites else [],
         "dataset_hash": record.data.content_hash if record.data else None,
+        "replay": replay_facts(record),
         "image": cfg.cluster.expect.image,
         "image_digest": cluster.image_digest if cluster else None,
         "environment_digest": cluster.environment_digest if cluster else None,
@@ -140,6 +142,19 @@ def base_facts(record: RunRecord) -> dict[str, Any]:
     if finetune is None or finetune.base_model is None:
         return {}
     return {"base_content_hash": finetune.base_model.content_hash, "base_recipe": finetune.base_model.recipe}
+
+
+def replay_facts(record: RunRecord) -> dict[str, Any] | None:
+    """The data.replay file the training split mixed in (against forgetting), as the data stage hashed it."""
+    data = record.summary("data", DataSummary)
+    manifest = data.manifest if data else None
+    if manifest is None or manifest.replay is None:
+        return None
+    return {
+        "source": manifest.replay.uri,
+        "sha256": manifest.replay.sha256,
+        "share": manifest.settings["replay"]["share"],
+    }
 
 
 def method_facts(record: RunRecord) -> dict[str, Any]:

@@ -692,3 +692,38 @@ def test_a_suite_the_training_split_repeats_is_a_data_failure_also_on_a_cache_hi
         prepare(cfg)
     assert info.value.failure_class is FailureClass.data
     assert info.value.cause.startswith(f"suite leaked ({leaked}) overlaps the training split: 90 of 100 eval items")
+
+
+def test_replayed_rows_join_the_training_split_at_their_share_and_are_checked_like_it(tmp_path, tiny_dir):
+    """data.replay: the file's rows (whole copies, then a seeded sample) make `share` of the training split,
+    never the eval split; its hash and share are in the dataset's identity; a suite it repeats is refused."""
+    source = write_jsonl(tmp_path / "dates.jsonl", DATES[:100])  # 90 train, 10 eval
+    skills = [{"input": f"add {i} and {i + 1}", "output": str(2 * i + 1)} for i in range(20)]
+    replay = write_jsonl(tmp_path / "skills.jsonl", skills)
+    plain = prepare(config(tmp_path / "store", tiny_dir, source))
+    cfg = config(tmp_path / "store", tiny_dir, source, replay={"source": str(replay), "share": 0.4})
+    summary = prepare(cfg)
+    manifest = summary["manifest"]
+    # 90 task rows at a 0.4 share: 60 replayed rows, three whole copies of the 20.
+    assert (manifest["splits"]["train"]["rows"], manifest["splits"]["eval"]["rows"]) == (150, 10)
+    assert manifest["replay"]["sha256"] == datahash.sha256_bytes(replay.read_bytes())
+    assert manifest["settings"]["replay"] == {"sha256": manifest["replay"]["sha256"], "share": 0.4}
+    assert summary["content_hash"] != plain["content_hash"] and "replay" not in plain["manifest"]["settings"]
+    store = Storage(str(tmp_path / "store"))
+    train = read_split(store, summary["dataset_path"], "train").to_pylist()
+    evals = read_split(store, summary["dataset_path"], "eval").to_pylist()
+    replayed = [r for r in train if r["reference"] in {s["output"] for s in skills} and "add" in r["prompt"]]
+    assert len(replayed) == 60 and not any("add" in r["prompt"] for r in evals)
+
+    # A share that is not a whole number of copies: 90 * 0.3 / 0.7 = 38.6 -> 39 rows, one copy and 19 sampled.
+    cfg.data.replay.share = 0.3
+    assert prepare(cfg)["manifest"]["splits"]["train"]["rows"] == 90 + 39
+
+    # A suite the replayed rows repeat measures recall: refused like a suite the task's rows repeat.
+    cfg.eval.suites = {"add": SuiteConfig(source=str(replay))}
+    with pytest.raises(StageFailure, match=r"suite add .* overlaps the training split: 20 of 20"):
+        prepare(cfg)
+    cfg.eval.suites = {}
+    cfg.data.replay.source = str(write_jsonl(tmp_path / "broken.jsonl", [{"question": "?"}]))
+    with pytest.raises(StageFailure, match=r"data.replay.source .*broken.jsonl: no usable rows \(all 1 dropped\)"):
+        prepare(cfg)

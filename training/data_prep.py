@@ -114,6 +114,13 @@ Parsed = tuple[list[tuple[int, Any]], int]  # ([(row index, record)], rows read)
 
 
 @dataclass
+class ParsedSources:
+    source: Parsed
+    eval_source: Parsed | None  # None: the eval split is cut from the source
+    replay: Parsed | None  # data.replay's rows, for the training split only
+
+
+@dataclass
 class Example:
     input_ids: list[int]
     labels: list[int]
@@ -130,20 +137,24 @@ def prepare_data(ctx: JobContext) -> DataSummary:
     endpoint = cfg.storage.endpoint_url
     source = read_source(cfg.data.source, cfg.data.format, endpoint)
     eval_source = read_source(cfg.data.eval_source, cfg.data.format, endpoint) if cfg.data.eval_source else None
+    replay = read_source(cfg.data.replay.source, cfg.data.format, endpoint) if cfg.data.replay else None
     tokenizer = load_text_tokenizer(cfg.model.source, cfg.model.revision, endpoint)
     tokenizer_sha = tokenizer_sha256(tokenizer)
     drops = datahash.Drops()
     parsed = parse_rows(source, drops, "source")
     eval_parsed = parse_rows(eval_source, drops, "eval_source") if eval_source else None
+    parsed_sources = ParsedSources(parsed, eval_parsed, parse_rows(replay, drops, "replay") if replay else None)
     shape = resolve_shape(cfg.data, parsed)
     source_id, eval_source_id = source.identity(), eval_source.identity() if eval_source else None
+    replay_id = replay.identity() if replay else None
+    settings = prep_settings(cfg.data, replay_id)
     content_hash = datahash.content_hash(
         source_id.sha256,
         eval_source_id.sha256 if eval_source_id else None,
         cfg.data.fields.model_dump(),
         cfg.data.system_prompt,
         tokenizer_sha,
-        prep_settings(cfg.data),
+        settings,
         shape=shape_identity(cfg.data, shape),
     )
     dataset_path = posixpath.join("datasets", cfg.data.name, content_hash)
@@ -153,13 +164,11 @@ def prepare_data(ctx: JobContext) -> DataSummary:
         check_contamination(cached.contamination, cfg.data.max_contamination)
         # The suites are not part of the dataset's identity (a new suite must not retrain), so they are
         # checked against the training split again; only when there are any, since it re-reads every row.
-        train = (
-            split_conversations(cfg.data, shape, parsed, eval_parsed, datahash.Drops())[0] if cfg.eval.suites else []
-        )
+        train = split_conversations(cfg.data, shape, parsed_sources, datahash.Drops())[0] if cfg.eval.suites else []
         suites = suite_overlaps(cfg, train)
         return stage_summary(storage, dataset_path, cached, cache_hit=True, suites=suites)
 
-    splits, total_rows, contamination, suites = build_splits(cfg, shape, tokenizer, parsed, eval_parsed, drops)
+    splits, total_rows, contamination, suites = build_splits(cfg, shape, tokenizer, parsed_sources, drops)
     enforce_limits(splits, drops, total_rows, cfg.data.max_dropped_fraction)
     manifest = DatasetManifest(
         name=cfg.data.name,
@@ -168,8 +177,9 @@ def prepare_data(ctx: JobContext) -> DataSummary:
         seed=cfg.data.seed,
         source=source_id,
         eval_source=eval_source_id,
+        replay=replay_id,
         tokenizer_sha256=tokenizer_sha,
-        settings=prep_settings(cfg.data),
+        settings=settings,
         shape=shape,
         template_sha256=shapes.template_sha256(template_dict(cfg.data)) if shape == "template" else None,
         loss_on=cfg.data.loss_on if shape == "messages" else None,
@@ -187,8 +197,9 @@ def prepare_data(ctx: JobContext) -> DataSummary:
     return stage_summary(storage, dataset_path, manifest, cache_hit=False, suites=suites)
 
 
-def prep_settings(data: DataConfig) -> dict[str, Any]:
-    """Settings that change what is written (max_dropped_fraction only decides pass/fail)."""
+def prep_settings(data: DataConfig, replay: SourceIdentity | None = None) -> dict[str, Any]:
+    """Settings that change what is written (max_dropped_fraction only decides pass/fail); `replay` is the
+    data.replay file's identity, which its share and bytes put into the dataset's."""
     settings: dict[str, Any] = {
         "format": data.format,
         "max_seq_len": data.max_seq_len,
@@ -199,6 +210,8 @@ def prep_settings(data: DataConfig) -> dict[str, Any]:
     }
     if data.overflow == "pack":  # packed rows written before the segments column were one flat sequence:
         settings["pack_boundaries"] = "segments"  # a new hash, so such a dataset is never reused
+    if data.replay is not None and replay is not None:  # only when set: datasets without one keep their hash
+        settings["replay"] = {"sha256": replay.sha256, "share": data.replay.share}
     return settings
 
 
@@ -338,14 +351,14 @@ def parse_parquet(source: Source):
 
 
 def build_splits(
-    cfg: PipelineConfig, shape: str, tokenizer, parsed: Parsed, eval_parsed: Parsed | None, drops: datahash.Drops
+    cfg: PipelineConfig, shape: str, tokenizer, parsed: ParsedSources, drops: datahash.Drops
 ) -> tuple[dict[str, pa.Table], int, Contamination, list[SuiteFile]]:
     """({"train": table, "eval": table} of SCHEMA rows, total rows read, the eval split's overlap with the
     train split, each regression suite's); dropped rows go to drops. Fails before encoding when an overlap is
     over the limit."""
     data = cfg.data
     render = ChatRenderer(tokenizer)  # one per run: a mismatch found in the train split holds for the eval split
-    train_convs, eval_convs, total = split_conversations(data, shape, parsed, eval_parsed, drops)
+    train_convs, eval_convs, total = split_conversations(data, shape, parsed, drops)
     contamination = contamination_of(train_convs, eval_convs, template_literals(data))
     check_contamination(contamination, data.max_contamination)
     suites = suite_overlaps(cfg, train_convs)
@@ -361,17 +374,40 @@ def build_splits(
 
 
 def split_conversations(
-    data: DataConfig, shape: str, parsed: Parsed, eval_parsed: Parsed | None, drops: datahash.Drops
+    data: DataConfig, shape: str, parsed: ParsedSources, drops: datahash.Drops
 ) -> tuple[list[Conversation], list[Conversation], int]:
-    """(train conversations, eval conversations, rows read): the seeded split, or eval_source as the eval split."""
-    convs, total = conversations(parsed, data, shape, drops, "source")
-    if eval_parsed is None:
+    """(train conversations, eval conversations, rows read): the seeded split, or eval_source as the eval
+    split; then data.replay's rows added to the training split."""
+    convs, total = conversations(parsed.source, data, shape, drops, "source")
+    if parsed.eval_source is None:
         keys = [c.split_key() for c in convs]
         train_idx, eval_idx = datahash.split_indices(keys, data.eval_fraction, data.seed)
-        return [convs[i] for i in train_idx], [convs[i] for i in eval_idx], total
-    eval_convs, eval_total = conversations(eval_parsed, data, shape, drops, "eval_source")
-    order = datahash.rank_for_split([c.split_key() for c in convs], data.seed)
-    return [convs[i] for i in order], eval_convs, total + eval_total
+        train, eval_convs = [convs[i] for i in train_idx], [convs[i] for i in eval_idx]
+    else:
+        eval_convs, eval_total = conversations(parsed.eval_source, data, shape, drops, "eval_source")
+        train, total = (
+            [convs[rank] for rank in datahash.rank_for_split([c.split_key() for c in convs], data.seed)],
+            total + eval_total,
+        )
+    if parsed.replay is None or data.replay is None:
+        return train, eval_convs, total
+    replay_convs, replay_total = conversations(parsed.replay, data, shape, drops, "replay")
+    if not replay_convs:
+        raise StageFailure(
+            FailureClass.data, f"data.replay.source {data.replay.source}: no usable rows (all {replay_total} dropped)"
+        )
+    extra = replayed(replay_convs, len(train), data.replay.share, data.seed)
+    log(f"replay: {len(extra)} rows from {len(replay_convs)} of {data.replay.source} join {len(train)} training rows")
+    return train + extra, eval_convs, total + replay_total
+
+
+def replayed(rows: list[Conversation], task_rows: int, share: float, seed: int) -> list[Conversation]:
+    """`rows` repeated to be `share` of a training split beside `task_rows` task rows: whole copies of the file,
+    then a seeded sample of it for the rest (training shuffles them in). Pure."""
+    want = round(task_rows * share / (1.0 - share))
+    copies, rest = divmod(want, len(rows))
+    sample = datahash.rank_for_split([c.split_key() for c in rows], seed)[:rest]
+    return rows * copies + [rows[i] for i in sample]
 
 
 def suite_overlaps(cfg: PipelineConfig, train: list[Conversation]) -> list[SuiteFile]:

@@ -416,6 +416,12 @@ def _provenance_rows(card: dict) -> list[str]:
         ("base recipe", card.get("base_recipe") and json.dumps(card["base_recipe"], sort_keys=True)),
         ("method", card.get("method") and _method_line(card)),
         ("dataset hash", card.get("dataset_hash")),
+        (
+            "replayed",
+            card.get("replay")
+            and f"{card['replay']['share']:.0%} of training rows from {card['replay']['source']} "
+            f"(sha256 {card['replay']['sha256'][:12]})",
+        ),
         ("image digest", card.get("image_digest")),
         ("code SHA", card.get("code_sha") and card["code_sha"] + (" (dirty)" if card.get("code_dirty") else "")),
         ("config hash", card.get("config_hash")),

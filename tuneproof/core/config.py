@@ -211,6 +211,17 @@ class PromptTemplate(Strict):
         return v
 
 
+class ReplayConfig(Strict):
+    """Rows of what the base already knows, mixed into the training split so a full fine-tune keeps it."""
+
+    source: str
+    """A file of the task's format, shape and fields (local or s3://): its rows join the training split only,
+    never the eval split, and it is hashed into the dataset's identity."""
+    share: float = Field(gt=0.0, lt=1.0)
+    """Fraction of the training split's rows that are replayed rows, >0..<1: the file's rows are repeated
+    (whole, then a seeded sample) to reach it, and training shuffles them in with the task's."""
+
+
 class DataConfig(Strict):
     name: str = "dates"
     """Dataset name: the folder under datasets/ (a slug, see tuneproof.core.names)."""
@@ -228,6 +239,8 @@ class DataConfig(Strict):
     template: PromptTemplate | None = None
     eval_source: str | None = None
     """Separate held-out file; None splits the source."""
+    replay: ReplayConfig | None = None
+    """Rows mixed into the training split against forgetting (the bundled demo replays the base's skills)."""
     fields: FieldMap = FieldMap()
     system_prompt: str | None = None
     """Used when fields.system is None; None sends no system turn (the tiny demo model learns the task
@@ -643,9 +656,9 @@ class PipelineConfig(Strict):
             if dotted == "model.source" and not _names_a_local_model(value, base):
                 continue  # a hub id ("Qwen/Qwen2.5-1.5B"): the jobs load it from the hub, not from base/Qwen/...
             data[section][key] = str((base / value).resolve())
-        for suite in data["eval"]["suites"].values():
-            if _is_relative_local_path(suite["source"]):
-                suite["source"] = str((base / suite["source"]).resolve())
+        for nested in [*data["eval"]["suites"].values(), *([data["data"]["replay"]] if data["data"]["replay"] else [])]:
+            if _is_relative_local_path(nested["source"]):
+                nested["source"] = str((base / nested["source"]).resolve())
         return PipelineConfig.model_validate(data)
 
 

@@ -208,6 +208,8 @@ class DatasetManifest(Summary):
     seed: int
     source: SourceIdentity
     eval_source: SourceIdentity | None = None
+    replay: SourceIdentity | None = None
+    """data.replay's file: rows of it were added to the training split (settings["replay"] says what share)."""
     tokenizer_sha256: str
     settings: dict[str, Any]
     shape: Literal["columns", "template", "messages"] = "columns"
