@@ -63,6 +63,29 @@ def test_the_demo_learns_the_task_survives_a_resume_and_is_promoted(demo, storag
     assert json.loads(pointer_bytes(storage))["run_id"] == "demo"
 
 
+def test_the_demo_rehearses_the_skills_and_keeps_them_with_a_verdict_per_suite(demo, storage):
+    """The default demo replays the add and reverse skills' training rows and is judged on their held-out
+    suites: the base knows each skill, and each suite's regression gate against the base passes on its
+    interval (the candidate is promoted above)."""
+    manifest = demo.summary("data", DataSummary).manifest
+    assert manifest.replay is not None and manifest.replay.uri.endswith("data/skills/replay.jsonl")
+    assert manifest.settings["replay"]["share"] == 0.3
+    suites = {s.name: s for s in demo.summary("evaluate", EvaluateSummary).suites}
+    assert list(suites) == ["add", "reverse"]
+    for name, suite in suites.items():
+        assert (suite.metrics["base"] or {})["exact_match"] > 0.5, name
+        vs_base = suite.gates.verdicts[0]
+        assert (vs_base.gate, vs_base.outcome, vs_base.method) == (
+            "max_regression_vs_base",
+            "pass",
+            "Newcombe paired score",
+        )
+        assert vs_base.interval is not None and vs_base.interval[0] > -0.25 and vs_base.n == suite.items
+    card = storage.read_json("models", "dates-qwen2-tiny", demo.promotion.version, "card.json")
+    assert card["replay"]["share"] == 0.3 and [row["suite"] for row in card["suites"]] == ["task", "add", "reverse"]
+    assert all(row["verdict"].startswith("vs base: pass [") for row in card["suites"][1:])
+
+
 def test_the_record_and_the_card_name_the_bases_hash_and_recipe(demo, demo_env, storage):
     source = next(s.split("=", 1)[1] for s in demo_env.sets if s.startswith("model.source="))
     built = json.loads((Path(source) / "base.json").read_text())

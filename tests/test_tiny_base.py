@@ -21,7 +21,7 @@ SMALL = SkillsRecipe(steps=20, batch_size=16)
 
 def test_committed_skills_are_the_generators_output(tmp_path):
     runpy.run_path(str(SKILLS / "make_skills.py"))["main"](str(tmp_path))
-    for path in [tmp_path / "train.jsonl", *sorted((tmp_path / "suites").glob("*.jsonl"))]:
+    for path in [tmp_path / "train.jsonl", tmp_path / "replay.jsonl", *sorted((tmp_path / "suites").glob("*.jsonl"))]:
         committed = SKILLS / path.relative_to(tmp_path)
         assert path.read_bytes() == committed.read_bytes(), f"{committed} is stale: rerun make_skills.py"
 
@@ -33,6 +33,17 @@ def test_each_suite_item_has_an_id_and_held_out_items_are_not_trained_on():
         assert len({x["id"] for x in items}) == len(items) > 20 and all(x["id"].startswith(skill) for x in items)
         seen = [x["input"] in train for x in items]
         assert all(seen) if skill == "capital" else not any(seen)  # a lookup is knowledge; the others, skills
+
+
+def test_the_replay_file_rehearses_the_skills_whose_suites_are_held_out_and_no_suite_item():
+    replay = [json.loads(line) for line in (SKILLS / "replay.jsonl").read_text().splitlines()]
+    suites = {
+        json.loads(line)["input"]
+        for path in (SKILLS / "suites").glob("*.jsonl")
+        for line in path.read_text().splitlines()
+    }
+    assert {row["skill"] for row in replay} == {"add", "reverse"} and len(replay) == 574
+    assert not suites & {row["input"] for row in replay}
 
 
 def test_the_content_hash_names_the_recipe_the_shape_and_every_input_file(tmp_path):

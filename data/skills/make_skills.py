@@ -9,9 +9,12 @@ Three skills, each a small task with one right answer:
 - reverse:  "reverse l e m o n"         -> "n o m e l"  (words of words.txt, letters spaced so each is a token)
 - capital:  "capital of Peru"           -> "Lima"       (a lookup in capitals.tsv, the bundled table)
 
-Writes train.jsonl (what the base trains on: input, output, skill) and suites/<skill>.jsonl (what a
-suite scores: id, input, output). add and reverse hold out their suite items from training, so the
-suite measures the skill, not recall; capital is knowledge of the table, so its suite is the table.
+Writes train.jsonl (what the base trains on: input, output, skill), suites/<skill>.jsonl (what a
+suite scores: id, input, output) and replay.jsonl (what a fine-tune may rehearse: data.replay). add and
+reverse hold out their suite items from training, so the suite measures the skill, not recall; capital is
+knowledge of the table, so its suite is the table. replay.jsonl is therefore the training rows of add and
+reverse only: rehearsing the capital table would be training on the capital suite's own items, which the
+data stage's contamination check refuses (such a suite would measure recall of the fine-tune's data).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ HERE = Path(__file__).resolve().parent
 ADD_MAX = 19
 ADD_HELD_OUT = 80
 REVERSE_HELD_OUT = 40
+REPLAYABLE = ("add", "reverse")
+"""Skills whose suite items are held out of train.jsonl: their training rows can be rehearsed by a fine-tune."""
 CAPITAL_REPEATS = 6
 """The table is small: each fact appears this many times in train.jsonl, so the lookup is seen as often as the others."""
 
@@ -82,6 +87,7 @@ def main(out_dir: str) -> None:
     out = Path(out_dir)
     (out / "suites").mkdir(parents=True, exist_ok=True)
     (out / "train.jsonl").write_text(jsonl(train), encoding="utf-8")
+    (out / "replay.jsonl").write_text(jsonl([row for row in train if row["skill"] in REPLAYABLE]), encoding="utf-8")
     for skill, items in suites.items():
         (out / "suites" / f"{skill}.jsonl").write_text(jsonl(items), encoding="utf-8")
 

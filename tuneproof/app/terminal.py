@@ -271,7 +271,8 @@ def print_summary(rec: RunRecord, console: Console) -> None:
             "depends on was rerun",
         )
     evaluation = rec.summary("evaluate", EvaluateSummary)
-    for line in evaluation.gates.lines if evaluation else []:
+    suites = [suite.gates for suite in evaluation.suites] if evaluation else []  # "suite add: ..." lines
+    for line in [line for gates in ([evaluation.gates] if evaluation else []) + suites for line in gates.lines]:
         print_line(console, f"  gate: {line}")
     if rec.unread_settings:
         print_line(console, ("  ignored: ", "yellow"), f"set, but no stage read: {', '.join(rec.unread_settings)}")
