@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import time
-
-from training import data_prep
+from training import contamination, data_prep
 from training.contamination import NGRAM, measure, words
 
 LONG = "the quick brown fox jumps over the lazy dog while the cat watches from the old wooden fence"
@@ -42,13 +40,28 @@ def test_nothing_shared_is_clean_and_an_empty_eval_set_is_zero():
     assert empty.eval_items == 0 and empty.fraction == 0.0
 
 
-def test_linear_in_rows():
-    train = [f"row {i} " + LONG for i in range(20_000)]
-    eval_items = [(str(i), f"item {i} of the eval split, with words of its own") for i in range(2_000)]
-    started = time.perf_counter()
-    found = measure(train, eval_items)
-    assert found.overlapping == 0
-    assert time.perf_counter() - started < 30  # hashed sets; a pairwise scan would be 40 million comparisons
+def test_hash_operations_grow_with_words_not_with_pairs_of_rows(monkeypatch):
+    """Linear in rows, by count rather than by clock: measure hashes each training row and each of its
+    n-grams once, each eval row and its n-grams once, and nothing per pair of rows (a pairwise scan would
+    make the count grow with train x eval)."""
+    calls = {"n": 0}
+
+    def counting_hash(value):
+        calls["n"] += 1
+        return hash(value)
+
+    monkeypatch.setattr(contamination, "hash", counting_hash, raising=False)  # shadows the builtin there
+
+    def hashes(train_rows: int, eval_rows: int) -> int:
+        calls["n"] = 0
+        train = [f"row {i} " + LONG for i in range(train_rows)]  # 20 words: 8 n-grams each
+        measure(train, [(str(i), f"item {i} of the eval split, with words of its own") for i in range(eval_rows)])
+        return calls["n"]
+
+    grams = len(words("row 0 " + LONG)) - NGRAM + 1
+    assert hashes(1_000, 100) == 1_000 * (1 + grams) + 100 * 1  # eval items of 10 words: compared whole
+    assert hashes(4_000, 400) == 4 * hashes(1_000, 100)  # four times the rows, four times the work
+    assert hashes(1_000, 400) - hashes(1_000, 100) == 300  # more eval rows cost their own hashes, no more
 
 
 def test_a_templates_own_text_is_not_overlap():
