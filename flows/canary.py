@@ -49,9 +49,9 @@ def image_canary(
     candidate_image: CandidateImage | None = None,
     config: PipelineConfig = PipelineConfig(),
     max_steps: int = 60,
-    # Three: one run per side compares single noisy values (the same local environment was rejected for a
-    # 0.81 bus bandwidth ratio that way); 2+ on both sides compares by the t interval on log values, as
-    # `tuneproof compare` does (a metric those repeats cannot resolve is named, with the repeats needed).
+    # Three, and never one: single values are one draw of the noise (the same local environment was once
+    # rejected for a 0.81 bus bandwidth ratio that way). Metrics compare by the t interval on log values, as
+    # `tuneproof compare` does; one the repeats cannot resolve withholds adoption, naming the repeats needed.
     repeats: int = 3,
     threshold: float = 0.10,
     decision_id: str | None = None,
@@ -104,8 +104,8 @@ def request_problem(
         return f"candidate image {candidate!r} {problem}"
     if not 1 <= max_steps <= 100_000:
         return f"max_steps must be between 1 and 100000 (got {max_steps})"
-    if not 1 <= repeats <= 20:
-        return f"repeats must be between 1 and 20 (got {repeats})"
+    if problem := images.repeats_problem(repeats):
+        return problem
     if not 0 < threshold < 1:
         return f"threshold must be between 0 and 1 (got {threshold})"
     return None
