@@ -582,14 +582,36 @@ class Verdict(Summary):
     """The eval split every score of this verdict came from."""
 
     def brief(self) -> str:
-        """'pass [0.95, 0.99] n=300', 'FAIL ...', 'insufficient evidence [...] n=15 (189 items would resolve it)'."""
-        bounds = "" if self.interval is None else f" [{self.interval[0]:.4g}, {self.interval[1]:.4g}] n={self.n}"
+        """'pass [0.95, 0.99] n=300, Wilson score, p<0.0001, split 05433017fd51', 'FAIL ...', 'insufficient
+        evidence [...] n=15, Newcombe paired score, p=0.22, split ... (189 items would resolve it)': what runs diff
+        and the tables show of a verdict, with the method, p-value and split it stands on."""
+        if self.value is None and self.passed and self.interval is None:
+            return "n/a (no incumbent)"
+        evidence = self._evidence()
         if self.outcome == "insufficient":
             needed = f"{self.items_needed:,} items would resolve it" if self.items_needed else "no item count would"
-            return f"insufficient evidence{bounds} ({needed})"
-        if not self.passed:
-            return "FAIL" + bounds
-        return "pass" + bounds if self.value is not None else "n/a (no incumbent)"
+            return f"insufficient evidence{evidence} ({needed})"
+        return ("pass" if self.passed else "FAIL") + evidence
+
+    def _evidence(self) -> str:
+        parts = []
+        if self.interval is not None:
+            parts.append(f" [{self.interval[0]:.4g}, {self.interval[1]:.4g}] n={self.n}")
+            parts += [f", {self.method}"] if self.method else []
+            parts += [f", {p_text(self.p_value)}"] if self.p_value is not None else []
+        parts += [f", split {self.split_sha256[:12]}"] if self.split_sha256 else []
+        return "".join(parts)
+
+    def with_split(self) -> str:
+        """The gate line and the split it was decided on: what the model card lists."""
+        return f"{self.line} (split `{self.split_sha256[:12]}`)" if self.split_sha256 else self.line
+
+
+def p_text(p: float) -> str:
+    """'p=0.0031', 'p<0.0001', 'p>0.5': a p-value as gate lines print it."""
+    if p >= 0.5:
+        return "p>0.5" if p >= 1.0 else f"p={p:.2g}"
+    return "p<0.0001" if p < 1e-4 else f"p={p:.2g}"
 
 
 class GateDecision(Summary):
