@@ -534,6 +534,17 @@ ROLES: tuple[Role, ...] = ("candidate", "base", "incumbent")
 """The order the gate decision takes the models in."""
 
 
+class Generations(Summary):
+    """One model's answers on one split (the task's, or a suite): how many, and how many the evaluation could
+    not score as the model's own answer."""
+
+    answers: int
+    cut_off: int
+    """Answers that stopped at eval.max_new_tokens without a stop token."""
+    empty: int
+    """Answers that came back empty (after stripping)."""
+
+
 class ModelScore(Summary):
     path: str
     metrics: dict[str, float | None]
@@ -544,6 +555,10 @@ class ModelScore(Summary):
     chat_template_sha256: str | None = None
     """The chat template of the tokenizer the model was prompted with (the self-test holds the candidate's
     and the base's to the data stage's; an incumbent's that differs is logged)."""
+    generations: dict[str, Generations] = {}
+    """Per split, "task" first, then each suite by name: its cut-off and empty answers. Over
+    eval.max_truncated_fraction the evaluation is invalid (eval/selftest.py: every model but the base on the
+    task); empty in records made before they were counted."""
 
 
 GateKind = Literal["min", "min_improvement", "max_regression", "max_regression_vs_base"]
