@@ -28,6 +28,7 @@ from bench.common import MIN_REPEATS, BenchResult, table, write_summary
 OUT = Path(__file__).resolve().parent / "out"
 BENCHMARKS = (
     "eval_batching",
+    "contamination",
     "packing",
     "checkpoint",
     "stage_overhead",
@@ -39,7 +40,7 @@ BENCHMARKS = (
     "scaling",
 )
 """Run order: the quick ones first, so a broken environment shows in seconds."""
-IN_PROCESS = {"eval_batching", "packing", "checkpoint", "resume_load"}
+IN_PROCESS = {"eval_batching", "contamination", "packing", "checkpoint", "resume_load"}
 """Benchmarks that run in this process and need no Ray head."""
 
 

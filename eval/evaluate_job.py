@@ -20,15 +20,13 @@ a suite's failed or unresolved gate fails the stage as a modeling failure whose 
 Before any model verdict the evaluation tests itself, and a failed self-test ends the stage as
 "evaluation invalid: ..." in the infrastructure class (exit 4: the measuring apparatus failed, not the
 model), never as a gate failure: every local metric must score the references, put through the same
-post-processing, at its maximum (1) on every item; and no more than eval.max_truncated_fraction of the
-references may need more than eval.max_new_tokens tokens (with the stop token) in the candidate's
-tokenizer: then a correct answer would be cut off; the candidate's and the base's tokenizer must carry the
+post-processing, at its maximum (1) on every item; the candidate's and the base's tokenizer must carry the
 chat template the data stage rendered the eval prompts with (the dataset manifest's chat_template_sha256);
-and the base's answers must repeat those of its latest earlier evaluation on the same split
-(eval/reproduce.py), else "evaluation not reproducible: ...", also infrastructure. Each model's answers
-that end at max_new_tokens without a stop token, and empty ones, are counted and logged; with references
-that fit, a model that does not stop is the model's failure (a fine-tune that lost its end of turn),
-judged by the gates.
+no more than eval.max_truncated_fraction of a model's answers on a split may stop at eval.max_new_tokens
+without a stop token, nor come back empty (eval/selftest.py: counted per model and split, kept in the
+summary; the base is not held to it on the task it has not learned); and the base's answers must repeat
+those of its latest earlier evaluation on the same split (eval/reproduce.py), else "evaluation not
+reproducible: ...", also infrastructure.
 
 Every verdict names what it judged: each model's content hash (candidate and incumbent checked
 against their export manifest on the copy that is loaded; the base hashed when it is a directory),
@@ -50,6 +48,7 @@ from eval.gates import Scores, decide
 from eval.generation import eval_loss, generate_checked, pad_token_id, pick_device
 from eval.metrics_loader import load_metric
 from eval.reproduce import base_reproduction
+from eval.selftest import TASK, count_lines, generation_problem, generations
 from eval.suites import Suite, chat_prompts, overall, read_suite, suite_score
 from training import jobkit
 from training.checkpointing import check_complete
@@ -61,7 +60,7 @@ from tuneproof.core import markers
 from tuneproof.core.hashing import chat_template_sha256
 from tuneproof.core.metric_names import resolve_metric
 from tuneproof.core.results import FailureClass, StageFailure
-from tuneproof.core.summaries import ROLES, EvaluateSummary, ModelScore
+from tuneproof.core.summaries import ROLES, EvaluateSummary, GateDecision, Generations, ModelScore
 
 STAGE = "evaluate"
 
@@ -118,6 +117,8 @@ class ModelEval:
     chat_template_sha256: str | None
     suites: dict[str, Scores]
     """Each regression suite's metrics and item scores (eval.suites), by suite name."""
+    generations: dict[str, Generations]
+    """Cut-off and empty answers on the task's split (selftest.TASK) and on each suite."""
 
     def scores(self) -> Scores:
         return Scores(self.metrics, self.items)
@@ -141,10 +142,27 @@ def evaluate_body(ctx: JobContext) -> EvaluateSummary:
     counter = _Progress(total=len(sources) * (len(data.prompts) + sum(len(s.ids) for s in suites)))
     results = {s.role: evaluate_model(ctx, s, data, metrics, counter, suites) for s in sources}
     split = eval_split_hash(ctx, params.dataset)
-    base = results["base"]
-    reproduction = base_reproduction(ctx.storage, ctx.run_id, split, base.content_sha256, base.answers, cfg)
     predictions_uri = save_predictions(ctx, data, results)
     item_scores_uri = save_item_scores(ctx, split, results)
+    evidence = {
+        "models": {role: _model_summary(sources, results, role) for role in ROLES},
+        "incumbent_version": params.incumbent.version if params.incumbent else None,
+        "predictions_uri": predictions_uri,
+        "item_scores_uri": item_scores_uri,
+        "examples": len(data.prompts),
+        "device": str(pick_device()[0]),
+        "eval_split_sha256": split,
+        "metric_sha256": {name: metric_module_hash(name, cfg.hub_metrics) for name in cfg.metrics},
+        "chat_template_sha256": data.chat_template_sha256,
+    }
+    base = results["base"]  # first: a scorer that does not repeat itself (sampling on) also runs answers long
+    reproduction = base_reproduction(ctx.storage, ctx.run_id, split, base.content_sha256, base.answers, cfg)
+    counts = {role: r.generations for role, r in results.items()}
+    for line in count_lines(counts):
+        jobkit.log(line)
+    if problem := generation_problem(counts, cfg.max_new_tokens, cfg.max_truncated_fraction):
+        undecided = GateDecision(passed=False, lines=[f"not decided: evaluation invalid: {problem}"], verdicts=[])
+        raise invalid(problem, EvaluateSummary(**evidence, gates=undecided))
     incumbent = results["incumbent"].scores() if "incumbent" in results else None
     decision = decide(
         results["candidate"].scores(), results["base"].scores(), incumbent, cfg.gates, cfg.confidence, split
@@ -155,17 +173,9 @@ def evaluate_body(ctx: JobContext) -> EvaluateSummary:
     from training.memory import rank_memory
 
     summary = EvaluateSummary(
-        models={role: _model_summary(sources, results, role) for role in ROLES},
-        incumbent_version=params.incumbent.version if params.incumbent else None,
+        **evidence,
         gates=decision,
-        predictions_uri=predictions_uri,
-        item_scores_uri=item_scores_uri,
-        examples=len(data.prompts),
-        device=str(pick_device()[0]),
         memory=[rank_memory(0, pick_device()[0])],  # one process evaluates
-        eval_split_sha256=split,
-        metric_sha256={name: metric_module_hash(name, cfg.hub_metrics) for name in cfg.metrics},
-        chat_template_sha256=data.chat_template_sha256,
         base_reproduction=reproduction,
         suites=scored,
     )
@@ -251,9 +261,6 @@ def evaluate_model(
     started = time.monotonic()
     model, tokenizer, content = load_for_eval(ctx, source)
     template = check_template(source.role, tokenizer, data.chat_template_sha256)
-    if source.role == "candidate":
-        for references in [data.references, *(s.references for s in suites)]:
-            check_reference_room(tokenizer, references, cfg.max_new_tokens, cfg.max_truncated_fraction)
     jobkit.log(
         f"{source.role}: {source.path} (content {str(content)[:12]}, chat template {str(template)[:12]}) "
         f"on {model.device} ({model.dtype})"
@@ -266,19 +273,24 @@ def evaluate_model(
         cfg.batch_size,
         on_batch=lambda n: counter.advance(n, source.role),
     )
-    count_generations(source.role, answers, cut)
     values = score(metrics, answers, data.references)
     items = item_scores(metrics, answers, data.references, values)
     values.update(eval_loss(model, data.input_ids, data.labels, cfg.batch_size, pad_token_id(tokenizer)))
-    suite_scores = {s.name: answer_suite(ctx, model, tokenizer, s, source.role, counter) for s in suites}
+    answered = {s.name: answer_suite(ctx, model, tokenizer, s, source.role, counter) for s in suites}
     del model, tokenizer
     _free_memory()
     jobkit.log(f"{source.role}: " + ", ".join(f"{k}={v:.4g}" for k, v in values.items()))
-    return ModelEval(answers, values, items, round(time.monotonic() - started, 2), content, template, suite_scores)
+    counts = {TASK: generations(answers, cut), **{name: seen for name, (_, seen) in answered.items()}}
+    seconds = round(time.monotonic() - started, 2)
+    suite_scores = {name: scores for name, (scores, _) in answered.items()}
+    return ModelEval(answers, values, items, seconds, content, template, suite_scores, counts)
 
 
-def answer_suite(ctx: JobContext, model, tokenizer, suite: Suite, role: str, counter: _Progress) -> Scores:
-    """One model's greedy answers to a regression suite, scored item by item with the suite's metrics."""
+def answer_suite(
+    ctx: JobContext, model, tokenizer, suite: Suite, role: str, counter: _Progress
+) -> tuple[Scores, Generations]:
+    """One model's greedy answers to a regression suite, scored item by item with the suite's metrics, and
+    its cut-off and empty answers."""
     cfg = ctx.config.eval
     answers, cut = generate_checked(
         model,
@@ -288,10 +300,9 @@ def answer_suite(ctx: JobContext, model, tokenizer, suite: Suite, role: str, cou
         cfg.batch_size,
         on_batch=lambda n: counter.advance(n, role),
     )
-    count_generations(f"{role} on suite {suite.name}", answers, cut)
     values = score(suite.metrics, answers, suite.references)
     jobkit.log(f"{role} on suite {suite.name}: " + ", ".join(f"{k}={v:.4g}" for k, v in values.items()))
-    return Scores(values, item_scores(suite.metrics, answers, suite.references, values))
+    return Scores(values, item_scores(suite.metrics, answers, suite.references, values)), generations(answers, cut)
 
 
 def load_for_eval(ctx: JobContext, source: ModelSource):
@@ -347,9 +358,9 @@ def item_scores(
     return items
 
 
-def invalid(cause: str) -> StageFailure:
+def invalid(cause: str, summary: EvaluateSummary | None = None) -> StageFailure:
     """A failed self-test: the evaluation cannot judge any model, so it is not a modeling failure."""
-    return StageFailure(FailureClass.infrastructure, f"evaluation invalid: {cause}")
+    return StageFailure(FailureClass.infrastructure, f"evaluation invalid: {cause}", summary)
 
 
 def check_references(metrics: dict, references: list[str]) -> None:
@@ -383,26 +394,6 @@ def check_template(role: str, tokenizer, rendered_with: str | None) -> str | Non
         jobkit.log(f"note: {what}: the incumbent answers prompts laid out for another template")
         return mine
     raise invalid(f"{what}: prepare the data with the tokenizer the model is evaluated with (re-run data)")
-
-
-def check_reference_room(tokenizer, references: list[str], max_new_tokens: int, cap: float) -> None:
-    """The references, with a stop token, must fit in max_new_tokens: else a correct answer is cut off and
-    scored wrong, and a gate would fail the setting instead of the model."""
-    lengths = [len(ids) + 1 for ids in tokenizer(references, add_special_tokens=False)["input_ids"]]
-    long = sum(n > max_new_tokens for n in lengths)
-    if references and long / len(references) > cap:
-        raise invalid(
-            f"{long} of {len(references)} references ({long / len(references):.1%}) need more than "
-            f"eval.max_new_tokens={max_new_tokens} tokens (longest {max(lengths)} with the stop token), over "
-            f"eval.max_truncated_fraction={cap:g}: a correct answer would be cut off; raise eval.max_new_tokens"
-        )
-
-
-def count_generations(role: str, answers: list[str], cut: list[bool]) -> None:
-    """Log answers that end at max_new_tokens without a stop token, and empty ones, per model."""
-    truncated, empty = sum(cut), sum(1 for a in answers if not a)
-    if truncated or empty:
-        jobkit.log(f"{role}: {truncated} of {len(answers)} answers end at max_new_tokens without a stop, {empty} empty")
 
 
 def save_item_scores(ctx: JobContext, split: str, results: dict[str, ModelEval]) -> str:
@@ -447,6 +438,7 @@ def _model_summary(sources: list[ModelSource], results: dict[str, ModelEval], ro
         seconds=result.seconds,
         content_sha256=result.content_sha256,
         chat_template_sha256=result.chat_template_sha256,
+        generations=result.generations,
     )
 
 

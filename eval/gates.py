@@ -30,7 +30,7 @@ from typing import Any
 from tuneproof.core import stats
 from tuneproof.core.config import Gate
 from tuneproof.core.stats import TOLERANCE, Evidence
-from tuneproof.core.summaries import GateDecision, GateKind, GateOutcome, Verdict
+from tuneproof.core.summaries import GateDecision, GateKind, GateOutcome, Verdict, p_text
 
 Metrics = Mapping[str, Any]
 
@@ -199,7 +199,7 @@ def _verdict(check: Check, alpha: float, p: float | None, family: str | None, sp
     text = f"{fmt(check.point or 0.0, signed)} [{fmt(interval[0], signed)}, {fmt(interval[1], signed)}]"
     how = f"n={evidence.n}, {evidence.method}, {fmt(100 * level)}% interval"
     how += f": {family}" if family else ""
-    how += f", {_p_text(p)}" if p is not None else ""
+    how += f", {p_text(p)}" if p is not None else ""
     context = f"{check.detail}; {how}" if check.detail else how
     line = f"{check.head}: {text} ({context}) ({_outcome_words(result, needed, check.threshold, check.gate)})"
     return Verdict(
@@ -226,12 +226,6 @@ def _outcome_words(result: GateOutcome, needed: int | None, threshold: float, ga
         return f"{head}, and no number of items resolves a value this close to it"
     rates = "score" if gate == "min" else "disagreement"
     return f"{head}; about {needed:,} items at the observed {rates} would resolve it"
-
-
-def _p_text(p: float) -> str:
-    if p >= 0.5:
-        return "p>0.5" if p >= 1.0 else f"p={p:.2g}"
-    return "p<0.0001" if p < 1e-4 else f"p={p:.2g}"
 
 
 def _read(metrics: Metrics, metric: str, role: str) -> float | str:

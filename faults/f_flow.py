@@ -32,6 +32,8 @@ FLOW: tuple[str, ...] = (
     # 40 steps teach the tiny model little: a gate every candidate passes keeps the run's end about the
     # fault, not about the model (the gates have their own tests).
     "eval.gates={exact_match: {min: 0.0}}",
+    # ... and need not have taught it to end its answers: counted, not held to the cap (eval/selftest.py).
+    "eval.max_truncated_fraction=1.0",
     # The resume test checkpoints every extra_steps from a main-run checkpoint (here a multiple of 10) and
     # must hold on one: with the default 4, seed 30 + 4 = 34 is no multiple of 4 and its job is refused.
     "resume.extra_steps=5",

@@ -49,9 +49,9 @@ def image_canary(
     candidate_image: CandidateImage | None = None,
     config: PipelineConfig = PipelineConfig(),
     max_steps: int = 60,
-    # Three: one run per side compares single noisy values (the same local environment was rejected for a
-    # 0.81 bus bandwidth ratio that way); 2+ on both sides compares by the t interval on log values, as
-    # `tuneproof compare` does (a metric those repeats cannot resolve is named, with the repeats needed).
+    # Three, and never one: single values are one draw of the noise (the same local environment was once
+    # rejected for a 0.81 bus bandwidth ratio that way). Metrics compare by the t interval on log values, as
+    # `tuneproof compare` does; one the repeats cannot resolve withholds adoption, naming the repeats needed.
     repeats: int = 3,
     threshold: float = 0.10,
     decision_id: str | None = None,
@@ -104,8 +104,8 @@ def request_problem(
         return f"candidate image {candidate!r} {problem}"
     if not 1 <= max_steps <= 100_000:
         return f"max_steps must be between 1 and 100000 (got {max_steps})"
-    if not 1 <= repeats <= 20:
-        return f"repeats must be between 1 and 20 (got {repeats})"
+    if problem := images.repeats_problem(repeats):
+        return problem
     if not 0 < threshold < 1:
         return f"threshold must be between 0 and 1 (got {threshold})"
     return None
@@ -114,11 +114,12 @@ def request_problem(
 def canary_workload(cfg: PipelineConfig, storage: Storage, candidate: str, max_steps: int) -> PipelineConfig:
     """The production model's workload (the config of the run that produced it, else `cfg`), shortened.
 
-    The cluster and storage stay the profile's, less its version expectations; the fine-tune is cut to
-    max_steps with no resume test; every gate only asks that its metric was computed: a canary judges the image against
-    the baseline image's measurements, not the short model against the production gates. On eks the runs' storage
-    root is <root>/canary: the canary's Ray pods run the candidate image under a role that writes only there
-    (deployments/s3-canary-policy.json), so `tuneproof runs show` finds them with --set storage.root=<root>/canary.
+        The cluster and storage stay the profile's, less its version expectations; the fine-tune is cut to
+        max_steps with no resume test; every gate only asks that its metric was computed, and cut-off answers are counted
+    but not capped (eval.max_truncated_fraction 1): a canary judges the image against
+        the baseline image's measurements, not the short model against the production gates. On eks the runs' storage
+        root is <root>/canary: the canary's Ray pods run the candidate image under a role that writes only there
+        (deployments/s3-canary-policy.json), so `tuneproof runs show` finds them with --set storage.root=<root>/canary.
     """
     data = production_config(storage, cfg.model.name) or cfg.model_dump(mode="json")
     data.update(cluster=cfg.cluster.model_dump(mode="json"), storage=cfg.storage.model_dump(mode="json"))
@@ -136,6 +137,8 @@ def canary_workload(cfg: PipelineConfig, storage: Storage, candidate: str, max_s
     train["warmup_steps"] = min(train["warmup_steps"], train["max_steps"] // 2)
     data["resume"]["enabled"] = False
     data["eval"]["gates"] = {name: computed_gate(gate) for name, gate in data["eval"]["gates"].items()}
+    # A short fine-tune need not have learned to end its answers: counted, not held to the cap, as its gates.
+    data["eval"]["max_truncated_fraction"] = 1.0
     return PipelineConfig.model_validate(data).resolved()
 
 

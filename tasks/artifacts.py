@@ -220,6 +220,7 @@ def evaluation_table(record: RunRecord, entry: StageEntry, storage: Storage) -> 
                 "gates": ", ".join(f"{v.gate}: {v.brief()}" for v in verdicts) or "not gated",
             }
         )
+    rows += generation_rows(summary)
     verdict = "passed" if summary.gates.passed else "failed"
     table(
         "evaluation",
@@ -237,6 +238,26 @@ def evaluation_table(record: RunRecord, entry: StageEntry, storage: Storage) -> 
             f"Regression suites x models ({summary.incumbent_version or 'no incumbent'}); suite gates {passed}:\n\n"
             + "\n".join(f"* {line}" for s in summary.suites for line in s.gates.lines),
         )
+
+
+def generation_rows(summary: EvaluateSummary) -> list[dict[str, Any]]:
+    """A row per split (the task's first, then each suite): each model's cut-off and empty answers (pure)."""
+    models = {role: summary.models.get(role) for role in ("candidate", "base", "incumbent")}
+    splits = list(dict.fromkeys(split for m in models.values() if m for split in m.generations))
+    return [
+        {
+            "metric": f"answers cut off / empty ({split})",
+            **{role: _generations_cell(model, split) for role, model in models.items()},
+            "gates": "self-test: at most eval.max_truncated_fraction each"
+            + (" (the base is not held to it on the task)" if split == "task" else ""),
+        }
+        for split in splits
+    ]
+
+
+def _generations_cell(model: ModelScore | None, split: str) -> str:
+    seen = model.generations.get(split) if model else None
+    return f"{seen.cut_off} / {seen.empty} of {seen.answers}" if seen else "no model"
 
 
 def metric_cell(model: ModelScore | None, name: str) -> Any:

@@ -118,9 +118,7 @@ def model_card(cfg: PipelineConfig, record: RunRecord, forced: Forced | None = N
         if evaluation
         else {},
         "incumbent_version": evaluation.incumbent_version if evaluation else None,
-        "gates": [*evaluation.gates.lines, *(line for s in evaluation.suites for line in s.gates.lines)]
-        if evaluation
-        else [],
+        "gates": card_gate_lines(evaluation) if evaluation else [],
         "suites": [row.to_json() for row in evaluation.suite_rows()] if evaluation and evaluation.suites else [],
         "dataset_hash": record.data.content_hash if record.data else None,
         "replay": replay_facts(record),
@@ -134,6 +132,13 @@ def model_card(cfg: PipelineConfig, record: RunRecord, forced: Forced | None = N
         "resume": {"restored_step": resume.restored_step, "max_loss_diff": resume.max_loss_diff} if resume else {},
         "forced": forced.to_json() if forced else None,
     }
+
+
+def card_gate_lines(evaluation: EvaluateSummary) -> list[str]:
+    """Every gate line of the task and the suites, each naming the split it was decided on; the plain lines of a
+    decision without verdicts (an older record)."""
+    decisions = [evaluation.gates, *(s.gates for s in evaluation.suites)]
+    return [line for d in decisions for line in ([v.with_split() for v in d.verdicts] or d.lines)]
 
 
 def base_facts(record: RunRecord) -> dict[str, Any]:

@@ -203,3 +203,15 @@ def test_stalled_steps_refuse_what_they_cannot_compare():
         stalled_steps([1.0, 1.0, 1.0], [(3, 2)])
     with pytest.raises(ValueError, match="no step without a checkpoint"):
         stalled_steps([1.0, 1.0], [(1, 1)])
+
+
+def test_the_contamination_row_is_ok_while_the_cost_per_row_stays_flat(monkeypatch):
+    from bench import contamination
+
+    assert contamination.cpu_seconds(2_000) >= 0  # the real check, small: it finds exactly the planted repeats
+    monkeypatch.setattr(contamination, "cpu_seconds", lambda n: 0.2 + n * 4e-5)  # linear, with a fixed start
+    flat = contamination.run(None, repeats=3, quick=False)
+    assert flat.ok and flat.target == "<= 2" and flat.ratio == pytest.approx(60 / 42, abs=0.001)
+    assert flat.details["fit"]["slope_s_per_unit"] == pytest.approx(4e-5) and len(flat.details["samples"]) == 9
+    monkeypatch.setattr(contamination, "cpu_seconds", lambda n: n * n * 1e-9)  # pairwise: grows with rows squared
+    assert contamination.run(None, repeats=3, quick=False).ok is False

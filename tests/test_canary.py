@@ -28,12 +28,19 @@ def local(tmp_path):
 def test_requests_that_cannot_run_name_the_value(tmp_path):
     cfg = local(tmp_path)
     eks = load_config(PROJECT_ROOT / "configs" / "eks.yaml")
-    assert request_problem(cfg, None, 60, 1, 0.1, None) is None  # locally: this environment
-    assert "candidate_image is required on eks" in request_problem(eks, None, 60, 1, 0.1, None)
-    assert "'ray:2.58' is not pinned by digest" in request_problem(cfg, "ray:2.58", 60, 1, 0.1, None)
-    assert "repeats must be between 1 and 20 (got 0)" in request_problem(cfg, None, 60, 0, 0.1, None)
-    assert "threshold must be between 0 and 1 (got 1.5)" in request_problem(cfg, None, 60, 1, 1.5, None)
-    assert "decision id 'a/b'" in request_problem(cfg, None, 60, 1, 0.1, "a/b")
+    assert request_problem(cfg, None, 60, 2, 0.1, None) is None  # locally: this environment
+    assert "candidate_image is required on eks" in request_problem(eks, None, 60, 2, 0.1, None)
+    assert "'ray:2.58' is not pinned by digest" in request_problem(cfg, "ray:2.58", 60, 2, 0.1, None)
+    assert "repeats must be between 2 and 20 (got 0)" in request_problem(cfg, None, 60, 0, 0.1, None)
+    assert "repeats must be at least 2 (got 1): one run gives one value" in request_problem(cfg, None, 60, 1, 0.1, None)
+    assert "threshold must be between 0 and 1 (got 1.5)" in request_problem(cfg, None, 60, 2, 1.5, None)
+    assert "decision id 'a/b'" in request_problem(cfg, None, 60, 2, 0.1, "a/b")
+
+
+def test_the_cli_refuses_one_repeat_before_anything_starts(tmp_path):
+    result = tuneproof("canary", "--repeats", "1", "--set", f"storage.root={tmp_path}")
+    assert result.exit_code == 3
+    assert "--repeats: repeats must be at least 2 (got 1): one run gives one value per metric" in result.output
 
 
 def test_the_workload_is_short_resume_free_and_measured_not_gated(tmp_path):
@@ -43,6 +50,7 @@ def test_the_workload_is_short_resume_free_and_measured_not_gated(tmp_path):
     assert workload.train.warmup_steps <= 20 and not workload.resume.enabled
     gate = workload.eval.gates["exact_match"]
     assert gate.min is not None and gate.min < 0 and gate.min_improvement is None and gate.max_regression is None
+    assert workload.eval.max_truncated_fraction == 1.0  # a short model's long answers are measured, not refused
     assert workload.cluster.expect.image is None  # locally the environment digest is checked instead
     assert workload.cluster.expect.ray_version is None  # the candidate's versions are recorded, not held to the old
 
@@ -87,11 +95,11 @@ def test_images_list_and_show_read_the_history(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.timeout(1800)  # five Ray jobs; on 2 shared cores under load they took 13+ minutes
+@pytest.mark.timeout(3600)  # two runs of five Ray jobs; on 2 shared cores under load five took 13+ minutes
 def test_the_canary_runs_locally_end_to_end_and_images_list_shows_it(prefect_server, demo_env, tmp_path):
     env = demo_env.at(tmp_path)
-    # One run: the first canary has no baseline to compare with, so more repeats would only cost time here.
-    result = tuneproof("canary", *env.args, "--id", "canary-1", "--max-steps", "20", "--repeats", "1", "--json")
+    # Two runs, the fewest a canary takes: the first canary has no baseline, so more would only cost time here.
+    result = tuneproof("canary", *env.args, "--id", "canary-1", "--max-steps", "20", "--repeats", "2", "--json")
     assert result.exit_code == 0, result.output
 
     # The decision: the first canary adopts itself as the baseline, and says so.
@@ -102,9 +110,9 @@ def test_the_canary_runs_locally_end_to_end_and_images_list_shows_it(prefect_ser
     assert stored.candidate_image == images.local_image() and stored.release_tag is None
     assert stored.versions.ray == "2.60.0" and stored.versions.torch and stored.versions.environment_digest
     assert images.local_image_of(stored.versions.environment_digest) == stored.candidate_image
-    assert stored.runs == ["canary-1-r1"] and stored.flow_run_id
+    assert stored.runs == ["canary-1-r1", "canary-1-r2"] and stored.flow_run_id
     for metric in ("finetune.tokens_per_s", "finetune.final_loss", "eval.candidate.exact_match"):
-        assert len(stored.candidate_metrics[metric]) == 1, metric
+        assert len(stored.candidate_metrics[metric]) == 2, metric
     assert any(m.startswith("connectivity.busbw_GBps@") for m in stored.candidate_metrics)
 
     # Its run is an ordinary run: the five canary stages of a short, resume-free workload.

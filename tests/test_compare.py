@@ -98,8 +98,21 @@ def test_a_consistent_change_below_the_threshold_is_no_detectable_difference():
     assert m.verdict == "no detectable difference"
 
 
-def test_one_value_per_arm_is_not_enough_data():
-    assert cmp.compare_metric("x.tokens_per_s", [1.0], [2.0], threshold=0.05).verdict == "not enough data"
+def test_one_value_on_either_arm_is_insufficient_repeats_never_a_verdict():
+    one_each = cmp.compare_metric("x.tokens_per_s", [1.0], [2.0], threshold=0.05)
+    assert (one_each.verdict, one_each.ratio, one_each.ci95, one_each.repeats_needed) == (
+        "insufficient repeats",
+        2.0,
+        None,
+        None,
+    )
+    assert one_each.method == "one value an arm: no interval"
+    # the other arm's spread sizes the repeats: B's three values sit within 1 % of each other
+    sized = cmp.compare_metric("x.tokens_per_s", [1.0], [2.0, 2.02, 1.98], threshold=0.05)
+    assert sized.verdict == "insufficient repeats" and sized.repeats_needed == 2
+    assert cmp.needed_words(one_each) == " (one value an arm: 2 or more repeats an arm give an interval)"
+    assert cmp.needed_words(sized) == " (2 repeats an arm would tell)"  # as the table's verdict column says
+    assert cmp.compare_metric("x.tokens_per_s", [], [2.0, 2.0], threshold=0.05).verdict == "not enough data"
     assert cmp.compare_metric("x.tokens_per_s", [], [2.0, 2.0], threshold=0.05).ratio is None
 
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import time
-
-from training import data_prep
+from training import contamination, data_prep
 from training.contamination import NGRAM, measure, words
 
 LONG = "the quick brown fox jumps over the lazy dog while the cat watches from the old wooden fence"
@@ -42,13 +40,28 @@ def test_nothing_shared_is_clean_and_an_empty_eval_set_is_zero():
     assert empty.eval_items == 0 and empty.fraction == 0.0
 
 
-def test_linear_in_rows():
-    train = [f"row {i} " + LONG for i in range(20_000)]
-    eval_items = [(str(i), f"item {i} of the eval split, with words of its own") for i in range(2_000)]
-    started = time.perf_counter()
-    found = measure(train, eval_items)
-    assert found.overlapping == 0
-    assert time.perf_counter() - started < 30  # hashed sets; a pairwise scan would be 40 million comparisons
+def test_hash_operations_grow_with_words_not_with_pairs_of_rows(monkeypatch):
+    """Linear in rows, by count rather than by clock: measure hashes each training row and each of its
+    n-grams once, each eval row and its n-grams once, and nothing per pair of rows (a pairwise scan would
+    make the count grow with train x eval)."""
+    calls = {"n": 0}
+
+    def counting_hash(value):
+        calls["n"] += 1
+        return hash(value)
+
+    monkeypatch.setattr(contamination, "hash", counting_hash, raising=False)  # shadows the builtin there
+
+    def hashes(train_rows: int, eval_rows: int) -> int:
+        calls["n"] = 0
+        train = [f"row {i} " + LONG for i in range(train_rows)]  # 20 words: 8 n-grams each
+        measure(train, [(str(i), f"item {i} of the eval split, with words of its own") for i in range(eval_rows)])
+        return calls["n"]
+
+    grams = len(words("row 0 " + LONG)) - NGRAM + 1
+    assert hashes(1_000, 100) == 1_000 * (1 + grams) + 100 * 1  # eval items of 10 words: compared whole
+    assert hashes(4_000, 400) == 4 * hashes(1_000, 100)  # four times the rows, four times the work
+    assert hashes(1_000, 400) - hashes(1_000, 100) == 300  # more eval rows cost their own hashes, no more
 
 
 def test_a_templates_own_text_is_not_overlap():
@@ -71,3 +84,51 @@ def test_a_templates_own_text_is_not_overlap():
     convs = [data_prep.Conversation("source", i, {"prompt": p, "response": f"colour {i}"}) for i, p in enumerate(rows)]
     assert data_prep.contamination_of(convs[:3], convs[3:], literals).fraction == 0
     assert data_prep.contamination_of(convs[:3], convs[2:3], literals).fraction == 1  # a real repeat still counts
+
+
+SYSTEM = "You are a careful assistant: answer every date in ISO form and never add commentary"
+"""A 15-word system prompt, on every row: two 13-word runs every row would share."""
+
+
+def test_a_system_prompt_every_row_shares_is_not_overlap():
+    """A data.fields.system column and system turns of one prompt for all: distinct rows stay distinct."""
+    assert len(words(SYSTEM)) == 15
+    columns = [
+        data_prep.Conversation("source", i, {"system": SYSTEM, "prompt": f"question {i}", "response": f"answer {i}"})
+        for i in range(4)
+    ]
+    turns = [
+        data_prep.Conversation(
+            "source",
+            i,
+            {},
+            messages=[
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"question {i}"},
+                {"role": "assistant", "content": f"answer {i}"},
+            ],
+        )
+        for i in range(4)
+    ]
+    for convs in (columns, turns):
+        assert data_prep.contamination_of(convs[:3], convs[3:]).overlapping == 0
+        repeated = data_prep.contamination_of(convs[:3], convs[1:2])  # a real repeat still counts
+        assert (repeated.overlapping, repeated.exact_matches) == (1, 1)
+    shared_run = " ".join(LONG.split()[:NGRAM])
+    quoting = data_prep.Conversation("eval_source", 0, {"system": SYSTEM, "prompt": shared_run, "response": "x"})
+    with_long = [*columns[:3], data_prep.Conversation("source", 9, {"system": SYSTEM, "prompt": LONG, "response": "y"})]
+    assert data_prep.contamination_of(with_long, [quoting]).overlapping_ids == ["eval_source:0"]  # a shared n-gram
+
+
+def test_one_rows_own_system_text_is_compared():
+    """A system text only one training row carries may hold that row's content: an eval row repeating it overlaps."""
+    train = [
+        data_prep.Conversation("source", i, {"system": f"{LONG} {i}", "prompt": f"q {i}", "response": f"a {i}"})
+        for i in range(3)
+    ]
+    again = data_prep.Conversation("eval_source", 0, {"system": f"{LONG} 1", "prompt": "other", "response": "b"})
+    assert data_prep.contamination_of(train, [again]).overlapping == 1
+
+
+def test_an_item_left_without_words_matches_nothing():
+    assert measure(["", "  ..."], [("x", " , "), ("y", "")]).overlapping == 0

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import random
 import threading
+from collections import Counter
 
 import pytest
 from pydantic import TypeAdapter, ValidationError
@@ -74,36 +76,86 @@ def test_the_first_canary_becomes_the_baseline_and_says_so():
     assert reasons == ["no current image: this canary's measurements become the baseline"]
 
 
-def test_one_run_each_compares_by_the_threshold():
-    base = decision(
-        "d1", OLD, finetune__tokens_per_s=[1000.0], finetune__final_loss=[0.50], eval__candidate__exact_match=[0.9]
-    )
-    same = {"finetune.tokens_per_s": [960.0], "finetune.final_loss": [0.52], "eval.candidate.exact_match": [0.92]}
+def test_one_run_on_either_side_is_never_a_verdict():
+    """A single value a side is one draw of the noise: not adopted, however close or far the values are."""
+    base = decision("d1", OLD, finetune__tokens_per_s=[1000.0], finetune__final_loss=[0.50])
+    same = {"finetune.tokens_per_s": [1000.0, 1001.0, 999.0], "finetune.final_loss": [0.50, 0.50, 0.50]}
     verdict, reasons, compared = decide(None, base, same, 0.1)
-    assert verdict == "adopt" and "3 compared, 0 better" in reasons[0]
-    assert {m.name: m.verdict for m in compared} == dict.fromkeys(same, "no detectable difference")
-
-    slower = {**same, "finetune.tokens_per_s": [700.0]}
-    verdict, reasons, _ = decide(None, base, slower, 0.1)
-    assert verdict == "reject"
-    assert reasons == [
-        "finetune.tokens_per_s: worse (higher is better): baseline median 1000, candidate median 700 (ratio 0.700, "
-        "one value per side, no interval: a rerun with --repeats 3 on both sides tells noise from change)"
+    assert verdict == "reject" and {m.verdict for m in compared} == {"insufficient repeats"}
+    assert reasons[0] == (
+        "not adopted: insufficient repeats for finetune.final_loss to tell a 10% change from noise (ratio 1.000; "
+        "need 2 repeats a side at the spread seen)"
+    )
+    far = decide(None, decision("d1", OLD, finetune__tokens_per_s=[1000.0]), {"finetune.tokens_per_s": [300.0]}, 0.1)
+    assert far[0] == "reject" and far[2][0].verdict == "insufficient repeats"  # not "worse": nothing to judge by
+    assert far[1] == [
+        "not adopted: insufficient repeats for finetune.tokens_per_s to tell a 10% change from noise (ratio 0.300; "
+        "the baseline has one value: need 2 or more repeats a side for any interval)"
     ]
-    lossier = {**same, "finetune.final_loss": [0.80]}
-    assert decide(None, base, lossier, 0.1)[1][0].startswith("finetune.final_loss: worse (lower is better)")
 
 
-def test_repeats_on_both_sides_use_the_t_interval():
+def test_repeats_on_both_sides_use_the_t_interval_and_unresolved_is_not_adopted():
     base = decision("d1", OLD, finetune__tokens_per_s=[1000.0, 1010.0, 990.0])
     noisy = {"finetune.tokens_per_s": [700.0, 1300.0, 1000.0]}
     verdict, reasons, compared = decide(None, base, noisy, 0.1)
-    assert verdict == "adopt" and compared[0].ci95 is not None
+    assert verdict == "reject" and compared[0].ci95 is not None
     assert compared[0].verdict == "insufficient repeats"  # three noisy repeats cannot say worse, nor equal
-    assert reasons[1].startswith("finetune.tokens_per_s: insufficient repeats to tell a 10% change from noise (")
+    assert reasons == [
+        "not adopted: insufficient repeats for finetune.tokens_per_s to tell a 10% change from noise (ratio 0.969, "
+        f"95% CI {compared[0].ci95[0]:.3f}..{compared[0].ci95[1]:.3f}; need {compared[0].repeats_needed} repeats a "
+        "side at the spread seen)"
+    ]
     slower = {"finetune.tokens_per_s": [700.0, 710.0, 690.0]}
     verdict, reasons, compared = decide(None, base, slower, 0.1)
-    assert verdict == "reject" and "95% CI" in reasons[0]
+    assert verdict == "reject" and reasons[0].startswith("finetune.tokens_per_s: worse (higher is better)")
+    assert "95% CI" in reasons[0]
+    same = {"finetune.tokens_per_s": [1001.0, 1009.0, 992.0]}
+    verdict, reasons, _ = decide(None, base, same, 0.1)
+    assert verdict == "adopt" and reasons == [f"no metric worse than d1 ({OLD}) beyond 10%: 1 compared, 0 better"]
+
+
+METRICS = (
+    "finetune.tokens_per_s",
+    "finetune.final_loss",
+    "finetune.step_seconds",
+    "connectivity.busbw_GBps@1048576B",
+    "connectivity.busbw_GBps@4194304B",
+    "eval.candidate.exact_match",
+)
+
+
+def simulated_canaries(noise: float, repeats: int, worse_by: float = 0.0, seed: int = 5) -> tuple[Counter, int]:
+    """1,000 canary decisions over METRICS, baseline and candidate drawn alike (lognormal noise); with
+    `worse_by`, the candidate's tokens/s is that much lower. (decisions by verdict, decisions finding any
+    metric worse)."""
+    rng = random.Random(seed)
+    decisions, found_worse = Counter(), 0
+
+    def arm(shift: float = 0.0) -> dict[str, list[float]]:
+        drawn = {m: [rng.lognormvariate(0, noise) * 10 for _ in range(repeats)] for m in METRICS}
+        drawn["finetune.tokens_per_s"] = [v * (1 - shift) for v in drawn["finetune.tokens_per_s"]]
+        return drawn
+
+    for _ in range(1000):
+        baseline = decision("d1", OLD).model_copy(update={"candidate_metrics": arm()})
+        verdict, _, compared = decide(None, baseline, arm(worse_by), 0.1)
+        decisions[verdict] += 1
+        found_worse += any(m.verdict == "worse" for m in compared)
+    return decisions, found_worse
+
+
+def test_a_and_a_canaries_adopt_and_are_never_called_worse_beyond_5_percent():
+    """The same image against itself, six metrics at once: each interval at 1 - 0.05/6 (Bonferroni)."""
+    decisions, worse = simulated_canaries(noise=0.02, repeats=5)  # a spread 5 repeats resolve at 10 %
+    assert decisions["adopt"] >= 950 and worse <= 50, (decisions, worse)
+    for noise in (0.05, 0.1, 0.3):  # too noisy for 3 repeats: not adopted, and still not called worse
+        decisions, worse = simulated_canaries(noise=noise, repeats=3)
+        assert decisions["adopt"] <= 50 and worse <= 50, (noise, decisions, worse)
+
+
+def test_a_real_regression_of_one_metric_among_six_is_found():
+    decisions, worse = simulated_canaries(noise=0.02, repeats=5, worse_by=0.3)
+    assert decisions["reject"] >= 950 and worse >= 950, (decisions, worse)
 
 
 def test_a_metric_the_candidate_no_longer_reports_rejects():
@@ -113,10 +165,13 @@ def test_a_metric_the_candidate_no_longer_reports_rejects():
     assert reasons == ["connectivity.busbw_GBps@1048576B: measured on the baseline, not by the candidate"]
 
 
-def test_an_untrained_zero_baseline_compares_absolutely():
-    base = decision("d1", OLD, eval__base__exact_match=[0.0])
-    assert decide(None, base, {"eval.base.exact_match": [0.0]}, 0.1)[0] == "adopt"
-    assert decide(None, base, {"eval.base.exact_match": [0.5]}, 0.1)[2][0].verdict == "better"
+def test_a_canary_needs_two_runs_or_more():
+    assert images.repeats_problem(3) is None and images.repeats_problem(20) is None
+    assert images.repeats_problem(1) == (
+        "repeats must be at least 2 (got 1): one run gives one value per metric, and one value cannot tell a change "
+        "from noise (3 by default)"
+    )
+    assert images.repeats_problem(21) == "repeats must be between 2 and 20 (got 21)"
 
 
 # ---- storage: append-only history, compare-and-swap pointer ---------------------------------------

@@ -203,3 +203,34 @@ def test_approval_pauses_the_flow_before_the_pointer_moves(prefect_harness, tmp_
     else:
         assert state.is_failed() and pointer is None
         assert promotion.promoted is False and "approval refused by bob: not yet" in promotion.reasons[0]
+
+
+def test_the_model_card_shows_each_gate_with_its_interval_method_p_value_and_split(tmp_path):
+    """The demo's evaluation (298 of 300 right, the base none, no incumbent), decided by the real gates and
+    carried by a record into the card: no pipeline."""
+    from eval.gates import Scores, decide
+    from tasks.promote import model_card
+
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
+    rec = passed_record(cfg)
+    candidate, base = [1.0] * 298 + [0.0] * 2, [0.0] * 300
+    split = "05433017fd51" + "0" * 52
+    gates = decide(
+        Scores({"exact_match": 298 / 300}, {"exact_match": candidate}),
+        Scores({"exact_match": 0.0}, {"exact_match": base}),
+        None,
+        cfg.eval.gates,
+        split_sha256=split,
+    )
+    summary = rec.summary("evaluate", EvaluateSummary).model_copy(update={"gates": gates, "eval_split_sha256": split})
+    rec.stages["evaluate"] = StageEntry.succeeded("evaluate", summary, "a")
+    text = registry.render_model_card({**model_card(cfg, rec), "version": "v0001-r1"})
+    assert (
+        "- exact_match >= 0.8: 0.9933 [0.972, 0.9984] (n=300, Wilson score, 97.5% interval: 95% with Holm over 2, "
+        "p<0.0001) (pass) (split `05433017fd51`)"
+    ) in text
+    assert (
+        "- exact_match improvement over base >= 0.5: +0.9933 [+0.9719, +0.9982] (candidate 0.9933, base 0; n=300, "
+        "Newcombe paired score, 95% interval: 95% with Holm over 2, p<0.0001) (pass) (split `05433017fd51`)"
+    ) in text
+    assert "regression gate not applicable (split `05433017fd51`)" in text

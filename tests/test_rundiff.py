@@ -63,3 +63,25 @@ def test_gate_verdicts_show_their_interval_and_items():
     text = render_diff(diff_records(a, b))
     assert "gates (a -> b):" in text
     assert "  exact_match min: pass -> insufficient evidence [0.7961, 1] n=15 (16 items would resolve it)" in text
+
+
+def test_gate_verdicts_show_their_method_p_value_and_split():
+    a, b = record("a"), record("b")
+    split = "05433017fd51" + "0" * 52
+    for rec, outcome in ((a, "pass"), (b, "insufficient")):
+        rec.stages["evaluate"].summary["gates"]["verdicts"][1].update(
+            outcome=outcome,
+            passed=outcome == "pass",
+            interval=[0.6, 1.0] if outcome == "pass" else [-0.1, 0.9],
+            n=300 if outcome == "pass" else 12,
+            method="Newcombe paired score",
+            p_value=0.00002 if outcome == "pass" else 0.22,
+            items_needed=None if outcome == "pass" else 40,
+            split_sha256=split,
+        )
+    text = render_diff(diff_records(a, b))
+    assert (
+        "  exact_match min_improvement: pass [0.6, 1] n=300, Newcombe paired score, p<0.0001, split 05433017fd51 -> "
+        "insufficient evidence [-0.1, 0.9] n=12, Newcombe paired score, p=0.22, split 05433017fd51 (40 items would "
+        "resolve it)"
+    ) in text

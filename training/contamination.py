@@ -8,11 +8,13 @@ item overlaps when its normalised text equals a training item's, or when any of 
 (n = 13, as in GPT-3's and the Pile's decontamination) occurs in a training item; an item shorter than n
 words is compared whole, with training items of any length compared whole. Linear in rows: each side is
 hashed once into sets (Python's hash, stable within the one process that compares), no pairwise scan.
+An item with no words (all of it boilerplate the caller left out) says nothing of a row and matches nothing.
 """
 
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Iterable
 
 from tuneproof.core.summaries import Contamination
@@ -40,13 +42,15 @@ def measure(train: Iterable[str], eval_items: Iterable[tuple[str, str]], n: int 
     grams: set[int] = set()
     for text in train:
         tokens = words(text)
+        if not tokens:
+            continue
         whole.add(hash(tuple(tokens)))
         grams.update(hash(tuple(tokens[i : i + n])) for i in range(len(tokens) - n + 1))
     exact, overlapping, total = 0, [], 0
     for item_id, text in eval_items:
         total += 1
         tokens = words(text)
-        same = hash(tuple(tokens)) in whole
+        same = bool(tokens) and hash(tuple(tokens)) in whole
         exact += same
         if same or (len(tokens) >= n and not grams.isdisjoint(ngram_hashes(tokens, n))):
             overlapping.append(item_id)
@@ -58,3 +62,10 @@ def measure(train: Iterable[str], eval_items: Iterable[tuple[str, str]], n: int 
         fraction=len(overlapping) / total if total else 0.0,
         overlapping_ids=overlapping[:IDS_KEPT],
     )
+
+
+def shared_texts(texts: Iterable[str]) -> frozenset[str]:
+    """The non-blank texts that occur more than once: boilerplate rows share (a system prompt for all), which
+    the caller leaves out of the comparison as it leaves out a template's own text."""
+    counts = Counter(t for t in texts if t.strip())
+    return frozenset(t for t, k in counts.items() if k > 1)

@@ -42,6 +42,7 @@ import pyarrow.parquet as pq
 from eval.suites import read_suite
 from training import parallel
 from training.contamination import measure as measure_overlap
+from training.contamination import shared_texts
 from training.jobkit import JobContext, log, progress, run_stage
 from training.modeling import load_text_tokenizer
 from tuneproof.core import datahash, shapes
@@ -413,11 +414,11 @@ def replayed(rows: list[Conversation], task_rows: int, share: float, seed: int) 
 def suite_overlaps(cfg: PipelineConfig, train: list[Conversation]) -> list[SuiteFile]:
     """Each regression suite (eval.suites) hashed and measured against the training split: a suite whose items
     the fine-tune trains on measures recall, not retention, so above data.max_contamination it is a data failure."""
-    literals = template_literals(cfg.data)
+    literals, shared = template_literals(cfg.data), shared_system_texts(train)
     files = []
     for name, suite_cfg in cfg.eval.suites.items():
         suite = read_suite(name, suite_cfg, cfg.storage.endpoint_url)
-        found = measure_overlap((conversation_text(c, literals) for c in train), suite.texts())
+        found = measure_overlap((conversation_text(c, literals, shared) for c in train), suite.texts())
         files.append(
             SuiteFile(name=name, source=suite.source, sha256=suite.sha256, items=len(suite.ids), contamination=found)
         )
@@ -428,18 +429,35 @@ def suite_overlaps(cfg: PipelineConfig, train: list[Conversation]) -> list[Suite
 def contamination_of(
     train: list[Conversation], eval_convs: list[Conversation], literals: tuple[str, ...] = ()
 ) -> Contamination:
-    """Overlap of the eval conversations with the training ones, over every turn's text (`literals`: the
-    template's own text, left out: every row shares it, so it says nothing of the row)."""
+    """Overlap of the eval conversations with the training ones, over every turn's text. Left out, since every
+    row shares them and so they say nothing of a row: `literals`, the template's own text, and the system texts
+    that training rows share (a data.fields.system column or system turns of one prompt for all)."""
+    shared = shared_system_texts(train)
     return measure_overlap(
-        (conversation_text(c, literals) for c in train),
-        ((f"{c.where}:{c.row}", conversation_text(c, literals)) for c in eval_convs),
+        (conversation_text(c, literals, shared) for c in train),
+        ((f"{c.where}:{c.row}", conversation_text(c, literals, shared)) for c in eval_convs),
     )
 
 
-def conversation_text(conv: Conversation, literals: tuple[str, ...] = ()) -> str:
+def shared_system_texts(train: list[Conversation]) -> frozenset[str]:
+    """System texts that two or more training rows carry: the dataset's boilerplate. One row's own system text
+    is kept, since it may hold that row's content."""
+    texts: list[str] = []
+    for conv in train:
+        if conv.messages is not None:
+            texts += [turn.get("content", "") for turn in conv.messages if turn.get("role") == "system"]
+        elif conv.parts.get("system"):
+            texts.append(conv.parts["system"])
+    return shared_texts(texts)
+
+
+def conversation_text(conv: Conversation, literals: tuple[str, ...] = (), shared: frozenset[str] = frozenset()) -> str:
+    """The row's text as the overlap measure sees it: every turn, less the template's literals and `shared`
+    system texts."""
     if conv.messages is not None:
-        return " ".join(turn.get("content", "") for turn in conv.messages)
-    text = " \n ".join(conv.parts.values())
+        kept = (t for t in conv.messages if not (t.get("role") == "system" and t.get("content") in shared))
+        return " ".join(turn.get("content", "") for turn in kept)
+    text = " \n ".join(v for k, v in conv.parts.items() if not (k == "system" and v in shared))
     for literal in literals:
         text = text.replace(literal, " \n ")
     return text

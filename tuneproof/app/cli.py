@@ -719,7 +719,7 @@ def canary(
     ),
     max_steps: int = typer.Option(60, "--max-steps", help="Fine-tune steps of each canary run (a short run)."),
     repeats: int = typer.Option(
-        3, "--repeats", help="Canary runs; 2+ (on both sides) compares by interval, 1 by the threshold on one value."
+        3, "--repeats", help="Canary runs (2-20): each metric is compared by its t interval against the baseline's."
     ),
     threshold: float = typer.Option(0.10, "--threshold", help="Smallest relative change that counts as worse."),
     decision_id: str | None = typer.Option(
@@ -731,10 +731,13 @@ def canary(
 ) -> None:
     """Try a candidate image on the production workload; record adopt|reject under images/; adopt moves the pointer."""
     from tuneproof.app.images_cli import canary_command
-    from tuneproof.control.images import image_problem
+    from tuneproof.control.images import image_problem, repeats_problem
 
     if candidate_image is not None and (problem := image_problem(candidate_image)):
         say(err, f"--candidate-image {candidate_image!r} {problem}")
+        raise typer.Exit(EXIT_INVALID_CONFIG)
+    if problem := repeats_problem(repeats):
+        say(err, f"--repeats: {problem}")
         raise typer.Exit(EXIT_INVALID_CONFIG)
     cfg = config_or_exit(config, sets)
     prefect_env_or_exit()

@@ -10,7 +10,8 @@ where a percentile bootstrap of 2-3 values is not an interval at all). The verdi
   no detectable difference         the interval fits inside 1 +/- threshold: any difference is smaller
                                    than what was asked to detect;
   insufficient repeats             neither: these repeats cannot tell, and `repeats_needed` says how
-                                   many an arm would at the spread seen;
+                                   many an arm would at the spread seen; always, with one value on
+                                   either arm (a ratio of single values is a point, not a verdict);
 so that three noisy repeats cannot produce a confident-sounding answer either way.
 
 The statistics are pure functions; `save` and `load` are the only I/O.
@@ -55,12 +56,17 @@ class MetricComparison(Model):
     ratio: float | None
     """B / A: the ratio of geometric means when there is an interval, else of medians."""
     ci95: tuple[float, float] | None
-    """95 % Student t interval of the ratio (log scale, pooled spread); None below 2 values an arm."""
+    """Student t interval of the ratio (log scale, pooled spread) at `confidence` (95 % but in the canary); None
+    below 2 values an arm, whose verdict is then 'insufficient repeats' (or 'not enough data' for an empty arm)."""
     verdict: Verdict
+    confidence: float = 0.95
+    """The interval's level: 0.95 in `tuneproof compare`; 1 - 0.05/m in the image canary, whose one decision
+    rests on m metrics (Bonferroni). Records made before it were at 0.95."""
     method: str | None = None
     """How the interval was made ('t on log ratio'); None for records made before it."""
     repeats_needed: int | None = None
-    """With 'insufficient repeats': repeats an arm that would resolve the threshold at the spread seen."""
+    """With 'insufficient repeats': repeats an arm that would resolve the threshold at the spread seen (None with one
+    value on each arm: no spread seen)."""
 
 
 class ArmIdentity(Model):
@@ -148,10 +154,15 @@ def verdict(dir_: Direction, interval: stats.RatioInterval | None, threshold: fl
     return "better" if moved == dir_ else "worse"
 
 
-def compare_metric(name: str, a: list[float], b: list[float], threshold: float) -> MetricComparison:
+def compare_metric(
+    name: str, a: list[float], b: list[float], threshold: float, confidence: float = 0.95
+) -> MetricComparison:
+    """B against A with a t interval at `confidence` (higher where one decision rests on several metrics)."""
     sa, sb = spread(a), spread(b)
-    interval = stats.log_ratio_interval(a, b)
     medians = sb.median / sa.median if sa.median and sb.median is not None else None
+    if min(len(a), len(b)) == 1:
+        return one_value_an_arm(name, sa, sb, medians, threshold, confidence)
+    interval = stats.log_ratio_interval(a, b, confidence)
     result = verdict(direction(name), interval, threshold)
     return MetricComparison(
         name=name,
@@ -161,10 +172,37 @@ def compare_metric(name: str, a: list[float], b: list[float], threshold: float) 
         ratio=interval.ratio if interval else medians,
         ci95=(interval.lo, interval.hi) if interval else None,
         verdict=result,
+        confidence=confidence,
         method="t on log ratio" if interval else None,
-        repeats_needed=stats.repeats_needed(interval, threshold)
+        repeats_needed=stats.repeats_needed(interval.ratio, interval.log_sd, threshold, confidence)
         if interval and result == "insufficient repeats"
         else None,
+    )
+
+
+def one_value_an_arm(
+    name: str, a: Spread, b: Spread, ratio: float | None, threshold: float, confidence: float
+) -> MetricComparison:
+    """One value on either arm: no interval, so never better, worse or no difference, however far apart the
+    two values are (one run's value is one draw of its noise). The repeats needed are sized by the other arm's
+    spread when it has one; with one value on each arm there is no spread to size them by."""
+    spread_seen = stats.log_sd(b.values if len(a.values) == 1 else a.values)
+    needed = (
+        stats.repeats_needed(ratio, spread_seen, threshold, confidence)
+        if ratio is not None and ratio > 0 and spread_seen is not None
+        else None
+    )
+    return MetricComparison(
+        name=name,
+        direction=direction(name),
+        a=a,
+        b=b,
+        ratio=ratio,
+        ci95=None,
+        verdict="insufficient repeats",
+        confidence=confidence,
+        method="one value an arm: no interval",
+        repeats_needed=needed,
     )
 
 
@@ -192,10 +230,21 @@ def summary_rows(result: Comparison) -> list[dict[str, Any]]:
             "B min..max": f"{m.b.min:.4g}..{m.b.max:.4g}" if m.b.values else "",
             "B/A": m.ratio,
             "95% CI of B/A": f"{m.ci95[0]:.3f}..{m.ci95[1]:.3f}" if m.ci95 else "",
-            "verdict": m.verdict + (f" ({m.repeats_needed} repeats an arm would tell)" if m.repeats_needed else ""),
+            "verdict": m.verdict + needed_words(m),
         }
         for m in result.metrics
     ]
+
+
+def needed_words(m: MetricComparison) -> str:
+    """' (7 repeats an arm would tell)', or why no number is given; '' for a resolved verdict."""
+    if m.verdict != "insufficient repeats":
+        return ""
+    if m.repeats_needed:
+        return f" ({m.repeats_needed} repeats an arm would tell)"
+    if min(len(m.a.values), len(m.b.values)) == 1:
+        return " (one value an arm: 2 or more repeats an arm give an interval)"
+    return " (more than 1,000 repeats an arm at this spread)"
 
 
 # ---- storage ------------------------------------------------------------------------------------

@@ -168,9 +168,16 @@ def decide(
     """Adopt or reject, with one reason per finding (pure).
 
     A failed canary run rejects. With no baseline the candidate is adopted as the first baseline. Otherwise
-    every baseline metric with a better side is compared: with two or more values on each side by the
-    comparison's t interval verdict, else by the threshold on the ratio of medians; a metric that got
-    worse, or that the candidate no longer reports, rejects.
+    every baseline metric with a better side is compared by the t interval of `tuneproof compare`
+    (comparison.compare_metric): a metric that got worse, or that the candidate no longer reports, rejects;
+    so does one the repeats cannot resolve ('insufficient repeats', always with one value on either side),
+    as a refusal on insufficient evidence, not a finding that the image is worse: "not adopted", with the
+    repeats that would tell. Adopted only when every metric shows no detectable difference or better.
+
+    Several metrics at once: one decision over m metrics, so each interval is at 1 - 0.05/m (Bonferroni): the
+    chance that any of m unchanged metrics is called worse stays under 2.5 %, and that a worse one is found
+    "no different" is bounded alike (tests/test_images.py simulates both), at the cost of wider intervals,
+    that is, more repeats before a canary can adopt.
     """
     if failure is not None:
         return "reject", [f"the canary failed: {failure}"], []
@@ -185,69 +192,74 @@ def decide(
     ]
     if reasons:
         return "reject", reasons, comparisons
-    better = sum(m.verdict == "better" for m in comparisons)
     unresolved = [m for m in comparisons if m.verdict == "insufficient repeats"]
-    reasons = [
-        f"no metric worse than {baseline.decision_id} ({baseline.candidate_image}) beyond {threshold:.0%}: "
-        f"{len(comparisons)} compared, {better} better"
-    ]
-    # Not shown worse is not shown equal: say which metrics these repeats could not resolve either way.
-    reasons += [
-        f"{m.name}: insufficient repeats to tell a {threshold:.0%} change from noise"
-        + (f" ({m.repeats_needed} repeats a side would)" if m.repeats_needed else "")
-        for m in unresolved
-    ]
-    return "adopt", reasons, comparisons
+    if unresolved:
+        return "reject", [_not_adopted(m, threshold) for m in unresolved], comparisons
+    better = sum(m.verdict == "better" for m in comparisons)
+    return (
+        "adopt",
+        [
+            f"no metric worse than {baseline.decision_id} ({baseline.candidate_image}) beyond {threshold:.0%}: "
+            f"{len(comparisons)} compared, {better} better"
+        ],
+        comparisons,
+    )
 
 
 def compare_metrics(
     baseline: dict[str, list[float]], candidate: dict[str, list[float]], threshold: float
 ) -> list[MetricComparison]:
-    """One comparison (A = baseline, B = candidate) per metric both measured that has a better side (pure)."""
-    out = []
-    for name in sorted(set(baseline) & set(candidate)):
-        a, b = baseline[name], candidate[name]
-        if not a or not b or cmp.direction(name) == "none":
-            continue
-        if len(a) >= 2 and len(b) >= 2:
-            out.append(cmp.compare_metric(name, a, b, threshold))
-        else:
-            out.append(threshold_comparison(name, a, b, threshold))
-    return out
+    """One comparison (A = baseline, B = candidate) per metric both measured that has a better side, each at
+    1 - 0.05/m for m such metrics (pure)."""
+    names = [
+        name
+        for name in sorted(set(baseline) & set(candidate))
+        if baseline[name] and candidate[name] and cmp.direction(name) != "none"
+    ]
+    confidence = 1 - 0.05 / max(1, len(names))
+    return [cmp.compare_metric(name, baseline[name], candidate[name], threshold, confidence) for name in names]
 
 
-def threshold_comparison(name: str, a: list[float], b: list[float], threshold: float) -> MetricComparison:
-    """Too few repeats for an interval: better/worse when the ratio of medians moves by the threshold (pure)."""
-    sa, sb = cmp.spread(a), cmp.spread(b)
-    d = cmp.direction(name)
-    ratio = sb.median / sa.median if sa.median and sb.median is not None else None
-    return MetricComparison(
-        name=name, direction=d, a=sa, b=sb, ratio=ratio, ci95=None, verdict=_threshold_verdict(d, sa, sb, threshold)
+MAX_REPEATS = 20
+
+
+def repeats_problem(repeats: int) -> str | None:
+    """Why a canary cannot run `repeats` runs, or None (pure). One run gives one value per metric, which no
+    interval stands on: it could never be adopted against a baseline, nor judge the next canary as one."""
+    if repeats == 1:
+        return (
+            "repeats must be at least 2 (got 1): one run gives one value per metric, and one value cannot tell a "
+            "change from noise (3 by default)"
+        )
+    if not 2 <= repeats <= MAX_REPEATS:
+        return f"repeats must be between 2 and {MAX_REPEATS} (got {repeats})"
+    return None
+
+
+def _not_adopted(m: MetricComparison, threshold: float) -> str:
+    """'not adopted: insufficient repeats for <metric> (need N repeats a side ...)': refused, not found worse."""
+    if m.repeats_needed:
+        need = f"need {m.repeats_needed} repeats a side at the spread seen"
+    elif min(len(m.a.values), len(m.b.values)) == 1:
+        side = "the baseline" if len(m.a.values) == 1 else "the candidate"
+        need = f"{side} has one value: need 2 or more repeats a side for any interval"
+    else:
+        need = "more than 1,000 repeats a side at the spread seen"
+    ratio = ("no ratio" if m.ratio is None else f"ratio {m.ratio:.3f}") + _interval_text(m)
+    return (
+        f"not adopted: insufficient repeats for {m.name} to tell a {threshold:.0%} change from noise ({ratio}; {need})"
     )
-
-
-def _threshold_verdict(d: cmp.Direction, a: cmp.Spread, b: cmp.Spread, threshold: float) -> cmp.Verdict:
-    if a.median is None or b.median is None:
-        return "not enough data"
-    # Relative to the baseline's magnitude; a baseline of 0 (an untrained score) compares absolutely.
-    scale = abs(a.median) or 1.0
-    change = (b.median - a.median) / scale
-    if abs(change) < threshold:
-        return "no detectable difference"
-    up = change > 0
-    return "better" if up == (d == "higher") else "worse"
 
 
 def _reason(m: MetricComparison) -> str:
-    how = f"ratio {m.ratio:.3f}" if m.ratio is not None else "changed"
-    interval = (
-        f", 95% CI {m.ci95[0]:.3f}..{m.ci95[1]:.3f}"
-        if m.ci95
-        else ", one value per side, no interval: a rerun with --repeats 3 on both sides tells noise from change"
-    )
     return f"{m.name}: worse ({m.direction} is better): baseline median {m.a.median:.4g}, candidate median " + (
-        f"{m.b.median:.4g} ({how}{interval})"
+        f"{m.b.median:.4g} (ratio {m.ratio:.3f}{_interval_text(m)})"
     )
+
+
+def _interval_text(m: MetricComparison) -> str:
+    """', 99.17% CI 0.812..0.953' (Bonferroni over the metrics compared), or '' without an interval."""
+    return f", {100 * m.confidence:.4g}% CI {m.ci95[0]:.3f}..{m.ci95[1]:.3f}" if m.ci95 else ""
 
 
 def metric_values(per_run: list[dict[str, float | None]]) -> dict[str, list[float]]:

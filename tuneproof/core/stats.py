@@ -374,14 +374,14 @@ def log_ratio_interval(a: Sequence[float], b: Sequence[float], confidence: float
     return RatioInterval(math.exp(d), math.exp(d - half), math.exp(d + half), df, pooled)
 
 
-def repeats_needed(interval: RatioInterval, threshold: float, confidence: float = 0.95) -> int | None:
-    """Repeats an arm at which the interval, at the observed spread, would either exclude 1 or fit inside
-    1 +/- threshold: whichever is nearer. None when that is more than 1,000 repeats."""
-    d, band = abs(math.log(interval.ratio)), math.log1p(threshold)
+def repeats_needed(ratio: float, log_sd: float, threshold: float, confidence: float = 0.95) -> int | None:
+    """Repeats an arm at which the interval, at a ratio and a repeat's log spread like those seen, would either
+    exclude 1 or fit inside 1 +/- threshold: whichever is nearer. None when that is more than 1,000 repeats."""
+    d, band = abs(math.log(ratio)), math.log1p(threshold)
     target = max(d, band - d)
 
     def resolves(n: int) -> bool:
-        return t_quantile(0.5 + confidence / 2, 2 * n - 2) * interval.log_sd * math.sqrt(2 / n) <= target
+        return t_quantile(0.5 + confidence / 2, 2 * n - 2) * log_sd * math.sqrt(2 / n) <= target
 
     if not resolves(1000):
         return None
@@ -390,6 +390,13 @@ def repeats_needed(interval: RatioInterval, threshold: float, confidence: float 
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if resolves(mid) else (mid + 1, hi)
     return lo
+
+
+def log_sd(values: Sequence[float]) -> float | None:
+    """The standard deviation of the values' logarithms; None below 2 values or with a value <= 0."""
+    if len(values) < 2 or min(values) <= 0:
+        return None
+    return math.sqrt(_variance([math.log(x) for x in values]))
 
 
 def _variance(xs: Sequence[float]) -> float:

@@ -534,6 +534,17 @@ ROLES: tuple[Role, ...] = ("candidate", "base", "incumbent")
 """The order the gate decision takes the models in."""
 
 
+class Generations(Summary):
+    """One model's answers on one split (the task's, or a suite): how many, and how many the evaluation could
+    not score as the model's own answer."""
+
+    answers: int
+    cut_off: int
+    """Answers that stopped at eval.max_new_tokens without a stop token."""
+    empty: int
+    """Answers that came back empty (after stripping)."""
+
+
 class ModelScore(Summary):
     path: str
     metrics: dict[str, float | None]
@@ -544,6 +555,10 @@ class ModelScore(Summary):
     chat_template_sha256: str | None = None
     """The chat template of the tokenizer the model was prompted with (the self-test holds the candidate's
     and the base's to the data stage's; an incumbent's that differs is logged)."""
+    generations: dict[str, Generations] = {}
+    """Per split, "task" first, then each suite by name: its cut-off and empty answers. Over
+    eval.max_truncated_fraction the evaluation is invalid (eval/selftest.py: every model but the base on the
+    task); empty in records made before they were counted."""
 
 
 GateKind = Literal["min", "min_improvement", "max_regression", "max_regression_vs_base"]
@@ -582,14 +597,36 @@ class Verdict(Summary):
     """The eval split every score of this verdict came from."""
 
     def brief(self) -> str:
-        """'pass [0.95, 0.99] n=300', 'FAIL ...', 'insufficient evidence [...] n=15 (189 items would resolve it)'."""
-        bounds = "" if self.interval is None else f" [{self.interval[0]:.4g}, {self.interval[1]:.4g}] n={self.n}"
+        """'pass [0.95, 0.99] n=300, Wilson score, p<0.0001, split 05433017fd51', 'FAIL ...', 'insufficient
+        evidence [...] n=15, Newcombe paired score, p=0.22, split ... (189 items would resolve it)': what runs diff
+        and the tables show of a verdict, with the method, p-value and split it stands on."""
+        if self.value is None and self.passed and self.interval is None:
+            return "n/a (no incumbent)"
+        evidence = self._evidence()
         if self.outcome == "insufficient":
             needed = f"{self.items_needed:,} items would resolve it" if self.items_needed else "no item count would"
-            return f"insufficient evidence{bounds} ({needed})"
-        if not self.passed:
-            return "FAIL" + bounds
-        return "pass" + bounds if self.value is not None else "n/a (no incumbent)"
+            return f"insufficient evidence{evidence} ({needed})"
+        return ("pass" if self.passed else "FAIL") + evidence
+
+    def _evidence(self) -> str:
+        parts = []
+        if self.interval is not None:
+            parts.append(f" [{self.interval[0]:.4g}, {self.interval[1]:.4g}] n={self.n}")
+            parts += [f", {self.method}"] if self.method else []
+            parts += [f", {p_text(self.p_value)}"] if self.p_value is not None else []
+        parts += [f", split {self.split_sha256[:12]}"] if self.split_sha256 else []
+        return "".join(parts)
+
+    def with_split(self) -> str:
+        """The gate line and the split it was decided on: what the model card lists."""
+        return f"{self.line} (split `{self.split_sha256[:12]}`)" if self.split_sha256 else self.line
+
+
+def p_text(p: float) -> str:
+    """'p=0.0031', 'p<0.0001', 'p>0.5': a p-value as gate lines print it."""
+    if p >= 0.5:
+        return "p>0.5" if p >= 1.0 else f"p={p:.2g}"
+    return "p<0.0001" if p < 1e-4 else f"p={p:.2g}"
 
 
 class GateDecision(Summary):

@@ -1,0 +1,41 @@
+"""eval/selftest.py: cut-off and empty answers per model and split, and who the cap holds (pure)."""
+
+from __future__ import annotations
+
+from eval.selftest import TASK, count_lines, generation_problem, generations
+from tuneproof.core.summaries import Generations
+
+
+def seen(answers: int, cut_off: int = 0, empty: int = 0) -> Generations:
+    return Generations(answers=answers, cut_off=cut_off, empty=empty)
+
+
+def test_answers_are_counted_cut_off_and_empty():
+    assert generations(["2024-01-05", "", "20"], [False, False, True]) == seen(3, cut_off=1, empty=1)
+
+
+def test_within_the_cap_is_no_problem_and_over_it_names_the_model_the_count_and_the_setting():
+    assert generation_problem({"candidate": {TASK: seen(300, cut_off=6)}}, 16, 0.02) is None  # 2 % exactly
+    problem = generation_problem({"candidate": {TASK: seen(300, cut_off=7)}}, 16, 0.02)
+    assert problem is not None and problem.startswith(
+        "candidate 7/300 answers cut off at eval.max_new_tokens=16 (cap 0.02, eval.max_truncated_fraction)"
+    )
+    empty = generation_problem({"incumbent": {TASK: seen(300, empty=30)}}, 16, 0.02)
+    assert empty is not None and empty.startswith("incumbent 30/300 answers empty (cap 0.02")
+
+
+def test_the_base_is_not_held_to_the_cap_on_the_task_but_is_on_the_suites():
+    """The demo's base leaves 20 of 300 date answers empty: it has not learned the task. On a suite of the
+    skills it was pre-trained on, its cut-off answers say the setting is too small."""
+    demo = {"candidate": {TASK: seen(300)}, "base": {TASK: seen(300, empty=20)}}
+    assert generation_problem(demo, 16, 0.02) is None
+    assert count_lines(demo) == [
+        "base: 0 of 300 answers end at max_new_tokens without a stop, 20 empty (not capped: the base has not "
+        "learned the task)"
+    ]
+    on_suite = {**demo, "base": {TASK: seen(300, empty=20), "add": seen(80, cut_off=80)}}
+    problem = generation_problem(on_suite, 4, 0.02)
+    assert problem is not None and problem.startswith(
+        "base on suite add 80/80 answers cut off at eval.max_new_tokens=4"
+    )
+    assert generation_problem({"candidate": {"add": seen(0)}}, 16, 0.0) is None  # nothing answered, nothing to say
