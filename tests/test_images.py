@@ -114,6 +114,20 @@ def test_repeats_on_both_sides_use_the_t_interval_and_unresolved_is_not_adopted(
     assert verdict == "adopt" and reasons == [f"no metric worse than d1 ({OLD}) beyond 10%: 1 compared, 0 better"]
 
 
+def test_a_metric_fallen_to_zero_is_never_adopted():
+    """Exact match 0 on the candidate has no logarithm and so no interval: refused, never 'no finding'."""
+    base = decision("d1", OLD, eval__candidate__exact_match=[0.99, 0.99, 1.0], finetune__tokens_per_s=[1000.0] * 3)
+    broken = {"eval.candidate.exact_match": [0.0, 0.0, 0.0], "finetune.tokens_per_s": [1001.0, 999.0, 1000.0]}
+    verdict, reasons, compared = decide(None, base, broken, 0.1)
+    assert (
+        verdict == "reject" and {m.name: m.verdict for m in compared}["eval.candidate.exact_match"] == "not enough data"
+    )
+    assert reasons == [
+        "not adopted: eval.candidate.exact_match cannot be compared on a ratio scale (baseline [0.99, 0.99, 1], "
+        "candidate [0, 0, 0]: a value <= 0 has no logarithm)"
+    ]
+
+
 METRICS = (
     "finetune.tokens_per_s",
     "finetune.final_loss",

@@ -192,9 +192,11 @@ def decide(
     ]
     if reasons:
         return "reject", reasons, comparisons
-    unresolved = [m for m in comparisons if m.verdict == "insufficient repeats"]
-    if unresolved:
-        return "reject", [_not_adopted(m, threshold) for m in unresolved], comparisons
+    # A value <= 0 has no logarithm, so no interval: an exact match fallen to 0 must not pass as "no finding".
+    unjudged = [_not_judged(m) for m in comparisons if m.verdict == "not enough data"]
+    unresolved = [_not_adopted(m, threshold) for m in comparisons if m.verdict == "insufficient repeats"]
+    if unjudged or unresolved:
+        return "reject", unjudged + unresolved, comparisons
     better = sum(m.verdict == "better" for m in comparisons)
     return (
         "adopt",
@@ -249,6 +251,18 @@ def _not_adopted(m: MetricComparison, threshold: float) -> str:
     return (
         f"not adopted: insufficient repeats for {m.name} to tell a {threshold:.0%} change from noise ({ratio}; {need})"
     )
+
+
+def _not_judged(m: MetricComparison) -> str:
+    """'not adopted: <metric> cannot be compared ...': a value <= 0 on either side leaves no ratio interval."""
+    return (
+        f"not adopted: {m.name} cannot be compared on a ratio scale (baseline {_values(m.a.values)}, candidate "
+        f"{_values(m.b.values)}: a value <= 0 has no logarithm)"
+    )
+
+
+def _values(values: list[float]) -> str:
+    return "[" + ", ".join(f"{v:.4g}" for v in values) + "]"
 
 
 def _reason(m: MetricComparison) -> str:
