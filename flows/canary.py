@@ -114,11 +114,11 @@ def request_problem(
 def canary_workload(cfg: PipelineConfig, storage: Storage, candidate: str, max_steps: int) -> PipelineConfig:
     """The production model's workload (the config of the run that produced it, else `cfg`), shortened.
 
-        The cluster and storage stay the profile's, less its version expectations; the fine-tune is cut to
-        max_steps with no resume test; every gate only asks that its metric was computed, and cut-off answers are counted
-    but not capped (eval.max_truncated_fraction 1): a canary judges the image against
-        the baseline image's measurements, not the short model against the production gates. On eks the runs' storage
-        root is <root>/canary: the canary's Ray pods run the candidate image under a role that writes only there
+    The cluster and storage stay the profile's, less its version expectations; the fine-tune is cut to max_steps
+    with no resume test and no regression suites; every gate only asks that its metric was computed, and cut-off
+    answers are counted but not capped (eval.max_truncated_fraction 1): a canary judges the image against the
+    baseline image's measurements, not the short model against the production gates. On eks the runs' storage
+    root is <root>/canary: the canary's Ray pods run the candidate image under a role that writes only there
         (deployments/s3-canary-policy.json), so `tuneproof runs show` finds them with --set storage.root=<root>/canary.
     """
     data = production_config(storage, cfg.model.name) or cfg.model_dump(mode="json")
@@ -137,6 +137,9 @@ def canary_workload(cfg: PipelineConfig, storage: Storage, candidate: str, max_s
     train["warmup_steps"] = min(train["warmup_steps"], train["max_steps"] // 2)
     data["resume"]["enabled"] = False
     data["eval"]["gates"] = {name: computed_gate(gate) for name, gate in data["eval"]["gates"].items()}
+    # A short fine-tune has not yet relearned the skills it rehearses: the production model's regression suites
+    # judge models, and a canary judges the image, so they are left out (as the gates are only asked to compute).
+    data["eval"]["suites"] = {}
     # A short fine-tune need not have learned to end its answers: counted, not held to the cap, as its gates.
     data["eval"]["max_truncated_fraction"] = 1.0
     return PipelineConfig.model_validate(data).resolved()

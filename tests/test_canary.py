@@ -51,6 +51,7 @@ def test_the_workload_is_short_resume_free_and_measured_not_gated(tmp_path):
     gate = workload.eval.gates["exact_match"]
     assert gate.min is not None and gate.min < 0 and gate.min_improvement is None and gate.max_regression is None
     assert workload.eval.max_truncated_fraction == 1.0  # a short model's long answers are measured, not refused
+    assert cfg.eval.suites and workload.eval.suites == {}  # a short model has not relearned what it rehearses
     assert workload.cluster.expect.image is None  # locally the environment digest is checked instead
     assert workload.cluster.expect.ray_version is None  # the candidate's versions are recorded, not held to the old
 
