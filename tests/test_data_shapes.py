@@ -388,7 +388,8 @@ def test_columns_content_hash_is_unchanged_by_shapes():
 
 
 def test_local_profile_dates_content_hash_is_pinned(tmp_path):
-    """configs/local.yaml's dataset keeps the hash it had before shapes: prepared dates stay cache hits.
+    """configs/local.yaml's dataset, without its data.replay, keeps the hash it had before shapes (and before
+    replay): prepared dates stay cache hits, and a dataset that mixes in no replay file keeps its identity.
 
     Run as the job runs, without the test session's HF_HUB_OFFLINE: transformers writes local_files_only
     into the saved tokenizer_config.json that the tokenizer hash covers, so the variable moves the hash.
@@ -396,7 +397,8 @@ def test_local_profile_dates_content_hash_is_pinned(tmp_path):
     model = tmp_path / "tiny-qwen2"
     ensure_tiny_model(model)  # what `tuneproof local up` builds
     cfg = load_config(
-        PROJECT_ROOT / "configs" / "local.yaml", [f"storage.root={tmp_path / 'store'}", f"model.source={model}"]
+        PROJECT_ROOT / "configs" / "local.yaml",
+        [f"storage.root={tmp_path / 'store'}", f"model.source={model}", "data.replay=null"],
     )
     result = run_data_job(cfg, "run-pin", offline=False)
     assert result["summary"]["content_hash"] == LOCAL_DATES_HASH and result["summary"]["manifest"]["shape"] == "columns"
