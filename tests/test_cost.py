@@ -24,7 +24,7 @@ from tuneproof.core.config import PipelineConfig
 from tuneproof.core.results import FailureClass, StageResult
 from tuneproof.core.rowlog import append_rows
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import METRICS_LOG, FinetuneSummary, Restart
+from tuneproof.core.summaries import METRICS_LOG, CopyCheckSummary, FinetuneSummary, Restart
 
 GPU_CFG = PipelineConfig.model_validate({"train": {"num_workers": 4, "use_gpu": True}})
 
@@ -261,6 +261,49 @@ def test_the_card_renders_cost_and_goodput():
     assert "## Cost" in card and "| r2-failed | failed (modeling) | 250.0 | 240.0 | 0.0250 | 100 |" in card
     assert "| r3 | promoted as this version |" in card
     assert "Goodput: 100 fine-tune steps in this model / 200 paid for = 0.50." in card
+    assert "Prices per resource-hour (the run's cost.prices): CPU 0.36." in card
+
+
+def test_the_card_states_the_cost_with_the_copy_check_and_models_show_shows_that_cost(tmp_path):
+    from tasks.promote import move_pointer, with_copy_check
+    from tests.test_promote_task import passed_record, with_export
+
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}, "cost": {"prices": {"CPU": 3.6}}})
+    storage = Storage(str(tmp_path))
+    failed = run("r0-failed", 0, cfg=cfg, failed=True)
+    failed.created_at = records.now_iso()
+    records.save(storage, failed)
+    with_export(storage, "r1")
+    promoted = passed_record(cfg, "r1")
+    finetune = promoted.stages["finetune"]
+    finetune.jobs = [job("training.finetune", at(100), at(160), finetune.summary)]
+    jobs: list[JobEntry] = []
+
+    def copy_check(model_path: str) -> None:  # the Ray job eval.copy_check, as its JobEntry
+        scores = {"exact_match": 1.0}
+        checked = CopyCheckSummary(
+            model_path=model_path, examples=32, evaluate_scores=scores, copy_scores=scores, passed=True
+        )
+        jobs.append(job("eval.copy_check", at(200), at(205), checked.to_json()))
+
+    entry = move_pointer(cfg, promoted, "t", forced=None, check_copy=copy_check, jobs=jobs)
+    assert entry.ok, entry.cause
+    promoted.stages["promote"] = with_copy_check(entry, jobs)  # what the flow then stores
+    promoted.status = "succeeded"
+    records.save(storage, promoted)
+
+    version = registry.read_pointer(storage, cfg.model.name)[0]["version"]
+    card = storage.read_json("models", cfg.model.name, version, registry.CARD_JSON)["cost"]
+    (charged,) = [c for c in card["charged"] if c["run_id"] == "r1"]
+    assert [(s["stage"], s["seconds"]) for s in charged["stages"]][-1] == ("promote", 5.0)  # the copy check
+    assert charged["status"] == "promoted" and card["prices"] == {"CPU": 3.6}
+    assert [c["run_id"] for c in card["charged"]] == ["r0-failed", "r1"]
+    shown = tuneproof("models", "show", cfg.model.name, "--set", f"storage.root={tmp_path}")
+    assert json.loads(shown.stdout)["cost"] == [{"version": version, **card}]
+    # The card is the one computation: the same one over the records as they are stored now agrees with it.
+    stored = cost.records_of(records.list_records(storage)[0], cfg.model.name)
+    again = cost.version_costs(stored, registry.read_history(storage, cfg.model.name), cfg.cost.prices)
+    assert [v.model_dump() for v in again] == [{"version": version, **card}]
 
 
 @pytest.mark.integration
@@ -282,7 +325,10 @@ def test_after_a_failed_run_the_promoted_versions_cost_includes_it(clone_run):
     assert card["money"] > 0 and card["steps_paid"] >= card["promoted_steps"] > 0
     text = storage.read_text("models", name, version, registry.CARD_MD)
     assert "| bad-source | failed (data) |" in text and "Goodput:" in text
-    shown = json.loads(tuneproof("models", "show", name, *clone_run.args, *prices).stdout)
-    assert {c["run_id"] for c in shown["cost"][-1]["charged"]} == {"demo", "bad-source"}
+    (demo,) = [c for c in card["charged"] if c["run_id"] == "demo"]
+    promote = [s for s in demo["stages"] if s["stage"] == "promote" and not s["superseded"]]
+    assert promote and promote[0]["seconds"] > 0  # the copy check's Ray job
+    shown = json.loads(tuneproof("models", "show", name, *clone_run.args).stdout)
+    assert shown["cost"][-1] == {"version": version, **card}
     runs_show = tuneproof("runs", "show", "demo", *clone_run.args, *prices)
     assert runs_show.exit_code == 0 and "cost: CPU" in runs_show.output

@@ -588,23 +588,17 @@ def models_show(
     sets: list[str] = SetOpt,
 ) -> None:
     """One model: the production pointer, every version with its card, the production history, and what
-    each promoted version cost (its run and the model's other runs since the previous promotion)."""
-    from tuneproof.control import cost
-    from tuneproof.control.history import Move
-    from tuneproof.control.record import list_records
-    from tuneproof.control.registry import RegistryUnreadable, show_model
+    each promoted version cost (its card's cost: its run and the model's other runs since the previous
+    promotion, as they stood when its copy check had run)."""
+    from tuneproof.control.registry import RegistryUnreadable, show_model, version_costs
 
-    cfg = config_or_exit(config, sets)
     storage = storage_for(config, sets)
     try:
         shown = show_model(storage, name)
     except (FileNotFoundError, RegistryUnreadable) as e:
         say(err, e)
         raise typer.Exit(1) from None
-    runs = cost.records_of(list_records(storage)[0], name)
-    moves = [Move.model_validate(m) for m in shown["history"]]
-    side = cost.side_runs(storage, [r.run_id for r in runs])
-    shown["cost"] = [v.model_dump() for v in cost.version_costs(runs, moves, cfg.cost.prices, side)]
+    shown["cost"] = version_costs(shown["versions"])
     print(json.dumps(shown, indent=2))
 
 

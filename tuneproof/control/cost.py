@@ -31,6 +31,7 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict
 
+from tuneproof.control import stages as table
 from tuneproof.control.history import Move
 from tuneproof.control.record import JobEntry, RunRecord, StageEntry
 from tuneproof.core.storage import Storage
@@ -193,9 +194,12 @@ def stage_cost(
 
 
 def run_cost(record: RunRecord, prices: dict[str, float]) -> RunCost:
-    """Every stage the run paid for: its current entries and the superseded attempts (pure)."""
+    """Every stage the run paid for: the superseded attempts, then its current entries in the pipeline's order
+    (a stored record keeps its stages by name) (pure)."""
     configs = {inv.number: inv.config or record.config for inv in record.invocations}
-    entries = [(e, True) for e in record.superseded] + [(e, False) for e in record.stages.values()]
+    order = {name: i for i, name in enumerate(table.names())}
+    current = sorted(record.stages.values(), key=lambda e: (order.get(e.stage, len(order)), e.stage))
+    entries = [(e, True) for e in record.superseded] + [(e, False) for e in current]
     steps = paid_steps([e for e, _ in entries])
     stages = [
         stage_cost(e, configs.get(e.invocation, record.config), prices, superseded, paid)
