@@ -168,6 +168,10 @@ def test_the_cli_shows_the_history_answers_at_and_rolls_back(tmp_path):
     done = tuneproof("rollback", cfg.model.name, "--reason", "v2 regressed", *root)
     assert done.exit_code == 0, done.output
     assert json.loads(done.stdout)["to_version"] == v1
+    shown_run = tuneproof("runs", "show", "r2", *root)  # the run whose model was production says so
+    assert shown_run.exit_code == 0, shown_run.output
+    assert "rolled back: dates-qwen2-tiny v0002-r2 -> v0001-r1 at " in shown_run.output
+    assert "(history #3): v2 regressed" in shown_run.output
     shown = tuneproof("models", "history", cfg.model.name, "--json", *root)
     assert [m["to_version"] for m in json.loads(shown.stdout)] == [v1, v2, v1]
     text = tuneproof("models", "history", cfg.model.name, *root).stdout
