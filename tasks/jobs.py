@@ -12,6 +12,7 @@ what only they need (the Kubernetes half, NCCL logging, the incumbent from the r
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,14 +22,15 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks import artifacts, events
 from tasks.rayjob import JobSpec, RayJobRunner
-from tuneproof.control import registry
+from tuneproof.control import cost, registry
 from tuneproof.control.record import JobEntry, RunRecord, StageEntry
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.envelope import ProgressEvent
 from tuneproof.core.findings import errors
 from tuneproof.core.results import FailureClass, StageFailure, first_and_more, now_iso
+from tuneproof.core.rowlog import read_rows
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import FinetuneSummary, Summary, VerifySummary
+from tuneproof.core.summaries import METRICS_LOG, FinetuneSummary, Summary, VerifySummary
 from tuneproof.core.transport import nccl_env
 
 RETRY: dict[str, Any] = {"retries": 1, "retry_delay_seconds": 5, "cache_policy": NO_CACHE}
@@ -144,7 +146,26 @@ def finetune(call: StageCall) -> StageEntry:
     }
     if call.cfg.train.use_gpu and (capacity := verified_gpu_memory(call.record)) is not None:
         params["gpu_memory_bytes"] = capacity  # the job refuses a configuration that cannot fit it
-    return run_job_stage.with_options(name=call.stage)(call, "training.finetune", params)
+    entry = run_job_stage.with_options(name=call.stage)(call, "training.finetune", params)
+    return with_logged_steps(Storage.from_config(call.cfg.storage), call.run_id, entry)
+
+
+def with_logged_steps(storage: Storage, run_id: str, entry: StageEntry) -> StageEntry:
+    """Each fine-tune job that left no summary (stopped, lost, failed inside Ray Train) with the steps its metrics
+    log shows it trained between its submission and its end: what it paid for (tuneproof.control.cost). A log
+    that cannot be read leaves it None: the cost then counts the steps the checkpoints prove."""
+    jobs = []
+    for job in entry.jobs:
+        if job.result.summary is None:
+            try:
+                rows = read_rows(storage, "runs", run_id, "stages", job.result.stage, METRICS_LOG)
+            except (OSError, ValueError) as e:  # the stage's verdict stands; only this evidence is missing
+                logging.getLogger("tuneproof.cost").warning(f"{job.submission_id}: its metrics log cannot be read: {e}")
+                rows = None
+            if rows is not None:
+                job = job.model_copy(update={"logged_steps": cost.logged_steps(rows, job.submitted_at, job.ended_at)})
+        jobs.append(job)
+    return entry.model_copy(update={"jobs": jobs})
 
 
 def verified_gpu_memory(record: RunRecord) -> int | None:

@@ -183,7 +183,7 @@ def promote(call: StageCall) -> StageEntry:
         return refused(started, reasons, FailureClass.modeling)
     jobs: list[JobEntry] = []
     checker = copy_checker(call, jobs)
-    entry = move_pointer(call.cfg, call.record, started, forced=None, check_copy=checker)
+    entry = move_pointer(call.cfg, call.record, started, forced=None, check_copy=checker, jobs=jobs)
     entry = with_copy_check(entry, jobs)
     if entry.ok:
         publish_history(Storage.from_config(call.cfg.storage), call.cfg.model.name, call.record.run_id)
@@ -205,10 +205,12 @@ def move_pointer(
     started: str,
     forced: Forced | None,
     check_copy: Callable[[str], None] | None = None,
+    jobs: list[JobEntry] | None = None,
 ) -> StageEntry:
     """Check the export is the judged content, copy it to a new version, check the copy (check_copy, given
     the version's path) and CAS the pointer against the incumbent that was evaluated. Every refusal
-    happens before the pointer is touched."""
+    happens before the pointer is touched. `jobs` is the promote stage's own (check_copy appends the copy
+    check's): the card's cost, computed once the check has run, includes them."""
     storage = Storage.from_config(cfg.storage)
     finetune = record.summary("finetune", FinetuneSummary)
     if finetune is None or finetune.export_path is None:
@@ -233,7 +235,11 @@ def move_pointer(
             [f"the production model changed since evaluation ({evaluated} -> {current}); re-evaluate"],
             FailureClass.infrastructure,
         )
-    card = {**model_card(cfg, record, forced), "content_sha256": content, "cost": promotion_cost(storage, cfg, record)}
+    card = {**model_card(cfg, record, forced), "content_sha256": content}
+
+    def cost_of(move: history.Move) -> dict[str, Any]:
+        return promotion_cost(storage, cfg, as_stored(record, started, jobs or []), move)
+
     try:
         with rollbacks.hold(storage, cfg.model.name, record.run_id, f"promote {record.run_id}", HOLD_WAIT_S):
             result = registry.promote(
@@ -246,6 +252,7 @@ def move_pointer(
                 content_sha256=content,
                 intent=move_intent(record, forced),
                 check_copy=check_copy,
+                cost_of=cost_of,
             )
     except CopyCheckFailed as e:
         return refused(started, [str(e)], FailureClass.infrastructure)
@@ -258,24 +265,30 @@ def move_pointer(
     return StageEntry.succeeded("promote", summary, started)
 
 
-def promotion_cost(storage: Storage, cfg: PipelineConfig, record: RunRecord) -> dict[str, Any]:
-    """What the version about to be promoted cost (control.cost.VersionCost as JSON): this run, as it stands
-    now, and the model's other runs since the previous promotion."""
+def promotion_cost(storage: Storage, cfg: PipelineConfig, record: RunRecord, move: history.Move) -> dict[str, Any]:
+    """What the version `move` promotes cost (control.cost.VersionCost as JSON): this run as `record` has it, and
+    the model's other runs since the previous promotion. The card states it; `models show` shows the card's."""
     stored, _ = records.list_records(storage)
     runs = [r for r in cost.records_of(stored, cfg.model.name) if r.run_id != record.run_id] + [record]
-    now = history.Move(
-        seq=0,
-        kind="promote",
-        from_version=None,
-        to_version="pending",
-        run_id=record.run_id,
-        by="-",
-        at=now_iso(),
-        reason="-",
-    )
-    moves = [*registry.read_history(storage, cfg.model.name), now]
+    moves = [*registry.read_history(storage, cfg.model.name), move]
     side = cost.side_runs(storage, [r.run_id for r in runs])
     return cost.version_costs(runs, moves, cfg.cost.prices, side)[-1].model_dump(exclude={"version"})
+
+
+def as_stored(record: RunRecord, started: str, jobs: list[JobEntry]) -> RunRecord:
+    """The run's record as the flow will store it once this promote stage ends: with the stage's jobs so far
+    (the copy check's), so the card charges the run for them. A promotion without jobs (the override) adds none."""
+    if not jobs:
+        return record
+    entry = StageEntry(
+        stage="promote",
+        status="succeeded",
+        started_at=started,
+        ended_at=now_iso(),
+        jobs=list(jobs),
+        invocation=len(record.invocations) or 1,
+    )
+    return record.model_copy(update={"stages": {**record.stages, "promote": entry}})
 
 
 COPY_CHECK_EXAMPLES = 32

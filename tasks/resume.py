@@ -29,6 +29,7 @@ from tuneproof.core.results import FailureClass, StageFailure, now_iso
 from tuneproof.core.rowlog import read_rows, rows_sha256
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import (
+    METRICS_LOG,
     CheckpointRef,
     FinetuneSummary,
     LedgerComparison,
@@ -198,4 +199,4 @@ def every_point(
 def phase_rows(storage: Storage, run_id: str, job: str) -> list[dict]:
     """The metrics rows the interrupt phase logged before it was killed (its metrics.jsonl was flushed at the
     checkpoint): losses and ledger of the steps it trained."""
-    return read_rows(storage, "runs", run_id, "stages", job, "metrics.jsonl")
+    return read_rows(storage, "runs", run_id, "stages", job, METRICS_LOG)

@@ -530,6 +530,35 @@ def images_special(name: str, make: Callable[[Path], object], command: str = "li
     return build
 
 
+def history_entry(make: Callable[[Path], object]) -> Callable[[Path], list[str]]:
+    """The model's first production-history entry (models/<name>/history/000001.json) made by `make` (a FIFO, a
+    device, a move whose who and why hold escape sequences); `models history NAME`."""
+
+    def build(tmp: Path) -> list[str]:
+        make(registry(tmp) / MODEL / "history" / "000001.json")
+        return ["models", "history", MODEL, *root_args(tmp)]
+
+    return build
+
+
+def device(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.symlink_to("/dev/zero")
+    return path
+
+
+HOSTILE_MOVE = {
+    "seq": 1,
+    "kind": "rollback",
+    "from_version": "v0002-later",
+    "to_version": f"v0001-{GOOD_RUN}",
+    "run_id": GOOD_RUN,
+    "by": "\x1b[2J\x1b[31mmallory",
+    "at": "2026-12-01T10:00:00+00:00",
+    "reason": "ALL GATES PASSED\x1b[0m\u202e\r\n",
+}
+
+
 SPECIAL_FILE_CASES = [
     Case("config-fifo", lambda tmp: ["run", "--config", str(fifo(tmp / "c.yaml"))], 3, "is a FIFO (named pipe)"),
     Case("config-device", lambda tmp: ["runs", "list", "--config", "/dev/zero"], 3, "is a character device"),
@@ -559,6 +588,13 @@ SPECIAL_FILE_CASES = [
         "card-too-large", registry_special("card.json", too_large(16 << 20), "show"), 0, "larger than 16,777,216 bytes"
     ),
     Case("rollback-card-fifo", registry_special("card.json", fifo, "rollback"), 3, "is a FIFO (named pipe)"),
+    Case(
+        "history-entry-fifo",
+        history_entry(fifo),
+        1,
+        "000001.json: cannot be read as a production-history entry: is a FIFO (named pipe)",
+    ),
+    Case("history-entry-device", history_entry(device), 1, "production-history entry: is a character device"),
     Case(
         "image-pointer-fifo",
         images_special("current.json", fifo),
@@ -703,6 +739,12 @@ READ_CASES = [
         "not readable gzip",
     ),
     Case("pointer-dangling", dangling_pointer, 0, "broken (v0009-gone)"),
+    Case(
+        "history-entry-escapes",
+        history_entry(lambda path: write(path, json.dumps(HOSTILE_MOVE))),
+        0,
+        "by \\x1b[2J\\x1b[31mmallory: ALL GATES PASSED\\x1b[0m\\u202e\\x0d\\x0a",
+    ),
 ]
 
 CLI_CASES = (

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -21,8 +22,9 @@ from tuneproof.control.history import Move
 from tuneproof.control.record import CodeIdentity, JobEntry, RunRecord, RuntimeEnvAdditions, StageEntry, new_record
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.results import FailureClass, StageResult
+from tuneproof.core.rowlog import append_rows
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import FinetuneSummary
+from tuneproof.core.summaries import METRICS_LOG, CopyCheckSummary, FinetuneSummary, Restart
 
 GPU_CFG = PipelineConfig.model_validate({"train": {"num_workers": 4, "use_gpu": True}})
 
@@ -121,6 +123,118 @@ def test_a_promoted_version_is_charged_the_failed_runs_since_the_previous_promot
     assert [c.run_id for c in third.charged] == ["r4"] and third.apart == [] and third.money is None
 
 
+def stopped_job(sid: str, start: int, end: int, logged: int | None) -> JobEntry:
+    """A fine-tune job stopped from outside (`ray job stop`): no result.json, so no summary (tasks/rayjob.py)."""
+    entry = job("training.finetune", at(start), at(end)).model_copy(update={"job_status": "STOPPED"})
+    result = StageResult(
+        stage="finetune",
+        status="failed",
+        failure_class=FailureClass.infrastructure,
+        cause=f"Ray job {sid} STOPPED: Job was intentionally stopped.",
+        started_at=at(end),
+        ended_at=at(end),
+    )
+    return entry.model_copy(update={"submission_id": sid, "result": result, "logged_steps": logged})
+
+
+def resumed_finetune(start: int, restarts: list[Restart] | None = None) -> StageEntry:
+    """Invocation 2's fine-tune: `<run>-finetune-a2`, under the same Ray Train run, resumed from checkpoint 20."""
+    summary = FinetuneSummary(
+        run_name="demo",
+        train_storage_uri="t",
+        checkpoints=[],
+        start_step=20,
+        restored_from="runs/demo/train/demo/checkpoint_000020",
+        steps=400,
+        seconds=60.0,
+        restarts=restarts or [],
+    ).to_json()
+    ft = job("training.finetune", at(start), at(start + 60), summary).model_copy(
+        update={"submission_id": "demo-finetune-a2"}
+    )
+    ft.result.stage = "finetune"
+    return StageEntry(
+        stage="finetune", status="succeeded", started_at="a", ended_at="b", summary=summary, jobs=[ft], invocation=2
+    )
+
+
+def interrupted_run(first: StageEntry) -> RunRecord:
+    """`run`, its fine-tune interrupted at step 23 (last checkpoint 20), then `run --only data,finetune --run-id demo`."""
+    rec = run("demo", 0)
+    rec.superseded = [first]
+    rec.stages["finetune"] = resumed_finetune(200)
+    return rec
+
+
+def stopped_at_23() -> StageEntry:
+    stopped = stopped_job("demo-finetune", 10, 40, logged=23)
+    return StageEntry(
+        stage="finetune",
+        status="failed",
+        failure_class=FailureClass.infrastructure,
+        cause=stopped.result.cause,
+        started_at="a",
+        ended_at="b",
+        jobs=[stopped],
+    )
+
+
+def test_an_interrupted_fine_tune_pays_for_the_steps_its_metrics_log_shows():
+    rec = interrupted_run(stopped_at_23())
+    stages = cost.run_cost(rec, {}).stages
+    assert [(s.stage, s.superseded, s.steps) for s in stages] == [
+        ("finetune", True, 23),  # steps 1-23, by its metrics log: it left no summary
+        ("data", False, 0),
+        ("finetune", False, 380),  # 21-400, steps 21-23 trained again
+    ]
+    (version,) = cost.version_costs([rec], [promotion(1, "demo", 300)], {})
+    assert (version.promoted_steps, version.steps_paid, version.goodput) == (400, 403, 0.9926)
+
+
+def test_an_attempt_that_left_no_job_entry_is_paid_for_up_to_the_checkpoint_resumed_from():
+    # The flow died with its job (close_interrupted's entry: failed, no jobs): the checkpoint at 20 that the
+    # next job resumed from is the evidence that some attempt of this run trained steps 1-20.
+    lost = StageEntry.failed("finetune", FailureClass.infrastructure, "interrupted: invocation 1 ended crashed")
+    rec = interrupted_run(lost)
+    assert [s.steps for s in cost.run_cost(rec, {}).stages] == [0, 0, 400]
+    (version,) = cost.version_costs([rec], [promotion(1, "demo", 300)], {})
+    assert (version.steps_paid, version.goodput) == (400, 1.0)
+    # Records written before logged_steps existed: a stopped job without it counts the same way.
+    old = stopped_at_23()
+    old.jobs[0].logged_steps = None
+    assert [s.steps for s in cost.run_cost(interrupted_run(old), {}).stages] == [0, 0, 400]
+
+
+def test_steps_a_restart_trained_again_are_paid_for():
+    rec = run("demo", 0)
+    rec.stages["finetune"] = resumed_finetune(
+        10, [Restart(attempt=1, at_step=123, restored_step=100, lost_steps=23), Restart(attempt=2, restored_step=200)]
+    )
+    assert cost.run_cost(rec, {}).steps == 20 + 380 + 23  # the checkpoint at 20, 21-400, 101-123 again
+
+
+def test_goodput_above_one_is_refused():
+    assert cost.goodput(400, 403) == 0.9926 and cost.goodput(0, 0) is None
+    with pytest.raises(AssertionError, match="goodput 400/380 > 1: .* a job's steps are missing"):
+        cost.goodput(400, 380)
+
+
+def test_a_stopped_jobs_steps_are_counted_from_its_metrics_log_when_it_ends(tmp_path):
+    from tasks.jobs import with_logged_steps
+
+    storage = Storage(str(tmp_path))
+    when = [datetime.fromisoformat(at(t)).timestamp() for t in (5, 15, 20, 45)]
+    rows = [{"step": s, "loss": 1.0, "time": t} for s, t in zip((7, 1, 2, 3), when, strict=True)]  # 7: a job before
+    append_rows(storage, rows, "runs", "demo", "stages", "finetune", METRICS_LOG)
+    stopped = stopped_job("demo-finetune", 10, 40, logged=None)
+    entry = StageEntry(stage="finetune", status="failed", started_at="a", ended_at="b", jobs=[stopped])
+    (counted,) = with_logged_steps(storage, "demo", entry).jobs
+    assert counted.logged_steps == 2  # the rows written between its submission (10 s) and its end (40 s)
+    finished = job("training.finetune", at(0), at(1), {"steps": 1})
+    kept = with_logged_steps(storage, "demo", entry.model_copy(update={"jobs": [finished]})).jobs[0]
+    assert kept.logged_steps is None  # a job with a summary: its summary says what it trained
+
+
 def test_side_runs_are_the_ones_a_canary_or_comparison_names(tmp_path):
     storage = Storage(str(tmp_path))
     storage.write_json({}, "images", "d1", "decision.json")
@@ -147,6 +261,49 @@ def test_the_card_renders_cost_and_goodput():
     assert "## Cost" in card and "| r2-failed | failed (modeling) | 250.0 | 240.0 | 0.0250 | 100 |" in card
     assert "| r3 | promoted as this version |" in card
     assert "Goodput: 100 fine-tune steps in this model / 200 paid for = 0.50." in card
+    assert "Prices per resource-hour (the run's cost.prices): CPU 0.36." in card
+
+
+def test_the_card_states_the_cost_with_the_copy_check_and_models_show_shows_that_cost(tmp_path):
+    from tasks.promote import move_pointer, with_copy_check
+    from tests.test_promote_task import passed_record, with_export
+
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}, "cost": {"prices": {"CPU": 3.6}}})
+    storage = Storage(str(tmp_path))
+    failed = run("r0-failed", 0, cfg=cfg, failed=True)
+    failed.created_at = records.now_iso()
+    records.save(storage, failed)
+    with_export(storage, "r1")
+    promoted = passed_record(cfg, "r1")
+    finetune = promoted.stages["finetune"]
+    finetune.jobs = [job("training.finetune", at(100), at(160), finetune.summary)]
+    jobs: list[JobEntry] = []
+
+    def copy_check(model_path: str) -> None:  # the Ray job eval.copy_check, as its JobEntry
+        scores = {"exact_match": 1.0}
+        checked = CopyCheckSummary(
+            model_path=model_path, examples=32, evaluate_scores=scores, copy_scores=scores, passed=True
+        )
+        jobs.append(job("eval.copy_check", at(200), at(205), checked.to_json()))
+
+    entry = move_pointer(cfg, promoted, "t", forced=None, check_copy=copy_check, jobs=jobs)
+    assert entry.ok, entry.cause
+    promoted.stages["promote"] = with_copy_check(entry, jobs)  # what the flow then stores
+    promoted.status = "succeeded"
+    records.save(storage, promoted)
+
+    version = registry.read_pointer(storage, cfg.model.name)[0]["version"]
+    card = storage.read_json("models", cfg.model.name, version, registry.CARD_JSON)["cost"]
+    (charged,) = [c for c in card["charged"] if c["run_id"] == "r1"]
+    assert [(s["stage"], s["seconds"]) for s in charged["stages"]][-1] == ("promote", 5.0)  # the copy check
+    assert charged["status"] == "promoted" and card["prices"] == {"CPU": 3.6}
+    assert [c["run_id"] for c in card["charged"]] == ["r0-failed", "r1"]
+    shown = tuneproof("models", "show", cfg.model.name, "--set", f"storage.root={tmp_path}")
+    assert json.loads(shown.stdout)["cost"] == [{"version": version, **card}]
+    # The card is the one computation: the same one over the records as they are stored now agrees with it.
+    stored = cost.records_of(records.list_records(storage)[0], cfg.model.name)
+    again = cost.version_costs(stored, registry.read_history(storage, cfg.model.name), cfg.cost.prices)
+    assert [v.model_dump() for v in again] == [{"version": version, **card}]
 
 
 @pytest.mark.integration
@@ -168,7 +325,10 @@ def test_after_a_failed_run_the_promoted_versions_cost_includes_it(clone_run):
     assert card["money"] > 0 and card["steps_paid"] >= card["promoted_steps"] > 0
     text = storage.read_text("models", name, version, registry.CARD_MD)
     assert "| bad-source | failed (data) |" in text and "Goodput:" in text
-    shown = json.loads(tuneproof("models", "show", name, *clone_run.args, *prices).stdout)
-    assert {c["run_id"] for c in shown["cost"][-1]["charged"]} == {"demo", "bad-source"}
+    (demo,) = [c for c in card["charged"] if c["run_id"] == "demo"]
+    promote = [s for s in demo["stages"] if s["stage"] == "promote" and not s["superseded"]]
+    assert promote and promote[0]["seconds"] > 0  # the copy check's Ray job
+    shown = json.loads(tuneproof("models", "show", name, *clone_run.args).stdout)
+    assert shown["cost"][-1] == {"version": version, **card}
     runs_show = tuneproof("runs", "show", "demo", *clone_run.args, *prices)
     assert runs_show.exit_code == 0 and "cost: CPU" in runs_show.output

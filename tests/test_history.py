@@ -8,10 +8,14 @@ flow against a real Prefect server, are marked integration.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import subprocess
+import sys
 import uuid
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +25,7 @@ from tests.test_promote_task import passed_record, with_export
 from tuneproof.control import history, registry, rollback
 from tuneproof.control import record as records
 from tuneproof.control.history import Move, MoveIntent, production_at
-from tuneproof.core.config import PipelineConfig
+from tuneproof.core.config import PROJECT_ROOT, PipelineConfig
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import PromoteSummary
 
@@ -168,6 +172,10 @@ def test_the_cli_shows_the_history_answers_at_and_rolls_back(tmp_path):
     done = tuneproof("rollback", cfg.model.name, "--reason", "v2 regressed", *root)
     assert done.exit_code == 0, done.output
     assert json.loads(done.stdout)["to_version"] == v1
+    shown_run = tuneproof("runs", "show", "r2", *root)  # the run whose model was production says so
+    assert shown_run.exit_code == 0, shown_run.output
+    assert "rolled back: dates-qwen2-tiny v0002-r2 -> v0001-r1 at " in shown_run.output
+    assert "(history #3): v2 regressed" in shown_run.output
     shown = tuneproof("models", "history", cfg.model.name, "--json", *root)
     assert [m["to_version"] for m in json.loads(shown.stdout)] == [v1, v2, v1]
     text = tuneproof("models", "history", cfg.model.name, *root).stdout
@@ -205,25 +213,61 @@ def test_promote_promote_rollback_on_s3(s3_endpoint):
 
 
 @pytest.mark.integration
-def test_the_rollback_flow_runs_on_prefect_with_a_reason(prefect_server, tmp_path):
+@pytest.mark.timeout(900)
+def test_the_rollback_deployment_runs_from_prefect_with_a_reason(prefect_server, tmp_path):
+    """`prefect deploy` of prefect.yaml's `rollback`, a run of it with the form's parameters (run_deployment),
+    executed as the local process worker executes it (`prefect flow-run execute`: its pull step, then the
+    deployment's entrypoint): the history moves with the reason and who; the server refuses a form without `by`."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    from tuneproof.app import localctl
+
+    cfg = config(str(tmp_path))
+    storage, v1, v2 = promote_two(cfg)
+    env = {**os.environ, "PREFECT_API_URL": f"{prefect_server}/api", "PWD": str(PROJECT_ROOT)}
+    localctl.ensure_work_pools(env)
+    prefect = str(Path(sys.executable).parent / "prefect")
+
+    def cli(*args: str) -> None:
+        done = subprocess.run([prefect, *args], env=env, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (args, done.stdout[-3000:], done.stderr[-3000:])
+
+    cli("--no-prompt", "deploy", "--name", "rollback")
+    form = {"model": cfg.model.name, "reason": "v2 regressed overnight", "storage": {"root": str(tmp_path)}}
+    with pytest.raises(PrefectHTTPStatusError, match="by"):  # who rolls back is required: no silent default
+        run_deployment("tuneproof-rollback/rollback", parameters=form, timeout=0)
+    run = run_deployment("tuneproof-rollback/rollback", parameters={**form, "by": "oncall"}, timeout=0)
+    cli("flow-run", "execute", str(run.id))
+
+    async def final_state():
+        async with get_client() as client:
+            return (await client.read_flow_run(run.id)).state
+
+    state = asyncio.run(final_state())
+    assert state is not None and state.is_completed(), state
+    moves = registry.read_history(storage, cfg.model.name)
+    assert [(m.kind, m.from_version, m.to_version, m.by, m.reason) for m in moves[2:]] == [
+        ("rollback", v2, v1, "oncall", "v2 regressed overnight")
+    ]
+    assert registry.read_pointer(storage, cfg.model.name)[0]["version"] == v1
+    assert records.load(storage, "r2").rollbacks[0].reason == "v2 regressed overnight"
+
+
+@pytest.mark.integration
+def test_the_rollback_flow_refuses_with_the_pointer_kept_and_publishes_the_history(prefect_server, tmp_path):
     from prefect.client.orchestration import get_client
 
     from flows.rollback import rollback as rollback_flow
 
     cfg = config(str(tmp_path))
     storage, v1, v2 = promote_two(cfg)
-    state = rollback_flow(
-        model=cfg.model.name, reason="v2 regressed overnight", by="oncall", config=cfg, return_state=True
+    done = rollback_flow(
+        model=cfg.model.name, reason="v2 regressed", by="oncall", storage=cfg.storage, return_state=True
     )
-    assert state.is_completed(), state.message
-    moves = registry.read_history(storage, cfg.model.name)
-    assert (moves[-1].kind, moves[-1].to_version, moves[-1].by, moves[-1].reason) == (
-        "rollback",
-        v1,
-        "oncall",
-        "v2 regressed overnight",
-    )
-    refused = rollback_flow(model=cfg.model.name, reason="again", config=cfg, return_state=True)
+    assert done.is_completed(), done.message
+    refused = rollback_flow(model=cfg.model.name, reason="again", by="oncall", storage=cfg.storage, return_state=True)
     assert refused.is_failed() and "no earlier complete version" in refused.message
     assert registry.read_pointer(storage, cfg.model.name)[0]["version"] == v1
 
@@ -231,10 +275,8 @@ def test_the_rollback_flow_runs_on_prefect_with_a_reason(prefect_server, tmp_pat
         async with get_client() as client:
             return await client.read_artifacts()
 
-    import asyncio
-
     texts = [a.data for a in asyncio.run(artifact()) if a.key and a.key.startswith("production-history-rollback-")]
-    assert any("v2 regressed overnight" in t for t in texts)
+    assert any("v2 regressed" in t for t in texts)
 
 
 def test_the_rollback_deployment_takes_a_typed_form():
@@ -242,14 +284,23 @@ def test_the_rollback_deployment_takes_a_typed_form():
     from prefect.utilities.callables import parameter_schema
 
     from flows.rollback import rollback as rollback_flow
-    from tuneproof.core.config import PROJECT_ROOT
+    from flows.rollback import who
+    from tuneproof.core.config import StorageConfig, load_config
 
     doc = yaml.safe_load((PROJECT_ROOT / "prefect.yaml").read_text())
-    (deployment,) = [d for d in doc["deployments"] if d["name"] == "rollback"]
-    assert deployment["entrypoint"] == "flows/rollback.py:rollback" and deployment["parameters"] == {}
+    deployments = {d["name"]: d for d in doc["deployments"]}
+    local, eks = deployments["rollback"], deployments["eks-rollback"]
+    assert local["entrypoint"] == eks["entrypoint"] == "flows/rollback.py:rollback" and local["parameters"] == {}
+    assert (local["work_pool"]["name"], eks["work_pool"]["name"]) == ("local-process", "tuneproof-eks")
+    eks_storage = load_config(PROJECT_ROOT / "configs" / "eks.yaml", resolve=False).storage
+    assert StorageConfig.model_validate(eks["parameters"]["storage"]) == eks_storage  # the EKS registry
     schema = parameter_schema(rollback_flow).model_dump_for_openapi()
-    assert set(schema["required"]) == {"model", "reason"}
-    assert schema["properties"]["reason"]["minLength"] == 1 and schema["properties"]["model"]["type"] == "string"
+    assert set(schema["required"]) == {"model", "reason", "by"}
+    assert all(schema["properties"][p]["minLength"] == 1 for p in ("model", "reason", "by"))
+    assert "root" in schema["definitions"]["StorageConfig"]["properties"]  # the registry it acts on
+    assert rollback_flow.validate_parameters({"model": "m", "reason": "r", "by": "b"})["storage"] == StorageConfig()
+    assert who("oncall", None) == "oncall"
+    assert who("oncall", "AUTOMATION guard") == "oncall (flow run created by AUTOMATION guard)"
 
 
 def test_a_rollback_of_an_unknown_model_is_refused_and_leaves_nothing_behind(tmp_path):

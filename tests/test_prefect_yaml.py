@@ -29,7 +29,7 @@ def test_local_deployments_use_the_embedded_default_and_a_portable_pull_step():
 
 
 def test_eks_deployments_pin_their_flow_run_image_and_the_commit_they_clone():
-    for name in ("eks-manual", "eks-nightly"):
+    for name in ("eks-manual", "eks-nightly", "eks-rollback"):
         deployment = deployments()[name]
         variables = deployment["work_pool"]["job_variables"]
         assert "@sha256:" in variables["image"] and "tuneproof-flow-run" in variables["image"]

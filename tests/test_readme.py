@@ -65,7 +65,7 @@ NOT_RUN = {
     "deployments/eks-up.sh": "EKS: needs an AWS account; tests/test_eks_up.py runs it with stub aws/eksctl/kubectl",
     "tuneproof models history": "needs promotions: tests/test_history.py promotes, rolls back and reads the history",
     "tuneproof rollback": "needs two promotions: tests/test_history.py",
-    "tuneproof-rollback/rollback": "needs the rollback deployment's worker: tests/test_history.py runs the flow",
+    "tuneproof-rollback/rollback": "needs two promotions: tests/test_history.py deploys and runs it",
     "tuneproof models show dates-qwen2-tiny": "the evidence block runs the same command (.venv/bin/tuneproof)",
     ".git/info/exclude": "part of the GPU check's device call (bench/gpu_check.py; tests/test_gpu_check.py)",
     "pip download --no-deps --only-binary": "fetches the GPU check's wheels (tests/test_gpu_check.py hides them)",

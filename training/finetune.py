@@ -68,6 +68,7 @@ from tuneproof.core.results import FailureClass, StageFailure, one_line
 from tuneproof.core.rowlog import append_rows, read_rows, remove_log, rows_sha256
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import (
+    METRICS_LOG,
     FinetuneSummary,
     FitEstimate,
     RankMemory,
@@ -83,7 +84,7 @@ if TYPE_CHECKING:  # torch and the data module load inside workers only
     from training.train_data import StepBatches
 
 OUTCOME = "outcome.json"
-METRICS = "metrics.jsonl"
+METRICS = METRICS_LOG
 INTERRUPTED = "interrupted.json"
 """Written by rank 0 just before a planned interruption kills every rank: {step, time}."""
 

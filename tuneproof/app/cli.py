@@ -588,23 +588,18 @@ def models_show(
     sets: list[str] = SetOpt,
 ) -> None:
     """One model: the production pointer, every version with its card, the production history, and what
-    each promoted version cost (its run and the model's other runs since the previous promotion)."""
-    from tuneproof.control import cost
-    from tuneproof.control.history import Move
-    from tuneproof.control.record import list_records
-    from tuneproof.control.registry import RegistryUnreadable, show_model
+    each promoted version cost (its card's cost: its run and the model's other runs since the previous
+    promotion, as they stood when its copy check had run)."""
+    from tuneproof.control.history import HistoryUnreadable
+    from tuneproof.control.registry import RegistryUnreadable, show_model, version_costs
 
-    cfg = config_or_exit(config, sets)
     storage = storage_for(config, sets)
     try:
         shown = show_model(storage, name)
-    except (FileNotFoundError, RegistryUnreadable) as e:
+    except (FileNotFoundError, RegistryUnreadable, HistoryUnreadable) as e:
         say(err, e)
         raise typer.Exit(1) from None
-    runs = cost.records_of(list_records(storage)[0], name)
-    moves = [Move.model_validate(m) for m in shown["history"]]
-    side = cost.side_runs(storage, [r.run_id for r in runs])
-    shown["cost"] = [v.model_dump() for v in cost.version_costs(runs, moves, cfg.cost.prices, side)]
+    shown["cost"] = version_costs(shown["versions"])
     print(json.dumps(shown, indent=2))
 
 
@@ -627,21 +622,21 @@ def models_history(
         moves = read_history(storage_for(config, sets), name)
         when = history.parse_time(at) if at is not None else None
     except (RegistryUnreadable, history.HistoryUnreadable) as e:
-        err.print(str(e), markup=False)
+        say(err, e)
         raise typer.Exit(1) from None
     except ValueError as e:
-        err.print(f"--at: {e}", markup=False)
+        say(err, f"--at: {e}")
         raise typer.Exit(2) from None
     if when is not None:
         found = history.production_at(moves, when)
         moves = [found] if found else []
         if not found:
-            err.print(f"{name}: no recorded production model at {when.isoformat()}", markup=False)
+            say(err, f"{name}: no recorded production model at {when.isoformat()}")
     if as_json:
         print(json.dumps([m.model_dump() for m in moves], indent=2))
     else:
         for m in moves:
-            print(m.line())
+            say(console, m.line())  # who and why come from shared storage: escaped, never obeyed
     raise typer.Exit(0 if moves else 1)
 
 
@@ -666,7 +661,7 @@ def rollback(
     result = roll_back(cfg, name, reason, current_user(), to)
     print(json.dumps(result.model_dump(), indent=2))
     if not result.rolled_back:
-        err.print("rollback refused, the pointer did not move: " + "; ".join(result.reasons), markup=False)
+        say(err, "rollback refused, the pointer did not move: " + "; ".join(result.reasons))
     raise typer.Exit(0 if result.rolled_back else EXIT_INVALID_CONFIG)
 
 

@@ -309,6 +309,13 @@ def print_record(rec: RunRecord, console: Console) -> None:
     for invocation in rec.invocations:
         print_line(console, (f"{'invocation':<13}", "bold"), invocation_line(invocation))
     print_summary(rec, console)
+    for back in rec.rollbacks:  # production moved away from this run's model: when, by whom and why
+        print_line(
+            console,
+            ("  rolled back: ", "yellow"),
+            f"{back.model} {back.from_version} -> {back.to_version} at {back.at} by {back.by} "
+            f"(history #{back.seq}): {back.reason}",
+        )
 
 
 def invocation_line(invocation: Invocation) -> str:

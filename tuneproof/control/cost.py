@@ -15,9 +15,12 @@ promotion that did not become it: failed, refused, superseded attempts. Canary a
 (`side_runs`: ids `<decision>-r<N>`, `<comparison>-a<N>`/`-b<N>` whose decision or comparison exists)
 are listed apart, not charged.
 Goodput = the fine-tune steps of the promoted model (its export's step) ÷ every fine-tune step the
-charged runs trained (each fine-tune job's steps beyond its start step); the resume test's and the
-evaluations' time is in the cost, not in the steps. All pure over records and history moves, but
-`side_runs`, which reads the storage.
+charged runs trained, each from the evidence its job left (`paid_steps`): a summary's steps past its start
+step plus the steps its restarts trained again; for a job that left no summary (stopped, lost, failed in Ray
+Train), the rows its metrics log shows it wrote (`logged_steps`, recorded when it ended); and the steps below
+a resumed job's start step that no earlier job accounts for, which the checkpoint it resumed from proves were
+paid for. So goodput is never above 1 (`goodput` refuses it). The resume test's and the evaluations' time is
+in the cost, not in the steps. All pure over records and history moves, but `side_runs`, which reads the storage.
 """
 
 from __future__ import annotations
@@ -28,10 +31,13 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict
 
+from tuneproof.control import stages as table
 from tuneproof.control.history import Move
 from tuneproof.control.record import JobEntry, RunRecord, StageEntry
 from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import FinetuneSummary
 
+FINETUNE = "training.finetune"
 TRAIN_MODULES = ("training.finetune", "training.connectivity", "training.resume")
 GPU_EVAL_MODULES = ("eval.evaluate_job", "eval.copy_check")
 SIDE_RUN = re.compile(r"^(?P<owner>.+)-(?:r|a|b)\d+$")
@@ -54,7 +60,7 @@ class StageCost(Model):
     money: float | None = None
     """By the price table; None when it is empty."""
     steps: int = 0
-    """Fine-tune steps its jobs trained."""
+    """Fine-tune steps its jobs paid for (`paid_steps`)."""
 
 
 class RunCost(Model):
@@ -76,15 +82,17 @@ class VersionCost(Model):
     """Canary and comparison runs in the same window: listed, not charged."""
     resource_seconds: dict[str, float]
     money: float | None = None
+    prices: dict[str, float] = {}
+    """The price table `money` was computed with (per resource-hour; empty: seconds only)."""
     promoted_steps: int
     steps_paid: int
     goodput: float | None
-    """promoted_steps / steps_paid (None when no step was paid for)."""
+    """promoted_steps / steps_paid (None when no step was paid for); never above 1."""
 
 
 def job_resources(job: JobEntry, config: dict) -> dict[str, float]:
     """What the job asked Ray for, from the config it ran with (pure)."""
-    module = job.entrypoint.rsplit(" ", 1)[-1]
+    module = _module(job)
     train = config.get("train") or {}
     use_gpu = bool(train.get("use_gpu"))
     if module in TRAIN_MODULES:
@@ -97,12 +105,67 @@ def job_seconds(job: JobEntry) -> float:
     return max(0.0, (datetime.fromisoformat(job.ended_at) - datetime.fromisoformat(job.submitted_at)).total_seconds())
 
 
-def job_steps(job: JobEntry) -> int:
-    """Fine-tune steps a job trained: its summary's steps beyond its start step (0 for other jobs)."""
-    summary = job.result.summary or {}
-    if "training.finetune" not in job.entrypoint or not isinstance(summary.get("steps"), int):
-        return 0
-    return max(0, summary["steps"] - int(summary.get("start_step") or 0))
+def paid_steps(entries: list[StageEntry]) -> list[int]:
+    """The fine-tune steps each entry's jobs paid for, from the evidence each job left (pure):
+
+    - a job with a summary: its steps past its start step, plus the steps its worker-group restarts trained
+      again (each Restart's lost_steps);
+    - a job without one (stopped, lost, failed inside Ray Train): the steps its metrics log rows show
+      (JobEntry.logged_steps, counted when it ended);
+    - a resumed job's start step above the steps this run's earlier jobs of its Ray Train run account for:
+      the checkpoint it resumed from proves an attempt of this run trained them (one that left no job entry:
+      a flow that died with its job), charged to the resuming job's entry.
+
+    A Ray Train run's steps paid for are therefore never fewer than the last step it reached. Jobs go in
+    submission order; a summary-less job belongs to the Ray Train run of a summary written in its folder."""
+    jobs = sorted(
+        ((i, job) for i, entry in enumerate(entries) for job in entry.jobs if _module(job) == FINETUNE),
+        key=lambda pair: datetime.fromisoformat(pair[1].submitted_at),
+    )
+    run_of_folder = {job.result.stage: s.run_name for _, job in jobs if (s := _summary(job)) is not None}
+    known: dict[str, int] = {}
+    """Ray Train run -> the steps this run's jobs are known to have trained in it."""
+    paid = [0] * len(entries)
+    for i, job in jobs:
+        summary = _summary(job)
+        if summary is None:
+            key, trained = run_of_folder.get(job.result.stage, job.result.stage), job.logged_steps or 0
+        else:
+            key = summary.run_name
+            unaccounted = max(0, summary.start_step - known.get(key, 0))
+            replayed = sum(r.lost_steps or 0 for r in summary.restarts)
+            trained = unaccounted + max(0, summary.steps - summary.start_step) + replayed
+        known[key] = known.get(key, 0) + trained
+        paid[i] += trained
+    return paid
+
+
+def logged_steps(rows: list[dict], submitted_at: str, ended_at: str) -> int:
+    """The fine-tune steps a job trained by its metrics log (training/finetune.py's rows, one per step, a
+    replayed step again): the rows written between its submission and its end. Pure."""
+    start, end = (datetime.fromisoformat(t).timestamp() for t in (submitted_at, ended_at))
+    return sum(1 for row in rows if isinstance(row.get("time"), (int, float)) and start <= row["time"] <= end)
+
+
+def _module(job: JobEntry) -> str:
+    return job.entrypoint.rsplit(" ", 1)[-1]
+
+
+def _summary(job: JobEntry) -> FinetuneSummary | None:
+    return FinetuneSummary.model_validate(job.result.summary) if job.result.summary is not None else None
+
+
+def goodput(promoted_steps: int, steps_paid: int) -> float | None:
+    """promoted_steps / steps_paid (None when nothing was paid for). A promoted model cannot hold more steps
+    than were paid for: a fraction above 1 means the evidence lost a job's steps, and is refused. Pure."""
+    if steps_paid == 0:
+        return None
+    if promoted_steps > steps_paid:
+        raise AssertionError(
+            f"goodput {promoted_steps}/{steps_paid} > 1: the promoted model has more fine-tune steps than the "
+            "charged runs paid for, so a job's steps are missing from the evidence"
+        )
+    return round(promoted_steps / steps_paid, 4)
 
 
 def money(resource_seconds: dict[str, float], prices: dict[str, float]) -> float | None:
@@ -112,7 +175,9 @@ def money(resource_seconds: dict[str, float], prices: dict[str, float]) -> float
     return round(sum(s / 3600 * prices.get(r, 0.0) for r, s in resource_seconds.items()), 6)
 
 
-def stage_cost(entry: StageEntry, config: dict, prices: dict[str, float], superseded: bool = False) -> StageCost:
+def stage_cost(
+    entry: StageEntry, config: dict, prices: dict[str, float], superseded: bool = False, steps: int = 0
+) -> StageCost:
     used: dict[str, float] = {}
     for job in entry.jobs:
         for resource, amount in job_resources(job, config).items():
@@ -124,17 +189,22 @@ def stage_cost(entry: StageEntry, config: dict, prices: dict[str, float], supers
         seconds=round(sum(job_seconds(j) for j in entry.jobs), 3),
         resource_seconds=used,
         money=money(used, prices),
-        steps=sum(job_steps(j) for j in entry.jobs),
+        steps=steps,
     )
 
 
 def run_cost(record: RunRecord, prices: dict[str, float]) -> RunCost:
-    """Every stage the run paid for: its current entries and the superseded attempts (pure)."""
+    """Every stage the run paid for: the superseded attempts, then its current entries in the pipeline's order
+    (a stored record keeps its stages by name) (pure)."""
     configs = {inv.number: inv.config or record.config for inv in record.invocations}
+    order = {name: i for i, name in enumerate(table.names())}
+    current = sorted(record.stages.values(), key=lambda e: (order.get(e.stage, len(order)), e.stage))
+    entries = [(e, True) for e in record.superseded] + [(e, False) for e in current]
+    steps = paid_steps([e for e, _ in entries])
     stages = [
-        stage_cost(e, configs.get(e.invocation, record.config), prices, superseded=True) for e in record.superseded
+        stage_cost(e, configs.get(e.invocation, record.config), prices, superseded, paid)
+        for (e, superseded), paid in zip(entries, steps, strict=True)
     ]
-    stages += [stage_cost(e, configs.get(e.invocation, record.config), prices) for e in record.stages.values()]
     total = add(s.resource_seconds for s in stages)
     failure = f" ({record.failure_class.value})" if record.failure_class else ""
     return RunCost(
@@ -180,7 +250,7 @@ def _in_window(record: RunRecord, since: str | None, move: Move) -> bool:
 def _version_cost(
     move: Move, promoted: RunRecord | None, window: list[RunRecord], prices: dict, apart: frozenset[str]
 ) -> VersionCost:
-    charged = [run_cost(r, prices) for r in window if r.run_id not in apart]
+    charged = [_charged(r, move.run_id, prices) for r in window if r.run_id not in apart]
     total = add(c.resource_seconds for c in charged)
     lineage = _export_step(promoted)
     paid = sum(c.steps for c in charged)
@@ -191,10 +261,17 @@ def _version_cost(
         apart=[r.run_id for r in window if r.run_id in apart],
         resource_seconds=total,
         money=money(total, prices),
+        prices=prices,
         promoted_steps=lineage,
         steps_paid=paid,
-        goodput=round(lineage / paid, 4) if paid else None,
+        goodput=goodput(lineage, paid),
     )
+
+
+def _charged(record: RunRecord, promoted_run: str, prices: dict[str, float]) -> RunCost:
+    """The run's cost; the promoted run's status is 'promoted' (whether its flow was still running then)."""
+    run = run_cost(record, prices)
+    return run.model_copy(update={"status": "promoted"}) if record.run_id == promoted_run else run
 
 
 def _export_step(record: RunRecord | None) -> int:

@@ -96,7 +96,7 @@ def append(storage: Storage, name: str, move: Move) -> None:
     data = move.model_dump_json(indent=2).encode()
     if cas.write_if(storage, data, None, *entry_parts(name, move.seq)):
         return
-    existing = _parse(storage, name, storage.read_bytes(*entry_parts(name, move.seq)), move.seq)
+    existing = read_entry(storage, name, move.seq)
     if existing != move:
         raise HistoryUnreadable(
             f"{storage.uri(*entry_parts(name, move.seq))} records {existing.line()!r}, expected {move.line()!r}: "
@@ -124,18 +124,27 @@ def read(storage: Storage, name: str, pointer: dict | None) -> list[Move]:
     for file in storage.listdir(MODELS, name, HISTORY):
         if file.endswith(".json") and file[:-5].isdigit():
             seq = int(file[:-5])
-            moves[seq] = _parse(storage, name, storage.read_bytes(*entry_parts(name, seq)), seq)
+            moves[seq] = read_entry(storage, name, seq)
     current = pointer_move(pointer)
     if current is not None:
         moves.setdefault(current.seq, current)
     return [moves[s] for s in sorted(moves)]
 
 
-def _parse(storage: Storage, name: str, data: bytes, seq: int) -> Move:
+def read_entry(storage: Storage, name: str, seq: int) -> Move:
+    """Entry `seq`, read only as a regular file (object) of at most cas.MAX_OBJECT_BYTES: a FIFO or a device
+    in its place (a hostile or broken store) is refused by name instead of blocking or reading forever.
+    HistoryUnreadable when it cannot be read as a Move."""
+    where = storage.uri(*entry_parts(name, seq))
+    try:
+        data, _ = cas.read_versioned(storage, *entry_parts(name, seq))
+    except OSError as e:
+        raise HistoryUnreadable(f"{where}: cannot be read as a production-history entry: {e.strerror or e}") from None
+    if data is None:
+        raise HistoryUnreadable(f"{where}: listed, then gone: an entry is never removed")
     try:
         return Move.model_validate(json.loads(data))
     except (ValueError, ValidationError, RecursionError) as e:
-        where = storage.uri(*entry_parts(name, seq))
         raise HistoryUnreadable(f"{where}: not a production-history entry ({str(e)[:200]})") from None
 
 

@@ -90,6 +90,9 @@ class JobEntry(Model):
     submitted_at: str
     ended_at: str
     result: StageResult
+    logged_steps: int | None = None
+    """A fine-tune job that left no summary (stopped, lost, failed inside Ray Train): the steps its metrics log
+    shows it trained, counted when it ended (tuneproof.control.cost.logged_steps); None for any other job."""
 
 
 class StageInputs(Model):

@@ -161,6 +161,17 @@ def _version_row(storage: Storage, name: str, version: str, current: str | None)
     return row
 
 
+def version_costs(rows: list[dict]) -> list[dict]:
+    """What each promoted version cost, as its card states it (one computation, at promotion, after the copy
+    check: tuneproof.control.cost.VersionCost as JSON), oldest first; versions whose card has none are left out."""
+    cards = [(row["version"], row.get("card")) for row in rows]
+    return [
+        {"version": v, **card["cost"]}
+        for v, card in cards
+        if isinstance(card, dict) and isinstance(card.get("cost"), dict)
+    ]
+
+
 def read_card(storage: Storage, name: str, version: str) -> Any:
     """A version's card.json as JSON: FileRefused (not a regular file, over MAX_CARD_BYTES), ValueError (not JSON)."""
     return json.loads(read_stored(storage, (MODELS, name, version, CARD_JSON), MAX_CARD_BYTES))
@@ -205,6 +216,7 @@ def promote(
     content_sha256: str | None = None,
     intent: MoveIntent | None = None,
     check_copy: Callable[[str], None] | None = None,
+    cost_of: Callable[[Move], dict] | None = None,
 ) -> dict:
     """Copy the model at `source_path` to a new version, write its card, then move the pointer to it.
 
@@ -212,6 +224,8 @@ def promote(
     export manifest with exactly that content (checked file by file on the copy), and the pointer names it.
     check_copy, when given, is called with the version's path after the copy and before the swap; what
     it raises stops the promotion with the pointer unchanged and the copy removed.
+    cost_of, when given, is called after the check with the move about to be made: the card's `cost`, so
+    the card states what the version cost up to and including its copy check, over the move's own window.
     intent says who promotes and why; the pointer and the history record it as the move (default: a
     promotion by this process's user).
 
@@ -245,6 +259,7 @@ def promote(
         "version": version,
         "run_id": run_id,
         "source_path": source_path,
+        **({"cost": cost_of(move)} if cost_of is not None else {}),
         "history": [m.model_dump() for m in [*history.read(storage, name, pointer), move]],
     }
     storage.write_bytes(render_model_card(full_card).encode(), MODELS, name, version, CARD_MD)
@@ -485,9 +500,12 @@ def _cost_section(cost: dict, run_id: str) -> list[str]:
         f"| **total** | {len(cost['charged'])} run(s) | {total} | **{_money(cost['money'])}** | {cost['steps_paid']} |"
     )
     goodput = "n/a (no fine-tune step paid for)" if cost["goodput"] is None else f"{cost['goodput']:.2f}"
+    prices = cost.get("prices") or {}
+    priced = ", ".join(f"{r} {p:g}" for r, p in sorted(prices.items()))
     rows += [
         "",
         f"Goodput: {cost['promoted_steps']} fine-tune steps in this model / {cost['steps_paid']} paid for = {goodput}.",
+        f"Prices per resource-hour (the run's cost.prices): {priced}." if priced else "No price table: seconds only.",
     ]
     if cost.get("apart"):
         rows.append(f"Canary and comparison runs in the same period, not charged: {', '.join(cost['apart'])}.")

@@ -265,6 +265,8 @@ LedgerPoint = tuple[int, str, str | None]
 """(step, digest of the sample ids every rank trained on at that step, the data-order ledger after it: the
 running sha256 over every step's ids, cut to LEDGER_DIGITS; None when the run resumed from a checkpoint
 written before the ledger existed)."""
+METRICS_LOG = "metrics.jsonl"
+"""A fine-tune job's metrics log in its stage folder (runs/<run>/stages/<job>/): a row per step it trained."""
 LEDGER_DIGITS = 16
 
 

@@ -99,9 +99,9 @@ def _deployment_findings(
                 "the namespaces the worker's Roles cover: it could not create the flow-run Job",
             )
         )
-    root = (((deployment.get("parameters") or {}).get("config") or {}).get("storage") or {}).get("root") or (
-        config.storage.root if config else ""
-    )
+    parameters = deployment.get("parameters") or {}
+    storage = (parameters.get("config") or {}).get("storage") or parameters.get("storage") or {}  # rollback: storage
+    root = storage.get("root") or (config.storage.root if config else "")
     if str(root).startswith("s3://"):
         findings += irsa_findings(
             subject,
