@@ -20,12 +20,13 @@ from tuneproof.core.summaries import EvaluateSummary, FinetuneSummary, ResumeSum
 # The first test also runs the pipeline, whose first fine-tune job waits for Ray's pip environment.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 
-# A short run (the mechanics, not the skill: LoRA on the tiny random-init base learns the date task far
-# more slowly than full fine-tuning), so the gate is only that the candidate was scored.
+# A short run (the mechanics, not the skill: configs/local-chat.yaml's 1000 LoRA steps are what learns a
+# task, README "LoRA"), so the gate is only that the candidate was scored, and the demo's regression suites
+# (which judge a model that has relearned what it rehearses) are left out.
 LORA = [
     *("--set", "train.method=lora", "--set", "model.name=dates-lora", "--set", "train.max_steps=60"),
     *("--set", "train.checkpoint_every=20", "--set", "train.log_every=20", "--set", "eval.max_examples=64"),
-    *("--set", "eval.gates={exact_match: {min: 0.0}}"),
+    *("--set", "eval.gates={exact_match: {min: 0.0}}", "--set", "eval.suites={}"),
 ]
 
 
