@@ -1047,6 +1047,27 @@ def test_columns_zero_or_narrow_still_prints_whole_rows_and_one_line_errors(tmp_
     assert any(str(missing) in line for line in refused.stderr.splitlines()), refused.stderr
 
 
+USAGE_ERRORS = [
+    (["runs", "show", "bad id!" + "-x" * 20], "Error: Invalid value for 'run_id': run id 'bad id!" + "-x" * 20 + "'"),
+    (["run", "--run-id", "a\x1b[2J"], "Error: Invalid value for '--run-id': run id 'a\\x1b[2J' holds a control"),
+    (["runs", "list", "--no-such-option"], "Error: No such option: --no-such-option"),
+]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("columns", ["0", "20"])
+def test_usage_errors_are_one_line_whatever_the_width(columns, tmp_path):
+    """Click's own usage errors (exit 2), piped and without the width the table above patches in: Rich's box
+    broke an id at 80 columns (or 20) and printed nothing at all with COLUMNS=0."""
+    for args, line in USAGE_ERRORS:
+        done = cli_process(args, tmp_path, COLUMNS=columns)
+        assert done.returncode == 2, done.stderr
+        assert any(row.startswith(line) for row in done.stderr.splitlines()), done.stderr
+        assert "\x1b" not in done.stderr and "╭" not in done.stderr
+    helped = cli_process(["run", "--help"], tmp_path, COLUMNS=columns)
+    assert helped.returncode == 0 and "--run-id" in helped.stdout and "--until" in helped.stdout, helped.stdout
+
+
 def test_transport_does_not_import_prefect(tmp_path):
     log = write(tmp_path / "n.log", "")
     code = (

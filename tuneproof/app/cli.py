@@ -43,16 +43,25 @@ from tuneproof.core.results import EXIT_BY_CLASS, EXIT_INVALID_CONFIG, FailureCl
 EXIT_CANCELLED = 130
 """128 + SIGINT, as a shell reports a command stopped by Ctrl-C."""
 
+# Click's plain rendering, not Rich's (rich_markup_mode=None): Rich boxes a usage error at 80 columns off a terminal
+# (an id broken mid-string) and prints nothing at all with COLUMNS=0; click's is one `Error: ...` line at any width.
 app = typer.Typer(
     add_completion=False,
+    rich_markup_mode=None,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     help="Fine-tune Qwen on Ray; promote only on evidence.",
 )
-local_app = typer.Typer(no_args_is_help=True, help="The embedded local cluster (Ray head, Prefect server + worker).")
-runs_app = typer.Typer(no_args_is_help=True, help="Read run records.")
-models_app = typer.Typer(no_args_is_help=True, help="Read the model registry.")
-images_app = typer.Typer(no_args_is_help=True, help="Read the images registry: canary decisions and the adopted image.")
+
+
+def group(help: str) -> typer.Typer:
+    return typer.Typer(no_args_is_help=True, rich_markup_mode=None, help=help)
+
+
+local_app = group("The embedded local cluster (Ray head, Prefect server + worker).")
+runs_app = group("Read run records.")
+models_app = group("Read the model registry.")
+images_app = group("Read the images registry: canary decisions and the adopted image.")
 app.add_typer(local_app, name="local")
 app.add_typer(runs_app, name="runs")
 app.add_typer(models_app, name="models")
