@@ -54,6 +54,22 @@ def test_a_stage_without_a_timeout_is_refused_when_it_is_registered():
     with pytest.raises(ValueError, match="stage 'late': timeout must name a config.timeouts field .* got 'trian'"):
         Stage(**fields, timeout="trian")
     assert Stage(**fields, timeout="finetune").timeout_s(PipelineConfig()) == 3600
+    with pytest.raises(ValueError, match="stage 'late': timeout must be a positive number of seconds, got 0"):
+        Stage(**fields, timeout=0)
+
+
+def test_a_new_job_stage_takes_a_fixed_deadline_without_a_config_field():
+    """ARCHITECTURE.md's recipe for a stage that is one Ray job: its job module, its summary model and this
+    one entry (three files outside tests); a config.timeouts field only once a profile needs another."""
+    toy_job = Stage(
+        name="toy",
+        summary=ToySummary,
+        evidence=str,
+        fails_as=(FailureClass.infrastructure,),
+        job="training.toy",
+        timeout=600,
+    )
+    assert toy_job.timeout_s(PipelineConfig()) == 600 and "toy" not in Timeouts.model_fields
 
 
 @pytest.fixture

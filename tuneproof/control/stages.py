@@ -5,7 +5,8 @@ JSON Schema all read the same descriptors. These are facts only: nothing here im
 readers (`tuneproof runs list|show|diff`) start without it. Which Prefect task runs a stage and which
 artifact it publishes is bound in flows/stage_tasks.py; a stage that is one Ray job names its module
 (`job=`) and needs no task of its own. Adding a stage is its job module (training/ or eval/), its
-summary model (tuneproof/core/summaries.py), its timeout (tuneproof/core/config.py) and one Stage(...) below.
+summary model (tuneproof/core/summaries.py) and one Stage(...) below, whose timeout is a number of seconds
+until a profile needs to change it (then a config.timeouts field in tuneproof/core/config.py).
 
 Read it top to bottom: the small functions first (evidence lines, diff metrics, identity lifted
 into the record), then the table. Regenerate the record's committed JSON Schema with `make schema`.
@@ -69,9 +70,10 @@ class Stage:
     """One line for the terminal summary, from a succeeded stage's summary."""
     fails_as: tuple[FailureClass, ...]
     """The failure classes this stage can end with."""
-    timeout: str = ""
-    """The config.timeouts field that bounds the stage's Ray jobs, or IN_FLOW for a stage that submits none.
-    Required: a job without a deadline would be stopped at its first status poll."""
+    timeout: str | int = ""
+    """What bounds the stage's Ray jobs: a config.timeouts field (a deadline profiles can change), a fixed
+    number of seconds (a new stage's, before any profile needs another), or IN_FLOW for a stage that submits
+    none. Required: a job without a deadline would be stopped at its first status poll."""
     needs: tuple[Need, ...] = ()
     """Outputs of earlier stages passed to the task as inputs; each needs that stage succeeded."""
     reads: tuple[str, ...] = ()
@@ -93,10 +95,16 @@ class Stage:
     inputs reuses that attempt's Ray job and Ray Train names, so training resumes from its checkpoint."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.timeout, int) and not isinstance(self.timeout, bool):
+            if self.timeout <= 0:
+                raise ValueError(
+                    f"stage {self.name!r}: timeout must be a positive number of seconds, got {self.timeout}"
+                )
+            return
         if not self.timeout:
             raise ValueError(
                 f"stage {self.name!r} has no timeout: set timeout= to a config.timeouts field "
-                f"({', '.join(Timeouts.model_fields)}) or to IN_FLOW when it submits no Ray job"
+                f"({', '.join(Timeouts.model_fields)}), a number of seconds, or IN_FLOW when it submits no Ray job"
             )
         if self.timeout != IN_FLOW and self.timeout not in Timeouts.model_fields:
             raise ValueError(
@@ -108,6 +116,8 @@ class Stage:
         return {n.stage for n in self.needs} | set(self.reads)
 
     def timeout_s(self, cfg: PipelineConfig) -> int:
+        if isinstance(self.timeout, int):
+            return self.timeout
         return 0 if self.timeout == IN_FLOW else int(getattr(cfg.timeouts, self.timeout))
 
 
