@@ -10,7 +10,6 @@ import io
 import itertools
 import json
 import os
-import runpy
 import shutil
 import subprocess
 import sys
@@ -75,13 +74,6 @@ def write_jsonl(path: Path, rows: list, raw_lines: list[bytes] = ()) -> Path:
 
 
 # ---- the bundled dataset ---------------------------------------------------------------------
-
-
-def test_committed_dates_file_is_the_generators_output():
-    make_dates = runpy.run_path(str(PROJECT / "data" / "dates" / "make_dates.py"))
-    assert DEFAULT_DATA.read_text() == make_dates["render"](make_dates["make_rows"]()), (
-        "regenerate: python data/dates/make_dates.py > data/dates/dates.jsonl"
-    )
 
 
 def test_dates_are_valid_iso_in_range_and_formats_are_balanced():
