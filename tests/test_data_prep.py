@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import TEST_BUCKET, ray_driver
+from tests.conftest import TEST_BUCKET, ray_driver, run_job_module
 from training import data_prep, modeling
 from training.data_prep import (
     SCHEMA,
@@ -537,9 +537,7 @@ def test_read_split_rejects_missing_manifest_and_corrupt_or_missing_shards(tmp_p
 def test_entrypoint_writes_a_stage_result(tmp_path, tiny_dir):
     cfg = config(tmp_path / "store", tiny_dir, write_jsonl(tmp_path / "d.jsonl", DATES[:40]))
     env = {**os.environ, ENV_VAR: encode_job("run-7", "data", cfg)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "training.data_prep"], cwd=PROJECT, env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = run_job_module("training.data_prep", env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = Storage(str(tmp_path / "store")).read_json("runs", "run-7", "stages", "data", "result.json")
     assert result["status"] == "succeeded" and result["summary"]["manifest"]["splits"]["eval"]["rows"] == 4

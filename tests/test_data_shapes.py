@@ -14,12 +14,11 @@ import json
 import os
 import runpy
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_job_module
 from training import data_prep
 from training.data_prep import Conversation, encode_messages, encode_split, prepare_data, read_split
 from training.jobkit import ENV_VAR, JobContext, encode_job
@@ -410,14 +409,7 @@ def run_data_job(cfg: PipelineConfig, run_id: str, offline: bool = True) -> dict
     if not offline:
         for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
             env.pop(name, None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "training.data_prep"],
-        cwd=PROJECT_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_job_module("training.data_prep", env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return Storage(cfg.storage.root).read_json("runs", run_id, "stages", "data", "result.json")
 
