@@ -15,6 +15,8 @@ import contextlib
 import os
 import secrets
 import shutil
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,7 @@ import pytest
 from tuneproof.app import servers
 from tuneproof.app.local import free_port, ray_env, start_ray_head
 from tuneproof.app.servers import FAKE_AWS, environ, moto_server
+from tuneproof.core.config import PROJECT_ROOT
 
 # Never reach a hub from tests; fail loudly instead of hanging on a network call.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -110,6 +113,13 @@ def tuneproof(*args: str):
     from tuneproof.app.cli import app
 
     return CliRunner().invoke(app, list(args))
+
+
+def run_job_module(module: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`python -m <module>` from the project root, as a Ray job's entrypoint runs, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", module], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.fixture(scope="session")

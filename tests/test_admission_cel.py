@@ -172,13 +172,9 @@ def admission(
 
     failed_conditions = []
     for condition in spec.get("matchConditions") or []:
-        try:
-            held = _program(condition["expression"]).evaluate(activation)
-        except CELEvalError as e:
-            failed_conditions.append(f"error in matchCondition {condition['name']}: {e.args[0]}")
-            continue
-        if not isinstance(held, celtypes.BoolType):
-            failed_conditions.append(f"error in matchCondition {condition['name']}: not a bool but {held!r}")
+        held = _holds(condition["expression"], activation)
+        if isinstance(held, str):
+            failed_conditions.append(f"error in matchCondition {condition['name']}: {held}")
         elif not held:
             return Decision(False, ())  # any false condition: the policy does not apply, errors or not
     if failed_conditions:
@@ -186,16 +182,23 @@ def admission(
 
     refusals = []
     for validation in spec["validations"]:
-        try:
-            result = _program(validation["expression"]).evaluate(activation)
-        except CELEvalError as e:
-            refusals.append(f"error in {validation['expression']!r}: {e.args[0]}")
-            continue
-        if not isinstance(result, celtypes.BoolType):
-            refusals.append(f"error in {validation['expression']!r}: not a bool but {result!r}")
+        result = _holds(validation["expression"], activation)
+        if isinstance(result, str):
+            refusals.append(f"error in {validation['expression']!r}: {result}")
         elif not result:
             refusals.append(_message(validation, activation))
     return Decision(True, tuple(refusals))
+
+
+def _holds(expression: str, activation: dict) -> bool | str:
+    """The expression's value, or the error the API server reports when it raises or is not a bool."""
+    try:
+        value = _program(expression).evaluate(activation)
+    except CELEvalError as e:
+        return str(e.args[0])
+    if not isinstance(value, celtypes.BoolType):
+        return f"not a bool but {value!r}"
+    return bool(value)
 
 
 def _message(validation: dict, activation: dict) -> str:

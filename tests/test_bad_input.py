@@ -923,16 +923,22 @@ def test_storage_refuses_a_root_that_is_not_local_or_s3(root: str):
         Storage(root)
 
 
-@pytest.mark.integration
-def test_s3_mirror_refuses_a_key_with_dotdot(s3_endpoint, tmp_path):
-    from tests.conftest import TEST_BUCKET
-
-    storage = Storage(f"s3://{TEST_BUCKET}/bad-input", s3_endpoint)
+def s3_holding(s3_endpoint: str, prefix: str, objects: dict[str, bytes]) -> Storage:
+    """Storage over s3://<test bucket>/<prefix> holding `objects` (keys under the prefix), put with a plain
+    boto3 client as another writer would leave them: our own writes would refuse some of them."""
     import boto3
 
+    from tests.conftest import TEST_BUCKET
+
     client = boto3.client("s3", endpoint_url=s3_endpoint)
-    client.put_object(Bucket=TEST_BUCKET, Key="bad-input/model/ok.json", Body=b"{}")
-    client.put_object(Bucket=TEST_BUCKET, Key="bad-input/model/../../escape.txt", Body=b"x")
+    for key, body in objects.items():
+        client.put_object(Bucket=TEST_BUCKET, Key=f"{prefix}/{key}", Body=body)
+    return Storage(f"s3://{TEST_BUCKET}/{prefix}", s3_endpoint)
+
+
+@pytest.mark.integration
+def test_s3_mirror_refuses_a_key_with_dotdot(s3_endpoint, tmp_path):
+    storage = s3_holding(s3_endpoint, "bad-input", {"model/ok.json": b"{}", "model/../../escape.txt": b"x"})
     mirror = tmp_path / "mirror" / "inner"
     with pytest.raises(UnsafePath, match="'..' segment"):
         storage.download_dir(mirror, "model")
@@ -942,16 +948,11 @@ def test_s3_mirror_refuses_a_key_with_dotdot(s3_endpoint, tmp_path):
 @pytest.mark.integration
 def test_s3_objects_too_large_for_a_lease_or_a_pointer_are_refused_by_name(s3_endpoint):
     """On S3 the size is checked on the response (its ContentLength, then what arrives), never read whole."""
-    import boto3
-
-    from tests.conftest import TEST_BUCKET
     from tuneproof.control import images, lease, registry
 
-    storage = Storage(f"s3://{TEST_BUCKET}/oversized", s3_endpoint)
-    client = boto3.client("s3", endpoint_url=s3_endpoint)
     big = b" " * ((1 << 20) + 1)
-    for key in ("runs/r/lease.json", f"models/{MODEL}/production.json", "images/current.json"):
-        client.put_object(Bucket=TEST_BUCKET, Key=f"oversized/{key}", Body=big)
+    keys = ("runs/r/lease.json", f"models/{MODEL}/production.json", "images/current.json")
+    storage = s3_holding(s3_endpoint, "oversized", dict.fromkeys(keys, big))
     assert lease.stale(storage, "r") == (None, f"{storage.uri('runs', 'r', 'lease.json')} is not a readable lease")
     with pytest.raises(registry.RegistryUnreadable, match="production.json: .* is larger than 1,048,576 bytes"):
         registry.read_pointer(storage, MODEL)
@@ -962,15 +963,11 @@ def test_s3_objects_too_large_for_a_lease_or_a_pointer_are_refused_by_name(s3_en
 @pytest.mark.integration
 def test_s3_mirror_skips_directory_marker_objects(s3_endpoint, tmp_path):
     """pyarrow's create_dir (Ray Train's checkpoint directories) writes empty 'dir/' keys: they are not files."""
-    from tests.conftest import TEST_BUCKET
-
-    storage = Storage(f"s3://{TEST_BUCKET}/markers", s3_endpoint)
-    import boto3
-
-    client = boto3.client("s3", endpoint_url=s3_endpoint)
-    client.put_object(Bucket=TEST_BUCKET, Key="markers/checkpoint_000010/", Body=b"")
-    client.put_object(Bucket=TEST_BUCKET, Key="markers/checkpoint_000010/sub/", Body=b"")
-    client.put_object(Bucket=TEST_BUCKET, Key="markers/checkpoint_000010/sub/a.bin", Body=b"a")
+    storage = s3_holding(
+        s3_endpoint,
+        "markers",
+        {"checkpoint_000010/": b"", "checkpoint_000010/sub/": b"", "checkpoint_000010/sub/a.bin": b"a"},
+    )
     mirror = storage.download_dir(tmp_path / "mirror", "checkpoint_000010")
     assert sorted(p.relative_to(mirror).as_posix() for p in mirror.rglob("*") if p.is_file()) == ["sub/a.bin"]
 

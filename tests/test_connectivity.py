@@ -7,6 +7,7 @@ import os
 import pytest
 
 from tests.test_verify_probe import ray_connected  # noqa: F401 - the shared Ray driver fixture
+from tests.tiny import tiny_qwen2_config
 from training.connectivity import (
     bandwidth,
     check_ranks,
@@ -94,18 +95,8 @@ def test_non_finite_fsdp_loss_fails():
 
 @pytest.fixture
 def tiny_model_dir(tmp_path):
-    from transformers import Qwen2Config
-
     path = tmp_path / "tiny-qwen2"
-    Qwen2Config(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=64,
-        vocab_size=128,
-        tie_word_embeddings=True,
-    ).save_pretrained(path)
+    tiny_qwen2_config(vocab_size=128).save_pretrained(path)
     return path
 
 

@@ -10,7 +10,6 @@ import io
 import itertools
 import json
 import os
-import runpy
 import shutil
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import TEST_BUCKET, ray_driver
+from tests.conftest import TEST_BUCKET, ray_driver, run_job_module
 from training import data_prep, modeling
 from training.data_prep import (
     SCHEMA,
@@ -75,13 +74,6 @@ def write_jsonl(path: Path, rows: list, raw_lines: list[bytes] = ()) -> Path:
 
 
 # ---- the bundled dataset ---------------------------------------------------------------------
-
-
-def test_committed_dates_file_is_the_generators_output():
-    make_dates = runpy.run_path(str(PROJECT / "data" / "dates" / "make_dates.py"))
-    assert DEFAULT_DATA.read_text() == make_dates["render"](make_dates["make_rows"]()), (
-        "regenerate: python data/dates/make_dates.py > data/dates/dates.jsonl"
-    )
 
 
 def test_dates_are_valid_iso_in_range_and_formats_are_balanced():
@@ -545,9 +537,7 @@ def test_read_split_rejects_missing_manifest_and_corrupt_or_missing_shards(tmp_p
 def test_entrypoint_writes_a_stage_result(tmp_path, tiny_dir):
     cfg = config(tmp_path / "store", tiny_dir, write_jsonl(tmp_path / "d.jsonl", DATES[:40]))
     env = {**os.environ, ENV_VAR: encode_job("run-7", "data", cfg)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "training.data_prep"], cwd=PROJECT, env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = run_job_module("training.data_prep", env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = Storage(str(tmp_path / "store")).read_json("runs", "run-7", "stages", "data", "result.json")
     assert result["status"] == "succeeded" and result["summary"]["manifest"]["splits"]["eval"]["rows"] == 4

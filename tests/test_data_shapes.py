@@ -14,12 +14,11 @@ import json
 import os
 import runpy
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_job_module
 from training import data_prep
 from training.data_prep import Conversation, encode_messages, encode_split, prepare_data, read_split
 from training.jobkit import ENV_VAR, JobContext, encode_job
@@ -410,26 +409,23 @@ def run_data_job(cfg: PipelineConfig, run_id: str, offline: bool = True) -> dict
     if not offline:
         for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
             env.pop(name, None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "training.data_prep"],
-        cwd=PROJECT_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_job_module("training.data_prep", env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return Storage(cfg.storage.root).read_json("runs", run_id, "stages", "data", "result.json")
 
 
+# ---- the bundled datasets ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task", ["dates", "chat", "alpaca"])
+def test_committed_file_is_the_generators_output(task: str):
+    generator = runpy.run_path(str(PROJECT_ROOT / "data" / task / f"make_{task}.py"))
+    assert (PROJECT_ROOT / "data" / task / f"{task}.jsonl").read_text() == generator["render"](
+        generator["make_rows"]()
+    ), f"regenerate: python data/{task}/make_{task}.py > data/{task}/{task}.jsonl"
+
+
 # ---- the bundled chat example ------------------------------------------------------------------------------
-
-
-def test_committed_chat_file_is_the_generators_output():
-    make_chat = runpy.run_path(str(PROJECT_ROOT / "data" / "chat" / "make_chat.py"))
-    assert CHAT_DATA.read_text() == make_chat["render"](make_chat["make_rows"]()), (
-        "regenerate: python data/chat/make_chat.py > data/chat/chat.jsonl"
-    )
 
 
 def test_chat_conversations_end_on_a_follow_up_answered_by_the_iso_date():
@@ -457,13 +453,6 @@ def test_every_bundled_local_profile_recovers_a_lost_worker_as_the_eks_profile_d
 
 
 # ---- the bundled Alpaca-style example -------------------------------------------------------------------
-
-
-def test_committed_alpaca_file_is_the_generators_output():
-    make_alpaca = runpy.run_path(str(PROJECT_ROOT / "data" / "alpaca" / "make_alpaca.py"))
-    assert ALPACA_DATA.read_text() == make_alpaca["render"](make_alpaca["make_rows"]()), (
-        "regenerate: python data/alpaca/make_alpaca.py > data/alpaca/alpaca.jsonl"
-    )
 
 
 def test_half_the_alpaca_rows_have_an_empty_input_and_every_row_names_its_date_once():

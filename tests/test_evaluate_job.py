@@ -10,8 +10,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -22,13 +20,13 @@ from eval import evaluate_job
 from eval.evaluate_job import check_references, evaluate_body
 from eval.generation import eval_loss, generate, right_padded
 from eval.metrics_loader import load_metric
-from tests.conftest import TEST_BUCKET
+from tests.conftest import TEST_BUCKET, run_job_module
 from training import jobkit, modeling
 from training.checkpointing import publish_export
 from training.jobkit import JobContext
 from tuneproof.app.tiny_model import CHAT_TEMPLATE, build_tiny_model, conversation_text
 from tuneproof.control import registry
-from tuneproof.core.config import PROJECT_ROOT, PipelineConfig
+from tuneproof.core.config import PipelineConfig
 from tuneproof.core.hashing import chat_template_sha256
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
@@ -249,14 +247,7 @@ def test_the_entrypoint_writes_a_classified_result(world, store):
     upload_export(store, world["base"], "cli")
     ctx = make_ctx(world, "cli", store.root, max_examples=3, max_truncated_fraction=1.0)  # the random model rambles
     env = {**os.environ, jobkit.ENV_VAR: jobkit.encode_job(ctx.run_id, ctx.job, ctx.config, ctx.params)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "eval.evaluate_job"],
-        cwd=PROJECT_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_job_module("eval.evaluate_job", env)
     assert proc.returncode == 1, proc.stderr[-2000:]
     result = store.read_json("runs/cli/stages/evaluate/result.json")
     assert result["status"] == "failed" and result["failure_class"] == "modeling"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.tiny import tiny_qwen2_config
 from training.flops import (
     ModelShape,
     attention_flops_per_token,
@@ -23,21 +24,6 @@ TINY = ModelShape(
 QWEN25_1_5B = ModelShape(
     hidden=1536, layers=28, heads=12, kv_heads=2, head_dim=128, intermediate=8960, vocab=151936, tied_embeddings=True
 )
-
-
-def tiny_hf_config(attn_implementation: str = "eager"):
-    from transformers import Qwen2Config
-
-    return Qwen2Config(
-        vocab_size=100,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        attn_implementation=attn_implementation,
-    )
 
 
 def test_the_tiny_config_matches_a_hand_count():
@@ -61,7 +47,7 @@ def test_the_count_agrees_with_torch_flop_counter_on_a_real_step():
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import Qwen2ForCausalLM
 
-    config = tiny_hf_config()
+    config = tiny_qwen2_config(vocab_size=100, hidden_size=64, intermediate_size=128, attn_implementation="eager")
     assert ModelShape.from_hf(config) == TINY
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)

@@ -109,6 +109,21 @@ def test_missing_ray_node_for_a_pod(saved):
     assert finding.subject == "pod tuneproof-gpu-worker-9tlwz" and finding.expected == "10.0.2.21"
 
 
+def efa_slice(node: str) -> dict:
+    """The ResourceSlice the dra.net driver publishes for one EFA device on `node`."""
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": f"{node}-dra.net-efa"},
+        "spec": {
+            "driver": "dra.net",
+            "nodeName": node,
+            "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+            "devices": [{"name": "rdmap0s26", "attributes": {"dra.net/rdma": {"bool": True}}}],
+        },
+    }
+
+
 def test_efa_from_a_dra_resourceslice_is_accepted(saved):
     def no_device_plugin(nodes):
         for node in nodes["items"]:
@@ -119,18 +134,7 @@ def test_efa_from_a_dra_resourceslice_is_accepted(saved):
     assert finding.seen == 0 and "EFA" in finding.message
 
     slices = [
-        {
-            "apiVersion": "resource.k8s.io/v1",
-            "kind": "ResourceSlice",
-            "metadata": {"name": f"{node}-dra.net-efa"},
-            "spec": {
-                "driver": "dra.net",
-                "nodeName": node,
-                "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
-                "devices": [{"name": "rdmap0s26", "attributes": {"dra.net/rdma": {"bool": True}}}],
-            },
-        }
-        for node in ("ip-10-0-2-20.us-west-2.compute.internal", "ip-10-0-2-21.us-west-2.compute.internal")
+        efa_slice(n) for n in ("ip-10-0-2-20.us-west-2.compute.internal", "ip-10-0-2-21.us-west-2.compute.internal")
     ]
     edit(saved / "resourceslices.json", lambda data: data.update({"items": slices}))
     assert errors(check(saved)) == []

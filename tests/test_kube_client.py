@@ -17,6 +17,7 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 import yaml
 
+from tests.test_kube_checks import efa_slice
 from tuneproof.control.kube import fetch_cluster_objects, load_objects_from_dir
 from tuneproof.control.kube_checks import check_cluster
 from tuneproof.core.config import PROJECT_ROOT, KubernetesConfig, load_config
@@ -199,20 +200,7 @@ def test_efa_published_only_by_the_dra_driver(api):
     fake, kubeconfig = api
     for node in fake.nodes:
         node["status"]["allocatable"].pop("vpc.amazonaws.com/efa", None)
-    fake.slices = [
-        {
-            "apiVersion": "resource.k8s.io/v1",
-            "kind": "ResourceSlice",
-            "metadata": {"name": f"{n}-efa"},
-            "spec": {
-                "driver": "dra.net",
-                "nodeName": n,
-                "pool": {"name": n, "generation": 1, "resourceSliceCount": 1},
-                "devices": [{"name": "rdmap0s26"}],
-            },
-        }
-        for n in EFA_SLICE_NODES
-    ]
+    fake.slices = [efa_slice(n) for n in EFA_SLICE_NODES]
     assert errors(check_cluster(fetch_cluster_objects(kcfg(kubeconfig)), eks())) == []
     fake.slices = None
     findings = errors(check_cluster(fetch_cluster_objects(kcfg(kubeconfig)), eks()))

@@ -163,44 +163,42 @@ def test_ray_pods_need_a_memory_backed_dev_shm_of_a_sane_size(project, capsys):
     assert "count against the memory limit" in out
 
 
-def test_device_rdma_is_an_error_on_instance_types_without_gpudirect(project, capsys):
+@pytest.mark.parametrize(
+    ("name", "value", "said"),
+    [
+        (
+            "FI_EFA_USE_DEVICE_RDMA",
+            "1",
+            [
+                "env[FI_EFA_USE_DEVICE_RDMA] is '1', expected 'unset (or 0)'",
+                "g6.12xlarge has EFA but no GPUDirect RDMA",
+            ],
+        ),
+        ("FI_PROVIDER", "tcp", ["env[FI_PROVIDER] is 'tcp', expected 'efa'", "leaves it unused"]),
+        ("NCCL_SOCKET_IFNAME", "lo", ["env[NCCL_SOCKET_IFNAME] is 'lo'", "bootstrap over loopback"]),
+    ],
+)
+def test_the_gpu_workers_network_env_is_checked(project, capsys, name: str, value: str, said: list[str]):
     edit(
         project / "deployments" / "raycluster.yaml",
-        in_raycluster(lambda doc: set_env(ray_container(gpu_group(doc)), "FI_EFA_USE_DEVICE_RDMA", "1")),
+        in_raycluster(lambda doc: set_env(ray_container(gpu_group(doc)), name, value)),
     )
     code, out = lint(project, capsys)
-    assert code == 1 and "env[FI_EFA_USE_DEVICE_RDMA] is '1', expected 'unset (or 0)'" in out
-    assert "g6.12xlarge has EFA but no GPUDirect RDMA" in out
+    assert code == 1 and all(s in out for s in said), out
 
-    def on_p5(doc):
+
+def test_device_rdma_is_fine_on_instance_types_with_gpudirect(project, capsys):
+    def rdma_on_p5(doc):
+        set_env(ray_container(gpu_group(doc)), "FI_EFA_USE_DEVICE_RDMA", "1")
         gpu_group(doc)["template"]["spec"]["nodeSelector"]["node.kubernetes.io/instance-type"] = "p5.48xlarge"
 
-    edit(project / "deployments" / "raycluster.yaml", in_raycluster(on_p5))
+    edit(project / "deployments" / "raycluster.yaml", in_raycluster(rdma_on_p5))
     assert "FI_EFA_USE_DEVICE_RDMA" not in lint(project, capsys)[1]
 
 
-def test_an_efa_device_needs_fi_provider_efa(project, capsys):
-    edit(
-        project / "deployments" / "raycluster.yaml",
-        in_raycluster(lambda doc: set_env(ray_container(gpu_group(doc)), "FI_PROVIDER", "tcp")),
-    )
-    code, out = lint(project, capsys)
-    assert code == 1 and "env[FI_PROVIDER] is 'tcp', expected 'efa'" in out and "leaves it unused" in out
-
-
-def test_nccl_socket_ifname_is_never_loopback(project, capsys):
-    edit(
-        project / "deployments" / "raycluster.yaml",
-        in_raycluster(lambda doc: set_env(ray_container(gpu_group(doc)), "NCCL_SOCKET_IFNAME", "lo")),
-    )
-    code, out = lint(project, capsys)
-    assert code == 1 and "env[NCCL_SOCKET_IFNAME] is 'lo'" in out and "bootstrap over loopback" in out
-    assert (
-        names_loopback("=lo")
-        and names_loopback("eth0,lo0")
-        and not names_loopback("^lo,docker")
-        and not names_loopback("eth0")
-    )
+def test_names_loopback_reads_nccls_interface_list():
+    assert names_loopback("=lo") and names_loopback("eth0,lo0")
+    assert not names_loopback("^lo,docker") and not names_loopback("eth0")
 
 
 def test_requests_must_fit_the_instance_types_allocatable(project, capsys):

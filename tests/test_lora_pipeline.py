@@ -37,20 +37,10 @@ def lora_env(demo_env, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def base_args(lora_env):
-    return lora_env.args
-
-
-@pytest.fixture(scope="module")
-def storage(lora_env):
-    return lora_env.storage
-
-
-@pytest.fixture(scope="module")
-def lora_demo(prefect_server, base_args, storage):
-    result = tuneproof("run", "--run-id", "lora", *base_args, *LORA)
+def lora_demo(prefect_server, lora_env):
+    result = tuneproof("run", "--run-id", "lora", *lora_env.args, *LORA)
     assert result.exit_code == 0, result.output
-    return records.load(storage, "lora")
+    return records.load(lora_env.storage, "lora")
 
 
 def test_a_lora_run_names_its_method_and_records_peft_as_a_submission_dependency(lora_demo):
@@ -64,7 +54,8 @@ def test_a_lora_run_names_its_method_and_records_peft_as_a_submission_dependency
     assert added["lora-evaluate"] == [] and added["lora-data"] == []
 
 
-def test_a_lora_run_passes_the_resume_test_exactly_and_evaluation_scores_its_merged_export(lora_demo, storage):
+def test_a_lora_run_passes_the_resume_test_exactly_and_evaluation_scores_its_merged_export(lora_demo, lora_env):
+    storage = lora_env.storage
     resume = lora_demo.summary("resume", ResumeSummary)
     assert resume.interrupted and resume.restored_step == resume.interrupted_at_step
     assert resume.max_loss_diff == 0.0 and resume.loss_comparison.steps_compared >= 5
@@ -78,9 +69,9 @@ def test_a_lora_run_passes_the_resume_test_exactly_and_evaluation_scores_its_mer
     assert storage.exists(finetune.export_path, "model.safetensors")
 
 
-def test_the_promoted_lora_model_shows_adapter_and_merged(lora_demo, base_args):
+def test_the_promoted_lora_model_shows_adapter_and_merged(lora_demo, lora_env):
     assert lora_demo.promotion.promoted is True
-    shown = tuneproof("models", "show", "dates-lora", *base_args)
+    shown = tuneproof("models", "show", "dates-lora", *lora_env.args)
     assert shown.exit_code == 0, shown.output
     [version] = json.loads(shown.output)["versions"]
     assert version["merged"] == f"models/dates-lora/{version['version']}"

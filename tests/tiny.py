@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+
+def tiny_qwen2_config(vocab_size: int, **overrides: Any):
+    """The tiny Qwen2 config: 2 layers, hidden 32, 4 heads, 2 KV heads, tied embeddings; `overrides` replace fields."""
+    from transformers import Qwen2Config
+
+    fields = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
+    }
+    return Qwen2Config(vocab_size=vocab_size, **(fields | overrides))
+
 
 def tiny_qwen2(vocab_size: int, seed: int):
     """A fresh Qwen2ForCausalLM, the same weights for the same seed (so every rank starts alike)."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
+    config = tiny_qwen2_config(vocab_size)
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config)
 

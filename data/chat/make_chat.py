@@ -13,9 +13,6 @@ of the date given two turns before. Dates come from the date task's own formats 
 
 from __future__ import annotations
 
-import datetime as dt
-import importlib.util
-import json
 import random
 import sys
 from pathlib import Path
@@ -29,30 +26,22 @@ FOLLOW_UPS = {
 }
 
 
-def _date_task():
-    """data/dates/make_dates.py, loaded by path: the formats and the date range are its, not copies."""
-    spec = importlib.util.spec_from_file_location(
-        "make_dates", Path(__file__).resolve().parent.parent / "dates" / "make_dates.py"
-    )
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+# The date task's own formats, date range and file shape, not copies: data/ is scripts, not a package.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "dates"))
+from make_dates import FORMATS, random_day, render  # noqa: E402
 
 
 def make_rows(n: int = ROWS, seed: int = SEED) -> list[dict[str, list[dict[str, str]]]]:
     """n conversations: the formats in equal turns, half with one follow-up and half with two (two different ones)."""
-    dates = _date_task()
     rng = random.Random(seed)
-    span = (dates.LAST_DAY - dates.FIRST_DAY).days
     rows = []
     for i in range(n):
-        day = dates.FIRST_DAY + dt.timedelta(days=rng.randint(0, span))
+        day = random_day(rng)
         messages = [
-            {"role": "user", "content": dates.FORMATS[i % len(dates.FORMATS)](day)},
+            {"role": "user", "content": FORMATS[i % len(FORMATS)](day)},
             {"role": "assistant", "content": day.isoformat()},
         ]
-        for question in rng.sample(sorted(FOLLOW_UPS), 1 + (i // len(dates.FORMATS)) % 2):
+        for question in rng.sample(sorted(FOLLOW_UPS), 1 + (i // len(FORMATS)) % 2):
             messages += [
                 {"role": "user", "content": question},
                 {"role": "assistant", "content": FOLLOW_UPS[question](day)},
@@ -60,10 +49,6 @@ def make_rows(n: int = ROWS, seed: int = SEED) -> list[dict[str, list[dict[str, 
         rows.append({"messages": messages})
     rng.shuffle(rows)
     return rows
-
-
-def render(rows: list[dict[str, list[dict[str, str]]]]) -> str:
-    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
 
 
 if __name__ == "__main__":

@@ -54,13 +54,17 @@ FORMATS = (
 )
 
 
+def random_day(rng: random.Random) -> dt.date:
+    """A day drawn uniformly from the range, with one draw of rng (the committed files depend on the draws)."""
+    return FIRST_DAY + dt.timedelta(days=rng.randint(0, (LAST_DAY - FIRST_DAY).days))
+
+
 def make_rows(n: int = ROWS, seed: int = SEED) -> list[dict[str, str]]:
     """n rows, the formats in equal turns, dates drawn uniformly from the range."""
     rng = random.Random(seed)
-    span = (LAST_DAY - FIRST_DAY).days
     rows = []
     for i in range(n):
-        day = FIRST_DAY + dt.timedelta(days=rng.randint(0, span))
+        day = random_day(rng)
         rows.append({"input": FORMATS[i % len(FORMATS)](day), "output": day.isoformat()})
     rng.shuffle(rows)
     return rows

@@ -23,9 +23,10 @@ import json
 import statistics
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from tuneproof.core import cas, stats
+from tuneproof.core.results import Model
 from tuneproof.core.storage import Storage
 
 COMPARISON = "comparison.json"
@@ -34,10 +35,6 @@ Verdict = Literal[
     "better", "worse", "higher", "lower", "no detectable difference", "insufficient repeats", "not enough data"
 ]
 Arm = Literal["A", "B"]
-
-
-class Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class Spread(Model):

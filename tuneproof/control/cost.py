@@ -29,11 +29,10 @@ import re
 from collections.abc import Iterable
 from datetime import datetime
 
-from pydantic import BaseModel, ConfigDict
-
 from tuneproof.control import stages as table
 from tuneproof.control.history import Move
 from tuneproof.control.record import JobEntry, RunRecord, StageEntry
+from tuneproof.core.results import Model
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import FinetuneSummary
 
@@ -43,10 +42,6 @@ GPU_EVAL_MODULES = ("eval.evaluate_job", "eval.copy_check")
 SIDE_RUN = re.compile(r"^(?P<owner>.+)-(?:r|a|b)\d+$")
 """Run ids the canary (`<decision>-r<N>`) and comparison (`<comparison>-a<N>`, `-b<N>`) flows give their runs."""
 SIDE_OWNERS = (("images", "decision.json"), ("comparisons", "comparison.json"))
-
-
-class Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class StageCost(Model):

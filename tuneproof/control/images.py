@@ -29,7 +29,7 @@ import re
 import statistics
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, WithJsonSchema
+from pydantic import AfterValidator, WithJsonSchema
 
 from tuneproof.control import comparison as cmp
 from tuneproof.control.comparison import MetricComparison
@@ -38,7 +38,7 @@ from tuneproof.core.checks import environment_digest
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.files import read_stored
 from tuneproof.core.names import slug_problem
-from tuneproof.core.results import one_line
+from tuneproof.core.results import Model, one_line
 from tuneproof.core.storage import Storage
 
 IMAGES = "images"
@@ -99,10 +99,6 @@ def local_image_of(env_digest: str) -> str:
 
 
 # ---- the decision (pure) -------------------------------------------------------------------------
-
-
-class Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class ImageVersions(Model):

@@ -58,6 +58,21 @@ class LeaseInfo(BaseModel):
     ttl_s: float = Field(DEFAULT_TTL_S, gt=0, le=MAX_TTL_S, allow_inf_nan=False)
     """A NaN or infinite ttl would never go stale: its run would show `running` forever."""
 
+    @classmethod
+    def this_process(cls, run_id: str, command: str, ttl_s: float, flow_run_id: str | None = None) -> LeaseInfo:
+        """Held by this host and pid, started and renewed now."""
+        now = now_iso()
+        return cls(
+            run_id=run_id,
+            holder=socket.gethostname(),
+            pid=os.getpid(),
+            flow_run_id=flow_run_id,
+            command=command,
+            started=now,
+            renewed=now,
+            ttl_s=ttl_s,
+        )
+
     @field_validator("started", "renewed")
     @classmethod
     def _aware(cls, v: str) -> str:
@@ -139,17 +154,7 @@ class Lease:
         self.run_id = run_id
         self.ttl_s = ttl_s
         self.store = _store(storage, run_id)
-        now = now_iso()
-        self.info = LeaseInfo(
-            run_id=run_id,
-            holder=socket.gethostname(),
-            pid=os.getpid(),
-            flow_run_id=flow_run_id,
-            command=command,
-            started=now,
-            renewed=now,
-            ttl_s=ttl_s,
-        )
+        self.info = LeaseInfo.this_process(run_id, command, ttl_s, flow_run_id)
         self.taken_over: str | None = None
         """When acquiring replaced a stale lease: whose, and why it was stale."""
         self._token: Any = None

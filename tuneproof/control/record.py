@@ -21,11 +21,11 @@ import secrets
 from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.files import FileRefused, read_stored
-from tuneproof.core.results import FailureClass, JsonDict, StageResult, now_iso, one_line
+from tuneproof.core.results import FailureClass, JsonDict, Model, StageResult, now_iso, one_line
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import ClusterFacts, PromoteSummary, Summary
 
@@ -38,10 +38,6 @@ SCHEMA_VERSION = 2
 S = TypeVar("S", bound=Summary)
 RunStatus = Literal["running", "succeeded", "failed", "crashed", "cancelled"]
 StageStatus = Literal["succeeded", "failed", "skipped"]
-
-
-class Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class CodeIdentity(Model):

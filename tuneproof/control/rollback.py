@@ -13,7 +13,6 @@ Every refusal happens before the pointer is touched.
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import time
 from collections.abc import Iterator
@@ -46,20 +45,7 @@ def hold(storage: Storage, name: str, run_id: str, command: str, wait_s: float =
 
     Created exclusively (cas, like the pointer); a hold whose holder is gone (its pid on this host, or
     HOLD_TTL_S old) is removed and taken. A live one makes this wait up to wait_s, then PointerHeld."""
-    now = now_iso()
-    body = (
-        LeaseInfo(
-            run_id=run_id,
-            holder=socket.gethostname(),
-            pid=os.getpid(),
-            command=command,
-            started=now,
-            renewed=now,
-            ttl_s=HOLD_TTL_S,
-        )
-        .model_dump_json()
-        .encode()
-    )
+    body = LeaseInfo.this_process(run_id, command, HOLD_TTL_S).model_dump_json().encode()
     deadline = time.monotonic() + wait_s
     while not cas.write_if(storage, body, None, MODELS, name, HOLD):
         holder = _live_holder(storage, name)

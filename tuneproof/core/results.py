@@ -16,6 +16,12 @@ from pydantic import BaseModel, ConfigDict
 JsonDict = dict[str, Any]
 
 
+class Model(BaseModel):
+    """Base of the control plane's stored documents: strict, so a field it does not know is an error, not dropped."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
 class FailureClass(str, Enum):
     infrastructure = "infrastructure"
     data = "data"

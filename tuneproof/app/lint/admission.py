@@ -11,7 +11,7 @@ import re
 
 from tuneproof.app.lint.canary import PIPELINE_POOL, template_pool
 from tuneproof.app.lint.documents import PLACEHOLDER_VARIABLE, Doc, env_values, pinned_value
-from tuneproof.app.lint.rbac import denying_policies
+from tuneproof.app.lint.rbac import denying_policies, unnamed_findings, validation_text
 from tuneproof.app.lint.worker import (
     CREDENTIAL_SECRET_SETTINGS,
     WORKLOAD_KINDS,
@@ -55,9 +55,7 @@ def admission_policy_findings(doc: Doc, docs: list[Doc], pod_spec: dict) -> list
                 "server does not check against the variables schema) can choose any image, account or Secret",
             )
         ]
-    text = " ".join(
-        str(v.get("expression")) for p in policies for v in (p.obj.get("spec") or {}).get("validations") or []
-    )
+    text = validation_text(policies)
     read = " ".join(  # a name in a variable a validation reads is admitted as if it were in the validation
         str(v.get("expression"))
         for p in policies
@@ -66,19 +64,13 @@ def admission_policy_findings(doc: Doc, docs: list[Doc], pod_spec: dict) -> list
     )
     pins = _flow_run_pins(doc, docs, pod_spec)
     account = pins.pop("service account")
-    findings = [
-        Finding(
-            policies[0].subject,
-            "spec.validations",
-            f"no expression naming '{value}'",
-            value,
-            f"{doc.file} pins the flow runs' {what} to it: the policy must admit exactly that",
-        )
+    must_name = {
+        value: f"{doc.file} pins the flow runs' {what} to it: the policy must admit exactly that"
         for what, value in pins.items()
-        if value and f"'{value}'" not in f"{text} {read}"
-    ]
+        if value
+    }
     return (
-        findings
+        unnamed_findings(policies[0], f"{text} {read}", must_name)
         + _admitted_account_findings(doc, policies, users, account, text)
         + _shared_worker_findings(doc, workers, users)
     )

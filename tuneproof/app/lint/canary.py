@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path, PurePosixPath
 
 from tuneproof.app.lint.documents import Doc, as_list, group_pod_spec, pinned_value, ray_groups
-from tuneproof.app.lint.rbac import denying_policies, write_findings
+from tuneproof.app.lint.rbac import denying_policies, unnamed_findings, validation_text, write_findings
 from tuneproof.app.lint.storage import IRSA_ANNOTATION, irsa_findings
 from tuneproof.control.images import CANARY_CLUSTER_PREFIX, CANARY_STORAGE_DIR
 from tuneproof.control.kube_canary import CANARY_RAY_ACCOUNT, CANARY_TOKEN_SECRET
@@ -135,26 +135,14 @@ def canary_raycluster_policy_findings(doc: Doc, docs: list[Doc], account: str, n
                 "mount any Secret there (KubeRay creates them), and delete the standing RayCluster",
             )
         ]
-    text = " ".join(
-        str(v.get("expression")) for p in policies for v in (p.obj.get("spec") or {}).get("validations") or []
-    )
+    text = validation_text(policies)
     wanted = {  # value: why
         CANARY_CLUSTER_PREFIX: "the canary's name prefix (tuneproof/control/kube_canary.py)",
         CANARY_TOKEN_SECRET: "the canary clusters' own token Secret (tuneproof/control/kube_canary.py)",
         CANARY_RAY_ACCOUNT: "the canary clusters' pods' own service account (tuneproof/control/kube_canary.py)",
     }
-    findings = [
-        Finding(
-            policies[0].subject,
-            "spec.validations",
-            f"no expression naming '{value}'",
-            value,
-            f"{what}: the canary's RayClusters must keep to it",
-        )
-        for value, what in wanted.items()
-        if f"'{value}'" not in text
-    ]
-    return findings + [
+    must_name = {value: f"{what}: the canary's RayClusters must keep to it" for value, what in wanted.items()}
+    return unnamed_findings(policies[0], text, must_name) + [
         Finding(
             policies[0].subject,
             "spec.validations",

@@ -157,26 +157,16 @@ def workload_image(subject: str, field: str, image: str) -> list[Finding]:
 
 def flow_run_image_findings(subject: str, field: str, image: str | None) -> list[Finding]:
     """The image a flow run gets: set, not the stock Prefect image, pinned by digest."""
+    repository = (
+        (image or "").split("@", 1)[0].rsplit(":", 1)[0].removeprefix("docker.io/").removeprefix("index.docker.io/")
+    )
     if not image:
-        return [
-            Finding(
-                subject,
-                field,
-                image,
-                "the flow-run image (deployments/flow-run-image/) by digest",
-                "unset, the worker runs the stock Prefect image",
-            )
-        ]
-    repository = image.split("@", 1)[0].rsplit(":", 1)[0].removeprefix("docker.io/").removeprefix("index.docker.io/")
-    if repository in STOCK_PREFECT_REPOSITORIES:
-        return [
-            Finding(
-                subject,
-                field,
-                image,
-                "the flow-run image (deployments/flow-run-image/) by digest",
-                "the stock Prefect image has neither this project nor ray, kubernetes and s3fs: "
-                "the flow run dies with ModuleNotFoundError",
-            )
-        ]
-    return _digest_findings(subject, field, image)
+        why = "unset, the worker runs the stock Prefect image"
+    elif repository in STOCK_PREFECT_REPOSITORIES:
+        why = (
+            "the stock Prefect image has neither this project nor ray, kubernetes and s3fs: "
+            "the flow run dies with ModuleNotFoundError"
+        )
+    else:
+        return _digest_findings(subject, field, image)
+    return [Finding(subject, field, image, "the flow-run image (deployments/flow-run-image/) by digest", why)]

@@ -85,3 +85,19 @@ def denying_policies(docs: list[Doc], user: str, group: str, resource: str, oper
         and all(_matches(d, group, resource, op) for op in operations)
         and f"'{user}'" in str((d.obj.get("spec") or {}).get("matchConditions"))
     ]
+
+
+def validation_text(policies: list[Doc]) -> str:
+    """The policies' validation expressions, joined: a name they admit stands in it quoted ('name')."""
+    return " ".join(
+        str(v.get("expression")) for p in policies for v in (p.obj.get("spec") or {}).get("validations") or []
+    )
+
+
+def unnamed_findings(policy: Doc, text: str, must_name: dict[str, str]) -> list[Finding]:
+    """A finding on the policy for each value (value -> why) that its expressions' `text` does not name."""
+    return [
+        Finding(policy.subject, "spec.validations", f"no expression naming '{value}'", value, why)
+        for value, why in must_name.items()
+        if f"'{value}'" not in text
+    ]
