@@ -32,7 +32,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,9 @@ from training import step as job_step  # noqa: E402
 from training.flops import ModelShape, mfu, peak_bf16_flops, train_flops_per_token  # noqa: E402
 from training.fsdp import shard_model  # noqa: E402
 from tuneproof.core.hashing import IGNORE_INDEX  # noqa: E402
+
+if TYPE_CHECKING:
+    from tuneproof.core.config import TrainConfig
 
 QWEN25_1_5B = dict(
     vocab_size=151936,
@@ -295,6 +298,8 @@ def estimated_gib(plan: Plan, variant: Variant) -> float:
     measured peak. Imported here: it needs pydantic (a carried wheel on the lent machine)."""
     from training.memory import fit_estimate
 
+    # The fields fit_estimate reads of a full fine-tune's TrainConfig: the real model would import
+    # tuneproof.core.config, which needs yaml, not on the lent machine.
     train = argparse.Namespace(
         method="full",
         micro_batch_size=variant.micro_batch,
@@ -302,7 +307,9 @@ def estimated_gib(plan: Plan, variant: Variant) -> float:
         sharding="full",
         shard_group_size=None,
     )
-    fit = fit_estimate(model_config(plan.shape), train, plan.seq_len, 1, plan.device.type == "cuda", None)
+    fit = fit_estimate(
+        model_config(plan.shape), cast("TrainConfig", train), plan.seq_len, 1, plan.device.type == "cuda", None
+    )
     return round(fit.total_bytes / 2**30, 3)
 
 

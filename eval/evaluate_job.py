@@ -41,6 +41,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -61,6 +62,11 @@ from tuneproof.core.hashing import chat_template_sha256
 from tuneproof.core.metric_names import resolve_metric
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.summaries import ROLES, EvaluateSummary, GateDecision, Generations, ModelScore
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from tuneproof.core.storage import Storage
 
 STAGE = "evaluate"
 
@@ -196,7 +202,11 @@ def read_eval_set(ctx: JobContext, dataset: str) -> EvalSet:
         raise StageFailure(
             FailureClass.data, f"eval split of {ctx.storage.uri(dataset)} has no rows: nothing to evaluate on"
         )
-    cols = {name: table.column(name).to_pylist() for name in ("prompt", "reference", "input_ids", "labels")}
+    cols: dict[str, list[Any]] = {}
+    for name in ("prompt", "reference", "input_ids", "labels"):
+        cols[name] = table.column(name).to_pylist()
+        if None in cols[name]:  # the data stage writes no nulls: such a split was written by something else
+            raise ValueError(f"eval split of {dataset}: column {name} has null rows; expected none")
     template = read_manifest(ctx.storage, dataset).chat_template_sha256
     if template is None:
         jobkit.log(
@@ -219,7 +229,7 @@ def metric_module_hash(name: str, allow_hub: bool) -> str | None:
     return markers.content_sha256(markers.local_digests(where))
 
 
-def model_hash(storage, source: ModelSource, local: Path) -> str | None:
+def model_hash(storage: Storage, source: ModelSource, local: Path) -> str | None:
     """The content hash of the model files that load from `local`: an export's manifest hash, after checking
     every file of the loaded copy against it; a plain directory's hash over its files; None for a hub id."""
     if source.manifest and (local / markers.EXPORT_MANIFEST).exists():
@@ -287,7 +297,12 @@ def evaluate_model(
 
 
 def answer_suite(
-    ctx: JobContext, model, tokenizer, suite: Suite, role: str, counter: _Progress
+    ctx: JobContext,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    suite: Suite,
+    role: str,
+    counter: _Progress,
 ) -> tuple[Scores, Generations]:
     """One model's greedy answers to a regression suite, scored item by item with the suite's metrics, and
     its cut-off and empty answers."""
@@ -305,7 +320,7 @@ def answer_suite(
     return Scores(values, item_scores(suite.metrics, answers, suite.references, values)), generations(answers, cut)
 
 
-def load_for_eval(ctx: JobContext, source: ModelSource):
+def load_for_eval(ctx: JobContext, source: ModelSource) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str | None]:
     """Model in eval mode on the device, its own tokenizer (the base model's when it ships none), and the
     content hash of the files it loaded from (checked before loading, on the very copy that loads)."""
     endpoint = ctx.config.storage.endpoint_url
@@ -313,7 +328,9 @@ def load_for_eval(ctx: JobContext, source: ModelSource):
     ref = materialize(source.uri, endpoint)  # loads from the very copy that is hashed below
     local = Path(ref)
     content = model_hash(ctx.storage, source, local)
-    model = load_model(ref, source.revision, endpoint, dtype=dtype).to(device).eval()
+    model = load_model(ref, source.revision, endpoint, dtype=dtype)
+    # ignore: transformers wraps PreTrainedModel.to with functools.wraps, which mypy reads as unbound (device as self).
+    model.to(device).eval()  # type: ignore[arg-type]
     has_tokenizer = not local.is_dir() or (local / "tokenizer_config.json").exists()
     base = ctx.config.model
     tokenizer = (
@@ -378,7 +395,7 @@ def check_references(metrics: dict, references: list[str]) -> None:
             )
 
 
-def check_template(role: str, tokenizer, rendered_with: str | None) -> str | None:
+def check_template(role: str, tokenizer: PreTrainedTokenizerBase, rendered_with: str | None) -> str | None:
     """The hash of the chat template `role`'s tokenizer lays prompts out with. The eval prompts are the data
     stage's renderings: the candidate's and the base's template must be the one they were rendered with,
     else the model is scored on prompts laid out for another template and the evaluation is invalid. An

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from tuneproof.core.hashing import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 IM_END = "<|im_end|>"
 
@@ -27,12 +30,13 @@ def pick_device() -> tuple[torch.device, torch.dtype]:
     return torch.device("cpu"), torch.float32
 
 
-def stop_token_ids(tokenizer) -> list[int]:
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """Generation stops at the eos token and at ChatML's <|im_end|> (a chat model ends its turn there)."""
     ids = []
     for token in (tokenizer.eos_token, IM_END):
         token_id = tokenizer.convert_tokens_to_ids(token) if token else None
-        if token_id is not None and token_id != tokenizer.unk_token_id and token_id not in ids:
+        # isinstance: one token (a str) converts to one id; the list form is for a list of tokens.
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id and token_id not in ids:
             ids.append(token_id)
     if not ids:
         raise ValueError(
@@ -41,7 +45,7 @@ def stop_token_ids(tokenizer) -> list[int]:
     return ids
 
 
-def pad_token_id(tokenizer) -> int:
+def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
     """The tokenizer's pad token; without one, the first stop token (masked by the attention mask anyway)."""
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_token_ids(tokenizer)[0]
 
@@ -53,8 +57,8 @@ def generate(*args: Any, **kwargs: Any) -> list[str]:
 
 @torch.no_grad()
 def generate_checked(
-    model,
-    tokenizer,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[str],
     max_new_tokens: int,
     batch_size: int,
@@ -75,7 +79,13 @@ def generate_checked(
     return answers, cut
 
 
-def _generate_batch(model, tokenizer, prompts: list[str], max_new_tokens: int) -> tuple[list[str], list[bool]]:
+def _generate_batch(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_new_tokens: int
+) -> tuple[list[str], list[bool]]:
+    from transformers import GenerationMixin
+
+    if not isinstance(model, GenerationMixin):  # a bare PreTrainedModel has no generate()
+        raise TypeError(f"{type(model).__name__} cannot generate: load the model with AutoModelForCausalLM")
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False).to(
         model.device
     )
@@ -101,7 +111,11 @@ def _generate_batch(model, tokenizer, prompts: list[str], max_new_tokens: int) -
 
 @torch.no_grad()
 def eval_loss(
-    model, input_ids: Sequence[Sequence[int]], labels: Sequence[Sequence[int]], batch_size: int, pad_id: int
+    model: PreTrainedModel,
+    input_ids: Sequence[Sequence[int]],
+    labels: Sequence[Sequence[int]],
+    batch_size: int,
+    pad_id: int,
 ) -> dict[str, float]:
     """Token-weighted mean cross-entropy over unmasked labels, and its exp as perplexity.
 
@@ -118,7 +132,9 @@ def eval_loss(
     return {"eval_loss": loss, "perplexity": _exp(loss)}
 
 
-def right_padded(input_ids, labels, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def right_padded(
+    input_ids: Sequence[Sequence[int]], labels: Sequence[Sequence[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_ids, labels, attention_mask) tensors, padded on the right to the longest row."""
     width = max(len(row) for row in input_ids)
     ids = torch.full((len(input_ids), width), pad_id, dtype=torch.long)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from eval.gates import Scores, decide
 from tuneproof.core.config import SuiteConfig
@@ -21,6 +21,9 @@ from tuneproof.core.datahash import sha256_bytes
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import GateDecision, SuiteScore
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -80,10 +83,14 @@ def _item(line: str) -> dict | None:
     return row if ok else None
 
 
-def chat_prompts(tokenizer, inputs: list[str]) -> list[str]:
+def chat_prompts(tokenizer: PreTrainedTokenizerBase, inputs: list[str]) -> list[str]:
     """Each input as one user turn, ready for the answer: how the base learned its skills (no system prompt)."""
+    # cast: with tokenize=False the template's rendered text comes back (transformers types every return form).
     return [
-        tokenizer.apply_chat_template([{"role": "user", "content": x}], tokenize=False, add_generation_prompt=True)
+        cast(
+            str,
+            tokenizer.apply_chat_template([{"role": "user", "content": x}], tokenize=False, add_generation_prompt=True),
+        )
         for x in inputs
     ]
 

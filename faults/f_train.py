@@ -220,8 +220,13 @@ def s3_down(lab: Lab) -> FaultRow:
     outage_s = 30
     # This process reads the run's storage too (record, checkpoints): with the server's fake credentials.
     with environ(FAKE_AWS), moto_server() as upstream, FlakyProxy(int(upstream.rsplit(":", 1)[1])) as proxy:
-        creds = {"aws_access_key_id": FAKE_AWS["AWS_ACCESS_KEY_ID"], "aws_secret_access_key": "testing"}
-        boto3.client("s3", endpoint_url=upstream, region_name="us-east-1", **creds).create_bucket(Bucket=S3_BUCKET)
+        boto3.client(
+            "s3",
+            endpoint_url=upstream,
+            region_name="us-east-1",
+            aws_access_key_id=FAKE_AWS["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key="testing",
+        ).create_bucket(Bucket=S3_BUCKET)
         proxy.arm(re.compile(rb"^PUT \S*/datasets/"), outage_s)
         proxy.arm(re.compile(rb"^PUT \S*/checkpoint_000020/"), outage_s)
         run_id = "f4-s3-down"

@@ -81,7 +81,7 @@ def ray_driver(head, **init_kwargs):
     """This process as a Ray driver of `head` (stage bodies then call ray.init() as a no-op)."""
     import ray
     from ray._private import ray_constants
-    from ray._raylet import Config
+    from ray._raylet import Config  # type: ignore[attr-defined]  # compiled; _raylet.pyi leaves it out
 
     with pytest.MonkeyPatch.context() as mp:
         for key, value in ray_env(head.token_file).items():

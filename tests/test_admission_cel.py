@@ -215,7 +215,7 @@ def policy_named(file: str, name: str) -> dict:
     return next(d for d in docs if d and d["kind"] == "ValidatingAdmissionPolicy" and d["metadata"]["name"] == name)
 
 
-def messages(policy: dict) -> list[str]:
+def messages(policy: dict) -> list[str | None]:
     """Each validation's static message, in order (messageExpression ones: None)."""
     return [" ".join(v["message"].split()) if "message" in v else None for v in policy["spec"]["validations"]]
 
@@ -298,7 +298,7 @@ def _worker_job(pool: str) -> dict:
         job_manifest = job
 
     replace = KubernetesWorker._replace_env_variable_with_secret
-    asyncio.run(replace(None, "PREFECT_API_AUTH_STRING", Configuration, "prefect-api-auth", "auth-string"))  # type: ignore[arg-type]
+    asyncio.run(replace(None, "PREFECT_API_AUTH_STRING", Configuration, "prefect-api-auth", "auth-string"))
     by_secret = {"secretKeyRef": {"name": "prefect-api-auth", "key": "auth-string"}}
     assert {"name": "PREFECT_API_AUTH_STRING", "valueFrom": by_secret} in pod_of(job)["containers"][0]["env"]
     return job
@@ -558,7 +558,9 @@ REFUSED = [
 ]
 
 
-@pytest.mark.parametrize(("change", "message"), REFUSED, ids=[f"{i}-{m[:24]}" for i, (_, m) in enumerate(REFUSED)])
+@pytest.mark.parametrize(
+    ("change", "message"), REFUSED, ids=[f"{i}-{(m or '')[:24]}" for i, (_, m) in enumerate(REFUSED)]
+)
 def test_a_canary_raycluster_beyond_raycluster_yaml_is_refused_with_the_policys_message(change, message):
     body = candidate_cluster()
     change(body)

@@ -22,6 +22,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -840,7 +841,7 @@ def test_bad_data_rows_are_dropped_by_reason(text: bytes, reason: str):
     assert data_drops(text) == {reason: 1}
 
 
-TINY_CONFIG = {
+TINY_CONFIG: dict[str, Any] = {
     "model_type": "qwen2",
     "hidden_size": 16,
     "intermediate_size": 32,
@@ -991,7 +992,9 @@ def test_the_flow_refuses_a_bad_run_id_before_anything_runs(run_id: str, tmp_pat
 
     cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path / "store")}})
     state = pipeline.fn(cfg, run_id=run_id)
-    assert state.is_failed() and f"run id {run_id!r}" in state.message and "nothing ran" in state.message
+    assert (
+        state.is_failed() and f"run id {run_id!r}" in (state.message or "") and "nothing ran" in (state.message or "")
+    )
     assert not (tmp_path / "store").exists()  # no record, no lease, no job
 
 

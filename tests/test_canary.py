@@ -29,12 +29,14 @@ def test_requests_that_cannot_run_name_the_value(tmp_path):
     cfg = local(tmp_path)
     eks = load_config(PROJECT_ROOT / "configs" / "eks.yaml")
     assert request_problem(cfg, None, 60, 2, 0.1, None) is None  # locally: this environment
-    assert "candidate_image is required on eks" in request_problem(eks, None, 60, 2, 0.1, None)
-    assert "'ray:2.58' is not pinned by digest" in request_problem(cfg, "ray:2.58", 60, 2, 0.1, None)
-    assert "repeats must be between 2 and 20 (got 0)" in request_problem(cfg, None, 60, 0, 0.1, None)
-    assert "repeats must be at least 2 (got 1): one run gives one value" in request_problem(cfg, None, 60, 1, 0.1, None)
-    assert "threshold must be between 0 and 1 (got 1.5)" in request_problem(cfg, None, 60, 2, 1.5, None)
-    assert "decision id 'a/b'" in request_problem(cfg, None, 60, 2, 0.1, "a/b")
+    assert "candidate_image is required on eks" in (request_problem(eks, None, 60, 2, 0.1, None) or "")
+    assert "'ray:2.58' is not pinned by digest" in (request_problem(cfg, "ray:2.58", 60, 2, 0.1, None) or "")
+    assert "repeats must be between 2 and 20 (got 0)" in (request_problem(cfg, None, 60, 0, 0.1, None) or "")
+    assert "repeats must be at least 2 (got 1): one run gives one value" in (
+        request_problem(cfg, None, 60, 1, 0.1, None) or ""
+    )
+    assert "threshold must be between 0 and 1 (got 1.5)" in (request_problem(cfg, None, 60, 2, 1.5, None) or "")
+    assert "decision id 'a/b'" in (request_problem(cfg, None, 60, 2, 0.1, "a/b") or "")
 
 
 def test_the_cli_refuses_one_repeat_before_anything_starts(tmp_path):

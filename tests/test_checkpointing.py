@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import TEST_BUCKET
+from tests.reading import present
 from tests.tiny import save_checkpoint
 from training.checkpointing import (
     MARKER,
@@ -91,6 +92,7 @@ def test_a_checkpoint_with_a_deleted_shard_is_never_the_latest(tmp_path):
         f"{storage.uri(*RUN, 'checkpoint_000012')}: __1_0.distcp (missing, expected 100 bytes)"
     )
     latest = latest_complete_checkpoint(storage, *RUN)
+    assert latest is not None
     assert (latest.step, latest.uri) == (8, storage.uri(*RUN, "checkpoint_000008"))
     assert [c.step for c in complete_checkpoints(storage, *RUN)] == [8, 4]
 
@@ -103,10 +105,10 @@ def test_unmarked_truncated_or_garbled_checkpoints_do_not_count(tmp_path):
     storage.write_bytes(b"a" * 60, *truncated, "__0_0.distcp")
     garbled = fake_checkpoint(storage, 16)
     storage.write_bytes(b"{not json", *garbled, MARKER)
-    assert "no completion marker" in check_complete(storage, *RUN, "checkpoint_000008")
-    assert "__0_0.distcp (size 60 bytes, expected 100)" in check_complete(storage, *RUN, "checkpoint_000012")
-    assert "completion marker unreadable" in check_complete(storage, *RUN, "checkpoint_000016")
-    assert latest_complete_checkpoint(storage, *RUN).step == 4
+    assert "no completion marker" in (check_complete(storage, *RUN, "checkpoint_000008") or "")
+    assert "__0_0.distcp (size 60 bytes, expected 100)" in (check_complete(storage, *RUN, "checkpoint_000012") or "")
+    assert "completion marker unreadable" in (check_complete(storage, *RUN, "checkpoint_000016") or "")
+    assert present(latest_complete_checkpoint(storage, *RUN)).step == 4
 
 
 def test_a_failed_run_drops_only_its_unmarked_checkpoints(tmp_path):
@@ -118,7 +120,7 @@ def test_a_failed_run_drops_only_its_unmarked_checkpoints(tmp_path):
     storage.write_bytes(b"{}", *RUN, "checkpoint_manager_snapshot.json")
     assert remove_unmarked(storage, *RUN) == ["checkpoint_000008"]
     assert storage.listdir(*RUN) == ["checkpoint_000004", "checkpoint_000012", "checkpoint_manager_snapshot.json"]
-    assert latest_complete_checkpoint(storage, *RUN).step == 4
+    assert present(latest_complete_checkpoint(storage, *RUN)).step == 4
     assert remove_unmarked(storage, *RUN) == []
 
 
@@ -151,16 +153,17 @@ def test_a_torn_ray_snapshot_or_one_naming_a_removed_checkpoint_is_set_aside_and
     fake_checkpoint(storage, 4)
     torn = ray_snapshot("checkpoint_000004", "checkpoint_000008")[:70]
     storage.write_bytes(torn, *RUN, RAY_SNAPSHOT)
-    assert unusable_ray_snapshot(storage, *RUN).startswith("not valid JSON: ")
+    assert present(unusable_ray_snapshot(storage, *RUN)).startswith("not valid JSON: ")
     note = set_aside_unusable_ray_snapshot(storage, *RUN)
+    assert note is not None
     assert note.startswith(f"Ray Train's {RAY_SNAPSHOT} of this run is unusable (not valid JSON: ")
     aside = [name for name in storage.listdir(*RUN) if name.startswith(f"{RAY_SNAPSHOT}.unusable-")]
-    assert not storage.exists(*RUN, RAY_SNAPSHOT) and len(aside) == 1 and aside[0] in note
+    assert not storage.exists(*RUN, RAY_SNAPSHOT) and len(aside) == 1 and aside[0] in (note or "")
     assert storage.read_bytes(*RUN, aside[0]) == torn  # kept as it was: evidence of what Ray left
 
     storage.write_bytes(ray_snapshot("checkpoint_000004", "checkpoint_000008"), *RUN, RAY_SNAPSHOT)
     assert unusable_ray_snapshot(storage, *RUN) == "it lists checkpoint_000008, not in storage"
-    assert latest_complete_checkpoint(storage, *RUN).step == 4  # what the run resumes from without it
+    assert present(latest_complete_checkpoint(storage, *RUN)).step == 4  # what the run resumes from without it
 
 
 def test_the_checkpoints_a_snapshot_names_are_found_wherever_they_sit():
@@ -183,6 +186,7 @@ def test_a_corrupted_newest_checkpoint_is_skipped_set_aside_and_dropped_from_ray
     flip_a_byte(storage, (*RUN, "checkpoint_000012"))
     storage.write_bytes(ray_snapshot("checkpoint_000004", "checkpoint_000008", "checkpoint_000012"), *RUN, RAY_SNAPSHOT)
     found = find_checkpoints(storage, *RUN)
+    assert found.latest is not None
     assert found.latest.step == 8 and [(n, s) for n, s, _ in found.unusable] == [
         ("checkpoint_000016", 16),
         ("checkpoint_000012", 12),
@@ -193,12 +197,13 @@ def test_a_corrupted_newest_checkpoint_is_skipped_set_aside_and_dropped_from_ray
     assert "no completion marker" in unmarked.reason
     assert flipped.name == "checkpoint_000012" and flipped.dropped_from_ray and "__1_0.distcp" in flipped.reason
     assert "sha256" in flipped.reason
+    assert flipped.set_aside_as is not None
     assert flipped.set_aside_as.startswith("checkpoint_000012.unusable-") and storage.exists(*RUN, flipped.set_aside_as)
     assert not storage.exists(*RUN, "checkpoint_000012")  # the step is saved again into a clean directory
     state = json.loads(storage.read_bytes(*RUN, RAY_SNAPSHOT))
     assert snapshot_checkpoints(state) == {"checkpoint_000004", "checkpoint_000008"}
     assert state["latest_checkpoint_result"]["checkpoint_dir_name"] == "checkpoint_000008"
-    assert latest_complete_checkpoint(storage, *RUN).step == 8
+    assert present(latest_complete_checkpoint(storage, *RUN)).step == 8
     assert skip_unusable(storage, find_checkpoints(storage, *RUN), *RUN) == [
         skipped[0]
     ]  # once done, only the unmarked save (left in place) is found again
@@ -290,7 +295,7 @@ def test_rays_own_checkpoint_manager_loads_the_rewritten_snapshot_and_prunes_wit
         restored = cm.latest_checkpoint_result
         for step in (20, 30, 40):
             report(cm, step)
-        return step_of(restored.checkpoint.path.rsplit("/", 1)[-1]) if restored else None
+        return step_of(restored.checkpoint.path.rsplit("/", 1)[-1]) if restored and restored.checkpoint else None
 
     asyncio.run(first_run())
     flip_a_byte(storage, (*RUN, "checkpoint_000020"))
@@ -320,8 +325,9 @@ def test_completeness_is_checked_the_same_on_s3(s3_endpoint):
     fake_checkpoint(storage, 4)
     fake_checkpoint(storage, 8)
     storage.remove(*RUN, checkpoint_dir_name(8), ".metadata")
-    assert ".metadata (missing, expected 10 bytes)" in check_complete(storage, *RUN, "checkpoint_000008")
+    assert ".metadata (missing, expected 10 bytes)" in (check_complete(storage, *RUN, "checkpoint_000008") or "")
     latest = latest_complete_checkpoint(storage, *RUN)
+    assert latest is not None
     assert latest.uri == f"s3://{TEST_BUCKET}/ckpt-unit/runs/r1/train/r1/checkpoint_000004"
 
 
@@ -547,7 +553,12 @@ def test_a_durable_digest_hashes_every_file_and_fsyncs_it_and_the_directory(tmp_
         (tmp_path / name).write_bytes(data)
     synced: list[Path] = []
     real_fsync = checkpointing.fsync_path
-    monkeypatch.setattr(checkpointing, "fsync_path", lambda path: (synced.append(Path(path)), real_fsync(path)))
+
+    def fsync_path(path: Path) -> None:
+        synced.append(Path(path))
+        real_fsync(path)
+
+    monkeypatch.setattr(checkpointing, "fsync_path", fsync_path)
 
     files = checkpointing.digest_files(tmp_path, sorted(contents), durable=True)
 

@@ -16,6 +16,7 @@ from collections import Counter
 import pytest
 
 from tests.conftest import tuneproof
+from tests.reading import present
 from tuneproof.control import comparison as cmp
 from tuneproof.control import record as records
 
@@ -46,7 +47,7 @@ def test_a_clear_doubling_is_better_with_an_interval_above_one():
     m = cmp.compare_metric("finetune.tokens_per_s", [100.0, 102.0, 98.0], [200.0, 205.0, 195.0], threshold=0.05)
     assert m.a.median == 100.0 and m.b.median == 200.0 and (m.a.min, m.a.max) == (98.0, 102.0)
     assert m.ratio == pytest.approx(2.0, rel=1e-3)  # of geometric means
-    assert m.ci95 is not None and 1.8 < m.ci95[0] <= m.ratio <= m.ci95[1] < 2.2
+    assert m.ci95 is not None and m.ratio is not None and 1.8 < m.ci95[0] <= m.ratio <= m.ci95[1] < 2.2
     assert m.verdict == "better"
 
 
@@ -72,7 +73,7 @@ def test_two_repeats_make_a_t_interval_not_a_bootstrap():
 def test_a_and_a_is_no_detectable_difference_in_at_least_95_percent():
     """Arms that differ only in their label: 3 % multiplicative noise, 5 repeats, threshold 10 %."""
     rng = random.Random(11)
-    verdicts = Counter()
+    verdicts = Counter[str]()
     for _ in range(1000):
         a, b = ([rng.lognormvariate(0, 0.03) * 100 for _ in range(5)] for _ in range(2))
         verdicts[cmp.compare_metric("finetune.tokens_per_s", a, b, threshold=0.1).verdict] += 1
@@ -84,7 +85,7 @@ def test_a_and_a_with_two_or_three_noisy_repeats_never_claims_a_change():
     """5 % noise at 2-3 repeats cannot resolve 10 %: it says so instead of better or worse."""
     rng = random.Random(12)
     for repeats in (2, 3):
-        verdicts = Counter()
+        verdicts = Counter[str]()
         for _ in range(1000):
             a, b = ([rng.lognormvariate(0, 0.05) for _ in range(repeats)] for _ in range(2))
             verdicts[cmp.compare_metric("finetune.tokens_per_s", a, b, threshold=0.1).verdict] += 1
@@ -234,7 +235,8 @@ def test_connectivity_under_two_settings_three_interleaved_repeats(prefect_serve
     for size in (4096, 1048576):
         m = names[f"connectivity.busbw_GBps@{size}B"]
         assert len(m.a.values) == 3 and len(m.b.values) == 3
-        assert m.a.min <= m.a.median <= m.a.max and m.b.min <= m.b.median <= m.b.max
+        assert present(m.a.min) <= present(m.a.median) <= present(m.a.max)
+        assert present(m.b.min) <= present(m.b.median) <= present(m.b.max)
         assert m.ratio is not None and m.ci95 is not None and m.ci95[0] <= m.ci95[1]
         assert m.verdict in ("better", "worse", "no detectable difference", "insufficient repeats")
         assert m.direction == "higher"

@@ -24,7 +24,7 @@ def test_local_profile_loads_with_absolute_paths():
 def test_eks_profile_loads():
     cfg = load_config(PROJECT_ROOT / "configs" / "eks.yaml")
     assert cfg.cluster.backend == "eks"
-    assert "@sha256:" in cfg.cluster.expect.image
+    assert "@sha256:" in (cfg.cluster.expect.image or "")
 
 
 def test_a_hub_id_stays_a_hub_id_and_a_local_model_directory_becomes_absolute(tmp_path):

@@ -14,6 +14,7 @@ from prefect import task
 from flows import stage_tasks
 from flows.pipeline import pipeline
 from tasks.jobs import StageCall
+from tests.reading import present, summary_dict
 from tuneproof.control import record as records
 from tuneproof.control import stages as table
 from tuneproof.control.record import RunRecord, StageEntry, StageInputs
@@ -286,7 +287,7 @@ def test_a_continued_run_keeps_unchanged_stages_and_reruns_a_changed_one_and_its
     rec = records.load(Storage(str(tmp_path)), "cont")
     assert CALLS == [] and rec.invocations[-1].kept == ["a", "b", "c"] and rec.status == "succeeded"
 
-    assert {name: list(rec.stages[name].inputs.config) for name in "abc"} == {
+    assert {name: list(present(rec.stages[name].inputs).config) for name in "abc"} == {
         "a": ["data.name"],
         "b": ["train.lr"],
         "c": ["eval.max_examples"],
@@ -307,7 +308,7 @@ def test_a_continued_run_keeps_unchanged_stages_and_reruns_a_changed_one_and_its
     assert last.status == "succeeded" and last.running is None
     assert [e.stage for e in rec.superseded] == ["b", "c"]
     assert rec.stages["a"].invocation == 1 and rec.stages["c"].invocation == 4
-    assert rec.stages["c"].summary["dataset_path"] == "datasets/c/4"
+    assert summary_dict(rec, "c")["dataset_path"] == "datasets/c/4"
 
 
 @pytest.mark.integration
@@ -414,4 +415,8 @@ def test_continuing_with_another_world_size_reruns_connectivity_and_keeps_the_da
 
 def _external(rec: RunRecord, name: str) -> dict[str, str]:
     """The external inputs the stage ran with (evaluate's production version), as its entry stored them."""
-    return {k: v for k, v in rec.stages[name].inputs.needs.items() if "." in k and k.split(".")[0] not in table.names()}
+    return {
+        k: v
+        for k, v in present(rec.stages[name].inputs).needs.items()
+        if "." in k and k.split(".")[0] not in table.names()
+    }

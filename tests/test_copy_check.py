@@ -17,6 +17,7 @@ import pytest
 from eval.copy_check import score_differences
 from tasks.promote import COPY_CHECK_EXAMPLES, copy_check_slice
 from tests.conftest import tuneproof
+from tests.reading import entry_summary, present
 from tuneproof.control import record as records
 from tuneproof.control import registry
 from tuneproof.core import markers
@@ -40,10 +41,12 @@ def evaluation(uri: str | None) -> EvaluateSummary:
 
 def test_the_slice_is_the_first_saved_candidate_answers(tmp_path):
     storage = Storage(str(tmp_path))
-    rows = [{"prompt": f"p{i}", "reference": f"r{i}", "candidate": f"a{i}", "base": "x"} for i in range(40)]
+    rows: list[dict[str, str | None]] = [
+        {"prompt": f"p{i}", "reference": f"r{i}", "candidate": f"a{i}", "base": "x"} for i in range(40)
+    ]
     rows[1]["candidate"] = None  # a row without a candidate answer cannot be compared
     storage.write_bytes("\n".join(map(json.dumps, rows)).encode(), "runs", "r1", "stages", "evaluate", "p.jsonl")
-    items = copy_check_slice(storage, evaluation(storage.uri("runs", "r1", "stages", "evaluate", "p.jsonl")))
+    items = present(copy_check_slice(storage, evaluation(storage.uri("runs", "r1", "stages", "evaluate", "p.jsonl"))))
     assert len(items["prompts"]) == COPY_CHECK_EXAMPLES and items["prompts"][:2] == ["p0", "p2"]
     assert items["references"][1] == "r2" and items["answers"][1] == "a2"
     assert copy_check_slice(storage, evaluation(None)) is None
@@ -53,7 +56,7 @@ def test_the_slice_is_the_first_saved_candidate_answers(tmp_path):
 @pytest.mark.integration
 def test_the_demo_promotion_scored_its_registry_copy(finished_run):
     promotion = finished_run.record.stages["promote"]
-    check = promotion.summary_as(PromoteSummary).copy_check
+    check = entry_summary(promotion, PromoteSummary).copy_check
     assert check is not None and check.passed and check.examples == COPY_CHECK_EXAMPLES
     assert check.copy_scores == check.evaluate_scores and check.model_path.startswith("models/")
     assert [j.submission_id for j in promotion.jobs] == ["demo-promote-copy-check"]
@@ -74,8 +77,8 @@ def test_a_corruption_planted_between_the_copy_and_the_pointer_move_is_caught(cl
     result = tuneproof("run", "--only", "promote", "--run-id", "demo", *clone_run.args)
     assert result.exit_code == 4, result.output
     entry = records.load(storage, "demo").stages["promote"]
-    assert entry.failure_class == "infrastructure" and "scores differently" in entry.cause, entry.cause
-    check = entry.summary_as(PromoteSummary).copy_check
+    assert entry.failure_class == "infrastructure" and "scores differently" in (entry.cause or ""), entry.cause
+    check = entry_summary(entry, PromoteSummary).copy_check
     assert check is not None and not check.passed and check.copy_scores != check.evaluate_scores
     name = records.load(storage, "demo").config["model"]["name"]
     assert registry.read_pointer(storage, name) == (None, None)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tuneproof
+from tests.reading import production_pointer
 from tuneproof.app.rundiff import diff_records
 from tuneproof.control import cost, registry
 from tuneproof.control import record as records
@@ -292,7 +293,7 @@ def test_the_card_states_the_cost_with_the_copy_check_and_models_show_shows_that
     promoted.status = "succeeded"
     records.save(storage, promoted)
 
-    version = registry.read_pointer(storage, cfg.model.name)[0]["version"]
+    version = production_pointer(storage, cfg.model.name)["version"]
     card = storage.read_json("models", cfg.model.name, version, registry.CARD_JSON)["cost"]
     (charged,) = [c for c in card["charged"] if c["run_id"] == "r1"]
     assert [(s["stage"], s["seconds"]) for s in charged["stages"]][-1] == ("promote", 5.0)  # the copy check
@@ -319,7 +320,7 @@ def test_after_a_failed_run_the_promoted_versions_cost_includes_it(clone_run):
     promoted = tuneproof("run", "--run-id", "demo", "--only", "promote", *clone_run.args, *prices)
     assert promoted.exit_code == 0, promoted.output
     name = records.load(storage, "demo").config["model"]["name"]
-    version = registry.read_pointer(storage, name)[0]["version"]
+    version = production_pointer(storage, name)["version"]
     card = storage.read_json("models", name, version, registry.CARD_JSON)["cost"]
     assert {c["run_id"] for c in card["charged"]} == {"demo", "bad-source"}
     assert card["money"] > 0 and card["steps_paid"] >= card["promoted_steps"] > 0

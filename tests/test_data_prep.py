@@ -13,14 +13,16 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import TEST_BUCKET, ray_driver, run_job_module
+from tests.reading import present
 from training import data_prep, modeling
 from training.data_prep import (
     SCHEMA,
@@ -39,6 +41,7 @@ from tuneproof.core import datahash
 from tuneproof.core.config import PipelineConfig, SuiteConfig
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import DataSummary
 
 PROJECT = Path(__file__).resolve().parent.parent
 DATES = [json.loads(line) for line in DEFAULT_DATA.read_text().splitlines()]
@@ -67,7 +70,7 @@ def prepare(cfg: PipelineConfig) -> dict:
     return prepare_data(JobContext("run-1", "data", cfg)).to_json()
 
 
-def write_jsonl(path: Path, rows: list, raw_lines: list[bytes] = ()) -> Path:
+def write_jsonl(path: Path, rows: list, raw_lines: Sequence[bytes] = ()) -> Path:
     lines = [json.dumps(r).encode() for r in rows] + list(raw_lines)
     path.write_bytes(b"\n".join(lines) + b"\n")
     return path
@@ -164,7 +167,7 @@ def test_fit_and_pack():
 
 
 def test_content_hash_moves_with_every_input():
-    base = dict(
+    base: dict[str, Any] = dict(
         source_sha256="a",
         eval_source_sha256=None,
         fields=FIELDS,
@@ -172,7 +175,7 @@ def test_content_hash_moves_with_every_input():
         tokenizer_sha256="t",
         settings={"max_seq_len": 64},
     )
-    variants = [
+    variants: list[dict[str, Any]] = [
         {"source_sha256": "b"},
         {"eval_source_sha256": "e"},
         {"fields": {**FIELDS, "prompt": "q"}},
@@ -206,6 +209,7 @@ def test_batched_encoding_equals_one_template_and_tokenizer_call_per_row(tiny_di
         full = tokenizer.apply_chat_template(
             [*messages, {"role": "assistant", "content": conv.parts["response"]}], tokenize=False
         )
+        assert isinstance(prompt, str) and isinstance(full, str)  # tokenize=False: the rendered text
         p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         c = tokenizer(full[len(prompt) :].rstrip(), add_special_tokens=False)["input_ids"]
         assert (example.input_ids, example.labels) == (p + c, [datahash.IGNORE_INDEX] * len(p) + c)
@@ -269,8 +273,9 @@ def test_a_mismatch_anywhere_in_the_sample_sends_the_rest_of_the_run_to_jinja(ti
 
 def test_turns_that_are_not_plain_strings_go_to_jinja(tiny_dir):
     render = ChatRenderer(load_tokenizer(str(tiny_dir)))
-    assert render.fast([[{"role": "user", "content": None}]], True) is None
-    assert render.fast([[{"role": "user", "content": 5}]], True) is None
+    # ignore: the point of the test, turns whose content is not a string.
+    assert render.fast([[{"role": "user", "content": None}]], True) is None  # type: ignore[dict-item]
+    assert render.fast([[{"role": "user", "content": 5}]], True) is None  # type: ignore[dict-item]
     assert render.python is not None  # not a mismatch: those batches are jinja's to render or reject
 
 
@@ -428,6 +433,7 @@ def test_thirty_percent_malformed_is_a_data_failure_with_counts(tmp_path, tiny_d
         "30.0% of rows malformed (limit 5.0%): undecodable=6, wrong_type=6, missing_field=6, "
         "empty=6, too_long=6 of 100 rows"
     )
+    assert isinstance(failure.summary, DataSummary)
     assert {r: d.count for r, d in failure.summary.dropped.items()} == dict.fromkeys(datahash.COLUMN_REASONS, 6)
     assert failure.summary.manifest is None and failure.summary.total_rows == 100
     assert not Storage(str(tmp_path / "store")).exists("datasets")
@@ -645,7 +651,8 @@ def test_an_eval_file_that_repeats_training_rows_is_refused_naming_the_overlap(t
         "eval split overlaps the training split: 3 of 10 eval items (30.0%; 3 normalised exact matches, the rest a "
         "shared 13-word n-gram) > data.max_contamination 0: eval_source:7, eval_source:8, eval_source:9"
     )
-    found = failure.summary.contamination
+    assert isinstance(failure.summary, DataSummary)
+    found = present(failure.summary.contamination)
     assert (found.overlapping, found.eval_items, found.overlapping_ids) == (
         3,
         10,
@@ -706,6 +713,7 @@ def test_replayed_rows_join_the_training_split_at_their_share_and_are_checked_li
     assert len(replayed) == 60 and not any("add" in r["prompt"] for r in evals)
 
     # A share that is not a whole number of copies: 90 * 0.3 / 0.7 = 38.6 -> 39 rows, one copy and 19 sampled.
+    assert cfg.data.replay is not None
     cfg.data.replay.share = 0.3
     assert prepare(cfg)["manifest"]["splits"]["train"]["rows"] == 90 + 39
 
@@ -714,6 +722,7 @@ def test_replayed_rows_join_the_training_split_at_their_share_and_are_checked_li
     with pytest.raises(StageFailure, match=r"suite add .* overlaps the training split: 20 of 20"):
         prepare(cfg)
     cfg.eval.suites = {}
+    assert cfg.data.replay is not None
     cfg.data.replay.source = str(write_jsonl(tmp_path / "broken.jsonl", [{"question": "?"}]))
     with pytest.raises(StageFailure, match=r"data.replay.source .*broken.jsonl: no usable rows \(all 1 dropped\)"):
         prepare(cfg)

@@ -21,6 +21,7 @@ from eval.evaluate_job import check_references, evaluate_body
 from eval.generation import eval_loss, generate, right_padded
 from eval.metrics_loader import load_metric
 from tests.conftest import TEST_BUCKET, run_job_module
+from tests.reading import present, production_pointer
 from training import jobkit, modeling
 from training.checkpointing import publish_export
 from training.jobkit import JobContext
@@ -30,6 +31,7 @@ from tuneproof.core.config import PipelineConfig
 from tuneproof.core.hashing import chat_template_sha256
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import EvaluateSummary
 
 ANSWER = "2024-01-05"
 PROMPTS = [f"date {'x' * (i % 5)} {i}" for i in range(36)]
@@ -192,6 +194,7 @@ def test_a_candidate_that_never_stops_makes_the_evaluation_invalid_naming_the_co
         "eval.max_truncated_fraction): a cut-off answer scores wrong whatever the model knows; raise "
         "eval.max_new_tokens (a model that never ends its turn is cut off at any setting)"
     )
+    assert isinstance(failure.summary, EvaluateSummary)
     assert failure.summary.gates.verdicts == [] and not failure.summary.gates.passed  # not a gate verdict
     counted = {role: m.generations["task"].cut_off for role, m in failure.summary.models.items() if m}
     assert counted == {"candidate": 30, "base": 30}
@@ -207,9 +210,10 @@ def test_within_the_cap_the_gates_judge_the_candidate_with_the_evidence(world, s
     assert failure.failure_class is FailureClass.modeling
     assert failure.cause.startswith("exact_match >= 0.8: 0 [0, 0.1434] (n=30, Wilson score")
     assert failure.cause.endswith("(fail) (+1 more)")
+    assert isinstance(failure.summary, EvaluateSummary)
     assert failure.summary.gates.passed is False
-    assert failure.summary.models["candidate"].metrics["exact_match"] == 0.0
-    assert failure.summary.models["candidate"].generations["task"].cut_off == 30
+    candidate = present(failure.summary.models["candidate"])
+    assert candidate.metrics["exact_match"] == 0.0 and candidate.generations["task"].cut_off == 30
     assert store.exists("runs/raw/stages/evaluate/predictions.jsonl")
 
 
@@ -220,10 +224,11 @@ def test_the_production_model_is_the_incumbent_and_a_handful_of_items_cannot_res
     )
     upload_export(store, world["trained"], "second")
     ctx = make_ctx(world, "second", store.root)
-    pointer, _ = registry.read_pointer(store, "dates-qwen2-tiny")
+    pointer = production_pointer(store, "dates-qwen2-tiny")
     ctx.params["incumbent"] = {"version": pointer["version"], "path": pointer["path"]}
     with pytest.raises(StageFailure) as info:
         evaluate_body(ctx)
+    assert isinstance(info.value.summary, EvaluateSummary)
     summary = info.value.summary.to_json()
     assert summary["incumbent_version"] == "v0001-first"
     assert summary["models"]["incumbent"]["path"] == "models/dates-qwen2-tiny/v0001-first"
@@ -278,7 +283,9 @@ def test_candidate_and_dataset_on_s3(world, s3_endpoint, tmp_path, monkeypatch):
     # Five items are all this test needs to read and write through S3; a gate five items can resolve.
     gates = {"exact_match": {"min": 0.3}}
     summary = evaluate_body(make_ctx(world, "s3run", storage.root, s3_endpoint, max_examples=5, gates=gates))
+    assert summary.models["candidate"] is not None
     assert summary.models["candidate"].metrics["exact_match"] == 1.0
+    assert summary.predictions_uri is not None
     assert summary.predictions_uri.startswith("s3://") and storage.exists(
         "runs/s3run/stages/evaluate/predictions.jsonl"
     )
@@ -300,7 +307,7 @@ def test_batched_left_padded_generation_equals_one_at_a_time(world, base_model):
     batched = generate(base_model, tokenizer, prompts, max_new_tokens=6, batch_size=4)
     single = [generate(base_model, tokenizer, [p], max_new_tokens=6, batch_size=1)[0] for p in prompts]
     assert batched == single
-    done = []
+    done: list[int] = []
     generate(base_model, tokenizer, prompts, max_new_tokens=2, batch_size=3, on_batch=done.append)
     assert done == [3, 1]
 
@@ -360,6 +367,7 @@ def test_too_small_max_new_tokens_is_an_invalid_evaluation_not_a_gate_failure(wo
         "evaluation invalid: candidate 30/30 answers cut off at eval.max_new_tokens=2 (cap 0.02, "
         "eval.max_truncated_fraction)"
     )
+    assert isinstance(info.value.summary, EvaluateSummary)
     assert info.value.summary.gates.lines == [f"not decided: {info.value.cause}"]
     print(info.value.cause)
 

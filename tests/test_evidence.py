@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import Any
 
 import pytest
 
@@ -17,6 +18,7 @@ from flows import pipeline
 from tasks import promote as promote_tasks
 from tasks.jobs import finetune_run_name
 from tests.conftest import TEST_BUCKET, tuneproof
+from tests.reading import entry_summary, present, production_pointer, summary_dict, summary_of
 from tests.test_promote_task import EXPORT_SHA256, passed_record, with_export
 from training.checkpointing import check_complete
 from tuneproof.control import record as records
@@ -93,6 +95,7 @@ def cas_round(storage: Storage) -> None:
     assert not cas.write_if(storage, b"stale", first, *parts)
     data, second = cas.read_versioned(storage, *parts)
     assert data == b"v2" and second != first
+    assert first is not None and second is not None
     assert not cas.delete_if(storage, first, *parts)
     assert cas.delete_if(storage, second, *parts)
     assert cas.read_versioned(storage, *parts) == (None, None)
@@ -134,9 +137,9 @@ def test_a_lost_write_response_that_landed_is_success_not_a_conflict(tmp_path, m
         return False
 
     monkeypatch.setattr(cas, "write_if", lands_but_answers_conflict)
-    card = {"metrics": {}, "gates": []}
+    card: dict[str, Any] = {"metrics": {}, "gates": []}
     pointer = registry.promote(storage, NAME, "r1", "runs/r1/model", card, None, content_sha256=EXPORT_SHA256)
-    assert registry.read_pointer(storage, NAME)[0]["version"] == pointer["version"] == "v0001-r1"
+    assert production_pointer(storage, NAME)["version"] == pointer["version"] == "v0001-r1"
     assert pointer["content_sha256"] == EXPORT_SHA256
 
 
@@ -204,13 +207,13 @@ def test_promotion_refuses_evidence_about_other_content_or_another_lineage():
     rec = passed_record(cfg)
     assert promote_tasks.refusal_reasons(cfg, rec) == []
     other = passed_record(cfg)
-    other.stages["evaluate"].summary["models"]["candidate"]["content_sha256"] = "0" * 64
+    summary_dict(other, "evaluate")["models"]["candidate"]["content_sha256"] = "0" * 64
     assert "evaluation scored content 000000000000" in promote_tasks.refusal_reasons(cfg, other)[0]
     other = passed_record(cfg)
-    other.stages["resume"].summary["tested_run_name"] = "r1-r2"
+    summary_dict(other, "resume")["tested_run_name"] = "r1-r2"
     assert "tested Ray Train run r1-r2" in promote_tasks.refusal_reasons(cfg, other)[0]
     other = passed_record(cfg)
-    other.stages["resume"].summary["interrupted"] = False
+    summary_dict(other, "resume")["interrupted"] = False
     assert "no proof of an interruption" in promote_tasks.refusal_reasons(cfg, other)[0]
 
 
@@ -227,18 +230,18 @@ def test_a_finetune_rerun_trains_under_its_own_name_and_its_stale_evidence_is_ne
     rerun = tuneproof("run", "--only", "finetune", "--run-id", "demo", *clone_run.args, "--set", "train.max_steps=110")
     assert rerun.exit_code == 0, rerun.output
     rec = records.load(storage, "demo")
-    finetune = rec.summary("finetune", FinetuneSummary)
+    finetune = summary_of(rec, "finetune", FinetuneSummary)
     assert finetune.run_name == "demo-r2" and finetune.start_step == 0 and finetune.steps == 110
     assert finetune.export_path == "runs/demo/model-demo-r2" and finetune.invocation == 2
     assert [e.stage for e in rec.superseded] == ["finetune", "resume", "evaluate", "promote"]
-    assert rec.invocations[-1].config["train"]["max_steps"] == 110 and rec.config["train"]["max_steps"] == 110
+    assert present(rec.invocations[-1].config)["train"]["max_steps"] == 110 and rec.config["train"]["max_steps"] == 110
     assert rec.config_hash == rec.invocations[-1].config_hash != rec.invocations[0].config_hash
 
     promote = tuneproof("run", "--only", "promote", "--run-id", "demo", *clone_run.args, "--set", "train.max_steps=110")
     assert promote.exit_code != 0, promote.output
     rec = records.load(storage, "demo")
-    assert "evaluate did not run for the current fine-tune" in rec.stages["promote"].cause
-    assert "superseded" in rec.stages["promote"].cause
+    assert "evaluate did not run for the current fine-tune" in (rec.stages["promote"].cause or "")
+    assert "superseded" in (rec.stages["promote"].cause or "")
     assert pointer_bytes(storage) == before
     shown = tuneproof("runs", "show", "demo", *clone_run.args)
     assert shown.exit_code == 0 and "superseded" in shown.output
@@ -254,21 +257,25 @@ def test_continuing_a_finished_finetune_with_nothing_left_to_train_is_refused(cl
     )
     assert result.exit_code == 6, result.output
     entry = records.load(clone_run.storage, "demo").stages["finetune"]
-    assert entry.failure_class == "modeling" and "nothing to train" in entry.cause and "max_steps" in entry.cause
+    assert (
+        entry.failure_class == "modeling"
+        and "nothing to train" in (entry.cause or "")
+        and "max_steps" in (entry.cause or "")
+    )
 
 
 @pytest.mark.integration
 def test_an_export_edited_after_evaluation_is_not_promoted(clone_run, finished_run):
     storage, before = clone_run.storage, pointer_bytes(clone_run.storage)
-    evaluated = finished_run.record.summary("evaluate", EvaluateSummary).models["candidate"].content_sha256
-    assert evaluated == finished_run.record.summary("finetune", FinetuneSummary).export_sha256
+    evaluated = present(summary_of(finished_run.record, "evaluate", EvaluateSummary).models["candidate"]).content_sha256
+    assert evaluated == summary_of(finished_run.record, "finetune", FinetuneSummary).export_sha256
     assert json.loads(before)["content_sha256"] == evaluated
     config = storage.read_json("runs", "demo", "model", "config.json")
     storage.write_json({**config, "tampered": True}, "runs", "demo", "model", "config.json")
     result = tuneproof("run", "--only", "promote", "--run-id", "demo", *clone_run.args)
     assert result.exit_code == 4, result.output
     cause = records.load(storage, "demo").stages["promote"].cause
-    assert "does not match its manifest" in cause and "config.json (" in cause
+    assert "does not match its manifest" in (cause or "") and "config.json (" in (cause or "")
     assert pointer_bytes(storage) == before
 
 
@@ -276,7 +283,7 @@ def test_an_export_edited_after_evaluation_is_not_promoted(clone_run, finished_r
 def test_a_resume_test_retried_after_a_lost_connection_still_proves_an_interruption(clone_run, monkeypatch):
     from tasks.rayjob import RayJobRunner
 
-    real_follow, lost = RayJobRunner.follow, []
+    real_follow, lost = RayJobRunner.follow, list[str]()
 
     def follow_then_lose_the_connection(self, sid, timeout_s, stop_when=None):
         status = real_follow(self, sid, timeout_s, stop_when)
@@ -289,8 +296,8 @@ def test_a_resume_test_retried_after_a_lost_connection_still_proves_an_interrupt
     result = tuneproof("run", "--only", "resume", "--run-id", "demo", *clone_run.args)
     assert lost, "the fault was never injected"
     entry = records.load(clone_run.storage, "demo").stages["resume"]
-    summary = entry.summary_as(ResumeSummary)
     if entry.ok:
+        summary = entry_summary(entry, ResumeSummary)
         assert result.exit_code == 0, result.output
         assert summary.interrupted and summary.restored_step == summary.interrupted_at_step
         assert summary.attempt_run_name == "demo-resume-t2-r2" and summary.tested_run_name == "demo"
@@ -306,7 +313,7 @@ def test_runs_show_prints_a_finetune_that_logged_no_loss():
     from tuneproof.app.terminal import print_record
 
     rec = passed_record(PipelineConfig())
-    rec.stages["finetune"].summary.update(first_loss=None, final_loss=None, steps=0)
+    summary_dict(rec, "finetune").update(first_loss=None, final_loss=None, steps=0)
     pipeline.supersede(rec, ["evaluate"])
     out = StringIO()
     print_record(rec, Console(file=out, width=200))

@@ -96,7 +96,7 @@ def test_the_table_shows_every_row_and_the_notes(registry):
     rows = [
         row(),
         row(fault="disk-full", notes="tmpfs 20 MB [/__w/pair.cc:537]"),
-        failed_row(harness.Scenario(9, "x", print), OSError("boom"), 3),
+        failed_row(harness.Scenario(9, "x", lambda lab: row()), OSError("boom"), 3),
     ]
     console = Console(width=250, record=True)
     console.print(render_table(rows, 125.0))

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -43,7 +44,7 @@ from tuneproof.control.resume_evidence import as_ledger, compare_ledgers, compar
 from tuneproof.core.config import PROJECT_ROOT, PipelineConfig
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import Restart, ledger_points
+from tuneproof.core.summaries import FinetuneSummary, Restart, ledger_points
 
 DATASET = "datasets/reverse/abc123"
 DIGIT0, SEP, EOS = 3, 13, 14  # token ids of the synthetic task (digits are 3..12)
@@ -152,7 +153,7 @@ def test_a_full_disk_is_named_with_what_to_do_and_other_failures_pass_through():
 
 
 def test_restarts_pair_each_new_attempt_with_the_step_and_failure_before_it():
-    attempts = [
+    attempts: list[dict[str, Any]] = [
         {"attempt": 0, "restored_step": 0, "restored_from": None, "started_at": 100.0},
         {"attempt": 1, "restored_step": 20, "restored_from": "/s/checkpoint_000020", "started_at": 200.0},
     ]
@@ -215,16 +216,13 @@ def test_a_dataset_without_its_manifest_is_refused(tmp_path):
 def worker_for(config: PipelineConfig, **params) -> Worker:
     """A Worker with only what choosing the start point reads (storage, run name, init_from)."""
     ctx = context(config, "r1", **params)
+    unread: dict[str, Any] = dict(device=None, model=None, optimizer=None, batches=None, schedule=None)
     return Worker(
         ctx,
         TrainParams.resolve(ctx),
         rank=0,
         world_size=2,
-        device=None,
-        model=None,
-        optimizer=None,
-        batches=None,
-        schedule=None,
+        **unread,  # what resolve_start never reads: no device, model or optimizer to build
         flops_per_token=0.0,
         peak_flops=None,
     )
@@ -265,7 +263,8 @@ def test_start_is_init_from_only_when_the_run_has_no_checkpoint(tmp_path, monkey
     assert resolve_start(worker_for(config)) is None
     assert resolve_start(worker_for(config, init_from=init_from)) == CheckpointRef(8, init_from)
     fake_checkpoint(storage, 4)  # once the run has its own checkpoint, it resumes from that
-    assert resolve_start(worker_for(config, init_from=init_from)).step == 4
+    start = resolve_start(worker_for(config, init_from=init_from))
+    assert start is not None and start.step == 4
 
 
 # ---------------------------------------------------------------- integration: Ray Train on CPU
@@ -411,11 +410,14 @@ def test_the_resume_job_kills_its_run_after_a_checkpoint_and_restarts_it_there(l
     failures = storage.read_text("runs", "run-a", "stages", "resume-t1-interrupt", "failures.jsonl")
     assert "rank 0: WorkerHealthCheckFailedError" in failures and "rank 1: WorkerHealthCheckFailedError" in failures
     resumed = job.resumed
-    assert resumed.restored_step == resumed.start_step == 6 and resumed.restored_from.endswith("checkpoint_000006")
+    assert resumed is not None and resumed.restored_step == resumed.start_step == 6
+    assert (resumed.restored_from or "").endswith("checkpoint_000006")
     assert resumed.run_name == "run-a-resume-t1" and resumed.restarts == []  # a new run, not Ray's in-run retry
     interrupted = read_losses(storage, "resume-t1-interrupt")
     assert sorted(interrupted) == [5, 6] and [s for s, _ in resumed.loss_curve] == [7, 8, 9]
-    verdict = compare_losses(losses(main), interrupted | dict(resumed.loss_curve), rtol=0.0)
+    verdict = compare_losses(
+        losses(main), interrupted | {s: loss for s, loss in resumed.loss_curve if loss is not None}, rtol=0.0
+    )
     assert verdict["ok"] and verdict["steps_compared"] == 5 and verdict["max_abs_diff"] == 0.0, verdict
     # The data order too: both phases trained on the main run's samples, step for step, and the ledger each
     # checkpoint carried on (the seed's, then the interruption's) makes every running hash equal as well.
@@ -459,6 +461,7 @@ def read_losses(storage: Storage, job: str) -> dict[int, float]:
 
 def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float) -> list[str]:
     deadline, lines = time.monotonic() + timeout, []
+    assert proc.stdout is not None, "started without stdout=PIPE"
     os.set_blocking(proc.stdout.fileno(), False)
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
@@ -479,6 +482,7 @@ def test_a_nan_loss_stops_training_as_a_modeling_failure(local_run):
     with pytest.raises(StageFailure) as info:
         train(context(config, "run-nan", inject_nan_at_step=3, max_steps=6))
     failure = info.value
+    assert isinstance(failure.summary, FinetuneSummary)
     assert failure.failure_class is FailureClass.modeling and failure.cause == "loss is nan at step 3"
     assert failure.summary.steps == 3 and failure.summary.loss_curve[-1] == (3, None)
     assert failure.summary.checkpoints == []  # stopped before the first checkpoint, none saved after
@@ -527,7 +531,8 @@ def test_data_prep_and_fine_tune_on_s3_read_back_from_the_bucket(ray_cluster, tm
         s3.get_object(Bucket=TEST_BUCKET, Key=f"{prefix}/runs/run-s3/model/config.json")["Body"].read()
     )
     assert exported["tie_word_embeddings"] is True
-    assert latest_complete_checkpoint(storage, "runs", "run-s3", "train", "run-s3").step == 4
+    latest = latest_complete_checkpoint(storage, "runs", "run-s3", "train", "run-s3")
+    assert latest is not None and latest.step == 4
     assert all(math.isfinite(loss) for _, loss in summary["loss_curve"])
 
 
@@ -550,7 +555,7 @@ def test_the_ledger_folds_each_steps_ids_and_stays_unknown_after_an_unknown_star
     from training.train_data import fold_ledger, samples_digest
 
     one = fold_ledger("", 1, [3, 1, 2])
-    assert one == fold_ledger("", 1, [3, 1, 2]) and len(one) == 64
+    assert one is not None and one == fold_ledger("", 1, [3, 1, 2]) and len(one) == 64
     assert fold_ledger(one, 2, [0, 4]) != fold_ledger(one, 2, [4, 0])  # the order within a step counts
     assert fold_ledger(one, 2, [0, 4]) != fold_ledger(fold_ledger("", 1, [3, 2, 1]), 2, [0, 4])  # and every step before
     assert fold_ledger(None, 2, [0, 4]) is None

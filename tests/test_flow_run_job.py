@@ -21,6 +21,7 @@ import uuid
 import pytest
 import yaml
 
+from tests.reading import present
 from tuneproof.app.lint.documents import load_documents, schema_validator
 from tuneproof.app.lint.pools import without_prefect_pod_fields
 from tuneproof.app.lint.worker import worker_role_namespaces
@@ -64,7 +65,9 @@ def test_the_rendered_flow_run_job_validates_and_runs_the_pinned_image(monkeypat
         "completions": 1,
     }
     kept = without_prefect_pod_fields(job)
-    problems = [f"{list(e.absolute_path)}: {e.message}" for e in schema_validator("batch/v1", "Job").iter_errors(kept)]
+    problems = [
+        f"{list(e.absolute_path)}: {e.message}" for e in present(schema_validator("batch/v1", "Job")).iter_errors(kept)
+    ]
     assert problems == []
 
     pod = job["spec"]["template"]["spec"]
@@ -88,6 +91,7 @@ def test_the_rendered_job_carries_what_the_pod_needs_to_run_the_flow(monkeypatch
     assert "PREFECT__FLOW_RUN_ID" in env and container["args"][:3] == ["prefect", "flow-run", "execute"]
 
     token_file = load_config(PROJECT_ROOT / "configs" / "eks.yaml").cluster.auth_token_file
+    assert token_file is not None
     mount = next(m for m in container["volumeMounts"] if token_file.startswith(m["mountPath"] + "/"))
     volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
     assert volume["secret"]["secretName"] == "tuneproof-ray-auth"
@@ -102,7 +106,9 @@ def test_the_rendered_canary_job_runs_as_the_canary_on_its_own_pool(monkeypatch)
     assert canary["work_pool"]["name"] == "tuneproof-eks-canary"
     job = rendered_job(monkeypatch, "image-canary", CANARY_TEMPLATE)
     kept = without_prefect_pod_fields(job)
-    problems = [f"{list(e.absolute_path)}: {e.message}" for e in schema_validator("batch/v1", "Job").iter_errors(kept)]
+    problems = [
+        f"{list(e.absolute_path)}: {e.message}" for e in present(schema_validator("batch/v1", "Job")).iter_errors(kept)
+    ]
     assert problems == []
 
     pod = job["spec"]["template"]["spec"]

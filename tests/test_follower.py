@@ -27,7 +27,7 @@ class FakeClient:
     """The JobSubmissionClient calls the follower makes: a log tail in given chunks, then a final status."""
 
     def __init__(self, chunks: list[str], delay_s: float = 0.01):
-        self.chunks, self.delay_s, self.stopped = chunks, delay_s, []
+        self.chunks, self.delay_s, self.stopped = chunks, delay_s, list[str]()
         self.streamed = False
 
     async def tail_job_logs(self, sid: str):
@@ -50,10 +50,16 @@ class FakeClient:
 
 
 def follower(client: FakeClient) -> tuple[RayJobRunner, list[str], list[ProgressEvent]]:
-    lines, events = [], []
+    lines: list[str] = []
+    events: list[ProgressEvent] = []
     runner = RayJobRunner(
-        PipelineConfig(), "r1", on_line=lines.append, on_progress=events.append, poll_s=0.05, client=client
-    )  # type: ignore[arg-type]
+        PipelineConfig(),
+        "r1",
+        on_line=lines.append,
+        on_progress=events.append,
+        poll_s=0.05,
+        client=client,  # type: ignore[arg-type]  # a double of the JobSubmissionClient calls made
+    )
     return runner, lines, events
 
 
@@ -180,8 +186,12 @@ def test_a_train_run_waiting_for_cluster_resources_is_shown_as_waiting():
     statuses: list[tuple[str, str]] = []
     lines: list[str] = []
     runner = RayJobRunner(
-        PipelineConfig(), "r1", on_line=lines.append, on_status=lambda *s: statuses.append(s), client=FakeClient([])
-    )  # type: ignore[arg-type]
+        PipelineConfig(),
+        "r1",
+        on_line=lines.append,
+        on_status=lambda *s: statuses.append(s),
+        client=FakeClient([]),  # type: ignore[arg-type]  # a double of the JobSubmissionClient calls made
+    )
     runner.following = "r1-finetune"
     runner.emit(
         "(TrainController pid=1) [FailurePolicy] RETRY ... The worker group startup timed out after 60.0 seconds "

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tuneproof
+from tests.reading import present, summary_of
 from tuneproof.control import record as records
 from tuneproof.core.config import PROJECT_ROOT
 from tuneproof.core.storage import Storage
@@ -46,18 +47,24 @@ def pointer_bytes(storage: Storage) -> bytes:
 
 def test_the_demo_learns_the_task_survives_a_resume_and_is_promoted(demo, storage):
     assert [s for s, entry in demo.stages.items() if not entry.ok] == []
-    manifest = demo.summary("data", DataSummary).manifest
+    manifest = summary_of(demo, "data", DataSummary).manifest
+    assert manifest is not None
     assert manifest.splits["train"].rows > 2000 and manifest.splits["eval"].rows >= 250
-    finetune = demo.summary("finetune", FinetuneSummary)
-    assert finetune.final_loss < finetune.first_loss / 10
+    finetune = summary_of(demo, "finetune", FinetuneSummary)
+    assert present(finetune.final_loss) < present(finetune.first_loss) / 10
     assert all(c.uri.startswith(storage.uri("runs", "demo", "train")) for c in finetune.checkpoints)
     assert storage.exists(finetune.export_path, "config.json")
-    resume = demo.summary("resume", ResumeSummary)
-    assert resume.interrupted and resume.restored_step > 0 and resume.restored_step == resume.interrupted_at_step
+    resume = summary_of(demo, "resume", ResumeSummary)
+    assert (
+        resume.interrupted and present(resume.restored_step) > 0 and resume.restored_step == resume.interrupted_at_step
+    )
+    assert resume.loss_comparison is not None
     assert resume.max_loss_diff == 0.0 and resume.loss_comparison.steps_compared >= 5
-    models = demo.summary("evaluate", EvaluateSummary).models
-    assert models["candidate"].metrics["exact_match"] >= 0.8
-    assert models["base"].metrics["exact_match"] <= 0.05
+    models = summary_of(demo, "evaluate", EvaluateSummary).models
+    assert models["candidate"] is not None
+    assert present(models["candidate"].metrics["exact_match"]) >= 0.8
+    assert models["base"] is not None
+    assert present(models["base"].metrics["exact_match"]) <= 0.05
     assert models["incumbent"] is None
     assert demo.promotion.promoted is True
     assert json.loads(pointer_bytes(storage))["run_id"] == "demo"
@@ -67,10 +74,11 @@ def test_the_demo_rehearses_the_skills_and_keeps_them_with_a_verdict_per_suite(d
     """The default demo replays the add and reverse skills' training rows and is judged on their held-out
     suites: the base knows each skill, and each suite's regression gate against the base passes on its
     interval (the candidate is promoted above)."""
-    manifest = demo.summary("data", DataSummary).manifest
+    manifest = summary_of(demo, "data", DataSummary).manifest
+    assert manifest is not None
     assert manifest.replay is not None and manifest.replay.uri.endswith("data/skills/replay.jsonl")
     assert manifest.settings["replay"]["share"] == 0.3
-    suites = {s.name: s for s in demo.summary("evaluate", EvaluateSummary).suites}
+    suites = {s.name: s for s in summary_of(demo, "evaluate", EvaluateSummary).suites}
     assert list(suites) == ["add", "reverse"]
     for name, suite in suites.items():
         assert (suite.metrics["base"] or {})["exact_match"] > 0.5, name
@@ -89,7 +97,7 @@ def test_the_demo_rehearses_the_skills_and_keeps_them_with_a_verdict_per_suite(d
 def test_the_record_and_the_card_name_the_bases_hash_and_recipe(demo, demo_env, storage):
     source = next(s.split("=", 1)[1] for s in demo_env.sets if s.startswith("model.source="))
     built = json.loads((Path(source) / "base.json").read_text())
-    base = demo.summary("finetune", FinetuneSummary).base_model
+    base = summary_of(demo, "finetune", FinetuneSummary).base_model
     assert base is not None and (base.content_hash, base.recipe) == (built["content_hash"], built["recipe"])
     version = json.loads(pointer_bytes(storage))["version"]
     card = storage.read_json("models", "dates-qwen2-tiny", version, "card.json")
@@ -102,7 +110,9 @@ def test_unchanged_inputs_reuse_the_prepared_dataset(demo, base_args, storage):
     result = tuneproof("run", "--only", "data", "--run-id", "demo-data-again", *base_args)
     assert result.exit_code == 0, result.output
     again = records.load(storage, "demo-data-again")
+    assert again.data is not None
     assert again.data.cache_hit is True
+    assert demo.data is not None
     assert again.data.content_hash == demo.data.content_hash
 
 
@@ -115,7 +125,8 @@ def test_an_unreachable_gate_is_a_modeling_failure_and_nothing_moves(demo, base_
     assert result.exit_code == 6, result.output
     rec = records.load(storage, "demo")
     assert rec.failure_class == "modeling"
-    assert "exact_match >= 1.01" in rec.stages["evaluate"].cause
+    assert "exact_match >= 1.01" in (rec.stages["evaluate"].cause or "")
+    assert rec.promotion is not None
     assert rec.promotion.promoted is False
     assert pointer_bytes(storage) == before
     assert storage.listdir("models", "dates-qwen2-tiny") == versions
@@ -131,7 +142,7 @@ def test_the_flow_run_page_shows_the_evidence(demo, prefect_server):
     from tests.browser import capture_flow_run
 
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    seen = capture_flow_run(prefect_server, demo.flow_run_id, "demo", chromium, SCREENSHOTS)
+    seen = capture_flow_run(prefect_server, present(demo.flow_run_id), "demo", present(chromium), SCREENSHOTS)
     assert "evaluation-demo" in seen["cards"] and "loss-curve-demo" in seen["cards"]
     assert "exact_match" in seen["evaluation_text"] and "candidate" in seen["evaluation_text"]
     assert seen["loss_image_width"] > 100
@@ -146,8 +157,9 @@ def test_a_checkpoint_with_a_deleted_shard_is_never_used(demo, base_args, storag
     from tuneproof.core.config import load_config
 
     cfg = load_config()
-    finetune = demo.summary("finetune", FinetuneSummary)
+    finetune = summary_of(demo, "finetune", FinetuneSummary)
     seed = pick_checkpoint(finetune.checkpoints, finetune.steps, cfg.resume.extra_steps, cfg.resume.replay_steps)
+    assert seed is not None
     ckpt_dir = Path(seed.uri)
     shard = sorted(ckpt_dir.glob("*.distcp"))[0]
     shard.unlink()
@@ -155,6 +167,7 @@ def test_a_checkpoint_with_a_deleted_shard_is_never_used(demo, base_args, storag
     assert result.exit_code == 4, result.output
     rec = records.load(storage, "demo")
     resume = rec.stages["resume"]
-    assert resume.failure_class == "infrastructure" and shard.name in resume.cause
+    assert resume.failure_class == "infrastructure" and shard.name in (resume.cause or "")
+    assert rec.promotion is not None
     assert rec.promotion.promoted is False
     assert pointer_bytes(storage) == before

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 
 from eval.gates import Scores, decide, fmt
+from tests.reading import present
 from tuneproof.core.config import Gate
 
 EM = {"exact_match": Gate(min=0.8, min_improvement=0.5, max_regression=0.02)}
 SPLIT = "ab" * 32
 
 
-def scores(items: list[float], metric: str = "exact_match") -> Scores:
+def scores(items: Sequence[float], metric: str = "exact_match") -> Scores:
     return Scores({metric: sum(items) / len(items)}, {metric: items})
 
 
@@ -37,11 +39,11 @@ def test_a_clear_candidate_passes_every_gate_with_its_interval():
     regression = d.verdicts[2]
     assert regression.value == 0 and regression.interval is not None
     assert regression.interval[0] < 0 < regression.interval[1] <= 0.02  # shown as incumbent - candidate
-    assert all(v.split_sha256 == SPLIT and v.p_value is not None and v.level >= 0.95 for v in d.verdicts)
+    assert all(v.split_sha256 == SPLIT and v.p_value is not None and present(v.level) >= 0.95 for v in d.verdicts)
     assert d.failure_cause() == ""
     six = [1] * 291 + [0] * 3 + [1] * 3 + [0] * 3  # 6 disagreements on 300 items cannot resolve 0.02
     unsure = decide(scores(candidate), scores([0] * 300), scores(six), EM).verdicts[2]
-    assert unsure.outcome == "insufficient" and 300 < unsure.items_needed < 400
+    assert unsure.outcome == "insufficient" and 300 < present(unsure.items_needed) < 400
 
 
 def test_both_perfect_on_a_small_set_is_insufficient_evidence_for_a_small_margin():
@@ -59,7 +61,7 @@ def test_all_wrong_base_against_all_right_candidate_passes_half_a_point_on_a_sma
     gate = {"exact_match": Gate(min_improvement=0.5)}
     d = decide(scores([1] * 10), scores([0] * 10), None, gate)
     assert d.passed and d.verdicts[0].outcome == "pass" and d.verdicts[0].n == 10
-    assert d.verdicts[0].interval[0] >= 0.5
+    assert present(d.verdicts[0].interval)[0] >= 0.5
     assert decide(scores([1] * 20), scores([0] * 20), None, EM).passed  # the demo's gates, Holm over 2, 20 items
 
 
@@ -100,7 +102,7 @@ def test_continuous_metric_uses_a_seeded_paired_bootstrap():
     two = decide(scores(cand, "rouge_l"), scores(base, "rouge_l"), None, policy)
     assert one.passed and one.verdicts[0].method == "paired bootstrap" and one.lines == two.lines
     few = decide(scores(cand[:8], "rouge_l"), scores(base[:8], "rouge_l"), None, policy)
-    assert few.verdicts[0].outcome == "insufficient" and few.verdicts[0].items_needed >= 20
+    assert few.verdicts[0].outcome == "insufficient" and present(few.verdicts[0].items_needed) >= 20
 
 
 def test_metrics_without_item_scores_compare_points_and_say_so():

@@ -19,11 +19,13 @@ import sys
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from uuid import UUID
 
 import pytest
 import yaml
 
 from tests.conftest import TEST_BUCKET, tuneproof
+from tests.reading import present, summary_of
 from tuneproof.control import lease as leases
 from tuneproof.control.lease import Lease, LeaseHeld, LeaseInfo, LeaseLost, stale_reason
 from tuneproof.core import forward_env
@@ -53,16 +55,16 @@ def exercise_lease(storage: Storage) -> None:
     """The lease's contract, the same on every store."""
     first = Lease(storage, "r1", "flow-a", "first")
     first.acquire()
-    assert leases.read(storage, "r1").flow_run_id == "flow-a"
+    assert present(leases.read(storage, "r1")).flow_run_id == "flow-a"
 
     with pytest.raises(LeaseHeld) as held:
         Lease(storage, "r1", "flow-b", "second").acquire()
     assert "'first'" in str(held.value) and "flow-a" in str(held.value) and str(os.getpid()) in str(held.value)
 
-    before = leases.read(storage, "r1").renewed
+    before = present(leases.read(storage, "r1")).renewed
     time.sleep(0.01)
     first.renew()
-    assert leases.read(storage, "r1").renewed > before
+    assert present(leases.read(storage, "r1")).renewed > before
 
     first.release()
     assert leases.read(storage, "r1") is None
@@ -75,8 +77,12 @@ def exercise_lease(storage: Storage) -> None:
     plant_lease(storage, "r2", pid=dead_pid())
     taker = Lease(storage, "r2", "flow-c", "taker")
     taker.acquire()
-    assert "took over" in taker.taken_over and "f-old" in taker.taken_over and "is gone" in taker.taken_over
-    assert leases.read(storage, "r2").flow_run_id == "flow-c"
+    assert (
+        "took over" in (taker.taken_over or "")
+        and "f-old" in (taker.taken_over or "")
+        and "is gone" in (taker.taken_over or "")
+    )
+    assert present(leases.read(storage, "r2")).flow_run_id == "flow-c"
     taker.release()
 
     # A holder on another host that stopped renewing is taken over after its ttl, not before.
@@ -87,7 +93,7 @@ def exercise_lease(storage: Storage) -> None:
     plant_lease(storage, "r3", holder="elsewhere", renewed=old, ttl_s=10)
     late = Lease(storage, "r3", "flow-d", "late")
     late.acquire()
-    assert "not renewed for" in late.taken_over
+    assert "not renewed for" in (late.taken_over or "")
 
     # The holder presumed dead finds out on its next renewal, and its release leaves the successor's lease.
     presumed_dead = Lease(storage, "r4", "flow-e", "slow", ttl_s=0.05)
@@ -98,7 +104,7 @@ def exercise_lease(storage: Storage) -> None:
     with pytest.raises(LeaseLost):
         presumed_dead.renew()
     presumed_dead.release()
-    assert leases.read(storage, "r4").flow_run_id == "flow-f"
+    assert present(leases.read(storage, "r4")).flow_run_id == "flow-f"
     successor.release()
 
     # Whatever happens inside, `held` releases.
@@ -142,9 +148,9 @@ def test_one_of_many_concurrent_creates_wins(tmp_path):
 def test_heartbeat_renews(tmp_path):
     storage = Storage(str(tmp_path / "storage"))
     with Lease(storage, "hb", "flow", "heartbeat", ttl_s=0.2).held():
-        first = leases.read(storage, "hb").renewed
+        first = present(leases.read(storage, "hb")).renewed
         time.sleep(0.3)
-        assert leases.read(storage, "hb").renewed > first
+        assert present(leases.read(storage, "hb")).renewed > first
 
 
 def test_staleness_is_a_pure_decision():
@@ -153,8 +159,8 @@ def test_staleness_is_a_pure_decision():
         run_id="r", holder="h1", pid=7, command="c", started=now.isoformat(), renewed=now.isoformat(), ttl_s=60
     )
     assert stale_reason(info, now + timedelta(seconds=59), "h1", lambda pid: True) is None
-    assert "not renewed for 61s" in stale_reason(info, now + timedelta(seconds=61), "h1", lambda pid: True)
-    assert "pid 7 on h1 is gone" in stale_reason(info, now, "h1", lambda pid: False)
+    assert "not renewed for 61s" in present(stale_reason(info, now + timedelta(seconds=61), "h1", lambda pid: True))
+    assert "pid 7 on h1 is gone" in (stale_reason(info, now, "h1", lambda pid: False) or "")
     assert stale_reason(info, now, "h2", lambda pid: False) is None  # another host's pid says nothing here
 
 
@@ -303,7 +309,7 @@ def prefect_documents(flow_run_ids: list[str]) -> dict[str, str]:
     docs = {}
     with get_client(sync_client=True) as client:
         for fid in flow_run_ids:
-            docs[f"flow run {fid} parameters"] = json.dumps(client.read_flow_run(fid).parameters, default=str)
+            docs[f"flow run {fid} parameters"] = json.dumps(client.read_flow_run(UUID(fid)).parameters, default=str)
         runs = FlowRunFilter(id=FlowRunFilterId(any_=flow_run_ids))
         for artifact in client.read_artifacts(flow_run_filter=runs):
             docs[f"artifact {artifact.key or artifact.id}"] = json.dumps(artifact.data, default=str)
@@ -340,7 +346,7 @@ def test_planted_secret_reaches_the_jobs_and_nothing_that_is_published(finished_
     secret = demo_env.secret
     record = finished_run.record
     assert record.status == "succeeded"
-    assert record.summary("verify", VerifySummary).forwarded_env == {PLANTED_SECRET: True}
+    assert summary_of(record, "verify", VerifySummary).forwarded_env == {PLANTED_SECRET: True}
     assert record.runtime_env_additions.forwarded_env == [PLANTED_SECRET]
 
     docs = {**prefect_documents([inv.flow_run_id for inv in record.invocations]), **ray_documents(ray_head)}
@@ -392,7 +398,7 @@ def test_crashed_and_cancelled_runs_say_so(clone_run, monkeypatch):
     result = tuneproof("run", "--run-id", "crash", "--only", "verify,connectivity", *clone_run.args)
     assert result.exit_code == 4, result.output
     crashed = records.load(storage, "crash")
-    assert crashed.status == "crashed" and "IsADirectoryError" in crashed.cause
+    assert crashed.status == "crashed" and "IsADirectoryError" in (crashed.cause or "")
     assert crashed.stages["verify"].ok and "connectivity" not in crashed.stages
     assert leases.read(storage, "crash") is None
     monkeypatch.setattr(records, "save", real_save)
@@ -408,7 +414,7 @@ def test_crashed_and_cancelled_runs_say_so(clone_run, monkeypatch):
     result = tuneproof("run", "--run-id", "cancel", "--only", "verify,connectivity", *clone_run.args)
     assert result.exit_code == 130, result.output
     cancelled = records.load(storage, "cancel")
-    assert cancelled.status == "cancelled" and "KeyboardInterrupt" in cancelled.cause
+    assert cancelled.status == "cancelled" and "KeyboardInterrupt" in (cancelled.cause or "")
     assert leases.read(storage, "cancel") is None
     monkeypatch.setattr(pipeline_module, "run_stage", real_run_stage)
 
@@ -480,7 +486,7 @@ def test_two_concurrent_runs_on_one_id_one_runs_the_other_is_refused(clone_run, 
     assert codes[holder.pid] == 0, outputs[holder.pid]
     assert codes[refused_pid] == 3, outputs[refused_pid]
     assert "nothing ran" in outputs[refused_pid] and f"pid {holder.pid}" in outputs[refused_pid]
-    assert holder.flow_run_id in outputs[refused_pid]
+    assert holder.flow_run_id is not None and holder.flow_run_id in outputs[refused_pid]
     assert leases.read(storage, "twice") is None
     assert len(Storage(str(clone_run.root / "storage")).listdir("runs", "twice", "stages")) == 2
 

@@ -8,6 +8,7 @@ export) is tests/test_lora_finetune.py.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -86,7 +87,8 @@ def test_a_lora_fine_tune_job_gets_peft_and_the_forwarded_env_and_records_names_
         }
     )
     spec = JobSpec("finetune", "training.finetune", 60, FinetuneSummary)
-    env = RayJobRunner(cfg, "r1", client=object()).runtime_env(spec, "/wd")
+    client: Any = object()  # runtime_env() builds the request only; nothing is submitted
+    env = RayJobRunner(cfg, "r1", client=client).runtime_env(spec, "/wd")
     assert env["pip"] == [PEFT_REQUIREMENT] and env["env_vars"]["LOG_LEVEL"] == "info"
     assert "value-never-recorded" not in json.dumps(env) and forward_env.FILE_VAR in env["env_vars"]
     added = RuntimeEnvAdditions.of(cfg, "training.finetune")
@@ -101,7 +103,7 @@ def test_only_a_lora_runs_fine_tune_jobs_get_peft_in_their_runtime_env(tmp_path)
     assert PEFT_REQUIREMENT == "peft==0.21.2"
     assert full.job_pip() == ["emoji==2.0.0"] and lora.job_pip() == ["emoji==2.0.0", "peft==0.21.2"]
     spec = JobSpec("finetune", "training.finetune", 60, FinetuneSummary)
-    client = object()  # runtime_env() builds the request only; nothing is submitted
+    client: Any = object()  # runtime_env() builds the request only; nothing is submitted
     assert RayJobRunner(lora, "r1", client=client).runtime_env(spec, "/wd")["pip"] == ["emoji==2.0.0", "peft==0.21.2"]
     assert RayJobRunner(full, "r1", client=client).runtime_env(spec, "/wd")["pip"] == ["emoji==2.0.0"]
     evaluate = JobSpec("evaluate", "eval.evaluate_job", 60, FinetuneSummary)  # loads the merged model: no peft

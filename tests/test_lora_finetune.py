@@ -22,6 +22,7 @@ from tuneproof.core import markers
 from tuneproof.core.markers import read_export_manifest
 from tuneproof.core.results import StageFailure
 from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import EvaluateSummary
 
 __all__ = ["base_model", "ray_cluster"]  # fixtures this module uses, defined by the full fine-tune's tests
 
@@ -99,12 +100,15 @@ def test_evaluation_scores_the_merged_export(lora_run):
     try:
         evaluated = evaluate_body(ctx)
     except StageFailure as failure:  # 12 steps need not pass the gates; what was scored is the point
+        assert isinstance(failure.summary, EvaluateSummary)
         evaluated = failure.summary
     # What evaluation scored is the merged export, by content: the hash it recorded is the export
     # manifest's content_sha256, which covers the merged model's files and the adapter's alike.
     storage = Storage(config.storage.root)
     manifest = read_export_manifest(storage, summary["export_path"])
+    assert evaluated.models["candidate"] is not None
     assert evaluated.models["candidate"].path == summary["export_path"]
+    assert manifest is not None
     assert evaluated.models["candidate"].content_sha256 == manifest.content_sha256 == summary["export_sha256"]
     assert "model.safetensors" in manifest.files
     assert {f"{ADAPTER_DIR}/adapter_config.json", f"{ADAPTER_DIR}/adapter_model.safetensors"} <= set(manifest.files)

@@ -13,6 +13,7 @@ import json
 import pytest
 
 from tests.conftest import tuneproof
+from tests.reading import present, summary_of
 from tuneproof.control import record as records
 from tuneproof.core.config import PEFT_REQUIREMENT
 from tuneproof.core.summaries import EvaluateSummary, FinetuneSummary, ResumeSummary
@@ -44,8 +45,8 @@ def lora_demo(prefect_server, lora_env):
 
 
 def test_a_lora_run_names_its_method_and_records_peft_as_a_submission_dependency(lora_demo):
-    finetune = lora_demo.summary("finetune", FinetuneSummary)
-    assert finetune.method == "lora" and 0 < finetune.trainable_params < finetune.total_params
+    finetune = summary_of(lora_demo, "finetune", FinetuneSummary)
+    assert finetune.method == "lora" and 0 < present(finetune.trainable_params) < present(finetune.total_params)
     assert lora_demo.runtime_env_additions.pip == [PEFT_REQUIREMENT]
     added = {job.submission_id: job.runtime_env_additions.pip for e in lora_demo.stages.values() for job in e.jobs}
     assert added["lora-finetune"] == [PEFT_REQUIREMENT]
@@ -56,13 +57,15 @@ def test_a_lora_run_names_its_method_and_records_peft_as_a_submission_dependency
 
 def test_a_lora_run_passes_the_resume_test_exactly_and_evaluation_scores_its_merged_export(lora_demo, lora_env):
     storage = lora_env.storage
-    resume = lora_demo.summary("resume", ResumeSummary)
+    resume = summary_of(lora_demo, "resume", ResumeSummary)
     assert resume.interrupted and resume.restored_step == resume.interrupted_at_step
+    assert resume.loss_comparison is not None
     assert resume.max_loss_diff == 0.0 and resume.loss_comparison.steps_compared >= 5
-    finetune = lora_demo.summary("finetune", FinetuneSummary)
+    finetune = summary_of(lora_demo, "finetune", FinetuneSummary)
     assert storage.exists(finetune.adapter_path, "adapter_config.json")
-    evaluation = lora_demo.summary("evaluate", EvaluateSummary)
+    evaluation = summary_of(lora_demo, "evaluate", EvaluateSummary)
     # Evaluation scored the merged model (not the adapter), by content: the export's manifest hash.
+    assert evaluation.models["candidate"] is not None
     assert evaluation.models["candidate"].path == finetune.export_path
     assert evaluation.models["candidate"].content_sha256 == finetune.export_sha256 is not None
     assert resume.tested_run_name == finetune.run_name and resume.attempt_run_name == "lora-resume-t1"

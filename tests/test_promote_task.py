@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tasks.promote import forced_promotion, move_pointer, refusal_reasons
+from tests.reading import entry_summary, present, production_pointer, summary_dict, summary_of
 from tuneproof.app.cli import app
 from tuneproof.control import record as records
 from tuneproof.control import registry
@@ -87,7 +88,7 @@ def test_promotion_needs_the_resume_test_and_every_gate():
     assert refusal_reasons(cfg, rec) == []
     rec.stages["resume"].status = "failed"
     rec.stages["resume"].cause = "checkpoint_000300 incomplete: missing __0_0.distcp"
-    rec.stages["evaluate"].summary["gates"]["passed"] = False
+    summary_dict(rec, "evaluate")["gates"]["passed"] = False
     reasons = refusal_reasons(cfg, rec)
     assert len(reasons) == 2 and "missing __0_0.distcp" in reasons[0] and "gates not passed" in reasons[1]
     disabled = PipelineConfig.model_validate({"resume": {"enabled": False}})
@@ -102,8 +103,8 @@ def test_a_production_model_that_changed_since_evaluation_is_not_overwritten(tmp
     first = move_pointer(cfg, passed_record(cfg, "r1"), "t", forced=None)
     assert first.status == "succeeded"
     stale = move_pointer(cfg, passed_record(cfg, "r2"), "t", forced=None)  # evaluated with no incumbent
-    assert stale.status == "failed" and "changed since evaluation" in stale.cause
-    assert registry.read_pointer(storage, cfg.model.name)[0]["run_id"] == "r1"
+    assert stale.status == "failed" and "changed since evaluation" in (stale.cause or "")
+    assert production_pointer(storage, cfg.model.name)["run_id"] == "r1"
 
 
 def test_promoting_again_a_run_that_is_already_production_keeps_its_version_and_its_previous(tmp_path):
@@ -116,14 +117,19 @@ def test_promoting_again_a_run_that_is_already_production_keeps_its_version_and_
     with_export(storage, "r2")
     first = move_pointer(cfg, passed_record(cfg, "r1"), "t", forced=None).summary_as(PromoteSummary)
     second_rec = passed_record(cfg, "r2")
-    second_rec.stages["evaluate"].summary["incumbent_version"] = first.version
+    assert first is not None
+    summary_dict(second_rec, "evaluate")["incumbent_version"] = first.version
     second = move_pointer(cfg, second_rec, "t", forced=None).summary_as(PromoteSummary)
     pointer_file = tmp_path / "models" / cfg.model.name / registry.POINTER
     pointer_file.write_text(json.dumps({**json.loads(pointer_file.read_text()), "note": "added by hand"}))
     again = move_pointer(cfg, second_rec, "t2", forced=None)
     assert again.status == "succeeded"
-    repeated = again.summary_as(PromoteSummary)
+    repeated = entry_summary(again, PromoteSummary)
+    assert second is not None
+    assert first is not None
     assert (repeated.version, repeated.previous_version) == (second.version, first.version) == ("v0002-r2", "v0001-r1")
+    assert repeated is not None
+    assert second is not None
     assert repeated.promoted_at == second.promoted_at  # the first promotion's, not a new one
     assert storage.listdir("models", cfg.model.name) == sorted(["v0001-r1", "v0002-r2", registry.POINTER, "history"])
 
@@ -133,16 +139,17 @@ def test_forced_promotion_is_recorded_with_who_and_why(tmp_path):
     storage = Storage(str(tmp_path))
     with_export(storage, "r1")
     rec = passed_record(cfg)
-    rec.stages["evaluate"].summary["gates"]["passed"] = False
+    summary_dict(rec, "evaluate")["gates"]["passed"] = False
     records.save(storage, rec)
     refused = CliRunner().invoke(app, ["promote", "r1", "--set", f"storage.root={tmp_path}"])
     assert refused.exit_code == 2 and "--force" in refused.output
     result = forced_promotion(cfg, "r1", "hotfix approved by the model owner", "alice")
+    assert result.forced is not None
     assert result.promoted is True and result.forced.by == "alice"
     saved = records.load(storage, "r1")
     assert saved.overrides[0].reason == "hotfix approved by the model owner"
     assert "evaluation gates not passed" in saved.overrides[0].bypassed[0]
-    card = storage.read_text("models", cfg.model.name, result.version, "MODEL_CARD.md")
+    card = storage.read_text("models", cfg.model.name, present(result.version), "MODEL_CARD.md")
     assert "hotfix approved by the model owner" in card
     listed = CliRunner().invoke(app, ["models", "list", "--json", "--set", f"storage.root={tmp_path}"])
     assert json.loads(listed.output)[0]["production"]["run_id"] == "r1"
@@ -155,7 +162,7 @@ def test_approval_pauses_the_flow_before_the_pointer_moves(prefect_harness, tmp_
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
     from prefect.client.schemas.objects import StateType
-    from prefect.flow_runs import resume_flow_run
+    from prefect.flow_runs import aresume_flow_run
 
     from flows.pipeline import pipeline
 
@@ -176,7 +183,7 @@ def test_approval_pauses_the_flow_before_the_pointer_moves(prefect_harness, tmp_
                     runs = await client.read_flow_runs(flow_run_filter=paused_only)
                     paused = [r for r in runs if r.state and r.state.is_paused()]
                     if paused:
-                        await resume_flow_run(
+                        await aresume_flow_run(
                             paused[0].id,
                             run_input={
                                 "approve": approve,
@@ -199,9 +206,11 @@ def test_approval_pauses_the_flow_before_the_pointer_moves(prefect_harness, tmp_
     pointer, _ = registry.read_pointer(storage, cfg.model.name)
     promotion = records.load(storage, "r1").promotion
     if approve:
+        assert promotion is not None and pointer is not None
         assert state.is_completed() and pointer["run_id"] == "r1" and promotion.promoted is True
     else:
         assert state.is_failed() and pointer is None
+        assert promotion is not None
         assert promotion.promoted is False and "approval refused by bob: not yet" in promotion.reasons[0]
 
 
@@ -222,7 +231,9 @@ def test_the_model_card_shows_each_gate_with_its_interval_method_p_value_and_spl
         cfg.eval.gates,
         split_sha256=split,
     )
-    summary = rec.summary("evaluate", EvaluateSummary).model_copy(update={"gates": gates, "eval_split_sha256": split})
+    summary = summary_of(rec, "evaluate", EvaluateSummary).model_copy(
+        update={"gates": gates, "eval_split_sha256": split}
+    )
     rec.stages["evaluate"] = StageEntry.succeeded("evaluate", summary, "a")
     text = registry.render_model_card({**model_card(cfg, rec), "version": "v0001-r1"})
     assert (

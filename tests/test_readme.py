@@ -144,7 +144,7 @@ def test_every_tuneproof_line_parses(line: str):
     """The command and its options exist and take these values (the command is not run)."""
     args = tuneproof_args(line)
     assert args is not None
-    command: click.Command = typer.main.get_command(app)
+    command = typer.main.get_command(app)
     ctx = command.make_context("tuneproof", list(args))
     while isinstance(command, click.Group):
         name, sub, rest = command.resolve_command(ctx, [*ctx.protected_args, *ctx.args])

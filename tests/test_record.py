@@ -208,5 +208,6 @@ def test_a_100000_step_fine_tune_leaves_a_record_of_at_most_64_kb(tmp_path):
     assert shown.loss_curve[0] == whole[0] and shown.loss_curve[-1] == whole[-1]
     assert finetune_evidence(shown) == f"full: loss {whole[0][1]:.3f} -> {whole[-1][1]:.3f} in 100000 steps"
     # Every step is where the record says, as it was when the summary was written.
+    assert shown.metrics_path is not None
     logged = read_rows(storage, *shown.metrics_path.split("/"))
     assert loss_curve(logged) == whole and rows_sha256(logged) == shown.metrics_sha256

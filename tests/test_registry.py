@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import TEST_BUCKET
+from tests.reading import production_pointer
 from tuneproof.control import registry
 from tuneproof.control.registry import PromotionConflict, next_version, promote, read_pointer, render_model_card
 from tuneproof.core.storage import Storage
@@ -212,7 +213,7 @@ def assert_one_winner(storage: Storage, outcomes: list[str]) -> None:
     winners = [o for o in outcomes if o.startswith("won:")]
     assert len(winners) == 1, outcomes
     version = winners[0].removeprefix("won:")
-    assert read_pointer(storage, NAME)[0]["version"] == version
+    assert production_pointer(storage, NAME)["version"] == version
     # Losers removed their copies: only the incumbent and the winner remain.
     versions = [v["version"] for v in registry.show_model(storage, NAME)["versions"]]
     assert versions == ["v0001-first", version], versions
@@ -239,7 +240,7 @@ def overtaken_during_copy(storage: Storage, monkeypatch) -> None:
     monkeypatch.setattr(registry, "_copy_model", copy_then_get_overtaken)
     with pytest.raises(PromotionConflict, match="found v0003-fast"):
         promote(storage, NAME, "slow", export(storage, "slow"), card("slow"), token)
-    assert read_pointer(storage, NAME)[0]["version"] == "v0003-fast"
+    assert production_pointer(storage, NAME)["version"] == "v0003-fast"
     # The loser's v0002-slow copy is removed; the version number stays used.
     assert [v["version"] for v in registry.show_model(storage, NAME)["versions"]] == ["v0001-first", "v0003-fast"]
 
@@ -271,7 +272,7 @@ def test_a_live_lock_times_out_and_the_copy_is_kept_unpointed(local):
     _, token = read_pointer(local, NAME)
     with pytest.raises(TimeoutError, match=r"lock .*\.production\.json\.lock still held .*alive"):
         promote(local, NAME, "runB", export(local, "runB"), card("runB"), token, lock_timeout_s=0.3, stale_lock_s=60)
-    assert read_pointer(local, NAME)[0]["version"] == "v0001-runA"
+    assert production_pointer(local, NAME)["version"] == "v0001-runA"
     assert [v["production"] for v in registry.show_model(local, NAME)["versions"]] == [True, False]
 
 
@@ -324,11 +325,12 @@ def s3(s3_endpoint) -> Storage:
 def test_promote_twice_on_s3(s3):
     first = promote(s3, NAME, "runA", export(s3, "runA"), card("runA"), None)
     pointer, token = read_pointer(s3, NAME)
+    assert token is not None
     assert pointer == first and token.startswith('"')  # the ETag
     with pytest.raises(PromotionConflict):
         promote(s3, NAME, "runB", export(s3, "runB"), card("runB"), '"not-the-etag"')
     second = promote(s3, NAME, "runB", "runs/runB/model", card("runB"), token)
-    assert read_pointer(s3, NAME)[0]["version"] == second["version"] == "v0002-runB"
+    assert production_pointer(s3, NAME)["version"] == second["version"] == "v0002-runB"
     assert s3.read_bytes(second["path"], "model.safetensors") == b"weights of runB"
     assert [v["version"] for v in registry.show_model(s3, NAME)["versions"]] == ["v0001-runA", "v0002-runB"]
 

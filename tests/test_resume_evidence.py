@@ -4,8 +4,10 @@ import math
 
 import pytest
 
-from tuneproof.control.resume_evidence import check_restart, compare_ledgers, compare_losses
+from tests.reading import present
+from tuneproof.control.resume_evidence import Ledger, check_restart, compare_ledgers, compare_losses
 from tuneproof.core.findings import Finding
+from tuneproof.core.summaries import LossPoint
 
 
 def test_identical_losses_pass_with_zero_tolerance():
@@ -47,7 +49,7 @@ def test_check_restart_flags_a_fresh_start_or_another_step():
     assert check_restart(8, None) == Finding(
         "resumed run", "restored_step", None, 8, "it started from scratch instead of a checkpoint"
     )
-    assert check_restart(8, 4).seen == 4
+    assert present(check_restart(8, 4)).seen == 4
 
 
 def test_the_interrupt_phase_stops_on_a_checkpoint_step_whatever_the_seed():
@@ -101,7 +103,7 @@ def judged(
     from tuneproof.core.summaries import CheckpointRef, FinetuneSummary, ResumeJobSummary, ResumeSummary
 
     cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}, "resume": {"loss_rtol": 0.0}})
-    main = [(s, 1 / s) for s in range(1, 401)]
+    main: list[LossPoint] = [(s, 1 / s) for s in range(1, 401)]
     metrics = tmp_path / "runs" / "r1" / "stages" / "resume-t1-interrupt" / "metrics.jsonl"
     metrics.parent.mkdir(parents=True)
     rows = [{"step": s, "loss": 1 / s, "samples": f"s{s}", "ledger": f"r{s}"} for s in range(301, 305)]
@@ -162,13 +164,14 @@ def test_the_judge_names_a_wrong_restore_a_wrong_kill_step_and_a_differing_loss(
 
 
 def test_identical_ledgers_pass_over_every_common_step():
-    reference = {1: ("a", "r1"), 2: ("b", "r2"), 3: ("c", "r3")}
-    verdict = compare_ledgers(reference, {2: ("b", "r2"), 3: ("c", "r3"), 4: ("d", "r4")})
+    reference: Ledger = {1: ("a", "r1"), 2: ("b", "r2"), 3: ("c", "r3")}
+    replay: Ledger = {2: ("b", "r2"), 3: ("c", "r3"), 4: ("d", "r4")}
+    verdict = compare_ledgers(reference, replay)
     assert verdict == {"steps_compared": 2, "first_differing_step": None, "ok": True, "reason": None}
 
 
 def test_the_first_step_whose_samples_differ_is_named():
-    reference = {5: ("a", "r5"), 6: ("b", "r6"), 7: ("c", "r7")}
+    reference: Ledger = {5: ("a", "r5"), 6: ("b", "r6"), 7: ("c", "r7")}
     verdict = compare_ledgers(reference, {5: ("a", "r5"), 6: ("x", "q6"), 7: ("y", "q7")})
     assert not verdict["ok"] and verdict["first_differing_step"] == 6
     assert verdict["reason"] == (

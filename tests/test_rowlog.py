@@ -4,9 +4,11 @@ and a resumed job's replayed steps are later rows the reader keeps (training/fin
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import pytest
 
+from tests.reading import present
 from training.finetune import latest_rows, loss_curve
 from training.restarts import restarts
 from tuneproof.core.rowlog import append_rows, read_rows, remove_log
@@ -34,7 +36,7 @@ def check_resumed(storage: Storage) -> None:
     curve = loss_curve(everything)
     assert [s for s, _ in curve] == list(range(1, 31))  # one point per step, none lost, none twice
     assert curve[9] == (10, 10.0) and curve[10] == (11, 11.5)  # past the restored step: the replay's row
-    attempts = [
+    attempts: list[dict[str, Any]] = [
         {"attempt": 0, "started_at": 100.0, "restored_step": 0, "restored_from": None},
         {"attempt": 1, "started_at": 150.0, "restored_step": 10, "restored_from": "ckpt-10"},
     ]
@@ -94,11 +96,16 @@ def test_on_s3_each_flush_is_a_numbered_chunk_read_back_in_order(s3_endpoint):
 @pytest.mark.integration
 def test_an_s3_writer_that_keeps_its_chunk_number_lists_once(s3_endpoint, monkeypatch):
     storage = Storage(f"s3://{TEST_BUCKET}/rowlog-{uuid.uuid4().hex[:8]}", s3_endpoint)
-    chunk = append_rows(storage, [{"step": 1}], *LOG)
-    listings = []
-    monkeypatch.setattr(storage, "listdir", lambda *p: listings.append(p) or [])
+    chunk = present(append_rows(storage, [{"step": 1}], *LOG))  # on S3: the chunk number written
+    listings: list[tuple[str, ...]] = []
+
+    def listdir(*parts: str) -> list[str]:
+        listings.append(parts)
+        return []
+
+    monkeypatch.setattr(storage, "listdir", listdir)
     for step in (2, 3):
-        chunk = append_rows(storage, [{"step": step}], *LOG, chunk=chunk + 1)
+        chunk = present(append_rows(storage, [{"step": step}], *LOG, chunk=chunk + 1))
     assert chunk == 3 and listings == []
     monkeypatch.undo()
     assert [r["step"] for r in read_rows(storage, *LOG)] == [1, 2, 3]

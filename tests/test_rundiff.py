@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tests.reading import summary_dict
 from tuneproof.app.rundiff import diff_records, render_diff
 from tuneproof.control.record import RunRecord, parse
 
@@ -31,8 +32,8 @@ def test_same_run_against_itself_reports_no_change():
 
 def test_one_config_field_is_exactly_the_change_and_metrics_move():
     a, b = record("a"), record("b", train__lr=0.004)
-    b.stages["finetune"].summary["final_loss"] = a.stages["finetune"].summary["final_loss"] - 0.1
-    b.stages["evaluate"].summary["models"]["candidate"]["metrics"]["exact_match"] = 0.95
+    summary_dict(b, "finetune")["final_loss"] = summary_dict(a, "finetune")["final_loss"] - 0.1
+    summary_dict(b, "evaluate")["models"]["candidate"]["metrics"]["exact_match"] = 0.95
     result = diff_records(a, b)
     assert [c["field"] for c in result["changes"]] == ["config.train.lr"]
     assert result["changes"][0]["a"] == 0.002 and result["changes"][0]["b"] == 0.004
@@ -44,10 +45,11 @@ def test_one_config_field_is_exactly_the_change_and_metrics_move():
 
 def test_an_image_update_shows_digest_and_per_node_versions():
     a, b = record("a"), record("b")
+    assert b.cluster is not None
     b.cluster.image_digest = "sha256:" + "1" * 64
     b.cluster.nodes[0].nccl_version = "2.29.7"
-    allreduce = b.stages["connectivity"].summary["allreduce"]
-    allreduce[-1]["busbw_GBps"] = a.stages["connectivity"].summary["allreduce"][-1]["busbw_GBps"] + 1.0
+    allreduce = summary_dict(b, "connectivity")["allreduce"]
+    allreduce[-1]["busbw_GBps"] = summary_dict(a, "connectivity")["allreduce"][-1]["busbw_GBps"] + 1.0
     result = diff_records(a, b)
     fields = {c["field"] for c in result["changes"]}
     assert fields == {"image_digest", "nodes.head.nccl_version"}
@@ -58,7 +60,7 @@ def test_an_image_update_shows_digest_and_per_node_versions():
 
 def test_gate_verdicts_show_their_interval_and_items():
     a, b = record("a"), record("b")
-    verdict = b.stages["evaluate"].summary["gates"]["verdicts"][0]
+    verdict = summary_dict(b, "evaluate")["gates"]["verdicts"][0]
     verdict.update(outcome="insufficient", passed=False, interval=[0.7961, 1.0], n=15, items_needed=16)
     text = render_diff(diff_records(a, b))
     assert "gates (a -> b):" in text
@@ -69,7 +71,7 @@ def test_gate_verdicts_show_their_method_p_value_and_split():
     a, b = record("a"), record("b")
     split = "05433017fd51" + "0" * 52
     for rec, outcome in ((a, "pass"), (b, "insufficient")):
-        rec.stages["evaluate"].summary["gates"]["verdicts"][1].update(
+        summary_dict(rec, "evaluate")["gates"]["verdicts"][1].update(
             outcome=outcome,
             passed=outcome == "pass",
             interval=[0.6, 1.0] if outcome == "pass" else [-0.1, 0.9],

@@ -192,12 +192,16 @@ def test_a_training_step_gives_the_same_weights_under_every_sharding(four_ranks)
     for sharding in ("hybrid", "ddp"):
         assert rank0[sharding]["loss"] == rank0["full"]["loss"]  # the same initial weights and batch
         for name, full in rank0["full"]["weights"].items():
+
+            def message(m: str, where: str = f"{sharding} {name}") -> str:
+                return f"{where}: {m}"
+
             torch.testing.assert_close(
                 rank0[sharding]["weights"][name],
                 full,
                 rtol=1e-5,
                 atol=1e-6,
-                msg=lambda m, sharding=sharding, name=name: f"{sharding} {name}: {m}",
+                msg=message,
             )
 
 

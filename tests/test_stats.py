@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from tests.reading import present
 from tuneproof.core import stats
 
 
@@ -41,6 +42,7 @@ def test_no_disagreement_still_has_width(counts):
     assert stats.outcome(lo, hi, -0.02) == "insufficient"
     needed = evidence.items_needed(-0.02, 0.05)
     assert needed is not None and needed > sum(counts)
+    assert isinstance(evidence, stats.PairedBinary)  # two binary lists: counts of each outcome pair
     lo_then, _ = stats.newcombe_paired(evidence.counts.scaled(needed), stats.z_for(0.05))
     assert lo_then >= -0.02  # that many items at the same rates do resolve it
 
@@ -93,10 +95,10 @@ def test_bootstrap_without_spread_or_items_refuses_certainty():
     flat = stats.paired([0.7] * 40, [0.7] * 40)
     lo, hi = flat.bounds(0.05)
     assert flat.method == "no-spread Wilson bound" and lo < -0.05 and hi > 0.05
-    assert flat.items_needed(-0.02, 0.05) > 40
+    assert present(flat.items_needed(-0.02, 0.05)) > 40
     few = stats.paired([0.9, 0.8, 0.7], [0.1, 0.2, 0.3])
     assert few.bounds(0.05) == (-1.0, 1.0) and few.p_value(0.5) == 1.0
-    assert few.items_needed(0.5, 0.05) >= stats.MIN_BOOTSTRAP_ITEMS
+    assert present(few.items_needed(0.5, 0.05)) >= stats.MIN_BOOTSTRAP_ITEMS
 
 
 def test_items_needed_resolves_and_is_none_at_the_threshold():

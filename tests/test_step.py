@@ -44,7 +44,7 @@ def one_rank(tmp_path_factory):
     dist.destroy_process_group()
 
 
-def loss_and_grads(model, loss_fn) -> tuple[float, dict[str, torch.Tensor]]:
+def loss_and_grads(model, loss_fn):
     loss = loss_fn(model, batch())
     loss.backward()
     grads = {

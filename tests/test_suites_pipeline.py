@@ -12,6 +12,7 @@ import re
 import pytest
 
 from tests.conftest import tuneproof
+from tests.reading import summary_of
 from tuneproof.control import record as records
 from tuneproof.core.config import PROJECT_ROOT
 from tuneproof.core.summaries import DataSummary, EvaluateSummary
@@ -50,7 +51,7 @@ def test_a_fine_tune_that_forgets_a_skill_is_refused_naming_the_suite(prefect_se
     assert re.search(r"\(candidate 0, base 0\.\d+; n=80, Newcombe paired score", cause) and "(fail)" in cause, cause
     assert f"run forget failed (modeling: evaluate: {cause[:40]}" in result.output
 
-    evaluation = rec.summary("evaluate", EvaluateSummary)
+    evaluation = summary_of(rec, "evaluate", EvaluateSummary)
     assert evaluation is not None
     scored = {s.name: s for s in evaluation.suites}
     assert list(scored) == ["add", "capital", "reverse", "mine"]
@@ -62,6 +63,6 @@ def test_a_fine_tune_that_forgets_a_skill_is_refused_naming_the_suite(prefect_se
     assert (vs_base.gate, vs_base.n, vs_base.outcome) == ("max_regression_vs_base", 12, "fail")
     assert scored["mine"].sha256 == vs_base.split_sha256 == hashlib.sha256(mine.read_bytes()).hexdigest()
 
-    data = rec.summary("data", DataSummary)
+    data = summary_of(rec, "data", DataSummary)
     assert data is not None
     assert {s.name: (s.sha256, s.contamination.overlapping) for s in data.suites}["mine"] == (scored["mine"].sha256, 0)

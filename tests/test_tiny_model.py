@@ -83,6 +83,7 @@ def test_tokenizer_speaks_chatml_and_round_trips(tiny_dir):
 
 def test_untrained_model_generates_from_a_prompt(tiny_dir):
     import torch
+    from transformers import GenerationMixin
 
     tok, model = load_tokenizer(str(tiny_dir)), load_model(str(tiny_dir))
     batch = tok(
@@ -90,6 +91,7 @@ def test_untrained_model_generates_from_a_prompt(tiny_dir):
         return_tensors="pt",
         add_special_tokens=False,
     )
+    assert isinstance(model, GenerationMixin)  # AutoModelForCausalLM's class: it generates
     with torch.no_grad():
         out = model.generate(**batch, max_new_tokens=4, do_sample=False)
     assert out.shape[1] <= batch["input_ids"].shape[1] + 4

@@ -6,6 +6,7 @@ import copy
 from pathlib import Path
 
 from tasks.jobs import add_kubernetes_half
+from tests.reading import entry_summary, present
 from tuneproof.control.kube import load_objects_from_dir
 from tuneproof.control.kube_checks import normalize_ray_nodes
 from tuneproof.control.record import StageEntry
@@ -34,9 +35,10 @@ def test_a_healthy_cluster_adds_its_summary_and_the_image_digest(monkeypatch):
     )
     entry = add_kubernetes_half(cfg, verify_entry(objects["ray_nodes"]))
     assert entry.status == "succeeded", entry.cause
-    summary = entry.summary_as(VerifySummary)
+    summary = entry_summary(entry, VerifySummary)
+    assert cfg.cluster.expect.image is not None
     assert summary.cluster.image_digest == cfg.cluster.expect.image.split("@", 1)[1]
-    assert summary.kubernetes["raycluster"]["name"] == "tuneproof"
+    assert present(summary.kubernetes)["raycluster"]["name"] == "tuneproof"
 
 
 def test_a_pod_on_another_digest_fails_verify_as_infrastructure(monkeypatch):
@@ -51,5 +53,5 @@ def test_a_pod_on_another_digest_fails_verify_as_infrastructure(monkeypatch):
     )
     entry = add_kubernetes_half(cfg, verify_entry(objects["ray_nodes"]))
     assert entry.status == "failed" and entry.failure_class == "infrastructure"
-    assert worker["metadata"]["name"] in entry.cause and "f" * 64 in entry.cause
-    assert isinstance(entry.summary_as(VerifySummary).cluster.image_digest, dict)  # pods disagree: per-pod map
+    assert worker["metadata"]["name"] in (entry.cause or "") and "f" * 64 in (entry.cause or "")
+    assert isinstance(entry_summary(entry, VerifySummary).cluster.image_digest, dict)  # pods disagree: per-pod map

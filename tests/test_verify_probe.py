@@ -22,6 +22,7 @@ from tuneproof.core.checks import environment_digest
 from tuneproof.core.config import PipelineConfig, StorageConfig
 from tuneproof.core.findings import Finding
 from tuneproof.core.results import StageFailure
+from tuneproof.core.summaries import ClusterFacts, VerifySummary
 
 
 def test_node_facts_on_this_machine():
@@ -68,6 +69,9 @@ def test_storage_failure_names_uri_and_error():
     assert "Access Denied" in finding.line()
 
 
+EMPTY_VERIFY = VerifySummary(nodes=[], findings=[], cluster=ClusterFacts())
+
+
 def test_failure_cause_is_first_finding_plus_count():
     findings = [
         Finding("node a", "ray_version", "2.58.0", "2.60.0"),
@@ -75,10 +79,10 @@ def test_failure_cause_is_first_finding_plus_count():
         Finding("node c", "y", 1, 2, severity="warning"),
     ]
     with pytest.raises(StageFailure) as info:
-        fail_on_errors(findings, {"findings": []})
+        fail_on_errors(findings, EMPTY_VERIFY)
     assert info.value.failure_class.value == "infrastructure"
     assert info.value.cause == "node a: ray_version is '2.58.0', expected '2.60.0' (+1 more)"
-    fail_on_errors(findings[2:], {})  # warnings alone pass
+    fail_on_errors(findings[2:], EMPTY_VERIFY)  # warnings alone pass
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +105,7 @@ def test_verify_body_passes_on_local_head(ray_connected, tmp_path):
     (head,) = summary.nodes
     assert head.is_head and head.ray_version == "2.60.0" and head.gpus_visible == 0
     assert summary.findings == []
+    assert summary.storage_probe is not None
     assert summary.storage_probe.ok is True
     assert summary.storage_probe.uri.startswith(str(tmp_path / "storage" / "runs" / "run-verify"))
     assert summary.cluster.environment_digest == head.environment_digest
@@ -118,4 +123,5 @@ def test_verify_body_fails_on_wrong_ray_version(ray_connected, tmp_path):
     (node,) = ray.nodes()
     assert failure.cause.startswith(f"node {node['NodeManagerAddress']} ({node['NodeID'][:8]}): ")
     assert "ray_version is '2.60.0', expected '2.0.0'" in failure.cause
+    assert isinstance(failure.summary, VerifySummary)
     assert failure.summary.findings[0].seen == "2.60.0"

@@ -18,6 +18,7 @@ import json
 import os
 import uuid
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import yaml
@@ -104,7 +105,7 @@ async def _eks_pool_and_deployment(client) -> tuple:
     return pool, flow_id, deployment_id
 
 
-OVERRIDES = [
+OVERRIDES: list[dict[str, Any]] = [
     {"service_account_name": "prefect-worker"},
     {"image": "attacker.example/image:latest"},
     {"namespace": "default"},
@@ -143,8 +144,8 @@ def test_a_flow_run_created_directly_is_not_held_to_the_schema(prefect_server):
             pool, _, _ = await _eks_pool_and_deployment(client)
             flow = SimpleNamespace(name="tuneproof-pipeline", version=None, retries=0, retry_delay_seconds=0)
             direct = await client.create_flow_run(
-                flow=flow,
-                work_pool_name=pool,  # type: ignore[arg-type]
+                flow=flow,  # type: ignore[arg-type]  # the fields create_flow_run reads, not a Flow
+                work_pool_name=pool,
                 job_variables={"service_account_name": "prefect-worker"},
             )
             config = await kubernetes_worker.KubernetesWorkerJobConfiguration.resolve_for_flow_run(

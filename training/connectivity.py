@@ -19,7 +19,7 @@ import glob
 import math
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from training.jobkit import ENV_VAR, JobContext, encode_job, load_context, log, run_stage, worker_reads_saved
 from tuneproof.core import transport
@@ -27,6 +27,9 @@ from tuneproof.core.config import PipelineConfig
 from tuneproof.core.results import StageFailure, now_iso
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import AllreduceRow, ConnectivitySummary, FsdpProbe, RankStatus, TransportVerdict
+
+if TYPE_CHECKING:  # torch is imported inside the functions the ranks run, as before
+    import torch
 
 MAX_NCCL_LINES = 2000
 """NCCL lines a rank keeps: the transport is decided during the first communicator's init."""
@@ -159,7 +162,7 @@ def own_nccl_lines() -> list[str]:
     return lines[:MAX_NCCL_LINES]
 
 
-def allreduce_sweep(sizes_bytes: list[int], warmup: int, iters: int, device, world: int) -> list[dict]:
+def allreduce_sweep(sizes_bytes: list[int], warmup: int, iters: int, device: torch.device, world: int) -> list[dict]:
     """Mean time of one float32 all-reduce per size; the first call also checks the sum is right."""
     import torch
     import torch.distributed as dist
@@ -183,7 +186,7 @@ def allreduce_sweep(sizes_bytes: list[int], warmup: int, iters: int, device, wor
     return rows
 
 
-def fsdp_losses(cfg: PipelineConfig, device, steps: int, rank: int) -> list[float]:
+def fsdp_losses(cfg: PipelineConfig, device: torch.device, steps: int, rank: int) -> list[float]:
     """A few FSDP2 steps of the configured architecture, randomly initialised, on random tokens."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -215,7 +218,7 @@ def fsdp_losses(cfg: PipelineConfig, device, steps: int, rank: int) -> list[floa
     return losses
 
 
-def _synchronize(device) -> None:
+def _synchronize(device: torch.device) -> None:
     import torch
 
     if device.type == "cuda":

@@ -25,6 +25,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,7 @@ class ModelShape:
     """The lm_head shares the embedding's weight: one fewer parameter matrix, the same FLOPs."""
 
     @classmethod
-    def from_hf(cls, config) -> ModelShape:
+    def from_hf(cls, config: PretrainedConfig) -> ModelShape:
         """From a Qwen2/Llama-style config (head_dim when it sets one, else hidden / heads)."""
         heads = config.num_attention_heads
         return cls(

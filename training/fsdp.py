@@ -16,10 +16,13 @@ the same way, and a checkpoint saved under one resumes under another.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def worker_device(use_gpu: bool) -> torch.device:
@@ -32,12 +35,12 @@ def worker_device(use_gpu: bool) -> torch.device:
     return device
 
 
-def decoder_layers(model) -> list[torch.nn.Module]:
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks of a *ForCausalLM (Qwen2, Llama, ...: model.model.layers)."""
-    try:
-        return list(model.model.layers)
-    except AttributeError:
-        raise TypeError(f"{type(model).__name__} has no model.layers: expected a decoder-only *ForCausalLM") from None
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise TypeError(f"{type(model).__name__} has no model.layers: expected a decoder-only *ForCausalLM")
+    return list(layers)
 
 
 def mesh_shape(sharding: str, world_size: int, shard_group_size: int | None, local_world_size: int) -> tuple[int, ...]:
@@ -69,12 +72,12 @@ def local_world_size() -> int:
 
 
 def shard_model(
-    model,
+    model: PreTrainedModel,
     device: torch.device,
     activation_checkpointing: bool,
     sharding: str = "full",
     shard_group_size: int | None = None,
-):
+) -> PreTrainedModel:
     """fully_shard each decoder layer, then the root, on the mesh `sharding` asks for; bf16 compute
     with fp32 reduction on GPU, fp32 on CPU. Collective: every rank calls it with the same choice."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -85,7 +88,7 @@ def shard_model(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     shape = mesh_shape(sharding, dist.get_world_size(), shard_group_size, local_world_size())
     names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
-    options: dict = {"mesh": init_device_mesh(device.type, shape, mesh_dim_names=names)}
+    options: dict[str, Any] = {"mesh": init_device_mesh(device.type, shape, mesh_dim_names=names)}
     if sharding == "ddp":
         options["reshard_after_forward"] = False  # every rank holds whole layers: nothing to free, no re-gather
     if device.type == "cuda":
@@ -96,7 +99,7 @@ def shard_model(
     return model
 
 
-def clip_gradients(model, max_norm: float) -> float:
+def clip_gradients(model: torch.nn.Module, max_norm: float) -> float:
     """Clip the global gradient norm (across all shards) and return the norm before clipping."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if hasattr(norm, "full_tensor"):  # a DTensor when the parameters are sharded
@@ -104,7 +107,7 @@ def clip_gradients(model, max_norm: float) -> float:
     return float(norm)
 
 
-def full_state_dict(model) -> dict[str, Any]:
+def full_state_dict(model: torch.nn.Module) -> dict[str, Any]:
     """The unsharded state dict, on CPU, on rank 0 (other ranks get an empty dict). Collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

@@ -27,13 +27,15 @@ from tuneproof.core.storage import Storage
 
 if TYPE_CHECKING:
     import torch
+    from peft import LoraConfig, PeftModel
+    from transformers import PreTrainedModel
 
 ADAPTER_DIR = LORA_ADAPTER_DIR
 TIED_MODULES = {"embed_tokens", "lm_head"}
 """The modules a tied Qwen2 shares one weight between (tie_word_embeddings)."""
 
 
-def peft_config(settings: LoraSettings):
+def peft_config(settings: LoraSettings) -> LoraConfig:
     from peft import LoraConfig, TaskType
 
     return LoraConfig(
@@ -49,7 +51,7 @@ def peft_config(settings: LoraSettings):
     )
 
 
-def apply_lora(model, settings: LoraSettings, seed: int):
+def apply_lora(model: PreTrainedModel, settings: LoraSettings, seed: int) -> PeftModel:
     """Inject adapters into `model` in place and freeze everything else; returns the PeftModel around it.
 
     `model` itself keeps working as the causal LM (its target layers now carry the adapters), so it
@@ -83,7 +85,7 @@ def apply_lora(model, settings: LoraSettings, seed: int):
             ) from None
 
 
-def linear_names(model) -> set[str]:
+def linear_names(model: torch.nn.Module) -> set[str]:
     import torch
 
     return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -95,7 +97,7 @@ def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
     return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
 
 
-def trained_state_dict(model) -> dict[str, Any]:
+def trained_state_dict(model: torch.nn.Module) -> dict[str, Any]:
     """The trained parameters (the adapters) unsharded, on CPU, on rank 0 (others: empty). Collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -106,7 +108,12 @@ def trained_state_dict(model) -> dict[str, Any]:
 
 
 def write_lora_export(
-    adapters: dict, step: int, cfg: PipelineConfig, storage: Storage, path: str, made_by: dict[str, Any]
+    adapters: dict[str, torch.Tensor],
+    step: int,
+    cfg: PipelineConfig,
+    storage: Storage,
+    path: str,
+    made_by: dict[str, Any],
 ) -> ExportManifest:
     """Rank 0: the adapter on a fresh base, saved in peft format, and merged into a full model beside it.
 
@@ -129,7 +136,7 @@ def write_lora_export(
         )
 
 
-def adapted_base(adapters: dict, cfg: PipelineConfig):
+def adapted_base(adapters: dict[str, torch.Tensor], cfg: PipelineConfig) -> PeftModel:
     """The base model (fp32, from model.source) with adapters holding the trained values."""
     import torch
 

@@ -11,11 +11,17 @@ from __future__ import annotations
 
 import resource
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 
 from tuneproof.core.fit import ParamCounts, estimate, shard_degree
 from tuneproof.core.summaries import FitEstimate, RankMemory
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    from tuneproof.core.config import TrainConfig
 
 
 def rank_memory(rank: int, device: torch.device) -> RankMemory:
@@ -33,7 +39,7 @@ def rank_memory(rank: int, device: torch.device) -> RankMemory:
     )
 
 
-def param_counts(model) -> ParamCounts:
+def param_counts(model: torch.nn.Module) -> ParamCounts:
     """Total and trainable parameters (a tied weight once), those outside the decoder layers (FSDP2's root
     group) and the largest layer's."""
     from training.fsdp import decoder_layers
@@ -45,7 +51,7 @@ def param_counts(model) -> ParamCounts:
     return ParamCounts(total, trainable, total - sum(per_layer), max(per_layer, default=0), len(layers))
 
 
-def probe_activation_bytes(model, micro_batch: int, seq_len: int, checkpointing: bool) -> int:
+def probe_activation_bytes(model: PreTrainedModel, micro_batch: int, seq_len: int, checkpointing: bool) -> int:
     """Bytes of the tensors autograd saves for backward in one training forward of `model` (on the meta
     device) over micro_batch x seq_len tokens, parameters not counted, each saved tensor once. With
     checkpointing, transformers' per-layer checkpoint keeps each layer's input instead (counted here as
@@ -83,7 +89,12 @@ def probe_activation_bytes(model, micro_batch: int, seq_len: int, checkpointing:
 
 
 def fit_estimate(
-    model_config, train, seq_len: int, world_size: int, gpu: bool, capacity_bytes: int | None
+    model_config: PretrainedConfig,
+    train: TrainConfig,
+    seq_len: int,
+    world_size: int,
+    gpu: bool,
+    capacity_bytes: int | None,
 ) -> FitEstimate:
     """The estimate of tuneproof.core.fit for train (a TrainConfig) on this model config. Under LoRA the
     trainable count is the adapters' (training.lora applies them to the meta model)."""

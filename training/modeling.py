@@ -12,9 +12,19 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tuneproof.core.storage import Storage
+
+if TYPE_CHECKING:  # transformers imports torch: loaded only where a function loads a model
+    import torch
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+    from tuneproof.core.summaries import BaseModelFacts
+
+Loaded = TypeVar("Loaded")
 
 CACHE_ROOT = Path(os.environ.get("TUNEPROOF_MODEL_CACHE", Path(tempfile.gettempdir()) / "tuneproof-models"))
 
@@ -66,8 +76,9 @@ class ModelUnreadable(OSError):
     An OSError, as transformers raises for the same directories, so callers that caught those still do."""
 
 
-def _from_pretrained(loader, ref: str, **kwargs):
-    """loader.from_pretrained(ref); for a local directory, any failure becomes ModelUnreadable naming it.
+def _from_pretrained(from_pretrained: Callable[..., Loaded], ref: str, **kwargs: Any) -> Loaded:
+    """from_pretrained(ref) (a class's from_pretrained); for a local directory, any failure becomes
+    ModelUnreadable naming it.
 
     transformers reports a broken directory as OSError, ValueError or safetensors' own error type,
     often without the path: the job's one-line cause must say which directory to fix."""
@@ -75,27 +86,29 @@ def _from_pretrained(loader, ref: str, **kwargs):
     if local and not (Path(ref) / "config.json").is_file():
         raise ModelUnreadable(f"model directory {ref} has no config.json: not a Hugging Face model directory")
     try:
-        return loader.from_pretrained(ref, **kwargs)
+        return from_pretrained(ref, **kwargs)
     except Exception as e:  # noqa: BLE001 - re-raised with the directory named; hub errors pass through
         if not local:
             raise
         raise ModelUnreadable(f"model directory {ref} is not a loadable model: {type(e).__name__}: {e}") from e
 
 
-def _common(revision: str | None) -> dict:
+def _common(revision: str | None) -> dict[str, Any]:
     return {"revision": revision, "trust_remote_code": False}
 
 
-def load_config(source: str, revision: str | None = None, endpoint_url: str | None = None):
+def load_config(source: str, revision: str | None = None, endpoint_url: str | None = None) -> PretrainedConfig:
     from transformers import AutoConfig
 
-    return _from_pretrained(AutoConfig, materialize(source, endpoint_url), **_common(revision))
+    return _from_pretrained(AutoConfig.from_pretrained, materialize(source, endpoint_url), **_common(revision))
 
 
-def load_tokenizer(source: str, revision: str | None = None, endpoint_url: str | None = None):
+def load_tokenizer(
+    source: str, revision: str | None = None, endpoint_url: str | None = None
+) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
-    return _from_pretrained(AutoTokenizer, materialize(source, endpoint_url), **_common(revision))
+    return _from_pretrained(AutoTokenizer.from_pretrained, materialize(source, endpoint_url), **_common(revision))
 
 
 # Model types whose AutoTokenizer resolution, for a local directory naming one of these tokenizer classes
@@ -105,7 +118,9 @@ def load_tokenizer(source: str, revision: str | None = None, endpoint_url: str |
 DIRECT_TOKENIZERS = {"qwen2": ("Qwen2Tokenizer", "Qwen2TokenizerFast")}
 
 
-def load_text_tokenizer(source: str, revision: str | None = None, endpoint_url: str | None = None):
+def load_text_tokenizer(
+    source: str, revision: str | None = None, endpoint_url: str | None = None
+) -> PreTrainedTokenizerBase:
     """load_tokenizer's tokenizer, without importing torch where the model is a DIRECT_TOKENIZERS one."""
     ref = materialize(source, endpoint_url)
     name = direct_tokenizer_class(Path(ref))
@@ -119,7 +134,7 @@ def load_text_tokenizer(source: str, revision: str | None = None, endpoint_url: 
         tokenizer_class = getattr(transformers, name.removesuffix("Fast"))
     except (AttributeError, ImportError):
         return load_tokenizer(ref, revision)
-    return _from_pretrained(tokenizer_class, ref, **_common(revision))
+    return _from_pretrained(tokenizer_class.from_pretrained, ref, **_common(revision))
 
 
 def direct_tokenizer_class(ref: Path) -> str | None:
@@ -136,7 +151,7 @@ def direct_tokenizer_class(ref: Path) -> str | None:
     return name if name in DIRECT_TOKENIZERS.get(model_type, ()) else None
 
 
-def base_model_facts(source: str):
+def base_model_facts(source: str) -> BaseModelFacts | None:
     """BaseModelFacts from base.json in a local model directory (the tiny base's build record), or None:
     a hub id or s3:// prefix, or a directory without one, names no build."""
     from tuneproof.core.summaries import BaseModelFacts
@@ -152,10 +167,16 @@ def base_model_facts(source: str):
         raise ModelUnreadable(f"model directory {source}: base.json is not a base model's build record: {e}") from e
 
 
-def load_model(source: str, revision: str | None = None, endpoint_url: str | None = None, dtype=None):
+def load_model(
+    source: str, revision: str | None = None, endpoint_url: str | None = None, dtype: torch.dtype | None = None
+) -> PreTrainedModel:
     """AutoModelForCausalLM from safetensors only (use_safetensors=True refuses pickled .bin weights)."""
     from transformers import AutoModelForCausalLM
 
     return _from_pretrained(
-        AutoModelForCausalLM, materialize(source, endpoint_url), use_safetensors=True, dtype=dtype, **_common(revision)
+        AutoModelForCausalLM.from_pretrained,
+        materialize(source, endpoint_url),
+        use_safetensors=True,
+        dtype=dtype,
+        **_common(revision),
     )

@@ -14,6 +14,9 @@ across examples trains on something other than the data. Runs inside Ray Train w
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from training.step import forward_inputs  # the probe's forward: a test replaces it here
@@ -21,11 +24,15 @@ from training.train_data import TrainExample, collate
 from tuneproof.core.hashing import IGNORE_INDEX
 from tuneproof.core.results import FailureClass, StageFailure
 
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
 PROBE_TOLERANCE = 1e-4
 """Largest |packed - alone| per-example mean loss (nats) the probe accepts, in fp32."""
 
 
-def example_losses(model, batch: dict, rows: list[TrainExample]) -> list[float]:
+def example_losses(model: PreTrainedModel, batch: dict[str, torch.Tensor], rows: list[TrainExample]) -> list[float]:
     """Mean next-token loss of every example in the batch's rows, in order (fp32 logits)."""
     import torch
     import torch.nn.functional as F
@@ -47,7 +54,12 @@ def example_losses(model, batch: dict, rows: list[TrainExample]) -> list[float]:
     return losses
 
 
-def probe_packing(model, rows: list[TrainExample], pad_id: int, collate_fn=collate) -> float:
+def probe_packing(
+    model: PreTrainedModel,
+    rows: list[TrainExample],
+    pad_id: int,
+    collate_fn: Callable[[list[TrainExample], int], dict[str, torch.Tensor]] = collate,
+) -> float:
     """Largest |loss in its packed row - loss alone| over the examples of `rows` (a packed micro-batch);
     raises StageFailure (infrastructure) above PROBE_TOLERANCE. `collate_fn` is what builds the packed
     batch (the test passes a flat one to show what a leak looks like)."""

@@ -15,8 +15,8 @@ baseline.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,13 +24,19 @@ from torch.utils.checkpoint import checkpoint
 
 from tuneproof.core.hashing import IGNORE_INDEX
 
+if TYPE_CHECKING:  # annotations only: at run time this module imports torch alone (see above)
+    from transformers import PreTrainedModel
+
+Batch = dict[str, torch.Tensor]
+"""A collated micro-batch: input_ids, labels, attention_mask, and position_ids when packed."""
+
 LOGITS_PER_CHUNK = 2**27
 """Logit elements one chunk of the loss computes at once (rows = this // vocab, at least 1)."""
 
-LossFn = Callable[[Any, dict], torch.Tensor]
+LossFn = Callable[["PreTrainedModel", Batch], torch.Tensor]
 
 
-def token_loss_sum(model, batch: dict, chunk_rows: int | None = None) -> torch.Tensor:
+def token_loss_sum(model: PreTrainedModel, batch: Batch, chunk_rows: int | None = None) -> torch.Tensor:
     """Summed next-token cross entropy over the labelled positions, in fp32, chunk by chunk.
 
     Equal (to fp32 rounding) to full_logits_loss_sum, in value and gradients; chunk_rows overrides the
@@ -48,11 +54,11 @@ def token_loss_sum(model, batch: dict, chunk_rows: int | None = None) -> torch.T
     return total
 
 
-def _chunk_loss(head, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _chunk_loss(head: torch.nn.Module, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(head(rows).float(), targets, reduction="sum")
 
 
-def final_hidden_states(model, batch: dict) -> torch.Tensor:
+def final_hidden_states(model: PreTrainedModel, batch: Batch) -> torch.Tensor:
     """The decoder's last hidden states (after its final norm), from one forward of the whole model.
 
     The whole model runs, not its decoder alone, so FSDP2's root unshards the embedding and lm_head as it
@@ -67,7 +73,7 @@ def final_hidden_states(model, batch: dict) -> torch.Tensor:
     return seen[-1]
 
 
-def forward_inputs(model, batch: dict) -> dict:
+def forward_inputs(model: PreTrainedModel, batch: Batch) -> Batch:
     """Keyword arguments of model(...) for a collated batch (its labels stay out)."""
     if "position_ids" not in batch:  # one example per row: the padding mask says everything
         return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
@@ -94,7 +100,7 @@ def block_causal_mask(position_ids: torch.Tensor, eager: bool = False) -> torch.
     )[:, None]
 
 
-def full_logits_loss_sum(model, batch: dict) -> torch.Tensor:
+def full_logits_loss_sum(model: PreTrainedModel, batch: Batch) -> torch.Tensor:
     """The loss as it was before chunking: every position's fp32 logits at once. Reference only."""
     logits = model(**forward_inputs(model, batch)).logits
     return F.cross_entropy(
@@ -105,7 +111,7 @@ def full_logits_loss_sum(model, batch: dict) -> torch.Tensor:
     )
 
 
-def global_counts(micro: list[dict], device) -> tuple[int, int]:
+def global_counts(micro: list[Batch], device: torch.device) -> tuple[int, int]:
     """(target tokens, real tokens) of this step across every rank and micro-batch. Collective."""
     import torch.distributed as dist
 
@@ -122,9 +128,9 @@ def global_counts(micro: list[dict], device) -> tuple[int, int]:
 
 
 def optimizer_step(
-    model,
+    model: PreTrainedModel,
     optimizer: torch.optim.Optimizer,
-    micro: list[dict],
+    micro: list[Batch],
     targets: int,
     max_grad_norm: float,
     loss_fn: LossFn = token_loss_sum,
@@ -136,9 +142,12 @@ def optimizer_step(
     FSDP averages gradients over ranks, so each micro-batch's summed loss is scaled by world_size / targets
     to get sum / global targets. poison: multiply the loss by NaN (the divergence test's hook). Collective."""
     import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
 
     from training.fsdp import clip_gradients
 
+    if not isinstance(model, FSDPModule):  # set_requires_gradient_sync below is FSDP2's
+        raise TypeError(f"optimizer_step needs a model sharded by shard_model, got an unsharded {type(model).__name__}")
     world_size = dist.get_world_size()
     loss_sum = torch.zeros((), device=next(iter(model.parameters())).device)
     for i, batch in enumerate(micro):
@@ -155,7 +164,13 @@ def optimizer_step(
     return float(loss_sum) / targets, grad_norm
 
 
-def build_optimizer(params, lr: float, weight_decay: float, device: torch.device, fused: bool | None = None):
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter],
+    lr: float,
+    weight_decay: float,
+    device: torch.device,
+    fused: bool | None = None,
+) -> torch.optim.AdamW:
     """AdamW, fused (one kernel for every parameter's update) on CUDA, torch's default elsewhere.
 
     fused: None picks by device; the bench sets it to compare both."""
@@ -163,7 +178,7 @@ def build_optimizer(params, lr: float, weight_decay: float, device: torch.device
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=use_fused)
 
 
-def compile_layers(model, backend: str = "inductor") -> None:
+def compile_layers(model: PreTrainedModel, backend: str = "inductor") -> None:
     """torch.compile each decoder layer in place, before sharding (per-block, as torchtitan does): one
     compiled graph shared by every layer, FSDP2's collectives left outside it."""
     from training.fsdp import decoder_layers
@@ -172,7 +187,7 @@ def compile_layers(model, backend: str = "inductor") -> None:
         layer.compile(backend=backend)
 
 
-def set_activation_checkpointing(model, mode: str) -> None:
+def set_activation_checkpointing(model: PreTrainedModel, mode: str) -> None:
     """off, full (every decoder layer recomputed in backward) or selective (every second layer).
 
     Uses transformers' own per-layer switch, so parameter names (and checkpoints) do not change."""

@@ -18,7 +18,7 @@ import platform
 import socket
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from training.jobkit import JobContext, log, run_stage
 from tuneproof.core import cas, forward_env
@@ -28,6 +28,12 @@ from tuneproof.core.findings import Finding, errors
 from tuneproof.core.results import StageFailure, first_and_more
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import ClusterFacts, NodeFacts, StorageProbe, VerifySummary
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray._private.worker import HasOptions  # the protocol Ray's remote functions type .options() with
+
+    Remote = TypeVar("Remote", bound=HasOptions)
 
 HEAD_RESOURCE = "node:__internal_head__"
 
@@ -94,7 +100,8 @@ def probe_nodes(nodes: list[dict], timeout_s: float) -> tuple[list[dict], list[F
                 Finding(node_subject(node), "probe", error, "node facts", "the probe task did not complete")
             )
         else:
-            facts.append({**node, **ray.get(ref)})
+            probed: dict[str, Any] = ray.get(ref)
+            facts.append({**node, **probed})
     return facts, findings
 
 
@@ -158,7 +165,8 @@ def probe_storage(storage_cfg: StorageConfig, parts: tuple[str, ...], nodes: lis
     error = _probe_error(ref, ray.wait([ref], timeout=timeout_s)[0], timeout_s)
     if error:
         return {**result, "ok": False, "error": error, "seconds": None}
-    return {**result, **ray.get(ref)}
+    roundtrip: dict[str, Any] = ray.get(ref)
+    return {**result, **roundtrip}
 
 
 def storage_roundtrip(storage_cfg: dict, parts: list[str]) -> dict[str, Any]:
@@ -215,7 +223,7 @@ def fail_on_errors(findings: list[Finding], summary: VerifySummary) -> None:
         raise StageFailure("infrastructure", first_and_more([f.line() for f in errs]), summary)
 
 
-def _pinned(remote, node_id: str):
+def _pinned(remote: Remote, node_id: str) -> Remote:
     """Hard-pinned to one node, and zero CPUs so it schedules while training holds every CPU."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -224,7 +232,7 @@ def _pinned(remote, node_id: str):
     )
 
 
-def _probe_error(ref, ready: list, timeout_s: float) -> str | None:
+def _probe_error(ref: ObjectRef[Any], ready: list[ObjectRef[Any]], timeout_s: float) -> str | None:
     """None when the task finished; otherwise one line saying why not."""
     import ray
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +121,7 @@ def _raycluster(api: client.ApiClient, kcfg: KubernetesConfig) -> dict | None:
         raise _unreachable(api, e) from e
 
 
-def _required(read, what: str) -> list[dict]:
+def _required(read: Callable[[], list[dict]], what: str) -> list[dict]:
     try:
         return read()
     except ApiException as e:
@@ -162,11 +163,13 @@ def _operator(api: client.ApiClient) -> dict | None:
     return items[0] if items else None
 
 
-def _json(response) -> dict:
+# Any: with _preload_content=False the client returns the raw urllib3 response, though its annotations name the
+# model it would have parsed (V1PodList, ...); .data is the body's bytes.
+def _json(response: Any) -> dict:
     return json.loads(response.data)
 
 
-def _items(response) -> list[dict]:
+def _items(response: Any) -> list[dict]:
     return _json(response).get("items") or []
 
 

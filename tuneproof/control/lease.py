@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -314,6 +314,13 @@ class _LocalStore:
             os.close(fd)
 
 
+class _PutCondition(TypedDict, total=False):
+    """The one precondition a lease write carries (boto3-stubs types each put_object keyword)."""
+
+    IfNoneMatch: str
+    IfMatch: str
+
+
 class _S3Store:
     """Conditional writes: create with If-None-Match '*', replace and delete with If-Match on the ETag."""
 
@@ -347,7 +354,7 @@ class _S3Store:
             if _code(e) not in ("PreconditionFailed", "NoSuchKey", "404"):
                 raise
 
-    def _put(self, body: bytes, **condition: str) -> str | None:
+    def _put(self, body: bytes, **condition: Unpack[_PutCondition]) -> str | None:
         try:
             return self.client.put_object(Bucket=self.bucket, Key=self.key, Body=body, **condition)["ETag"]
         except self.client.exceptions.ClientError as e:

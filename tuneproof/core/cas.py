@@ -25,10 +25,14 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tuneproof.core.files import read_regular, read_s3_body
 from tuneproof.core.results import now_iso
 from tuneproof.core.storage import Storage, boto_config
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
 
 MAX_OBJECT_BYTES = 1 << 20
 """The largest object compare-and-swap reads: a pointer or a hold is a few hundred bytes; a bigger one (or a FIFO
@@ -180,7 +184,7 @@ def _holder(path: Path) -> dict:
 # ---- S3: conditional requests -----------------------------------------------------------------
 
 
-def _s3_client(storage: Storage):
+def _s3_client(storage: Storage) -> S3Client:
     import boto3
 
     return boto3.client("s3", endpoint_url=storage.endpoint_url, config=boto_config())
@@ -205,7 +209,7 @@ def _s3_read(storage: Storage, parts: tuple[str, ...]) -> tuple[bytes | None, st
     return read_s3_body(obj, MAX_OBJECT_BYTES, storage.uri(*parts)), obj["ETag"]
 
 
-def _s3_conditional(storage: Storage, parts: tuple[str, ...], operation: str, **kwargs) -> bool:
+def _s3_conditional(storage: Storage, parts: tuple[str, ...], operation: str, **kwargs: str | bytes) -> bool:
     from botocore.exceptions import ClientError
 
     bucket, key = _s3_location(storage, parts)

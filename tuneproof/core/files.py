@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 if TYPE_CHECKING:
+    from mypy_boto3_s3.type_defs import GetObjectOutputTypeDef
+
     from tuneproof.core.storage import Storage
 
 KINDS = {
@@ -69,7 +71,7 @@ def read_stored(storage: Storage, parts: tuple[str, ...], limit: int) -> bytes:
     return storage.read_bytes(*parts)
 
 
-def read_s3_body(response: dict[str, Any], limit: int, where: str) -> bytes:
+def read_s3_body(response: GetObjectOutputTypeDef, limit: int, where: str) -> bytes:
     """The body of an S3 GetObject response, refused (FileRefused naming `where`) when it holds more than `limit`
     bytes: by its ContentLength before anything is read, and by what arrives, whatever that header claimed."""
     length = response.get("ContentLength")

@@ -10,8 +10,12 @@ not a failure after training; the evaluate job loads what `resolve_metric` names
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tuneproof.core.config import PROJECT_ROOT
+
+if TYPE_CHECKING:
+    from tuneproof.core.config import EvalConfig, SuiteConfig
 
 METRICS_DIR = PROJECT_ROOT / "eval" / "metrics"
 LOSS_METRICS = ("eval_loss", "perplexity")
@@ -79,13 +83,13 @@ def check_gate_names(metric_names: list[str], gate_names: list[str]) -> list[str
     ]
 
 
-def check_eval_config(eval_cfg) -> list[str]:
+def check_eval_config(eval_cfg: EvalConfig) -> list[str]:
     """Every metric, gate-name and suite problem of an EvalConfig as 'eval.<field>: ...' lines, before any job runs."""
     metric_problems = [f"eval.metrics: {p}" for p in check_metric_names(eval_cfg.metrics, eval_cfg.hub_metrics)]
     return metric_problems + check_gate_names(eval_cfg.metrics, list(eval_cfg.gates)) + check_suites(eval_cfg.suites)
 
 
-def check_suites(suites: dict) -> list[str]:
+def check_suites(suites: dict[str, SuiteConfig]) -> list[str]:
     """'eval.suites.<name>.<field>: ...' per suite whose local file is not a file, or whose metric is not a
     local module (a suite is scored item by item: a hub metric may not score one item alone)."""
     problems = []

@@ -13,12 +13,17 @@ import posixpath
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import fsspec
 
 from tuneproof.core.names import check_storage_root
+
+if TYPE_CHECKING:
+    from botocore.config import Config
+
+    from tuneproof.core.config import StorageConfig
 
 S3_MAX_ATTEMPTS = 12
 """Attempts per S3 request (s3fs/botocore, which Ray Train uses too: see train_storage): the
@@ -41,7 +46,7 @@ BOTO_RETRIES: dict[str, Any] = {
 }
 
 
-def boto_config():
+def boto_config() -> Config:
     """The same bounded retries for a plain boto3 client (conditional writes: lease, compare-and-swap)."""
     from botocore.config import Config
 
@@ -70,7 +75,7 @@ class Storage:
             self.fs = fsspec.filesystem("file")
 
     @classmethod
-    def from_config(cls, storage_cfg) -> Storage:
+    def from_config(cls, storage_cfg: StorageConfig) -> Storage:
         return cls(storage_cfg.root, storage_cfg.endpoint_url)
 
     def path(self, *parts: str) -> str:
@@ -172,7 +177,8 @@ class Storage:
             return None, self.path(*parts)
         from pyarrow import fs as pafs
 
-        return pafs.PyFileSystem(pafs.FSSpecHandler(self.fs)), self.path(*parts)
+        # ignore: pyarrow-stubs declares FSSpecHandler without the handler methods pyarrow implements.
+        return pafs.PyFileSystem(pafs.FSSpecHandler(self.fs)), self.path(*parts)  # type: ignore[abstract]
 
 
 class UnsafePath(ValueError):
