@@ -20,11 +20,16 @@ from tuneproof.core.summaries import DataSummary, EvaluateSummary
 FORGET = PROJECT_ROOT / "configs" / "local-forget.yaml"
 # The fewest steps that prove it: by step 100 every skill is lost (the documented setting's full 400 steps
 # also win the date task, README "Regression suites and forgetting"). The task's gate is left to what 100
-# steps can pass, so the refusal is the suites' alone.
+# steps can pass, so the refusal is the suites' alone. The cut-off cap is lifted: a model 100 steps into
+# dates alone may also stop ending its turns on a suite (17 of 32 capitals ran to max_new_tokens on one CI
+# machine, 0 on another: the floats of a half-trained model differ by CPU), and the cap would then end the
+# evaluation as invalid before any gate. The cap has its own tests (tests/test_evaluate_job.py); this one
+# is about the suites' gates.
 SHORT = (
     "train.max_steps=100",
     "train.checkpoint_every=50",
     "eval.max_examples=40",
+    "eval.max_truncated_fraction=1",
     "eval.gates={exact_match: {max_regression: 0.02}}",
 )
 
