@@ -6,8 +6,9 @@ The driver (this process) runs a TorchTrainer over train.num_workers workers wit
 storage at runs/<run>/train/<run_name>; the same name and storage path resume the run (Ray Train
 V2). Each worker: load the base model -> FSDP2 -> restore the latest complete checkpoint, else
 params.init_from, else start fresh -> train (warmup + cosine, grad accumulation, clipping),
-checkpointing every train.checkpoint_every steps and at the end -> rank 0 exports a Hugging Face
-model to runs/<run>/model. A checkpoint's shards are written and hashed in the background (asynchronous
+checkpointing every train.checkpoint_every steps, at the end and, with train.checkpoint_on_preemption, at
+Ray's notice that a node of the group is being drained (training.preemption) -> rank 0 exports a Hugging
+Face model to runs/<run>/model. A checkpoint's shards are written and hashed in the background (asynchronous
 DCP save) while the next step trains; it is completed (the marker, then Ray Train registers it) right after that step,
 so an unfinished save never has a marker, and training stalls by the state's copy to CPU memory plus
 whatever of the write outlasts one step (bench/checkpoint.py measures it in steps). Workers hand results back through storage, never as exceptions
