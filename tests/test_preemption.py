@@ -35,6 +35,22 @@ def test_after_the_save_the_group_waits_unless_the_rest_of_the_run_fits_before_t
     assert not waits_for_restart(NOTICE, step=400, max_steps=400, step_seconds=1.0, now_s=NOW)
     # No deadline given: Ray Train restarts RESTART_FALLBACK_S after it saw the notice; wait.
     assert waits_for_restart(Notice(None, (0,)), step=399, max_steps=400, step_seconds=0.01, now_s=NOW)
+    # The pace not known yet (the notice at the attempt's first step): wait.
+    assert waits_for_restart(NOTICE, step=399, max_steps=400, step_seconds=None, now_s=NOW)
+
+
+def test_the_pace_is_the_loops_wall_time_per_step_not_the_optimizer_step_alone() -> None:
+    # The first fault run of the notice trained on: 25 steps of 0.09 s (the optimizer step) fit in half of
+    # the 4.8 s left, but each step of the loop took 0.6 s; a periodic checkpoint then overtook the notice's.
+    watch = NoticeWatch(enabled=False)
+    assert watch.step_seconds(11, NOW) is None
+    watch.poll(11, NOW)
+    assert watch.step_seconds(11, NOW) is None and watch.step_seconds(15, NOW + 2.4) == pytest.approx(0.6)
+    notice = Notice(deadline_ms=int((NOW + 2.4 + 4.8) * 1000), ranks=(0,))
+    assert not waits_for_restart(notice, step=15, max_steps=40, step_seconds=0.09, now_s=NOW + 2.4)
+    assert waits_for_restart(
+        notice, step=15, max_steps=40, step_seconds=watch.step_seconds(15, NOW + 2.4), now_s=NOW + 2.4
+    )
 
 
 def test_the_wait_is_bounded_past_the_deadline() -> None:
@@ -50,11 +66,11 @@ def test_ray_is_asked_at_the_same_steps_on_every_rank_and_not_after_the_notice(
     asked: list[int] = []
     monkeypatch.setattr(preemption, "ask_ray", lambda: asked.append(1) or NOTICE)
     watch = NoticeWatch(enabled=True)
-    seen = {step: watch.poll(step) for step in range(1, 2 * ASK_EVERY_STEPS + 1)}
+    seen = {step: watch.poll(step, NOW + step) for step in range(1, 2 * ASK_EVERY_STEPS + 1)}
     assert [s for s, n in seen.items() if n] == [ASK_EVERY_STEPS, 2 * ASK_EVERY_STEPS] and len(asked) == 2
     watch.saved_at = ASK_EVERY_STEPS
-    assert watch.poll(3 * ASK_EVERY_STEPS) is None and len(asked) == 2  # acted on: no more barriers
-    assert NoticeWatch(enabled=False).poll(ASK_EVERY_STEPS) is None and len(asked) == 2
+    assert watch.poll(3 * ASK_EVERY_STEPS, NOW) is None and len(asked) == 2  # acted on: no more barriers
+    assert NoticeWatch(enabled=False).poll(ASK_EVERY_STEPS, NOW) is None and len(asked) == 2
 
 
 def test_a_ray_without_the_notice_is_said_once_and_training_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -63,7 +79,7 @@ def test_a_ray_without_the_notice_is_said_once_and_training_goes_on(monkeypatch:
     monkeypatch.delattr(ray.train, "get_preemption_info")
     said: list[str] = []
     watch = NoticeWatch.start(True, said.append)
-    assert not watch.enabled and watch.poll(ASK_EVERY_STEPS) is None
+    assert not watch.enabled and watch.poll(ASK_EVERY_STEPS, NOW) is None
     assert len(said) == 1 and "no ray.train.get_preemption_info (Ray 2.58+)" in said[0]
     assert NoticeWatch.start(False, said.append) == NoticeWatch(enabled=False) and len(said) == 1
 

@@ -443,7 +443,7 @@ def train_loop(loop_config: dict) -> None:
                 return finish(w, start, step, status="diverged", cause=cause)
             if step % params.checkpoint_every == 0 or step == params.max_steps:
                 save_checkpoint(w, step)
-            act_on_notice(w, step, stats["step_seconds"])
+            act_on_notice(w, step)
             if step == params.hold_after_checkpoint_step:
                 hold(w, step)
             if step == params.interrupt_after_checkpoint_step:
@@ -745,7 +745,7 @@ def complete_checkpoint(w: Worker) -> None:
     )
 
 
-def act_on_notice(w: Worker, step: int, step_seconds: float) -> None:
+def act_on_notice(w: Worker, step: int) -> None:
     """Ray's preemption notice (training.preemption), asked every few steps: at the first, this step's
     checkpoint is saved and completed at once; then the group waits for Ray Train's restart at the deadline,
     unless the rest of the run fits before it. Collective; rank 0 decides and records."""
@@ -753,14 +753,15 @@ def act_on_notice(w: Worker, step: int, step_seconds: float) -> None:
 
     from training import preemption
 
-    notice = w.notices.poll(step)
+    notice = w.notices.poll(step, time.time())
     if notice is None:
         return
     if preemption.saves_now(notice, w.notices.saved_at, w.saving is not None and w.saving.step == step):
         save_checkpoint(w, step)
     complete_checkpoint(w)
     w.notices.saved_at = step
-    decided = [preemption.waits_for_restart(notice, step, w.params.max_steps, step_seconds, time.time())]
+    pace = w.notices.step_seconds(step, time.time())
+    decided = [preemption.waits_for_restart(notice, step, w.params.max_steps, pace, time.time())]
     dist.broadcast_object_list(decided, src=0)  # one decision: a rank that trains on alone would hang
     if w.rank == 0:
         preemption.record_notice(w.storage, w.ctx.stage_parts(), w.attempt, step, notice, decided[0])

@@ -61,13 +61,14 @@ def saves_now(notice: Notice | None, saved_at: int | None, saving_this_step: boo
     return notice is not None and saved_at is None and not saving_this_step
 
 
-def waits_for_restart(notice: Notice, step: int, max_steps: int, step_seconds: float, now_s: float) -> bool:
+def waits_for_restart(notice: Notice, step: int, max_steps: int, step_seconds: float | None, now_s: float) -> bool:
     """After the notice's checkpoint: wait for Ray Train's restart (every step trained now is trained again
-    after it), unless the steps left fit in half the time left before the deadline. Pure."""
+    after it), unless the steps left, at `step_seconds` each (the loop's wall time per step, everything in
+    it; None: not known yet), fit in half the time left before the deadline. Pure."""
     left = notice.seconds_left(now_s)
     if step >= max_steps:
         return False
-    if left is None:
+    if left is None or step_seconds is None:
         return True
     return (max_steps - step) * step_seconds > left / 2
 
@@ -103,6 +104,8 @@ class NoticeWatch:
     enabled: bool
     saved_at: int | None = None
     """The step this attempt saved on its notice (None: none acted on yet)."""
+    since: tuple[int, float] | None = None
+    """The first step this attempt asked about, and when: the loop's pace is measured from there."""
 
     @classmethod
     def start(cls, wanted: bool, log: Callable[[str], None]) -> NoticeWatch:
@@ -116,10 +119,18 @@ class NoticeWatch:
             )
         return cls(enabled=wanted and supported())
 
-    def poll(self, step: int) -> Notice | None:
+    def poll(self, step: int, now_s: float) -> Notice | None:
         """The notice, when enabled, not acted on yet and at an ASK_EVERY_STEPS step; asks Ray (a barrier)
         only then: every rank asks at the same steps."""
+        if self.since is None:
+            self.since = (step, now_s)
         return ask_ray() if self.enabled and self.saved_at is None and step % ASK_EVERY_STEPS == 0 else None
+
+    def step_seconds(self, step: int, now_s: float) -> float | None:
+        """Wall seconds per step of the loop since the first poll (None before a second step). Pure."""
+        if self.since is None or step <= self.since[0]:
+            return None
+        return (now_s - self.since[1]) / (step - self.since[0])
 
 
 def record_notice(
