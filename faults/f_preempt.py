@@ -4,10 +4,9 @@
 
 The lab's head gets a second raylet (`ray start --address`, 1 CPU, its own ports and temp dir, stopped at
 the end whatever happens). While the fine-tune's 2 workers are placed, a placement group holds 3 of the
-head's 4 CPUs, so one worker runs on each node. At step DRAIN_AT (not a checkpoint step) the second node
-is drained (`ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds N`, N:
-DEADLINE_STEPS steps) and the hold is let go, so the group Ray Train restarts fits on the head; after the
-deadline the second raylet's processes are SIGKILLed (the node is gone). Each step sleeps STEP_S
+head's 4 CPUs, so one worker runs on each node. After step DRAIN_AT (not a checkpoint step) the hold is let
+go, so the group Ray Train restarts fits on the head, and the second node is drained for preemption with a
+deadline of DEADLINE_STEPS steps; after the deadline the second raylet's processes are SIGKILLed (the node is gone). Each step sleeps STEP_S
 (TUNEPROOF_FAULT_STEP_S) so that a deadline of seconds falls mid-run. The two rows:
 
 preemption-notice     train.checkpoint_on_preemption=true and Ray Train's preemption watcher on: the loop
@@ -18,8 +17,10 @@ preemption-no-notice  the local profile as it is (the watcher off, checkpoint_on
                       checkpoint. Lost steps at most one checkpoint interval; the reference's weights
 
 The watcher polls Ray's drain state every POLL_S seconds (RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S, 5 by default).
-`python -m faults.f_preempt hold <gcs> <node-manager-port> <cpus>` is the harness's own Ray driver: it
-prints the second node's id, holds the CPUs on the head until its stdin closes.
+`python -m faults.f_preempt hold <gcs> <node-manager-port> <cpus>` is the harness's own Ray driver: it holds
+the CPUs on the head, then lets them go and drains the second node when told (the GCS call `ray drain-node
+--node-id X --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds N` makes; the CLI took
+4 s to start here).
 """
 
 from __future__ import annotations
@@ -107,9 +108,9 @@ def second_node(lab: Lab) -> Iterator[SecondNode]:
 
 
 @contextlib.contextmanager
-def head_cpus_held(lab: Lab, node: SecondNode) -> Iterator[tuple[subprocess.Popen, str]]:
-    """HEAD_CPUS_HELD CPUs of the head held by this module's `hold` driver; yields it and the second node's
-    id. Closing its stdin lets the CPUs go (`release`); it is ended on the way out in any case."""
+def head_cpus_held(lab: Lab, node: SecondNode) -> Iterator[subprocess.Popen]:
+    """HEAD_CPUS_HELD CPUs of the head held by this module's `hold` driver, which drains the second node when
+    told (`drain`); it is ended on the way out in any case (`release`)."""
     args = [sys.executable, "-m", "faults.f_preempt", "hold", lab.head.gcs_address, str(node.node_manager_port)]
     env = {**lab.env(), **ray_env(lab.head.token_file)}
     proc = subprocess.Popen(
@@ -120,7 +121,7 @@ def head_cpus_held(lab: Lab, node: SecondNode) -> Iterator[tuple[subprocess.Pope
         line = proc.stdout.readline()
         if not line.startswith("{"):
             raise RuntimeError(f"the CPU hold did not start (exit {proc.poll()}): {line!r}")
-        yield proc, json.loads(line)["node_id"]
+        yield proc
     finally:
         release(proc)
 
@@ -149,17 +150,15 @@ def wait_for_step(run: RunProcess, pids: Path, step: int, timeout: float = 600) 
     raise RuntimeError(f"the workers did not reach step {step} before the run ended or {timeout:.0f} s passed")
 
 
-def drain(lab: Lab, node_id: str, deadline_s: int) -> None:
-    ray_bin = str(Path(sys.executable).parent / "ray")
-    cmd = [
-        ray_bin, "drain-node", f"--address={lab.head.gcs_address}", f"--node-id={node_id}",
-        "--reason=DRAIN_NODE_REASON_PREEMPTION", "--reason-message=fault row: spot reclaim",
-        f"--deadline-remaining-seconds={deadline_s}",
-    ]  # fmt: skip
-    env = {**lab.env(), **ray_env(lab.head.token_file)}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    if done.returncode != 0:
-        raise RuntimeError(f"ray drain-node failed (exit {done.returncode}): {(done.stdout + done.stderr)[-800:]}")
+def drain(hold: subprocess.Popen, deadline_s: int) -> None:
+    """Let the held CPUs go and drain the second node, through the `hold` driver (connected already: the
+    `ray drain-node` CLI took 4 s to start here, 7 steps). The same GCS call as the CLI makes."""
+    assert hold.stdin is not None and hold.stdout is not None
+    hold.stdin.write(f"drain {deadline_s}\n")
+    hold.stdin.flush()
+    answer = hold.stdout.readline()
+    if not answer.startswith("{") or not json.loads(answer)["accepted"]:
+        raise RuntimeError(f"the drain was not accepted (driver exit {hold.poll()}): {answer!r}")
 
 
 def deadline_s(lab: Lab) -> int:
@@ -191,7 +190,7 @@ def preempted(lab: Lab, name: str, on_notice: bool) -> FaultRow:
         # configs/local.yaml turns Ray Train's preemption watcher off (one machine, no spot nodes).
         *([f'runtime_env.env_vars.{PREEMPTION_WATCHER}="1"'] if on_notice else []),
     ]
-    with second_node(lab) as node, head_cpus_held(lab, node) as (hold, node_id):
+    with second_node(lab) as node, head_cpus_held(lab, node) as hold:
         run = lab.start(
             run_id,
             only=("finetune",),
@@ -201,10 +200,8 @@ def preempted(lab: Lab, name: str, on_notice: bool) -> FaultRow:
         seen = wait_for_step(run, pids, DRAIN_AT)
         on_node2 = [rank for rank, s in seen.items() if started_by(s["pid"], node.proc.pid)]
         issued_at = max(s["step"] for s in seen.values())
-        assert hold.stdin is not None
-        hold.stdin.close()  # the CPUs go back (the workers stay where they are): the restarted group fits on the head
-        drain(lab, node_id, deadline)
-        drained_at = max(s["step"] for s in wait_for_step(run, pids, 0).values())  # `ray drain-node` takes seconds
+        drain(hold, deadline)  # the held CPUs go first: the group Ray Train restarts fits on the head
+        drained_at = max(s["step"] for s in wait_for_step(run, pids, 0).values())
         time.sleep(deadline + 1)
         node.kill()
         out = run.wait()
@@ -222,8 +219,8 @@ def preempted(lab: Lab, name: str, on_notice: bool) -> FaultRow:
         injected_at=f"drain issued after step {issued_at}, accepted by step {drained_at} of {MAX_STEPS}; deadline "
         f"{deadline} s",
         outcome=survived(out, compared, expected),
-        how=f"second raylet (1 CPU) joined to the head, rank {on_node2} on it; ray drain-node "
-        f"DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds {deadline}, SIGKILL of its raylet "
+        how=f"second raylet (1 CPU) joined to the head, rank {on_node2} on it; drained (the GCS call of ray drain-node "
+        f"--reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds {deadline}), SIGKILL of its raylet "
         f"{deadline + 1} s after the drain; {FAULT_STEP_S}={STEP_S}; train.checkpoint_on_preemption={str(on_notice).lower()}, {POLL_ENV}={POLL_S}",
         notes=(describe(restarts) or f"no restart in the record; exit {out.exit_code}: {out.tail(300)}")
         + "".join(f"; notice checkpoint at step {r.notice_step}" for r in restarts if r.notice_step is not None),
@@ -257,17 +254,29 @@ def preemption_no_notice(lab: Lab) -> FaultRow:
 
 
 def hold(gcs: str, node_manager_port: int, cpus: int) -> None:
-    """Connect to the cluster, print {"node_id"} of the node on node_manager_port, hold `cpus` CPUs in a
-    placement group on one node (only the head has that many) until stdin closes."""
+    """Connect to the cluster, hold `cpus` CPUs in a placement group on one node (only the head has that
+    many), print {"node_id"} of the node on node_manager_port. On a line `drain <seconds>`: let the CPUs go,
+    drain that node for preemption with that deadline (what `ray drain-node` does), print {"accepted"}.
+    Ends when stdin closes."""
     import ray
-    from ray.util.placement_group import placement_group
+    from ray.core.generated import autoscaler_pb2
+    from ray.util.placement_group import placement_group, remove_placement_group
 
     ray.init(address=gcs, logging_level=logging.ERROR, log_to_driver=False)
     node_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerPort"] == node_manager_port)
     group = placement_group([{"CPU": cpus}], strategy="STRICT_PACK")
     ray.get(group.ready(), timeout=120)
     print(json.dumps({"node_id": node_id}), flush=True)
-    sys.stdin.read()
+    for line in sys.stdin:
+        command, _, seconds = line.partition(" ")
+        if command == "drain":
+            remove_placement_group(group)
+            deadline_ms = time.time_ns() // 1_000_000 + int(seconds) * 1000
+            # Compiled and generated modules, without type stubs: what ray/scripts/scripts.py drain_node calls.
+            client = ray._raylet.GcsClient(address=gcs)  # type: ignore[attr-defined]
+            reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")  # type: ignore[attr-defined]
+            accepted, why = client.drain_node(node_id, reason, "fault row: spot reclaim", deadline_ms)
+            print(json.dumps({"accepted": accepted, "why": why, "deadline_ms": deadline_ms}), flush=True)
     ray.shutdown()
 
 
