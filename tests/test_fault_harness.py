@@ -59,6 +59,7 @@ def test_every_f_module_is_discovered_and_registers_its_rows():
     modules = discover()
     assert "f_train" in modules and all(name.startswith("f_") for name in modules)
     assert {"worker-sigkill", "checkpoint-sigkill", "s3-down", "disk-full"} <= set(harness.SCENARIOS)
+    assert {"preemption-notice", "preemption-no-notice"} <= set(harness.SCENARIOS)
     assert all(sc.run.__module__.startswith("faults.f_") for sc in harness.SCENARIOS.values())
 
 
@@ -132,6 +133,29 @@ def test_the_pid_hook_is_inert_without_its_variable_and_reports_with_it(tmp_path
     after_step(1, 5)
     assert json.loads((tmp_path / "rank1.json").read_text())["pid"] == os.getpid()
     assert [p.name for p in tmp_path.iterdir()] == ["rank1.json"]
+
+
+def test_the_step_hook_sleeps_only_with_its_variable(monkeypatch):
+    slept: list[float] = []
+    monkeypatch.setattr("training.fault_hooks.time.sleep", slept.append)
+    monkeypatch.delenv("TUNEPROOF_FAULT_STEP_S", raising=False)
+    after_step(0, 1)
+    monkeypatch.setenv("TUNEPROOF_FAULT_STEP_S", "0.5")
+    after_step(0, 2)
+    assert slept == [0.5]
+
+
+def test_a_worker_is_found_on_the_node_whose_process_started_it():
+    from faults.f_preempt import started_by
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert started_by(child.pid, os.getpid())  # the raylet's child (a worker) is on that raylet's node
+        assert not started_by(os.getpid(), child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert not started_by(child.pid, os.getpid())  # gone
 
 
 def test_the_default_run_deselects_the_fault_tests():

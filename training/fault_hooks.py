@@ -8,6 +8,8 @@
                                            an unseeded generator (each rank its own) from then on
     TUNEPROOF_FAULT_PIDS=<dir>             every rank writes <dir>/rank<r>.json ({pid, step}) after each step,
                                            so the harness can SIGKILL a worker at a step it chooses
+    TUNEPROOF_FAULT_STEP_S=<seconds>       every rank sleeps that long after each step: a slower model's
+                                           steps, so a drain deadline of seconds falls mid-run
 
 A fault run forwards them to the job by name (runtime_env.forward_env); no other run has them.
 """
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
 
 FAULT_AT = "TUNEPROOF_FAULT_AT"
 FAULT_PIDS = "TUNEPROOF_FAULT_PIDS"
+FAULT_STEP_S = "TUNEPROOF_FAULT_STEP_S"
 FIRED = "fault-fired.json"
 KINDS = ("checkpoint", "sampler")
 
@@ -63,7 +66,10 @@ def fault_point(environ: dict[str, str] | None = None) -> FaultPoint | None:
 
 
 def after_step(rank: int, step: int) -> None:
-    """With TUNEPROOF_FAULT_PIDS set: tell the harness which process is at which step."""
+    """With TUNEPROOF_FAULT_STEP_S set: sleep that long. With TUNEPROOF_FAULT_PIDS set: tell the harness which
+    process is at which step."""
+    if pause := os.environ.get(FAULT_STEP_S):
+        time.sleep(float(pause))
     folder = os.environ.get(FAULT_PIDS)
     if not folder:
         return

@@ -6,8 +6,9 @@ The driver (this process) runs a TorchTrainer over train.num_workers workers wit
 storage at runs/<run>/train/<run_name>; the same name and storage path resume the run (Ray Train
 V2). Each worker: load the base model -> FSDP2 -> restore the latest complete checkpoint, else
 params.init_from, else start fresh -> train (warmup + cosine, grad accumulation, clipping),
-checkpointing every train.checkpoint_every steps and at the end -> rank 0 exports a Hugging Face
-model to runs/<run>/model. A checkpoint's shards are written and hashed in the background (asynchronous
+checkpointing every train.checkpoint_every steps, at the end and, with train.checkpoint_on_preemption, at
+Ray's notice that a node of the group is being drained (training.preemption) -> rank 0 exports a Hugging
+Face model to runs/<run>/model. A checkpoint's shards are written and hashed in the background (asynchronous
 DCP save) while the next step trains; it is completed (the marker, then Ray Train registers it) right after that step,
 so an unfinished save never has a marker, and training stalls by the state's copy to CPU memory plus
 whatever of the write outlasts one step (bench/checkpoint.py measures it in steps). Workers hand results back through storage, never as exceptions
@@ -61,6 +62,7 @@ from training.checkpointing import (
 from training.jobkit import JobContext, run_stage
 from training.lora import ADAPTER_DIR
 from training.modeling import base_model_facts
+from training.preemption import NOTICES, NoticeWatch
 from training.schedule import WarmupCosine
 from tuneproof.core.fit import refusal
 from tuneproof.core.markers import Digests, ExportUnverified, read_export_manifest
@@ -170,7 +172,7 @@ def finetune(ctx: JobContext) -> FinetuneSummary:
         jobkit.log(f"skipped {s.name} ({s.reason}): {done}, out of Ray Train's snapshot: {s.dropped_from_ray}")
     for name in (OUTCOME, INTERRUPTED):  # an earlier job's ending says nothing of this one
         ctx.storage.remove(*ctx.stage_parts(name))
-    for log in (ATTEMPTS, FAILURES):
+    for log in (ATTEMPTS, FAILURES, NOTICES):
         remove_log(ctx.storage, *ctx.stage_parts(log))
     error = run_trainer(ctx, params)
     if error is not None and (dropped := remove_unmarked(ctx.storage, *ctx.run_parts("train", params.run_name))):
@@ -321,6 +323,7 @@ def summarize(
             read_rows(ctx.storage, *ctx.stage_parts(ATTEMPTS)),
             read_rows(ctx.storage, *ctx.stage_parts(FAILURES)),
             rows,
+            read_rows(ctx.storage, *ctx.stage_parts(NOTICES)),
         ),
         base_model=base_model_facts(ctx.config.model.source),
     )
@@ -396,6 +399,8 @@ class Worker:
     """The data-order ledger after the last step trained (training.train_data.fold_ledger); "" before step 1."""
     samples: str = ""
     """The last step's sample ids, as their digest (every rank's)."""
+    notices: NoticeWatch = field(default_factory=lambda: NoticeWatch(enabled=False))
+    """Ray's preemption notices (train.checkpoint_on_preemption), asked every few steps."""
 
     def log(self, message: str) -> None:
         if self.rank == 0:
@@ -438,6 +443,7 @@ def train_loop(loop_config: dict) -> None:
                 return finish(w, start, step, status="diverged", cause=cause)
             if step % params.checkpoint_every == 0 or step == params.max_steps:
                 save_checkpoint(w, step)
+            act_on_notice(w, step)
             if step == params.hold_after_checkpoint_step:
                 hold(w, step)
             if step == params.interrupt_after_checkpoint_step:
@@ -505,6 +511,7 @@ def setup(ctx: JobContext, params: TrainParams) -> Worker:
     check_checkpoint_home(w)
     w.mesh = list(mesh_shape(cfg.sharding, world, cfg.shard_group_size, local_world_size()))  # as shard_model built it
     w.save_group = dist.new_group(backend="gloo")  # collective: every rank creates it, in the same order
+    w.notices = NoticeWatch.start(cfg.checkpoint_on_preemption, w.log)
     w.log(
         f"method {cfg.method}: {counts[0]:,} of {counts[1]:,} parameters train; {cfg.sharding} sharding, mesh {w.mesh}"
     )
@@ -736,6 +743,36 @@ def complete_checkpoint(w: Worker) -> None:
         ),
         checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD,
     )
+
+
+def act_on_notice(w: Worker, step: int) -> None:
+    """Ray's preemption notice (training.preemption), asked every few steps: at the first, this step's
+    checkpoint is saved and completed at once; then the group waits for Ray Train's restart at the deadline,
+    unless the rest of the run fits before it. Collective; rank 0 decides and records."""
+    import torch.distributed as dist
+
+    from training import preemption
+
+    notice = w.notices.poll(step, time.time())
+    if notice is None:
+        return
+    if preemption.saves_now(notice, w.notices.saved_at, w.saving is not None and w.saving.step == step):
+        save_checkpoint(w, step)
+    complete_checkpoint(w)
+    w.notices.saved_at = step
+    pace = w.notices.step_seconds(step, time.time())
+    decided = [preemption.waits_for_restart(notice, step, w.params.max_steps, pace, time.time())]
+    dist.broadcast_object_list(decided, src=0)  # one decision: a rank that trains on alone would hang
+    if w.rank == 0:
+        preemption.record_notice(w.storage, w.ctx.stage_parts(), w.attempt, step, notice, decided[0])
+    left = notice.seconds_left(time.time())
+    w.log(
+        f"PREEMPTION NOTICE for ranks {list(notice.ranks)} "
+        f"({'no deadline' if left is None else f'deadline in {left:.1f} s'}): checkpoint step {step} saved; "
+        + ("waiting for Ray Train's restart" if decided[0] else "training on: the rest of the run fits before it")
+    )
+    if decided[0]:
+        preemption.wait_for_restart(notice, w.log)
 
 
 def progress_at(w: Worker, step: int) -> TrainingProgress:

@@ -54,15 +54,18 @@ class FailureLog(ray.train.UserCallback):
         append_rows(Storage(self.root, self.endpoint_url), [row], *self.stage_parts, FAILURES)
 
 
-def restarts(attempts: list[dict], failures: list[dict], rows: list[dict]) -> list[Restart]:
+def restarts(
+    attempts: list[dict], failures: list[dict], rows: list[dict], notices: list[dict] | None = None
+) -> list[Restart]:
     """One Restart per attempt after the first: the step the one before it stopped at (its last logged
-    row), the failure the controller saw in between, where the new attempt resumed, and the steps lost
-    between the two. Pure."""
+    row), the failure the controller saw in between, where the new attempt resumed, the steps lost
+    between the two, and the step the one before saved at on a preemption notice (notices.jsonl). Pure."""
     found = []
     for before, after in zip(attempts, attempts[1:]):
         steps = [r["step"] for r in rows if r.get("attempt") == before["attempt"] and r["time"] >= before["started_at"]]
         causes = [f["cause"] for f in failures if before["started_at"] <= f["time"] <= after["started_at"]]
         at_step = max(steps, default=None)
+        noticed = [n["step"] for n in notices or [] if n["attempt"] == before["attempt"]]
         found.append(
             Restart(
                 attempt=after["attempt"],
@@ -71,6 +74,7 @@ def restarts(attempts: list[dict], failures: list[dict], rows: list[dict]) -> li
                 restored_from=after["restored_from"],
                 cause=causes[0] if causes else None,
                 lost_steps=None if at_step is None else max(0, at_step - after["restored_step"]),
+                notice_step=noticed[0] if noticed else None,
             )
         )
     return found

@@ -336,6 +336,9 @@ class Restart(Summary):
     """Steps the failed attempt trained past the checkpoint the new one resumed from, trained again
     (at_step - restored_step); None when it logged no step. Only logged steps count: with train.log_every
     above 1, steps since the last flush of metrics.jsonl are not seen."""
+    notice_step: int | None = None
+    """The step the failed attempt saved a checkpoint at on Ray's preemption notice
+    (train.checkpoint_on_preemption; training.preemption); None: it acted on no notice."""
 
 
 class SkippedCheckpoint(Summary):
