@@ -63,7 +63,7 @@ def encode(tokenizer, text: str, answer: str) -> dict:
 def write_dataset(storage: Storage, rows: list[dict]) -> None:
     """The eval split as the data stage writes it: checksummed parquet shards, manifest.json last."""
     from tests.datasets import write_prepared
-    from training.data_prep import Example
+    from training.data_files import Example
 
     write_prepared(
         storage, DATASET, "dates", {"eval": [Example(**row) for row in rows]}, chat_template_sha256=TEMPLATE_SHA

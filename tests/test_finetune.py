@@ -26,7 +26,7 @@ from tests.datasets import write_prepared
 from tests.test_checkpointing import RUN, fake_checkpoint
 from training import jobkit
 from training.checkpointing import MARKER, CheckpointRef, check_complete, latest_complete_checkpoint
-from training.data_prep import Example
+from training.data_files import Example
 from training.finetune import (
     TrainParams,
     Worker,
@@ -490,7 +490,8 @@ def test_data_prep_and_fine_tune_on_s3_read_back_from_the_bucket(ray_cluster, tm
     checkpoint and the export are then read back from the bucket."""
     import boto3
 
-    from training.data_prep import prepare_data, read_split
+    from training.data_files import read_split
+    from training.data_prep import prepare_data
     from tuneproof.app.tiny_model import DEFAULT_DATA, ensure_tiny_model
 
     model = tmp_path / "tiny-qwen2"
