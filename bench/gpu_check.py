@@ -197,7 +197,7 @@ def build_model(plan: Plan, seed: int = 0):
 
 def prepared(plan: Plan, variant: Variant, seed: int = 0):
     """The sharded model and its optimizer for a variant: checkpointing and compile before FSDP2, as
-    training.finetune.setup does."""
+    training.finetune_worker.setup does."""
     model = build_model(plan, seed)
     job_step.set_activation_checkpointing(model, variant.checkpointing)
     if variant.compile:

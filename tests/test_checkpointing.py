@@ -443,7 +443,7 @@ def test_a_background_write_that_fails_raises_and_leaves_no_marker(single_rank_g
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from training import finetune
+    from training import finetune_saving
 
     def disk_full(self, plan, planner):
         raise OSError(28, "No space left on device")
@@ -461,7 +461,7 @@ def test_a_background_write_that_fails_raises_and_leaves_no_marker(single_rank_g
         saving=start_saving_shards(model, optimizer, progress_at_step(100), storage, parts, group),
     )
     with pytest.raises(CheckpointException, match="No space left"):
-        finetune.complete_checkpoint(worker)  # type: ignore[arg-type]
+        finetune_saving.complete_checkpoint(worker)  # type: ignore[arg-type]
     assert not storage.exists(*RUN, checkpoint_dir_name(100), MARKER)
     assert latest_complete_checkpoint(storage, *RUN) is None
     assert worker.saving is None  # never waited on twice

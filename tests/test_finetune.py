@@ -27,15 +27,9 @@ from tests.test_checkpointing import RUN, fake_checkpoint
 from training import jobkit
 from training.checkpointing import MARKER, CheckpointRef, check_complete, latest_complete_checkpoint
 from training.data_files import Example
-from training.finetune import (
-    TrainParams,
-    Worker,
-    divergence,
-    finetune,
-    loss_curve,
-    resolve_start,
-    train_failure_cause,
-)
+from training.finetune import finetune, train_failure_cause
+from training.finetune_state import TrainParams, Worker
+from training.finetune_worker import divergence, resolve_start
 from training.jobkit import JobContext
 from training.restarts import restarts
 from training.train_data import BatchLayout, StepBatches, load_examples, rank_slices
@@ -43,7 +37,7 @@ from tuneproof.control.resume_evidence import as_ledger, compare_ledgers, compar
 from tuneproof.core.config import PROJECT_ROOT, PipelineConfig
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import Restart, ledger_points
+from tuneproof.core.summaries import Restart, ledger_points, loss_curve
 
 DATASET = "datasets/reverse/abc123"
 DIGIT0, SEP, EOS = 3, 13, 14  # token ids of the synthetic task (digits are 3..12)

@@ -161,12 +161,12 @@ def test_a_100000_step_fine_tune_leaves_a_record_of_at_most_64_kb(tmp_path):
     the metrics log that holds every step by path and hash; what `runs show` prints is unchanged."""
     import random
 
-    from training.finetune import curve_fields, loss_curve
+    from training.finetune_summary import curve_fields
     from tuneproof.control.stages import finetune_evidence
     from tuneproof.core.config import PipelineConfig
     from tuneproof.core.results import StageResult
     from tuneproof.core.rowlog import append_rows, read_rows, rows_sha256
-    from tuneproof.core.summaries import CURVE_POINTS, CheckpointRef, FinetuneSummary
+    from tuneproof.core.summaries import CURVE_POINTS, CheckpointRef, FinetuneSummary, loss_curve
 
     steps, rng = 100_000, random.Random(0)
     rows = [

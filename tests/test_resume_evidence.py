@@ -53,7 +53,7 @@ def test_check_restart_flags_a_fresh_start_or_another_step():
 def test_the_interrupt_phase_stops_on_a_checkpoint_step_whatever_the_seed():
     """The interruption step must be a checkpoint step of the interrupt phase, also when the seed checkpoint's
     step is not a multiple of resume.extra_steps (the fault lab's checkpoint_every 10 with extra_steps 4)."""
-    from training.finetune import TrainParams
+    from training.finetune_state import TrainParams
     from training.resume import ResumeParams, phase_params
 
     for seed, extra, replay in ((300, 4, 5), (30, 4, 5), (20, 3, 2), (7, 1, 1)):
@@ -198,11 +198,11 @@ def test_a_long_runs_thinned_summary_is_judged_on_every_logged_step_and_a_change
     """The record keeps at most CURVE_POINTS of a long run's losses; the resume test reads them all back from
     the metrics log the summary names, and only as they were when the summary was written."""
     from tasks.resume import every_point
-    from training.finetune import curve_fields, loss_curve
+    from training.finetune_summary import curve_fields
     from tuneproof.core.results import StageFailure
     from tuneproof.core.rowlog import append_rows
     from tuneproof.core.storage import Storage
-    from tuneproof.core.summaries import CURVE_POINTS, FinetuneSummary, ledger_points
+    from tuneproof.core.summaries import CURVE_POINTS, FinetuneSummary, ledger_points, loss_curve
 
     rows = [{"step": s, "loss": 1 / s, "samples": f"s{s}", "ledger": f"r{s}"} for s in range(1, 3 * CURVE_POINTS)]
     storage, log = Storage(str(tmp_path)), ("runs", "r1", "stages", "finetune", "metrics.jsonl")

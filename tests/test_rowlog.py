@@ -7,10 +7,10 @@ import uuid
 
 import pytest
 
-from training.finetune import latest_rows, loss_curve
 from training.restarts import restarts
 from tuneproof.core.rowlog import append_rows, read_rows, remove_log
 from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import latest_rows, loss_curve
 
 from .conftest import TEST_BUCKET
 
