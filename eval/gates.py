@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tuneproof.core import stats
-from tuneproof.core.config import Gate
+from tuneproof.core.config_eval import Gate
 from tuneproof.core.stats import TOLERANCE, Evidence
 from tuneproof.core.summaries import GateDecision, GateKind, GateOutcome, Verdict, p_text
 

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from eval.generation import pick_device
 from training import jobkit
-from tuneproof.core.config import EvalConfig
+from tuneproof.core.config_eval import EvalConfig
 from tuneproof.core.hashing import sha256_bytes
 from tuneproof.core.results import FailureClass, StageFailure, now_iso
 from tuneproof.core.storage import Storage

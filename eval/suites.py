@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from eval.gates import Scores, decide
-from tuneproof.core.config import SuiteConfig
+from tuneproof.core.config_eval import SuiteConfig
 from tuneproof.core.datahash import sha256_bytes
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage

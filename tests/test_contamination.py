@@ -66,7 +66,7 @@ def test_hash_operations_grow_with_words_not_with_pairs_of_rows(monkeypatch):
 
 def test_a_templates_own_text_is_not_overlap():
     """Alpaca-style rows share the template's long preamble: that says nothing of the rows, only their fields do."""
-    from tuneproof.core.config import DataConfig
+    from tuneproof.core.config_data import DataConfig
 
     preamble = (
         "Below is an instruction that describes a task. Write a response that appropriately completes the request."

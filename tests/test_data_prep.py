@@ -31,7 +31,8 @@ from training.jobkit import ENV_VAR, JobContext, encode_job
 from training.modeling import direct_tokenizer_class, load_text_tokenizer, load_tokenizer
 from tuneproof.app.tiny_model import CHAT_TEMPLATE, DEFAULT_DATA, build_tiny_model, task_corpus
 from tuneproof.core import datahash
-from tuneproof.core.config import PipelineConfig, SuiteConfig
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.config_eval import SuiteConfig
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
 

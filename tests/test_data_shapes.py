@@ -28,7 +28,8 @@ from training.data_sources import Conversation
 from training.jobkit import ENV_VAR, JobContext, encode_job
 from tuneproof.app.tiny_model import DEFAULT_DATA, build_tiny_model, ensure_tiny_model, train_tokenizer
 from tuneproof.core import datahash, shapes
-from tuneproof.core.config import PROJECT_ROOT, DataConfig, PipelineConfig, load_config
+from tuneproof.core.config import PROJECT_ROOT, PipelineConfig, load_config
+from tuneproof.core.config_data import DataConfig
 from tuneproof.core.hashing import IGNORE_INDEX
 from tuneproof.core.results import StageFailure
 from tuneproof.core.storage import Storage

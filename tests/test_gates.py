@@ -6,7 +6,7 @@ import math
 import random
 
 from eval.gates import Scores, decide, fmt
-from tuneproof.core.config import Gate
+from tuneproof.core.config_eval import Gate
 
 EM = {"exact_match": Gate(min=0.8, min_improvement=0.5, max_regression=0.02)}
 SPLIT = "ab" * 32

@@ -285,7 +285,8 @@ def test_the_rollback_deployment_takes_a_typed_form():
 
     from flows.rollback import rollback as rollback_flow
     from flows.rollback import who
-    from tuneproof.core.config import StorageConfig, load_config
+    from tuneproof.core.config import load_config
+    from tuneproof.core.config_cluster import StorageConfig
 
     doc = yaml.safe_load((PROJECT_ROOT / "prefect.yaml").read_text())
     deployments = {d["name"]: d for d in doc["deployments"]}

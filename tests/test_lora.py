@@ -17,7 +17,8 @@ from training.checkpointing import MARKER, check_complete
 from training.lora import ADAPTER_DIR, apply_lora, parameter_counts, write_lora_export
 from tuneproof.control.record import RuntimeEnvAdditions
 from tuneproof.core import forward_env, markers
-from tuneproof.core.config import PEFT_REQUIREMENT, QWEN2_LINEAR, ConfigError, LoraSettings, validate
+from tuneproof.core.config import ConfigError, validate
+from tuneproof.core.config_train import PEFT_REQUIREMENT, QWEN2_LINEAR, LoraSettings
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import FinetuneSummary

@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import tuneproof
 from tuneproof.control import record as records
-from tuneproof.core.config import PEFT_REQUIREMENT
+from tuneproof.core.config_train import PEFT_REQUIREMENT
 from tuneproof.core.summaries import EvaluateSummary, FinetuneSummary, ResumeSummary
 
 # The first test also runs the pipeline, whose first fine-tune job waits for Ray's pip environment.

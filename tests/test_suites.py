@@ -10,7 +10,7 @@ import pytest
 from eval.gates import Scores, decide
 from eval.suites import overall, read_suite, suite_score
 from tuneproof.control.registry import suite_table
-from tuneproof.core.config import EvalConfig, Gate, SuiteConfig
+from tuneproof.core.config_eval import EvalConfig, Gate, SuiteConfig
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.summaries import EvaluateSummary, ModelScore
 

@@ -24,7 +24,7 @@ from training.data_files import SCHEMA, Example, examples_table
 from training.data_sources import Conversation
 from training.jobkit import log
 from tuneproof.core import datahash, shapes
-from tuneproof.core.config import DataConfig
+from tuneproof.core.config_data import DataConfig
 from tuneproof.core.results import StageFailure
 
 # Conversations per batched chat-template call: large enough that the call's set-up is noise, small

@@ -14,7 +14,8 @@ from eval.suites import read_suite
 from training.contamination import measure as measure_overlap
 from training.contamination import shared_texts
 from training.data_sources import Conversation
-from tuneproof.core.config import DataConfig, PipelineConfig
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.config_data import DataConfig
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.summaries import Contamination, DataSummary, SuiteFile
 

@@ -49,7 +49,8 @@ from training.data_sources import (
 from training.jobkit import JobContext, log, progress, run_stage
 from training.modeling import load_text_tokenizer
 from tuneproof.core import datahash, shapes
-from tuneproof.core.config import DataConfig, PipelineConfig
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.config_data import DataConfig
 from tuneproof.core.hashing import chat_template_sha256
 from tuneproof.core.results import StageFailure, now_iso
 from tuneproof.core.storage import Storage

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from training.jobkit import log
 from tuneproof.core import datahash, shapes
-from tuneproof.core.config import DataConfig
+from tuneproof.core.config_data import DataConfig
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import SourceIdentity

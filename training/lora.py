@@ -20,7 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tuneproof.core.config import LORA_ADAPTER_DIR, LoraSettings, PipelineConfig
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.config_train import LORA_ADAPTER_DIR, LoraSettings
 from tuneproof.core.markers import ExportManifest
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage

@@ -5,7 +5,7 @@ JSON Schema all read the same descriptors. These are facts only: nothing here im
 readers (`tuneproof runs list|show|diff`) start without it. Which Prefect task runs a stage and which
 artifact it publishes is bound in flows/stage_tasks.py; a stage that is one Ray job names its module
 (`job=`) and needs no task of its own. Adding a stage is its job module (training/ or eval/), its
-summary model (tuneproof/core/summaries.py), its timeout (tuneproof/core/config.py) and one Stage(...) below.
+summary model (tuneproof/core/summaries.py), its timeout (tuneproof/core/config_cluster.py) and one Stage(...) below.
 
 Read it top to bottom: the small functions first (evidence lines, diff metrics, identity lifted
 into the record), then the table. Regenerate the record's committed JSON Schema with `make schema`.
@@ -22,7 +22,8 @@ from pydantic import BaseModel
 from tuneproof.control import registry
 from tuneproof.control.record import DataIdentity, RunRecord, StageEntry, StageInputs, json_schema
 from tuneproof.core import config_reads
-from tuneproof.core.config import PipelineConfig, Timeouts
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.config_cluster import Timeouts
 from tuneproof.core.hashing import sha256_json
 from tuneproof.core.results import FailureClass
 from tuneproof.core.storage import Storage
