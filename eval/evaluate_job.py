@@ -60,7 +60,7 @@ from tuneproof.core import markers
 from tuneproof.core.hashing import chat_template_sha256
 from tuneproof.core.metric_names import resolve_metric
 from tuneproof.core.results import FailureClass, StageFailure
-from tuneproof.core.summaries import ROLES, EvaluateSummary, GateDecision, Generations, ModelScore
+from tuneproof.core.summaries_eval import ROLES, EvaluateSummary, GateDecision, Generations, ModelScore
 
 STAGE = "evaluate"
 

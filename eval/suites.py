@@ -20,7 +20,7 @@ from tuneproof.core.config_eval import SuiteConfig
 from tuneproof.core.datahash import sha256_bytes
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import GateDecision, SuiteScore
+from tuneproof.core.summaries_eval import GateDecision, SuiteScore
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from faults.harness import FaultRow, Lab, scenario
 from training.checkpointing import RAY_SNAPSHOT, latest_complete_checkpoint, snapshot_checkpoints
 from training.fault_hooks import FAULT_AT
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import FinetuneSummary, ResumeSummary
+from tuneproof.core.summaries_training import FinetuneSummary, ResumeSummary
 
 KEEP_TWO = ("train.num_to_keep=2",)
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from faults.harness import WORKLOAD, FaultRow, Lab, RunOutcome, RunProcess, scenario
 from training.fault_hooks import FAULT_AT, FAULT_PIDS, FIRED
-from tuneproof.core.summaries import FinetuneSummary, Restart
+from tuneproof.core.summaries_training import FinetuneSummary, Restart
 
 MAX_STEPS = int(next(s for s in WORKLOAD if s.startswith("train.max_steps=")).split("=")[1])
 

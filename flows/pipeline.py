@@ -41,7 +41,7 @@ from tuneproof.core.config_reads import unread_settings
 from tuneproof.core.names import slug_problem
 from tuneproof.core.results import FailureClass, now_iso, one_line
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import PromoteSummary
+from tuneproof.core.summaries_eval import PromoteSummary
 
 StageName = Annotated[str, WithJsonSchema({"type": "string", "enum": table.names()})]
 """A stage name; the Prefect form offers the table's names, and the flow refuses any other."""

@@ -27,7 +27,8 @@ from tuneproof.core import cas, markers
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.markers import FileDigest
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import EvaluateSummary, FinetuneSummary, PromoteSummary, ResumeSummary
+from tuneproof.core.summaries_eval import EvaluateSummary, PromoteSummary
+from tuneproof.core.summaries_training import FinetuneSummary, ResumeSummary
 
 NAME = "dates-qwen2-tiny"
 

@@ -37,7 +37,7 @@ from tuneproof.control.resume_evidence import as_ledger, compare_ledgers, compar
 from tuneproof.core.config import PROJECT_ROOT, PipelineConfig
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import Restart, ledger_points, loss_curve
+from tuneproof.core.summaries_training import Restart, ledger_points, loss_curve
 
 DATASET = "datasets/reverse/abc123"
 DIGIT0, SEP, EOS = 3, 13, 14  # token ids of the synthetic task (digits are 3..12)

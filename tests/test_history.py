@@ -27,7 +27,7 @@ from tuneproof.control import record as records
 from tuneproof.control.history import Move, MoveIntent, production_at
 from tuneproof.core.config import PROJECT_ROOT, PipelineConfig
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import PromoteSummary
+from tuneproof.core.summaries_eval import PromoteSummary
 
 
 def config(root: str, endpoint: str | None = None) -> PipelineConfig:

@@ -21,7 +21,7 @@ from tuneproof.core.config import ConfigError, validate
 from tuneproof.core.config_train import PEFT_REQUIREMENT, QWEN2_LINEAR, LoraSettings
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import FinetuneSummary
+from tuneproof.core.summaries_training import FinetuneSummary
 
 HIDDEN, LAYERS, VOCAB = 32, 2, 270
 MADE_BY = {"run_id": "r1", "invocation": 1, "run_name": "r1"}

@@ -166,7 +166,8 @@ def test_a_100000_step_fine_tune_leaves_a_record_of_at_most_64_kb(tmp_path):
     from tuneproof.core.config import PipelineConfig
     from tuneproof.core.results import StageResult
     from tuneproof.core.rowlog import append_rows, read_rows, rows_sha256
-    from tuneproof.core.summaries import CURVE_POINTS, CheckpointRef, FinetuneSummary, loss_curve
+    from tuneproof.core.summaries import CheckpointRef
+    from tuneproof.core.summaries_training import CURVE_POINTS, FinetuneSummary, loss_curve
 
     steps, rng = 100_000, random.Random(0)
     rows = [

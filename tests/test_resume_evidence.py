@@ -98,7 +98,8 @@ def judged(
     from tasks.resume import judge
     from tuneproof.control.record import CodeIdentity, StageEntry, new_record
     from tuneproof.core.config import PipelineConfig
-    from tuneproof.core.summaries import CheckpointRef, FinetuneSummary, ResumeJobSummary, ResumeSummary
+    from tuneproof.core.summaries import CheckpointRef
+    from tuneproof.core.summaries_training import FinetuneSummary, ResumeJobSummary, ResumeSummary
 
     cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}, "resume": {"loss_rtol": 0.0}})
     main = [(s, 1 / s) for s in range(1, 401)]
@@ -202,7 +203,7 @@ def test_a_long_runs_thinned_summary_is_judged_on_every_logged_step_and_a_change
     from tuneproof.core.results import StageFailure
     from tuneproof.core.rowlog import append_rows
     from tuneproof.core.storage import Storage
-    from tuneproof.core.summaries import CURVE_POINTS, FinetuneSummary, ledger_points, loss_curve
+    from tuneproof.core.summaries_training import CURVE_POINTS, FinetuneSummary, ledger_points, loss_curve
 
     rows = [{"step": s, "loss": 1 / s, "samples": f"s{s}", "ledger": f"r{s}"} for s in range(1, 3 * CURVE_POINTS)]
     storage, log = Storage(str(tmp_path)), ("runs", "r1", "stages", "finetune", "metrics.jsonl")

@@ -10,7 +10,7 @@ import pytest
 from training.restarts import restarts
 from tuneproof.core.rowlog import append_rows, read_rows, remove_log
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import latest_rows, loss_curve
+from tuneproof.core.summaries_training import latest_rows, loss_curve
 
 from .conftest import TEST_BUCKET
 

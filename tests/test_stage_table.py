@@ -21,7 +21,8 @@ from tuneproof.core.config import PipelineConfig
 from tuneproof.core.config_cluster import Timeouts
 from tuneproof.core.results import FailureClass
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import DataSummary, Summary
+from tuneproof.core.summaries import Summary
+from tuneproof.core.summaries_data import DataSummary
 
 
 class ToySummary(Summary):

@@ -45,7 +45,8 @@ from tuneproof.core import markers
 from tuneproof.core.markers import Digests, ExportManifest
 from tuneproof.core.results import now_iso
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import CheckpointRef, SkippedCheckpoint
+from tuneproof.core.summaries import CheckpointRef
+from tuneproof.core.summaries_training import SkippedCheckpoint
 
 __all__ = ["CheckpointRef"]  # re-exported: workers and tests name checkpoints through this module
 

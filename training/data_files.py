@@ -19,7 +19,7 @@ from training.jobkit import progress
 from tuneproof.core import datahash
 from tuneproof.core.results import FailureClass, StageFailure, one_line
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import DatasetManifest, Shard, SplitMeta
+from tuneproof.core.summaries_data import DatasetManifest, Shard, SplitMeta
 
 SCHEMA = pa.schema(
     [

@@ -17,7 +17,7 @@ from training.data_sources import Conversation
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.config_data import DataConfig
 from tuneproof.core.results import FailureClass, StageFailure
-from tuneproof.core.summaries import Contamination, DataSummary, SuiteFile
+from tuneproof.core.summaries_data import Contamination, DataSummary, SuiteFile
 
 
 def suite_overlaps(cfg: PipelineConfig, train: list[Conversation]) -> list[SuiteFile]:

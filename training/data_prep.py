@@ -54,7 +54,7 @@ from tuneproof.core.config_data import DataConfig
 from tuneproof.core.hashing import chat_template_sha256
 from tuneproof.core.results import StageFailure, now_iso
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import Contamination, DatasetManifest, DataSummary, SourceIdentity, SuiteFile
+from tuneproof.core.summaries_data import Contamination, DatasetManifest, DataSummary, SourceIdentity, SuiteFile
 
 
 @parallel.collector_paused()

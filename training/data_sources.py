@@ -25,7 +25,7 @@ from tuneproof.core import datahash, shapes
 from tuneproof.core.config_data import DataConfig
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import SourceIdentity
+from tuneproof.core.summaries_data import SourceIdentity
 
 EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
 

@@ -59,7 +59,7 @@ from tuneproof.core.fit import refusal
 from tuneproof.core.results import FailureClass, StageFailure, one_line
 from tuneproof.core.rowlog import remove_log
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import FinetuneSummary, FitEstimate
+from tuneproof.core.summaries_training import FinetuneSummary, FitEstimate
 
 # ---------------------------------------------------------------- driver
 

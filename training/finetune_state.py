@@ -18,7 +18,7 @@ from training.checkpointing import ShardsInFlight, StagingBuffers
 from training.jobkit import JobContext
 from training.schedule import WarmupCosine
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import METRICS_LOG
+from tuneproof.core.summaries_training import METRICS_LOG
 
 if TYPE_CHECKING:  # torch and the data module load inside workers only
     import torch

@@ -20,7 +20,7 @@ from tuneproof.core.markers import ExportUnverified, read_export_manifest
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.rowlog import read_rows, rows_sha256
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import (
+from tuneproof.core.summaries_training import (
     FinetuneSummary,
     FitEstimate,
     RankMemory,

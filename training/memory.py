@@ -15,7 +15,7 @@ import sys
 import torch
 
 from tuneproof.core.fit import ParamCounts, estimate, shard_degree
-from tuneproof.core.summaries import FitEstimate, RankMemory
+from tuneproof.core.summaries_training import FitEstimate, RankMemory
 
 
 def rank_memory(rank: int, device: torch.device) -> RankMemory:

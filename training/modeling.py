@@ -139,7 +139,7 @@ def direct_tokenizer_class(ref: Path) -> str | None:
 def base_model_facts(source: str):
     """BaseModelFacts from base.json in a local model directory (the tiny base's build record), or None:
     a hub id or s3:// prefix, or a directory without one, names no build."""
-    from tuneproof.core.summaries import BaseModelFacts
+    from tuneproof.core.summaries_training import BaseModelFacts
 
     path = Path(source) / "base.json"
     if source.startswith("s3://") or not path.is_file():

@@ -25,7 +25,7 @@ from training.finetune import finetune
 from training.finetune_state import INTERRUPTED
 from training.jobkit import JobContext, run_stage
 from tuneproof.core.results import FailureClass, StageFailure
-from tuneproof.core.summaries import ResumeJobSummary
+from tuneproof.core.summaries_training import ResumeJobSummary
 
 Phase = Literal["interrupt", "continue"]
 
