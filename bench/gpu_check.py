@@ -410,12 +410,12 @@ def unequal_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> l
 
 
 def export_phase(plan: Plan, state: dict[str, Any], scratch: Path) -> Callable[[Row], None]:
-    """training.checkpointing.write_hf_export of the trained weights (bf16, as the base config says), then
+    """training.hf_export.write_hf_export of the trained weights (bf16, as the base config says), then
     transformers reads the export back: every weight must equal the trained one cast to bf16."""
     from transformers import AutoModelForCausalLM
 
-    from training.checkpointing import write_hf_export
     from training.fsdp import full_state_dict
+    from training.hf_export import write_hf_export
     from tuneproof.core.storage import Storage
 
     def body(row: Row) -> None:

@@ -51,7 +51,7 @@ from eval.reproduce import base_reproduction
 from eval.selftest import TASK, count_lines, generation_problem, generations
 from eval.suites import Suite, chat_prompts, overall, read_suite, suite_score
 from training import jobkit
-from training.checkpointing import check_complete
+from training.checkpoint_listing import check_complete
 from training.data_files import read_manifest
 from training.jobkit import JobContext, run_stage
 from training.modeling import load_model, load_tokenizer, materialize

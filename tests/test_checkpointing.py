@@ -15,30 +15,32 @@ import torch
 
 from tests.conftest import TEST_BUCKET
 from tests.tiny import save_checkpoint
-from training.checkpointing import (
-    MARKER,
+from training.checkpoint_listing import (
     RAY_SNAPSHOT,
-    StagingBuffers,
-    TrainingProgress,
-    capture_rng,
     check_complete,
-    checkpoint_dir_name,
     complete_checkpoints,
     find_checkpoints,
-    finish_saving_shards,
     latest_complete_checkpoint,
-    load_shards,
     missing_files,
     remove_unmarked,
-    restore_rng,
     set_aside_unusable_ray_snapshot,
     skip_unusable,
     snapshot_checkpoints,
     snapshot_without,
-    start_saving_shards,
-    step_of,
     unusable_ray_snapshot,
     write_marker,
+)
+from training.checkpointing import (
+    MARKER,
+    StagingBuffers,
+    TrainingProgress,
+    capture_rng,
+    checkpoint_dir_name,
+    finish_saving_shards,
+    load_shards,
+    restore_rng,
+    start_saving_shards,
+    step_of,
 )
 from tuneproof.core.markers import FileDigest
 from tuneproof.core.storage import Storage

@@ -24,7 +24,7 @@ from eval.generation import eval_loss, generate, right_padded
 from eval.metrics_loader import load_metric
 from tests.conftest import TEST_BUCKET
 from training import jobkit, modeling
-from training.checkpointing import publish_export
+from training.hf_export import publish_export
 from training.jobkit import JobContext
 from tuneproof.app.tiny_model import CHAT_TEMPLATE, build_tiny_model, conversation_text
 from tuneproof.control import registry

@@ -18,7 +18,7 @@ from tasks import promote as promote_tasks
 from tasks.jobs import finetune_run_name
 from tests.conftest import TEST_BUCKET, tuneproof
 from tests.test_promote_task import EXPORT_SHA256, passed_record, with_export
-from training.checkpointing import check_complete
+from training.checkpoint_listing import check_complete
 from tuneproof.control import record as records
 from tuneproof.control import registry
 from tuneproof.control import stages as table

@@ -25,7 +25,8 @@ from tests.conftest import TEST_BUCKET, ray_driver
 from tests.datasets import write_prepared
 from tests.test_checkpointing import RUN, fake_checkpoint
 from training import jobkit
-from training.checkpointing import MARKER, CheckpointRef, check_complete, latest_complete_checkpoint
+from training.checkpoint_listing import check_complete, latest_complete_checkpoint
+from training.checkpointing import MARKER, CheckpointRef
 from training.data_files import Example
 from training.finetune import finetune, train_failure_cause
 from training.finetune_state import TrainParams, Worker
@@ -432,7 +433,7 @@ def test_a_run_whose_ray_snapshot_was_torn_by_a_full_disk_continues_from_its_lat
     and Ray's controller dies on it at the next start. The continuation sets it aside and resumes by marker."""
     import shutil
 
-    from training.checkpointing import RAY_SNAPSHOT
+    from training.checkpoint_listing import RAY_SNAPSHOT
 
     config, main = local_run
     storage = Storage(config.storage.root)

@@ -13,7 +13,8 @@ import pytest
 
 from tasks.rayjob import JobSpec, RayJobRunner
 from tests.test_finetune import make_config, write_tiny_model
-from training.checkpointing import MARKER, check_complete
+from training.checkpoint_listing import check_complete
+from training.checkpointing import MARKER
 from training.lora import ADAPTER_DIR, apply_lora, parameter_counts, write_lora_export
 from tuneproof.control.record import RuntimeEnvAdditions
 from tuneproof.core import forward_env, markers

@@ -33,14 +33,14 @@ from collections.abc import Iterator
 from typing import Any
 
 from training import fault_hooks, jobkit
-from training.checkpointing import (
-    CheckpointRef,
+from training.checkpoint_listing import (
     check_complete,
     find_checkpoints,
     remove_unmarked,
     set_aside_unusable_ray_snapshot,
     skip_unusable,
 )
+from training.checkpointing import CheckpointRef
 from training.finetune_saving import complete_checkpoint, export_model, hold, interrupt, save_checkpoint
 from training.finetune_state import INTERRUPTED, OUTCOME, TrainParams
 from training.finetune_summary import summarize

@@ -5,7 +5,8 @@ A checkpoint's DCP shards are written in the background while the next step trai
 `complete_checkpoint` waits for them, rank 0 writes the marker, and only then Ray Train registers the
 directory, so Ray never holds a checkpoint that is not complete. `hold` and `interrupt` are the resume
 test's stopping points; `export_model` gathers the weights and rank 0 writes a Hugging Face model.
-The library pieces (DCP save and load, markers, RNG state) are training/checkpointing.py.
+The library pieces are training/checkpointing.py (DCP save and load, RNG state), training/checkpoint_listing.py
+(markers, which checkpoints count) and training/hf_export.py (the export).
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ import time
 from typing import NoReturn
 
 from training import fault_hooks, jobkit
+from training.checkpoint_listing import write_marker
 from training.checkpointing import (
     TrainingProgress,
     capture_rng,
     checkpoint_dir_name,
     finish_saving_shards,
     start_saving_shards,
-    write_hf_export,
-    write_marker,
 )
 from training.finetune_state import INTERRUPTED, METRICS, Worker
+from training.hf_export import write_hf_export
 from tuneproof.core.markers import Digests
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.rowlog import append_rows

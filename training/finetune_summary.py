@@ -11,7 +11,7 @@ from __future__ import annotations
 import posixpath
 from typing import Any
 
-from training.checkpointing import complete_checkpoints
+from training.checkpoint_listing import complete_checkpoints
 from training.finetune_state import METRICS, TrainParams
 from training.jobkit import JobContext
 from training.lora import ADAPTER_DIR

@@ -15,16 +15,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from training import fault_hooks, jobkit
-from training.checkpointing import (
-    CheckpointRef,
-    check_complete,
-    latest_complete_checkpoint,
-    load_shards,
-    local_copy,
-    read_step,
-    restore_rng,
-    seed_everything,
-)
+from training.checkpoint_listing import check_complete, latest_complete_checkpoint, read_step
+from training.checkpointing import CheckpointRef, load_shards, local_copy, restore_rng, seed_everything
 from training.finetune_saving import check_checkpoint_home, flush_metrics
 from training.finetune_state import OUTCOME, TrainParams, Worker
 from training.jobkit import JobContext

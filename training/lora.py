@@ -112,7 +112,7 @@ def write_lora_export(
     """Rank 0: the adapter on a fresh base, saved in peft format, and merged into a full model beside it.
 
     One manifest (and one content hash) covers both: the merged model's files and adapter/'s."""
-    from training.checkpointing import write_hf_export
+    from training.hf_export import write_hf_export
 
     peft_model = adapted_base(adapters, cfg)
     with tempfile.TemporaryDirectory(prefix="tuneproof-adapter-") as adapter_dir:
