@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from tuneproof.app import cli
+from tuneproof.app import cli, cli_runs
 from tuneproof.control import record as records
 from tuneproof.control.stages import record_schema
 from tuneproof.core.config import PROJECT_ROOT
@@ -36,12 +36,12 @@ def v1_storage(tmp_path) -> Path:
 def tuneproof(*args: str, width: int = 80):
     """The CLI as a user at an 80-column terminal sees it."""
     wide = Console(width=width, force_terminal=False, no_color=True)
-    saved = cli.console
-    cli.console = wide
+    saved = cli_runs.console
+    cli_runs.console = wide
     try:
         return CliRunner().invoke(cli.app, list(args))
     finally:
-        cli.console = saved
+        cli_runs.console = saved
 
 
 def test_the_committed_schema_is_the_models_schema():
