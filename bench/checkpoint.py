@@ -116,7 +116,8 @@ def progress(step: int = 1):
 def save_ours(model, optimizer, group, buffers, storage, name: str) -> tuple[int, float, dict[str, float]]:
     """(bytes, seconds, seconds per phase) of one checkpoint as a fine-tune rank makes it: the asynchronous
     save into storage waited for at once (throughput, not overlap: the stall is measured apart), the marker."""
-    from training.checkpointing import finish_saving_shards, start_saving_shards, write_marker
+    from training.checkpoint_listing import write_marker
+    from training.checkpointing import finish_saving_shards, start_saving_shards
 
     phases: dict[str, float] = {}
     began = time.perf_counter()
@@ -257,7 +258,8 @@ def measure_stall(model, optimizer, group, buffers, storage, plan: dict[str, int
     marker); returns each checkpoint's stall in steps, the max and ok (max <= 1)."""
     import torch
 
-    from training.checkpointing import finish_saving_shards, start_saving_shards, write_marker
+    from training.checkpoint_listing import write_marker
+    from training.checkpointing import finish_saving_shards, start_saving_shards
 
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (plan["batch"], plan["seq"]), generator=torch.Generator().manual_seed(1))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import resource
 import subprocess
 import sys
@@ -31,16 +32,17 @@ from bench.harness import write_corpus
 from tuneproof.core.config import PROJECT_ROOT, load_config
 
 PHASES = (
-    "load_text_tokenizer",
-    "tokenizer_sha256",
-    "parse_rows",
-    "conversations",
-    "render_batch",
-    "token_ids",
-    "fit_rows",
-    "write_splits",
+    ("training.data_prep", "load_text_tokenizer"),
+    ("training.data_prep", "tokenizer_sha256"),
+    ("training.data_prep", "parse_rows"),
+    ("training.data_sources", "conversations"),
+    ("training.data_encode", "render_batch"),
+    ("training.data_encode", "token_ids"),
+    ("training.data_encode", "fit_rows"),
+    ("training.data_prep", "write_splits"),
 )
-"""training.data_prep functions, each a phase of the stage (render_batch: the chat template)."""
+"""(module that calls it, function): each a phase of the data stage (render_batch: the chat template), timed
+where it is called from."""
 
 
 def clocks() -> tuple[float, float]:
@@ -108,14 +110,16 @@ def main(argv: list[str] | None = None) -> None:
             f"start-up (a fresh process imports the stage and loads the tokenizer): {startup_wall:.2f} s wall, "
             f"{startup_cpu:.2f} CPU s (imports {imported})"
         )
+        import training.data_encode
         import training.data_prep as stage
         from training.jobkit import JobContext
 
         seen: dict[str, list[float]] = {}
-        for name in PHASES:
-            setattr(stage, name, timed(getattr(stage, name), name, seen))
+        for where, name in PHASES:
+            module = importlib.import_module(where)
+            setattr(module, name, timed(getattr(module, name), name, seen))
         if args.one_process:
-            stage.POOL_MIN_ROWS = sys.maxsize
+            training.data_encode.POOL_MIN_ROWS = sys.maxsize
         wall, cpu = clocks()
         workers_cpu = children_cpu()
         summary = stage.prepare_data(JobContext("profile", "data", cfg))

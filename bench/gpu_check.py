@@ -200,7 +200,7 @@ def build_model(plan: Plan, seed: int = 0):
 
 def prepared(plan: Plan, variant: Variant, seed: int = 0):
     """The sharded model and its optimizer for a variant: checkpointing and compile before FSDP2, as
-    training.finetune.setup does."""
+    training.finetune_worker.setup does."""
     model = build_model(plan, seed)
     job_step.set_activation_checkpointing(model, variant.checkpointing)
     if variant.compile:
@@ -417,12 +417,12 @@ def unequal_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> l
 
 
 def export_phase(plan: Plan, state: dict[str, Any], scratch: Path) -> Callable[[Row], None]:
-    """training.checkpointing.write_hf_export of the trained weights (bf16, as the base config says), then
+    """training.hf_export.write_hf_export of the trained weights (bf16, as the base config says), then
     transformers reads the export back: every weight must equal the trained one cast to bf16."""
     from transformers import AutoModelForCausalLM
 
-    from training.checkpointing import write_hf_export
     from training.fsdp import full_state_dict
+    from training.hf_export import write_hf_export
     from tuneproof.core.storage import Storage
 
     def body(row: Row) -> None:

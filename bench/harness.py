@@ -78,7 +78,9 @@ class Bench:
     ) -> JobRun:
         """Run one stage job the way the pipeline's task does; raises when it did not succeed."""
         from tasks.rayjob import JobSpec, RayJobRunner, auth_headers
-        from tuneproof.core.summaries import DataSummary, FinetuneSummary, Summary
+        from tuneproof.core.summaries import Summary
+        from tuneproof.core.summaries_data import DataSummary
+        from tuneproof.core.summaries_training import FinetuneSummary
 
         models: dict[str, type[Summary]] = {"training.data_prep": DataSummary, "training.finetune": FinetuneSummary}
         summary = models[module]

@@ -64,7 +64,7 @@ def fine_tune(cfg: PipelineConfig, dataset: str, steps: int):
 
 def exact_match(model, cfg: PipelineConfig, dataset: str) -> float:
     from eval.generation import generate
-    from training.data_prep import read_split
+    from training.data_files import read_split
     from training.modeling import load_tokenizer
     from tuneproof.core.storage import Storage
 

@@ -40,7 +40,8 @@ def bytes_read() -> int:
 
 def resume_ours(model, optimizer, storage) -> int:
     """Our resume path; returns the step restored."""
-    from training.checkpointing import latest_complete_checkpoint, load_shards, local_copy
+    from training.checkpoint_listing import latest_complete_checkpoint
+    from training.checkpointing import load_shards, local_copy
 
     ref = latest_complete_checkpoint(storage, "run")
     if ref is None:
@@ -62,7 +63,8 @@ def load_stock(model, optimizer, directory: str) -> None:
 def run(bench, repeats: int, quick: bool) -> BenchResult:
     import torch.distributed as dist
 
-    from training.checkpointing import checkpoint_dir_name, finish_saving_shards, start_saving_shards, write_marker
+    from training.checkpoint_listing import write_marker
+    from training.checkpointing import checkpoint_dir_name, finish_saving_shards, start_saving_shards
     from tuneproof.core.storage import Storage
 
     size = "quick" if quick else "full"

@@ -26,7 +26,7 @@ from eval.metrics_loader import load_metric
 from training import jobkit
 from training.jobkit import JobContext, run_stage
 from tuneproof.core.results import FailureClass, StageFailure
-from tuneproof.core.summaries import CopyCheckSummary
+from tuneproof.core.summaries_eval import CopyCheckSummary
 
 ROLE = "registry copy"
 

@@ -52,8 +52,8 @@ from eval.reproduce import base_reproduction
 from eval.selftest import TASK, count_lines, generation_problem, generations
 from eval.suites import Suite, chat_prompts, overall, read_suite, suite_score
 from training import jobkit
-from training.checkpointing import check_complete
-from training.data_prep import read_manifest
+from training.checkpoint_listing import check_complete
+from training.data_files import read_manifest
 from training.jobkit import JobContext, run_stage
 from training.modeling import load_model, load_tokenizer, materialize
 from training.train_data import read_split
@@ -61,7 +61,7 @@ from tuneproof.core import markers
 from tuneproof.core.hashing import chat_template_sha256
 from tuneproof.core.metric_names import resolve_metric
 from tuneproof.core.results import FailureClass, StageFailure
-from tuneproof.core.summaries import ROLES, EvaluateSummary, GateDecision, Generations, ModelScore
+from tuneproof.core.summaries_eval import ROLES, EvaluateSummary, GateDecision, Generations, ModelScore
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

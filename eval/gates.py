@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tuneproof.core import stats
-from tuneproof.core.config import Gate
+from tuneproof.core.config_eval import Gate
 from tuneproof.core.stats import TOLERANCE, Evidence
-from tuneproof.core.summaries import GateDecision, GateKind, GateOutcome, Verdict, p_text
+from tuneproof.core.summaries_eval import GateDecision, GateKind, GateOutcome, Verdict, p_text
 
 Metrics = Mapping[str, Any]
 

@@ -27,11 +27,11 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from eval.generation import pick_device
 from training import jobkit
-from tuneproof.core.config import EvalConfig
+from tuneproof.core.config_eval import EvalConfig
 from tuneproof.core.hashing import sha256_bytes
 from tuneproof.core.results import FailureClass, StageFailure, now_iso
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import Reproduction
+from tuneproof.core.summaries_eval import Reproduction
 
 DIGEST_CHARS = 16
 """Hex characters kept of each answer's sha256: 64 bits, enough to tell two answers apart, a few bytes an item."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from tuneproof.core.summaries import Generations
+from tuneproof.core.summaries_eval import Generations
 
 TASK = "task"
 """The split key of the task's own eval split in ModelScore.generations (suites go by their names)."""

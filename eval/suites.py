@@ -16,11 +16,11 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
 from eval.gates import Scores, decide
-from tuneproof.core.config import SuiteConfig
+from tuneproof.core.config_eval import SuiteConfig
 from tuneproof.core.datahash import sha256_bytes
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import GateDecision, SuiteScore
+from tuneproof.core.summaries_eval import GateDecision, SuiteScore
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -25,7 +25,7 @@ from tuneproof.control import record as records
 from tuneproof.core.config import PROJECT_ROOT
 from tuneproof.core.rowlog import read_rows
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import FinetuneSummary
+from tuneproof.core.summaries_training import FinetuneSummary
 
 FLOW: tuple[str, ...] = (
     "eval.max_examples=60",

@@ -21,7 +21,7 @@ from faults.f_flow import FLOW
 from faults.harness import FaultRow, Lab, RunOutcome, scenario
 from tuneproof.control import registry
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import FinetuneSummary
+from tuneproof.core.summaries_training import FinetuneSummary
 
 RUNS = ("load-a", "load-b", "load-c")
 MOVED = ("production model changed since evaluation", "lost a concurrent promotion")

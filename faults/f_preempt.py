@@ -42,7 +42,7 @@ from faults.f_train import MAX_STEPS, describe, restarts_of, survived
 from faults.harness import WORKLOAD, FaultRow, Lab, RunProcess, scenario
 from training.fault_hooks import FAULT_PIDS, FAULT_STEP_S
 from tuneproof.app.local import free_port, ray_env, stop_group
-from tuneproof.core.config import PREEMPTION_WATCHER
+from tuneproof.core.config_base import PREEMPTION_WATCHER
 
 CHECKPOINT_EVERY = int(next(s for s in WORKLOAD if s.startswith("train.checkpoint_every=")).split("=")[1])
 DRAIN_AT = 13

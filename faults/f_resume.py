@@ -26,10 +26,10 @@ from pathlib import Path
 from faults.f_flow import FLOW, continue_run, logged_step, ray_client, row_for, start, wait_for
 from faults.f_train import forwarded
 from faults.harness import FaultRow, Lab, scenario
-from training.checkpointing import RAY_SNAPSHOT, latest_complete_checkpoint, snapshot_checkpoints
+from training.checkpoint_listing import RAY_SNAPSHOT, latest_complete_checkpoint, snapshot_checkpoints
 from training.fault_hooks import FAULT_AT
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import FinetuneSummary, ResumeSummary
+from tuneproof.core.summaries_training import FinetuneSummary, ResumeSummary
 
 KEEP_TWO = ("train.num_to_keep=2",)
 

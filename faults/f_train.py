@@ -30,7 +30,7 @@ from pathlib import Path
 
 from faults.harness import WORKLOAD, FaultRow, Lab, RunOutcome, RunProcess, scenario
 from training.fault_hooks import FAULT_AT, FAULT_PIDS, FIRED
-from tuneproof.core.summaries import FinetuneSummary, Restart
+from tuneproof.core.summaries_training import FinetuneSummary, Restart
 
 MAX_STEPS = int(next(s for s in WORKLOAD if s.startswith("train.max_steps=")).split("=")[1])
 
@@ -159,7 +159,8 @@ def disk_full(lab: Lab) -> FaultRow:
         full = lab.run(run_id, only=("finetune",), storage_root=root)
         rec = full.record
         cause = (rec.cause if rec else None) or ""
-        from training.checkpointing import RAY_SNAPSHOT, check_complete, latest_complete_checkpoint, step_of
+        from training.checkpoint_listing import RAY_SNAPSHOT, check_complete, latest_complete_checkpoint
+        from training.checkpointing import step_of
 
         # The fine-tune is the run's second invocation: its Ray Train run is <run>-r2 (the only one).
         train = ("runs", run_id, "train", *full.storage.listdir("runs", run_id, "train")[:1])
@@ -213,7 +214,8 @@ def s3_down(lab: Lab) -> FaultRow:
     import boto3
 
     from faults.proxy import FlakyProxy
-    from training.checkpointing import check_complete, step_of
+    from training.checkpoint_listing import check_complete
+    from training.checkpointing import step_of
     from tuneproof.app.servers import FAKE_AWS, environ, moto_server
 
     lab.reference()

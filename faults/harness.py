@@ -37,7 +37,7 @@ from tuneproof.control import record as records
 from tuneproof.control.resume_evidence import as_ledger, compare_ledgers
 from tuneproof.core.config import PROJECT_ROOT
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import FinetuneSummary
+from tuneproof.core.summaries_training import FinetuneSummary
 
 Outcome = Literal["survived", "failed-as-expected", "FAILED"]
 

@@ -7,7 +7,7 @@ from prefect.input import RunInput
 
 from tuneproof.control.record import RunRecord
 from tuneproof.core.config import PipelineConfig
-from tuneproof.core.summaries import EvaluateSummary
+from tuneproof.core.summaries_eval import EvaluateSummary
 
 
 class Approval(RunInput):

@@ -24,7 +24,7 @@ from tuneproof.core.config import PipelineConfig
 from tuneproof.core.names import slug_problem
 from tuneproof.core.results import now_iso
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import FinetuneSummary
+from tuneproof.core.summaries_training import FinetuneSummary
 
 
 class ComparisonRefused(ValueError):

@@ -35,12 +35,13 @@ from tuneproof.control.record import (
 )
 from tuneproof.control.stages import MissingStageOutput, Stage, UnknownStages
 from tuneproof.core import forward_env
-from tuneproof.core.config import PipelineConfig, reads_recorded
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.config_base import reads_recorded
 from tuneproof.core.config_reads import unread_settings
 from tuneproof.core.names import slug_problem
 from tuneproof.core.results import FailureClass, now_iso, one_line
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import PromoteSummary
+from tuneproof.core.summaries_eval import PromoteSummary
 
 StageName = Annotated[str, WithJsonSchema({"type": "string", "enum": table.names()})]
 """A stage name; the Prefect form offers the table's names, and the flow refuses any other."""

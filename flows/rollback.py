@@ -24,7 +24,8 @@ from prefect.states import Completed, Failed, State
 from pydantic import Field
 
 from tasks.promote import rollback as rollback_task
-from tuneproof.core.config import PipelineConfig, StorageConfig
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.config_cluster import StorageConfig
 from tuneproof.core.names import slug_problem
 
 ModelName = Annotated[str, Field(min_length=1, description="The registered model, e.g. dates-qwen2-tiny.")]

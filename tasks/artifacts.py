@@ -27,15 +27,10 @@ from prefect.artifacts import (
 from tuneproof.control.record import RunRecord, StageEntry
 from tuneproof.core.envelope import ProgressEvent
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import (
-    ConnectivitySummary,
-    DataSummary,
-    EvaluateSummary,
-    FinetuneSummary,
-    LossPoint,
-    ModelScore,
-    VerifySummary,
-)
+from tuneproof.core.summaries import ConnectivitySummary, VerifySummary
+from tuneproof.core.summaries_data import DataSummary
+from tuneproof.core.summaries_eval import EvaluateSummary, ModelScore
+from tuneproof.core.summaries_training import FinetuneSummary, LossPoint
 
 
 def key(kind: str, run_id: str) -> str:

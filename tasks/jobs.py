@@ -30,7 +30,8 @@ from tuneproof.core.findings import errors
 from tuneproof.core.results import FailureClass, StageFailure, first_and_more, now_iso
 from tuneproof.core.rowlog import read_rows
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import METRICS_LOG, FinetuneSummary, Summary, VerifySummary
+from tuneproof.core.summaries import Summary, VerifySummary
+from tuneproof.core.summaries_training import METRICS_LOG, FinetuneSummary
 from tuneproof.core.transport import nccl_env
 
 RETRY: dict[str, Any] = {"retries": 1, "retry_delay_seconds": 5, "cache_policy": NO_CACHE}

@@ -33,18 +33,13 @@ from tuneproof.control.history import MoveIntent
 from tuneproof.control.lease import Lease, LeaseHeld
 from tuneproof.control.record import JobEntry, Override, RolledBack, RunRecord, StageEntry
 from tuneproof.core import markers
-from tuneproof.core.config import LORA_ADAPTER_DIR, PipelineConfig
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.config_train import LORA_ADAPTER_DIR
 from tuneproof.core.results import FailureClass, now_iso
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import (
-    CopyCheckSummary,
-    DataSummary,
-    EvaluateSummary,
-    FinetuneSummary,
-    Forced,
-    PromoteSummary,
-    ResumeSummary,
-)
+from tuneproof.core.summaries_data import DataSummary
+from tuneproof.core.summaries_eval import CopyCheckSummary, EvaluateSummary, Forced, PromoteSummary
+from tuneproof.core.summaries_training import FinetuneSummary, ResumeSummary
 
 
 def refusal_reasons(cfg: PipelineConfig, record: RunRecord) -> list[str]:

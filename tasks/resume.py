@@ -28,9 +28,9 @@ from tuneproof.control.resume_evidence import as_ledger, check_restart, compare_
 from tuneproof.core.results import FailureClass, StageFailure, now_iso
 from tuneproof.core.rowlog import read_rows, rows_sha256
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import (
+from tuneproof.core.summaries import CheckpointRef
+from tuneproof.core.summaries_training import (
     METRICS_LOG,
-    CheckpointRef,
     FinetuneSummary,
     LedgerComparison,
     LedgerPoint,

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from training.data_prep import Example, examples_table, write_splits
+from training.data_files import Example, examples_table, write_splits
 from tuneproof.core.results import now_iso
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import DatasetManifest, SourceIdentity
+from tuneproof.core.summaries_data import DatasetManifest, SourceIdentity
 
 
 def write_prepared(

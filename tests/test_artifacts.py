@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tasks.artifacts import generation_rows
-from tuneproof.core.summaries import EvaluateSummary, GateDecision, Generations, ModelScore
+from tuneproof.core.summaries_eval import EvaluateSummary, GateDecision, Generations, ModelScore
 
 
 def test_the_evaluation_artifact_shows_each_models_cut_off_and_empty_answers_per_split():

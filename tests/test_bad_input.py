@@ -813,9 +813,9 @@ def test_the_guard_is_one_line_and_exit_4(capsys):
 
 
 def data_drops(text: bytes) -> dict[str, int]:
-    from training.data_prep import Source, conversations, parse_rows
+    from training.data_sources import Source, conversations, parse_rows
     from tuneproof.core import datahash
-    from tuneproof.core.config import DataConfig
+    from tuneproof.core.config_data import DataConfig
 
     drops = datahash.Drops()
     good = b'{"input": "1 Jan 2020", "output": "2020-01-01"}\n'

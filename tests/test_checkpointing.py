@@ -16,30 +16,32 @@ import torch
 from tests.conftest import TEST_BUCKET
 from tests.reading import present
 from tests.tiny import save_checkpoint
-from training.checkpointing import (
-    MARKER,
+from training.checkpoint_listing import (
     RAY_SNAPSHOT,
-    StagingBuffers,
-    TrainingProgress,
-    capture_rng,
     check_complete,
-    checkpoint_dir_name,
     complete_checkpoints,
     find_checkpoints,
-    finish_saving_shards,
     latest_complete_checkpoint,
-    load_shards,
     missing_files,
     remove_unmarked,
-    restore_rng,
     set_aside_unusable_ray_snapshot,
     skip_unusable,
     snapshot_checkpoints,
     snapshot_without,
-    start_saving_shards,
-    step_of,
     unusable_ray_snapshot,
     write_marker,
+)
+from training.checkpointing import (
+    MARKER,
+    StagingBuffers,
+    TrainingProgress,
+    capture_rng,
+    checkpoint_dir_name,
+    finish_saving_shards,
+    load_shards,
+    restore_rng,
+    start_saving_shards,
+    step_of,
 )
 from tuneproof.core.markers import FileDigest
 from tuneproof.core.storage import Storage
@@ -449,7 +451,7 @@ def test_a_background_write_that_fails_raises_and_leaves_no_marker(single_rank_g
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from training import finetune
+    from training import finetune_saving
 
     def disk_full(self, plan, planner):
         raise OSError(28, "No space left on device")
@@ -467,7 +469,7 @@ def test_a_background_write_that_fails_raises_and_leaves_no_marker(single_rank_g
         saving=start_saving_shards(model, optimizer, progress_at_step(100), storage, parts, group),
     )
     with pytest.raises(CheckpointException, match="No space left"):
-        finetune.complete_checkpoint(worker)  # type: ignore[arg-type]
+        finetune_saving.complete_checkpoint(worker)  # type: ignore[arg-type]
     assert not storage.exists(*RUN, checkpoint_dir_name(100), MARKER)
     assert latest_complete_checkpoint(storage, *RUN) is None
     assert worker.saving is None  # never waited on twice

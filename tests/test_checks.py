@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tuneproof.core.checks import check_nodes, environment_digest, summarize_cluster
-from tuneproof.core.config import ClusterExpect
+from tuneproof.core.config_cluster import ClusterExpect
 
 DIGEST = environment_digest([("torch", "2.13.0+cpu"), ("ray", "2.60.0")])
 

@@ -14,7 +14,7 @@ from tuneproof.control import record as records
 from tuneproof.control import stages as table
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import DataSummary
+from tuneproof.core.summaries_data import DataSummary
 
 EFA_LOG = """\
 ip-10-0-1-5:1234:1234 [0] NCCL INFO NCCL version 2.29.7+cuda13.0

@@ -5,7 +5,8 @@ from __future__ import annotations
 import threading
 
 from tuneproof.core import config_reads
-from tuneproof.core.config import PipelineConfig, reads_recorded
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.config_base import reads_recorded
 
 
 def test_reads_are_dotted_leaves_whole_dumps_and_containers_and_never_timeouts():

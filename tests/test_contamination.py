@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from training import contamination, data_prep
+from training import contamination, data_overlap, data_sources
 from training.contamination import NGRAM, measure, words
 
 LONG = "the quick brown fox jumps over the lazy dog while the cat watches from the old wooden fence"
@@ -66,7 +66,7 @@ def test_hash_operations_grow_with_words_not_with_pairs_of_rows(monkeypatch):
 
 def test_a_templates_own_text_is_not_overlap():
     """Alpaca-style rows share the template's long preamble: that says nothing of the rows, only their fields do."""
-    from tuneproof.core.config import DataConfig
+    from tuneproof.core.config_data import DataConfig
 
     preamble = (
         "Below is an instruction that describes a task. Write a response that appropriately completes the request."
@@ -77,13 +77,15 @@ def test_a_templates_own_text_is_not_overlap():
             "template": {"prompt": preamble + "\n\n### Instruction:\n{instruction}\n\n### Response:\n"},
         }
     )
-    literals = data_prep.template_literals(data)
+    literals = data_overlap.template_literals(data)
     rows = [
         f"{preamble}\n\n### Instruction:\nName colour number {i} of the rainbow\n\n### Response:\n" for i in range(4)
     ]
-    convs = [data_prep.Conversation("source", i, {"prompt": p, "response": f"colour {i}"}) for i, p in enumerate(rows)]
-    assert data_prep.contamination_of(convs[:3], convs[3:], literals).fraction == 0
-    assert data_prep.contamination_of(convs[:3], convs[2:3], literals).fraction == 1  # a real repeat still counts
+    convs = [
+        data_sources.Conversation("source", i, {"prompt": p, "response": f"colour {i}"}) for i, p in enumerate(rows)
+    ]
+    assert data_overlap.contamination_of(convs[:3], convs[3:], literals).fraction == 0
+    assert data_overlap.contamination_of(convs[:3], convs[2:3], literals).fraction == 1  # a real repeat still counts
 
 
 SYSTEM = "You are a careful assistant: answer every date in ISO form and never add commentary"
@@ -94,11 +96,11 @@ def test_a_system_prompt_every_row_shares_is_not_overlap():
     """A data.fields.system column and system turns of one prompt for all: distinct rows stay distinct."""
     assert len(words(SYSTEM)) == 15
     columns = [
-        data_prep.Conversation("source", i, {"system": SYSTEM, "prompt": f"question {i}", "response": f"answer {i}"})
+        data_sources.Conversation("source", i, {"system": SYSTEM, "prompt": f"question {i}", "response": f"answer {i}"})
         for i in range(4)
     ]
     turns = [
-        data_prep.Conversation(
+        data_sources.Conversation(
             "source",
             i,
             {},
@@ -111,23 +113,26 @@ def test_a_system_prompt_every_row_shares_is_not_overlap():
         for i in range(4)
     ]
     for convs in (columns, turns):
-        assert data_prep.contamination_of(convs[:3], convs[3:]).overlapping == 0
-        repeated = data_prep.contamination_of(convs[:3], convs[1:2])  # a real repeat still counts
+        assert data_overlap.contamination_of(convs[:3], convs[3:]).overlapping == 0
+        repeated = data_overlap.contamination_of(convs[:3], convs[1:2])  # a real repeat still counts
         assert (repeated.overlapping, repeated.exact_matches) == (1, 1)
     shared_run = " ".join(LONG.split()[:NGRAM])
-    quoting = data_prep.Conversation("eval_source", 0, {"system": SYSTEM, "prompt": shared_run, "response": "x"})
-    with_long = [*columns[:3], data_prep.Conversation("source", 9, {"system": SYSTEM, "prompt": LONG, "response": "y"})]
-    assert data_prep.contamination_of(with_long, [quoting]).overlapping_ids == ["eval_source:0"]  # a shared n-gram
+    quoting = data_sources.Conversation("eval_source", 0, {"system": SYSTEM, "prompt": shared_run, "response": "x"})
+    with_long = [
+        *columns[:3],
+        data_sources.Conversation("source", 9, {"system": SYSTEM, "prompt": LONG, "response": "y"}),
+    ]
+    assert data_overlap.contamination_of(with_long, [quoting]).overlapping_ids == ["eval_source:0"]  # a shared n-gram
 
 
 def test_one_rows_own_system_text_is_compared():
     """A system text only one training row carries may hold that row's content: an eval row repeating it overlaps."""
     train = [
-        data_prep.Conversation("source", i, {"system": f"{LONG} {i}", "prompt": f"q {i}", "response": f"a {i}"})
+        data_sources.Conversation("source", i, {"system": f"{LONG} {i}", "prompt": f"q {i}", "response": f"a {i}"})
         for i in range(3)
     ]
-    again = data_prep.Conversation("eval_source", 0, {"system": f"{LONG} 1", "prompt": "other", "response": "b"})
-    assert data_prep.contamination_of(train, [again]).overlapping == 1
+    again = data_sources.Conversation("eval_source", 0, {"system": f"{LONG} 1", "prompt": "other", "response": "b"})
+    assert data_overlap.contamination_of(train, [again]).overlapping == 1
 
 
 def test_an_item_left_without_words_matches_nothing():

@@ -22,7 +22,8 @@ from tuneproof.control.stages import Need, Stage
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.results import FailureClass
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import DataSummary, FinetuneSummary
+from tuneproof.core.summaries_data import DataSummary
+from tuneproof.core.summaries_training import FinetuneSummary
 
 INFRA = FailureClass.infrastructure
 ALL = table.names()
@@ -334,7 +335,7 @@ def test_a_run_until_a_stage_stops_there_and_its_continuation_runs_the_rest(pref
 
 
 def test_evaluate_depends_on_the_production_model_but_not_on_its_own_promotion(tmp_path):
-    from tuneproof.core.summaries import PromoteSummary
+    from tuneproof.core.summaries_eval import PromoteSummary
 
     cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
     storage = Storage(str(tmp_path))

@@ -22,7 +22,7 @@ from tuneproof.control import record as records
 from tuneproof.control import registry
 from tuneproof.core import markers
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import EvaluateSummary, GateDecision, PromoteSummary
+from tuneproof.core.summaries_eval import EvaluateSummary, GateDecision, PromoteSummary
 
 
 def test_scores_that_differ_are_named_and_equal_ones_are_not():

@@ -25,7 +25,8 @@ from tuneproof.core.config import PipelineConfig
 from tuneproof.core.results import FailureClass, StageResult
 from tuneproof.core.rowlog import append_rows
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import METRICS_LOG, CopyCheckSummary, FinetuneSummary, Restart
+from tuneproof.core.summaries_eval import CopyCheckSummary
+from tuneproof.core.summaries_training import METRICS_LOG, FinetuneSummary, Restart
 
 GPU_CFG = PipelineConfig.model_validate({"train": {"num_workers": 4, "use_gpu": True}})
 

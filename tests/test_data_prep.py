@@ -23,25 +23,20 @@ import pytest
 
 from tests.conftest import TEST_BUCKET, ray_driver, run_job_module
 from tests.reading import present
-from training import data_prep, modeling
-from training.data_prep import (
-    SCHEMA,
-    ChatRenderer,
-    Conversation,
-    encode,
-    prepare_data,
-    read_split,
-    token_ids,
-    verify_sample,
-)
+from training import data_encode, data_prep, modeling
+from training.data_encode import ChatRenderer, encode, token_ids, verify_sample
+from training.data_files import SCHEMA, read_split
+from training.data_prep import prepare_data
+from training.data_sources import Conversation
 from training.jobkit import ENV_VAR, JobContext, encode_job
 from training.modeling import direct_tokenizer_class, load_text_tokenizer, load_tokenizer
 from tuneproof.app.tiny_model import CHAT_TEMPLATE, DEFAULT_DATA, build_tiny_model, task_corpus
 from tuneproof.core import datahash
-from tuneproof.core.config import PipelineConfig, SuiteConfig
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.config_eval import SuiteConfig
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import DataSummary
+from tuneproof.core.summaries_data import DataSummary
 
 PROJECT = Path(__file__).resolve().parent.parent
 DATES = [json.loads(line) for line in DEFAULT_DATA.read_text().splitlines()]
@@ -235,7 +230,7 @@ ODD_CHATS = [
 
 
 def test_the_tiny_models_template_is_the_one_rendered_in_plain_python(tiny_dir):
-    assert hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest() == data_prep.CHATML_TEMPLATE_SHA256
+    assert hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest() == data_encode.CHATML_TEMPLATE_SHA256
     assert ChatRenderer(load_tokenizer(str(tiny_dir))).python is not None
 
 
@@ -261,7 +256,7 @@ def test_a_mismatch_anywhere_in_the_sample_sends_the_rest_of_the_run_to_jinja(ti
         "message['content']", "(message['content'] | replace('odd', 'ODD'))"
     )
     monkeypatch.setattr(
-        data_prep, "CHATML_TEMPLATE_SHA256", hashlib.sha256(tokenizer.chat_template.encode()).hexdigest()
+        data_encode, "CHATML_TEMPLATE_SHA256", hashlib.sha256(tokenizer.chat_template.encode()).hexdigest()
     )
     chats = [[{"role": "user", "content": str(i)}] for i in range(500)] + [[{"role": "user", "content": "odd"}]]
     render = ChatRenderer(tokenizer)
@@ -291,7 +286,7 @@ def test_the_stage_writes_the_same_bytes_with_the_plain_python_template_as_with_
         ]
     source = write_jsonl(tmp_path / "rows.jsonl", rows)
     fast = prepare(config(tmp_path / "fast", tiny_dir, source, shape=shape, shard_rows=100))
-    monkeypatch.setattr(data_prep, "CHATML_TEMPLATE_SHA256", "no template has this hash")
+    monkeypatch.setattr(data_encode, "CHATML_TEMPLATE_SHA256", "no template has this hash")
     jinja = prepare(config(tmp_path / "jinja", tiny_dir, source, shape=shape, shard_rows=100))
     assert fast["content_hash"] == jinja["content_hash"]
     assert fast["manifest"]["splits"] == jinja["manifest"]["splits"]  # every shard's sha256 and token count
@@ -304,8 +299,8 @@ def on_a_pool(ray_head, chunk_rows: int = 7) -> Iterator[None]:
     This process is the head's driver, as a Ray job's entrypoint is; the head has 4 CPUs, so 4 actors.
     """
     with pytest.MonkeyPatch.context() as patch, ray_driver(ray_head):
-        patch.setattr(data_prep, "POOL_MIN_ROWS", 1)
-        patch.setattr(data_prep, "POOL_CHUNK_ROWS", chunk_rows)
+        patch.setattr(data_encode, "POOL_MIN_ROWS", 1)
+        patch.setattr(data_encode, "POOL_CHUNK_ROWS", chunk_rows)
         yield
 
 

@@ -21,12 +21,16 @@ import pytest
 
 from tests.conftest import run_job_module
 from tests.reading import present
-from training import data_prep
-from training.data_prep import Conversation, encode_messages, encode_split, prepare_data, read_split
+from training import data_encode
+from training.data_encode import encode_messages, encode_split
+from training.data_files import read_split
+from training.data_prep import prepare_data
+from training.data_sources import Conversation
 from training.jobkit import ENV_VAR, JobContext, encode_job
 from tuneproof.app.tiny_model import DEFAULT_DATA, build_tiny_model, ensure_tiny_model, train_tokenizer
 from tuneproof.core import datahash, shapes
-from tuneproof.core.config import PROJECT_ROOT, DataConfig, PipelineConfig, load_config
+from tuneproof.core.config import PROJECT_ROOT, PipelineConfig, load_config
+from tuneproof.core.config_data import DataConfig
 from tuneproof.core.hashing import IGNORE_INDEX
 from tuneproof.core.results import StageFailure
 from tuneproof.core.storage import Storage
@@ -138,7 +142,7 @@ def test_a_batch_of_conversations_encodes_as_each_one_alone(tokenizer, loss_on):
 def test_a_rejected_conversation_is_dropped_and_its_batch_neighbours_kept(tokenizer, monkeypatch):
     strict = copy.deepcopy(tokenizer)
     strict.chat_template = SYSTEM_FIRST_GUARD + tokenizer.chat_template
-    monkeypatch.setattr(data_prep, "RENDER_CHUNK", 4)  # the rejected row's chunk goes one by one, the others batched
+    monkeypatch.setattr(data_encode, "RENDER_CHUNK", 4)  # the rejected row's chunk goes one by one, the others batched
     chats = [row["messages"] for row in CHAT[:9]]
     chats.insert(5, [TWO_TURNS[1], TWO_TURNS[0], *TWO_TURNS[2:]])  # a system turn after the first
     data = DataConfig(shape="messages")

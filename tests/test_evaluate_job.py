@@ -23,7 +23,7 @@ from eval.metrics_loader import load_metric
 from tests.conftest import TEST_BUCKET, run_job_module
 from tests.reading import present, production_pointer
 from training import jobkit, modeling
-from training.checkpointing import publish_export
+from training.hf_export import publish_export
 from training.jobkit import JobContext
 from tuneproof.app.tiny_model import CHAT_TEMPLATE, build_tiny_model, conversation_text
 from tuneproof.control import registry
@@ -31,7 +31,7 @@ from tuneproof.core.config import PipelineConfig
 from tuneproof.core.hashing import chat_template_sha256
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import EvaluateSummary
+from tuneproof.core.summaries_eval import EvaluateSummary
 
 ANSWER = "2024-01-05"
 PROMPTS = [f"date {'x' * (i % 5)} {i}" for i in range(36)]
@@ -63,7 +63,7 @@ def encode(tokenizer, text: str, answer: str) -> dict:
 def write_dataset(storage: Storage, rows: list[dict]) -> None:
     """The eval split as the data stage writes it: checksummed parquet shards, manifest.json last."""
     from tests.datasets import write_prepared
-    from training.data_prep import Example
+    from training.data_files import Example
 
     write_prepared(
         storage, DATASET, "dates", {"eval": [Example(**row) for row in rows]}, chat_template_sha256=TEMPLATE_SHA

@@ -20,7 +20,7 @@ from tasks.jobs import finetune_run_name
 from tests.conftest import TEST_BUCKET, tuneproof
 from tests.reading import entry_summary, present, production_pointer, summary_dict, summary_of
 from tests.test_promote_task import EXPORT_SHA256, passed_record, with_export
-from training.checkpointing import check_complete
+from training.checkpoint_listing import check_complete
 from tuneproof.control import record as records
 from tuneproof.control import registry
 from tuneproof.control import stages as table
@@ -29,7 +29,8 @@ from tuneproof.core import cas, markers
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.markers import FileDigest
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import EvaluateSummary, FinetuneSummary, PromoteSummary, ResumeSummary
+from tuneproof.core.summaries_eval import EvaluateSummary, PromoteSummary
+from tuneproof.core.summaries_training import FinetuneSummary, ResumeSummary
 
 NAME = "dates-qwen2-tiny"
 

@@ -16,7 +16,7 @@ from tuneproof.control import record as records
 from tuneproof.control.record import CodeIdentity, Invocation, StageEntry
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import FinetuneSummary
+from tuneproof.core.summaries_training import FinetuneSummary
 
 pytestmark = pytest.mark.faults
 

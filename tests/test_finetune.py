@@ -26,17 +26,12 @@ from tests.conftest import TEST_BUCKET, ray_driver
 from tests.datasets import write_prepared
 from tests.test_checkpointing import RUN, fake_checkpoint
 from training import jobkit
-from training.checkpointing import MARKER, CheckpointRef, check_complete, latest_complete_checkpoint
-from training.data_prep import Example
-from training.finetune import (
-    TrainParams,
-    Worker,
-    divergence,
-    finetune,
-    loss_curve,
-    resolve_start,
-    train_failure_cause,
-)
+from training.checkpoint_listing import check_complete, latest_complete_checkpoint
+from training.checkpointing import MARKER, CheckpointRef
+from training.data_files import Example
+from training.finetune import finetune, train_failure_cause
+from training.finetune_state import TrainParams, Worker
+from training.finetune_worker import divergence, resolve_start
 from training.jobkit import JobContext
 from training.restarts import restarts
 from training.train_data import BatchLayout, StepBatches, load_examples, rank_slices
@@ -44,7 +39,7 @@ from tuneproof.control.resume_evidence import as_ledger, compare_ledgers, compar
 from tuneproof.core.config import PROJECT_ROOT, PipelineConfig
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import FinetuneSummary, Restart, ledger_points
+from tuneproof.core.summaries_training import FinetuneSummary, Restart, ledger_points, loss_curve
 
 DATASET = "datasets/reverse/abc123"
 DIGIT0, SEP, EOS = 3, 13, 14  # token ids of the synthetic task (digits are 3..12)
@@ -440,7 +435,7 @@ def test_a_run_whose_ray_snapshot_was_torn_by_a_full_disk_continues_from_its_lat
     and Ray's controller dies on it at the next start. The continuation sets it aside and resumes by marker."""
     import shutil
 
-    from training.checkpointing import RAY_SNAPSHOT
+    from training.checkpoint_listing import RAY_SNAPSHOT
 
     config, main = local_run
     storage = Storage(config.storage.root)
@@ -494,7 +489,8 @@ def test_data_prep_and_fine_tune_on_s3_read_back_from_the_bucket(ray_cluster, tm
     checkpoint and the export are then read back from the bucket."""
     import boto3
 
-    from training.data_prep import prepare_data, read_split
+    from training.data_files import read_split
+    from training.data_prep import prepare_data
     from tuneproof.app.tiny_model import DEFAULT_DATA, ensure_tiny_model
 
     model = tmp_path / "tiny-qwen2"

@@ -132,7 +132,8 @@ def test_a_configuration_that_cannot_fit_is_refused_before_any_ray_train_run(pla
 
 
 def test_the_same_model_fits_with_one_sequence_and_activation_checkpointing(planted, tmp_path):
-    from training.finetune import TrainParams, check_fit
+    from training.finetune import check_fit
+    from training.finetune_state import TrainParams
 
     capacity, model = planted
     ctx = context(tmp_path, model, capacity, micro_batch_size=1, activation_checkpointing=True)

@@ -20,7 +20,9 @@ from tests.reading import present, summary_of
 from tuneproof.control import record as records
 from tuneproof.core.config import PROJECT_ROOT
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import DataSummary, EvaluateSummary, FinetuneSummary, ResumeSummary
+from tuneproof.core.summaries_data import DataSummary
+from tuneproof.core.summaries_eval import EvaluateSummary
+from tuneproof.core.summaries_training import FinetuneSummary, ResumeSummary
 
 pytestmark = pytest.mark.integration
 SCREENSHOTS = PROJECT_ROOT / "test-output" / "browser"

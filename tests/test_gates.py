@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from eval.gates import Scores, decide, fmt
 from tests.reading import present
-from tuneproof.core.config import Gate
+from tuneproof.core.config_eval import Gate
 
 EM = {"exact_match": Gate(min=0.8, min_improvement=0.5, max_regression=0.02)}
 SPLIT = "ab" * 32

@@ -28,7 +28,7 @@ from tuneproof.control import record as records
 from tuneproof.control.history import Move, MoveIntent, production_at
 from tuneproof.core.config import PROJECT_ROOT, PipelineConfig
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import PromoteSummary
+from tuneproof.core.summaries_eval import PromoteSummary
 
 
 def config(root: str, endpoint: str | None = None) -> PipelineConfig:
@@ -288,7 +288,8 @@ def test_the_rollback_deployment_takes_a_typed_form():
 
     from flows.rollback import rollback as rollback_flow
     from flows.rollback import who
-    from tuneproof.core.config import StorageConfig, load_config
+    from tuneproof.core.config import load_config
+    from tuneproof.core.config_cluster import StorageConfig
 
     doc = yaml.safe_load((PROJECT_ROOT / "prefect.yaml").read_text())
     deployments = {d["name"]: d for d in doc["deployments"]}

@@ -22,7 +22,8 @@ import yaml
 from tests.test_kube_client import FakeApi, _status, serve
 from tuneproof.control.images import CANARY_CLUSTER_PREFIX
 from tuneproof.control.kube_canary import canary_manifest, canary_name, ephemeral_raycluster, expected_pods
-from tuneproof.core.config import PROJECT_ROOT, KubernetesConfig
+from tuneproof.core.config import PROJECT_ROOT
+from tuneproof.core.config_cluster import KubernetesConfig
 from tuneproof.core.results import FailureClass, StageFailure
 
 CANDIDATE = "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.2@sha256:" + "b" * 64

@@ -20,7 +20,8 @@ import yaml
 from tests.test_kube_checks import efa_slice
 from tuneproof.control.kube import fetch_cluster_objects, load_objects_from_dir
 from tuneproof.control.kube_checks import check_cluster
-from tuneproof.core.config import PROJECT_ROOT, KubernetesConfig, load_config
+from tuneproof.core.config import PROJECT_ROOT, load_config
+from tuneproof.core.config_cluster import KubernetesConfig
 from tuneproof.core.findings import errors
 from tuneproof.core.results import FailureClass, StageFailure
 

@@ -14,14 +14,16 @@ import pytest
 
 from tasks.rayjob import JobSpec, RayJobRunner
 from tests.test_finetune import make_config, write_tiny_model
-from training.checkpointing import MARKER, check_complete
+from training.checkpoint_listing import check_complete
+from training.checkpointing import MARKER
 from training.lora import ADAPTER_DIR, apply_lora, parameter_counts, write_lora_export
 from tuneproof.control.record import RuntimeEnvAdditions
 from tuneproof.core import forward_env, markers
-from tuneproof.core.config import PEFT_REQUIREMENT, QWEN2_LINEAR, ConfigError, LoraSettings, validate
+from tuneproof.core.config import ConfigError, validate
+from tuneproof.core.config_train import PEFT_REQUIREMENT, QWEN2_LINEAR, LoraSettings
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import FinetuneSummary
+from tuneproof.core.summaries_training import FinetuneSummary
 
 HIDDEN, LAYERS, VOCAB = 32, 2, 270
 MADE_BY = {"run_id": "r1", "invocation": 1, "run_name": "r1"}

@@ -22,7 +22,7 @@ from tuneproof.core import markers
 from tuneproof.core.markers import read_export_manifest
 from tuneproof.core.results import StageFailure
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import EvaluateSummary
+from tuneproof.core.summaries_eval import EvaluateSummary
 
 __all__ = ["base_model", "ray_cluster"]  # fixtures this module uses, defined by the full fine-tune's tests
 

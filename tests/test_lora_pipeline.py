@@ -15,8 +15,9 @@ import pytest
 from tests.conftest import tuneproof
 from tests.reading import present, summary_of
 from tuneproof.control import record as records
-from tuneproof.core.config import PEFT_REQUIREMENT
-from tuneproof.core.summaries import EvaluateSummary, FinetuneSummary, ResumeSummary
+from tuneproof.core.config_train import PEFT_REQUIREMENT
+from tuneproof.core.summaries_eval import EvaluateSummary
+from tuneproof.core.summaries_training import FinetuneSummary, ResumeSummary
 
 # The first test also runs the pipeline, whose first fine-tune job waits for Ray's pip environment.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]

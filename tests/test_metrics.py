@@ -7,7 +7,7 @@ import os
 import pytest
 
 from eval.metrics_loader import load_metric
-from tuneproof.core.config import EvalConfig, Gate
+from tuneproof.core.config_eval import EvalConfig, Gate
 from tuneproof.core.metric_names import (
     METRICS_DIR,
     MetricNotFound,

@@ -11,7 +11,7 @@ from tests.conftest import TEST_BUCKET
 from training import modeling
 from training.data_prep import tokenizer_sha256
 from tuneproof.app.tiny_model import DEFAULT_DATA, build_tiny_model, task_corpus
-from tuneproof.core.config import DataConfig
+from tuneproof.core.config_data import DataConfig
 from tuneproof.core.storage import Storage
 
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from tests.tiny import tiny_qwen2
-from training.data_prep import Example, examples_table, pack_split, table_examples
-from training.finetune import probe_first_batch
+from training.data_encode import pack_split
+from training.data_files import Example, examples_table, table_examples
+from training.finetune_worker import probe_first_batch
 from training.packing import PROBE_TOLERANCE, probe_packing
 from training.step import block_causal_mask, forward_inputs, token_loss_sum
 from training.train_data import BatchLayout, StepBatches, TrainExample, collate

@@ -14,7 +14,7 @@ from training import preemption
 from training.preemption import ASK_EVERY_STEPS, Notice, NoticeWatch, saves_now, wait_until, waits_for_restart
 from training.restarts import restarts
 from tuneproof.core.config import PROJECT_ROOT, PipelineConfig, load_config
-from tuneproof.core.summaries import Restart
+from tuneproof.core.summaries_training import Restart
 
 NOW = 1_000.0
 NOTICE = Notice(deadline_ms=int((NOW + 120) * 1000), ranks=(1,))
@@ -64,7 +64,12 @@ def test_ray_is_asked_at_the_same_steps_on_every_rank_and_not_after_the_notice(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     asked: list[int] = []
-    monkeypatch.setattr(preemption, "ask_ray", lambda: asked.append(1) or NOTICE)
+
+    def ask_ray() -> Notice:
+        asked.append(1)
+        return NOTICE
+
+    monkeypatch.setattr(preemption, "ask_ray", ask_ray)
     watch = NoticeWatch(enabled=True)
     seen = {step: watch.poll(step, NOW + step) for step in range(1, 2 * ASK_EVERY_STEPS + 1)}
     assert [s for s, n in seen.items() if n] == [ASK_EVERY_STEPS, 2 * ASK_EVERY_STEPS] and len(asked) == 2
@@ -89,7 +94,7 @@ def test_ray_2_60_has_the_notice() -> None:
 
 
 def test_each_restart_names_the_step_its_attempt_saved_at_on_a_notice() -> None:
-    attempts = [
+    attempts: list[dict] = [
         {"attempt": 0, "restored_step": 0, "restored_from": None, "started_at": 100.0},
         {"attempt": 1, "restored_step": 15, "restored_from": "/s/checkpoint_000015", "started_at": 200.0},
         {"attempt": 2, "restored_step": 30, "restored_from": "/s/checkpoint_000030", "started_at": 300.0},

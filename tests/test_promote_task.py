@@ -20,14 +20,8 @@ from tuneproof.control.record import CodeIdentity, RunRecord, StageEntry, new_re
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.markers import EXPORT_MANIFEST, ExportManifest, FileDigest, content_sha256
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import (
-    EvaluateSummary,
-    FinetuneSummary,
-    GateDecision,
-    ModelScore,
-    PromoteSummary,
-    ResumeSummary,
-)
+from tuneproof.core.summaries_eval import EvaluateSummary, GateDecision, ModelScore, PromoteSummary
+from tuneproof.core.summaries_training import FinetuneSummary, ResumeSummary
 
 EXPORT_FILES = {"config.json": b'{"model_type": "qwen2"}', "model.safetensors": b"weights"}
 EXPORT_DIGESTS = {n: FileDigest(size=len(d), sha256=hashlib.sha256(d).hexdigest()) for n, d in EXPORT_FILES.items()}

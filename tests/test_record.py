@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from tuneproof.app import cli
+from tuneproof.app import cli, cli_runs
 from tuneproof.control import record as records
 from tuneproof.control.stages import record_schema
 from tuneproof.core.config import PROJECT_ROOT
@@ -36,12 +36,12 @@ def v1_storage(tmp_path) -> Path:
 def tuneproof(*args: str, width: int = 80):
     """The CLI as a user at an 80-column terminal sees it."""
     wide = Console(width=width, force_terminal=False, no_color=True)
-    saved = cli.console
-    cli.console = wide
+    saved = cli_runs.console
+    cli_runs.console = wide
     try:
         return CliRunner().invoke(cli.app, list(args))
     finally:
-        cli.console = saved
+        cli_runs.console = saved
 
 
 def test_the_committed_schema_is_the_models_schema():
@@ -161,12 +161,13 @@ def test_a_100000_step_fine_tune_leaves_a_record_of_at_most_64_kb(tmp_path):
     the metrics log that holds every step by path and hash; what `runs show` prints is unchanged."""
     import random
 
-    from training.finetune import curve_fields, loss_curve
+    from training.finetune_summary import curve_fields
     from tuneproof.control.stages import finetune_evidence
     from tuneproof.core.config import PipelineConfig
     from tuneproof.core.results import StageResult
     from tuneproof.core.rowlog import append_rows, read_rows, rows_sha256
-    from tuneproof.core.summaries import CURVE_POINTS, CheckpointRef, FinetuneSummary
+    from tuneproof.core.summaries import CheckpointRef
+    from tuneproof.core.summaries_training import CURVE_POINTS, FinetuneSummary, loss_curve
 
     steps, rng = 100_000, random.Random(0)
     rows = [

@@ -126,7 +126,7 @@ def test_a_lora_version_shows_its_merged_model_and_its_adapter(local):
 def test_a_lora_version_is_copied_and_verified_with_its_adapter(local, tmp_path):
     """The export manifest covers adapter/ as well as the merged model: promotion copies both, checks
     both against the judged content hash, and refuses (removing the copy) when an adapter file changed."""
-    from training.checkpointing import publish_export
+    from training.hf_export import publish_export
     from tuneproof.core import markers
 
     built = tmp_path / "export"

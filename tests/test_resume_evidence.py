@@ -7,7 +7,7 @@ import pytest
 from tests.reading import present
 from tuneproof.control.resume_evidence import Ledger, check_restart, compare_ledgers, compare_losses
 from tuneproof.core.findings import Finding
-from tuneproof.core.summaries import LossPoint
+from tuneproof.core.summaries_training import LossPoint
 
 
 def test_identical_losses_pass_with_zero_tolerance():
@@ -55,7 +55,7 @@ def test_check_restart_flags_a_fresh_start_or_another_step():
 def test_the_interrupt_phase_stops_on_a_checkpoint_step_whatever_the_seed():
     """The interruption step must be a checkpoint step of the interrupt phase, also when the seed checkpoint's
     step is not a multiple of resume.extra_steps (the fault lab's checkpoint_every 10 with extra_steps 4)."""
-    from training.finetune import TrainParams
+    from training.finetune_state import TrainParams
     from training.resume import ResumeParams, phase_params
 
     for seed, extra, replay in ((300, 4, 5), (30, 4, 5), (20, 3, 2), (7, 1, 1)):
@@ -100,7 +100,8 @@ def judged(
     from tasks.resume import judge
     from tuneproof.control.record import CodeIdentity, StageEntry, new_record
     from tuneproof.core.config import PipelineConfig
-    from tuneproof.core.summaries import CheckpointRef, FinetuneSummary, ResumeJobSummary, ResumeSummary
+    from tuneproof.core.summaries import CheckpointRef
+    from tuneproof.core.summaries_training import FinetuneSummary, ResumeJobSummary, ResumeSummary
 
     cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}, "resume": {"loss_rtol": 0.0}})
     main: list[LossPoint] = [(s, 1 / s) for s in range(1, 401)]
@@ -201,11 +202,11 @@ def test_a_long_runs_thinned_summary_is_judged_on_every_logged_step_and_a_change
     """The record keeps at most CURVE_POINTS of a long run's losses; the resume test reads them all back from
     the metrics log the summary names, and only as they were when the summary was written."""
     from tasks.resume import every_point
-    from training.finetune import curve_fields, loss_curve
+    from training.finetune_summary import curve_fields
     from tuneproof.core.results import StageFailure
     from tuneproof.core.rowlog import append_rows
     from tuneproof.core.storage import Storage
-    from tuneproof.core.summaries import CURVE_POINTS, FinetuneSummary, ledger_points
+    from tuneproof.core.summaries_training import CURVE_POINTS, FinetuneSummary, ledger_points, loss_curve
 
     rows = [{"step": s, "loss": 1 / s, "samples": f"s{s}", "ledger": f"r{s}"} for s in range(1, 3 * CURVE_POINTS)]
     storage, log = Storage(str(tmp_path)), ("runs", "r1", "stages", "finetune", "metrics.jsonl")

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from tests.reading import present
-from training.finetune import latest_rows, loss_curve
 from training.restarts import restarts
 from tuneproof.core.rowlog import append_rows, read_rows, remove_log
 from tuneproof.core.storage import Storage
+from tuneproof.core.summaries_training import latest_rows, loss_curve
 
 from .conftest import TEST_BUCKET
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from eval.selftest import TASK, count_lines, generation_problem, generations
-from tuneproof.core.summaries import Generations
+from tuneproof.core.summaries_eval import Generations
 
 
 def seen(answers: int, cut_off: int = 0, empty: int = 0) -> Generations:

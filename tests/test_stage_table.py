@@ -19,10 +19,12 @@ from tuneproof.control import record as records
 from tuneproof.control import stages as table
 from tuneproof.control.record import CodeIdentity, StageEntry
 from tuneproof.control.stages import Need, Stage
-from tuneproof.core.config import PipelineConfig, Timeouts
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.config_cluster import Timeouts
 from tuneproof.core.results import FailureClass
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import DataSummary, Summary
+from tuneproof.core.summaries import Summary
+from tuneproof.core.summaries_data import DataSummary
 
 
 class ToySummary(Summary):

@@ -10,9 +10,9 @@ import pytest
 from eval.gates import Scores, decide
 from eval.suites import overall, read_suite, suite_score
 from tuneproof.control.registry import suite_table
-from tuneproof.core.config import EvalConfig, Gate, SuiteConfig
+from tuneproof.core.config_eval import EvalConfig, Gate, SuiteConfig
 from tuneproof.core.results import FailureClass, StageFailure
-from tuneproof.core.summaries import EvaluateSummary, ModelScore
+from tuneproof.core.summaries_eval import EvaluateSummary, ModelScore
 
 
 def scores(right: int, n: int) -> Scores:

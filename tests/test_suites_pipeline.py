@@ -15,7 +15,8 @@ from tests.conftest import tuneproof
 from tests.reading import summary_of
 from tuneproof.control import record as records
 from tuneproof.core.config import PROJECT_ROOT
-from tuneproof.core.summaries import DataSummary, EvaluateSummary
+from tuneproof.core.summaries_data import DataSummary
+from tuneproof.core.summaries_eval import EvaluateSummary
 
 FORGET = PROJECT_ROOT / "configs" / "local-forget.yaml"
 # The fewest steps that prove it: by step 100 every skill is lost (the documented setting's full 400 steps

@@ -20,7 +20,7 @@ from tuneproof.app.tiny_model import (
     main,
     task_corpus,
 )
-from tuneproof.core.config import DataConfig
+from tuneproof.core.config_data import DataConfig
 
 # A system turn exercises the whole chat template (the demo profile sends none).
 SYSTEM = "Rewrite the date in ISO 8601 (YYYY-MM-DD)."

@@ -19,7 +19,8 @@ from training.verify import (
     verify,
 )
 from tuneproof.core.checks import environment_digest
-from tuneproof.core.config import PipelineConfig, StorageConfig
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.config_cluster import StorageConfig
 from tuneproof.core.findings import Finding
 from tuneproof.core.results import StageFailure
 from tuneproof.core.summaries import ClusterFacts, VerifySummary

@@ -17,7 +17,7 @@ import re
 from collections import Counter
 from collections.abc import Iterable
 
-from tuneproof.core.summaries import Contamination
+from tuneproof.core.summaries_data import Contamination
 
 NGRAM = 13
 """Words per n-gram."""

@@ -26,7 +26,8 @@ from typing import Any, NoReturn
 from pydantic import BaseModel
 
 from tuneproof.core import forward_env
-from tuneproof.core.config import PipelineConfig, reads_recorded
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.config_base import reads_recorded
 from tuneproof.core.envelope import ENV_VAR, PROGRESS_PREFIX, JobEnvelope, ProgressEvent
 from tuneproof.core.results import FailureClass, StageFailure, StageResult, now_iso, one_line
 from tuneproof.core.storage import Storage

@@ -20,7 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tuneproof.core.config import LORA_ADAPTER_DIR, LoraSettings, PipelineConfig
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.config_train import LORA_ADAPTER_DIR, LoraSettings
 from tuneproof.core.markers import ExportManifest
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
@@ -118,7 +119,7 @@ def write_lora_export(
     """Rank 0: the adapter on a fresh base, saved in peft format, and merged into a full model beside it.
 
     One manifest (and one content hash) covers both: the merged model's files and adapter/'s."""
-    from training.checkpointing import write_hf_export
+    from training.hf_export import write_hf_export
 
     peft_model = adapted_base(adapters, cfg)
     with tempfile.TemporaryDirectory(prefix="tuneproof-adapter-") as adapter_dir:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tuneproof.core.fit import ParamCounts, estimate, shard_degree
-from tuneproof.core.summaries import FitEstimate, RankMemory
+from tuneproof.core.summaries_training import FitEstimate, RankMemory
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel

@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # transformers imports torch: loaded only where a function lo
     import torch
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-    from tuneproof.core.summaries import BaseModelFacts
+    from tuneproof.core.summaries_training import BaseModelFacts
 
 Loaded = TypeVar("Loaded")
 
@@ -154,7 +154,7 @@ def direct_tokenizer_class(ref: Path) -> str | None:
 def base_model_facts(source: str) -> BaseModelFacts | None:
     """BaseModelFacts from base.json in a local model directory (the tiny base's build record), or None:
     a hub id or s3:// prefix, or a directory without one, names no build."""
-    from tuneproof.core.summaries import BaseModelFacts
+    from tuneproof.core.summaries_training import BaseModelFacts
 
     path = Path(source) / "base.json"
     if source.startswith("s3://") or not path.is_file():

@@ -20,7 +20,7 @@ import ray.train
 from tuneproof.core.results import one_line
 from tuneproof.core.rowlog import append_rows, read_rows
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import Restart
+from tuneproof.core.summaries_training import Restart
 
 ATTEMPTS = "attempts.jsonl"
 FAILURES = "failures.jsonl"

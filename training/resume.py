@@ -4,7 +4,7 @@
 
 1. interrupt: a Ray Train run named params.run_name starts from the main run's checkpoint k
    (params.init_from), checkpoints at params.interrupt_at and trains no further: once that checkpoint is
-   complete, every rank SIGKILLs itself (training.finetune.interrupt). Its max_failures is 0, so the
+   complete, every rank SIGKILLs itself (training.finetune_saving.interrupt). Its max_failures is 0, so the
    kill ends the run.
 2. continue: a new Ray Train run under the same name and storage path. Its controller and workers are new
    processes, so all it has is shared storage: Ray Train V2 and resolve_start find the latest complete
@@ -21,10 +21,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from training.finetune import INTERRUPTED, finetune
+from training.finetune import finetune
+from training.finetune_state import INTERRUPTED
 from training.jobkit import JobContext, run_stage
 from tuneproof.core.results import FailureClass, StageFailure
-from tuneproof.core.summaries import ResumeJobSummary
+from tuneproof.core.summaries_training import ResumeJobSummary
 
 Phase = Literal["interrupt", "continue"]
 

@@ -1,6 +1,6 @@
 """The fine-tune's optimizer step: loss, gradient accumulation, clipping, AdamW. Imports torch only.
 
-training/finetune.py's train_step runs `optimizer_step` once per step; bench/gpu_check.py runs the same
+training/finetune_worker.py's train_step runs `optimizer_step` once per step; bench/gpu_check.py runs the same
 function on a GPU machine that has torch and transformers but no Ray, Prefect or pydantic, which is why
 nothing here imports more than torch and tuneproof.core.hashing (the standard library only).
 

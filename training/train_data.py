@@ -32,7 +32,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from training.data_prep import read_split
+from training.data_files import read_split
 from tuneproof.core.hashing import IGNORE_INDEX
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from training.jobkit import JobContext, log, run_stage
 from tuneproof.core import cas, forward_env
 from tuneproof.core.checks import check_nodes, environment_digest, node_subject, summarize_cluster
-from tuneproof.core.config import StorageConfig
+from tuneproof.core.config_cluster import StorageConfig
 from tuneproof.core.findings import Finding, errors
 from tuneproof.core.results import StageFailure, first_and_more
 from tuneproof.core.storage import Storage

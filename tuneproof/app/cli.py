@@ -20,6 +20,9 @@ resumes from its checkpoint).
 Every command: 1 findings that are errors (or the run/model asked for is absent or unreadable), 2 a
 malformed argument (click's usage convention), 3 an invalid config or refused request, 4 storage or
 another resource that cannot be read; an unexpected exception is one `error: ...` line, exit 4.
+
+The `runs`, `models` and `images` groups live in cli_runs.py and cli_registry.py, what every command
+shares in cli_common.py; this file builds the app, runs the pipeline and holds the other commands.
 """
 
 from __future__ import annotations
@@ -34,10 +37,24 @@ from typing import Any
 
 import typer
 
-from tuneproof.app.preflight import environment_problems, unknown_stage_lines, unread_difference
-from tuneproof.app.terminal import say, screen
+from tuneproof.app.cli_common import (
+    EXIT_UNEXPECTED,
+    STAGES_HELP,
+    ConfigOpt,
+    SetOpt,
+    config_or_exit,
+    console,
+    err,
+    group,
+    prefect_env_or_exit,
+    preflight,
+    slug_arg,
+)
+from tuneproof.app.cli_registry import images_app, models_app
+from tuneproof.app.cli_runs import runs_app
+from tuneproof.app.preflight import unknown_stage_lines, unread_difference
+from tuneproof.app.terminal import say
 from tuneproof.core.config import PROJECT_ROOT, ConfigError, PipelineConfig, load_config
-from tuneproof.core.names import slug_problem
 from tuneproof.core.results import EXIT_BY_CLASS, EXIT_INVALID_CONFIG, FailureClass, exit_code_for
 
 EXIT_CANCELLED = 130
@@ -54,29 +71,11 @@ app = typer.Typer(
 )
 
 
-def group(help: str) -> typer.Typer:
-    return typer.Typer(no_args_is_help=True, rich_markup_mode=None, help=help)
-
-
 local_app = group("The embedded local cluster (Ray head, Prefect server + worker).")
-runs_app = group("Read run records.")
-models_app = group("Read the model registry.")
-images_app = group("Read the images registry: canary decisions and the adopted image.")
 app.add_typer(local_app, name="local")
 app.add_typer(runs_app, name="runs")
 app.add_typer(models_app, name="models")
 app.add_typer(images_app, name="images")
-# Flows and Prefect are imported by the commands that run them, not here: `transport`, `lint`, `runs list` and
-# `models` never need Prefect, so its settings (a mistyped PREFECT_API_URL) cannot stop them.
-console = screen()
-err = screen(stderr=True)
-
-STAGES_HELP = "names from the stage table (tuneproof/control/stages.py); an unknown one is refused with the list"
-ConfigOpt = typer.Option(None, "--config", "-c", help="YAML profile (default configs/local.yaml).")
-SetOpt = typer.Option([], "--set", "-s", help="Override a field: dotted.key=value (repeatable).")
-
-
-EXIT_UNEXPECTED = 4
 
 
 def main() -> None:
@@ -99,48 +98,6 @@ def guarded(command: Any) -> int:
         say(err, f"error: {type(e).__name__}: {e} (please report)")
         return EXIT_UNEXPECTED
     return 0
-
-
-def slug_arg(kind: str):
-    """A typer callback refusing an id that is not a slug (exit 2, click's convention for a bad argument)."""
-
-    def check(value: str | None) -> str | None:
-        if value is not None and (problem := slug_problem(value)):
-            raise typer.BadParameter(f"{kind} {value!r} {problem}")
-        return value
-
-    return check
-
-
-def config_or_exit(config: Path | None, sets: list[str]) -> PipelineConfig:
-    """Load and validate the config; on any problem print them all and exit 3 before anything runs."""
-    try:
-        cfg = load_config(config, sets)
-        problems = preflight(cfg)
-    except ConfigError as e:
-        problems = e.problems
-    if problems:
-        say(err, "invalid config — nothing was submitted:", "bold red")
-        for p in problems:
-            say(err, f"  {p}")
-        raise typer.Exit(EXIT_INVALID_CONFIG)
-    return cfg
-
-
-def prefect_env_or_exit() -> None:
-    """Before a command imports Prefect: each environment problem on its line, exit 3, nothing ran."""
-    problems = environment_problems(os.environ)
-    for problem in problems:
-        say(err, f"environment: {problem}")
-    if problems:
-        raise typer.Exit(EXIT_INVALID_CONFIG)
-
-
-def preflight(cfg: PipelineConfig) -> list[str]:
-    """Checks that need more than the schema: metric names resolve to a shipped or loadable module."""
-    from tuneproof.core.metric_names import check_eval_config
-
-    return check_eval_config(cfg.eval)
 
 
 # ---------------------------------------------------------------- run
@@ -333,147 +290,6 @@ def compare(
     raise typer.Exit(0 if result.get("status") == "succeeded" else EXIT_INVALID_CONFIG)
 
 
-# ---------------------------------------------------------------- runs
-
-
-def storage_for(config: Path | None, sets: list[str]):
-    from tuneproof.core.storage import Storage
-
-    storage = Storage.from_config(config_or_exit(config, sets).storage)
-    if not storage.is_s3 and Path(storage.root).exists() and not Path(storage.root).is_dir():
-        say(err, f"storage root {storage.root} is not a directory: check storage.root")
-        raise typer.Exit(EXIT_BY_CLASS[FailureClass.infrastructure])
-    return storage
-
-
-@runs_app.command("list")
-def runs_list(
-    as_json: bool = typer.Option(False, "--json"), config: Path | None = ConfigOpt, sets: list[str] = SetOpt
-) -> None:
-    """Runs, newest first."""
-    from tuneproof.control import record
-
-    storage = storage_for(config, sets)
-    rows = record.list_rows(storage)
-    for row in rows:
-        if row.status == "running":
-            row.status, row.cause = shown_status(storage, row.run_id, row.status, row.cause)
-    if as_json:
-        print(json.dumps([r.model_dump() for r in rows], indent=2))
-        return
-    from tuneproof.app.terminal import whole_table
-
-    cells = [
-        [r.run_id, (r.created_at or "")[:16].replace("T", " "), r.status, r.failure_class or "", r.cause or ""]
-        for r in rows
-    ]
-    console.print(whole_table(["run", "created", "status", "failure", "cause"], cells, keep=("run",)))
-
-
-def shown_status(storage: Any, run_id: str, status: str, cause: str | None) -> tuple[str, str | None]:
-    """A record left "running" by a writer that died (kill -9, a lost machine) has no live lease: show it
-    crashed. Readers never rewrite the record; the next flow on the run takes the stale lease over."""
-    from tuneproof.control import lease
-
-    if status != "running":
-        return status, cause
-    try:
-        _, why = lease.stale(storage, run_id)
-    except OSError as e:  # this run's lease cannot be read: say so on its row, and list the others
-        return status, f"{cause or ''} (its lease cannot be read: {e.strerror or e})".strip()
-    if why is None:
-        return status, cause
-    return "crashed", f"its writer is gone ({why}); the record was left running"
-
-
-@runs_app.command("show")
-def runs_show(
-    run_id: str = typer.Argument(..., callback=slug_arg("run id")),
-    as_json: bool = typer.Option(False, "--json"),
-    config: Path | None = ConfigOpt,
-    sets: list[str] = SetOpt,
-) -> None:
-    """One run's record."""
-    from tuneproof.control import record
-
-    storage = storage_for(config, sets)
-    try:
-        rec = record.load(storage, run_id)
-    except (FileNotFoundError, record.RecordUnreadable) as e:
-        say(err, e)
-        raise typer.Exit(1) from None
-    rec.status, rec.cause = shown_status(storage, run_id, rec.status, rec.cause)  # type: ignore[assignment]
-    if as_json:
-        print(json.dumps(rec.to_json(), indent=2))
-        return
-    from pydantic import ValidationError
-
-    from tuneproof.app.terminal import print_record
-
-    try:
-        print_record(rec, console)
-    except ValidationError as e:
-        raise typer.Exit(summary_unreadable(run_id, e)) from None
-    print_cost(rec, config_or_exit(config, sets).cost.prices)
-
-
-def print_cost(rec: Any, prices: dict[str, float]) -> None:
-    """What the run cost, stage by stage (superseded attempts included): resource-seconds and money."""
-    from tuneproof.app.terminal import whole_table
-    from tuneproof.control.cost import run_cost, seconds_line
-
-    run = run_cost(rec, prices)
-    cells = [
-        [
-            s.stage + (" (superseded)" if s.superseded else ""),
-            f"{s.seconds:.1f}",
-            seconds_line(s.resource_seconds, s.money),
-        ]
-        for s in run.stages
-    ]
-    console.print(whole_table(["stage", "wall s", "resource-seconds"], cells, keep=("stage",)))
-    console.print(f"cost: {seconds_line(run.resource_seconds, run.money)}; fine-tune steps paid for: {run.steps}")
-
-
-@runs_app.command("diff")
-def runs_diff(
-    run_a: str = typer.Argument(..., callback=slug_arg("run id")),
-    run_b: str = typer.Argument(..., callback=slug_arg("run id")),
-    as_json: bool = typer.Option(False, "--json"),
-    config: Path | None = ConfigOpt,
-    sets: list[str] = SetOpt,
-) -> None:
-    """What changed between two runs: identity, config fields, and metric deltas."""
-    from tuneproof.app.rundiff import diff_records, render_diff
-    from tuneproof.control import record
-
-    storage = storage_for(config, sets)
-    try:
-        a, b = record.load(storage, run_a), record.load(storage, run_b)
-    except (FileNotFoundError, record.RecordUnreadable) as e:
-        say(err, e)
-        raise typer.Exit(1) from None
-    from pydantic import ValidationError
-
-    try:
-        result = diff_records(a, b)
-    except ValidationError as e:
-        raise typer.Exit(summary_unreadable(f"{run_a} or {run_b}", e)) from None
-    if as_json:
-        print(json.dumps(result, indent=2))
-    else:
-        for line in render_diff(result).splitlines():
-            say(console, line)
-
-
-def summary_unreadable(run: str, e: Any) -> int:
-    """A record that parsed but holds a stage summary its model refuses (hand-edited, another release's)."""
-    first = e.errors()[0]
-    where = ".".join(str(p) for p in first["loc"])
-    say(err, f"run {run}: a stage summary in record.json is not readable: {e.title}.{where}: {first['msg']}")
-    return 1
-
-
 # ---------------------------------------------------------------- checks
 
 
@@ -543,110 +359,6 @@ def transport(
 
 
 # ---------------------------------------------------------------- registry
-
-
-@models_app.command("list")
-def models_list(
-    as_json: bool = typer.Option(False, "--json"), config: Path | None = ConfigOpt, sets: list[str] = SetOpt
-) -> None:
-    """Registered models and their production versions."""
-    from tuneproof.control.registry import list_models
-
-    storage = storage_for(config, sets)
-    models = list_models(storage)
-    for m in models:
-        pointed = (m.get("production") or {}).get("version")
-        if pointed is not None and pointed not in m.get("versions", []):
-            # A pointer whose version is gone (deleted, or a copy that never finished) serves nothing.
-            m["problem"] = (
-                f"{storage.uri('models', m['name'], 'production.json')} is broken: it names version {pointed!r}, "
-                f"which is not under {storage.uri('models', m['name'])}"
-            )
-    if as_json:
-        print(json.dumps(models, indent=2))
-        return
-    from tuneproof.app.terminal import whole_table
-
-    # A version is named v<NNNN>-<run id>: the run that produced it needs no column of its own.
-    cells = [
-        [
-            m["name"],
-            production_cell(m),
-            str(len(m.get("versions", []))),
-        ]
-        for m in models
-    ]
-    console.print(whole_table(["model", "production version", "versions"], cells, keep=("model", "production version")))
-    for m in models:
-        if m.get("problem"):
-            say(err, m["problem"])
-
-
-def production_cell(model: dict) -> str:
-    """The production version, `-` without one, or why the pointer serves nothing (unreadable, broken)."""
-    pointed = (model.get("production") or {}).get("version")
-    if model.get("problem"):
-        return f"broken ({pointed})" if pointed is not None else "unreadable"
-    return pointed or "-"
-
-
-@models_app.command("show")
-def models_show(
-    name: str = typer.Argument(..., callback=slug_arg("model name")),
-    config: Path | None = ConfigOpt,
-    sets: list[str] = SetOpt,
-) -> None:
-    """One model: the production pointer, every version with its card, the production history, and what
-    each promoted version cost (its card's cost: its run and the model's other runs since the previous
-    promotion, as they stood when its copy check had run)."""
-    from tuneproof.control.history import HistoryUnreadable
-    from tuneproof.control.registry import RegistryUnreadable, show_model, version_costs
-
-    storage = storage_for(config, sets)
-    try:
-        shown = show_model(storage, name)
-    except (FileNotFoundError, RegistryUnreadable, HistoryUnreadable) as e:
-        say(err, e)
-        raise typer.Exit(1) from None
-    shown["cost"] = version_costs(shown["versions"])
-    print(json.dumps(shown, indent=2))
-
-
-@models_app.command("history")
-def models_history(
-    name: str = typer.Argument(..., callback=slug_arg("model name")),
-    at: str | None = typer.Option(
-        None, "--at", help="Only the move that made production what it was at this ISO time."
-    ),
-    as_json: bool = typer.Option(False, "--json"),
-    config: Path | None = ConfigOpt,
-    sets: list[str] = SetOpt,
-) -> None:
-    """Every move of the production pointer (from, to, who, when, why), oldest first; or, with --at, what
-    was production at that time."""
-    from tuneproof.control import history
-    from tuneproof.control.registry import RegistryUnreadable, read_history
-
-    try:
-        moves = read_history(storage_for(config, sets), name)
-        when = history.parse_time(at) if at is not None else None
-    except (RegistryUnreadable, history.HistoryUnreadable) as e:
-        say(err, e)
-        raise typer.Exit(1) from None
-    except ValueError as e:
-        say(err, f"--at: {e}")
-        raise typer.Exit(2) from None
-    if when is not None:
-        found = history.production_at(moves, when)
-        moves = [found] if found else []
-        if not found:
-            say(err, f"{name}: no recorded production model at {when.isoformat()}")
-    if as_json:
-        print(json.dumps([m.model_dump() for m in moves], indent=2))
-    else:
-        for m in moves:
-            say(console, m.line())  # who and why come from shared storage: escaped, never obeyed
-    raise typer.Exit(0 if moves else 1)
 
 
 @app.command()
@@ -747,31 +459,6 @@ def canary(
     prefect_env_or_exit()
     out = err if as_json else console  # --json: stdout is the decision alone; progress goes to stderr
     raise typer.Exit(canary_command(cfg, candidate_image, max_steps, repeats, threshold, decision_id, as_json, out))
-
-
-@images_app.command("list")
-def images_list(
-    as_json: bool = typer.Option(False, "--json"), config: Path | None = ConfigOpt, sets: list[str] = SetOpt
-) -> None:
-    """Canary decisions, newest first: digest, tag, versions verify saw, baseline, decision (* = current)."""
-    from tuneproof.app.images_cli import list_command
-
-    raise typer.Exit(list_command(storage_for(config, sets), as_json, console, err))
-
-
-@images_app.command("show")
-def images_show(
-    decision_id: str = typer.Argument(..., callback=slug_arg("decision id")),
-    as_json: bool = typer.Option(False, "--json"),
-    config: Path | None = ConfigOpt,
-    sets: list[str] = SetOpt,
-) -> None:
-    """One decision: the candidate, what verify saw, the baseline, the comparison and the reasons."""
-    if not as_json:
-        prefect_env_or_exit()  # the decision's rendering is the Prefect artifact's
-    from tuneproof.app.images_cli import show_command
-
-    raise typer.Exit(show_command(storage_for(config, sets), decision_id, as_json, console, err))
 
 
 # ---------------------------------------------------------------- local

@@ -16,7 +16,8 @@ from typing import Any
 from tuneproof.control import cost
 from tuneproof.control.record import RunRecord
 from tuneproof.control.stages import diff_metrics
-from tuneproof.core.summaries import ROLES, EvaluateSummary, NodeFacts, SuiteRow
+from tuneproof.core.summaries import NodeFacts
+from tuneproof.core.summaries_eval import ROLES, EvaluateSummary, SuiteRow
 
 NODE_FIELDS = (
     "ray_version",

@@ -33,7 +33,7 @@ from rich.text import Text
 from tuneproof.control.record import Invocation, RunRecord
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.envelope import ProgressEvent, format_metrics
-from tuneproof.core.summaries import EvaluateSummary
+from tuneproof.core.summaries_eval import EvaluateSummary
 
 STATUS_STYLE = {
     "succeeded": "green",

@@ -199,7 +199,7 @@ def ensure_tiny_model(
 ) -> bool:
     """Put the pre-trained tiny base at out_dir unless the one there has this build's content hash; True
     when it was (re)placed. Built once per hash into BASE_CACHE, then copied from there."""
-    from tuneproof.core.config import DataConfig
+    from tuneproof.core.config_data import DataConfig
 
     out_dir = Path(out_dir)
     key = content_hash(recipe, {"hidden": 64, "layers": 2, "seed": seed}, [Path(data_path), PROJECT / recipe.data])

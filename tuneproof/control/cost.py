@@ -34,7 +34,7 @@ from tuneproof.control.history import Move
 from tuneproof.control.record import JobEntry, RunRecord, StageEntry
 from tuneproof.core.results import Model
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import FinetuneSummary
+from tuneproof.core.summaries_training import FinetuneSummary
 
 FINETUNE = "training.finetune"
 TRAIN_MODULES = ("training.finetune", "training.connectivity", "training.resume")

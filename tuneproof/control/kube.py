@@ -29,7 +29,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
 from tuneproof.control.kube_checks import CLUSTER_LABEL
-from tuneproof.core.config import KubernetesConfig
+from tuneproof.core.config_cluster import KubernetesConfig
 from tuneproof.core.files import read_regular
 from tuneproof.core.results import FailureClass, StageFailure
 

@@ -42,7 +42,7 @@ from kubernetes.client.exceptions import ApiException
 from tuneproof.control.images import CANARY_CLUSTER_PREFIX
 from tuneproof.control.kube import TIMEOUT_S, api_client
 from tuneproof.control.kube_checks import CLUSTER_LABEL, group_pod_count, worker_groups
-from tuneproof.core.config import KubernetesConfig
+from tuneproof.core.config_cluster import KubernetesConfig
 from tuneproof.core.results import FailureClass, StageFailure
 
 GROUP, VERSION, PLURAL = "ray.io", "v1", "rayclusters"

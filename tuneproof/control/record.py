@@ -27,7 +27,8 @@ from tuneproof.core.config import PipelineConfig
 from tuneproof.core.files import FileRefused, read_stored
 from tuneproof.core.results import FailureClass, JsonDict, Model, StageResult, now_iso, one_line
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import ClusterFacts, PromoteSummary, Summary
+from tuneproof.core.summaries import ClusterFacts, Summary
+from tuneproof.core.summaries_eval import PromoteSummary
 
 RECORD = "record.json"
 ROW = "row.json"

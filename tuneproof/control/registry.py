@@ -35,7 +35,7 @@ from tuneproof.control import history
 from tuneproof.control.history import Move, MoveIntent
 from tuneproof.core import cas, markers
 from tuneproof.core.cas import file_lock
-from tuneproof.core.config import LORA_ADAPTER_DIR
+from tuneproof.core.config_train import LORA_ADAPTER_DIR
 from tuneproof.core.files import read_stored
 from tuneproof.core.results import now_iso, one_line
 from tuneproof.core.storage import Storage

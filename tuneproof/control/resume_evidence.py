@@ -15,7 +15,7 @@ import math
 from typing import Any
 
 from tuneproof.core.findings import Finding
-from tuneproof.core.summaries import LedgerPoint
+from tuneproof.core.summaries_training import LedgerPoint
 
 
 def compare_losses(reference: dict[int, float], replay: dict[int, float], rtol: float) -> dict[str, Any]:

@@ -5,8 +5,8 @@ JSON Schema all read the same descriptors. These are facts only: nothing here im
 readers (`tuneproof runs list|show|diff`) start without it. Which Prefect task runs a stage and which
 artifact it publishes is bound in flows/stage_tasks.py; a stage that is one Ray job names its module
 (`job=`) and needs no task of its own. Adding a stage is its job module (training/ or eval/), its
-summary model (tuneproof/core/summaries.py) and one Stage(...) below, whose timeout is a number of seconds
-until a profile needs to change it (then a config.timeouts field in tuneproof/core/config.py).
+summary model (tuneproof/core/summaries*.py) and one Stage(...) below, whose timeout is a number of seconds
+until a profile needs to change it (then a config.timeouts field in tuneproof/core/config_cluster.py).
 
 Read it top to bottom: the small functions first (evidence lines, diff metrics, identity lifted
 into the record), then the table. Regenerate the record's committed JSON Schema with `make schema`.
@@ -23,21 +23,15 @@ from pydantic import BaseModel
 from tuneproof.control import registry
 from tuneproof.control.record import DataIdentity, RunRecord, StageEntry, StageInputs, json_schema
 from tuneproof.core import config_reads
-from tuneproof.core.config import PipelineConfig, Timeouts
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.config_cluster import Timeouts
 from tuneproof.core.hashing import sha256_json
 from tuneproof.core.results import FailureClass
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import (
-    ROLES,
-    ConnectivitySummary,
-    DataSummary,
-    EvaluateSummary,
-    FinetuneSummary,
-    PromoteSummary,
-    ResumeSummary,
-    Summary,
-    VerifySummary,
-)
+from tuneproof.core.summaries import ConnectivitySummary, Summary, VerifySummary
+from tuneproof.core.summaries_data import DataSummary
+from tuneproof.core.summaries_eval import ROLES, EvaluateSummary, PromoteSummary
+from tuneproof.core.summaries_training import FinetuneSummary, ResumeSummary
 
 INFRA, DATA, MODELING = FailureClass.infrastructure, FailureClass.data, FailureClass.modeling
 Metrics = dict[str, float | None]

@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from tuneproof.core.config import ClusterExpect
+from tuneproof.core.config_cluster import ClusterExpect
 from tuneproof.core.findings import Finding
 
 VERSION_FIELDS = (

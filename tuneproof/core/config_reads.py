@@ -7,7 +7,7 @@
 A stage's result depends on the settings it read, so those are what a continued run compares: a hand
 list beside the stage drifts (connectivity's once left out the train.* settings its job reads, so a
 continuation with another world size kept a verdict measured on the old one). Config sections
-(tuneproof.core.config.Strict) report each attribute read to the active recorder, named by its dotted
+(tuneproof.core.config_base.Strict) report each attribute read to the active recorder, named by its dotted
 path from the root: a leaf (`train.lr`), a dict or list as a whole (`eval.gates`), a section that is
 dumped whole (`data.fields`). Reading a section alone (`cfg.train`) reads nothing yet.
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from tuneproof.core.summaries import FitEstimate, NodeFacts
+from tuneproof.core.summaries import NodeFacts
+from tuneproof.core.summaries_training import FitEstimate
 
 GIB = 2**30
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from tuneproof.core.config import PROJECT_ROOT
 
 if TYPE_CHECKING:
-    from tuneproof.core.config import EvalConfig, SuiteConfig
+    from tuneproof.core.config_eval import EvalConfig, SuiteConfig
 
 METRICS_DIR = PROJECT_ROOT / "eval" / "metrics"
 LOSS_METRICS = ("eval_loss", "perplexity")

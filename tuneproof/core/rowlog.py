@@ -9,7 +9,7 @@ on each flush: that cost grows with the steps already taken. So:
   each written whole by one flush; readers list them and read them back in order.
 
 Rows are never removed: a step replayed after a restart is a later row; readers that want one row per
-step keep the last (tuneproof.core.summaries.latest_rows).
+step keep the last (tuneproof.core.summaries_training.latest_rows).
 """
 
 from __future__ import annotations

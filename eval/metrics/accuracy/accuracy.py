@@ -27,13 +27,13 @@ Example:
 """
 
 
-def _label(text):
+def _label(text: str) -> str:
     lines = text.strip().splitlines()
     return lines[0].strip().casefold() if lines else ""
 
 
 class Accuracy(evaluate.Metric):
-    def _info(self):
+    def _info(self) -> evaluate.MetricInfo:
         return evaluate.MetricInfo(
             description=_DESCRIPTION,
             citation="",
@@ -43,7 +43,13 @@ class Accuracy(evaluate.Metric):
             ),
         )
 
-    def _compute(self, predictions, references, sample_weight=None, normalize=True):
+    def _compute(
+        self,
+        predictions: list[str],
+        references: list[str],
+        sample_weight: list[float] | None = None,
+        normalize: bool = True,
+    ) -> dict[str, float]:
         weights = [1.0] * len(predictions) if sample_weight is None else [float(w) for w in sample_weight]
         if len(weights) != len(predictions):
             raise ValueError(

@@ -24,7 +24,7 @@ Example:
 
 
 class ExactMatch(evaluate.Metric):
-    def _info(self):
+    def _info(self) -> evaluate.MetricInfo:
         return evaluate.MetricInfo(
             description=_DESCRIPTION,
             citation="",
@@ -34,7 +34,7 @@ class ExactMatch(evaluate.Metric):
             ),
         )
 
-    def _compute(self, predictions, references):
+    def _compute(self, predictions: list[str], references: list[str]) -> dict[str, float]:
         if not predictions:
             return {"exact_match": 0.0}
         hits = sum(p.strip() == r.strip() for p, r in zip(predictions, references))

@@ -28,11 +28,11 @@ Example:
 _SEPARATORS = re.compile(r"[^a-z0-9]+")
 
 
-def tokens(text):
+def tokens(text: str) -> list[str]:
     return _SEPARATORS.sub(" ", text.lower()).split()
 
 
-def lcs_length(a, b):
+def lcs_length(a: list[str], b: list[str]) -> int:
     """Length of the longest common subsequence, one row of the DP table at a time."""
     previous = [0] * (len(b) + 1)
     for x in a:
@@ -43,7 +43,7 @@ def lcs_length(a, b):
     return previous[-1]
 
 
-def f1(prediction, reference):
+def f1(prediction: str, reference: str) -> float:
     pred, ref = tokens(prediction), tokens(reference)
     common = lcs_length(pred, ref)
     if common == 0:
@@ -53,7 +53,7 @@ def f1(prediction, reference):
 
 
 class RougeL(evaluate.Metric):
-    def _info(self):
+    def _info(self) -> evaluate.MetricInfo:
         return evaluate.MetricInfo(
             description=_DESCRIPTION,
             citation="Lin, C.-Y. (2004). ROUGE: A Package for Automatic Evaluation of Summaries.",
@@ -63,7 +63,7 @@ class RougeL(evaluate.Metric):
             ),
         )
 
-    def _compute(self, predictions, references):
+    def _compute(self, predictions: list[str], references: list[str]) -> dict[str, float]:
         if not predictions:
             return {"rouge_l": 0.0}
         return {"rouge_l": sum(f1(p, r) for p, r in zip(predictions, references)) / len(predictions)}

@@ -1,0 +1,94 @@
+"""How much of what the fine-tune is judged on it also trains on: the eval split's and each suite's overlap.
+
+Used by the data stage (training/data_prep.py) inside its Ray job, after the split and before encoding:
+it feeds every turn's text, less the template's literals and system texts training rows share, to the
+measure in training/contamination.py, and fails the stage as a data failure when an overlap is above
+data.max_contamination. Regression suites (eval.suites) are read with eval/suites.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+from eval.suites import read_suite
+from training.contamination import measure as measure_overlap
+from training.contamination import shared_texts
+from training.data_sources import Conversation
+from tuneproof.core.config import PipelineConfig
+from tuneproof.core.config_data import DataConfig
+from tuneproof.core.results import FailureClass, StageFailure
+from tuneproof.core.summaries_data import Contamination, DataSummary, SuiteFile
+
+
+def suite_overlaps(cfg: PipelineConfig, train: list[Conversation]) -> list[SuiteFile]:
+    """Each regression suite (eval.suites) hashed and measured against the training split: a suite whose items
+    the fine-tune trains on measures recall, not retention, so above data.max_contamination it is a data failure."""
+    literals, shared = template_literals(cfg.data), shared_system_texts(train)
+    files = []
+    for name, suite_cfg in cfg.eval.suites.items():
+        suite = read_suite(name, suite_cfg, cfg.storage.endpoint_url)
+        found = measure_overlap((conversation_text(c, literals, shared) for c in train), suite.texts())
+        files.append(
+            SuiteFile(name=name, source=suite.source, sha256=suite.sha256, items=len(suite.ids), contamination=found)
+        )
+        check_contamination(found, cfg.data.max_contamination, f"suite {name} ({suite.source})")
+    return files
+
+
+def contamination_of(
+    train: list[Conversation], eval_convs: list[Conversation], literals: tuple[str, ...] = ()
+) -> Contamination:
+    """Overlap of the eval conversations with the training ones, over every turn's text. Left out, since every
+    row shares them and so they say nothing of a row: `literals`, the template's own text, and the system texts
+    that training rows share (a data.fields.system column or system turns of one prompt for all)."""
+    shared = shared_system_texts(train)
+    return measure_overlap(
+        (conversation_text(c, literals, shared) for c in train),
+        ((f"{c.where}:{c.row}", conversation_text(c, literals, shared)) for c in eval_convs),
+    )
+
+
+def shared_system_texts(train: list[Conversation]) -> frozenset[str]:
+    """System texts that two or more training rows carry: the dataset's boilerplate. One row's own system text
+    is kept, since it may hold that row's content."""
+    texts: list[str] = []
+    for conv in train:
+        if conv.messages is not None:
+            texts += [turn.get("content", "") for turn in conv.messages if turn.get("role") == "system"]
+        elif conv.parts.get("system"):
+            texts.append(conv.parts["system"])
+    return shared_texts(texts)
+
+
+def conversation_text(conv: Conversation, literals: tuple[str, ...] = (), shared: frozenset[str] = frozenset()) -> str:
+    """The row's text as the overlap measure sees it: every turn, less the template's literals and `shared`
+    system texts."""
+    if conv.messages is not None:
+        kept = (t for t in conv.messages if not (t.get("role") == "system" and t.get("content") in shared))
+        return " ".join(turn.get("content", "") for turn in kept)
+    text = " \n ".join(v for k, v in conv.parts.items() if not (k == "system" and v in shared))
+    for literal in literals:
+        text = text.replace(literal, " \n ")
+    return text
+
+
+def template_literals(data: DataConfig) -> tuple[str, ...]:
+    """The fixed text of the template shape's prompt and response (between its {column} fields), longest first."""
+    if data.template is None:
+        return ()
+    pieces = re.split(r"\{[^{}]*\}", data.template.prompt + "\n" + data.template.response)
+    return tuple(sorted({p.strip() for p in pieces if p.strip()}, key=len, reverse=True))
+
+
+def check_contamination(found: Contamination | None, limit: float, what: str = "eval split") -> None:
+    """A data failure naming the overlapping eval items when more than `limit` of them repeat training rows."""
+    if found is None or found.fraction <= limit:
+        return
+    ids = ", ".join(found.overlapping_ids[:10]) + (" ..." if found.overlapping > 10 else "")
+    raise StageFailure(
+        FailureClass.data,
+        f"{what} overlaps the training split: {found.overlapping} of {found.eval_items} eval items "
+        f"({found.fraction:.1%}; {found.exact_matches} normalised exact matches, the rest a shared "
+        f"{found.ngram}-word n-gram) > data.max_contamination {limit:g}: {ids}",
+        DataSummary(contamination=found),
+    )

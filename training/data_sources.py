@@ -1,0 +1,243 @@
+"""The data stage's rows: sources read and parsed, checked into conversations, split into train and eval.
+
+Used by the data stage (training/data_prep.py) inside its Ray job. A source is JSONL, CSV or parquet,
+local or s3://, or hf://<name>[:split] where a hub is reachable; undecodable rows and rows the shape
+(tuneproof/core/shapes.py) cannot read are counted in the stage's drops by reason. The split is seeded
+by each conversation's content (datahash.split_indices), or eval_source is the eval split; data.replay's
+rows then join the training split.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import posixpath
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from training.jobkit import log
+from tuneproof.core import datahash, shapes
+from tuneproof.core.config_data import DataConfig
+from tuneproof.core.results import FailureClass, StageFailure
+from tuneproof.core.storage import Storage
+from tuneproof.core.summaries_data import SourceIdentity
+
+EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
+
+
+@dataclass
+class Source:
+    uri: str
+    data: bytes
+    format: str
+
+    def identity(self) -> SourceIdentity:
+        return SourceIdentity(uri=self.uri, sha256=datahash.sha256_bytes(self.data), bytes=len(self.data))
+
+
+@dataclass
+class Conversation:
+    where: str  # "source" or "eval_source"
+    row: int  # row index in that file, for drop evidence
+    parts: dict[str, str]  # columns and template shapes: prompt, response[, system]
+    messages: shapes.Messages | None = None  # messages shape: the turns, through the last assistant one
+
+    def split_key(self) -> str:
+        return datahash.split_key(self.parts if self.messages is None else {"messages": self.messages})
+
+
+RawRow = tuple[int, Any, Any]
+"""(row index, record, None) or (row index, None, what could not be decoded), as each parser yields them."""
+Parsed = tuple[list[tuple[int, Any]], int]  # ([(row index, record)], rows read)
+
+
+@dataclass
+class ParsedSources:
+    source: Parsed
+    eval_source: Parsed | None  # None: the eval split is cut from the source
+    replay: Parsed | None  # data.replay's rows, for the training split only
+
+
+def resolve_shape(data: DataConfig, parsed: Parsed) -> str:
+    """data.shape, or for auto the shape of the first decodable row; logged, since auto decides it."""
+    rows, _ = parsed
+    shape = shapes.resolve_shape(
+        data.shape, rows[0][1] if rows else None, data.messages_column, data.template is not None
+    )
+    log(f"rows read as shape {shape}" + (" (auto)" if data.shape == "auto" else ""))
+    return shape
+
+
+def template_dict(data: DataConfig) -> dict[str, str]:
+    return data.template.model_dump() if data.template else {}
+
+
+def shape_identity(data: DataConfig, shape: str) -> dict[str, Any] | None:
+    return shapes.shape_identity(shape, template_dict(data), data.messages_column, data.loss_on)
+
+
+def read_source(uri: str, fmt: str, endpoint_url: str | None) -> Source:
+    """The source's bytes and format; an unreadable source is a data failure naming it."""
+    if uri.startswith("hf://") or fmt == "hf":
+        return read_hub_dataset(uri)
+    fmt = fmt if fmt != "auto" else format_from_extension(uri)
+    try:
+        data = Storage(uri, endpoint_url).read_bytes()
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
+        raise StageFailure("data", f"data source {uri} is unreadable: {type(e).__name__}: {e}") from e
+    log(f"read {len(data)} bytes from {uri} ({fmt})")
+    return Source(uri, data, fmt)
+
+
+def format_from_extension(uri: str) -> str:
+    ext = posixpath.splitext(uri)[1].lower()
+    if ext not in EXTENSIONS:
+        raise StageFailure(
+            "data",
+            f"cannot tell the format of {uri} from its extension {ext!r}; expected one of "
+            f"{sorted(EXTENSIONS)} or set data.format to jsonl, csv or parquet",
+        )
+    return EXTENSIONS[ext]
+
+
+def read_hub_dataset(uri: str) -> Source:
+    """hf://<name>[:split] through datasets.load_dataset, re-serialised as parquet so it hashes and parses like a file."""
+    name, _, split = uri.removeprefix("hf://").partition(":")
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(name, split=split or "train")
+        buf = io.BytesIO()
+        ds.to_parquet(buf)
+    except Exception as e:  # noqa: BLE001 - offline, unknown name, no such split: all mean "cannot read the source"
+        raise StageFailure(
+            "data",
+            f"data source {uri} could not be loaded from the Hugging Face hub (is a hub reachable "
+            f"from the cluster, and does dataset {name!r} have split {split or 'train'!r}?): {type(e).__name__}: {e}",
+        ) from e
+    return Source(uri, buf.getvalue(), "parquet")
+
+
+def parse_rows(source: Source, drops: datahash.Drops, where: str) -> tuple[list[tuple[int, Any]], int]:
+    """([(row index, record)], total rows); undecodable rows go straight to drops."""
+    parse = {"jsonl": parse_jsonl, "csv": parse_csv, "parquet": parse_parquet}[source.format]
+    rows, total = [], 0
+    for index, record, problem in parse(source):
+        total += 1
+        if problem is not None:
+            drops.add("undecodable", where, index, problem)
+        else:
+            rows.append((index, record))
+    return rows, total
+
+
+def parse_jsonl(source: Source) -> Iterator[RawRow]:
+    """Yields (row, record, None) or (row, None, raw bytes); blank lines are not rows."""
+    lines = [line for line in source.data.split(b"\n") if line.strip()]
+    for index, line in enumerate(lines):
+        try:
+            yield index, json.loads(line.decode("utf-8")), None
+        except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: absurdly nested JSON
+            yield index, None, line
+
+
+def parse_csv(source: Source) -> Iterator[RawRow]:
+    """Yields (row, record, None) or (row, None, raw values); a header row names the columns."""
+    # surrogateescape keeps going past bytes that are not UTF-8, so only the rows holding them are lost.
+    text = source.data.decode("utf-8", errors="surrogateescape")
+    for index, record in enumerate(csv.DictReader(io.StringIO(text, newline=""))):
+        values = [v for v in record.values() if isinstance(v, str)]
+        if any(not _is_utf8(v) for v in values):
+            yield index, None, [v.encode("utf-8", errors="surrogateescape") for v in values]
+        else:
+            yield index, record, None
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def parse_parquet(source: Source) -> Iterator[RawRow]:
+    try:
+        table = pq.read_table(io.BytesIO(source.data))
+    except (pa.ArrowException, OSError) as e:
+        raise StageFailure("data", f"data source {source.uri} is not a readable parquet file: {e}") from e
+    for index, record in enumerate(table.to_pylist()):
+        yield index, record, None
+
+
+def split_conversations(
+    data: DataConfig, shape: str, parsed: ParsedSources, drops: datahash.Drops
+) -> tuple[list[Conversation], list[Conversation], int]:
+    """(train conversations, eval conversations, rows read): the seeded split, or eval_source as the eval
+    split; then data.replay's rows added to the training split."""
+    convs, total = conversations(parsed.source, data, shape, drops, "source")
+    if parsed.eval_source is None:
+        keys = [c.split_key() for c in convs]
+        train_idx, eval_idx = datahash.split_indices(keys, data.eval_fraction, data.seed)
+        train, eval_convs = [convs[i] for i in train_idx], [convs[i] for i in eval_idx]
+    else:
+        eval_convs, eval_total = conversations(parsed.eval_source, data, shape, drops, "eval_source")
+        train, total = (
+            [convs[rank] for rank in datahash.rank_for_split([c.split_key() for c in convs], data.seed)],
+            total + eval_total,
+        )
+    if parsed.replay is None or data.replay is None:
+        return train, eval_convs, total
+    replay_convs, replay_total = conversations(parsed.replay, data, shape, drops, "replay")
+    if not replay_convs:
+        raise StageFailure(
+            FailureClass.data, f"data.replay.source {data.replay.source}: no usable rows (all {replay_total} dropped)"
+        )
+    extra = replayed(replay_convs, len(train), data.replay.share, data.seed)
+    log(f"replay: {len(extra)} rows from {len(replay_convs)} of {data.replay.source} join {len(train)} training rows")
+    return train + extra, eval_convs, total + replay_total
+
+
+def replayed(rows: list[Conversation], task_rows: int, share: float, seed: int) -> list[Conversation]:
+    """`rows` repeated to be `share` of a training split beside `task_rows` task rows: whole copies of the file,
+    then a seeded sample of it for the rest (training shuffles them in). Pure."""
+    want = round(task_rows * share / (1.0 - share))
+    copies, rest = divmod(want, len(rows))
+    sample = datahash.rank_for_split([c.split_key() for c in rows], seed)[:rest]
+    return rows * copies + [rows[i] for i in sample]
+
+
+def conversations(
+    parsed: Parsed, data: DataConfig, shape: str, drops: datahash.Drops, where: str
+) -> tuple[list[Conversation], int]:
+    rows, total = parsed
+    convs = []
+    fields = data.fields.model_dump()  # once, not per row: a pydantic dump costs about what checking a row does
+    for index, record in rows:
+        checked = check_record(record, data, shape, where, index, fields)
+        if isinstance(checked, str):
+            drops.add(checked, where, index, record)
+        else:
+            convs.append(checked)
+    return convs, total
+
+
+def check_record(
+    record: Any, data: DataConfig, shape: str, where: str, index: int, fields: dict[str, str | None]
+) -> Conversation | str:
+    """The row's conversation, read as the shape says, or the reason to drop the row (`fields`: data.fields dumped)."""
+    if shape == "messages":
+        reason, messages = shapes.check_messages(record, data.messages_column)
+        return reason or Conversation(where, index, {}, messages)
+    if shape == "template" and data.template is not None:
+        reason, parts = shapes.check_template_row(
+            record, data.template.prompt, data.template.response, data.fields.system
+        )
+    else:
+        reason, parts = datahash.check_row(record, fields)
+    return reason or Conversation(where, index, parts)

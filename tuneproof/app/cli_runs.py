@@ -1,0 +1,150 @@
+"""`tuneproof runs list | show RUN | diff A B`: the run records, read back.
+
+    tuneproof runs list [--json] | show RUN [--json] | diff A B [--json]
+
+A command group of the CLI (tuneproof/app/cli.py adds `runs_app`); reads records from storage with
+tuneproof/control/record.py and never imports Prefect. An absent or unreadable record is exit 1.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from tuneproof.app.cli_common import (
+    ConfigOpt,
+    SetOpt,
+    config_or_exit,
+    console,
+    err,
+    group,
+    slug_arg,
+    storage_for,
+    summary_unreadable,
+)
+from tuneproof.app.terminal import say
+
+runs_app = group("Read run records.")
+
+
+@runs_app.command("list")
+def runs_list(
+    as_json: bool = typer.Option(False, "--json"), config: Path | None = ConfigOpt, sets: list[str] = SetOpt
+) -> None:
+    """Runs, newest first."""
+    from tuneproof.control import record
+
+    storage = storage_for(config, sets)
+    rows = record.list_rows(storage)
+    for row in rows:
+        if row.status == "running":
+            row.status, row.cause = shown_status(storage, row.run_id, row.status, row.cause)
+    if as_json:
+        print(json.dumps([r.model_dump() for r in rows], indent=2))
+        return
+    from tuneproof.app.terminal import whole_table
+
+    cells = [
+        [r.run_id, (r.created_at or "")[:16].replace("T", " "), r.status, r.failure_class or "", r.cause or ""]
+        for r in rows
+    ]
+    console.print(whole_table(["run", "created", "status", "failure", "cause"], cells, keep=("run",)))
+
+
+def shown_status(storage: Any, run_id: str, status: str, cause: str | None) -> tuple[str, str | None]:
+    """A record left "running" by a writer that died (kill -9, a lost machine) has no live lease: show it
+    crashed. Readers never rewrite the record; the next flow on the run takes the stale lease over."""
+    from tuneproof.control import lease
+
+    if status != "running":
+        return status, cause
+    try:
+        _, why = lease.stale(storage, run_id)
+    except OSError as e:  # this run's lease cannot be read: say so on its row, and list the others
+        return status, f"{cause or ''} (its lease cannot be read: {e.strerror or e})".strip()
+    if why is None:
+        return status, cause
+    return "crashed", f"its writer is gone ({why}); the record was left running"
+
+
+@runs_app.command("show")
+def runs_show(
+    run_id: str = typer.Argument(..., callback=slug_arg("run id")),
+    as_json: bool = typer.Option(False, "--json"),
+    config: Path | None = ConfigOpt,
+    sets: list[str] = SetOpt,
+) -> None:
+    """One run's record."""
+    from tuneproof.control import record
+
+    storage = storage_for(config, sets)
+    try:
+        rec = record.load(storage, run_id)
+    except (FileNotFoundError, record.RecordUnreadable) as e:
+        say(err, e)
+        raise typer.Exit(1) from None
+    rec.status, rec.cause = shown_status(storage, run_id, rec.status, rec.cause)  # type: ignore[assignment]
+    if as_json:
+        print(json.dumps(rec.to_json(), indent=2))
+        return
+    from pydantic import ValidationError
+
+    from tuneproof.app.terminal import print_record
+
+    try:
+        print_record(rec, console)
+    except ValidationError as e:
+        raise typer.Exit(summary_unreadable(run_id, e)) from None
+    print_cost(rec, config_or_exit(config, sets).cost.prices)
+
+
+def print_cost(rec: Any, prices: dict[str, float]) -> None:
+    """What the run cost, stage by stage (superseded attempts included): resource-seconds and money."""
+    from tuneproof.app.terminal import whole_table
+    from tuneproof.control.cost import run_cost, seconds_line
+
+    run = run_cost(rec, prices)
+    cells = [
+        [
+            s.stage + (" (superseded)" if s.superseded else ""),
+            f"{s.seconds:.1f}",
+            seconds_line(s.resource_seconds, s.money),
+        ]
+        for s in run.stages
+    ]
+    console.print(whole_table(["stage", "wall s", "resource-seconds"], cells, keep=("stage",)))
+    console.print(f"cost: {seconds_line(run.resource_seconds, run.money)}; fine-tune steps paid for: {run.steps}")
+
+
+@runs_app.command("diff")
+def runs_diff(
+    run_a: str = typer.Argument(..., callback=slug_arg("run id")),
+    run_b: str = typer.Argument(..., callback=slug_arg("run id")),
+    as_json: bool = typer.Option(False, "--json"),
+    config: Path | None = ConfigOpt,
+    sets: list[str] = SetOpt,
+) -> None:
+    """What changed between two runs: identity, config fields, and metric deltas."""
+    from tuneproof.app.rundiff import diff_records, render_diff
+    from tuneproof.control import record
+
+    storage = storage_for(config, sets)
+    try:
+        a, b = record.load(storage, run_a), record.load(storage, run_b)
+    except (FileNotFoundError, record.RecordUnreadable) as e:
+        say(err, e)
+        raise typer.Exit(1) from None
+    from pydantic import ValidationError
+
+    try:
+        result = diff_records(a, b)
+    except ValidationError as e:
+        raise typer.Exit(summary_unreadable(f"{run_a} or {run_b}", e)) from None
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        for line in render_diff(result).splitlines():
+            say(console, line)

@@ -1,0 +1,99 @@
+"""What every config section is built on: the Strict base model, the upper bounds, the reads hook.
+
+Imported by each section module (tuneproof/core/config_*.py) and by whatever records the settings a stage
+reads (`reads_recorded`: training/jobkit.py, flows/pipeline.py); tuneproof.core.config_reads keeps the
+reads. Runs on both sides (Prefect and inside Ray jobs): it imports only pydantic and the core, which the published
+Ray image has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from tuneproof.core import config_reads
+
+# Upper bounds: far above any real run, low enough that a typo (an extra digit, a pasted byte count)
+# is refused at submission instead of hanging a cluster or allocating the impossible.
+MAX_STEPS = 10_000_000
+
+
+MAX_SEED = 2**32 - 1
+"""numpy's seeds are 0..2**32-1; torch's accept less than Python's ints: a negative seed failed the fine-tune."""
+
+
+MAX_BATCH = 65_536
+
+
+MAX_SEQ_LEN = 1_048_576
+
+
+MAX_WORKERS = 4_096
+
+
+MAX_EXAMPLES = 10_000_000
+
+
+MAX_TIMEOUT_S = 7 * 24 * 3600
+
+
+MAX_ITERS = 100_000
+PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+"""Ray Train's switch for the watcher that raises preemption notices (train.checkpoint_on_preemption)."""
+
+
+MAX_LORA_RANK = 4_096
+
+
+MAX_LORA_ALPHA = 65_536
+
+
+MAX_MODULE_NAMES = 256
+
+
+class Strict(BaseModel):
+    """Base for config sections: unknown keys are errors, assignments re-validate."""
+
+    # allow_inf_nan=False: a NaN or inf threshold, tolerance or rate makes every comparison it enters meaningless.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    # A section dumped whole is read whole (tuneproof.core.config_reads); single reads are noted by
+    # _noting_getattribute, installed only while a stage is recorded.
+    def model_dump(self, **kwargs: Any) -> dict[str, Any]:
+        if config_reads.ACTIVE.recorder is not None:
+            config_reads.ACTIVE.recorder.note_whole(self)
+        return super().model_dump(**kwargs)
+
+    def model_dump_json(self, **kwargs: Any) -> str:
+        if config_reads.ACTIVE.recorder is not None:
+            config_reads.ACTIVE.recorder.note_whole(self)
+        return super().model_dump_json(**kwargs)
+
+
+def _noting_getattribute(self: Strict, name: str) -> Any:
+    value = object.__getattribute__(self, name)
+    recorder = config_reads.ACTIVE.recorder
+    if recorder is not None and name[0] != "_":
+        recorder.note(self, name, value)
+    return value
+
+
+@contextmanager
+def reads_recorded(cfg: BaseModel) -> Iterator[set[str]]:
+    """The settings of `cfg` read inside the block (this process, any thread), as dotted paths.
+
+    The attribute hook is installed on the config classes only for the block, so code that runs
+    unrecorded (a Prefect process, an encoding actor's hot loop) pays nothing for it.
+    """
+    installed = "__getattribute__" not in Strict.__dict__
+    with config_reads.recording(cfg) as reads:
+        if installed:
+            setattr(Strict, "__getattribute__", _noting_getattribute)  # noqa: B010 - a slot, set for the block
+        try:
+            yield reads
+        finally:
+            if installed:
+                delattr(Strict, "__getattribute__")

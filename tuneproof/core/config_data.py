@@ -1,0 +1,112 @@
+"""The `data` section of the config: what the data stage reads and how it turns rows into examples.
+
+DataConfig (with FieldMap, PromptTemplate and ReplayConfig) is PipelineConfig.data
+(tuneproof/core/config.py); the data stage (training/data_prep.py and its modules) reads it, the
+fine-tune and evaluate stages read max_seq_len and the shape facts. Runs on both sides (Prefect and inside Ray jobs): it imports only pydantic and the core, which the published
+Ray image has.
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from tuneproof.core.config_base import MAX_EXAMPLES, MAX_SEED, MAX_SEQ_LEN, Strict
+from tuneproof.core.names import check_slug
+
+
+class FieldMap(Strict):
+    """Which source columns hold the conversation parts."""
+
+    prompt: str = "input"
+    response: str = "output"
+    system: str | None = None
+
+
+class PromptTemplate(Strict):
+    """The prompt of data.shape template: named columns laid into a text, e.g. an instruction and an optional input."""
+
+    prompt: str
+    """A format string over column names, e.g. "{instruction}\n\n{input}". A line, or a paragraph (lines
+    between blank lines), whose columns are all empty (or null) is left out, so an optional column leaves
+    no stray header or blank line behind."""
+    response: str = "output"
+    """The column holding the response."""
+
+    @field_validator("prompt")
+    @classmethod
+    def _named_columns(cls, v: str) -> str:
+        try:
+            names = [name for _, name, _, _ in string.Formatter().parse(v) if name is not None]
+        except ValueError as e:
+            raise ValueError(
+                f"prompt is not a valid format string ({e}); write columns as {{name}}, braces as {{{{ }}}}"
+            ) from e
+        bad = [n for n in names if not n.isidentifier()]
+        if not names or bad:
+            raise ValueError("prompt must name at least one column as {column} (plain names, no index or attribute)")
+        return v
+
+
+class ReplayConfig(Strict):
+    """Rows of what the base already knows, mixed into the training split so a full fine-tune keeps it."""
+
+    source: str
+    """A file of the task's format, shape and fields (local or s3://): its rows join the training split only,
+    never the eval split, and it is hashed into the dataset's identity."""
+    share: float = Field(gt=0.0, lt=1.0)
+    """Fraction of the training split's rows that are replayed rows, >0..<1: the file's rows are repeated
+    (whole, then a seeded sample) to reach it, and training shuffles them in with the task's."""
+
+
+class DataConfig(Strict):
+    name: str = "dates"
+    """Dataset name: the folder under datasets/ (a slug, see tuneproof.core.names)."""
+    source: str = "data/dates/dates.jsonl"
+    """JSONL, CSV or parquet file (local or s3://), or hf://<dataset>[:split] where a hub is reachable."""
+    format: Literal["auto", "jsonl", "csv", "parquet", "hf"] = "auto"
+    """The file format; what the rows hold is `shape`."""
+    shape: Literal["auto", "columns", "template", "messages"] = "auto"
+    """columns: fields.prompt -> fields.response. template: `template` over named columns. messages: a
+    list of {role, content} turns in `messages_column`, rendered with the model's chat template. auto:
+    messages when the first row's `messages_column` is a list, else template when `template` is set, else columns."""
+    messages_column: str = "messages"
+    loss_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
+    """messages: which assistant turns the loss covers; evaluation always answers the last one."""
+    template: PromptTemplate | None = None
+    eval_source: str | None = None
+    """Separate held-out file; None splits the source."""
+    replay: ReplayConfig | None = None
+    """Rows mixed into the training split against forgetting (the bundled demo replays the base's skills)."""
+    fields: FieldMap = FieldMap()
+    system_prompt: str | None = None
+    """Used when fields.system is None; None sends no system turn (the tiny demo model learns the task
+    in 400 steps without one, in about 1000 with a constant system prompt)."""
+    max_seq_len: int = Field(64, ge=8, le=MAX_SEQ_LEN)
+    """Tokens per example, 8..1,048,576."""
+    overflow: Literal["drop", "truncate", "pack"] = "drop"
+    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
+    max_dropped_fraction: float = Field(0.05, ge=0.0, le=1.0)
+    """Fail the stage as a data failure when more rows than this are malformed."""
+    max_contamination: float = Field(0.0, ge=0.0, le=1.0)
+    """Largest share of eval items that may repeat the training split (normalised exact match or a shared
+    13-word n-gram); above it the data stage fails as a data failure naming the items. 0: none may."""
+    shard_rows: int = Field(4096, ge=1, le=MAX_EXAMPLES)
+
+    @field_validator("name")
+    @classmethod
+    def _slug(cls, v: str) -> str:
+        return check_slug("dataset name", v)
+
+    @model_validator(mode="after")
+    def _template_matches_shape(self) -> DataConfig:
+        if self.shape == "template" and self.template is None:
+            raise ValueError("template: shape template needs template.prompt (and template.response), got none")
+        if self.shape in ("columns", "messages") and self.template is not None:
+            raise ValueError(
+                f"template is set but shape is {self.shape!r}: set shape to template (or auto), or drop template"
+            )
+        return self
