@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -26,6 +26,10 @@ from tuneproof.app.cli_common import (
     summary_unreadable,
 )
 from tuneproof.app.terminal import say
+
+if TYPE_CHECKING:
+    from tuneproof.control.record import RunRecord
+    from tuneproof.core.storage import Storage
 
 runs_app = group("Read run records.")
 
@@ -78,14 +82,9 @@ def runs_show(
     sets: list[str] = SetOpt,
 ) -> None:
     """One run's record."""
-    from tuneproof.control import record
 
     storage = storage_for(config, sets)
-    try:
-        rec = record.load(storage, run_id)
-    except (FileNotFoundError, record.RecordUnreadable) as e:
-        say(err, e)
-        raise typer.Exit(1) from None
+    rec = record_or_exit(storage, run_id)
     rec.status, rec.cause = shown_status(storage, run_id, rec.status, rec.cause)  # type: ignore[assignment]
     if as_json:
         print(json.dumps(rec.to_json(), indent=2))
@@ -119,6 +118,17 @@ def print_cost(rec: Any, prices: dict[str, float]) -> None:
     console.print(f"cost: {seconds_line(run.resource_seconds, run.money)}; fine-tune steps paid for: {run.steps}")
 
 
+def record_or_exit(storage: Storage, run_id: str) -> RunRecord:
+    """The run's record, or exit 1 with one line naming why it cannot be read."""
+    from tuneproof.control import record
+
+    try:
+        return record.load(storage, run_id)
+    except (FileNotFoundError, record.RecordUnreadable) as e:
+        say(err, e)
+        raise typer.Exit(1) from None
+
+
 @runs_app.command("diff")
 def runs_diff(
     run_a: str = typer.Argument(..., callback=slug_arg("run id")),
@@ -129,14 +139,9 @@ def runs_diff(
 ) -> None:
     """What changed between two runs: identity, config fields, and metric deltas."""
     from tuneproof.app.rundiff import diff_records, render_diff
-    from tuneproof.control import record
 
     storage = storage_for(config, sets)
-    try:
-        a, b = record.load(storage, run_a), record.load(storage, run_b)
-    except (FileNotFoundError, record.RecordUnreadable) as e:
-        say(err, e)
-        raise typer.Exit(1) from None
+    a, b = record_or_exit(storage, run_a), record_or_exit(storage, run_b)
     from pydantic import ValidationError
 
     try:
