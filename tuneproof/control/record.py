@@ -28,6 +28,7 @@ from tuneproof.core.files import FileRefused, read_stored
 from tuneproof.core.results import FailureClass, JsonDict, Model, StageResult, now_iso, one_line
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import ClusterFacts, Summary
+from tuneproof.core.summaries_data import DataIdentity
 from tuneproof.core.summaries_eval import PromoteSummary
 
 RECORD = "record.json"
@@ -63,13 +64,6 @@ class RuntimeEnvAdditions(Model):
         names (never their values)."""
         env = cfg.runtime_env
         return cls(pip=cfg.job_pip(module), env_vars=dict(env.env_vars), forwarded_env=list(env.forward_env))
-
-
-class DataIdentity(Model):
-    dataset_path: str | None = None
-    dataset_uri: str | None = None
-    content_hash: str | None = None
-    cache_hit: bool | None = None
 
 
 class JobEntry(Model):

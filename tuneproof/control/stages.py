@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from tuneproof.control import registry
-from tuneproof.control.record import DataIdentity, RunRecord, StageEntry, StageInputs, json_schema
+from tuneproof.control.record import RunRecord, StageEntry, StageInputs, json_schema
 from tuneproof.core import config_reads
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.config_cluster import Timeouts
@@ -29,7 +29,7 @@ from tuneproof.core.hashing import sha256_json
 from tuneproof.core.results import FailureClass
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import ConnectivitySummary, Summary, VerifySummary
-from tuneproof.core.summaries_data import DataSummary
+from tuneproof.core.summaries_data import DataIdentity, DataSummary
 from tuneproof.core.summaries_eval import ROLES, EvaluateSummary, PromoteSummary
 from tuneproof.core.summaries_training import FinetuneSummary, ResumeSummary
 
@@ -147,9 +147,8 @@ def data_evidence(s: DataSummary) -> str:
 
 def lift_data(record: RunRecord, s: DataSummary) -> None:
     if s.content_hash:
-        record.data = DataIdentity(
-            dataset_path=s.dataset_path, dataset_uri=s.dataset_uri, content_hash=s.content_hash, cache_hit=s.cache_hit
-        )
+        # Its identity fields only: a DataSummary is a DataIdentity, but the record keeps no more than these.
+        record.data = DataIdentity(**s.model_dump(include=set(DataIdentity.model_fields)))
 
 
 def finetune_evidence(s: FinetuneSummary) -> str:

@@ -1,4 +1,5 @@
-"""What the data stage proves, as typed data: DataSummary and the dataset manifest it carries.
+"""What the data stage proves, as typed data: DataSummary, the DataIdentity it begins with and the dataset
+manifest it carries.
 
 training/data_prep.py builds them (the manifest is also written as the dataset's manifest.json, and
 training/data_files.py reads it back); the fine-tune, evaluate and resume stages, the record, the CLI and
@@ -98,12 +99,21 @@ class SuiteFile(Summary):
     contamination: Contamination
 
 
-class DataSummary(Summary):
+class DataIdentity(Summary):
+    """Which dataset a run trained and evaluated on: the data stage's summary begins with it, and the run record
+    keeps it at its top level (lifted from the latest succeeded data stage)."""
+
     dataset_path: str | None = None
     """Storage path datasets/<name>/<hash>; None when the stage failed before writing one."""
     dataset_uri: str | None = None
     content_hash: str | None = None
+    cache_hit: bool | None = None
+    """None only in records of the first release, which did not always say."""
+
+
+class DataSummary(DataIdentity):
     cache_hit: bool = False
+    """The stage always knows whether it reused a cached dataset."""
     manifest: DatasetManifest | None = None
     total_rows: int | None = None
     """Rows read; with `dropped`, the evidence of a data failure that left no manifest."""
