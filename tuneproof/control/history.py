@@ -19,9 +19,10 @@ import json
 from datetime import UTC, datetime
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from tuneproof.core import cas
+from tuneproof.core.results import Model
 from tuneproof.core.storage import Storage
 
 MODELS = "models"
@@ -30,10 +31,8 @@ HISTORY = "history"
 MoveKind = Literal["promote", "forced-promote", "rollback"]
 
 
-class Move(BaseModel):
+class Move(Model):
     """One move of the production pointer: from which version to which, who, when and why."""
-
-    model_config = ConfigDict(extra="forbid")
 
     seq: int
     """1 for the model's first recorded move, one more for each later move."""
@@ -59,10 +58,8 @@ class Move(BaseModel):
         )
 
 
-class MoveIntent(BaseModel):
+class MoveIntent(Model):
     """What a mover says about its move before it knows its sequence number."""
-
-    model_config = ConfigDict(extra="forbid")
 
     kind: MoveKind
     by: str

@@ -27,10 +27,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypedDict, Unpack
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator
 
 from tuneproof.core.files import FileRefused, read_regular, read_s3_body
-from tuneproof.core.results import now_iso
+from tuneproof.core.results import Model, now_iso
 from tuneproof.core.storage import Storage, boto_config, split_s3
 
 LEASE = "lease.json"
@@ -42,10 +42,8 @@ DEFAULT_TTL_S = 120.0
 """A holder that has not renewed for this long is presumed dead (the heartbeat renews every ttl/4)."""
 
 
-class LeaseInfo(BaseModel):
+class LeaseInfo(Model):
     """Who holds a run: enough to find the process, and to tell a live holder from a dead one."""
-
-    model_config = ConfigDict(extra="forbid")
 
     run_id: str
     holder: str

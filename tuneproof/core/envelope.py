@@ -12,18 +12,17 @@ import json
 import math
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from tuneproof.core.config import PipelineConfig
+from tuneproof.core.results import Model
 
 ENV_VAR = "TUNEPROOF_JOB"
 PROGRESS_PREFIX = "TUNEPROOF_PROGRESS "
 
 
-class JobEnvelope(BaseModel):
+class JobEnvelope(Model):
     """What a stage job is told: which run, which job (its result folder), the config, its params."""
-
-    model_config = ConfigDict(extra="forbid")
 
     run_id: str
     job: str

@@ -21,6 +21,7 @@ from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict
 
+from tuneproof.core.results import Model
 from tuneproof.core.storage import Storage
 
 EXPORT_MANIFEST = "tuneproof-export.json"
@@ -43,10 +44,8 @@ Digests = dict[str, FileDigest]
 """Relative path -> size and sha256."""
 
 
-class ExportManifest(BaseModel):
+class ExportManifest(Model):
     """runs/<run>/model*/tuneproof-export.json: the export's content and where it came from."""
-
-    model_config = ConfigDict(extra="forbid")
 
     content_sha256: str
     files: Digests

@@ -17,7 +17,8 @@ JsonDict = dict[str, Any]
 
 
 class Model(BaseModel):
-    """Base of the control plane's stored documents: strict, so a field it does not know is an error, not dropped."""
+    """Base of the stored and exchanged documents (records, manifests, leases, job envelopes and results): strict,
+    so a field it does not know is an error, not dropped."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -49,10 +50,8 @@ class StageFailure(Exception):
         super().__init__(f"{self.failure_class.value}: {self.cause}")
 
 
-class StageResult(BaseModel):
+class StageResult(Model):
     """What a job leaves at runs/<run>/stages/<job>/result.json, whatever happened to it."""
-
-    model_config = ConfigDict(extra="forbid")
 
     stage: str
     """The job's name (its result folder), e.g. 'finetune' or 'resume-t1'."""
