@@ -106,9 +106,6 @@ class Comparison(Model):
     loss_curves: dict[str, list[tuple[int, float | None]]] = {}
     """Fine-tune loss curves by run id, for the overlaid plot."""
 
-    def to_json(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
-
 
 def interleaved(repeats: int) -> list[tuple[Arm, int]]:
     """A1 B1 A2 B2 …: each repeat runs both arms back to back."""

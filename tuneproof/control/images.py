@@ -143,9 +143,6 @@ class Decision(Model):
     flow_run_id: str | None = None
     flow_run_name: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
-
 
 class Pointer(Model):
     decision_id: str

@@ -280,9 +280,6 @@ class RunRecord(Model):
         entry = self.stages.get(stage)
         return entry is not None and entry.ok
 
-    def to_json(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
-
 
 def make_run_id() -> str:
     """Sortable and unique: UTC time plus random bytes."""

@@ -22,6 +22,9 @@ class Model(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
 
 class FailureClass(str, Enum):
     infrastructure = "infrastructure"

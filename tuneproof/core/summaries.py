@@ -18,18 +18,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
-
 from tuneproof.core.findings import Finding
+from tuneproof.core.results import Model
 
 
-class Summary(BaseModel):
-    """Base of every stage summary: strict, and JSON-ready with `to_json()`."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    def to_json(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+class Summary(Model):
+    """Base of every stage summary: strict, and JSON-ready with `to_json()` (core.results.Model)."""
 
 
 # ---- shared pieces ---------------------------------------------------------------------------
