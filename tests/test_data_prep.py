@@ -65,6 +65,14 @@ def prepare(cfg: PipelineConfig) -> dict:
     return prepare_data(JobContext("run-1", "data", cfg)).to_json()
 
 
+def data_failure(cfg: PipelineConfig) -> StageFailure:
+    """The failure the stage raises for `cfg`, asserted to be in the data class; the caller checks its words."""
+    with pytest.raises(StageFailure) as info:
+        prepare(cfg)
+    assert info.value.failure_class is FailureClass.data
+    return info.value
+
+
 def write_jsonl(path: Path, rows: list, raw_lines: Sequence[bytes] = ()) -> Path:
     lines = [json.dumps(r).encode() for r in rows] + list(raw_lines)
     path.write_bytes(b"\n".join(lines) + b"\n")
@@ -420,10 +428,7 @@ def malformed_rows(n_each: int) -> tuple[list[dict], list[bytes]]:
 def test_thirty_percent_malformed_is_a_data_failure_with_counts(tmp_path, tiny_dir):
     bad, raw = malformed_rows(6)
     source = write_jsonl(tmp_path / "bad.jsonl", DATES[:70] + bad, raw)
-    with pytest.raises(StageFailure) as info:
-        prepare(config(tmp_path / "store", tiny_dir, source))
-    failure = info.value
-    assert failure.failure_class is FailureClass.data
+    failure = data_failure(config(tmp_path / "store", tiny_dir, source))
     assert failure.cause == (
         "30.0% of rows malformed (limit 5.0%): undecodable=6, wrong_type=6, missing_field=6, "
         "empty=6, too_long=6 of 100 rows"
@@ -638,10 +643,7 @@ def test_an_eval_file_that_repeats_training_rows_is_refused_naming_the_overlap(t
     reformatted = [{"input": DATES[7]["input"].upper() + " ", "output": DATES[7]["output"].replace("-", " - ")}]
     eval_src = write_jsonl(tmp_path / "eval.jsonl", DATES[60:67] + verbatim + reformatted)
     cfg = config(tmp_path / "store", tiny_dir, write_jsonl(tmp_path / "train.jsonl", train), eval_source=str(eval_src))
-    with pytest.raises(StageFailure) as info:
-        prepare(cfg)
-    failure = info.value
-    assert failure.failure_class is FailureClass.data
+    failure = data_failure(cfg)
     assert failure.cause == (
         "eval split overlaps the training split: 3 of 10 eval items (30.0%; 3 normalised exact matches, the rest a "
         "shared 13-word n-gram) > data.max_contamination 0: eval_source:7, eval_source:8, eval_source:9"
@@ -680,10 +682,9 @@ def test_a_suite_the_training_split_repeats_is_a_data_failure_also_on_a_cache_hi
     assert (suite["name"], suite["items"], suite["contamination"]["overlapping"]) == ("clean", 1, 0)
     assert suite["sha256"] == datahash.sha256_bytes(clean.read_bytes())
     cfg.eval.suites = {"leaked": SuiteConfig(source=str(leaked))}
-    with pytest.raises(StageFailure) as info:
-        prepare(cfg)
-    assert info.value.failure_class is FailureClass.data
-    assert info.value.cause.startswith(f"suite leaked ({leaked}) overlaps the training split: 90 of 100 eval items")
+    assert data_failure(cfg).cause.startswith(
+        f"suite leaked ({leaked}) overlaps the training split: 90 of 100 eval items"
+    )
 
 
 def test_replayed_rows_join_the_training_split_at_their_share_and_are_checked_like_it(tmp_path, tiny_dir):

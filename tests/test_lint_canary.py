@@ -55,9 +55,7 @@ def test_the_canary_role_writes_nothing_but_create_and_delete_on_rayclusters(pro
         role["rules"][1]["verbs"].append("create")  # start any pod
         role["rules"].append({"apiGroups": ["*"], "resources": ["*"], "verbs": ["delete"]})
 
-    edit(deploy(project, "canary.yaml"), in_canary_role(widen))
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_fails(project, capsys, "canary.yaml", in_canary_role(widen))
     expected = "expected 'create and delete on ray.io rayclusters, read verbs elsewhere'"
     assert f"Role/tuneproof-canary: rules[0].verbs is ['patch', 'update'], {expected}" in out
     assert f"Role/tuneproof-canary: rules[1].verbs is ['create'], {expected}" in out
@@ -73,9 +71,7 @@ def test_the_pipeline_account_stays_read_only(project, capsys):
                 {"kind": "ServiceAccount", "name": "tuneproof-pipeline", "namespace": "tuneproof"}
             )
 
-    edit(deploy(project, "canary.yaml"), also_pipeline)
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_fails(project, capsys, "canary.yaml", also_pipeline)
     assert "Role/tuneproof-canary: rules[0].verbs is ['create', 'delete'], expected ['get', 'list', 'watch']" in out
     assert "bound to tuneproof-pipeline" in out and "the pipeline only reads the cluster" in out
 
@@ -87,9 +83,7 @@ def test_the_canary_role_grants_every_call_the_canary_makes(project, capsys):
         if doc.get("kind") == "ClusterRoleBinding":  # the nodes and ResourceSlices verify reads
             doc["subjects"][0]["name"] = "someone-else"
 
-    edit(deploy(project, "canary.yaml"), narrow)
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_fails(project, capsys, "canary.yaml", narrow)
     assert (
         f"{CANARY_TEMPLATE}: Prefect base job template: roles bound to tuneproof-canary is \"missing ['delete "
         "rayclusters.ray.io', 'get nodes', 'list nodes', 'get resourceslices.resource.k8s.io', 'list "
@@ -151,9 +145,7 @@ def test_the_canary_template_is_the_pipelines_but_for_the_account(project, capsy
         template_pod(template)["containers"][0]["securityContext"]["allowPrivilegeEscalation"] = True
         template["variables"]["properties"]["memory_limit"]["default"] = "64Gi"
 
-    edit(deploy(project, CANARY_TEMPLATE), drift)
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_fails(project, capsys, CANARY_TEMPLATE, drift)
     assert (
         f"{CANARY_TEMPLATE}: Prefect base job template: differences from {project}/deployments/{TEMPLATE} is "
         "['job_configuration.job_manifest.spec.template.spec.containers[0].securityContext.allowPrivilegeEscalation', "
@@ -182,9 +174,7 @@ def test_the_admission_policy_holds_each_worker_to_its_pools_account(project, ca
             "[request.userInfo.username]"
         )
 
-    edit(deploy(project, "flow-run-admission.yaml"), in_admission_policy(cross))
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_fails(project, capsys, "flow-run-admission.yaml", in_admission_policy(cross))
     assert (
         "ValidatingAdmissionPolicy/tuneproof-flow-run-jobs: "
         f"spec.variables[{PIPELINE_WORKER}] is 'tuneproof-canary', expected 'tuneproof-pipeline'"
@@ -197,9 +187,7 @@ def test_a_table_no_validation_reads_holds_nothing(project, capsys):
     def unread(policy):
         policy["spec"]["validations"][0]["expression"] = "has(variables.pod.serviceAccountName)"
 
-    edit(deploy(project, "flow-run-admission.yaml"), in_admission_policy(unread))
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_fails(project, capsys, "flow-run-admission.yaml", in_admission_policy(unread))
     assert "spec.validations is 'no use of variables.account', expected 'tuneproof-pipeline'" in out
     assert "spec.validations is 'no use of variables.account', expected 'tuneproof-canary'" in out
 
@@ -208,9 +196,7 @@ def test_the_canary_workers_jobs_must_be_matched_by_the_policy(project, capsys):
     def pipeline_worker_only(policy):
         policy["spec"]["matchConditions"][0]["expression"] = f"request.userInfo.username == '{PIPELINE_WORKER}'"
 
-    edit(deploy(project, "flow-run-admission.yaml"), in_admission_policy(pipeline_worker_only))
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_fails(project, capsys, "flow-run-admission.yaml", in_admission_policy(pipeline_worker_only))
     assert (
         f"{CANARY_TEMPLATE}: Prefect base job template: ValidatingAdmissionPolicy for the worker's Jobs is None, "
         f"expected 'a policy bound with validationActions [Deny] matching batch/v1 jobs CREATE by {CANARY_WORKER}'"
@@ -222,9 +208,7 @@ def test_a_worker_account_shared_by_two_pools_is_an_error(project, capsys):
         if doc.get("kind") == "Deployment":
             doc["spec"]["template"]["spec"]["serviceAccountName"] = "prefect-worker"
 
-    edit(deploy(project, "canary.yaml"), share)
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_fails(project, capsys, "canary.yaml", share)
     assert (
         f"workers polling tuneproof-eks-canary is \"{PIPELINE_WORKER} polls ['tuneproof-eks', "
         "'tuneproof-eks-canary']\", expected 'one service account per worker, each polling one pool'"
@@ -261,14 +245,14 @@ def in_canary_cluster_policy(change):
 
 
 def test_the_canarys_rayclusters_are_held_by_an_admission_policy(project, capsys):
-    edit(
-        deploy(project, "canary.yaml"),
+    out = lint_fails(
+        project,
+        capsys,
+        "canary.yaml",
         in_canary_cluster_policy(
             lambda p: p["spec"]["matchConstraints"]["resourceRules"][0].update(operations=["CREATE"])
         ),
     )
-    code, out = lint(project, capsys)
-    assert code == 1
     assert (
         f"{CANARY_TEMPLATE}: Prefect base job template: ValidatingAdmissionPolicy for the canary's RayClusters is None, "
         "expected 'a policy bound with validationActions [Deny] matching ray.io rayclusters CREATE and DELETE by "
@@ -284,9 +268,7 @@ def test_the_canary_cluster_policy_holds_the_canary_to_its_own_identity(project,
                 v["expression"].replace("'tuneproof-canary-ray'", "'default'").replace("'tuneproof-canary-'", "'t'")
             )
 
-    edit(deploy(project, "canary.yaml"), in_canary_cluster_policy(loosen))
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_fails(project, capsys, "canary.yaml", in_canary_cluster_policy(loosen))
     policy = "ValidatingAdmissionPolicy/tuneproof-canary-rayclusters: spec.validations"
     assert f"{policy} is \"no expression naming 'tuneproof-canary-'\", expected 'tuneproof-canary-'" in out
     assert f"{policy} is \"no expression naming 'tuneproof-canary-ray'\", expected 'tuneproof-canary-ray'" in out
