@@ -202,21 +202,41 @@ def demo_env(ray_head, tmp_path_factory) -> DemoEnv:
 
 
 @pytest.fixture(scope="session")
-def finished_run(prefect_server, demo_env, tmp_path_factory):
-    """The whole pipeline once, as run id 'demo' (about two minutes on 2 cores), shared by the session.
+def demo_run_started(prefect_server, demo_env, tmp_path_factory):
+    """The whole pipeline as run id 'demo' (about two minutes on 2 cores), started as `tuneproof run` in a
+    subprocess, as a user starts it, and left to train while other tests run (`start_shared_run`)."""
+    log = tmp_path_factory.mktemp("demo-log") / "tuneproof-run.log"
+    env = {**os.environ, "PREFECT_API_URL": f"{prefect_server}/api", "PREFECT_UI_API_URL": f"{prefect_server}/api"}
+    command = [sys.executable, "-m", "tuneproof.app.cli", "run", "--run-id", "demo", *demo_env.args]
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, cwd=PROJECT_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        yield proc, log
+    finally:
+        if proc.poll() is None:  # the session ended before any test waited for it
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def start_shared_run(request):
+    """Start the shared demo run at the session's first test when a collected test needs it: the unit tests
+    run first (pytest_collection_modifyitems) and leave a core idle, which the run's stages fill."""
+    if any("finished_run" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("demo_run_started")
+
+
+@pytest.fixture(scope="session")
+def finished_run(demo_run_started, demo_env, tmp_path_factory):
+    """The whole demo run, finished (it exited 0), shared by the session.
 
     Its storage root is copied as it stood when the run finished; tests that change a run take a
     copy of that (`clone_run`) so that no test sees another's changes.
     """
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     from tuneproof.control import record as records
 
-    # The session's server by name: the first test to ask for this run may sit in a module whose own
-    # test harness is the innermost Prefect setting, and a run reported there is gone with that module.
-    with temporary_settings({PREFECT_API_URL: f"{prefect_server}/api"}):
-        result = tuneproof("run", "--run-id", "demo", *demo_env.args)
-    assert result.exit_code == 0, result.output
+    proc, log = demo_run_started
+    assert proc.wait(timeout=1800) == 0, log.read_text()[-8000:]
     pristine = tmp_path_factory.mktemp("demo-pristine")
     shutil.copytree(demo_env.root / "storage", pristine / "storage", symlinks=True)
     return FinishedRun(records.load(demo_env.storage, "demo"), pristine)
@@ -249,6 +269,8 @@ def clone_run(finished_run, demo_env, tmp_path) -> DemoEnv:
 def pytest_collection_modifyitems(config, items):
     """Fault-injection tests (marker `faults`, about ten minutes) run only when `-m` names them
     (`make faults`, `pytest -m faults`): the default run deselects them, it does not skip them."""
+    # Unit tests first (a stable sort keeps each group's order): the shared demo run trains beside them.
+    items.sort(key=lambda item: any(item.get_closest_marker(m) for m in ("integration", "browser")))
     if "faults" in (config.getoption("markexpr") or ""):
         return
     deselected = [item for item in items if item.get_closest_marker("faults") is not None]

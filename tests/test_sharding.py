@@ -219,9 +219,9 @@ def test_a_checkpoint_saved_under_full_loads_under_hybrid_exactly(four_ranks):
 
 @pytest.fixture(scope="module")
 def reshard_runs(ray_cluster, tmp_path_factory):
-    """Three fine-tunes of the tiny Qwen2 on one storage root, each continuing the one before:
-    saved (2 workers, full, steps 1-6), wider (4 workers, full, from saved's step 2, to step 4),
-    hybrid (4 workers, hybrid 2 x 2, from wider's step 4, to step 6)."""
+    """Two fine-tunes of the tiny Qwen2 on one storage root, the second continuing the first on another world
+    size and mesh at once: saved (2 workers, full, steps 1-6), resharded (4 workers, hybrid 2 x 2, from saved's
+    step 2 to step 6). One continuation proves both changes: each alone is a special case of the pair."""
     from tests.test_finetune import train as finetune  # the summary as the record holds it (JSON)
     from tuneproof.core.storage import Storage
 
@@ -230,18 +230,6 @@ def reshard_runs(ray_cluster, tmp_path_factory):
     model = write_tiny_model(tmp_path_factory.mktemp("reshard-base") / "tiny-qwen2")
     two = make_config(str(root), model, num_workers=2, micro_batch_size=8, max_steps=6, checkpoint_every=2)
     saved = finetune(context(two, "reshard", run_name="saved", export=False))
-    four = make_config(str(root), model, num_workers=4, micro_batch_size=4, max_steps=6, checkpoint_every=2)
-    wider = finetune(
-        context(
-            four,
-            "reshard",
-            job="wider",
-            run_name="wider",
-            export=False,
-            max_steps=4,
-            init_from=checkpoint_uri(saved, 2),
-        )
-    )
     hybrid_config = make_config(
         str(root),
         model,
@@ -252,12 +240,12 @@ def reshard_runs(ray_cluster, tmp_path_factory):
         sharding="hybrid",
         shard_group_size=2,
     )
-    hybrid = finetune(
+    resharded = finetune(
         context(
-            hybrid_config, "reshard", job="hybrid", run_name="hybrid", export=False, init_from=checkpoint_uri(wider, 4)
+            hybrid_config, "reshard", job="hybrid", run_name="hybrid", export=False, init_from=checkpoint_uri(saved, 2)
         )
     )
-    return saved, wider, hybrid
+    return saved, resharded
 
 
 def checkpoint_uri(summary: dict, step: int) -> str:
@@ -273,23 +261,14 @@ def assert_losses_match(reference: dict, resumed: dict, steps: list[int]) -> Non
 
 
 @pytest.mark.integration
-def test_a_checkpoint_of_2_workers_resumes_under_4(reshard_runs):
-    saved, wider, _ = reshard_runs
-    assert wider["start_step"] == 2 and wider["restored_from"] == checkpoint_uri(saved, 2)
-    assert [c["step"] for c in wider["checkpoints"]] == [4]
-    # The first resumed loss is computed with the restored weights before any update: equal
-    # weights give an equal loss. Step 4 also needs the restored AdamW moments to be right.
-    assert_losses_match(saved, wider, [3, 4])
-    assert len(list(Path(checkpoint_uri(wider, 4)).glob("progress-rank*.json"))) == 4
-
-
-@pytest.mark.integration
-def test_a_checkpoint_saved_under_full_resumes_under_hybrid(reshard_runs):
-    saved, wider, hybrid = reshard_runs
-    assert hybrid["start_step"] == 4 and hybrid["restored_from"] == checkpoint_uri(wider, 4)
-    assert [c["step"] for c in hybrid["checkpoints"]] == [6]
-    assert_losses_match(saved, hybrid, [5, 6])
+def test_a_checkpoint_of_2_full_workers_resumes_under_4_in_a_hybrid_mesh(reshard_runs):
+    saved, resharded = reshard_runs
+    assert resharded["start_step"] == 2 and resharded["restored_from"] == checkpoint_uri(saved, 2)
+    assert [c["step"] for c in resharded["checkpoints"]] == [4, 6]
+    # The first resumed loss is computed with the restored weights before any update: equal weights give
+    # an equal loss. The steps after it also need the restored AdamW moments, resharded, to be right.
+    assert_losses_match(saved, resharded, [3, 4, 5, 6])
+    assert len(list(Path(checkpoint_uri(resharded, 4)).glob("progress-rank*.json"))) == 4
     # The summary (and so the record) names the mesh each run trained on, not only the configured choice.
     assert (saved["sharding"], saved["mesh"]) == ("full", [2])
-    assert (wider["sharding"], wider["mesh"]) == ("full", [4])
-    assert (hybrid["sharding"], hybrid["mesh"]) == ("hybrid", [2, 2])
+    assert (resharded["sharding"], resharded["mesh"]) == ("hybrid", [2, 2])
