@@ -1,6 +1,6 @@
 """`make bench`: tuneproof measured against the bare stack, side by side, interleaved, in one run.
 
-    python -m bench.run                                  # every benchmark, 5 repeats, 3 for pipeline (about 35 min on 2 idle cores)
+    python -m bench.run                                  # every benchmark, 5 repeats, 3 for pipeline (about 30 min on 2 idle cores)
     python -m bench.run --only resume,checkpoint --repeats 5
     python -m bench.run --quick                          # smaller corpora, fewer steps and sizes (a smoke run)
 
@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--pipeline-repeats",
         type=int,
         default=3,
-        help="pipeline: interleaved rounds of every stage (about 5 min each here, so 3 rather than --repeats)",
+        help="pipeline: interleaved rounds of every stage (about 4 min each here, so 3 rather than --repeats)",
     )
     parser.add_argument("--quick", action="store_true", help="smaller sizes everywhere (the output says which ran)")
     parser.add_argument("--max-rows", type=int, default=None, help="scaling: largest data-prep corpus to run")
