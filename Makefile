@@ -1,7 +1,7 @@
 # tuneproof — the two commands a newcomer needs:
 #   make demo   set everything up, start the embedded cluster, run the whole pipeline
 #   make test   set everything up and run the test suite
-#   make bench  tuneproof measured against the bare stack (bench/run.py; about 20 min on 2 idle cores)
+#   make bench  tuneproof measured against the bare stack (bench/run.py; about 30 min on 2 idle cores)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TP := $(VENV)/bin/tuneproof

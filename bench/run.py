@@ -1,6 +1,6 @@
 """`make bench`: tuneproof measured against the bare stack, side by side, interleaved, in one run.
 
-    python -m bench.run                                  # every benchmark, 5 repeats (about 25 min on 2 idle cores)
+    python -m bench.run                                  # every benchmark, 5 repeats, 3 for pipeline (about 30 min on 2 idle cores)
     python -m bench.run --only resume,checkpoint --repeats 5
     python -m bench.run --quick                          # smaller corpora, fewer steps and sizes (a smoke run)
 
@@ -31,7 +31,6 @@ BENCHMARKS = (
     "contamination",
     "packing",
     "checkpoint",
-    "stage_overhead",
     "data_prep",
     "finetune_step",
     "resume",
@@ -53,7 +52,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=MIN_REPEATS,
         help=f"interleaved rounds per side-by-side benchmark (default {MIN_REPEATS}: fewer make the intervals coarse)",
     )
-    parser.add_argument("--pipeline-repeats", type=int, default=1, help="whole-pipeline runs (2-5 min each here)")
+    parser.add_argument(
+        "--pipeline-repeats",
+        type=int,
+        default=3,
+        help="pipeline: interleaved rounds of every stage (about 4 min each here, so 3 rather than --repeats)",
+    )
     parser.add_argument("--quick", action="store_true", help="smaller sizes everywhere (the output says which ran)")
     parser.add_argument("--max-rows", type=int, default=None, help="scaling: largest data-prep corpus to run")
     parser.add_argument("--max-eval", type=int, default=None, help="scaling: largest evaluation set to run")

@@ -1,4 +1,4 @@
-"""bench/common.py: interleaving, spreads, ratios against targets, slopes and the summary file.
+"""bench/common.py and the pure parts of the benchmarks: interleaving, spreads, ratios against targets, slopes, the summary file.
 
 Nothing here is timed: the measurements are made up, so the tests say what is done with them.
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -215,3 +216,40 @@ def test_the_contamination_row_is_ok_while_the_cost_per_row_stays_flat(monkeypat
     assert flat.details["fit"]["slope_s_per_unit"] == pytest.approx(4e-5) and len(flat.details["samples"]) == 9
     monkeypatch.setattr(contamination, "cpu_seconds", lambda n: n * n * 1e-9)  # pairwise: grows with rows squared
     assert contamination.run(None, repeats=3, quick=False).ok is False
+
+
+def test_the_pipeline_row_is_its_worst_stage_and_ok_only_when_every_stage_is():
+    from bench.pipeline import TARGET, overall, stage_table
+
+    steady = compare([5.0, 5.1, 5.2], [4.0, 4.1, 4.0], TARGET, difference)  # about 1 s added
+    slow = compare([12.0, 12.5, 13.0], [8.0, 8.2, 8.1], TARGET, difference)  # about 4.4 s added
+    shaky = compare([3.0, 5.5, 6.0], [3.0, 3.1, 3.0], TARGET, difference)  # 2.5 s, but 3 s lies in its interval
+
+    row = overall({"verify": steady, "finetune": slow, "data": shaky}, rounds=3)
+    assert (row.ratio, row.interval, row.details["worst"]) == (slow.ratio, slow.interval, "finetune")
+    assert row.ok is False and row.noisy is True and row.repeats == 3 and row.target == "<= 3"
+    assert row.details["stages"]["verify"] == {
+        "ours_s": 5.1,
+        "bare_s": 4.0,
+        "added_s": steady.ratio,
+        "interval": steady.interval,
+        "noisy": False,
+        "ok": True,
+        "samples": {"ours": [5.0, 5.1, 5.2], "bare": [4.0, 4.1, 4.0]},
+    }
+    assert row.details["rounds"] == 3
+    assert overall({"verify": steady}).ok is True and overall({"verify": steady}).noisy is False
+    lines = stage_table(row).splitlines()
+    assert lines[2].split() == ["finetune", "12.50", "8.10", "4.40", "[3.80,", "5.00]", "no", "NO"]
+
+
+def test_the_bare_resume_starts_where_the_resume_test_would():
+    from bench.pipeline import resume_steps
+    from tuneproof.core.config import PipelineConfig
+
+    cfg = PipelineConfig().model_copy(deep=True)
+    cfg.train.max_steps, cfg.resume.extra_steps, cfg.resume.replay_steps = 40, 4, 5
+    assert resume_steps(cfg, {20: Path("a"), 40: Path("b")}) == (20, 24, 29)  # 40 leaves no room to replay
+    assert resume_steps(cfg, {10: Path("a"), 20: Path("b"), 31: Path("c")}) == (31, 35, 40)
+    with pytest.raises(ValueError, match=r"no checkpoint in \[40\] leaves 4\+5 steps before 40"):
+        resume_steps(cfg, {40: Path("b")})
