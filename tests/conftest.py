@@ -69,9 +69,7 @@ def no_fork_while_threads_run():
 def ray_head(tmp_path_factory):
     """A Ray head on 127.0.0.1 with free ports; its token is in head.token_file."""
     state = tmp_path_factory.mktemp("ray-state")
-    # 8 logical CPUs on 2 cores: the shared runs train beside the tests, and a 4-worker test must not wait
-    # on their placement groups (Ray Train gives up on one after 60 s).
-    head = start_ray_head(state, num_cpus=8, dashboard_port=free_port())
+    head = start_ray_head(state, num_cpus=4, dashboard_port=free_port())
     try:
         yield head
     finally:
@@ -203,92 +201,45 @@ def demo_env(ray_head, tmp_path_factory) -> DemoEnv:
     return DemoEnv(root, sets, secret)
 
 
-@dataclass(frozen=True)
-class SharedRun:
-    """A `tuneproof run` that several tests read, started in a subprocess (as a user starts it) at the session's
-    first test and left to run while other tests do (`start_shared_runs`)."""
-
-    run_id: str
-    env: DemoEnv
-    proc: subprocess.Popen
-    log: Path
-
-    def finished(self) -> Any:
-        """Its run record, once it exited 0 (a RunRecord); its output's tail when it did not."""
-        from tuneproof.control import record as records
-
-        assert self.proc.wait(timeout=1800) == 0, self.log.read_text()[-8000:]
-        return records.load(self.env.storage, self.run_id)
-
-
-@contextlib.contextmanager
-def shared_run(prefect_server: str, env: DemoEnv, run_id: str, *args: str):
-    url = f"{prefect_server}/api"
-    log = env.root / f"{run_id}-tuneproof-run.log"  # beside the storage root, not in it
-    command = [sys.executable, "-m", "tuneproof.app.cli", "run", "--run-id", run_id, *env.args, *args]
+@pytest.fixture(scope="session")
+def demo_run_started(prefect_server, demo_env, tmp_path_factory):
+    """The whole pipeline as run id 'demo' (about two minutes on 2 cores), started as `tuneproof run` in a
+    subprocess, as a user starts it, and left to train while other tests run (`start_shared_run`)."""
+    log = tmp_path_factory.mktemp("demo-log") / "tuneproof-run.log"
+    env = {**os.environ, "PREFECT_API_URL": f"{prefect_server}/api", "PREFECT_UI_API_URL": f"{prefect_server}/api"}
+    command = [sys.executable, "-m", "tuneproof.app.cli", "run", "--run-id", "demo", *demo_env.args]
     with log.open("w") as out:
-        proc = subprocess.Popen(
-            command,
-            cwd=PROJECT_ROOT,
-            env={**os.environ, "PREFECT_API_URL": url, "PREFECT_UI_API_URL": url},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+        proc = subprocess.Popen(command, cwd=PROJECT_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        yield SharedRun(run_id, env, proc, log)
+        yield proc, log
     finally:
         if proc.poll() is None:  # the session ended before any test waited for it
             proc.kill()
             proc.wait()
 
 
-LORA_RUN = (
-    # The stages LoRA changes; verify and connectivity judge the cluster, which the demo run already did.
-    *("--only", "data,finetune,resume,evaluate,promote"),
-    # A short run (the mechanics, not the skill: configs/local-chat.yaml's 1000 LoRA steps are what learns a
-    # task, README "LoRA"), so the gate is only that the candidate was scored, and the demo's regression suites
-    # (which judge a model that has relearned what it rehearses) are left out.
-    *("--set", "train.method=lora", "--set", "model.name=dates-lora", "--set", "train.max_steps=60"),
-    *("--set", "train.checkpoint_every=20", "--set", "train.log_every=20", "--set", "eval.max_examples=64"),
-    *("--set", "eval.gates={exact_match: {min: 0.0}}", "--set", "eval.suites={}"),
-)
-"""tests/test_lora_pipeline.py's run, over a storage root of its own (the demo run's stays untouched)."""
-
-
-@pytest.fixture(scope="session")
-def demo_run_started(prefect_server, demo_env):
-    """The whole pipeline as run id 'demo' (about two minutes on 2 cores)."""
-    with shared_run(prefect_server, demo_env, "demo") as run:
-        yield run
-
-
-@pytest.fixture(scope="session")
-def lora_run_started(prefect_server, demo_env, tmp_path_factory):
-    with shared_run(prefect_server, demo_env.at(tmp_path_factory.mktemp("lora")), "lora", *LORA_RUN) as run:
-        yield run
-
-
 @pytest.fixture(scope="session", autouse=True)
-def start_shared_runs(request):
-    """Start the shared runs the collected tests need at the session's first test: the unit tests run first
-    (pytest_collection_modifyitems) and leave a core idle, which the runs' stages fill."""
-    needed = {name for item in request.session.items for name in item.fixturenames}
-    for reader, starter in (("finished_run", "demo_run_started"), ("lora_demo", "lora_run_started")):
-        if reader in needed:
-            request.getfixturevalue(starter)
+def start_shared_run(request):
+    """Start the shared demo run at the session's first test when a collected test needs it: the unit tests
+    run first (pytest_collection_modifyitems) and leave a core idle, which the run's stages fill."""
+    if any("finished_run" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("demo_run_started")
 
 
 @pytest.fixture(scope="session")
 def finished_run(demo_run_started, demo_env, tmp_path_factory):
-    """The whole demo run, finished, shared by the session.
+    """The whole demo run, finished (it exited 0), shared by the session.
 
     Its storage root is copied as it stood when the run finished; tests that change a run take a
     copy of that (`clone_run`) so that no test sees another's changes.
     """
-    record = demo_run_started.finished()
+    from tuneproof.control import record as records
+
+    proc, log = demo_run_started
+    assert proc.wait(timeout=1800) == 0, log.read_text()[-8000:]
     pristine = tmp_path_factory.mktemp("demo-pristine")
     shutil.copytree(demo_env.root / "storage", pristine / "storage", symlinks=True)
-    return FinishedRun(record, pristine)
+    return FinishedRun(records.load(demo_env.storage, "demo"), pristine)
 
 
 @dataclass(frozen=True)
