@@ -187,13 +187,16 @@ def saved_steps(run_dir: Path) -> dict[int, Path]:
 
 
 def resume_steps(cfg: PipelineConfig, saved: Mapping[int, Path]) -> tuple[int, int, int]:
-    """(seed, interruption, last step) of the resume test over these checkpoints, as tasks/resume picks them. Pure."""
+    """(seed, interruption, last step) of the resume test over these checkpoints: tasks/resume's own pick. Pure."""
+    from tasks.resume import pick_checkpoint
+    from tuneproof.core.summaries import CheckpointRef
+
     extra, replay = cfg.resume.extra_steps, cfg.resume.replay_steps
-    usable = [step for step in saved if step + extra + replay <= cfg.train.max_steps]
-    if not usable:
+    refs = [CheckpointRef(step, str(path)) for step, path in saved.items()]
+    seed = pick_checkpoint(refs, cfg.train.max_steps, extra, replay)
+    if seed is None:
         raise ValueError(f"no checkpoint in {sorted(saved)} leaves {extra}+{replay} steps before {cfg.train.max_steps}")
-    seed = max(usable)
-    return seed, seed + extra, seed + extra + replay
+    return seed.step, seed.step + extra, seed.step + extra + replay
 
 
 def overall(per_stage: Mapping[str, BenchResult], **details: object) -> BenchResult:
