@@ -347,6 +347,7 @@ def job_phase(plan: Plan, state: dict[str, Any]) -> Callable[[Row], None]:
 def checkpoint_phase(plan: Plan, state: dict[str, Any], scratch: Path) -> Callable[[Row], None]:
     """training.checkpointing's asynchronous save of the trained state, then load_shards into a model and
     optimizer built from another seed: every tensor of both state dicts must come back bitwise equal."""
+    from training.checkpoint_listing import write_marker
     from training.checkpointing import (
         StagingBuffers,
         TrainingProgress,
@@ -371,10 +372,11 @@ def checkpoint_phase(plan: Plan, state: dict[str, Any], scratch: Path) -> Callab
             buffers=StagingBuffers(),
         )
         files = finish_saving_shards(saving)
+        write_marker(Storage(str(scratch)), step, files, "checkpoint")
         saved_s = time.perf_counter() - began
         fresh, fresh_optimizer = prepared(plan, Variant("reload", micro_batch=2), seed=7)
         began = time.perf_counter()
-        load_shards(fresh, fresh_optimizer, scratch / "checkpoint", rank=0)
+        load_shards(fresh, fresh_optimizer, Storage(str(scratch / "checkpoint")), rank=0)
         loaded_s = time.perf_counter() - began
         different = unequal_tensors(state_tensors(model, optimizer), state_tensors(fresh, fresh_optimizer))
         if different:

@@ -5,13 +5,19 @@
 
 One process, one gloo rank (bench.checkpoint.one_rank), local storage. The checkpoint is saved once,
 as a fine-tune rank saves it (start_saving_shards, finish_saving_shards, write_marker). Ours is what a
-fine-tune worker does on resume (training.finetune): find the latest complete checkpoint (its marker,
-sizes and every file's sha256 checked), take a local copy (the directory itself, on local storage) and
-load_shards. Bare is stock DCP: get_state_dict, dcp.load from the directory, set_state_dict. Both into
+fine-tune worker does on resume (training.finetune_worker resolve_start and restore): find the latest
+checkpoint whose marker and sizes check out, then load_shards, which hashes every file it loads while
+it reads it. Bare is stock DCP: get_state_dict, dcp.load from the directory, set_state_dict. Both into
 the same model and optimizer, interleaved. Each side's bytes read are this process's read() bytes
 (/proc/self/io rchar) across the load: page-cache hits count, so it is the volume asked for, not the
-disk's. At one rank "bytes read per rank" is the whole checkpoint; ours reads it about twice today
-(hash, then load).
+disk's. At one rank "bytes read per rank" is the whole checkpoint, once on both sides (before
+load_shards verified as it read, ours read it twice: hash, then load). Per rank at 4 ranks:
+tests/test_sharding.py, each rank its own files whole and only the replicated values of the others.
+
+Not in the ratio: the job's driver checks every file of the checkpoint it picks once per job, before the
+trainer starts (training.finetune find_checkpoints), so a changed one is set aside and the run goes on
+from the one before. That is one read of the checkpoint per job, whatever the number of ranks; it is
+timed here as `driver_check_s`.
 """
 
 from __future__ import annotations
@@ -41,13 +47,13 @@ def bytes_read() -> int:
 def resume_ours(model, optimizer, storage) -> int:
     """Our resume path; returns the step restored."""
     from training.checkpoint_listing import latest_complete_checkpoint
-    from training.checkpointing import load_shards, local_copy
+    from training.checkpointing import load_shards
+    from tuneproof.core.storage import Storage
 
-    ref = latest_complete_checkpoint(storage, "run")
+    ref = latest_complete_checkpoint(storage, "run", contents=False)
     if ref is None:
         raise RuntimeError(f"no complete checkpoint under {storage.uri('run')}")
-    with local_copy(ref.uri, None) as local_dir:
-        return load_shards(model, optimizer, local_dir, 0).step
+    return load_shards(model, optimizer, Storage(ref.uri), 0).step
 
 
 def load_stock(model, optimizer, directory: str) -> None:
@@ -63,7 +69,7 @@ def load_stock(model, optimizer, directory: str) -> None:
 def run(bench, repeats: int, quick: bool) -> BenchResult:
     import torch.distributed as dist
 
-    from training.checkpoint_listing import write_marker
+    from training.checkpoint_listing import latest_complete_checkpoint, write_marker
     from training.checkpointing import checkpoint_dir_name, finish_saving_shards, start_saving_shards
     from tuneproof.core.storage import Storage
 
@@ -92,6 +98,10 @@ def run(bench, repeats: int, quick: bool) -> BenchResult:
 
             return one
 
+        began = time.perf_counter()
+        if latest_complete_checkpoint(storage, "run") is None:  # the driver's once-per-job check, every byte hashed
+            raise RuntimeError("the checkpoint just saved does not check out")
+        driver_check_s = round(time.perf_counter() - began, 2)
         measured = interleave(
             {
                 "ours": timed("ours", lambda: resume_ours(model, optimizer, storage)),
@@ -108,5 +118,6 @@ def run(bench, repeats: int, quick: bool) -> BenchResult:
         shape=SIZES[size],
         checkpoint_bytes=checkpoint_bytes,
         bytes_read_per_rank={side: max(values) for side, values in read.items()},
+        driver_check_s=driver_check_s,
         read_over_checkpoint={side: round(max(values) / checkpoint_bytes, 2) for side, values in read.items()},
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -375,7 +376,7 @@ def test_dcp_round_trip_restores_weights_optimizer_and_progress(single_rank_grou
     assert {".metadata", "progress-rank0.json"} <= set(files) and any(f.endswith(".distcp") for f in files)
 
     other, other_optimizer = tiny_sharded_model(seed=1)
-    restored = load_shards(other, other_optimizer, tmp_path / "ckpt", rank=0)
+    restored = load_shards(other, other_optimizer, Storage(str(tmp_path / "ckpt")), rank=0).progress
     assert restored == progress
     for (name, a), (_, b) in zip(model.named_parameters(), other.named_parameters()):
         assert torch.equal(a.full_tensor(), b.full_tensor()), name
@@ -409,9 +410,10 @@ def test_an_async_save_holds_the_weights_of_its_step_while_training_goes_on(sing
     trained_one_step(model, optimizer)  # the next step changes every weight while the write may still run
     files = finish_saving_shards(saving)
     assert {".metadata", "progress-rank0.json"} <= set(files) and any(f.endswith(".distcp") for f in files)
+    write_marker(Storage(str(tmp_path)), 1, files, "ckpt")
 
     other, other_optimizer = tiny_sharded_model(seed=1)
-    assert load_shards(other, other_optimizer, tmp_path / "ckpt", rank=0).step == 1
+    assert load_shards(other, other_optimizer, Storage(str(tmp_path / "ckpt")), rank=0).step == 1
     for name, p in other.named_parameters():
         assert torch.equal(p.full_tensor(), at_save[name]), name
     assert not torch.equal(model.model.norm.weight.full_tensor(), at_save["model.norm.weight"])
@@ -432,13 +434,15 @@ def test_saves_that_reuse_staging_buffers_each_hold_their_own_step(single_rank_g
         saving = start_saving_shards(
             model, optimizer, progress_at_step(step), Storage(str(tmp_path)), (f"s{step}",), group, buffers=buffers
         )
-        assert any(f.endswith(".distcp") for f in finish_saving_shards(saving))
+        files = finish_saving_shards(saving)
+        assert any(f.endswith(".distcp") for f in files)
+        write_marker(Storage(str(tmp_path)), step, files, f"s{step}")
     first = buffers.state
     assert first is not None
 
     for step in (1, 2):
         other, other_optimizer = tiny_sharded_model(seed=1)
-        assert load_shards(other, other_optimizer, tmp_path / f"s{step}", rank=0).step == step
+        assert load_shards(other, other_optimizer, Storage(str(tmp_path / f"s{step}")), rank=0).step == step
         for name, p in other.named_parameters():
             assert torch.equal(p.full_tensor(), expected[step][name]), (step, name)
         assert other_optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * step)
@@ -498,17 +502,34 @@ def test_an_async_save_writes_into_the_storage_directory_and_hashes_only_its_own
     write_marker(storage, 7, files, *parts)
     assert check_complete(storage, *parts) is None
     other, other_optimizer = tiny_sharded_model(seed=1)
-    assert load_shards(other, other_optimizer, storage.path(*parts), rank=0).step == 7
+    assert load_shards(other, other_optimizer, Storage(storage.path(*parts)), rank=0).step == 7
     assert torch.equal(other.model.norm.weight.full_tensor(), model.model.norm.weight.full_tensor())
+
+
+def test_a_changed_byte_in_a_file_the_load_reads_fails_it_naming_the_file(single_rank_group, tmp_path):
+    """The load hashes each file as it reads it: a flipped byte the marker's sizes cannot see still stops it."""
+    from training.checkpointing import ChangedCheckpoint
+
+    model, optimizer = tiny_sharded_model(seed=0)
+    trained_one_step(model, optimizer)
+    save_checkpoint(model, optimizer, progress_at_step(2), tmp_path / "ckpt")
+    for name in ("__0_1.distcp", "progress-rank0.json"):
+        data = bytearray((tmp_path / "ckpt" / name).read_bytes())
+        data[len(data) // 2] ^= 1
+        (tmp_path / "ckpt" / name).write_bytes(bytes(data))
+        assert check_complete(Storage(str(tmp_path)), "ckpt", contents=False) is None  # the sizes all match
+        other, other_optimizer = tiny_sharded_model(seed=1)
+        with pytest.raises(ChangedCheckpoint, match=rf"{re.escape(name)} \(sha256 \w+, expected \w+\)"):
+            load_shards(other, other_optimizer, Storage(str(tmp_path / "ckpt")), rank=0)
+        data[len(data) // 2] ^= 1
+        (tmp_path / "ckpt" / name).write_bytes(bytes(data))
 
 
 @pytest.mark.integration
 def test_an_async_save_to_s3_uploads_each_file_and_leaves_no_staging_copy(single_rank_group, s3_endpoint, tmp_path):
     """On S3 the background thread stages, hashes and uploads; the stored files match the hashes, the
-    checkpoint loads back through local_copy, and the staging directory is gone."""
+    checkpoint loads back straight from the bucket, and the staging directory is gone."""
     import torch.distributed as dist
-
-    from training.checkpointing import local_copy
 
     model, optimizer = tiny_sharded_model(seed=0)
     trained_one_step(model, optimizer)
@@ -525,8 +546,8 @@ def test_an_async_save_to_s3_uploads_each_file_and_leaves_no_staging_copy(single
     write_marker(storage, 3, files, *parts)
     assert check_complete(storage, *parts) is None
     other, other_optimizer = tiny_sharded_model(seed=1)
-    with local_copy(storage.uri(*parts), s3_endpoint) as local_dir:
-        assert load_shards(other, other_optimizer, local_dir, rank=0).step == 3
+    loaded = load_shards(other, other_optimizer, Storage(storage.uri(*parts), s3_endpoint), rank=0)
+    assert loaded.step == 3 and loaded.read == {name: d.size for name, d in files.items()}  # each file once
     assert torch.equal(other.model.norm.weight.full_tensor(), model.model.norm.weight.full_tensor())
 
 

@@ -114,8 +114,9 @@ def one_sgd_step(model, rank: int) -> dict:
 def reshard_full_to_hybrid(workdir: Path, rank: int) -> dict:
     """Save model + AdamW state under full sharding, load into a differently seeded hybrid model."""
     from tests.tiny import save_checkpoint
-    from training.checkpointing import TrainingProgress, capture_rng, load_shards
+    from training.checkpointing import MARKER, TrainingProgress, capture_rng, load_shards
     from training.fsdp import full_state_dict
+    from tuneproof.core.storage import Storage
 
     saved = tiny_model("full")
     saved_optimizer = torch.optim.AdamW(saved.parameters(), lr=1e-2)
@@ -128,10 +129,16 @@ def reshard_full_to_hybrid(workdir: Path, rank: int) -> dict:
     save_checkpoint(saved, saved_optimizer, progress, workdir / "ckpt")
     loaded = tiny_model("hybrid", seed=1)
     loaded_optimizer = torch.optim.AdamW(loaded.parameters(), lr=1e-2)
-    restored = load_shards(loaded, loaded_optimizer, workdir / "ckpt", rank)
+    restored = load_shards(loaded, loaded_optimizer, Storage(str(workdir / "ckpt")), rank)
     moments = zip(saved_optimizer.state.values(), loaded_optimizer.state.values())
+    same_mesh = tiny_model("full", seed=1)
     return {
         "step": restored.step,
+        "read": restored.read,
+        "read_same_mesh": load_shards(
+            same_mesh, torch.optim.AdamW(same_mesh.parameters(), lr=1e-2), Storage(str(workdir / "ckpt")), rank
+        ).read,
+        "sizes": Storage(str(workdir / "ckpt")).read_json(MARKER)["files"],
         "mesh": mesh_facts(loaded)["mesh"],
         "before": full_state_dict(saved),
         "after": full_state_dict(loaded),
@@ -261,6 +268,21 @@ def assert_losses_match(reference: dict, resumed: dict, steps: list[int]) -> Non
 
 
 @pytest.mark.integration
+def test_each_rank_reads_its_own_shard_files_whole_and_of_the_others_only_the_ranges_it_loads(four_ranks):
+    """Loading under the mesh it was saved with, each rank reads (and verifies) its own files once and takes from
+    the other ranks' files only the replicated values DCP spread over them (each optimizer step count)."""
+    for r, rank in enumerate(four_ranks):
+        read, sizes = rank["resharded"]["read_same_mesh"], rank["resharded"]["sizes"]
+        own = {name for name in sizes if name.startswith(f"__{r}_")}
+        others = {name for name in sizes if name.endswith(".distcp")} - own
+        assert {name: read[name] for name in own} == {name: sizes[name] for name in own}
+        assert sum(read.get(name, 0) for name in others) < sum(sizes[name] for name in others) / 4, read
+        assert (
+            read[".metadata"] == sizes[".metadata"]
+            and read[f"progress-rank{r}.json"] == sizes[f"progress-rank{r}.json"]
+        )
+
+
 def test_a_checkpoint_of_2_full_workers_resumes_under_4_in_a_hybrid_mesh(reshard_runs):
     saved, resharded = reshard_runs
     assert resharded["start_step"] == 2 and resharded["restored_from"] == checkpoint_uri(saved, 2)

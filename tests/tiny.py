@@ -31,16 +31,26 @@ def tiny_qwen2(vocab_size: int, seed: int):
 
 
 def save_checkpoint(model, optimizer, progress, directory):
-    """Save one checkpoint into `directory` through the fine-tune's own save path (start, then wait at once)
-    and return this rank's files with size and sha256. Collective: every rank of the default group calls it."""
+    """Save one checkpoint into `directory` through the fine-tune's own save path (start, then wait at once),
+    then its completion marker over every rank's files, as finetune_saving does; returns this rank's files with
+    size and sha256. Collective: every rank of the default group calls it."""
     from pathlib import Path
 
     import torch.distributed as dist
 
+    from training.checkpoint_listing import write_marker
     from training.checkpointing import finish_saving_shards, start_saving_shards
     from tuneproof.core.storage import Storage
 
     directory = Path(directory)
+    storage = Storage(str(directory.parent))
     group = dist.new_group(backend="gloo")  # the save's collectives stay off the default group, as in training
-    saving = start_saving_shards(model, optimizer, progress, Storage(str(directory.parent)), (directory.name,), group)
-    return finish_saving_shards(saving)
+    files = finish_saving_shards(start_saving_shards(model, optimizer, progress, storage, (directory.name,), group))
+    every_rank: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, files, group=group)
+    if dist.get_rank() == 0:
+        write_marker(
+            storage, progress.step, {k: v for rank_files in every_rank for k, v in rank_files.items()}, directory.name
+        )
+    dist.barrier(group=group)
+    return files

@@ -50,10 +50,12 @@ def stored_files(storage: Storage, *parts: str) -> dict[str, int]:
     }
 
 
-def check_complete(storage: Storage, *parts: str) -> str | None:
+def check_complete(storage: Storage, *parts: str, contents: bool = True) -> str | None:
     """None when the checkpoint at parts is complete and unchanged; otherwise one line naming what is wrong.
 
-    Sizes are checked first (cheap); then every listed file is read and hashed against the marker's sha256.
+    Sizes are checked first (cheap); then, with `contents`, every listed file is read and hashed against the
+    marker's sha256. A worker checks sizes only: it hashes each file it loads while loading it
+    (checkpointing.load_shards), so no rank reads a file twice or reads the files only other ranks need.
     """
     where = storage.uri(*parts)
     present = stored_files(storage, *parts)
@@ -69,7 +71,7 @@ def check_complete(storage: Storage, *parts: str) -> str | None:
     problems = missing_files(expected, present)
     if not problems and digests is None:
         problems = [f"{MARKER} lists no sha256 per file (written by an earlier release): content unverifiable"]
-    if not problems and digests is not None:
+    if not problems and digests is not None and contents:
         problems = markers.digest_problems(digests, markers.stored_digests(storage, *parts, names=digests))
     return f"{where}: {'; '.join(problems)}" if problems else None
 
@@ -177,11 +179,12 @@ class CheckpointsFound:
     """(dir name, step, problem) of every checkpoint newer than `latest` that failed check_complete, newest first."""
 
 
-def find_checkpoints(storage: Storage, *run_parts: str) -> CheckpointsFound:
-    """Check the run's checkpoints newest first until one is complete (older ones are not read)."""
+def find_checkpoints(storage: Storage, *run_parts: str, contents: bool = True) -> CheckpointsFound:
+    """Check the run's checkpoints newest first until one is complete (older ones are not read); `contents`
+    as in check_complete."""
     unusable: list[tuple[str, int, str]] = []
     for step, name in list_checkpoints(storage, *run_parts):
-        problem = check_complete(storage, *run_parts, name)
+        problem = check_complete(storage, *run_parts, name, contents=contents)
         if problem is None:
             return CheckpointsFound(
                 CheckpointRef(read_step(storage, *run_parts, name), storage.uri(*run_parts, name)), unusable
@@ -271,6 +274,6 @@ def snapshot_without(state: Any, names: set[str]) -> dict[str, Any]:
     return out
 
 
-def latest_complete_checkpoint(storage: Storage, *run_parts: str) -> CheckpointRef | None:
+def latest_complete_checkpoint(storage: Storage, *run_parts: str, contents: bool = True) -> CheckpointRef | None:
     """The newest checkpoint of a run whose marker and files check out; None when there is none."""
-    return find_checkpoints(storage, *run_parts).latest
+    return find_checkpoints(storage, *run_parts, contents=contents).latest

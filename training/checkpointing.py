@@ -25,15 +25,17 @@ same kind of marker written last, is training/hf_export.py.
 from __future__ import annotations
 
 import base64
-import contextlib
+import dataclasses
 import errno
+import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -339,24 +341,50 @@ def _checkpoint_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     return {"model": model_sd, "optim": optim_sd}
 
 
+class ChangedCheckpoint(RuntimeError):
+    """A checkpoint file read while loading differs from what its completion marker lists."""
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What load_shards restored, and every file this rank read for it (name -> bytes read, each once)."""
+
+    progress: TrainingProgress
+    read: dict[str, int]
+
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+
 def load_shards(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    local_dir: str | Path,
+    checkpoint: Storage,
     rank: int,
     trainable_only: bool = False,
-) -> TrainingProgress:
-    """DCP-load model + optimizer (resharding if the world size changed) and this rank's progress.
+) -> Loaded:
+    """DCP-load model + optimizer (resharding if the world size changed) and this rank's progress, straight
+    from the checkpoint's storage (local or S3), every byte it uses checked against the completion marker
+    (verifying_reader); ChangedCheckpoint names a file that differs, on every rank.
 
     A rank the checkpoint did not have (a larger world size) takes rank 0's progress; its RNG
     state then comes from rank 0, which the caller logs. With trainable_only the frozen parameters
     keep the values they were loaded with; dcp.load still fails on any trained one the checkpoint lacks.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
+    reader = verifying_reader(checkpoint, markers.parse_digests(checkpoint.read_json(MARKER)))
     state = _checkpoint_state(model, optimizer, trainable_only)
-    dcp.load(state, checkpoint_id=str(local_dir))  # fills both dicts in place
+    try:
+        dcp.load(state, storage_reader=reader)  # fills both dicts in place
+    except CheckpointException as e:
+        changed = [str(exc) for exc, _ in e.failures.values() if isinstance(exc, ChangedCheckpoint)]
+        if changed:  # raised on the rank that verified the file; every rank fails with its words
+            raise ChangedCheckpoint(changed[0]) from None
+        raise
     set_state_dict(
         model,
         optimizer,
@@ -364,9 +392,138 @@ def load_shards(
         optim_state_dict=state["optim"],
         options=_state_options(trainable_only),
     )
-    own = Path(local_dir, progress_file(rank))
-    source = own if own.exists() else Path(local_dir, progress_file(0))
-    return TrainingProgress(**json.loads(source.read_text()))
+    own = progress_file(rank) if progress_file(rank) in reader.digests else progress_file(0)
+    progress = TrainingProgress(**json.loads(reader.verified_bytes(own)))
+    return Loaded(progress, dict(reader.read))
+
+
+class _HashedRead:
+    """One file read once from its start to its end, every byte hashed, whatever parts of it are used."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.position, self.digest = f, 0, hashlib.sha256()
+
+    def read(self, n: int) -> bytes:
+        data = self.f.read(n)
+        self.digest.update(data)
+        self.position += len(data)
+        return data
+
+    def skip_to(self, offset: int) -> None:
+        while self.position < offset and self.read(min(offset - self.position, _CHUNK)):
+            pass
+
+    def finish(self) -> markers.FileDigest:
+        while self.read(_CHUNK):
+            pass
+        return markers.FileDigest(size=self.position, sha256=self.digest.hexdigest())
+
+
+_CHUNK = 8 * 1024 * 1024
+
+
+def verifying_reader(checkpoint: Storage, digests: Digests) -> Any:
+    """DCP's FileSystemReader over a Storage, checking every byte a load uses against the marker's sha256
+    with each file read once (the class is made on first use: torch loads inside workers only).
+
+    A file's hash covers the whole file, so one rank verifies each file: the one that needs most of its
+    bytes, chosen by the coordinator over every rank's load plan. That rank reads the file once, start to
+    end, hashing as it goes and serving its ranges on the way (stock FileSystemReader seeks to each range,
+    so it could not check a hash); a mismatch raises ChangedCheckpoint inside DCP's read, which fails the
+    load on every rank. The other ranks read only the ranges they need from it (the small replicated
+    values, like each optimizer step count, that DCP spreads over every rank's files). With an unchanged
+    world size each rank thus verifies exactly its own files; .metadata and its progress file every rank
+    reads and verifies itself."""
+    import io
+
+    import torch
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    class Reader(FileSystemReader):
+        def __init__(self) -> None:
+            super().__init__(checkpoint.root)
+            self.digests = digests
+            self.read: dict[str, int] = {}
+
+        def verified_bytes(self, name: str) -> bytes:
+            data = checkpoint.read_bytes(name)
+            self.check(name, markers.FileDigest(size=len(data), sha256=hashlib.sha256(data).hexdigest()))
+            return data
+
+        def check(self, name: str, seen: markers.FileDigest) -> None:
+            self.read[name] = self.read.get(name, 0) + seen.size
+            want = self.digests.get(name)
+            problems = [f"{name} (not listed in {MARKER})"] if want is None else []
+            problems += markers.digest_problems({name: want}, {name: seen}) if want is not None else []
+            if problems:
+                raise ChangedCheckpoint(f"{checkpoint.uri()}: {'; '.join(problems)}, per its {MARKER}")
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            metadata = pickle.loads(self.verified_bytes(METADATA))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+        def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+            """Each file is verified by the rank whose plan needs most of its bytes (ties: the lowest rank)."""
+            needs: dict[str, dict[int, int]] = {}
+            for i, plan in enumerate(plans):
+                for name, ranges in self.ranges_by_file(plan.items).items():
+                    needs.setdefault(name, {})[i] = sum(length for _, length in ranges)
+            verifier = {name: max(sorted(by_rank), key=lambda i: by_rank[i]) for name, by_rank in needs.items()}
+            return [
+                dataclasses.replace(plan, storage_data=sorted(n for n, r in verifier.items() if r == i))
+                for i, plan in enumerate(plans)
+            ]
+
+        def ranges_by_file(self, items: list[Any]) -> dict[str, dict[tuple[int, int], list[Any]]]:
+            """file -> (offset, length) -> the read items served from that range (several when resharding)."""
+            out: dict[str, dict[tuple[int, int], list[Any]]] = {}
+            for item in items:
+                info = self.storage_data[item.storage_index]
+                out.setdefault(info.relative_path, {}).setdefault((info.offset, info.length), []).append(item)
+            return out
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            for name, ranges in sorted(self.ranges_by_file(plan.items).items()):
+                path = checkpoint.path(name)
+                if name in plan.storage_data:
+                    with checkpoint.fs.open(path, "rb") as f:
+                        stream = _HashedRead(f)
+                        try:
+                            for (offset, length), sharing in sorted(ranges.items()):
+                                stream.skip_to(offset)
+                                self.load(stream.read(length), sharing, planner)
+                        except Exception:
+                            self.check(name, stream.finish())  # a torn range fails before the hash is done
+                            raise
+                        self.check(name, stream.finish())
+                    continue
+                for (offset, length), sharing in sorted(ranges.items()):
+                    self.load(checkpoint.fs.cat_file(path, start=offset, end=offset + length), sharing, planner)
+                    self.read[name] = self.read.get(name, 0) + length
+            done: torch.futures.Future[None] = torch.futures.Future()
+            done.set_result(None)
+            return done
+
+        def load(self, data: bytes, items: list[Any], planner: Any) -> None:
+            for item in items:
+                if item.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(item, io.BytesIO(data))
+                    continue
+                tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+                target = planner.resolve_tensor(item).detach()
+                if target.size() != tensor.size():
+                    raise ValueError(f"{item.storage_index}: stored size {tensor.size()}, expected {target.size()}")
+                target.copy_(tensor)
+                planner.commit_tensor(item, target)
+
+    return Reader()
 
 
 def _state_options(trainable_only: bool) -> StateDictOptions:
@@ -381,14 +538,3 @@ def without_frozen(model: torch.nn.Module, state: dict) -> dict:
     of a tied weight (lm_head.weight, tied to the frozen embedding), which would save the whole embedding."""
     frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     return {key: value for key, value in state.items() if key not in frozen}
-
-
-@contextlib.contextmanager
-def local_copy(uri: str, endpoint_url: str | None) -> Iterator[Path]:
-    """A local directory with the checkpoint's files: the directory itself on disk, a download from S3."""
-    storage = Storage(uri, endpoint_url)
-    if not storage.is_s3:
-        yield Path(storage.root)
-        return
-    with tempfile.TemporaryDirectory(prefix="tuneproof-ckpt-") as tmp:
-        yield storage.download_dir(os.path.join(tmp, "checkpoint"))

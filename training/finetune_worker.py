@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from training import fault_hooks, jobkit
 from training.checkpoint_listing import check_complete, latest_complete_checkpoint, read_step
-from training.checkpointing import CheckpointRef, load_shards, local_copy, restore_rng, seed_everything
+from training.checkpointing import ChangedCheckpoint, CheckpointRef, load_shards, restore_rng, seed_everything
 from training.finetune_saving import check_checkpoint_home, flush_metrics
 from training.finetune_state import OUTCOME, TrainParams, Worker
 from training.jobkit import JobContext
@@ -105,11 +105,13 @@ def resolve_start(w: Worker) -> CheckpointRef | None:
     """
     import ray.train
 
-    latest = latest_complete_checkpoint(w.storage, *w.run_parts)
+    # Markers and sizes only: restore hashes each file this rank loads as it reads it (the job's driver hashed
+    # every file of the one it chose before the trainer started, once, not once per rank).
+    latest = latest_complete_checkpoint(w.storage, *w.run_parts, contents=False)
     reported = ray.train.get_checkpoint()
     if reported is not None:
         name = posixpath.basename(reported.path.rstrip("/"))
-        problem = check_complete(w.storage, *w.run_parts, name)
+        problem = check_complete(w.storage, *w.run_parts, name, contents=False)
         if problem and latest is None:
             raise StageFailure(
                 FailureClass.infrastructure,
@@ -141,8 +143,18 @@ def restore(w: Worker, ref: CheckpointRef | None) -> int:
         seed_everything(w.ctx.config.train.seed + w.rank)
         w.log(f"starting fresh from the base model {w.ctx.config.model.source}")
         return 0
-    with local_copy(ref.uri, w.ctx.config.storage.endpoint_url) as local_dir:
-        progress = load_shards(w.model, w.optimizer, local_dir, w.rank, trainable_only=w.lora)
+    try:
+        loaded = load_shards(
+            w.model, w.optimizer, Storage(ref.uri, w.ctx.config.storage.endpoint_url), w.rank, trainable_only=w.lora
+        )
+    except ChangedCheckpoint as e:
+        raise StageFailure(
+            FailureClass.infrastructure,
+            f"a file of checkpoint {ref.uri} changed after its job checked it; continue the run (a new job finds it "
+            f"changed, sets it aside and resumes from the one before): {e}",
+        ) from None
+    progress = loaded.progress
+    w.log(f"read and verified {len(loaded.read)} files, {sum(loaded.read.values()) / 1e6:.1f} MB, from {ref.uri}")
     if progress.world_size != w.world_size:
         w.log(
             f"checkpoint was written by {progress.world_size} ranks, now {w.world_size}: DCP reshards the state; "
