@@ -76,6 +76,14 @@ def eks_deployment(doc: dict, name: str = "eks-manual") -> dict:
     return next(d for d in doc["deployments"] if d["name"] == name)
 
 
+def set_job_variables(project: Path, deployment: str = "eks-manual", **values: object) -> None:
+    """Set job variables of one deployment in the copy's prefect.yaml."""
+    edit(
+        project / "prefect.yaml",
+        lambda doc: eks_deployment(doc, deployment)["work_pool"]["job_variables"].update(values),
+    )
+
+
 def test_the_committed_files_lint_clean(project, capsys):
     code, out = lint(project, capsys)
     assert code == 0 and "0 errors" in out
@@ -86,20 +94,14 @@ def test_the_committed_files_lint_clean(project, capsys):
 
 
 def test_eks_deployments_need_a_non_stock_digest_pinned_flow_run_image(project, capsys):
-    def stock(doc):
-        eks_deployment(doc)["work_pool"]["job_variables"] = {
-            **eks_deployment(doc)["work_pool"]["job_variables"],
-            "image": STOCK_PREFECT,
-        }
-
-    edit(project / "prefect.yaml", stock)
+    set_job_variables(project, image=STOCK_PREFECT)
     code, out = lint(project, capsys)
     assert code == 1
     assert "deployment eks-manual: work_pool.job_variables.image is 'prefecthq/prefect:3.9.1-python3.13'" in out
     assert "stock Prefect image has neither this project nor ray, kubernetes and s3fs" in out
 
     tagged = "123456789012.dkr.ecr.us-west-2.amazonaws.com/tuneproof-flow-run:0.1.0"
-    edit(project / "prefect.yaml", lambda doc: eks_deployment(doc)["work_pool"]["job_variables"].update(image=tagged))
+    set_job_variables(project, image=tagged)
     code, out = lint(project, capsys)
     assert code == 1 and f"image is '{tagged}'" in out and "pin the image by digest" in out
 
@@ -123,10 +125,7 @@ def test_a_namespaced_worker_needs_the_cluster_uid_and_observer_namespaces(proje
 
 
 def test_flow_runs_go_where_the_workers_role_is(project, capsys):
-    edit(
-        project / "prefect.yaml",
-        lambda doc: eks_deployment(doc)["work_pool"]["job_variables"].update(namespace="default"),
-    )
+    set_job_variables(project, namespace="default")
     code, out = lint(project, capsys)
     assert code == 1 and "job_variables.namespace is 'default', expected ['tuneproof']" in out
     assert "could not create the flow-run Job" in out

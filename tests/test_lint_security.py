@@ -12,7 +12,17 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from tests.test_lint_eks import edit, eks_deployment, gpu_group, head, in_raycluster, lint, project, ray_container
+from tests.test_lint_eks import (
+    edit,
+    eks_deployment,
+    gpu_group,
+    head,
+    in_raycluster,
+    lint,
+    project,
+    ray_container,
+    set_job_variables,
+)
 from tuneproof.app.lint.security import selects
 from tuneproof.core.config import PROJECT_ROOT
 
@@ -210,10 +220,7 @@ def test_job_variables_cannot_name_another_account_secret_or_cluster(project, ca
 
 
 def test_eks_deployments_obey_the_templates_variables_schema(project, capsys):
-    edit(
-        project / "prefect.yaml",
-        lambda doc: eks_deployment(doc)["work_pool"]["job_variables"].update(service_account_name="prefect-worker"),
-    )
+    set_job_variables(project, service_account_name="prefect-worker")
     code, out = lint(project, capsys)
     assert code == 1
     assert (
@@ -300,12 +307,9 @@ def test_the_admission_policy_follows_the_pinned_image(project, capsys):
     def repin(template):
         template["variables"]["properties"]["image"].update(const=new, default=new)
 
-    def repin_deployments(doc):
-        for name in ("eks-manual", "eks-nightly"):
-            eks_deployment(doc, name)["work_pool"]["job_variables"].update(image=new)
-
     edit(deploy(project, TEMPLATE), repin)
-    edit(project / "prefect.yaml", repin_deployments)
+    for name in ("eks-manual", "eks-nightly"):
+        set_job_variables(project, name, image=new)
     code, out = lint(project, capsys)
     assert code == 1
     assert (
