@@ -84,6 +84,14 @@ def interleave(sides: Mapping[str, Callable[[int], float]], repeats: int) -> dic
     return measured
 
 
+def ours_against_bare(
+    ours: Callable[[int], float], bare: Callable[[int], float], repeats: int, target: Target, **details: Any
+) -> BenchResult:
+    """Measure ours then bare, `repeats` rounds (A B A B ...), and compare them against `target`."""
+    measured = interleave({"ours": ours, "bare": bare}, repeats)
+    return compare(measured["ours"], measured["bare"], target, **details)
+
+
 def ratio(ours: float, bare: float) -> float:
     """ours / bare; a bare side that took no measurable time makes the ratio infinite, not a crash."""
     return ours / bare if bare else math.inf

@@ -19,7 +19,7 @@ import json
 import time
 from pathlib import Path
 
-from bench.common import BenchResult, Target, compare, interleave, say
+from bench.common import BenchResult, Target, ours_against_bare, say
 from bench.harness import Bench, prepare_dataset, write_corpus
 
 TARGET = Target(">=", 0.6)
@@ -75,10 +75,10 @@ def run(bench: Bench, repeats: int, quick: bool) -> BenchResult:
         say(f"  data_prep bare #{i}: {tokens:,} tokens in {seconds:.1f} s = {tps:,.0f} tokens/s")
         return tps
 
-    measured = interleave({"ours": ours, "bare": bare}, repeats)
-    return compare(
-        measured["ours"],
-        measured["bare"],
+    return ours_against_bare(
+        ours,
+        bare,
+        repeats,
         TARGET,
         unit="tokens/s",
         rows=rows,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import statistics
 
-from bench.common import BenchResult, Target, compare, interleave, say
+from bench.common import BenchResult, Target, ours_against_bare, say
 from bench.harness import Bench, prepare_dataset, read_metrics, run_python
 
 TARGET = Target("<=", 1.05)
@@ -53,10 +53,10 @@ def run(bench: Bench, repeats: int, quick: bool) -> BenchResult:
         say(f"  finetune_step bare  #{i}: median step {s * 1000:.1f} ms")
         return s
 
-    measured = interleave({"ours": ours, "bare": bare}, repeats)
-    return compare(
-        measured["ours"],
-        measured["bare"],
+    return ours_against_bare(
+        ours,
+        bare,
+        repeats,
         TARGET,
         unit="s per step (median over a run)",
         steps=steps,

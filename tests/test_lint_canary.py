@@ -13,7 +13,7 @@ import json
 
 import yaml
 
-from tests.test_lint_eks import edit, eks_deployment, lint, project
+from tests.test_lint_eks import edit, eks_deployment, lint_failed, project
 from tests.test_lint_security import TEMPLATE, deploy, template_pod
 from tuneproof.core.config import PROJECT_ROOT
 
@@ -41,9 +41,7 @@ def account_variable(policy: dict) -> dict:
 def lint_fails(project, capsys, name: str, change) -> str:
     """lint's output for the copy with `change` applied to deployments/<name>; exit 1 asserted."""
     edit(deploy(project, name), change)
-    code, out = lint(project, capsys)
-    assert code == 1
-    return out
+    return lint_failed(project, capsys)
 
 
 # ---------------------------------------------------------------- the canary's RBAC
@@ -102,8 +100,7 @@ def test_image_canary_deploys_on_the_canary_pool_and_nothing_else_does(project, 
         nightly["work_pool"] = {**nightly["work_pool"], "name": "tuneproof-eks-canary"}
 
     edit(project / "prefect.yaml", swap)
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_failed(project, capsys)
     assert (
         "deployment image-canary: work_pool.name is 'tuneproof-eks', expected 'tuneproof-eks-canary' (the canary "
         "creates and deletes its RayCluster"
@@ -128,8 +125,7 @@ def test_the_canary_template_pins_the_canary_account_and_no_other_template_does(
 
     edit(deploy(project, CANARY_TEMPLATE), pin("tuneproof-pipeline"))
     edit(deploy(project, TEMPLATE), pin("tuneproof-canary"))
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_failed(project, capsys)
     assert (
         f"{CANARY_TEMPLATE}: Prefect base job template: variables.properties.service_account_name.const is "
         "'tuneproof-pipeline', expected 'tuneproof-canary'"
@@ -341,8 +337,7 @@ def test_the_canary_bucket_policy_writes_only_the_canary_prefix(project, capsys)
 
 def test_the_canary_template_without_canary_yaml_names_what_is_missing(project, capsys):
     deploy(project, "canary.yaml").unlink()
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_failed(project, capsys)
     assert f'{CANARY_TEMPLATE}: Prefect base job template: roles bound to tuneproof-canary is "missing [' in out
     assert "ValidatingAdmissionPolicy for the canary's RayClusters is None" in out
     assert "spec.variables[" not in out  # no canary worker linted: the Jobs policy is not asked to map one

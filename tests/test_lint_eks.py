@@ -37,6 +37,13 @@ def lint(project: Path, capsys, *sets: str) -> tuple[int, str]:
     return code, capsys.readouterr().out
 
 
+def lint_failed(project: Path, capsys, *sets: str) -> str:
+    """lint's output for the mutated copy, once its exit code 1 is asserted: every mutation here breaks a check."""
+    code, out = lint(project, capsys, *sets)
+    assert code == 1, out
+    return out
+
+
 def edit(path: Path, change) -> None:
     """Apply `change` to every YAML document of the file (a JSON file is one document)."""
     if path.suffix == ".json":
@@ -76,6 +83,14 @@ def eks_deployment(doc: dict, name: str = "eks-manual") -> dict:
     return next(d for d in doc["deployments"] if d["name"] == name)
 
 
+def set_job_variables(project: Path, deployment: str = "eks-manual", **values: object) -> None:
+    """Set job variables of one deployment in the copy's prefect.yaml."""
+    edit(
+        project / "prefect.yaml",
+        lambda doc: eks_deployment(doc, deployment)["work_pool"]["job_variables"].update(values),
+    )
+
+
 def test_the_committed_files_lint_clean(project, capsys):
     code, out = lint(project, capsys)
     assert code == 0 and "0 errors" in out
@@ -86,22 +101,15 @@ def test_the_committed_files_lint_clean(project, capsys):
 
 
 def test_eks_deployments_need_a_non_stock_digest_pinned_flow_run_image(project, capsys):
-    def stock(doc):
-        eks_deployment(doc)["work_pool"]["job_variables"] = {
-            **eks_deployment(doc)["work_pool"]["job_variables"],
-            "image": STOCK_PREFECT,
-        }
-
-    edit(project / "prefect.yaml", stock)
-    code, out = lint(project, capsys)
-    assert code == 1
+    set_job_variables(project, image=STOCK_PREFECT)
+    out = lint_failed(project, capsys)
     assert "deployment eks-manual: work_pool.job_variables.image is 'prefecthq/prefect:3.9.1-python3.13'" in out
     assert "stock Prefect image has neither this project nor ray, kubernetes and s3fs" in out
 
     tagged = "123456789012.dkr.ecr.us-west-2.amazonaws.com/tuneproof-flow-run:0.1.0"
-    edit(project / "prefect.yaml", lambda doc: eks_deployment(doc)["work_pool"]["job_variables"].update(image=tagged))
-    code, out = lint(project, capsys)
-    assert code == 1 and f"image is '{tagged}'" in out and "pin the image by digest" in out
+    set_job_variables(project, image=tagged)
+    out = lint_failed(project, capsys)
+    assert f"image is '{tagged}'" in out and "pin the image by digest" in out
 
 
 # ---------------------------------------------------------------- the worker
@@ -115,20 +123,16 @@ def test_a_namespaced_worker_needs_the_cluster_uid_and_observer_namespaces(proje
             set_env(container, "PREFECT_INTEGRATIONS_KUBERNETES_OBSERVER_NAMESPACES", None)
 
     edit(project / "deployments" / "prefect-worker.yaml", drop)
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_failed(project, capsys)
     assert "env[PREFECT_KUBERNETES_CLUSTER_UID] is None" in out and "cannot read the kube-system namespace" in out
     assert "env[PREFECT_INTEGRATIONS_KUBERNETES_OBSERVER_NAMESPACES] is None, expected 'tuneproof'" in out
     assert "watches pods and jobs cluster-wide" in out
 
 
 def test_flow_runs_go_where_the_workers_role_is(project, capsys):
-    edit(
-        project / "prefect.yaml",
-        lambda doc: eks_deployment(doc)["work_pool"]["job_variables"].update(namespace="default"),
-    )
-    code, out = lint(project, capsys)
-    assert code == 1 and "job_variables.namespace is 'default', expected ['tuneproof']" in out
+    set_job_variables(project, namespace="default")
+    out = lint_failed(project, capsys)
+    assert "job_variables.namespace is 'default', expected ['tuneproof']" in out
     assert "could not create the flow-run Job" in out
 
 
@@ -137,8 +141,8 @@ def test_the_base_job_template_carries_what_the_worker_validates(project, capsys
         template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"].pop("completions")
 
     edit(project / "deployments" / "prefect-k8s-base-job-template.json", drop)
-    code, out = lint(project, capsys)
-    assert code == 1 and "job_manifest spec.template.spec.completions is None, expected 1" in out
+    out = lint_failed(project, capsys)
+    assert "job_manifest spec.template.spec.completions is None, expected 1" in out
     assert "prefect-kubernetes rejects the job manifest" in out
 
 
@@ -148,8 +152,8 @@ def test_the_base_job_template_carries_what_the_worker_validates(project, capsys
 def test_ray_pods_need_a_memory_backed_dev_shm_of_a_sane_size(project, capsys):
     rc = project / "deployments" / "raycluster.yaml"
     edit(rc, in_raycluster(lambda doc: head(doc)["template"]["spec"]["volumes"][0]["emptyDir"].pop("medium")))
-    code, out = lint(project, capsys)
-    assert code == 1 and "spec.headGroupSpec.template.spec.volumes[shm]" in out and "must be memory-backed" in out
+    out = lint_failed(project, capsys)
+    assert "spec.headGroupSpec.template.spec.volumes[shm]" in out and "must be memory-backed" in out
 
     shutil.copy(PROJECT_ROOT / "deployments" / "raycluster.yaml", rc)
     edit(
@@ -158,8 +162,8 @@ def test_ray_pods_need_a_memory_backed_dev_shm_of_a_sane_size(project, capsys):
             lambda doc: gpu_group(doc)["template"]["spec"]["volumes"][0]["emptyDir"].update(sizeLimit="160Gi")
         ),
     )
-    code, out = lint(project, capsys)
-    assert code == 1 and "emptyDir.sizeLimit is '160Gi', expected '48.0Gi to 80.0Gi" in out
+    out = lint_failed(project, capsys)
+    assert "emptyDir.sizeLimit is '160Gi', expected '48.0Gi to 80.0Gi" in out
     assert "count against the memory limit" in out
 
 
@@ -183,8 +187,8 @@ def test_the_gpu_workers_network_env_is_checked(project, capsys, name: str, valu
         project / "deployments" / "raycluster.yaml",
         in_raycluster(lambda doc: set_env(ray_container(gpu_group(doc)), name, value)),
     )
-    code, out = lint(project, capsys)
-    assert code == 1 and all(s in out for s in said), out
+    out = lint_failed(project, capsys)
+    assert all(s in out for s in said), out
 
 
 def test_device_rdma_is_fine_on_instance_types_with_gpudirect(project, capsys):
@@ -208,8 +212,8 @@ def test_requests_must_fit_the_instance_types_allocatable(project, capsys):
             resources[part]["cpu"] = "8"
 
     edit(project / "deployments" / "raycluster.yaml", in_raycluster(greedy_head))
-    code, out = lint(project, capsys)
-    assert code == 1 and "resources.requests[cpu] is 8.0, expected '<= 7.41'" in out
+    out = lint_failed(project, capsys)
+    assert "resources.requests[cpu] is 8.0, expected '<= 7.41'" in out
     assert "m7i.2xlarge offers about 7.91 cores to pods" in out and "would stay Pending" in out
 
 
@@ -230,8 +234,7 @@ def test_every_mounted_claim_resolves(project, capsys):
             )
         ),
     )
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_failed(project, capsys)
     assert "volumes[fsx].persistentVolumeClaim.claimName is 'tuneproof-fxs'" in out and "would stay Pending" in out
 
 
@@ -244,8 +247,7 @@ def test_an_s3_root_needs_irsa_for_every_ray_group_and_for_flow_runs(project, ca
             doc["metadata"].pop("annotations")
 
     edit(project / "deployments" / "storage.yaml", no_role)
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_failed(project, capsys)
     assert (
         "spec.workerGroupSpecs[gpu].template.spec.serviceAccountName is 'tuneproof-ray (no eks.amazonaws.com/role-arn"
         in out
@@ -254,11 +256,8 @@ def test_an_s3_root_needs_irsa_for_every_ray_group_and_for_flow_runs(project, ca
 
     shutil.copy(PROJECT_ROOT / "deployments" / "storage.yaml", project / "deployments" / "storage.yaml")
     edit(project / "deployments" / "rbac.yaml", no_role)
-    code, out = lint(project, capsys)
-    assert (
-        code == 1
-        and "deployment eks-manual: work_pool.job_variables.service_account_name is 'tuneproof-pipeline" in out
-    )
+    out = lint_failed(project, capsys)
+    assert "deployment eks-manual: work_pool.job_variables.service_account_name is 'tuneproof-pipeline" in out
     assert "the flow writes the run record there" in out
     assert lint(project, capsys, "storage.root=/mnt/fsx/tuneproof")[0] == 1  # the deployments still carry s3:// roots
 
@@ -271,8 +270,8 @@ def test_the_s3_csi_driver_is_refused_as_checkpoint_storage(project, capsys):
             doc.pop("mountOptions")
 
     edit(project / "deployments" / "storage.yaml", mountpoint)
-    code, out = lint(project, capsys, "storage.root=/mnt/fsx/tuneproof")
-    assert code == 1 and "(csi s3.csi.aws.com)" in out and "supports no rename and no append" in out
+    out = lint_failed(project, capsys, "storage.root=/mnt/fsx/tuneproof")
+    assert "(csi s3.csi.aws.com)" in out and "supports no rename and no append" in out
 
 
 def test_fsx_storage_class_mounts_with_flock(project, capsys):
@@ -280,6 +279,6 @@ def test_fsx_storage_class_mounts_with_flock(project, capsys):
         project / "deployments" / "storage.yaml",
         lambda doc: doc.pop("mountOptions") if doc["kind"] == "StorageClass" else None,
     )
-    code, out = lint(project, capsys)
-    assert code == 1 and "StorageClass/tuneproof-fsx: mountOptions is None, expected ['flock']" in out
+    out = lint_failed(project, capsys)
+    assert "StorageClass/tuneproof-fsx: mountOptions is None, expected ['flock']" in out
     assert "ENOSYS" in out

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.test_lint_eks import EKS, lint, project  # noqa: F401 - the fixture
+from tests.test_lint_eks import EKS, lint, lint_failed, project  # noqa: F401 - the fixture
 from tuneproof.app.cli_eks import lint_command
 from tuneproof.control import images
 from tuneproof.core.storage import Storage
@@ -43,8 +43,7 @@ def image_lines(out: str) -> list[str]:
 def test_manifests_that_do_not_run_the_adopted_image_are_errors_naming_both_digests(project, capsys, tmp_path):
     root = tmp_path / "storage"
     adopt(root, ADOPTED)
-    code, out = lint(project, capsys, f"storage.root={root}")
-    assert code == 1
+    out = lint_failed(project, capsys, f"storage.root={root}")
     errors = [line for line in image_lines(out) if line.startswith("ERROR")]
     assert len(errors) == 2  # the head's and the GPU workers' Ray containers
     for line in errors:

@@ -12,7 +12,18 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from tests.test_lint_eks import edit, eks_deployment, gpu_group, head, in_raycluster, lint, project, ray_container
+from tests.test_lint_eks import (
+    edit,
+    eks_deployment,
+    gpu_group,
+    head,
+    in_raycluster,
+    lint,
+    lint_failed,
+    project,
+    ray_container,
+    set_job_variables,
+)
 from tuneproof.app.lint.security import selects
 from tuneproof.core.config import PROJECT_ROOT
 
@@ -48,8 +59,7 @@ def test_the_namespace_enforces_the_restricted_profile(project, capsys):
     edit(
         deploy(project, "namespace.yaml"), lambda ns: ns["metadata"]["labels"].pop("pod-security.kubernetes.io/enforce")
     )
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_failed(project, capsys)
     assert (
         "Namespace/tuneproof: metadata.labels[pod-security.kubernetes.io/enforce] is None, expected 'restricted'" in out
     )
@@ -62,8 +72,7 @@ def test_ray_containers_pass_the_restricted_profile(project, capsys):
         head(rc)["template"]["spec"]["securityContext"].pop("runAsNonRoot")
 
     edit(deploy(project, "raycluster.yaml"), in_raycluster(add_ipc_lock))
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_failed(project, capsys)
     assert (
         "workerGroupSpecs[gpu].template.spec.containers[ray-worker].securityContext.capabilities.add is "
         "['IPC_LOCK'], expected 'nothing but NET_BIND_SERVICE'"
@@ -78,8 +87,7 @@ def test_the_worker_and_flow_run_containers_pass_the_restricted_profile(project,
         in_worker(lambda d: worker_container(d)["securityContext"].update(allowPrivilegeEscalation=True)),
     )
     edit(deploy(project, TEMPLATE), lambda t: template_pod(t)["securityContext"].pop("seccompProfile"))
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_failed(project, capsys)
     assert "containers[prefect-worker].securityContext.allowPrivilegeEscalation is True, expected False" in out
     assert (
         "job_manifest spec.template.spec.containers[prefect-job].securityContext.seccompProfile.type is None, "
@@ -92,10 +100,8 @@ def test_host_path_volumes_break_the_profile(project, capsys):
         gpu_group(rc)["template"]["spec"]["volumes"][1] = {"name": "ray-tmp", "hostPath": {"path": "/tmp/ray"}}
 
     edit(deploy(project, "raycluster.yaml"), in_raycluster(host_tmp))
-    code, out = lint(project, capsys)
-    assert (
-        code == 1 and "workerGroupSpecs[gpu].template.spec.volumes[ray-tmp] is 'hostPath', expected ['configMap'" in out
-    )
+    out = lint_failed(project, capsys)
+    assert "workerGroupSpecs[gpu].template.spec.volumes[ray-tmp] is 'hostPath', expected ['configMap'" in out
 
 
 # ---------------------------------------------------------------- service-account tokens
@@ -106,8 +112,7 @@ def test_ray_pods_mount_no_service_account_token(project, capsys):
         deploy(project, "raycluster.yaml"),
         in_raycluster(lambda rc: gpu_group(rc)["template"]["spec"].pop("automountServiceAccountToken")),
     )
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_failed(project, capsys)
     assert "workerGroupSpecs[gpu].template.spec.automountServiceAccountToken is None, expected False" in out
     assert "Ray never calls the Kubernetes API" in out
 
@@ -121,8 +126,7 @@ def test_ray_pods_mount_no_service_account_token(project, capsys):
 
 def test_pods_that_call_the_api_keep_their_token(project, capsys):
     edit(deploy(project, TEMPLATE), lambda t: template_pod(t).update(automountServiceAccountToken=False))
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_failed(project, capsys)
     assert "job_manifest spec.template.spec.automountServiceAccountToken is False, expected True" in out
     assert "the verify stage reads the RayCluster, pods and nodes" in out
 
@@ -132,8 +136,7 @@ def test_pods_that_call_the_api_keep_their_token(project, capsys):
 
 def test_a_network_policy_must_limit_ingress_to_the_ray_pods(project, capsys):
     deploy(project, "networkpolicy.yaml").unlink()
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_failed(project, capsys)
     assert "spec.workerGroupSpecs[gpu] pods (ray.io/cluster=tuneproof) is None" in out
     assert "spec.headGroupSpec pods (ray.io/cluster=tuneproof) is None" in out
     assert "open to every pod in the cluster" in out
@@ -141,8 +144,8 @@ def test_a_network_policy_must_limit_ingress_to_the_ray_pods(project, capsys):
 
 def test_an_egress_only_policy_does_not_count(project, capsys):
     edit(deploy(project, "networkpolicy.yaml"), in_policy(lambda p: p["spec"].update(policyTypes=["Egress"])))
-    code, out = lint(project, capsys)
-    assert code == 1 and "pods (ray.io/cluster=tuneproof) is None, expected 'a NetworkPolicy" in out
+    out = lint_failed(project, capsys)
+    assert "pods (ray.io/cluster=tuneproof) is None, expected 'a NetworkPolicy" in out
 
 
 def test_the_ray_policy_admits_only_the_pipelines_pods(project, capsys):
@@ -152,8 +155,7 @@ def test_the_ray_policy_admits_only_the_pipelines_pods(project, capsys):
         }
 
     edit(deploy(project, "networkpolicy.yaml"), in_policy(widen))
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_failed(project, capsys)
     assert "NetworkPolicy/tuneproof-ray: spec.ingress[1].from[0].podSelector is" in out
     assert "to pods that are not the pipeline's" in out  # part-of alone also selects the Prefect worker
 
@@ -161,8 +163,8 @@ def test_the_ray_policy_admits_only_the_pipelines_pods(project, capsys):
         deploy(project, "networkpolicy.yaml"),
         in_policy(lambda p: p["spec"]["ingress"][0]["from"][0].update(namespaceSelector={})),
     )
-    code, out = lint(project, capsys)
-    assert code == 1 and "spec.ingress[0].from[0] is" in out and "to addresses or other namespaces" in out
+    out = lint_failed(project, capsys)
+    assert "spec.ingress[0].from[0] is" in out and "to addresses or other namespaces" in out
 
 
 def test_policies_add_up_so_an_open_one_elsewhere_is_named(project, capsys):
@@ -171,8 +173,7 @@ def test_policies_add_up_so_an_open_one_elsewhere_is_named(project, capsys):
         "metadata: {name: allow-all, namespace: tuneproof}\n"
         "spec: {podSelector: {}, ingress: [{}]}\n"
     )
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_failed(project, capsys)
     assert "NetworkPolicy/allow-all: spec.ingress[0].from is None" in out and "to every source" in out
 
 
@@ -197,8 +198,7 @@ def test_job_variables_cannot_name_another_account_secret_or_cluster(project, ca
         template["job_configuration"]["cluster_config"] = "{{ cluster_config }}"
 
     edit(deploy(project, TEMPLATE), loosen)
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_failed(project, capsys)
     assert (
         "variables.properties.service_account_name is 'tuneproof-pipeline', expected 'const: the one allowed value'"
     ) in out and "could name any service account" in out
@@ -210,12 +210,8 @@ def test_job_variables_cannot_name_another_account_secret_or_cluster(project, ca
 
 
 def test_eks_deployments_obey_the_templates_variables_schema(project, capsys):
-    edit(
-        project / "prefect.yaml",
-        lambda doc: eks_deployment(doc)["work_pool"]["job_variables"].update(service_account_name="prefect-worker"),
-    )
-    code, out = lint(project, capsys)
-    assert code == 1
+    set_job_variables(project, service_account_name="prefect-worker")
+    out = lint_failed(project, capsys)
     assert (
         "deployment eks-manual: work_pool.job_variables.service_account_name is 'prefect-worker', expected "
         "'const: \"tuneproof-pipeline\"'" in out
@@ -234,8 +230,7 @@ def test_the_worker_authenticates_from_a_secret_and_passes_a_reference_on(projec
         auth["value"] = "admin:hunter2"
 
     edit(deploy(project, "prefect-worker.yaml"), in_worker(literal))
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_failed(project, capsys)
     assert "env[PREFECT_API_AUTH_STRING] is 'a literal value (not shown)', expected 'valueFrom.secretKeyRef'" in out
     assert "hunter2" not in out
 
@@ -246,8 +241,7 @@ def test_the_worker_authenticates_from_a_secret_and_passes_a_reference_on(projec
 
     shutil.copy(PROJECT_ROOT / "deployments" / "prefect-worker.yaml", deploy(project, "prefect-worker.yaml"))
     edit(deploy(project, "prefect-worker.yaml"), in_worker(no_reference))
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_failed(project, capsys)
     assert (
         "env[PREFECT_INTEGRATIONS_KUBERNETES_WORKER_API_AUTH_STRING_SECRET_NAME] is None, expected 'prefect-api-auth'"
     ) in out and "as a literal into every flow-run Job manifest" in out
@@ -258,8 +252,7 @@ def test_an_unauthenticated_worker_is_an_error(project, capsys):
         worker_container(doc)["env"] = [e for e in worker_container(doc)["env"] if "AUTH_STRING" not in e["name"]]
 
     edit(deploy(project, "prefect-worker.yaml"), in_worker(no_auth))
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_failed(project, capsys)
     assert "env[PREFECT_API_AUTH_STRING] is None" in out and "the Prefect API runs code on this cluster" in out
 
 
@@ -268,8 +261,7 @@ def test_no_prefect_credential_in_job_variables(project, capsys):
         project / "prefect.yaml",
         lambda doc: eks_deployment(doc)["work_pool"]["job_variables"]["env"].update(PREFECT_API_KEY="pnu_literal"),
     )
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_failed(project, capsys)
     assert "deployment eks-manual: work_pool.job_variables.env[PREFECT_API_KEY] is 'a literal value (not shown)'" in out
     assert "pnu_literal" not in out
 
@@ -279,8 +271,7 @@ def test_no_prefect_credential_in_job_variables(project, capsys):
 
 def test_the_worker_s_jobs_are_held_by_an_admission_policy(project, capsys):
     deploy(project, "flow-run-admission.yaml").unlink()
-    code, out = lint(project, capsys)
-    assert code == 1
+    out = lint_failed(project, capsys)
     assert "Prefect base job template: ValidatingAdmissionPolicy for the worker's Jobs is None" in out
     assert "POST /flow_runs/" in out
 
@@ -300,14 +291,10 @@ def test_the_admission_policy_follows_the_pinned_image(project, capsys):
     def repin(template):
         template["variables"]["properties"]["image"].update(const=new, default=new)
 
-    def repin_deployments(doc):
-        for name in ("eks-manual", "eks-nightly"):
-            eks_deployment(doc, name)["work_pool"]["job_variables"].update(image=new)
-
     edit(deploy(project, TEMPLATE), repin)
-    edit(project / "prefect.yaml", repin_deployments)
-    code, out = lint(project, capsys)
-    assert code == 1
+    for name in ("eks-manual", "eks-nightly"):
+        set_job_variables(project, name, image=new)
+    out = lint_failed(project, capsys)
     assert (
         f"ValidatingAdmissionPolicy/tuneproof-flow-run-jobs: spec.validations is \"no expression naming '{new}'\""
         in out

@@ -104,9 +104,7 @@ def canary_command(
     from tuneproof.app.terminal import prefect_api_problem, stage_lines
     from tuneproof.control import record as records
 
-    problem = prefect_api_problem()
-    if problem:
-        say(console, f"cannot run: {problem}", "bold red")
+    if prefect_api_problem(console):
         return EXIT_BY_CLASS[FailureClass.infrastructure]
     decision_id = decision_id or records.make_run_id()
     say(console, f"image canary {decision_id}: {candidate or 'this environment'}")

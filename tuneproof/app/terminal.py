@@ -185,9 +185,7 @@ def run_with_display(
     from tuneproof.control import stages as table
     from tuneproof.core.storage import Storage
 
-    problem = prefect_api_problem()
-    if problem:
-        say(console, f"cannot run: {problem}", "bold red")
+    if problem := prefect_api_problem(console):
         return {"run_id": None, "status": "failed", "failure_class": "infrastructure", "cause": problem}
     run_id = run_id or records.make_run_id()
     console.print(f"run id: [bold]{run_id}[/]")
@@ -226,8 +224,9 @@ def run_with_display(
     return rec
 
 
-def prefect_api_problem() -> str | None:
-    """Why the configured Prefect API cannot take a flow run, or None (unset means a temporary local server)."""
+def prefect_api_problem(console: Console) -> str | None:
+    """Why the configured Prefect API cannot take a flow run, said on `console` as the reason nothing runs;
+    None when it can (unset means a temporary local server). Every in-process flow asks this first."""
     import urllib.request
 
     from prefect.settings import PREFECT_API_URL
@@ -239,10 +238,12 @@ def prefect_api_problem() -> str | None:
         with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=5):
             return None
     except OSError as e:
-        return (
+        problem = (
             f"the Prefect API at {url} does not answer ({getattr(e, 'reason', e)}); start the local one with "
             "`tuneproof local up`, or point PREFECT_API_URL at yours"
         )
+    say(console, f"cannot run: {problem}", "bold red")
+    return problem
 
 
 def print_summary(rec: RunRecord, console: Console) -> None:
@@ -352,9 +353,7 @@ def run_comparison(
     from tuneproof.control import record as records
     from tuneproof.core.storage import Storage
 
-    problem = prefect_api_problem()
-    if problem:
-        say(console, f"cannot run: {problem}", "bold red")
+    if problem := prefect_api_problem(console):
         return {"status": "failed", "failure_class": "infrastructure", "cause": problem}
     comparison_id = comparison_id or records.make_run_id()
     console.print(f"comparison id: [bold]{comparison_id}[/] ({', '.join(stages)}; {repeats} repeats, A B A B ...)")
