@@ -53,7 +53,7 @@ def resume_ours(model, optimizer, storage) -> int:
     ref = latest_complete_checkpoint(storage, "run", contents=False)
     if ref is None:
         raise RuntimeError(f"no complete checkpoint under {storage.uri('run')}")
-    return load_shards(model, optimizer, Storage(ref.uri), 0).step
+    return load_shards(model, optimizer, Storage(ref.uri), 0).progress.step
 
 
 def load_stock(model, optimizer, directory: str) -> None:

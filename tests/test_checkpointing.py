@@ -413,7 +413,7 @@ def test_an_async_save_holds_the_weights_of_its_step_while_training_goes_on(sing
     write_marker(Storage(str(tmp_path)), 1, files, "ckpt")
 
     other, other_optimizer = tiny_sharded_model(seed=1)
-    assert load_shards(other, other_optimizer, Storage(str(tmp_path / "ckpt")), rank=0).step == 1
+    assert load_shards(other, other_optimizer, Storage(str(tmp_path / "ckpt")), rank=0).progress.step == 1
     for name, p in other.named_parameters():
         assert torch.equal(p.full_tensor(), at_save[name]), name
     assert not torch.equal(model.model.norm.weight.full_tensor(), at_save["model.norm.weight"])
@@ -442,7 +442,7 @@ def test_saves_that_reuse_staging_buffers_each_hold_their_own_step(single_rank_g
 
     for step in (1, 2):
         other, other_optimizer = tiny_sharded_model(seed=1)
-        assert load_shards(other, other_optimizer, Storage(str(tmp_path / f"s{step}")), rank=0).step == step
+        assert load_shards(other, other_optimizer, Storage(str(tmp_path / f"s{step}")), rank=0).progress.step == step
         for name, p in other.named_parameters():
             assert torch.equal(p.full_tensor(), expected[step][name]), (step, name)
         assert other_optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * step)
@@ -502,7 +502,7 @@ def test_an_async_save_writes_into_the_storage_directory_and_hashes_only_its_own
     write_marker(storage, 7, files, *parts)
     assert check_complete(storage, *parts) is None
     other, other_optimizer = tiny_sharded_model(seed=1)
-    assert load_shards(other, other_optimizer, Storage(storage.path(*parts)), rank=0).step == 7
+    assert load_shards(other, other_optimizer, Storage(storage.path(*parts)), rank=0).progress.step == 7
     assert torch.equal(other.model.norm.weight.full_tensor(), model.model.norm.weight.full_tensor())
 
 
@@ -547,7 +547,7 @@ def test_an_async_save_to_s3_uploads_each_file_and_leaves_no_staging_copy(single
     assert check_complete(storage, *parts) is None
     other, other_optimizer = tiny_sharded_model(seed=1)
     loaded = load_shards(other, other_optimizer, Storage(storage.uri(*parts), s3_endpoint), rank=0)
-    assert loaded.step == 3 and loaded.read == {name: d.size for name, d in files.items()}  # each file once
+    assert loaded.progress.step == 3 and loaded.read == {name: d.size for name, d in files.items()}  # each file once
     assert torch.equal(other.model.norm.weight.full_tensor(), model.model.norm.weight.full_tensor())
 
 

@@ -133,7 +133,7 @@ def reshard_full_to_hybrid(workdir: Path, rank: int) -> dict:
     moments = zip(saved_optimizer.state.values(), loaded_optimizer.state.values())
     same_mesh = tiny_model("full", seed=1)
     return {
-        "step": restored.step,
+        "step": restored.progress.step,
         "read": restored.read,
         "read_same_mesh": load_shards(
             same_mesh, torch.optim.AdamW(same_mesh.parameters(), lr=1e-2), Storage(str(workdir / "ckpt")), rank

@@ -352,10 +352,6 @@ class Loaded:
     progress: TrainingProgress
     read: dict[str, int]
 
-    @property
-    def step(self) -> int:
-        return self.progress.step
-
 
 def load_shards(
     model: torch.nn.Module,
