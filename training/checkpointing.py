@@ -494,26 +494,37 @@ def verifying_reader(checkpoint: Storage, digests: Digests) -> Any:
             return out
 
         def read_data(self, plan: Any, planner: Any) -> Any:
-            for name, ranges in sorted(self.ranges_by_file(plan.items).items()):
-                path = checkpoint.path(name)
-                if name in plan.storage_data:
-                    with checkpoint.fs.open(path, "rb") as f:
-                        stream = _HashedRead(f)
-                        try:
-                            for (offset, length), sharing in sorted(ranges.items()):
-                                stream.skip_to(offset)
-                                self.load(stream.read(length), sharing, planner)
-                        except Exception:
-                            self.check(name, stream.finish())  # a torn range fails before the hash is done
-                            raise
-                        self.check(name, stream.finish())
-                    continue
-                for (offset, length), sharing in sorted(ranges.items()):
-                    self.load(checkpoint.fs.cat_file(path, start=offset, end=offset + length), sharing, planner)
-                    self.read[name] = self.read.get(name, 0) + length
+            # WRITER_THREADS files at a time, as they were written: hashing is the load's largest CPU cost
+            with ThreadPoolExecutor(WRITER_THREADS, thread_name_prefix="tuneproof-load") as files:
+                reads = [
+                    files.submit(self.read_file, name, ranges, name in plan.storage_data, planner)
+                    for name, ranges in sorted(self.ranges_by_file(plan.items).items())
+                ]
+                for read in reads:
+                    read.result()  # re-raises a file's failure, ChangedCheckpoint included
             done: torch.futures.Future[None] = torch.futures.Future()
             done.set_result(None)
             return done
+
+        def read_file(self, name: str, ranges: dict[tuple[int, int], list[Any]], verify: bool, planner: Any) -> None:
+            """The ranges of one file: the whole file read once and hashed when this rank verifies it, else
+            only those ranges."""
+            path = checkpoint.path(name)
+            if not verify:
+                for (offset, length), sharing in sorted(ranges.items()):
+                    self.load(checkpoint.fs.cat_file(path, start=offset, end=offset + length), sharing, planner)
+                    self.read[name] = self.read.get(name, 0) + length
+                return
+            with checkpoint.fs.open(path, "rb") as f:
+                stream = _HashedRead(f)
+                try:
+                    for (offset, length), sharing in sorted(ranges.items()):
+                        stream.skip_to(offset)
+                        self.load(stream.read(length), sharing, planner)
+                except Exception:
+                    self.check(name, stream.finish())  # a torn range fails before the hash is done
+                    raise
+                self.check(name, stream.finish())
 
         def load(self, data: bytes, items: list[Any], planner: Any) -> None:
             for item in items:
