@@ -102,7 +102,12 @@ def test_images_list_and_show_read_the_history(tmp_path):
 def test_the_canary_runs_locally_end_to_end_and_images_list_shows_it(prefect_server, demo_env, tmp_path):
     env = demo_env.at(tmp_path)
     # Two runs, the fewest a canary takes: the first canary has no baseline, so more would only cost time here.
-    result = tuneproof("canary", *env.args, "--id", "canary-1", "--max-steps", "20", "--repeats", "2", "--json")
+    # Each run's work is the least that still yields every metric the decision records: 10 steps of small
+    # batches, one all-reduce size, one timed iteration, one FSDP step and 64 eval items.
+    small = ["train.micro_batch_size=8", "connectivity.sizes_bytes=[4096]", "connectivity.iters=1"]
+    small += ["connectivity.warmup_iters=0", "connectivity.fsdp_steps=1", "eval.max_examples=64"]
+    args = [*env.args, *sum((["--set", s] for s in small), [])]
+    result = tuneproof("canary", *args, "--id", "canary-1", "--max-steps", "10", "--repeats", "2", "--json")
     assert result.exit_code == 0, result.output
 
     # The decision: the first canary adopts itself as the baseline, and says so.
@@ -122,7 +127,7 @@ def test_the_canary_runs_locally_end_to_end_and_images_list_shows_it(prefect_ser
     rec = records.load(env.storage, "canary-1-r1")
     # (the record stores its stages by name, sorted: the order they ran is the stage table's)
     assert rec.status == "succeeded" and set(rec.stages) == {"verify", "connectivity", "data", "finetune", "evaluate"}
-    assert rec.config["train"]["max_steps"] == 20 and rec.config["resume"]["enabled"] is False
+    assert rec.config["train"]["max_steps"] == 10 and rec.config["resume"]["enabled"] is False
 
     # Adopted: the pointer names it; the history lists it.
     current, _ = images.read_current(env.storage)

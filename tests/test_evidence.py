@@ -282,7 +282,12 @@ def test_an_export_edited_after_evaluation_is_not_promoted(clone_run, finished_r
 
 @pytest.mark.integration
 def test_a_resume_test_retried_after_a_lost_connection_still_proves_an_interruption(clone_run, monkeypatch):
+    from flows import stage_tasks
     from tasks.rayjob import RayJobRunner
+    from tasks.resume import resume_test
+
+    # The retry itself is the point, not the 5 s Prefect waits before it (as in tests/test_backbone.py).
+    monkeypatch.setitem(stage_tasks.TASKS, "resume", resume_test.with_options(retry_delay_seconds=0))
 
     real_follow, lost = RayJobRunner.follow, list[str]()
 
