@@ -96,6 +96,20 @@ def ray_driver(head, **init_kwargs):
             ray.shutdown()
 
 
+def all_cpus_free(cpus: int = 4, timeout: float = 60.0) -> None:
+    """Wait (as a driver of the head) until its `cpus` CPUs are all free: an earlier test's killed actors release
+    theirs asynchronously, and a test that counts actors by the free CPUs would otherwise see fewer."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while ray.available_resources().get("CPU") != cpus and time.monotonic() < deadline:
+        time.sleep(0.2)
+    free = ray.available_resources().get("CPU")
+    assert free == cpus, f"the head's CPUs were not all free after {timeout:.0f} s: {free} of {cpus}"
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """moto in server mode on 127.0.0.1; yields the endpoint URL. Credentials are fakes in env."""

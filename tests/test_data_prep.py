@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import TEST_BUCKET, ray_driver, run_job_module
+from tests.conftest import TEST_BUCKET, all_cpus_free, ray_driver, run_job_module
 from tests.reading import present
 from training import data_encode, data_prep, modeling
 from training.data_encode import ChatRenderer, encode, token_ids, verify_sample
@@ -304,9 +304,11 @@ def test_the_stage_writes_the_same_bytes_with_the_plain_python_template_as_with_
 def on_a_pool(ray_head, chunk_rows: int = 7) -> Iterator[None]:
     """The stage encodes on Ray actors of the session's head from the first row, in chunks of `chunk_rows`.
 
-    This process is the head's driver, as a Ray job's entrypoint is; the head has 4 CPUs, so 4 actors.
+    This process is the head's driver, as a Ray job's entrypoint is; the head has 4 CPUs, so 4 actors once the
+    actors of a pool before have given theirs back (Ray frees them asynchronously after they are killed).
     """
     with pytest.MonkeyPatch.context() as patch, ray_driver(ray_head):
+        all_cpus_free()
         patch.setattr(data_encode, "POOL_MIN_ROWS", 1)
         patch.setattr(data_encode, "POOL_CHUNK_ROWS", chunk_rows)
         yield

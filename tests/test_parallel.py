@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import gc
 import os
-import time
 
 import pytest
 
-from tests.conftest import ray_driver
+from tests.conftest import all_cpus_free, ray_driver
 from training import parallel
 
 
@@ -31,9 +30,9 @@ def test_outside_a_ray_job_there_is_one_worker(monkeypatch):
 
 @pytest.mark.integration
 def test_results_come_back_in_task_order_from_ray_actors_and_a_failure_raises_at_its_place(ray_head):
-    import ray
 
     with ray_driver(ray_head):
+        all_cpus_free()
         workers = parallel.ray_workers(40)
         assert workers == 4  # the head's 4 CPUs
         results = list(parallel.map_in_order(square_plus, range(40), {"offset": 1, "fails_at": -1}, workers))
@@ -46,10 +45,7 @@ def test_results_come_back_in_task_order_from_ray_actors_and_a_failure_raises_at
                 seen.append(value)
         assert seen == [0, 1, 4, 9, 16]
         # Every actor was killed: the cluster's CPUs come free again for the next stage (Ray frees them async).
-        deadline = time.monotonic() + 60
-        while ray.available_resources().get("CPU") != 4 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert ray.available_resources().get("CPU") == 4
+        all_cpus_free()
 
 
 def test_the_collector_is_off_inside_and_as_it_was_after_even_on_an_error():
