@@ -414,17 +414,14 @@ class _HashedRead:
         return data
 
     def skip_to(self, offset: int) -> None:
-        while self.position < offset and self.read(min(offset - self.position, _CHUNK)):
+        while self.position < offset and self.read(min(offset - self.position, markers.READ_CHUNK)):
             pass
 
     def finish(self) -> markers.FileDigest:
-        while self.read(_CHUNK):
+        while self.read(markers.READ_CHUNK):
             pass
         self.hasher.shutdown(wait=True)
         return markers.FileDigest(size=self.position, sha256=self.digest.hexdigest())
-
-
-_CHUNK = 8 * 1024 * 1024
 
 
 def verifying_reader(checkpoint: Storage, digests: Digests) -> Any:
@@ -461,8 +458,10 @@ def verifying_reader(checkpoint: Storage, digests: Digests) -> Any:
         def check(self, name: str, seen: markers.FileDigest) -> None:
             self.read[name] = self.read.get(name, 0) + seen.size
             want = self.digests.get(name)
-            problems = [f"{name} (not listed in {MARKER})"] if want is None else []
-            problems += markers.digest_problems({name: want}, {name: seen}) if want is not None else []
+            if want is None:
+                problems = [f"{name} (not listed in {MARKER})"]
+            else:
+                problems = markers.digest_problems({name: want}, {name: seen})
             if problems:
                 raise ChangedCheckpoint(f"{checkpoint.uri()}: {'; '.join(problems)}, per its {MARKER}")
 

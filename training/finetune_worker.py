@@ -154,7 +154,9 @@ def restore(w: Worker, ref: CheckpointRef | None) -> int:
             f"changed, sets it aside and resumes from the one before): {e}",
         ) from None
     progress = loaded.progress
-    w.log(f"read and verified {len(loaded.read)} files, {sum(loaded.read.values()) / 1e6:.1f} MB, from {ref.uri}")
+    w.log(
+        f"read {len(loaded.read)} files, {sum(loaded.read.values()) / 1e6:.1f} MB, from {ref.uri} (each verified by one rank)"
+    )
     if progress.world_size != w.world_size:
         w.log(
             f"checkpoint was written by {progress.world_size} ranks, now {w.world_size}: DCP reshards the state; "

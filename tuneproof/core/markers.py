@@ -30,7 +30,8 @@ COMPLETION_MARKER = "tuneproof_complete.json"
 """A checkpoint's or export's completion marker, written last (training.checkpointing writes it)."""
 NOT_CONTENT = frozenset({EXPORT_MANIFEST, COMPLETION_MARKER, "MODEL_CARD.md", "card.json"})
 """Files that describe a model rather than being part of it: left out of its content hash."""
-_CHUNK = 8 * 1024 * 1024
+READ_CHUNK = 8 * 1024 * 1024
+"""Bytes a hash reads at a time: a multi-GB shard never sits in memory whole."""
 
 
 class FileDigest(BaseModel):
@@ -122,7 +123,7 @@ def marker_fields(files: Digests) -> dict[str, dict[str, Any]]:
 def _sha256_file(f: IO[bytes]) -> tuple[int, str]:
     """(size, sha256) of an open binary file, read in chunks so a multi-GB shard never sits in memory."""
     digest, size = hashlib.sha256(), 0
-    while chunk := f.read(_CHUNK):
+    while chunk := f.read(READ_CHUNK):
         digest.update(chunk)
         size += len(chunk)
     return size, digest.hexdigest()
