@@ -48,7 +48,8 @@ StageName = Annotated[str, WithJsonSchema({"type": "string", "enum": table.names
 
 
 NOTHING_RAN = "nothing ran: "
-"""The message prefix of a request refused before any stage ran (a usage error: `tuneproof run` exits 3)."""
+"""The message prefix of a request refused before any stage ran, in every flow (pipeline, compare, canary):
+the CLI reads it as a usage error (`tuneproof run` exits 3)."""
 
 
 @flow(name="tuneproof-pipeline", log_prints=True)

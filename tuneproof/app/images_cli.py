@@ -101,6 +101,7 @@ def canary_command(
 ) -> int:
     """Run the image-canary flow in-process (as the deployment does), a line per finished stage; the decision."""
     from flows.canary import image_canary
+    from flows.pipeline import NOTHING_RAN
     from tuneproof.app.terminal import prefect_api_problem, stage_lines
     from tuneproof.control import record as records
 
@@ -118,7 +119,7 @@ def canary_command(
             decision_id=decision_id,
             return_state=True,
         )
-    if (state.message or "").startswith("nothing ran"):
+    if (state.message or "").startswith(NOTHING_RAN):
         say(console, state.message, "bold red")
         return EXIT_INVALID_CONFIG
     storage = Storage.from_config(cfg.resolved().storage)

@@ -349,6 +349,7 @@ def run_comparison(
     """Run the comparison flow in-process, a line per finished stage of each run, then the metric table.
     Returns comparison.json's content, with `failure_class` set when a run failed or nothing ran."""
     from flows.compare import compare
+    from flows.pipeline import NOTHING_RAN
     from tuneproof.control import comparison as cmp
     from tuneproof.control import record as records
     from tuneproof.core.storage import Storage
@@ -369,7 +370,7 @@ def run_comparison(
             comparison_id=comparison_id,
             return_state=True,
         )
-    if state.is_failed() and (state.message or "").startswith("nothing ran"):
+    if state.is_failed() and (state.message or "").startswith(NOTHING_RAN):
         # Refused before its first run (e.g. an id already taken): whatever is stored under the id is not this.
         say(console, state.message, "bold red")
         return {"status": "failed", "cause": state.message}
