@@ -43,6 +43,7 @@ from training.checkpointing import (
     restore_rng,
     start_saving_shards,
     step_of,
+    written_on_every_rank,
 )
 from tuneproof.core.markers import FileDigest
 from tuneproof.core.storage import Storage
@@ -447,6 +448,36 @@ def test_saves_that_reuse_staging_buffers_each_hold_their_own_step(single_rank_g
             assert torch.equal(p.full_tensor(), expected[step][name]), (step, name)
         assert other_optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * step)
     assert buffers.state is first  # the second save copied into the first one's memory
+
+
+def test_a_save_counts_as_written_only_once_its_background_write_and_hashes_are_done(
+    single_rank_group, tmp_path, monkeypatch
+):
+    """The loop asks after each step and trains on while the write runs: asking never waits for it."""
+    import threading
+
+    import torch.distributed as dist
+
+    from training import checkpointing
+
+    release = threading.Event()
+    hashed = checkpointing.digest_files
+
+    def slow_disk(*args, **kwargs):
+        assert release.wait(30), "the test never released the write"
+        return hashed(*args, **kwargs)
+
+    monkeypatch.setattr(checkpointing, "digest_files", slow_disk)
+    model, optimizer = tiny_sharded_model(seed=0)
+    storage = Storage(str(tmp_path))
+    saving = start_saving_shards(
+        model, optimizer, progress_at_step(1), storage, ("ckpt",), dist.new_group(backend="gloo")
+    )
+    assert [written_on_every_rank(saving) for _ in range(3)] == [False, False, False]
+    trained_one_step(model, optimizer)  # training goes on meanwhile
+    release.set()
+    files = finish_saving_shards(saving)
+    assert written_on_every_rank(saving) and "progress-rank0.json" in files
 
 
 def test_a_background_write_that_fails_raises_and_leaves_no_marker(single_rank_group, tmp_path, monkeypatch):

@@ -326,6 +326,18 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def written_on_every_rank(saving: ShardsInFlight, device: torch.device | str = "cpu") -> bool:
+    """Whether every rank's background write, hashes (and upload) of this save are done, without waiting
+    for any: one number all-reduced (MIN) on the default group, so every rank gets the same answer and
+    completes the save at the same step. Collective: every rank calls it while the save is in flight."""
+    import torch
+    import torch.distributed as dist
+
+    done = torch.tensor([int(saving.digests.done())], device=device)
+    dist.all_reduce(done, op=dist.ReduceOp.MIN)
+    return bool(done.item())
+
+
 def finish_saving_shards(saving: ShardsInFlight) -> Digests:
     """Wait for the background write and hashes (re-raising their error); returns this rank's files
     with size and sha256."""

@@ -9,9 +9,9 @@ params.init_from, else start fresh -> train (warmup + cosine, grad accumulation,
 checkpointing every train.checkpoint_every steps, at the end and, with train.checkpoint_on_preemption, at
 Ray's notice that a node of the group is being drained (training.preemption) -> rank 0 exports a Hugging
 Face model to runs/<run>/model. A checkpoint's shards are written and hashed in the background (asynchronous
-DCP save) while the next step trains; it is completed (the marker, then Ray Train registers it) right after that step,
-so an unfinished save never has a marker, and training stalls by the state's copy to CPU memory plus
-whatever of the write outlasts one step (bench/checkpoint.py measures it in steps). Workers hand results back through storage, never as exceptions
+DCP save) while the next steps train; it is completed (the marker, then Ray Train registers it) after the first
+step by whose end every rank has written it, so an unfinished save never has a marker, and training stalls by
+the state's copy to CPU memory plus the CPU the background write shares (bench/checkpoint.py measures it in steps). Workers hand results back through storage, never as exceptions
 crossing Ray: runs/<run>/stages/<job>/metrics.jsonl (every step) and outcome.json (how it ended).
 
 Params (ctx.params), checked by TrainParams: dataset (required), run_name, init_from, max_steps,
@@ -45,6 +45,7 @@ from training.checkpointing import CheckpointRef
 from training.finetune_saving import (
     act_on_notice,
     complete_checkpoint,
+    complete_checkpoint_if_written,
     export_model,
     hold,
     interrupt,
@@ -220,10 +221,11 @@ def train_loop(loop_config: dict) -> None:
         for step in range(start + 1, params.max_steps + 1):
             stats = train_step(w, step)
             account_samples(w, step)
-            complete_checkpoint(w)  # the previous step's save was written while this step ran
+            complete_checkpoint_if_written(w)  # an earlier step's save, once every rank has written it
             fault_hooks.after_step(w.rank, step)
             record(w, step, stats, start)
             if cause := divergence(stats["loss"], step, ctx.config.train.divergence_loss):
+                complete_checkpoint(w)  # saved before the loss diverged: it counts
                 return finish(w, start, step, status="diverged", cause=cause)
             if step % params.checkpoint_every == 0 or step == params.max_steps:
                 save_checkpoint(w, step)

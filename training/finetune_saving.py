@@ -1,9 +1,10 @@
 """What a fine-tune rank writes: metrics rows, asynchronous sharded checkpoints, the interruption points, the export.
 
 Runs inside Ray Train workers (training/finetune.py's train_loop, through training/finetune_worker.py).
-A checkpoint's DCP shards are written in the background while the next step trains (`save_checkpoint`);
-`complete_checkpoint` waits for them, rank 0 writes the marker, and only then Ray Train registers the
-directory, so Ray never holds a checkpoint that is not complete. `hold` and `interrupt` are the resume
+A checkpoint's DCP shards are written in the background while the next steps train (`save_checkpoint`);
+once every rank's are written (`complete_checkpoint_if_written`, asked after each step; `complete_checkpoint`
+waits), rank 0 writes the marker, and only then Ray Train registers the directory, so Ray never holds a
+checkpoint that is not complete. `hold` and `interrupt` are the resume
 test's stopping points; `export_model` gathers the weights and rank 0 writes a Hugging Face model.
 The library pieces are training/checkpointing.py (DCP save and load, RNG state), training/checkpoint_listing.py
 (markers, which checkpoints count) and training/hf_export.py (the export).
@@ -25,6 +26,7 @@ from training.checkpointing import (
     checkpoint_dir_name,
     finish_saving_shards,
     start_saving_shards,
+    written_on_every_rank,
 )
 from training.finetune_state import INTERRUPTED, METRICS, Worker
 from training.hf_export import write_hf_export
@@ -58,8 +60,8 @@ def flush_metrics(w: Worker) -> None:
 
 def save_checkpoint(w: Worker, step: int) -> None:
     """Start this step's checkpoint: every rank's state is copied to memory now and its DCP shards are
-    written into the checkpoint's storage directory in the background while the next step trains;
-    `complete_checkpoint` finishes it."""
+    written into the checkpoint's storage directory in the background while the next steps train;
+    `complete_checkpoint_if_written` finishes it once every rank has written it (the next save waits)."""
     flush_metrics(w)  # metrics survive an interruption at least up to this checkpoint
     complete_checkpoint(w)  # at most one save in flight
     w.saving = start_saving_shards(
@@ -72,6 +74,15 @@ def save_checkpoint(w: Worker, step: int) -> None:
         trainable_only=w.lora,
         buffers=w.staging,
     )
+
+
+def complete_checkpoint_if_written(w: Worker) -> None:
+    """After each step: complete the save in flight once every rank has written and hashed it
+    (written_on_every_rank), else train on. A save that takes several steps to write then costs the loop
+    only the CPU its background thread shares, not a wait at the step after it began; the next save, the
+    interruption points and the end of the run still wait for it (complete_checkpoint). Collective."""
+    if w.saving is not None and written_on_every_rank(w.saving, w.device):
+        complete_checkpoint(w)
 
 
 def complete_checkpoint(w: Worker) -> None:
