@@ -283,15 +283,13 @@ def measure_stall(model, optimizer, group, buffers, storage, plan: dict[str, int
         began = time.perf_counter()
         train_step()
         due = step % plan["every"] == 0 and step + plan["every"] <= plan["steps"]
-        # as the fine-tune does: completed once written (asked after each step); the run's end waits for it
-        if in_flight is not None and (step == plan["steps"] or written_on_every_rank(in_flight)):
+        # as the fine-tune does: completed once written (asked after each step); the next save (at most one in
+        # flight) and the run's end wait for it
+        if in_flight is not None and (due or step == plan["steps"] or written_on_every_rank(in_flight)):
             complete(in_flight)
             spans.append((in_flight.step, step))
             in_flight = None
         if due:
-            if in_flight is not None:  # as save_checkpoint does: at most one save in flight
-                complete(in_flight)
-                spans.append((in_flight.step, step))
             where = ("stall", f"step-{step}")
             in_flight = start_saving_shards(model, optimizer, progress(step), storage, where, group, buffers=buffers)
         times.append(time.perf_counter() - began)
