@@ -4,7 +4,7 @@ round trip and the Hugging Face export, with peak memory for each. Writes gpu_ch
     python3 bench/gpu_check.py                     # on a GPU machine with torch + transformers (README, "The GPU check")
     .venv/bin/python bench/gpu_check.py --dry-run  # CPU, about a minute: every phase at a tiny shape
 
-It runs on the machine a session may be lent (one H200; Python 3.12 with torch, transformers and fsspec, no
+It runs on the machine a session may be lent (one H100 or H200; Python 3.12 with torch, transformers and fsspec, no
 Ray, no Prefect, no pydantic, nothing downloadable) as that machine is: the sweep and the step import only
 torch, transformers and training.{step,fsdp,flops,schedule}; the checkpoint and export phases use the
 job's own training.checkpointing, which needs pydantic, carried as the four wheels of CARRIED_WHEELS.
@@ -25,6 +25,7 @@ import json
 import math
 import os
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -101,6 +102,8 @@ SWEEP = (
     Variant("compiled", 2, compile=True),
     Variant("compiled, micro-batch 8", 8, compile=True),
     Variant("compiled, micro-batch 8, selective", 8, compile=True, checkpointing="selective"),
+    Variant("compiled, micro-batch 16, selective", 16, compile=True, checkpointing="selective"),
+    Variant("compiled, micro-batch 16, full checkpointing", 16, compile=True, checkpointing="full"),
 )
 """Eager first (each under a minute), compiled last: a compile costs about a minute, and whatever the time
 budget cannot fit becomes a skipped row rather than a run past the device call's limit."""
@@ -120,6 +123,8 @@ class Plan:
     device: torch.device
     dry_run: bool
     out_dir: Path
+    repeats: int = 1
+    """Rounds of the whole sweep, one after another (every variant once a round), then each variant's median."""
     started: float = field(default_factory=time.monotonic)
 
     def left(self) -> float:
@@ -470,11 +475,30 @@ def run(plan: Plan) -> Report:
             guarded(report, plan, "DCP round trip", {}, 60, checkpoint_phase(plan, state, scratch))
             guarded(report, plan, "Hugging Face export", {}, 45, export_phase(plan, state, scratch))
         state.clear()
-    for variant in SWEEP:
-        needs = (90 if variant.compile else 25) if not plan.dry_run else 0
-        guarded(report, plan, variant.name, asdict(variant), needs, sweep_variant(plan, variant, peak))
+    measured: dict[str, list[Row]] = {}
+    for repeat in range(1, plan.repeats + 1):
+        for variant in SWEEP:
+            needs = (90 if variant.compile else 25) if not plan.dry_run else 0
+            settings = {**asdict(variant), "repeat": repeat}
+            row = guarded(report, plan, variant.name, settings, needs, sweep_variant(plan, variant, peak))
+            if row.figures:
+                measured.setdefault(variant.name, []).append(row)
+    if plan.repeats > 1:
+        for name, rows in measured.items():
+            report.add(spread(name, rows))
     report.say(f"done in {time.monotonic() - plan.started:.0f} s: {report.json_path}")
     return report
+
+
+def spread(name: str, rows: list[Row]) -> Row:
+    """A variant's median over its repeats, with their lowest and highest."""
+    figures: dict[str, Any] = {"repeats": len(rows)}
+    for key in ("tokens_per_s", "mfu"):
+        values = sorted(r.figures[key] for r in rows if key in r.figures)
+        if values:
+            figures.update({key: statistics.median(values), f"{key}_min": values[0], f"{key}_max": values[-1]})
+    peaks = [r.peak_allocated_gib for r in rows if r.peak_allocated_gib is not None]
+    return Row(f"{name}: median of {len(rows)}", figures=figures, peak_allocated_gib=max(peaks) if peaks else None)
 
 
 def header(plan: Plan, peak: float | None) -> dict[str, Any]:
@@ -489,6 +513,7 @@ def header(plan: Plan, peak: float | None) -> dict[str, Any]:
         "python": sys.version.split()[0],
         "seq_len": plan.seq_len,
         "steps": {"warmup": plan.warmup, "timed": plan.timed},
+        "repeats": plan.repeats,
         "train_flops_per_token": train_flops_per_token(ModelShape.from_hf(model_config(plan.shape)), plan.seq_len),
         "model": "Qwen2.5-1.5B architecture, random init" if plan.shape == QWEN25_1_5B else plan.shape,
         "precision": "bf16 compute, fp32 master weights and gradient reduction"
@@ -534,11 +559,22 @@ class ProcessGroup:
 
 def plan_from(args: argparse.Namespace) -> Plan:
     if args.dry_run:
-        return Plan(DRY_SHAPE, 64, 1, 2, 4, float("inf"), "eager", torch.device("cpu"), True, args.out or out_dir())
+        cpu = torch.device("cpu")
+        return Plan(DRY_SHAPE, 64, 1, 2, 4, float("inf"), "eager", cpu, True, args.out or out_dir(), args.repeats)
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA device: bench/gpu_check.py measures a GPU (--dry-run runs it on CPU)")
     return Plan(
-        QWEN25_1_5B, 2048, 3, 10, 30, args.budget_s, "inductor", torch.device("cuda", 0), False, args.out or out_dir()
+        QWEN25_1_5B,
+        2048,
+        3,
+        10,
+        30,
+        args.budget_s,
+        "inductor",
+        torch.device("cuda", 0),
+        False,
+        args.out or out_dir(),
+        args.repeats,
     )
 
 
@@ -546,6 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, every phase at a tiny shape")
     parser.add_argument("--budget-s", type=float, default=420.0, help="no phase starts that would end past this")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of the sweep; >1 adds each variant's median")
     parser.add_argument("--out", type=Path, help="results directory (default: $OUT, else bench/out/gpu_check)")
     plan = plan_from(parser.parse_args(argv))
     with ProcessGroup(plan.device):

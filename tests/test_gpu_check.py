@@ -1,6 +1,6 @@
 """bench/gpu_check.py --dry-run, in an interpreter whose imports fail as on the lent GPU machine.
 
-That machine (the device tool's nvidia-h200, KINDS.md read 2026-11-17) has Python 3.12 with the packages of
+That machine (the device tool's nvidia-h100-x1 or nvidia-h200, one image; KINDS.md read 2026-11-17) has Python 3.12 with the packages of
 DEVICE_PACKAGES and nothing can be installed there but carried wheels (CARRIED_WHEELS). Every package of
 this environment that is neither is made unimportable in the subprocess (tests/device_imports), so an
 import that would fail there fails here: Ray, Prefect, s3fs, boto3, datasets, evaluate, kubernetes...
@@ -110,7 +110,7 @@ def test_the_step_and_the_sweep_need_no_pydantic():
 @pytest.mark.timeout(600)
 def test_dry_run_passes_with_only_what_the_machine_has(tmp_path):
     done = subprocess.run(
-        [sys.executable, "bench/gpu_check.py", "--dry-run", "--out", str(tmp_path)],
+        [sys.executable, "bench/gpu_check.py", "--dry-run", "--repeats", "2", "--out", str(tmp_path)],
         cwd=ROOT,
         env=device_like(absent_there(carried=True)),
         capture_output=True,
@@ -130,4 +130,7 @@ def test_dry_run_passes_with_only_what_the_machine_has(tmp_path):
         "full",
     }
     assert rows["chunked loss + fused AdamW"]["figures"]["estimate_gib"] > 0
+    medians = [r for r in result["rows"] if r["name"].endswith(": median of 2")]
+    assert len(medians) == len({r["name"] for r in result["rows"] if "repeat" in r["settings"]}) > 0
+    assert all(m["figures"]["tokens_per_s_min"] <= m["figures"]["tokens_per_s"] for m in medians)
     assert (tmp_path / "gpu_check.log").read_text().strip().endswith("gpu_check.json")
