@@ -110,7 +110,7 @@ def test_the_step_and_the_sweep_need_no_pydantic():
 @pytest.mark.timeout(600)
 def test_dry_run_passes_with_only_what_the_machine_has(tmp_path):
     done = subprocess.run(
-        [sys.executable, "bench/gpu_check.py", "--dry-run", "--repeats", "2", "--out", str(tmp_path)],
+        [sys.executable, "bench/gpu_check.py", "--dry-run", "--out", str(tmp_path)],
         cwd=ROOT,
         env=device_like(absent_there(carried=True)),
         capture_output=True,
@@ -130,7 +130,25 @@ def test_dry_run_passes_with_only_what_the_machine_has(tmp_path):
         "full",
     }
     assert rows["chunked loss + fused AdamW"]["figures"]["estimate_gib"] > 0
-    medians = [r for r in result["rows"] if r["name"].endswith(": median of 2")]
-    assert len(medians) == len({r["name"] for r in result["rows"] if "repeat" in r["settings"]}) > 0
-    assert all(m["figures"]["tokens_per_s_min"] <= m["figures"]["tokens_per_s"] for m in medians)
     assert (tmp_path / "gpu_check.log").read_text().strip().endswith("gpu_check.json")
+
+
+def test_repeats_of_a_variant_become_its_median_and_range():
+    """`--repeats N` (the device call's 3): the rounds a variant measured, as one row of median and range."""
+    from bench.gpu_check import Row, spread
+
+    rows = [
+        Row("v", figures={"tokens_per_s": t, "mfu": t / 1e5}, peak_allocated_gib=g)
+        for t, g in ((3e4, 50.0), (1e4, 51.0), (2e4, 49.0))
+    ]
+    summary = spread("v", rows)
+    assert summary.name == "v: median of 3" and summary.peak_allocated_gib == 51.0
+    assert summary.figures == {
+        "repeats": 3,
+        "tokens_per_s": 2e4,
+        "tokens_per_s_min": 1e4,
+        "tokens_per_s_max": 3e4,
+        "mfu": 0.2,
+        "mfu_min": 0.1,
+        "mfu_max": 0.3,
+    }
