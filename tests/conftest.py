@@ -18,14 +18,16 @@ import shutil
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
 from tuneproof.app import servers
-from tuneproof.app.local import free_port, ray_env, start_ray_head
+from tuneproof.app.local import RayHead, free_port, ray_env, start_ray_head
 from tuneproof.app.servers import FAKE_AWS, environ, moto_server
 from tuneproof.core.config import PROJECT_ROOT
 
@@ -37,6 +39,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
+T = TypeVar("T")
+DATES = PROJECT_ROOT / "data" / "dates" / "dates.jsonl"
 TEST_BUCKET = "tuneproof-test"
 TEST_SERVER_WAIT_S = float(os.environ.get("TUNEPROOF_TEST_SERVER_WAIT_S", "600"))
 """How long the Prefect test server may take to answer (TUNEPROOF_TEST_SERVER_WAIT_S overrides)."""
@@ -65,15 +69,125 @@ def no_fork_while_threads_run():
         os.fork = real_fork
 
 
+def in_thread(name: str, work: Callable[[], T]) -> Future[T]:
+    """work() in a daemon thread of its own (ended with it, unlike a pool's), its result or error as a Future."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(work())
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(e)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
+class SessionStart:
+    """The session's slow starts, each begun at most once (from the main thread), in a thread of its own, and
+    waited for where a fixture needs it. The Ray head, the Prefect server and the tiny base model take about
+    5, 12 and 42 s on 2 idle cores: one after the other, they held the session's first test back 58 s, while
+    the unit tests need none of them. What was started is stopped at the session's end (`stack`)."""
+
+    def __init__(self, tmp: pytest.TempPathFactory) -> None:
+        self.tmp = tmp
+        tmp.getbasetemp()  # made here: the threads then each make a folder of their own prefix below it
+        self.stack = contextlib.ExitStack()
+        self.begun: dict[str, Future[Any]] = {}
+        self.secret = os.environ.get(PLANTED_SECRET) or f"tp-planted-{secrets.token_hex(16)}"
+        """The planted secret's value, in this process's environment only once the Ray head is up (demo_env)."""
+
+    def once(self, name: str, work: Callable[[], Any]) -> Future[Any]:
+        if name not in self.begun:
+            self.begun[name] = in_thread(f"session-start-{name}", work)
+        return self.begun[name]
+
+    def ray_head(self) -> Future[RayHead]:
+        def start() -> RayHead:
+            head = start_ray_head(self.tmp.mktemp("ray-state"), num_cpus=4, dashboard_port=free_port())
+            self.stack.callback(head.stop)
+            return head
+
+        return self.once("ray", start)
+
+    def prefect_server(self) -> Future[str]:
+        def start() -> str:
+            # A fresh server migrates its database first: minutes on a loaded shared machine.
+            # servers.prefect_server by its module: the fixture of the same name shadows a bare import.
+            server = servers.prefect_server(self.tmp.mktemp("prefect-home"), wait_s=TEST_SERVER_WAIT_S)
+            return self.stack.enter_context(server)
+
+        return self.once("prefect", start)
+
+    def base_model(self) -> Future[Path]:
+        """The tiny base, built by `python -m tuneproof.app.tiny_model` in a process of its own: the build
+        fixes torch's thread count, which in this process would hold for the tests running beside it."""
+
+        def build() -> Path:
+            model = self.tmp.mktemp("base-models") / "tiny-qwen2"
+            command = [sys.executable, "-m", "tuneproof.app.tiny_model", str(model), "--data", str(DATES)]
+            done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=1800)
+            assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+            return model
+
+        return self.once("model", build)
+
+    def demo_env(self) -> Future[DemoEnv]:
+        head, model = self.ray_head(), self.base_model()
+
+        def settings() -> DemoEnv:
+            root = self.tmp.mktemp("demo")
+            address, token_file = head.result().address, head.result().token_file
+            sets = (
+                f"cluster.address={address}",
+                f"cluster.auth_token_file={token_file}",
+                f"storage.root={root / 'storage'}",
+                f"model.source={model.result()}",
+                f"runtime_env.forward_env=[{PLANTED_SECRET}]",
+            )
+            return DemoEnv(root, sets, self.secret)
+
+        return self.once("demo-env", settings)
+
+    def demo_run(self) -> Future[tuple[subprocess.Popen[bytes], Path]]:
+        """The whole pipeline as run id 'demo' (about two minutes on 2 cores), started as `tuneproof run` in a
+        subprocess, as a user starts it, once its servers and base model are there."""
+        prefect, demo = self.prefect_server(), self.demo_env()
+
+        def launch() -> tuple[subprocess.Popen[bytes], Path]:
+            log = self.tmp.mktemp("demo-log") / "tuneproof-run.log"
+            url, args = prefect.result(), demo.result().args
+            env = {**os.environ, PLANTED_SECRET: self.secret, "PREFECT_API_URL": f"{url}/api"}
+            env["PREFECT_UI_API_URL"] = env["PREFECT_API_URL"]
+            command = [sys.executable, "-m", "tuneproof.app.cli", "run", "--run-id", "demo", *args]
+            with log.open("w") as out:
+                proc = subprocess.Popen(command, cwd=PROJECT_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+            self.stack.callback(stop_if_running, proc)  # the session ended before any test waited for it
+            return proc, log
+
+        return self.once("demo-run", launch)
+
+
+def stop_if_running(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.fixture(scope="session")
-def ray_head(tmp_path_factory):
+def session_start(tmp_path_factory):
+    start = SessionStart(tmp_path_factory)
+    with start.stack:
+        yield start
+        for future in start.begun.values():  # a start still under way is stopped once it is there
+            with contextlib.suppress(BaseException):
+                future.result(timeout=TEST_SERVER_WAIT_S)
+
+
+@pytest.fixture(scope="session")
+def ray_head(session_start):
     """A Ray head on 127.0.0.1 with free ports; its token is in head.token_file."""
-    state = tmp_path_factory.mktemp("ray-state")
-    head = start_ray_head(state, num_cpus=4, dashboard_port=free_port())
-    try:
-        yield head
-    finally:
-        head.stop()
+    return session_start.ray_head().result()
 
 
 @contextlib.contextmanager
@@ -137,16 +251,12 @@ def run_job_module(module: str, env: dict[str, str]) -> subprocess.CompletedProc
 
 
 @pytest.fixture(scope="session")
-def prefect_server(tmp_path_factory):
+def prefect_server(session_start):
     """`prefect server start` (API + UI) on 127.0.0.1 with its own home; this process's flows report to it."""
     from prefect.settings import PREFECT_API_URL, PREFECT_UI_API_URL, temporary_settings
 
-    with (
-        # A fresh server migrates its database first: minutes on a loaded shared machine.
-        # servers.prefect_server by its module: the fixture of the same name shadows a bare import.
-        servers.prefect_server(tmp_path_factory.mktemp("prefect-home"), wait_s=TEST_SERVER_WAIT_S) as url,
-        temporary_settings({PREFECT_API_URL: f"{url}/api", PREFECT_UI_API_URL: f"{url}/api"}),
-    ):
+    url = session_start.prefect_server().result()
+    with temporary_settings({PREFECT_API_URL: f"{url}/api", PREFECT_UI_API_URL: f"{url}/api"}):
         yield url
         # Ship the last logs and events while the server is still there; a worker left holding
         # items for a stopped server makes every later drain (e.g. a test harness's) wait on it.
@@ -196,52 +306,33 @@ PLANTED_SECRET = "TUNEPROOF_TEST_SECRET"
 
 
 @pytest.fixture(scope="session")
-def demo_env(ray_head, tmp_path_factory) -> DemoEnv:
-    from tuneproof.app.tiny_model import ensure_tiny_model
-    from tuneproof.core.config import PROJECT_ROOT
-
-    root = tmp_path_factory.mktemp("demo")
-    model = tmp_path_factory.mktemp("base-models") / "tiny-qwen2"
-    ensure_tiny_model(str(model), str(PROJECT_ROOT / "data" / "dates" / "dates.jsonl"))
-    sets = (
-        f"cluster.address={ray_head.address}",
-        f"cluster.auth_token_file={ray_head.token_file}",
-        f"storage.root={root / 'storage'}",
-        f"model.source={model}",
-        f"runtime_env.forward_env=[{PLANTED_SECRET}]",
-    )
-    # Set after the Ray head started, so a job can only have it by forwarding, not from the raylet's env.
-    secret = os.environ.setdefault(PLANTED_SECRET, f"tp-planted-{secrets.token_hex(16)}")
-    return DemoEnv(root, sets, secret)
+def demo_env(session_start) -> DemoEnv:
+    env = session_start.demo_env().result()
+    # Set once the Ray head started, so a job can only have it by forwarding, not from the raylet's env.
+    os.environ.setdefault(PLANTED_SECRET, env.secret)
+    return env
 
 
 @pytest.fixture(scope="session")
-def demo_run_started(prefect_server, demo_env, tmp_path_factory):
-    """The whole pipeline as run id 'demo' (about two minutes on 2 cores), started as `tuneproof run` in a
-    subprocess, as a user starts it, and left to train while other tests run (`start_shared_run`)."""
-    log = tmp_path_factory.mktemp("demo-log") / "tuneproof-run.log"
-    env = {**os.environ, "PREFECT_API_URL": f"{prefect_server}/api", "PREFECT_UI_API_URL": f"{prefect_server}/api"}
-    command = [sys.executable, "-m", "tuneproof.app.cli", "run", "--run-id", "demo", *demo_env.args]
-    with log.open("w") as out:
-        proc = subprocess.Popen(command, cwd=PROJECT_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        yield proc, log
-    finally:
-        if proc.poll() is None:  # the session ended before any test waited for it
-            proc.kill()
-            proc.wait()
+def demo_run_started(session_start, prefect_server):
+    """The demo run's process and log, left to train while other tests run (`start_shared_run`)."""
+    return session_start.demo_run().result()
 
 
 @pytest.fixture(scope="session", autouse=True)
-def start_shared_run(request):
-    """Start the shared demo run at the session's first test when a collected test needs it: the unit tests
-    run first (pytest_collection_modifyitems) and leave a core idle, which the run's stages fill (a second
-    shared run beside it, the LoRA pipeline's, gained nothing: 1191 s of `make test` against 1185 s).
+def start_shared_run(request, session_start):
+    """Begin the shared demo run at the session's start when a collected test needs it, without waiting: the
+    unit tests run first (pytest_collection_modifyitems) and leave a core idle, which the base model's build,
+    the servers' starts and then the run's stages fill (a second shared run beside it, the LoRA pipeline's,
+    gained nothing: 1191 s of `make test` against 1185 s).
 
     The run holds at most 2 of the session head's 4 CPUs; in file order its first readers (test_continue,
     test_copy_check) wait for it to end before any test that wants all 4 (test_sharding) starts."""
     if any("finished_run" in item.fixturenames for item in request.session.items):
-        request.getfixturevalue("demo_run_started")
+        session_start.demo_run()
+        # Its readers run the CLI in this process against the session's server, as they did when the run
+        # started here: so this process's Prefect settings name it from the first test on (about 12 s).
+        request.getfixturevalue("prefect_server")
 
 
 @pytest.fixture(scope="session")
