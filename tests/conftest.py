@@ -185,6 +185,14 @@ def session_start(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def base_model(session_start) -> Path:
+    """The tiny base `tuneproof local up` builds, built once a session in the background. A test that asks
+    ensure_tiny_model for it then copies it from the cache rather than building it again beside that build
+    (in CI the two ran at once: 46 s for one unit test)."""
+    return session_start.base_model().result()
+
+
+@pytest.fixture(scope="session")
 def ray_head(session_start):
     """A Ray head on 127.0.0.1 with free ports; its token is in head.token_file."""
     return session_start.ray_head().result()

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
+def tiny_model_dir(tmp_path_factory, base_model):  # base_model: built once a session, copied here
     from tuneproof.app.tiny_model import ensure_tiny_model
     from tuneproof.core.config import PROJECT_ROOT
 

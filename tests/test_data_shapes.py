@@ -392,6 +392,7 @@ def test_columns_content_hash_is_unchanged_by_shapes():
     assert shapes.shape_identity("columns", None, "messages", "all_assistant") is None
 
 
+@pytest.mark.usefixtures("base_model")  # built once a session: ensure_tiny_model copies it
 def test_local_profile_dates_content_hash_is_pinned(tmp_path):
     """configs/local.yaml's dataset, without its data.replay, keeps the hash it had before shapes (and before
     replay): prepared dates stay cache hits, and a dataset that mixes in no replay file keeps its identity.
