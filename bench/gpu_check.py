@@ -584,7 +584,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=420.0, help="no phase starts that would end past this")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of the sweep; >1 adds each variant's median")
     parser.add_argument("--out", type=Path, help="results directory (default: $OUT, else bench/out/gpu_check)")
-    plan = plan_from(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1 (got {args.repeats}): 0 rounds would measure no variant")
+    plan = plan_from(args)
     with ProcessGroup(plan.device):
         report = run(plan)
     failed = [r.name for r in report.rows if r.error]

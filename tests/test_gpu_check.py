@@ -152,3 +152,11 @@ def test_repeats_of_a_variant_become_its_median_and_range():
         "mfu_min": 0.1,
         "mfu_max": 0.3,
     }
+
+
+def test_repeats_below_one_is_refused_naming_the_value(capsys):
+    from bench.gpu_check import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(["--dry-run", "--repeats", "0"])
+    assert refused.value.code == 2 and "--repeats must be at least 1 (got 0)" in capsys.readouterr().err
