@@ -24,7 +24,7 @@ from prefect.runtime import flow_run
 from prefect.states import Completed, Failed, State
 
 from flows.compare import read_record
-from flows.pipeline import NOTHING_RAN, pipeline
+from flows.pipeline import pipeline, refused
 from tasks import image_artifacts
 from tuneproof.control import images, registry
 from tuneproof.control import record as records
@@ -64,19 +64,19 @@ def image_canary(
     cfg = config.resolved()
     problem = request_problem(cfg, candidate_image, max_steps, repeats, threshold, decision_id)
     if problem:
-        return Failed(message=f"{NOTHING_RAN}{problem}")
+        return refused(problem)
     storage = Storage.from_config(cfg.storage)
     candidate = candidate_image or images.local_image()
     decision_id = decision_id or records.make_run_id()
     if storage.exists(images.IMAGES, decision_id, images.DECISION):
-        return Failed(message=f"{NOTHING_RAN}image decision {decision_id} already exists: give another id (or none)")
+        return refused(f"image decision {decision_id} already exists: give another id (or none)")
     try:
         pointer, token = images.read_current(storage)
         baseline = images.load_decision(storage, pointer.decision_id) if pointer else None
         workload = canary_workload(cfg, storage, candidate, max_steps)
         body = read_manifest(manifest) if cfg.cluster.backend == "eks" else {}
     except (images.ImagesUnreadable, FileNotFoundError, ConfigError, ValueError) as e:
-        return Failed(message=f"{NOTHING_RAN}{e}")
+        return refused(e)
     logger = get_run_logger()
     logger.info(
         f"image canary {decision_id}: {candidate} on {cfg.profile}, {repeats} run(s) of {', '.join(CANARY_STAGES)} "

@@ -13,7 +13,7 @@ import time
 from prefect import flow, get_run_logger
 from prefect.states import Completed, Failed, State
 
-from flows.pipeline import NOTHING_RAN, StageName, pipeline
+from flows.pipeline import StageName, pipeline, refused
 from tasks import compare_artifacts
 from tuneproof.control import comparison as cmp
 from tuneproof.control import record as records
@@ -65,10 +65,10 @@ def compare(
     try:
         check_request(config_a, config_b, stages, repeats)
     except (ComparisonRefused, table.UnknownStages) as e:
-        return Failed(message=f"{NOTHING_RAN}{e}")
+        return refused(e)
     # The id names a storage folder and, with a suffix, every run id of the comparison.
     if comparison_id is not None and (problem := slug_problem(comparison_id)):
-        return Failed(message=f"{NOTHING_RAN}comparison id {comparison_id!r} {problem}")
+        return refused(f"comparison id {comparison_id!r} {problem}")
     cfg_a, cfg_b = config_a.resolved(), config_b.resolved()
     comparison_id = comparison_id or records.make_run_id()
     storage = Storage.from_config(cfg_a.storage)
@@ -85,8 +85,8 @@ def compare(
         },
     )
     if not cmp.create(storage, result):
-        return Failed(
-            message=f"{NOTHING_RAN}comparison {comparison_id} already exists under {storage.uri('comparisons')}; "
+        return refused(
+            f"comparison {comparison_id} already exists under {storage.uri('comparisons')}; "
             "give another --id (or none for a new one)"
         )
     logger = get_run_logger()

@@ -47,9 +47,21 @@ StageName = Annotated[str, WithJsonSchema({"type": "string", "enum": table.names
 """A stage name; the Prefect form offers the table's names, and the flow refuses any other."""
 
 
-NOTHING_RAN = "nothing ran: "
-"""The message prefix of a request refused before any stage ran, in every flow (pipeline, compare, canary):
-the CLI reads it as a usage error (`tuneproof run` exits 3)."""
+class NothingRan(ValueError):
+    """A request refused before any stage ran, in every flow (pipeline, compare, canary): a usage error
+    (`tuneproof run` exits 3), not a stage failure."""
+
+
+def refused(cause: object) -> State:
+    """The flow's end for a refused request: its message for the Prefect UI, the typed cause for a caller."""
+    return Failed(message=f"nothing ran: {cause}", data=NothingRan(str(cause)))
+
+
+def refusal(state: State) -> str | None:
+    """The message of a flow run that was refused before anything ran; None where something ran."""
+    if state.is_failed() and isinstance(state.result(raise_on_failure=False), NothingRan):
+        return state.message
+    return None
 
 
 @flow(name="tuneproof-pipeline", log_prints=True)
@@ -64,20 +76,20 @@ def pipeline(
     try:
         plan = table.plan(only, until)
     except UnknownStages as e:
-        return Failed(message=f"{NOTHING_RAN}{e}")
+        return refused(e)
     # A run id becomes a storage prefix and part of Ray job routes: refuse a bad one before anything is submitted.
     if run_id is not None and (problem := slug_problem(run_id)):
-        return Failed(message=f"{NOTHING_RAN}run id {run_id!r} {problem}")
+        return refused(f"run id {run_id!r} {problem}")
     cfg = config.resolved()
     run_id = run_id or records.make_run_id()
     storage = Storage.from_config(cfg.storage)
     try:  # EKS runs on the standing cluster run the adopted image (images/current.json), when there is one
         cfg = images.pin_from_pointer(storage, cfg)
     except images.ImagesUnreadable as e:
-        return Failed(message=f"{NOTHING_RAN}{e}")
+        return refused(e)
     missing = missing_forwarded_env(cfg)
     if missing:
-        return Failed(message=f"{NOTHING_RAN}{missing}")
+        return refused(missing)
     logger = get_run_logger()
     # One writer per run: the lease is taken before the record is touched or any job submitted.
     lease = Lease(storage, run_id, str(flow_run.get_id()), holder_command(only, until))
@@ -86,7 +98,7 @@ def pipeline(
             return run_plan(storage, cfg, run_id, plan, only, lease, until)
     except LeaseHeld as e:
         logger.error(str(e))
-        return Failed(message=f"{NOTHING_RAN}{e}")
+        return refused(e)
 
 
 def run_plan(
@@ -356,7 +368,7 @@ def unusable_request(storage: Storage, record: RunRecord, cause: str) -> State:
     record.status, record.failure_class, record.cause = "failed", None, cause
     close_invocation(record, record.invocations[-1], "failed", cause)
     records.save(storage, record)
-    return Failed(message=f"{NOTHING_RAN}{cause}")
+    return refused(cause)
 
 
 def finish(storage: Storage, record: RunRecord, failed: StageEntry | None) -> State:

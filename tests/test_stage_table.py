@@ -8,10 +8,11 @@ from functools import partial
 
 import pytest
 from prefect import task
+from prefect.states import Completed, Failed
 from typer.testing import CliRunner
 
 from flows import stage_tasks
-from flows.pipeline import pipeline
+from flows.pipeline import pipeline, refusal, refused
 from tasks.jobs import StageCall
 from tests.reading import summary_of
 from tuneproof.app.cli import app
@@ -166,7 +167,7 @@ def test_a_toy_stage_runs_through_only_on_the_command_line(prefect_harness, with
 def test_a_toy_stage_without_its_input_is_a_usage_error(prefect_harness, with_toy, tmp_path):
     cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
     state = pipeline(config=cfg, run_id="empty-run", only=["toy"], return_state=True)
-    assert state.is_failed() and "stage toy needs data.dataset_path" in (state.message or "")
+    assert "stage toy needs data.dataset_path" in (refusal(state) or "")
     assert records.load(Storage(str(tmp_path)), "empty-run").failure_class is None
 
 
@@ -177,12 +178,19 @@ def test_a_flow_run_with_an_unknown_stage_fails_before_anything_is_submitted(pre
         {"storage": {"root": str(tmp_path)}, "cluster": {"address": "http://127.0.0.1:9"}}
     )  # nothing answers there
     state = pipeline(config=cfg, run_id="typo", only=["verify", "evalute"], return_state=True)
-    assert state.is_failed()
-    assert state.message == (
+    assert refusal(state) == (
         "nothing ran: unknown stage(s) evalute; expected some of verify, connectivity, data, "
         "finetune, resume, evaluate, promote"
     )
     assert not Storage(str(tmp_path)).exists("runs")
+
+
+def test_a_refusal_is_known_by_its_type_not_by_its_words():
+    """The CLI exits 3 on a refused request; a stage failure whose words happen to read alike stays a failure."""
+    assert refusal(refused("run id 'x' is taken")) == "nothing ran: run id 'x' is taken"
+    assert refusal(Failed(message="nothing ran: a stage's own words")) is None
+    assert refusal(Failed(message="boom", data=RuntimeError("boom"))) is None
+    assert refusal(Completed(message="nothing ran")) is None
 
 
 def test_the_flow_parameter_offers_the_stage_names_as_choices():

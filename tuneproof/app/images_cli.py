@@ -101,7 +101,7 @@ def canary_command(
 ) -> int:
     """Run the image-canary flow in-process (as the deployment does), a line per finished stage; the decision."""
     from flows.canary import image_canary
-    from flows.pipeline import NOTHING_RAN
+    from flows.pipeline import refusal
     from tuneproof.app.terminal import prefect_api_problem, stage_lines
     from tuneproof.control import record as records
 
@@ -119,8 +119,8 @@ def canary_command(
             decision_id=decision_id,
             return_state=True,
         )
-    if (state.message or "").startswith(NOTHING_RAN):
-        say(console, state.message, "bold red")
+    if refused := refusal(state):
+        say(console, refused, "bold red")
         return EXIT_INVALID_CONFIG
     storage = Storage.from_config(cfg.resolved().storage)
     try:

@@ -179,7 +179,7 @@ def run_with_display(
 ) -> RunRecord | dict[str, Any]:
     """Run the flow in-process with a live display; returns the run record (or, when the flow
     ended before writing one, a minimal failure document)."""
-    from flows.pipeline import NOTHING_RAN, pipeline
+    from flows.pipeline import pipeline, refusal
     from tasks import events
     from tuneproof.control import record as records
     from tuneproof.control import stages as table
@@ -203,10 +203,10 @@ def run_with_display(
         finally:
             unsubscribe()
     console.print()  # the live display's last line is not terminated
-    if (state.message or "").startswith(NOTHING_RAN):
+    if refused := refusal(state):
         # Refused before any stage ran (another flow holds the run, a missing forwarded variable, ...).
-        say(console, state.message, "bold red")
-        return {"run_id": run_id, "status": "failed", "failure_class": None, "cause": state.message}
+        say(console, refused, "bold red")
+        return {"run_id": run_id, "status": "failed", "failure_class": None, "cause": refused}
     storage = Storage.from_config(cfg.resolved().storage)
     try:
         rec = records.load(storage, run_id)
@@ -349,7 +349,7 @@ def run_comparison(
     """Run the comparison flow in-process, a line per finished stage of each run, then the metric table.
     Returns comparison.json's content, with `failure_class` set when a run failed or nothing ran."""
     from flows.compare import compare
-    from flows.pipeline import NOTHING_RAN
+    from flows.pipeline import refusal
     from tuneproof.control import comparison as cmp
     from tuneproof.control import record as records
     from tuneproof.core.storage import Storage
@@ -370,10 +370,10 @@ def run_comparison(
             comparison_id=comparison_id,
             return_state=True,
         )
-    if state.is_failed() and (state.message or "").startswith(NOTHING_RAN):
+    if refused := refusal(state):
         # Refused before its first run (e.g. an id already taken): whatever is stored under the id is not this.
-        say(console, state.message, "bold red")
-        return {"status": "failed", "cause": state.message}
+        say(console, refused, "bold red")
+        return {"status": "failed", "cause": refused}
     try:
         result = cmp.load(Storage.from_config(cfg_a.resolved().storage), comparison_id)
     except FileNotFoundError:
