@@ -84,8 +84,10 @@ def test_a_templates_own_text_is_not_overlap():
     convs = [
         data_sources.Conversation("source", i, {"prompt": p, "response": f"colour {i}"}) for i, p in enumerate(rows)
     ]
-    assert data_overlap.contamination_of(convs[:3], convs[3:], literals).fraction == 0
-    assert data_overlap.contamination_of(convs[:3], convs[2:3], literals).fraction == 1  # a real repeat still counts
+    assert data_overlap.TrainingSplit(convs[:3], literals).overlap(convs[3:]).fraction == 0
+    assert (
+        data_overlap.TrainingSplit(convs[:3], literals).overlap(convs[2:3]).fraction == 1
+    )  # a real repeat still counts
 
 
 SYSTEM = "You are a careful assistant: answer every date in ISO form and never add commentary"
@@ -113,8 +115,8 @@ def test_a_system_prompt_every_row_shares_is_not_overlap():
         for i in range(4)
     ]
     for convs in (columns, turns):
-        assert data_overlap.contamination_of(convs[:3], convs[3:]).overlapping == 0
-        repeated = data_overlap.contamination_of(convs[:3], convs[1:2])  # a real repeat still counts
+        assert data_overlap.TrainingSplit(convs[:3]).overlap(convs[3:]).overlapping == 0
+        repeated = data_overlap.TrainingSplit(convs[:3]).overlap(convs[1:2])  # a real repeat still counts
         assert (repeated.overlapping, repeated.exact_matches) == (1, 1)
     shared_run = " ".join(LONG.split()[:NGRAM])
     quoting = data_sources.Conversation("eval_source", 0, {"system": SYSTEM, "prompt": shared_run, "response": "x"})
@@ -122,7 +124,9 @@ def test_a_system_prompt_every_row_shares_is_not_overlap():
         *columns[:3],
         data_sources.Conversation("source", 9, {"system": SYSTEM, "prompt": LONG, "response": "y"}),
     ]
-    assert data_overlap.contamination_of(with_long, [quoting]).overlapping_ids == ["eval_source:0"]  # a shared n-gram
+    assert data_overlap.TrainingSplit(with_long).overlap([quoting]).overlapping_ids == [
+        "eval_source:0"
+    ]  # a shared n-gram
 
 
 def test_one_rows_own_system_text_is_compared():
@@ -132,7 +136,7 @@ def test_one_rows_own_system_text_is_compared():
         for i in range(3)
     ]
     again = data_sources.Conversation("eval_source", 0, {"system": f"{LONG} 1", "prompt": "other", "response": "b"})
-    assert data_overlap.contamination_of(train, [again]).overlapping == 1
+    assert data_overlap.TrainingSplit(train).overlap([again]).overlapping == 1
 
 
 def test_an_item_left_without_words_matches_nothing():

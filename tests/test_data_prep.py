@@ -689,6 +689,29 @@ def test_a_suite_the_training_split_repeats_is_a_data_failure_also_on_a_cache_hi
     )
 
 
+def test_the_training_split_is_normalised_once_for_the_eval_split_and_every_suite(tmp_path, tiny_dir, monkeypatch):
+    """Each suite used to re-read every training row: the stage's overlap checks cost rows x (1 + suites)."""
+    from training import contamination
+
+    source = write_jsonl(tmp_path / "dates.jsonl", DATES[:100])
+    suites = {
+        f"s{i}": write_jsonl(tmp_path / f"s{i}.jsonl", [{"input": f"add {i} and 2", "output": "x"}]) for i in range(3)
+    }
+    cfg = config(tmp_path / "store", tiny_dir, source)
+    cfg.eval.suites = {name: SuiteConfig(source=str(path)) for name, path in suites.items()}
+    read, real_words = [], contamination.words
+
+    def counted(text: str) -> list[str]:
+        read.append(text)
+        return real_words(text)
+
+    monkeypatch.setattr(contamination, "words", counted)
+    summary = prepare(cfg)
+    eval_items = summary["manifest"]["contamination"]["eval_items"]
+    assert [s["contamination"]["overlapping"] for s in summary["suites"]] == [0, 0, 0]
+    assert len(read) == 90 + eval_items + 3  # 90 training rows once, then each eval row and suite item once
+
+
 def test_replayed_rows_join_the_training_split_at_their_share_and_are_checked_like_it(tmp_path, tiny_dir):
     """data.replay: the file's rows (whole copies, then a seeded sample) make `share` of the training split,
     never the eval split; its hash and share are in the dataset's identity; a suite it repeats is refused."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from tuneproof.core.summaries_data import Contamination
 
@@ -36,32 +37,51 @@ def ngram_hashes(tokens: list[str], n: int = NGRAM) -> set[int]:
     return {hash(tuple(tokens[i : i + n])) for i in range(len(tokens) - n + 1)}
 
 
+@dataclass(frozen=True)
+class TrainingIndex:
+    """The training texts normalised and hashed once (whole and as word n-grams): every eval set and
+    regression suite of a run is measured against the one index, not against the rows re-read each time."""
+
+    whole: frozenset[int]
+    grams: frozenset[int]
+    n: int = NGRAM
+
+    @classmethod
+    def of(cls, train: Iterable[str], n: int = NGRAM) -> TrainingIndex:
+        whole: set[int] = set()
+        grams: set[int] = set()
+        for text in train:
+            tokens = words(text)
+            if not tokens:
+                continue
+            whole.add(hash(tuple(tokens)))
+            grams.update(hash(tuple(tokens[i : i + n])) for i in range(len(tokens) - n + 1))
+        return cls(frozenset(whole), frozenset(grams), n)
+
+    def measure(self, eval_items: Iterable[tuple[str, str]]) -> Contamination:
+        """Overlap of `eval_items` ((item id, text)) with the indexed training texts."""
+        n = self.n
+        exact, overlapping, total = 0, [], 0
+        for item_id, text in eval_items:
+            total += 1
+            tokens = words(text)
+            same = bool(tokens) and hash(tuple(tokens)) in self.whole
+            exact += same
+            if same or (len(tokens) >= n and not self.grams.isdisjoint(ngram_hashes(tokens, n))):
+                overlapping.append(item_id)
+        return Contamination(
+            ngram=n,
+            eval_items=total,
+            exact_matches=exact,
+            overlapping=len(overlapping),
+            fraction=len(overlapping) / total if total else 0.0,
+            overlapping_ids=overlapping[:IDS_KEPT],
+        )
+
+
 def measure(train: Iterable[str], eval_items: Iterable[tuple[str, str]], n: int = NGRAM) -> Contamination:
     """Overlap of `eval_items` ((item id, text)) with the `train` texts."""
-    whole: set[int] = set()
-    grams: set[int] = set()
-    for text in train:
-        tokens = words(text)
-        if not tokens:
-            continue
-        whole.add(hash(tuple(tokens)))
-        grams.update(hash(tuple(tokens[i : i + n])) for i in range(len(tokens) - n + 1))
-    exact, overlapping, total = 0, [], 0
-    for item_id, text in eval_items:
-        total += 1
-        tokens = words(text)
-        same = bool(tokens) and hash(tuple(tokens)) in whole
-        exact += same
-        if same or (len(tokens) >= n and not grams.isdisjoint(ngram_hashes(tokens, n))):
-            overlapping.append(item_id)
-    return Contamination(
-        ngram=n,
-        eval_items=total,
-        exact_matches=exact,
-        overlapping=len(overlapping),
-        fraction=len(overlapping) / total if total else 0.0,
-        overlapping_ids=overlapping[:IDS_KEPT],
-    )
+    return TrainingIndex.of(train, n).measure(eval_items)
 
 
 def shared_texts(texts: Iterable[str]) -> frozenset[str]:

@@ -1,8 +1,9 @@
 """How much of what the fine-tune is judged on it also trains on: the eval split's and each suite's overlap.
 
 Used by the data stage (training/data_prep.py) inside its Ray job, after the split and before encoding:
-it feeds every turn's text, less the template's literals and system texts training rows share, to the
-measure in training/contamination.py, and fails the stage as a data failure when an overlap is above
+it reads every turn's text, less the template's literals and system texts training rows share, into one
+index of the training split (training/contamination.py) that the eval split and each suite are measured
+against, and fails the stage as a data failure when an overlap is above
 data.max_contamination. Regression suites (eval.suites) are read with eval/suites.py.
 """
 
@@ -11,8 +12,7 @@ from __future__ import annotations
 import re
 
 from eval.suites import read_suite
-from training.contamination import measure as measure_overlap
-from training.contamination import shared_texts
+from training.contamination import TrainingIndex, shared_texts
 from training.data_sources import Conversation
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.config_data import DataConfig
@@ -20,32 +20,36 @@ from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.summaries_data import Contamination, DataSummary, SuiteFile
 
 
-def suite_overlaps(cfg: PipelineConfig, train: list[Conversation]) -> list[SuiteFile]:
+class TrainingSplit:
+    """The training split as the overlap measure sees it: every turn's text, less what every row shares and so
+    says nothing of a row (`literals`, the template's own text, and the system texts that training rows share:
+    a data.fields.system column or system turns of one prompt for all), normalised and hashed once for the eval
+    split and every regression suite."""
+
+    def __init__(self, train: list[Conversation], literals: tuple[str, ...] = ()) -> None:
+        self.literals, self.shared = literals, shared_system_texts(train)
+        self.index = TrainingIndex.of(self.text(c) for c in train)
+
+    def text(self, conv: Conversation) -> str:
+        return conversation_text(conv, self.literals, self.shared)
+
+    def overlap(self, eval_convs: list[Conversation]) -> Contamination:
+        """Overlap of eval conversations with the training ones, each read as the training rows are."""
+        return self.index.measure((f"{c.where}:{c.row}", self.text(c)) for c in eval_convs)
+
+
+def suite_overlaps(cfg: PipelineConfig, train: TrainingSplit) -> list[SuiteFile]:
     """Each regression suite (eval.suites) hashed and measured against the training split: a suite whose items
     the fine-tune trains on measures recall, not retention, so above data.max_contamination it is a data failure."""
-    literals, shared = template_literals(cfg.data), shared_system_texts(train)
     files = []
     for name, suite_cfg in cfg.eval.suites.items():
         suite = read_suite(name, suite_cfg, cfg.storage.endpoint_url)
-        found = measure_overlap((conversation_text(c, literals, shared) for c in train), suite.texts())
+        found = train.index.measure(suite.texts())
         files.append(
             SuiteFile(name=name, source=suite.source, sha256=suite.sha256, items=len(suite.ids), contamination=found)
         )
         check_contamination(found, cfg.data.max_contamination, f"suite {name} ({suite.source})")
     return files
-
-
-def contamination_of(
-    train: list[Conversation], eval_convs: list[Conversation], literals: tuple[str, ...] = ()
-) -> Contamination:
-    """Overlap of the eval conversations with the training ones, over every turn's text. Left out, since every
-    row shares them and so they say nothing of a row: `literals`, the template's own text, and the system texts
-    that training rows share (a data.fields.system column or system turns of one prompt for all)."""
-    shared = shared_system_texts(train)
-    return measure_overlap(
-        (conversation_text(c, literals, shared) for c in train),
-        ((f"{c.where}:{c.row}", conversation_text(c, literals, shared)) for c in eval_convs),
-    )
 
 
 def shared_system_texts(train: list[Conversation]) -> frozenset[str]:

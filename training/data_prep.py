@@ -36,7 +36,7 @@ import pyarrow as pa
 from training import parallel
 from training.data_encode import ChatRenderer, encode_splits, pack_split
 from training.data_files import examples_table, read_manifest, table_examples, write_splits
-from training.data_overlap import check_contamination, contamination_of, suite_overlaps, template_literals
+from training.data_overlap import TrainingSplit, check_contamination, suite_overlaps, template_literals
 from training.data_sources import (
     ParsedSources,
     parse_rows,
@@ -92,7 +92,7 @@ def prepare_data(ctx: JobContext) -> DataSummary:
         # The suites are not part of the dataset's identity (a new suite must not retrain), so they are
         # checked against the training split again; only when there are any, since it re-reads every row.
         train = split_conversations(cfg.data, shape, parsed_sources, datahash.Drops())[0] if cfg.eval.suites else []
-        suites = suite_overlaps(cfg, train)
+        suites = suite_overlaps(cfg, TrainingSplit(train, template_literals(cfg.data)))
         return stage_summary(storage, dataset_path, cached, cache_hit=True, suites=suites)
 
     splits, total_rows, contamination, suites = build_splits(cfg, shape, tokenizer, parsed_sources, drops)
@@ -168,9 +168,10 @@ def build_splits(
     data = cfg.data
     render = ChatRenderer(tokenizer)  # one per run: a mismatch found in the train split holds for the eval split
     train_convs, eval_convs, total = split_conversations(data, shape, parsed, drops)
-    contamination = contamination_of(train_convs, eval_convs, template_literals(data))
+    seen = TrainingSplit(train_convs, template_literals(data))  # hashed once for the eval split and every suite
+    contamination = seen.overlap(eval_convs)
     check_contamination(contamination, data.max_contamination)
-    suites = suite_overlaps(cfg, train_convs)
+    suites = suite_overlaps(cfg, seen)
     progress("data", 1, 3, rows=total)
     # Packing serves training only; evaluation needs one prompt per row.
     overflow: dict[str, str] = {"train": data.overflow, "eval": "drop" if data.overflow == "pack" else data.overflow}
