@@ -345,6 +345,37 @@ def test_the_stage_writes_the_same_bytes_and_drops_on_ray_actors_as_in_one_proce
         assert pooled["manifest"]["splits"] == one["manifest"]["splits"]  # every shard's sha256 and token count
 
 
+def test_each_pooled_task_carries_its_own_rows_and_the_shared_part_none(tmp_path, tiny_dir, monkeypatch):
+    """Every actor used to be sent every row (the splits in `shared`): 8 actors on 400,000 rows took 45 s
+    against 32 s when each task carries its own."""
+    from training import parallel
+
+    sent: list[tuple[Any, list[Any]]] = []
+    real_map = parallel.map_in_order
+
+    def recorded(work, tasks, shared, workers):
+        sent.append((shared, list(tasks)))
+        return real_map(work, sent[-1][1], shared, 1)
+
+    monkeypatch.setattr(data_encode, "POOL_MIN_ROWS", 1)
+    monkeypatch.setattr(data_encode, "POOL_CHUNK_ROWS", 16)
+    monkeypatch.setattr(parallel, "ray_workers", lambda tasks: 3)
+    monkeypatch.setattr(parallel, "map_in_order", recorded)
+    summary = prepare(config(tmp_path / "store", tiny_dir, write_jsonl(tmp_path / "d.jsonl", DATES[:100])))
+    [(shared, tasks)] = sent
+
+    def rows_in(value: Any) -> int:
+        if isinstance(value, Conversation):
+            return 1
+        parts = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+        return sum(rows_in(part) for part in parts)
+
+    assert rows_in(shared) == 0
+    assert [len(convs) for _, convs in tasks] == [16] * 5 + [10, 10]  # 90 training rows, 10 eval rows
+    assert all(isinstance(c, Conversation) for _, convs in tasks for c in convs)
+    assert summary["manifest"]["splits"]["train"]["rows"] == 90
+
+
 # A ChatML variant whose full conversation does not begin with its generation prompt when the answer is BAD.
 UNMASKABLE = "{%- if messages[-1]['content'] == 'BAD' %}<|im_start|>ASSISTANT\n{%- endif %}"
 

@@ -70,7 +70,8 @@ class Encoded:
         return pa.concat_tables(self.tables) if self.tables else SCHEMA.empty_table()
 
 
-Chunk = tuple[str, int, int]  # (split, start, end): conversations [start, end) of that split
+Chunk = tuple[str, list[Conversation]]
+"""(split, some of its conversations in order): a task carries its own rows, so an actor is sent only those."""
 
 
 EncodedChunk = tuple[pa.Table | None, datahash.Drops, tuple[str, str] | None]
@@ -95,17 +96,15 @@ def encode_splits(
     pooled = rows >= POOL_MIN_ROWS
     step = POOL_CHUNK_ROWS if pooled else max([len(convs) for convs in splits.values()] + [1])
     chunks = [
-        (name, start, min(start + step, len(convs)))
-        for name, convs in splits.items()
-        for start in range(0, len(convs), step)
+        (name, convs[start : start + step]) for name, convs in splits.items() for start in range(0, len(convs), step)
     ]
     workers = parallel.ray_workers(len(chunks)) if pooled else 1
     if workers > 1:
         log(f"encoding {rows} conversations in {len(chunks)} chunks on {workers} Ray actors")
     encoded = {name: Encoded([], datahash.Drops()) for name in splits}
-    work = parallel.map_in_order(encode_chunk, chunks, (tokenizer, data, render, splits, overflow), workers)
+    work = parallel.map_in_order(encode_chunk, chunks, (tokenizer, data, render, overflow), workers)
     with contextlib.closing(work) as results:
-        for (name, _, _), (examples, drops, failure) in zip(chunks, results):
+        for (name, _), (examples, drops, failure) in zip(chunks, results):
             if failure is not None:
                 encoded[name].failure = failure
                 break
@@ -114,17 +113,13 @@ def encode_splits(
     return encoded
 
 
-def encode_chunk(
-    shared: tuple[Any, DataConfig, ChatRenderer, dict[str, list[Conversation]], dict[str, str]], chunk: Chunk
-) -> EncodedChunk:
+def encode_chunk(shared: tuple[Any, DataConfig, ChatRenderer, dict[str, str]], chunk: Chunk) -> EncodedChunk:
     """One chunk through encode_split and fit_rows, in a Ray actor or in this process."""
-    tokenizer, data, render, splits, overflow = shared
-    name, start, end = chunk
+    tokenizer, data, render, overflow = shared
+    name, convs = chunk
     drops = datahash.Drops()
     try:
-        examples = fit_rows(
-            *encode_split(tokenizer, splits[name][start:end], data, drops, render), data, drops, overflow[name]
-        )
+        examples = fit_rows(*encode_split(tokenizer, convs, data, drops, render), data, drops, overflow[name])
     except StageFailure as e:  # its own pickling does not survive the trip from an actor: sent as its two fields
         return None, drops, (e.failure_class.value, e.cause)
     return examples_table(examples), drops, None

@@ -5,8 +5,9 @@
 
 The data stage's rendering, label masking and tokenizing is plain Python per row and holds the GIL, so
 threads do not help; processes do. Inside a Ray job those processes are Ray actors, the tool a reader
-expects there: one per CPU the cluster has free, each given `shared` (the tokenizer, the config, the
-rows) once through the object store, then fed task descriptors. Nothing is forked: a fork of a process
+expects there: one per CPU the cluster has free, each given `shared` (the tokenizer, the config) once
+through the object store, then fed tasks that carry their own rows: a row sent to every actor costs
+rows x actors (8 actors on 400,000 rows: 45 s against 32 s). Nothing is forked: a fork of a process
 that holds threads (a Ray driver, a tokenizer's Rust pool, an S3 client) can copy a lock that some
 thread held and leave the child waiting on it forever. Outside a Ray job (a unit test, a laptop
 script), or with one task, the work runs in this process.
