@@ -34,7 +34,8 @@ def test_results_come_back_in_task_order_from_ray_actors_and_a_failure_raises_at
     with ray_driver(ray_head):
         all_cpus_free()
         workers = parallel.ray_workers(40)
-        assert workers == 4  # the head's 4 CPUs
+        # The head's 4 logical CPUs, as far as this machine has cores: past them actors only take turns.
+        assert workers == min(4, len(os.sched_getaffinity(0))) and workers >= 2
         results = list(parallel.map_in_order(square_plus, range(40), {"offset": 1, "fails_at": -1}, workers))
         assert [value for value, _ in results] == [t * t + 1 for t in range(40)]
         assert os.getpid() not in {pid for _, pid in results}  # the work ran in the actors
