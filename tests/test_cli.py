@@ -130,3 +130,28 @@ def test_run_without_a_prefect_server_says_how_to_start_one():
     # `run` turns SIGTERM into a cancellation only while it runs: the caller's handler is back after it
     # (a test process that kept the raising one would hand it to every process it forks later).
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_run_compare_and_canary_share_one_in_process_runner_that_runs_nothing_without_the_api():
+    """`run`, `compare` and `canary` all start their flow through terminal.run_here: a Prefect API that does not
+    answer is an infrastructure failure before the title is said or the flow is called."""
+    import contextlib
+    import inspect
+    from io import StringIO
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from rich.console import Console
+
+    from tuneproof.app import images_cli, terminal
+
+    for runner in (terminal.run_with_display, terminal.run_comparison, images_cli.canary_command):
+        source = inspect.getsource(runner)
+        assert "run_here(" in source and "return_state" not in source, runner.__name__
+    called: list[dict] = []
+    out = StringIO()
+    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api"}):
+        result = terminal.run_here(
+            Console(file=out), "the title", contextlib.nullcontext(), lambda **kw: called.append(kw), x=1
+        )
+    assert isinstance(result, terminal.NotRun) and result.failure_class == "infrastructure"
+    assert "127.0.0.1:9" in result.cause and not called and "the title" not in out.getvalue()

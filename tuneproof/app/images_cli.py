@@ -101,27 +101,24 @@ def canary_command(
 ) -> int:
     """Run the image-canary flow in-process (as the deployment does), a line per finished stage; the decision."""
     from flows.canary import image_canary
-    from flows.pipeline import refusal
-    from tuneproof.app.terminal import prefect_api_problem, stage_lines
+    from tuneproof.app.terminal import NotRun, run_here, stage_lines
     from tuneproof.control import record as records
 
-    if prefect_api_problem(console):
-        return EXIT_BY_CLASS[FailureClass.infrastructure]
     decision_id = decision_id or records.make_run_id()
-    say(console, f"image canary {decision_id}: {candidate or 'this environment'}")
-    with stage_lines(console):
-        state = image_canary(
-            candidate_image=candidate,
-            config=cfg,
-            max_steps=max_steps,
-            repeats=repeats,
-            threshold=threshold,
-            decision_id=decision_id,
-            return_state=True,
-        )
-    if refused := refusal(state):
-        say(console, refused, "bold red")
-        return EXIT_INVALID_CONFIG
+    state = run_here(
+        console,
+        f"image canary {decision_id}: {candidate or 'this environment'}",
+        stage_lines(console),
+        image_canary,
+        candidate_image=candidate,
+        config=cfg,
+        max_steps=max_steps,
+        repeats=repeats,
+        threshold=threshold,
+        decision_id=decision_id,
+    )
+    if isinstance(state, NotRun):
+        return EXIT_BY_CLASS[FailureClass.infrastructure] if state.failure_class else EXIT_INVALID_CONFIG
     storage = Storage.from_config(cfg.resolved().storage)
     try:
         decision = images.load_decision(storage, decision_id)

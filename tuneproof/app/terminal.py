@@ -21,8 +21,9 @@ import logging
 import os
 import re
 from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from rich import box
 from rich.console import Console, ConsoleDimensions, Group
@@ -34,6 +35,9 @@ from tuneproof.control.record import Invocation, RunRecord
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.envelope import ProgressEvent, format_metrics
 from tuneproof.core.summaries_eval import EvaluateSummary
+
+if TYPE_CHECKING:
+    from prefect.states import State
 
 STATUS_STYLE = {
     "succeeded": "green",
@@ -179,34 +183,27 @@ def run_with_display(
 ) -> RunRecord | dict[str, Any]:
     """Run the flow in-process with a live display; returns the run record (or, when the flow
     ended before writing one, a minimal failure document)."""
-    from flows.pipeline import pipeline, refusal
-    from tasks import events
+    from flows.pipeline import pipeline
     from tuneproof.control import record as records
     from tuneproof.control import stages as table
     from tuneproof.core.storage import Storage
 
-    if problem := prefect_api_problem(console):
-        return {"run_id": None, "status": "failed", "failure_class": "infrastructure", "cause": problem}
     run_id = run_id or records.make_run_id()
-    console.print(f"run id: [bold]{run_id}[/]")
     display = Display(run_id, table.names(table.plan(only, until)))
-    quiet_prefect_console(os.environ.get("TUNEPROOF_VERBOSE") == "1")
-    with Live(display.render(), console=console, refresh_per_second=4, transient=False) as live:
-
-        def show(event: dict[str, Any]) -> None:
-            display.on_event(event)
-            live.update(display.render())
-
-        unsubscribe = events.subscribe(show)
-        try:
-            state = pipeline(config=cfg, run_id=run_id, only=only, until=until, return_state=True)
-        finally:
-            unsubscribe()
-    console.print()  # the live display's last line is not terminated
-    if refused := refusal(state):
-        # Refused before any stage ran (another flow holds the run, a missing forwarded variable, ...).
-        say(console, refused, "bold red")
-        return {"run_id": run_id, "status": "failed", "failure_class": None, "cause": refused}
+    state = run_here(
+        console,
+        f"run id: {run_id}",
+        live_display(console, display),
+        pipeline,
+        config=cfg,
+        run_id=run_id,
+        only=only,
+        until=until,
+    )
+    if isinstance(state, NotRun):
+        # Refused before any stage ran (another flow holds the run, a missing forwarded variable, ...), or the
+        # Prefect API cannot take the run.
+        return {"run_id": None if state.failure_class else run_id, "status": "failed", **state.fields()}
     storage = Storage.from_config(cfg.resolved().storage)
     try:
         rec = records.load(storage, run_id)
@@ -349,31 +346,29 @@ def run_comparison(
     """Run the comparison flow in-process, a line per finished stage of each run, then the metric table.
     Returns comparison.json's content, with `failure_class` set when a run failed or nothing ran."""
     from flows.compare import compare
-    from flows.pipeline import refusal
     from tuneproof.control import comparison as cmp
     from tuneproof.control import record as records
     from tuneproof.core.storage import Storage
 
-    if problem := prefect_api_problem(console):
-        return {"status": "failed", "failure_class": "infrastructure", "cause": problem}
     comparison_id = comparison_id or records.make_run_id()
-    console.print(f"comparison id: [bold]{comparison_id}[/] ({', '.join(stages)}; {repeats} repeats, A B A B ...)")
-    with stage_lines(console):
-        state = compare(
-            config_a=cfg_a,
-            config_b=cfg_b,
-            stages=stages,
-            repeats=repeats,
-            threshold=threshold,
-            sets_a=sets_a,
-            sets_b=sets_b,
-            comparison_id=comparison_id,
-            return_state=True,
-        )
-    if refused := refusal(state):
+    title = f"comparison id: {comparison_id} ({', '.join(stages)}; {repeats} repeats, A B A B ...)"
+    state = run_here(
+        console,
+        title,
+        stage_lines(console),
+        compare,
+        config_a=cfg_a,
+        config_b=cfg_b,
+        stages=stages,
+        repeats=repeats,
+        threshold=threshold,
+        sets_a=sets_a,
+        sets_b=sets_b,
+        comparison_id=comparison_id,
+    )
+    if isinstance(state, NotRun):
         # Refused before its first run (e.g. an id already taken): whatever is stored under the id is not this.
-        say(console, refused, "bold red")
-        return {"status": "failed", "cause": refused}
+        return {"status": "failed", **state.fields()}
     try:
         result = cmp.load(Storage.from_config(cfg_a.resolved().storage), comparison_id)
     except FileNotFoundError:
@@ -390,6 +385,57 @@ def run_comparison(
         say(console, f"{failed.run_id} {failed.status}: {failed.cause}", "bold red")
         out["failure_class"] = failed.failure_class or "infrastructure"
     return out
+
+
+@dataclass(frozen=True)
+class NotRun:
+    """Why a flow run in this process ran nothing: the Prefect API cannot take it (infrastructure) or the flow
+    refused the request (failure_class None: a usage error, exit 3)."""
+
+    cause: str
+    failure_class: str | None = None
+
+    def fields(self) -> dict[str, Any]:
+        return {"failure_class": self.failure_class, "cause": self.cause}
+
+
+def run_here(
+    console: Console, title: str, watching: AbstractContextManager[Any], flow: Any, **parameters: Any
+) -> State | NotRun:
+    """The one way the CLI runs a flow in this process (a run, a comparison, a canary): the Prefect API checked
+    first, `title` said, the flow run while `watching` shows its progress; its final state, or NotRun (said on
+    `console`) where nothing ran."""
+    from flows.pipeline import refusal
+
+    if problem := prefect_api_problem(console):
+        return NotRun(problem, "infrastructure")
+    say(console, title)
+    with watching:
+        state = flow(**parameters, return_state=True)
+    if refused := refusal(state):
+        say(console, refused, "bold red")
+        return NotRun(refused)
+    return state
+
+
+@contextmanager
+def live_display(console: Console, display: Display) -> Iterator[None]:
+    """The run's stages as a live table, redrawn on every event of the flow running in this process."""
+    from tasks import events
+
+    quiet_prefect_console(os.environ.get("TUNEPROOF_VERBOSE") == "1")
+    with Live(display.render(), console=console, refresh_per_second=4, transient=False) as live:
+
+        def show(event: dict[str, Any]) -> None:
+            display.on_event(event)
+            live.update(display.render())
+
+        unsubscribe = events.subscribe(show)
+        try:
+            yield
+        finally:
+            unsubscribe()
+    console.print()  # the live display's last line is not terminated
 
 
 @contextmanager
