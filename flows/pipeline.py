@@ -28,7 +28,6 @@ from tuneproof.control.record import (
     CodeIdentity,
     Invocation,
     RunRecord,
-    RunStatus,
     StageAttempt,
     StageEntry,
     StageInputs,
@@ -160,10 +159,9 @@ def end_abnormally(storage: Storage, record: RunRecord | None, e: BaseException)
     logger = get_run_logger()
     if record is None:
         return
-    record.status = "crashed" if isinstance(e, Exception) else "cancelled"
-    record.failure_class, record.cause = None, one_line(f"{type(e).__name__}: {e}".rstrip(": "))
-    if record.invocations:
-        close_invocation(record, record.invocations[-1], record.status, record.cause)
+    record.end(
+        "crashed" if isinstance(e, Exception) else "cancelled", None, one_line(f"{type(e).__name__}: {e}".rstrip(": "))
+    )
     try:
         records.save(storage, record)
     except Exception as save_error:  # noqa: BLE001 - the original exception is what propagates
@@ -274,7 +272,7 @@ def open_record(
             kept = continuation.kept
             reran = {name: why for name, why in continuation.reran.items() if name in planned}
             plan = [stage for stage in plan if stage.name not in kept]
-        record.status, record.failure_class, record.cause = "running", None, None
+        record.start()
         record.config, record.config_hash = cfg.model_dump(mode="json"), cfg.config_hash()
         supersede(record, table.names(plan))
     else:
@@ -311,25 +309,7 @@ def close_interrupted(record: RunRecord, taken_over: str | None) -> None:
     if record.status != "running" or not record.invocations:
         return
     cause = f"its writer died: {taken_over}" if taken_over else "its writer ended without closing the record"
-    close_invocation(record, record.invocations[-1], "crashed", cause)
-
-
-def close_invocation(record: RunRecord, invocation: Invocation, status: RunStatus, cause: str | None) -> None:
-    """Mark how an invocation ended; a stage it left running becomes a failed (infrastructure) entry."""
-    invocation.status, invocation.cause = status, cause
-    attempt, invocation.running = invocation.running, None
-    if attempt is None:
-        return
-    entry = StageEntry.failed(
-        attempt.stage,
-        FailureClass.infrastructure,
-        f"interrupted: invocation {invocation.number} ended {status} while it ran ({cause})",
-        started_at=attempt.started_at,
-    )
-    job_invocation = attempt.job_invocation if attempt.job_invocation != invocation.number else None
-    record.stages[attempt.stage] = entry.model_copy(
-        update={"inputs": attempt.inputs, "invocation": invocation.number, "job_invocation": job_invocation}
-    )
+    record.close_invocation(record.invocations[-1], "crashed", cause)
 
 
 def supersede(record: RunRecord, rerun: list[str]) -> None:
@@ -365,8 +345,7 @@ def publish(artifact: Any, *args: Any) -> None:
 
 def unusable_request(storage: Storage, record: RunRecord, cause: str) -> State:
     """A subset rerun that lacks an earlier stage's output: a usage error, not a stage failure."""
-    record.status, record.failure_class, record.cause = "failed", None, cause
-    close_invocation(record, record.invocations[-1], "failed", cause)
+    record.end("failed", None, cause)
     records.save(storage, record)
     return refused(cause)
 
@@ -377,14 +356,13 @@ def finish(storage: Storage, record: RunRecord, failed: StageEntry | None) -> St
     if record.unread_settings:
         get_run_logger().warning(f"settings no stage read (ignored): {', '.join(record.unread_settings)}")
     if failed is None:
-        record.status, record.failure_class, record.cause = "succeeded", None, None
+        record.end("succeeded")
     else:
         failure = failed.failure_class or FailureClass.infrastructure
-        record.status, record.failure_class, record.cause = "failed", failure, f"{failed.stage}: {failed.cause}"
+        record.end("failed", failure, f"{failed.stage}: {failed.cause}")
         if failed.stage != "promote" and "promote" not in record.stages:
             # Nothing is promoted after a failed stage; the refusal and its reason are part of the record.
             record.promotion = PromoteSummary(promoted=False, reasons=[f"{failure.value} failure in {record.cause}"])
-    close_invocation(record, record.invocations[-1], record.status, record.cause)
     records.save(storage, record)
     publish(artifacts.stage_table, record, table.names())
     publish(artifacts.run_report, record)

@@ -212,3 +212,30 @@ def test_a_100000_step_fine_tune_leaves_a_record_of_at_most_64_kb(tmp_path):
     assert shown.metrics_path is not None
     logged = read_rows(storage, *shown.metrics_path.split("/"))
     assert loss_curve(logged) == whole and rows_sha256(logged) == shown.metrics_sha256
+
+
+def test_the_run_state_machine_lives_on_the_record():
+    """start and end set status, failure class and cause together and close the invocation; a stage the
+    invocation left running becomes a failed (infrastructure) entry; a run never 'ends' running."""
+    from tuneproof.control.record import CodeIdentity, Invocation, StageAttempt, StageInputs
+    from tuneproof.core.config import PipelineConfig
+    from tuneproof.core.results import FailureClass
+
+    rec = records.new_record("r", PipelineConfig(), CodeIdentity(git_sha="abc", dirty=False), None)
+    inputs = StageInputs(key="k", config={}, working_dir_hash="w")
+    rec.invocations.append(Invocation(number=1, at="t0", config_hash="h", kept=[], reran={}))
+    rec.invocations[-1].running = StageAttempt(stage="finetune", inputs=inputs, job_invocation=1, started_at="t1")
+    rec.end("cancelled", None, "KeyboardInterrupt")
+    assert (rec.status, rec.failure_class, rec.cause) == ("cancelled", None, "KeyboardInterrupt")
+    assert (rec.invocations[-1].status, rec.invocations[-1].running) == ("cancelled", None)
+    interrupted = rec.stages["finetune"]
+    assert interrupted.failure_class == FailureClass.infrastructure and interrupted.inputs == inputs
+    assert "invocation 1 ended cancelled while it ran (KeyboardInterrupt)" in (interrupted.cause or "")
+
+    rec.invocations.append(Invocation(number=2, at="t2", config_hash="h", kept=[], reran={}))
+    rec.start()
+    assert (rec.status, rec.failure_class, rec.cause) == ("running", None, None)
+    rec.end("failed", FailureClass.modeling, "evaluate: a gate failed")
+    assert (rec.status, rec.failure_class, rec.invocations[-1].status) == ("failed", FailureClass.modeling, "failed")
+    with pytest.raises(ValueError, match="not running"):
+        rec.end("running")

@@ -280,6 +280,39 @@ class RunRecord(Model):
         entry = self.stages.get(stage)
         return entry is not None and entry.ok
 
+    # ---- the run's state machine: running -> succeeded | failed | crashed | cancelled, and running again
+    # when a later invocation continues or reruns it. The flow calls these; it never sets the status itself.
+
+    def start(self) -> None:
+        """A later invocation opens the run (a continuation or a subset rerun): running again, no cause."""
+        self.status, self.failure_class, self.cause = "running", None, None
+
+    def end(self, status: RunStatus, failure_class: FailureClass | None = None, cause: str | None = None) -> None:
+        """How the latest invocation ended: succeeded; failed (a stage's failure class, or None for a request
+        refused before any stage ran); crashed (the flow raised) or cancelled. The invocation ends the same way."""
+        if status == "running":
+            raise ValueError("a run ends succeeded, failed, crashed or cancelled, not running")
+        self.status, self.failure_class, self.cause = status, failure_class, cause
+        if self.invocations:
+            self.close_invocation(self.invocations[-1], status, cause)
+
+    def close_invocation(self, invocation: Invocation, status: RunStatus, cause: str | None) -> None:
+        """Mark how an invocation ended; a stage it left running becomes a failed (infrastructure) entry."""
+        invocation.status, invocation.cause = status, cause
+        attempt, invocation.running = invocation.running, None
+        if attempt is None:
+            return
+        entry = StageEntry.failed(
+            attempt.stage,
+            FailureClass.infrastructure,
+            f"interrupted: invocation {invocation.number} ended {status} while it ran ({cause})",
+            started_at=attempt.started_at,
+        )
+        job_invocation = attempt.job_invocation if attempt.job_invocation != invocation.number else None
+        self.stages[attempt.stage] = entry.model_copy(
+            update={"inputs": attempt.inputs, "invocation": invocation.number, "job_invocation": job_invocation}
+        )
+
 
 def make_run_id() -> str:
     """Sortable and unique: UTC time plus random bytes."""
