@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -132,6 +133,41 @@ class SessionStart:
 
         return self.once("model", build)
 
+    def peft_env(self) -> Future[None]:
+        """Ray's pip environment for a LoRA run's fine-tune jobs (runtime_env pip [peft]), built once and with its
+        bytecode, beside the unit tests. Ray keys the environment by the pip list, so the LoRA pipeline's jobs
+        find it. On a head that runs from a virtualenv Ray clones the whole venv, .pyc files left out, and this
+        machine sets PYTHONDONTWRITEBYTECODE=1: every process of every job in it compiled torch, transformers
+        and Ray Train from source again (a job importing them took 13 s there against 6 s outside), and the
+        first job waited for the clone (18 s more). This job's imports write that bytecode once."""
+        head = self.ray_head()
+
+        def build() -> None:
+            from ray.job_submission import JobStatus, JobSubmissionClient
+
+            from tuneproof.core.config_train import PEFT_REQUIREMENT
+
+            client = JobSubmissionClient(
+                head.result().address, headers={"Authorization": f"Bearer {head.result().token()}"}
+            )
+            sid = client.submit_job(
+                entrypoint=f"python -c {PEFT_IMPORTS!r}",
+                runtime_env={"pip": [PEFT_REQUIREMENT], "env_vars": {"PYTHONDONTWRITEBYTECODE": ""}},
+            )
+            deadline = time.monotonic() + TEST_SERVER_WAIT_S
+            while (status := client.get_job_status(sid)) not in (
+                JobStatus.SUCCEEDED,
+                JobStatus.FAILED,
+                JobStatus.STOPPED,
+            ):
+                assert time.monotonic() < deadline, (
+                    f"Ray's peft environment was not built in {TEST_SERVER_WAIT_S:.0f} s"
+                )
+                time.sleep(1)
+            assert status == JobStatus.SUCCEEDED, client.get_job_logs(sid)[-4000:]
+
+        return self.once("peft-env", build)
+
     def demo_env(self) -> Future[DemoEnv]:
         head, model = self.ray_head(), self.base_model()
 
@@ -166,6 +202,13 @@ class SessionStart:
             return proc, log
 
         return self.once("demo-run", launch)
+
+
+PEFT_IMPORTS = (
+    "import ray.train.torch, torch.distributed.checkpoint, torch.distributed.fsdp, pyarrow.parquet, safetensors.torch, "
+    "transformers, peft; from transformers import Qwen2ForCausalLM, AutoTokenizer; from peft import LoraConfig, get_peft_model"
+)
+"""What a LoRA fine-tune job's driver, Train controller and workers import: compiled once into Ray's peft environment."""
 
 
 def stop_if_running(proc: subprocess.Popen[bytes]) -> None:
@@ -336,6 +379,8 @@ def start_shared_run(request, session_start):
 
     The run holds at most 2 of the session head's 4 CPUs; in file order its first readers (test_continue,
     test_copy_check) wait for it to end before any test that wants all 4 (test_sharding) starts."""
+    if any("lora_demo" in item.fixturenames for item in request.session.items):
+        session_start.peft_env()
     if any("finished_run" in item.fixturenames for item in request.session.items):
         session_start.demo_run()
         # Its readers run the CLI in this process against the session's server, as they did when the run

@@ -3,8 +3,8 @@ data to promotion (verify and connectivity judge the cluster, not the method, an
 submissions (peft through the fine-tune jobs' runtime_env pip), the real resume stage with
 loss_rtol 0, evaluation of the merged export, promotion, and `models show` listing adapter and merged.
 
-Costs several minutes on 2 cores: the first fine-tune job waits for Ray to build its pip environment
-(on a local head that clones the project virtualenv, about 2 minutes; later jobs reuse it).
+Costs a few minutes on 2 cores. Ray's pip environment for peft (on a local head, a clone of the project
+virtualenv) is built beside the unit tests by the session (tests/conftest.py, SessionStart.peft_env).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tuneproof.core.config_train import PEFT_REQUIREMENT
 from tuneproof.core.summaries_eval import EvaluateSummary
 from tuneproof.core.summaries_training import FinetuneSummary, ResumeSummary
 
-# The first test also runs the pipeline, whose first fine-tune job waits for Ray's pip environment.
+# The first test also runs the pipeline (six Ray jobs, four of them in Ray's peft environment).
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 
 # A short run (the mechanics, not the skill: configs/local-chat.yaml's 1000 LoRA steps are what learns a
@@ -40,7 +40,8 @@ def lora_env(demo_env, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def lora_demo(prefect_server, lora_env):
+def lora_demo(prefect_server, lora_env, session_start):
+    session_start.peft_env().result()  # Ray's peft environment, built beside the unit tests (tests/conftest.py)
     # The stages LoRA changes; verify and connectivity judge the cluster, which the demo run already did.
     only = ("--only", "data,finetune,resume,evaluate,promote")
     result = tuneproof("run", "--run-id", "lora", *only, *lora_env.args, *LORA)
