@@ -4,10 +4,10 @@
 
 The same generated corpus and configs/local.yaml settings as `bench.data_prep`, but no Ray job: the
 stage function runs here, with each phase's function wrapped in a timer. CPU seconds (this process,
-every thread, and the stage's pool workers) move much less with the machine's load than wall seconds
-do, so they are what to compare against the bare `encode_batch`'s. From the stage's POOL_MIN_ROWS
-on, the chat template, tokenizing and fitting run on forked workers whose phases are not timed one by
-one here (their CPU is in the body's total); --one-process keeps every phase in this process to see them. What a job pays before its first row (importing the stage
+every thread) move much less with the machine's load than wall seconds do, so they are what to compare
+against the bare `encode_batch`'s. Outside a Ray job the stage's encoding pool (Ray actors, from
+POOL_MIN_ROWS rows) does not start, so every phase runs and is timed in this process; --one-process
+also keeps it so should RAY_ADDRESS be set. What a job pays before its first row (importing the stage
 and loading the tokenizer, which imports transformers and whatever it pulls in) is measured apart, in a
 fresh child process, since this one has imported transformers already to build the tiny model.
 Last, the bare side of `bench.data_prep` on the same corpus, and the two sides' tokens per CPU second
