@@ -35,7 +35,7 @@ def test_results_come_back_in_task_order_from_ray_actors_and_a_failure_raises_at
         all_cpus_free()
         workers = parallel.ray_workers(40)
         # The head's 4 logical CPUs, as far as this machine has cores: past them actors only take turns.
-        assert workers == min(4, len(os.sched_getaffinity(0))) and workers >= 2
+        assert workers == min(4, parallel.usable_cores()) and workers >= 2
         results = list(parallel.map_in_order(square_plus, range(40), {"offset": 1, "fails_at": -1}, workers))
         assert [value for value, _ in results] == [t * t + 1 for t in range(40)]
         assert os.getpid() not in {pid for _, pid in results}  # the work ran in the actors
@@ -62,3 +62,10 @@ def test_the_collector_is_off_inside_and_as_it_was_after_even_on_an_error():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_the_core_count_needs_no_linux_only_call(monkeypatch):
+    """A laptop's head on macOS has no os.sched_getaffinity: the pool's cap falls back to os.cpu_count()."""
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    assert parallel.usable_cores() == 3

@@ -71,8 +71,14 @@ def ray_workers(tasks: int) -> int:
         # One machine (a laptop's head, which `tuneproof local up` gives 4 logical CPUs on 2 cores so that a
         # Train run's controller and driver fit): past its cores, actors only take turns on them. 8 actors
         # on 2 cores encoded 400,000 rows in 32 s, 2 in 25 s.
-        free = min(free, len(os.sched_getaffinity(0)))
+        free = min(free, usable_cores())
     return max(1, min(tasks, MAX_ACTORS, free))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity on Linux; os.cpu_count() where there is none, as on macOS)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity else os.cpu_count() or 1
 
 
 class _Worker:
