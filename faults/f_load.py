@@ -12,7 +12,6 @@ Prints its own small table (runs, records, registry history); the row and the ta
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from typing import Any
@@ -59,9 +58,9 @@ class PointerWatch:
             except OSError:  # the models folder does not exist yet
                 continue
             self.reads += 1
-            version = (pointer or {}).get("version")
-            if pointer is not None and not (version and pointer.get("path") and pointer.get("content_sha256")):
-                self.torn.append(f"incomplete pointer: {json.dumps(pointer)[:200]}")
+            version = pointer.version if pointer else None
+            if pointer is not None and not pointer.content_sha256:  # every gated promotion names its content
+                self.torn.append(f"incomplete pointer: {pointer.model_dump_json()[:200]}")
             if version and (not self.versions or self.versions[-1] != version):
                 self.versions.append(version)
 

@@ -154,7 +154,7 @@ def computed_gate(gate: dict) -> dict:
 def production_config(storage: Storage, model: str) -> dict | None:
     """The config of the run behind the production model, when there is one and its record is readable."""
     pointer, _ = registry.read_pointer(storage, model)
-    rec = read_record(storage, pointer["run_id"]) if pointer and pointer.get("run_id") else None
+    rec = read_record(storage, pointer.run_id) if pointer else None
     return dict(rec.config) if rec is not None and rec.config else None
 
 

@@ -254,6 +254,6 @@ def evaluate(call: StageCall) -> StageEntry:
     still the production model (compare-and-swap on the pointer).
     """
     pointer, _ = registry.read_pointer(Storage.from_config(call.cfg.storage), call.cfg.model.name)
-    incumbent = {"version": pointer["version"], "path": pointer["path"]} if pointer else None
+    incumbent = {"version": pointer.version, "path": pointer.path} if pointer else None
     params = {"dataset": call.inputs["dataset_path"], "candidate": call.inputs["export_path"], "incumbent": incumbent}
     return run_single_job(call, call.spec("eval.evaluate_job", params))

@@ -29,6 +29,7 @@ from tasks.jobs import StageCall, runner_for
 from tuneproof.control import cost, history, registry
 from tuneproof.control import record as records
 from tuneproof.control import rollback as rollbacks
+from tuneproof.control.cost import VersionCost
 from tuneproof.control.history import MoveIntent
 from tuneproof.control.lease import Lease, LeaseHeld
 from tuneproof.control.record import JobEntry, Override, RolledBack, RunRecord, StageEntry
@@ -99,34 +100,36 @@ def superseded_note(record: RunRecord, stage: str) -> str:
     return f" (its last result, from invocation {stale[-1].invocation}, was superseded by a rerun of an earlier stage)"
 
 
-def model_card(cfg: PipelineConfig, record: RunRecord, forced: Forced | None = None) -> dict[str, Any]:
+def model_card(cfg: PipelineConfig, record: RunRecord, forced: Forced | None = None) -> registry.CardFacts:
     evaluation = record.summary("evaluate", EvaluateSummary)
     resume = record.summary("resume", ResumeSummary)
     cluster = record.cluster
-    return {
-        "name": cfg.model.name,
-        "run_id": record.run_id,
-        "base_model": cfg.model.source,
+    return registry.CardFacts(
+        name=cfg.model.name,
+        run_id=record.run_id,
+        base_model=cfg.model.source,
         **base_facts(record),
         **method_facts(record),
-        "metrics": {role: (score.metrics if score else None) for role, score in evaluation.models.items()}
+        metrics={role: (score.metrics if score else None) for role, score in evaluation.models.items()}
         if evaluation
         else {},
-        "incumbent_version": evaluation.incumbent_version if evaluation else None,
-        "gates": card_gate_lines(evaluation) if evaluation else [],
-        "suites": [row.to_json() for row in evaluation.suite_rows()] if evaluation and evaluation.suites else [],
-        "dataset_hash": record.data.content_hash if record.data else None,
-        "replay": replay_facts(record),
-        "image": cfg.cluster.expect.image,
-        "image_digest": cluster.image_digest if cluster else None,
-        "environment_digest": cluster.environment_digest if cluster else None,
-        "code_sha": record.code.git_sha,
-        "code_dirty": record.code.dirty,
-        "working_dir_hash": record.code.working_dir_hash,
-        "config_hash": record.config_hash,
-        "resume": {"restored_step": resume.restored_step, "max_loss_diff": resume.max_loss_diff} if resume else {},
-        "forced": forced.to_json() if forced else None,
-    }
+        incumbent_version=evaluation.incumbent_version if evaluation else None,
+        gates=card_gate_lines(evaluation) if evaluation else [],
+        suites=evaluation.suite_rows() if evaluation and evaluation.suites else [],
+        dataset_hash=record.data.content_hash if record.data else None,
+        replay=replay_facts(record),
+        image=cfg.cluster.expect.image,
+        image_digest=cluster.image_digest if cluster else None,
+        environment_digest=cluster.environment_digest if cluster else None,
+        code_sha=record.code.git_sha,
+        code_dirty=record.code.dirty,
+        working_dir_hash=record.code.working_dir_hash,
+        config_hash=record.config_hash,
+        resume=registry.Restored(restored_step=resume.restored_step, max_loss_diff=resume.max_loss_diff)
+        if resume
+        else None,
+        forced=forced,
+    )
 
 
 def card_gate_lines(evaluation: EvaluateSummary) -> list[str]:
@@ -144,17 +147,15 @@ def base_facts(record: RunRecord) -> dict[str, Any]:
     return {"base_content_hash": finetune.base_model.content_hash, "base_recipe": finetune.base_model.recipe}
 
 
-def replay_facts(record: RunRecord) -> dict[str, Any] | None:
+def replay_facts(record: RunRecord) -> registry.Replayed | None:
     """The data.replay file the training split mixed in (against forgetting), as the data stage hashed it."""
     data = record.summary("data", DataSummary)
     manifest = data.manifest if data else None
     if manifest is None or manifest.replay is None:
         return None
-    return {
-        "source": manifest.replay.uri,
-        "sha256": manifest.replay.sha256,
-        "share": manifest.settings["replay"]["share"],
-    }
+    return registry.Replayed(
+        source=manifest.replay.uri, sha256=manifest.replay.sha256, share=manifest.settings["replay"]["share"]
+    )
 
 
 def method_facts(record: RunRecord) -> dict[str, Any]:
@@ -216,13 +217,13 @@ def move_pointer(
     evaluation = record.summary("evaluate", EvaluateSummary)
     evaluated = evaluation.incumbent_version if evaluation else None
     pointer, token = registry.read_pointer(storage, cfg.model.name)
-    current = (pointer or {}).get("version")
+    current = pointer.version if pointer else None
     if registry.is_promotion_of(pointer, record.run_id, content):
         # This run's own promotion already landed: a retry, or a continuation of a run whose flow died
         # between the pointer's swap and the record's save. The same version, not a second copy, and not
         # "the production model changed since evaluation" (it changed to this run).
         logging.getLogger("tuneproof.promote").info(f"{cfg.model.name} {current} is already this run's model")
-        summary = PromoteSummary(promoted=True, forced=forced, **pointer_fields(pointer))
+        summary = promoted_summary(pointer, forced)
         return StageEntry.succeeded("promote", summary, started)
     if forced is None and current != evaluated:
         return refused(
@@ -230,9 +231,9 @@ def move_pointer(
             [f"the production model changed since evaluation ({evaluated} -> {current}); re-evaluate"],
             FailureClass.infrastructure,
         )
-    card = {**model_card(cfg, record, forced), "content_sha256": content}
+    card = model_card(cfg, record, forced).model_copy(update={"content_sha256": content})
 
-    def cost_of(move: history.Move) -> dict[str, Any]:
+    def cost_of(move: history.Move) -> VersionCost:
         return promotion_cost(storage, cfg, as_stored(record, started, jobs or []), move)
 
     try:
@@ -255,19 +256,19 @@ def move_pointer(
         return refused(started, [f"lost a concurrent promotion: {e}"], FailureClass.infrastructure)
     except markers.ExportUnverified as e:
         return refused(started, [f"the copied model is not the judged export: {e}"], FailureClass.infrastructure)
-    logging.getLogger("tuneproof.promote").info(f"promoted {cfg.model.name} {result['version']} (previous: {current})")
-    summary = PromoteSummary(promoted=True, forced=forced, **pointer_fields(result))
+    logging.getLogger("tuneproof.promote").info(f"promoted {cfg.model.name} {result.version} (previous: {current})")
+    summary = promoted_summary(result, forced)
     return StageEntry.succeeded("promote", summary, started)
 
 
-def promotion_cost(storage: Storage, cfg: PipelineConfig, record: RunRecord, move: history.Move) -> dict[str, Any]:
-    """What the version `move` promotes cost (control.cost.VersionCost as JSON): this run as `record` has it, and
+def promotion_cost(storage: Storage, cfg: PipelineConfig, record: RunRecord, move: history.Move) -> VersionCost:
+    """What the version `move` promotes cost: this run as `record` has it, and
     the model's other runs since the previous promotion. The card states it; `models show` shows the card's."""
     stored, _ = records.list_records(storage)
     runs = [r for r in cost.records_of(stored, cfg.model.name) if r.run_id != record.run_id] + [record]
     moves = [*registry.read_history(storage, cfg.model.name), move]
     side = cost.side_runs(storage, [r.run_id for r in runs])
-    return cost.version_costs(runs, moves, cfg.cost.prices, side)[-1].model_dump(exclude={"version"})
+    return cost.version_costs(runs, moves, cfg.cost.prices, side)[-1]
 
 
 def as_stored(record: RunRecord, started: str, jobs: list[JobEntry]) -> RunRecord:
@@ -348,9 +349,9 @@ HOLD_WAIT_S = 120.0
 """How long a promotion waits for another flow's hold on the pointer (a rollback, another promotion)."""
 
 
-def pointer_fields(pointer: dict) -> dict[str, Any]:
-    """The pointer's fields a PromoteSummary keeps (the move itself lives in the model's history)."""
-    return {k: v for k, v in pointer.items() if k in PromoteSummary.model_fields}
+def promoted_summary(pointer: registry.ProductionPointer, forced: Forced | None) -> PromoteSummary:
+    """The promotion as the record keeps it: the pointer's fields (its move lives in the model's history)."""
+    return PromoteSummary(promoted=True, forced=forced, **pointer.model_dump(exclude={"move"}))
 
 
 def move_intent(record: RunRecord, forced: Forced | None) -> MoveIntent:
@@ -447,21 +448,30 @@ def roll_back(
     """Move the pointer back (control.rollback) and note it in the rolled-back run's record, under that
     run's lease so no flow writes the record meanwhile. Every refusal leaves the pointer where it was."""
     storage = Storage.from_config(cfg.resolved().storage)
-    pointer, _ = registry.read_pointer(storage, name)
-    run_id: str | None = (pointer or {}).get("run_id")
+    try:
+        pointer, _ = registry.read_pointer(storage, name)
+    except registry.RegistryUnreadable as e:  # nothing to roll back from that anyone can name
+        return RollbackResult(rolled_back=False, model=name, reasons=[str(e)])
+    run_id = pointer.run_id if pointer else None
     lease = None
     if run_id and storage.exists("runs", run_id, records.RECORD):
         lease = Lease(storage, run_id, flow_run_id, f"tuneproof rollback {name}")
     try:
         with lease.held(on_problem=logging.getLogger("tuneproof.rollback").warning) if lease else nullcontext():
             new = rollbacks.rollback(storage, name, reason, by, to_version)
-            move = history.pointer_move(new)
+            move = new.move
             assert move is not None and move.from_version is not None  # rollback always records its move
             if lease is not None:
                 note_rollback(storage, lease.run_id, name, move)
-    except (rollbacks.RollbackRefused, rollbacks.PointerHeld, registry.PromotionConflict, LeaseHeld) as e:
+    except (
+        rollbacks.RollbackRefused,
+        rollbacks.PointerHeld,
+        registry.PromotionConflict,
+        registry.RegistryUnreadable,
+        LeaseHeld,
+    ) as e:
         return RollbackResult(
-            rolled_back=False, model=name, from_version=(pointer or {}).get("version"), reasons=[str(e)]
+            rolled_back=False, model=name, from_version=pointer.version if pointer else None, reasons=[str(e)]
         )
     return RollbackResult(
         rolled_back=True,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 from tuneproof.control.record import RunRecord, StageEntry
-from tuneproof.control.registry import read_pointer
+from tuneproof.control.registry import ProductionPointer, read_pointer
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import Summary
 
@@ -24,7 +24,7 @@ def summary_dict(rec: RunRecord, stage: str) -> dict[str, Any]:
     return summary
 
 
-def production_pointer(storage: Storage, name: str) -> dict[str, Any]:
+def production_pointer(storage: Storage, name: str) -> ProductionPointer:
     """The production pointer of model `name`."""
     found, _ = read_pointer(storage, name)
     assert found is not None, f"model {name} has no production pointer in {storage.root}"

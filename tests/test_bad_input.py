@@ -32,6 +32,7 @@ from tuneproof.app import cli
 from tuneproof.app.cli import app, guarded
 from tuneproof.control import record as records
 from tuneproof.control.record import CodeIdentity
+from tuneproof.control.registry import ModelCard, ProductionPointer
 from tuneproof.core.config import PROJECT_ROOT, PipelineConfig
 from tuneproof.core.results import FailureClass
 from tuneproof.core.storage import Storage, UnsafePath
@@ -223,13 +224,33 @@ def diff_truncated(tmp: Path) -> list[str]:
     return ["runs", "diff", GOOD_RUN, "bad", *root_args(tmp)]
 
 
+def pointer_to(version: str) -> str:
+    """models/<MODEL>/production.json as a promotion writes it, naming `version`."""
+    return ProductionPointer(
+        name=MODEL, version=version, path=f"models/{MODEL}/{version}", run_id=version[6:], promoted_at="2026-12-01"
+    ).model_dump_json()
+
+
+def card_of(version: str) -> str:
+    """A version's card.json as a promotion writes it (the least one)."""
+    return ModelCard(name=MODEL, version=version, run_id=version[6:], source_path="runs/x/model").model_dump_json()
+
+
 def registry(tmp: Path, pointer: str | bytes | None = None, card: str | bytes | None = None) -> Path:
     models = tmp / "store" / "models"
     version = models / MODEL / f"v0001-{GOOD_RUN}"
-    write(version / "card.json", card if card is not None else json.dumps({"metrics": {}}))
+    write(version / "card.json", card if card is not None else card_of(f"v0001-{GOOD_RUN}"))
     if pointer is not None:
         write(models / MODEL / "production.json", pointer)
     return models
+
+
+def rollback_cmd(pointer: str) -> Callable[[Path], list[str]]:
+    def build(tmp: Path) -> list[str]:
+        registry(tmp, pointer)
+        return ["rollback", MODEL, "--reason", "bad-input test", *root_args(tmp)]
+
+    return build
 
 
 def models_cmd(command: str, pointer=None, card=None, stray: bool = False) -> Callable[[Path], list[str]]:
@@ -262,7 +283,9 @@ STORAGE_FILE_CASES = [
     Case("models-stray-file", models_cmd("list", stray=True), 0, MODEL),
     Case("pointer-corrupt-list", models_cmd("list", pointer="{not json"), 0, "unreadable"),
     Case("pointer-corrupt-show", models_cmd("show", pointer="{not json"), 1, "not a JSON production pointer"),
-    Case("pointer-wrong-shape", models_cmd("show", pointer="[1]"), 1, "object with a 'version' string"),
+    Case("pointer-wrong-shape", models_cmd("show", pointer="[1]"), 1, "not a production pointer (Input should be"),
+    Case("pointer-no-run", models_cmd("show", pointer='{"version": "v1"}'), 1, "name: Field required (4 problem(s))"),
+    Case("rollback-pointer-corrupt", rollback_cmd("{not json"), 3, "not a JSON production pointer"),
     Case("pointer-not-utf8", models_cmd("show", pointer=NOT_UTF8), 1, "not a JSON production pointer"),
     Case("pointer-is-a-directory", pointer_dir, 0, "cannot be read as the production pointer"),
     Case("record-truncated-json-list", record_file("{", "list --json"), 0, '"status": "unreadable"'),
@@ -500,8 +523,8 @@ def registry_special(name: str, make: Callable[[Path], object], command: str = "
     def build(tmp: Path) -> list[str]:
         models = registry(tmp)
         if command == "rollback":
-            write(models / MODEL / "v0002-later" / "card.json", json.dumps({"metrics": {}}))
-            write(models / MODEL / "production.json", json.dumps({"version": "v0002-later"}))
+            write(models / MODEL / "v0002-later" / "card.json", card_of("v0002-later"))
+            write(models / MODEL / "production.json", pointer_to("v0002-later"))
         target = models / MODEL / (name if name == "production.json" else f"v0001-{GOOD_RUN}/{name}")
         target.unlink(missing_ok=True)
         make(target)
@@ -715,7 +738,7 @@ EFA_LINE = "NCCL INFO NET/OFI Selected provider is efa, fabric is efa-direct\n"
 
 
 def dangling_pointer(tmp: Path) -> list[str]:
-    registry(tmp, pointer=json.dumps({"version": "v0009-gone"}))
+    registry(tmp, pointer=pointer_to("v0009-gone"))
     return ["models", "list", *root_args(tmp)]
 
 

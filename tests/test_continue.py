@@ -335,6 +335,7 @@ def test_a_run_until_a_stage_stops_there_and_its_continuation_runs_the_rest(pref
 
 
 def test_evaluate_depends_on_the_production_model_but_not_on_its_own_promotion(tmp_path):
+    from tuneproof.control.registry import ProductionPointer
     from tuneproof.core.summaries_eval import PromoteSummary
 
     cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
@@ -343,7 +344,10 @@ def test_evaluate_depends_on_the_production_model_but_not_on_its_own_promotion(t
     evaluate = table.by_name("evaluate")
     assert evaluate.external is not None
     assert evaluate.external(cfg, storage, rec) == {"registry.production": "none"}
-    storage.write_json({"version": "v0002-other", "path": "models/x"}, "models", cfg.model.name, "production.json")
+    other = ProductionPointer(
+        name=cfg.model.name, version="v0002-other", path="models/x", run_id="other", promoted_at="t"
+    )
+    storage.write_json(other.to_json(), "models", cfg.model.name, "production.json")
     assert evaluate.external(cfg, storage, rec) == {"registry.production": "v0002-other"}
     rec.promotion = PromoteSummary(promoted=True, version="v0002-other", previous_version="v0001-a")
     assert evaluate.external(cfg, storage, rec) == {"registry.production": "v0001-a"}  # its own promotion

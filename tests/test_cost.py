@@ -57,8 +57,8 @@ def run(run_id: str, created: int, cfg: PipelineConfig = GPU_CFG, failed: bool =
     data = StageEntry(
         stage="data",
         status="succeeded",
-        started_at="a",
-        ended_at="b",
+        started_at=at(created),
+        ended_at=at(created + 10),
         jobs=[job("training.data_prep", at(created), at(created + 10))],
     )
     ft_summary = FinetuneSummary(
@@ -67,8 +67,8 @@ def run(run_id: str, created: int, cfg: PipelineConfig = GPU_CFG, failed: bool =
     finetune = StageEntry(
         stage="finetune",
         status="failed" if failed else "succeeded",
-        started_at="a",
-        ended_at="b",
+        started_at=at(created + 10),
+        ended_at=at(created + 70),
         summary=ft_summary,
         jobs=[job("training.finetune", at(created + 10), at(created + 70), ft_summary)],
     )
@@ -258,7 +258,7 @@ def test_the_card_renders_cost_and_goodput():
         [run("r2-failed", 0, failed=True), run("r3", 100)], [promotion(1, "r3", 200)], {"CPU": 0.36}
     )[0]
     card = registry.render_model_card(
-        {"name": "m", "version": "v0001-r3", "run_id": "r3", "metrics": {}, "gates": [], "cost": version.model_dump()}
+        registry.ModelCard(name="m", version="v0001-r3", run_id="r3", source_path="runs/r3/model", cost=version)
     )
     assert "## Cost" in card and "| r2-failed | failed (modeling) | 250.0 | 240.0 | 0.0250 | 100 |" in card
     assert "| r3 | promoted as this version |" in card
@@ -294,18 +294,18 @@ def test_the_card_states_the_cost_with_the_copy_check_and_models_show_shows_that
     promoted.status = "succeeded"
     records.save(storage, promoted)
 
-    version = production_pointer(storage, cfg.model.name)["version"]
+    version = production_pointer(storage, cfg.model.name).version
     card = storage.read_json("models", cfg.model.name, version, registry.CARD_JSON)["cost"]
     (charged,) = [c for c in card["charged"] if c["run_id"] == "r1"]
     assert [(s["stage"], s["seconds"]) for s in charged["stages"]][-1] == ("promote", 5.0)  # the copy check
     assert charged["status"] == "promoted" and card["prices"] == {"CPU": 3.6}
     assert [c["run_id"] for c in card["charged"]] == ["r0-failed", "r1"]
     shown = tuneproof("models", "show", cfg.model.name, "--set", f"storage.root={tmp_path}")
-    assert json.loads(shown.stdout)["cost"] == [{"version": version, **card}]
+    assert card["version"] == version and json.loads(shown.stdout)["cost"] == [card]
     # The card is the one computation: the same one over the records as they are stored now agrees with it.
     stored = cost.records_of(records.list_records(storage)[0], cfg.model.name)
     again = cost.version_costs(stored, registry.read_history(storage, cfg.model.name), cfg.cost.prices)
-    assert [v.model_dump() for v in again] == [{"version": version, **card}]
+    assert [v.to_json() for v in again] == [card]
 
 
 @pytest.mark.integration
@@ -321,7 +321,7 @@ def test_after_a_failed_run_the_promoted_versions_cost_includes_it(clone_run):
     promoted = tuneproof("run", "--run-id", "demo", "--only", "promote", *clone_run.args, *prices)
     assert promoted.exit_code == 0, promoted.output
     name = records.load(storage, "demo").config["model"]["name"]
-    version = production_pointer(storage, name)["version"]
+    version = production_pointer(storage, name).version
     card = storage.read_json("models", name, version, registry.CARD_JSON)["cost"]
     assert {c["run_id"] for c in card["charged"]} == {"demo", "bad-source"}
     assert card["money"] > 0 and card["steps_paid"] >= card["promoted_steps"] > 0
@@ -331,6 +331,6 @@ def test_after_a_failed_run_the_promoted_versions_cost_includes_it(clone_run):
     promote = [s for s in demo["stages"] if s["stage"] == "promote" and not s["superseded"]]
     assert promote and promote[0]["seconds"] > 0  # the copy check's Ray job
     shown = json.loads(tuneproof("models", "show", name, *clone_run.args).stdout)
-    assert shown["cost"][-1] == {"version": version, **card}
+    assert shown["cost"][-1] == card and card["version"] == version
     runs_show = tuneproof("runs", "show", "demo", *clone_run.args, *prices)
     assert runs_show.exit_code == 0 and "cost: CPU" in runs_show.output

@@ -219,13 +219,12 @@ def test_within_the_cap_the_gates_judge_the_candidate_with_the_evidence(world, s
 
 def test_the_production_model_is_the_incumbent_and_a_handful_of_items_cannot_resolve_its_margin(world, store):
     upload_export(store, world["trained"], "first")
-    registry.promote(
-        store, "dates-qwen2-tiny", "first", "runs/first/model", {"metrics": {}, "gates": []}, expected_token=None
-    )
+    card = registry.CardFacts(name="dates-qwen2-tiny", run_id="first")
+    registry.promote(store, "dates-qwen2-tiny", "first", "runs/first/model", card, expected_token=None)
     upload_export(store, world["trained"], "second")
     ctx = make_ctx(world, "second", store.root)
     pointer = production_pointer(store, "dates-qwen2-tiny")
-    ctx.params["incumbent"] = {"version": pointer["version"], "path": pointer["path"]}
+    ctx.params["incumbent"] = {"version": pointer.version, "path": pointer.path}
     with pytest.raises(StageFailure) as info:
         evaluate_body(ctx)
     assert isinstance(info.value.summary, EvaluateSummary)

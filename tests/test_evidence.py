@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
 
 import pytest
 
@@ -138,10 +137,10 @@ def test_a_lost_write_response_that_landed_is_success_not_a_conflict(tmp_path, m
         return False
 
     monkeypatch.setattr(cas, "write_if", lands_but_answers_conflict)
-    card: dict[str, Any] = {"metrics": {}, "gates": []}
+    card = registry.CardFacts(name=NAME, run_id="r1")
     pointer = registry.promote(storage, NAME, "r1", "runs/r1/model", card, None, content_sha256=EXPORT_SHA256)
-    assert production_pointer(storage, NAME)["version"] == pointer["version"] == "v0001-r1"
-    assert pointer["content_sha256"] == EXPORT_SHA256
+    assert production_pointer(storage, NAME).version == pointer.version == "v0001-r1"
+    assert pointer.content_sha256 == EXPORT_SHA256
 
 
 @pytest.mark.integration

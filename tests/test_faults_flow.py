@@ -26,7 +26,8 @@ def test_the_pointer_watch_counts_whole_pointers_and_catches_a_torn_one(tmp_path
     parts = ("models", "m", "production.json")
     with PointerWatch(storage, "m") as watch:
         time.sleep(0.1)  # no pointer yet: nothing read, nothing torn
-        storage.write_json({"version": "v0001-a", "path": "models/m/v0001-a", "content_sha256": "h"}, *parts)
+        pointer = {"name": "m", "version": "v0001-a", "path": "models/m/v0001-a", "run_id": "a", "promoted_at": "t"}
+        storage.write_json({**pointer, "content_sha256": "h"}, *parts)
         time.sleep(0.2)
         storage.write_bytes(b'{"version": "v0002-b", "pa', *parts)  # a half-written pointer
         time.sleep(0.2)

@@ -55,7 +55,7 @@ def assert_promote_promote_rollback(cfg: PipelineConfig) -> None:
     name = cfg.model.name
     result = roll_back(cfg, name, "v2 answers in the wrong format", "bob", None)
     assert (result.rolled_back, result.from_version, result.to_version, result.move) == (True, v2, v1, 3)
-    assert production_pointer(storage, name)["version"] == v1
+    assert production_pointer(storage, name).version == v1
     moves = registry.read_history(storage, name)
     assert [(m.seq, m.kind, m.from_version, m.to_version) for m in moves] == [
         (1, "promote", None, v1),
@@ -84,7 +84,7 @@ def test_a_rollback_to_a_version_whose_files_changed_is_refused_and_the_pointer_
     storage.write_bytes(b"tampered weights", "models", cfg.model.name, v1, "model.safetensors")
     result = roll_back(cfg, cfg.model.name, "bad night", "bob", v1)
     assert not result.rolled_back and "do not match its manifest" in result.reasons[0]
-    assert production_pointer(storage, cfg.model.name)["version"] == v2
+    assert production_pointer(storage, cfg.model.name).version == v2
     assert len(registry.read_history(storage, cfg.model.name)) == 2
     assert records.load(storage, "r2").rollbacks == []
 
@@ -95,7 +95,7 @@ def test_a_rollback_is_refused_while_another_flow_holds_the_pointer(tmp_path):
     with rollback.hold(storage, cfg.model.name, "r3", "promote r3"):
         result = roll_back(cfg, cfg.model.name, "bad night", "bob", None)
     assert not result.rolled_back and "held by 'promote r3'" in result.reasons[0]
-    assert production_pointer(storage, cfg.model.name)["version"] == v2
+    assert production_pointer(storage, cfg.model.name).version == v2
 
 
 def test_a_dead_holders_hold_is_taken_over(tmp_path):
@@ -127,7 +127,7 @@ def test_a_rollback_goes_back_only(tmp_path):
     ):
         result = roll_back(cfg, cfg.model.name, "again", "bob", target)
         assert not result.rolled_back and why in result.reasons[0], result.reasons
-    assert production_pointer(storage, cfg.model.name)["version"] == v1
+    assert production_pointer(storage, cfg.model.name).version == v1
 
 
 def test_what_was_production_at_a_time():
@@ -157,7 +157,7 @@ def test_a_move_whose_append_was_lost_is_read_from_the_pointer_and_backfilled(tm
 def test_an_entry_is_never_rewritten(tmp_path):
     storage = Storage(str(tmp_path))
     intent = MoveIntent(kind="promote", by="a", reason="x")
-    first = history.next_move(None, intent, "v0001-r1", "r1", "2026-12-01T10:00:00+00:00")
+    first = history.next_move(None, None, intent, "v0001-r1", "r1", "2026-12-01T10:00:00+00:00")
     history.append(storage, "m", first)
     history.append(storage, "m", first)  # a retry of the same move: fine
     with pytest.raises(history.HistoryUnreadable, match="two movers claimed one sequence number"):
@@ -254,7 +254,7 @@ def test_the_rollback_deployment_runs_from_prefect_with_a_reason(prefect_server,
     assert [(m.kind, m.from_version, m.to_version, m.by, m.reason) for m in moves[2:]] == [
         ("rollback", v2, v1, "oncall", "v2 regressed overnight")
     ]
-    assert production_pointer(storage, cfg.model.name)["version"] == v1
+    assert production_pointer(storage, cfg.model.name).version == v1
     assert records.load(storage, "r2").rollbacks[0].reason == "v2 regressed overnight"
 
 
@@ -272,7 +272,7 @@ def test_the_rollback_flow_refuses_with_the_pointer_kept_and_publishes_the_histo
     assert done.is_completed(), done.message
     refused = rollback_flow(model=cfg.model.name, reason="again", by="oncall", storage=cfg.storage, return_state=True)
     assert refused.is_failed() and "no earlier complete version" in (refused.message or "")
-    assert production_pointer(storage, cfg.model.name)["version"] == v1
+    assert production_pointer(storage, cfg.model.name).version == v1
 
     async def artifact():
         async with get_client() as client:

@@ -25,8 +25,8 @@ NAME = "dates-qwen2-tiny"
 MODELS_DIR = registry.MODELS
 
 
-def card(run_id: str = "r1", **extra) -> dict:
-    return {
+def card(run_id: str = "r1", **extra: Any) -> registry.CardFacts:
+    facts: dict[str, Any] = {
         "name": NAME,
         "run_id": run_id,
         "base_model": "tiny-qwen2",
@@ -44,8 +44,13 @@ def card(run_id: str = "r1", **extra) -> dict:
         "config_hash": "cf9",
         "resume": {"restored_step": 100, "max_loss_diff": 0.0},
         "forced": None,
-        **extra,
     }
+    return registry.CardFacts.model_validate({**facts, **extra})
+
+
+def versioned(facts: registry.CardFacts, version: str, **extra: Any) -> registry.ModelCard:
+    """The card a promotion of `facts` as `version` writes, without the copy."""
+    return registry.ModelCard.model_validate({**facts.to_json(), "version": version, "source_path": "runs/x", **extra})
 
 
 def export(storage: Storage, run_id: str) -> str:
@@ -70,16 +75,16 @@ def test_next_version_is_monotonic():
 def test_promote_twice_moves_the_pointer(local):
     assert read_pointer(local, NAME) == (None, None)
     first = promote(local, NAME, "runA", export(local, "runA"), card("runA"), None)
-    assert first["version"] == "v0001-runA" and first["previous_version"] is None
+    assert first.version == "v0001-runA" and first.previous_version is None
     pointer, token = read_pointer(local, NAME)
     assert pointer == first and token
     second = promote(local, NAME, "runB", export(local, "runB"), card("runB", incumbent_version="v0001-runA"), token)
-    assert second["version"] == "v0002-runB" and second["previous_version"] == "v0001-runA"
-    assert second["path"] == "models/dates-qwen2-tiny/v0002-runB"
+    assert second.version == "v0002-runB" and second.previous_version == "v0001-runA"
+    assert second.path == "models/dates-qwen2-tiny/v0002-runB"
     assert read_pointer(local, NAME)[0] == second
-    assert local.read_bytes(second["path"], "model.safetensors") == b"weights of runB"
-    assert local.read_json(second["path"], "card.json")["version"] == "v0002-runB"
-    assert "replacing v0001-runA" in local.read_text(second["path"], "MODEL_CARD.md")
+    assert local.read_bytes(second.path, "model.safetensors") == b"weights of runB"
+    assert local.read_json(second.path, "card.json")["version"] == "v0002-runB"
+    assert "replacing v0001-runA" in local.read_text(second.path, "MODEL_CARD.md")
 
 
 def test_list_and_show(local):
@@ -119,7 +124,7 @@ def test_a_lora_version_shows_its_merged_model_and_its_adapter(local):
     assert rows["v0002-lora"]["merged"] == "models/dates-qwen2-tiny/v0002-lora"
     assert rows["v0002-lora"]["adapter"] == "models/dates-qwen2-tiny/v0002-lora/adapter"
     assert local.read_bytes(rows["v0002-lora"]["adapter"], "adapter_model.safetensors") == b"adapter weights"
-    text = render_model_card({**lora_card, "version": "v0002-lora"})
+    text = render_model_card(versioned(lora_card, "v0002-lora"))
     assert "| method | `lora: 1,234 of 56,789 parameters trained; adapter in adapter/` |" in text
 
 
@@ -141,8 +146,8 @@ def test_a_lora_version_is_copied_and_verified_with_its_adapter(local, tmp_path)
     content = manifest.content_sha256
 
     pointer = promote(local, NAME, "lora", "runs/lora/model", card("lora"), None, content_sha256=content)
-    version = pointer["version"]
-    assert pointer["content_sha256"] == content
+    version = pointer.version
+    assert pointer.content_sha256 == content
     assert local.read_bytes(MODELS_DIR, NAME, version, "adapter", "adapter_model.safetensors") == b"adapter weights"
     assert markers.verify_export(local, MODELS_DIR, NAME, version).content_sha256 == content
 
@@ -178,7 +183,7 @@ def _race(root: str, endpoint: str | None, run_id: str, token: str | None, start
     source = f"runs/{run_id}/model"
     start.wait(timeout=120)  # every racer has imported and is ready: they promote at the same moment
     try:
-        outcomes.put("won:" + promote(storage, NAME, run_id, source, card(run_id), token)["version"])
+        outcomes.put("won:" + promote(storage, NAME, run_id, source, card(run_id), token).version)
     except PromotionConflict:
         outcomes.put("lost")
 
@@ -213,7 +218,7 @@ def assert_one_winner(storage: Storage, outcomes: list[str]) -> None:
     winners = [o for o in outcomes if o.startswith("won:")]
     assert len(winners) == 1, outcomes
     version = winners[0].removeprefix("won:")
-    assert production_pointer(storage, NAME)["version"] == version
+    assert production_pointer(storage, NAME).version == version
     # Losers removed their copies: only the incumbent and the winner remain.
     versions = [v["version"] for v in registry.show_model(storage, NAME)["versions"]]
     assert versions == ["v0001-first", version], versions
@@ -240,7 +245,7 @@ def overtaken_during_copy(storage: Storage, monkeypatch) -> None:
     monkeypatch.setattr(registry, "_copy_model", copy_then_get_overtaken)
     with pytest.raises(PromotionConflict, match="found v0003-fast"):
         promote(storage, NAME, "slow", export(storage, "slow"), card("slow"), token)
-    assert production_pointer(storage, NAME)["version"] == "v0003-fast"
+    assert production_pointer(storage, NAME).version == "v0003-fast"
     # The loser's v0002-slow copy is removed; the version number stays used.
     assert [v["version"] for v in registry.show_model(storage, NAME)["versions"]] == ["v0001-first", "v0003-fast"]
 
@@ -258,7 +263,7 @@ def test_a_crashed_holders_lock_is_broken(local):
     os.utime(lock, (old, old))
     _, token = read_pointer(local, NAME)
     assert (
-        promote(local, NAME, "runB", export(local, "runB"), card("runB"), token, stale_lock_s=60)["version"]
+        promote(local, NAME, "runB", export(local, "runB"), card("runB"), token, stale_lock_s=60).version
         == "v0002-runB"
     )
     assert not os.path.exists(lock)
@@ -272,24 +277,24 @@ def test_a_live_lock_times_out_and_the_copy_is_kept_unpointed(local):
     _, token = read_pointer(local, NAME)
     with pytest.raises(TimeoutError, match=r"lock .*\.production\.json\.lock still held .*alive"):
         promote(local, NAME, "runB", export(local, "runB"), card("runB"), token, lock_timeout_s=0.3, stale_lock_s=60)
-    assert production_pointer(local, NAME)["version"] == "v0001-runA"
+    assert production_pointer(local, NAME).version == "v0001-runA"
     assert [v["production"] for v in registry.show_model(local, NAME)["versions"]] == [True, False]
 
 
 def test_model_card_renders_provenance_metrics_and_gates():
     text = render_model_card(
-        {
-            **card("runB", incumbent_version="v0001-runA"),
-            "version": "v0002-runB",
-            "source_path": "runs/runB/model",
-            "base_content_hash": "ba5e",
-            "base_recipe": {"steps": 900, "seed": 0},
-            "metrics": {
+        versioned(
+            card("runB", incumbent_version="v0001-runA"),
+            "v0002-runB",
+            source_path="runs/runB/model",
+            base_content_hash="ba5e",
+            base_recipe={"steps": 900, "seed": 0},
+            metrics={
                 "candidate": {"exact_match": 0.93},
                 "base": {"exact_match": 0.0},
                 "incumbent": {"exact_match": 0.9},
             },
-        }
+        )
     )
     assert text.startswith("# dates-qwen2-tiny v0002-runB\n")
     assert "after every gate and the resume test passed, replacing v0001-runA" in text
@@ -306,12 +311,8 @@ def test_model_card_renders_provenance_metrics_and_gates():
         "- exact_match >= 0.8: 0.93 (pass)",
     ):
         assert needle in text, needle
-    forced = render_model_card(
-        {
-            **card("runC", forced={"by": "ana", "reason": "hotfix", "bypassed": ["gates not passed"]}),
-            "version": "v0003-runC",
-        }
-    )
+    override = {"by": "ana", "reason": "hotfix", "at": "2026-12-01T10:00:00+00:00", "bypassed": ["gates not passed"]}
+    forced = render_model_card(versioned(card("runC", forced=override), "v0003-runC"))
     assert "Promoted by override from run `runC`, the first production model, by ana: hotfix" in forced
     assert "Checks bypassed: gates not passed." in forced and "| incumbent | `" not in forced
 
@@ -330,8 +331,8 @@ def test_promote_twice_on_s3(s3):
     with pytest.raises(PromotionConflict):
         promote(s3, NAME, "runB", export(s3, "runB"), card("runB"), '"not-the-etag"')
     second = promote(s3, NAME, "runB", "runs/runB/model", card("runB"), token)
-    assert production_pointer(s3, NAME)["version"] == second["version"] == "v0002-runB"
-    assert s3.read_bytes(second["path"], "model.safetensors") == b"weights of runB"
+    assert production_pointer(s3, NAME).version == second.version == "v0002-runB"
+    assert s3.read_bytes(second.path, "model.safetensors") == b"weights of runB"
     assert [v["version"] for v in registry.show_model(s3, NAME)["versions"]] == ["v0001-runA", "v0002-runB"]
 
 

@@ -68,7 +68,7 @@ def test_a_healthy_candidate_passes_every_suite_and_the_table_has_the_task_first
         ("capital", "exact_match", 31 / 32, 1.0, 1.0),
     ]
     assert rows[1].verdict.startswith("vs base: pass [") and "; vs incumbent: pass [" in rows[1].verdict
-    table = suite_table([r.to_json() for r in rows])
+    table = suite_table(rows)
     assert table[:2] == ["| suite | metric | candidate | base | incumbent | verdict |", "|---|---|---|---|---|---|"]
     assert table[3].startswith("| capital | exact_match | 0.9688 | 1 | 1 | vs base: pass [")
 

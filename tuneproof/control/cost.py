@@ -29,7 +29,6 @@ import re
 from collections.abc import Iterable
 from datetime import datetime
 
-from tuneproof.control import stages as table
 from tuneproof.control.history import Move
 from tuneproof.control.record import JobEntry, RunRecord, StageEntry
 from tuneproof.core.results import Model
@@ -189,11 +188,10 @@ def stage_cost(
 
 
 def run_cost(record: RunRecord, prices: dict[str, float]) -> RunCost:
-    """Every stage the run paid for: the superseded attempts, then its current entries in the pipeline's order
-    (a stored record keeps its stages by name) (pure)."""
+    """Every stage the run paid for: the superseded attempts, then its current entries in the order they ran
+    (a stored record keeps its stages by name; stages run one after another, so their start times order them) (pure)."""
     configs = {inv.number: inv.config or record.config for inv in record.invocations}
-    order = {name: i for i, name in enumerate(table.names())}
-    current = sorted(record.stages.values(), key=lambda e: (order.get(e.stage, len(order)), e.stage))
+    current = sorted(record.stages.values(), key=lambda e: (e.started_at, e.stage))
     entries = [(e, True) for e in record.superseded] + [(e, False) for e in current]
     steps = paid_steps([e for e, _ in entries])
     stages = [

@@ -71,12 +71,14 @@ class HistoryUnreadable(ValueError):
     """A history entry that exists but is not a Move (truncated, hand-edited)."""
 
 
-def next_move(pointer: dict | None, intent: MoveIntent, to_version: str, run_id: str, at: str) -> Move:
-    """The move that follows the one recorded in `pointer` (pure): seq one above it, from its version."""
-    seq = int(((pointer or {}).get("move") or {}).get("seq", 0)) + 1
+def next_move(
+    last: Move | None, from_version: str | None, intent: MoveIntent, to_version: str, run_id: str, at: str
+) -> Move:
+    """The move that follows `last`, the one the current pointer records (pure): seq one above it, from the
+    pointer's version."""
     return Move(
-        seq=seq,
-        from_version=(pointer or {}).get("version"),
+        seq=(last.seq if last else 0) + 1,
+        from_version=from_version,
         to_version=to_version,
         run_id=run_id,
         at=at,
@@ -101,28 +103,20 @@ def append(storage: Storage, name: str, move: Move) -> None:
         )
 
 
-def backfill(storage: Storage, name: str, pointer: dict | None) -> None:
-    """Append the move recorded in the current pointer if its mover died before appending it."""
-    move = pointer_move(pointer)
-    if move is not None and not storage.exists(*entry_parts(name, move.seq)):
-        append(storage, name, move)
+def backfill(storage: Storage, name: str, current: Move | None) -> None:
+    """Append `current`, the move the pointer records, if its mover died before appending it."""
+    if current is not None and not storage.exists(*entry_parts(name, current.seq)):
+        append(storage, name, current)
 
 
-def pointer_move(pointer: dict | None) -> Move | None:
-    """The move a pointer records (None for a pointer written before moves were recorded)."""
-    raw = (pointer or {}).get("move")
-    return Move.model_validate(raw) if raw else None
-
-
-def read(storage: Storage, name: str, pointer: dict | None) -> list[Move]:
-    """Every move of the model's pointer, oldest first, including the current pointer's own move when
-    its entry was never appended."""
+def read(storage: Storage, name: str, current: Move | None) -> list[Move]:
+    """Every move of the model's pointer, oldest first, including `current` (the move the pointer records)
+    when its entry was never appended."""
     moves = {}
     for file in storage.listdir(MODELS, name, HISTORY):
         if file.endswith(".json") and file[:-5].isdigit():
             seq = int(file[:-5])
             moves[seq] = read_entry(storage, name, seq)
-    current = pointer_move(pointer)
     if current is not None:
         moves.setdefault(current.seq, current)
     return [moves[s] for s in sorted(moves)]

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.files import FileRefused, read_stored
-from tuneproof.core.results import FailureClass, JsonDict, Model, StageResult, now_iso, one_line
+from tuneproof.core.results import FailureClass, JsonDict, Model, StageResult, first_problem, now_iso, one_line
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import ClusterFacts, Summary
 from tuneproof.core.summaries_data import DataIdentity
@@ -386,9 +386,7 @@ def parse(doc: Any) -> RunRecord:
     try:
         return RunRecord.model_validate(doc)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ValueError(f"{where}: {first['msg']} ({e.error_count()} problem(s))") from None
+        raise ValueError(first_problem(e)) from None
 
 
 def upgrade_v1(doc: dict[str, Any]) -> dict[str, Any]:

@@ -31,14 +31,18 @@ import socket
 from collections.abc import Callable
 from typing import Any, TypeGuard
 
+from pydantic import ValidationError
+
 from tuneproof.control import history
+from tuneproof.control.cost import VersionCost
 from tuneproof.control.history import Move, MoveIntent
 from tuneproof.core import cas, markers
 from tuneproof.core.cas import file_lock
 from tuneproof.core.config_train import LORA_ADAPTER_DIR
 from tuneproof.core.files import read_stored
-from tuneproof.core.results import now_iso, one_line
+from tuneproof.core.results import Model, first_problem, now_iso, one_line
 from tuneproof.core.storage import Storage
+from tuneproof.core.summaries_eval import Forced, SuiteRow
 
 __all__ = ["file_lock"]  # re-exported: the lock moved to tuneproof.core.cas
 
@@ -51,6 +55,84 @@ MAX_CARD_BYTES = 16 << 20
 """A card is kilobytes (metrics, gate lines, provenance, history); a bigger one, or a FIFO in its place, is refused
 by name (tuneproof.core.files.FileRefused) instead of read until memory runs out."""
 _VERSION = re.compile(r"^v(\d{4,})-(.+)$")
+
+
+# ---- the documents (the images registry's are in tuneproof.control.images: the same pattern) -------------------
+
+
+class ProductionPointer(Model):
+    """models/<name>/production.json: the version that serves, the run and the content it was judged on, and
+    the move that put it there."""
+
+    name: str
+    version: str
+    path: str
+    """The version's folder, storage-relative (models/<name>/<version>)."""
+    run_id: str
+    promoted_at: str
+    previous_version: str | None = None
+    content_sha256: str | None = None
+    """The export manifest's content hash the evaluation scored (checked again on the copy)."""
+    move: Move | None = None
+    """The move that put the pointer here (None in a pointer written before moves were recorded)."""
+
+
+class Replayed(Model):
+    """The data.replay file the training split mixed in, as the data stage hashed it."""
+
+    source: str
+    sha256: str
+    share: float
+
+
+class Restored(Model):
+    """The resume test as the card states it."""
+
+    restored_step: int | None = None
+    max_loss_diff: float | None = None
+
+
+class CardFacts(Model):
+    """What a run's record says about the model it promotes (tasks/promote.model_card), before the registry
+    gives it a version."""
+
+    name: str
+    run_id: str
+    base_model: str | None = None
+    base_content_hash: str | None = None
+    base_recipe: dict[str, Any] | None = None
+    method: str | None = None
+    trainable_params: int | None = None
+    total_params: int | None = None
+    adapter: str | None = None
+    """A LoRA version's adapter folder, relative to the version (None for full fine-tunes)."""
+    metrics: dict[str, dict[str, float | None] | None] = {}
+    """Per role (candidate, base, incumbent), its task metrics (None: that model was not scored)."""
+    incumbent_version: str | None = None
+    gates: list[str] = []
+    suites: list[SuiteRow] = []
+    dataset_hash: str | None = None
+    replay: Replayed | None = None
+    image: str | None = None
+    image_digest: str | None = None
+    environment_digest: str | None = None
+    code_sha: str | None = None
+    code_dirty: bool = False
+    working_dir_hash: str | None = None
+    config_hash: str | None = None
+    resume: Restored | None = None
+    forced: Forced | None = None
+    content_sha256: str | None = None
+
+
+class ModelCard(CardFacts):
+    """models/<name>/<version>/card.json: the facts, the version, what it cost and the pointer's history up to
+    its promotion (MODEL_CARD.md is rendered from it)."""
+
+    version: str
+    source_path: str
+    cost: VersionCost | None = None
+    history: list[Move] = []
 
 
 class RegistryUnreadable(ValueError):
@@ -78,7 +160,7 @@ class PromotionConflict(RuntimeError):
 # ---- reading ---------------------------------------------------------------------------------
 
 
-def read_pointer(storage: Storage, name: str) -> tuple[dict | None, str | None]:
+def read_pointer(storage: Storage, name: str) -> tuple[ProductionPointer | None, str | None]:
     """(pointer, token) for models/<name>/production.json, or (None, None) when there is none.
 
     The token is opaque (a content hash locally, the ETag on S3); pass it back to `promote`
@@ -94,29 +176,27 @@ def read_pointer(storage: Storage, name: str) -> tuple[dict | None, str | None]:
     return (_parse_pointer(where, data), token) if data is not None else (None, None)
 
 
-def _parse_pointer(where: str, data: bytes) -> dict:
+def _parse_pointer(where: str, data: bytes) -> ProductionPointer:
     """The pointer document, or RegistryUnreadable naming the file: a promotion must never act on a guess."""
     try:
-        pointer = json.loads(data)
-    except (ValueError, RecursionError) as e:
-        raise RegistryUnreadable(f"{where}: not a JSON production pointer ({one_line(str(e), 200)})") from None
-    if not isinstance(pointer, dict) or not isinstance(pointer.get("version"), str):
-        raise RegistryUnreadable(
-            f"{where}: a production pointer is an object with a 'version' string, got {data[:80]!r}"
-        )
-    return pointer
+        return ProductionPointer.model_validate_json(data)
+    except ValidationError as e:
+        kind = "JSON production pointer" if e.errors()[0]["type"] == "json_invalid" else "production pointer"
+        raise RegistryUnreadable(f"{where}: not a {kind} ({first_problem(e)})") from None
 
 
 def list_models(storage: Storage) -> list[dict]:
-    """One row per registered name: {"name", "production": pointer dict or None, "versions": [names]}, plus
-    "problem" when its pointer is unreadable. Anything under models/ that is not a folder is skipped."""
+    """One row per registered name, as `models list --json` prints it: {"name", "production": the pointer as
+    JSON or None, "versions": [names]}, plus "problem" when its pointer is unreadable. Anything under models/
+    that is not a folder is skipped."""
     rows = []
     for name in storage.listdir(MODELS):
         if not storage.fs.isdir(storage.path(MODELS, name)):
             continue  # a stray file (notes, a lock) is not a registered model
         row: dict[str, Any] = {"name": name, "production": None, "versions": versions(storage, name)}
         try:
-            row["production"] = read_pointer(storage, name)[0]
+            pointer = read_pointer(storage, name)[0]
+            row["production"] = pointer.to_json() if pointer else None
         except RegistryUnreadable as e:
             row["problem"] = str(e)
         rows.append(row)
@@ -124,7 +204,8 @@ def list_models(storage: Storage) -> list[dict]:
 
 
 def show_model(storage: Storage, name: str) -> dict:
-    """{"name", "pointer", "token", "versions": [{"version", "production", "complete", "card"}], "history": [moves]}.
+    """{"name", "pointer", "token", "versions": [{"version", "production", "complete", "card"}], "history": [moves]},
+    as `models show` prints it (the pointer and cards as their JSON).
 
     A version without card.json is an incomplete copy (a promotion that crashed while copying).
     Raises FileNotFoundError for a name with no versions and no pointer.
@@ -134,13 +215,12 @@ def show_model(storage: Storage, name: str) -> dict:
     if not names and pointer is None:
         known = ", ".join(storage.listdir(MODELS)) or "none"
         raise FileNotFoundError(f"no model {name!r} under {storage.uri(MODELS)} (registered: {known})")
-    current = pointer["version"] if pointer else None
     return {
         "name": name,
-        "pointer": pointer,
+        "pointer": pointer.to_json() if pointer else None,
         "token": token,
-        "versions": [_version_row(storage, name, v, current) for v in names],
-        "history": [m.model_dump() for m in history.read(storage, name, pointer)],
+        "versions": [_version_row(storage, name, v, pointer.version if pointer else None) for v in names],
+        "history": [m.model_dump() for m in history.read(storage, name, pointer.move if pointer else None)],
     }
 
 
@@ -155,7 +235,7 @@ def _version_row(storage: Storage, name: str, version: str, current: str | None)
     }
     if complete:
         try:
-            row["card"] = read_card(storage, name, version)
+            row["card"] = read_card(storage, name, version).to_json()
         except (ValueError, OSError, RecursionError) as e:
             row["problem"] = f"{storage.uri(MODELS, name, version, CARD_JSON)} is unreadable: {one_line(str(e), 200)}"
     return row
@@ -163,18 +243,14 @@ def _version_row(storage: Storage, name: str, version: str, current: str | None)
 
 def version_costs(rows: list[dict]) -> list[dict]:
     """What each promoted version cost, as its card states it (one computation, at promotion, after the copy
-    check: tuneproof.control.cost.VersionCost as JSON), oldest first; versions whose card has none are left out."""
-    cards = [(row["version"], row.get("card")) for row in rows]
-    return [
-        {"version": v, **card["cost"]}
-        for v, card in cards
-        if isinstance(card, dict) and isinstance(card.get("cost"), dict)
-    ]
+    check: tuneproof.control.cost.VersionCost as JSON), oldest first; versions whose card has none are left out.
+    `rows` are show_model's version rows."""
+    return [row["card"]["cost"] for row in rows if row.get("card") and row["card"].get("cost")]
 
 
-def read_card(storage: Storage, name: str, version: str) -> Any:
-    """A version's card.json as JSON: FileRefused (not a regular file, over MAX_CARD_BYTES), ValueError (not JSON)."""
-    return json.loads(read_stored(storage, (MODELS, name, version, CARD_JSON), MAX_CARD_BYTES))
+def read_card(storage: Storage, name: str, version: str) -> ModelCard:
+    """A version's card.json: FileRefused (not a regular file, over MAX_CARD_BYTES), ValueError (not a card)."""
+    return ModelCard.model_validate_json(read_stored(storage, (MODELS, name, version, CARD_JSON), MAX_CARD_BYTES))
 
 
 def model_parts(storage: Storage, name: str, version: str) -> dict[str, str | None]:
@@ -208,7 +284,7 @@ def promote(
     name: str,
     run_id: str,
     source_path: str,
-    card: dict,
+    card: CardFacts,
     expected_token: str | None,
     *,
     lock_timeout_s: float = 30.0,
@@ -216,8 +292,8 @@ def promote(
     content_sha256: str | None = None,
     intent: MoveIntent | None = None,
     check_copy: Callable[[str], None] | None = None,
-    cost_of: Callable[[Move], dict] | None = None,
-) -> dict:
+    cost_of: Callable[[Move], VersionCost] | None = None,
+) -> ProductionPointer:
     """Copy the model at `source_path` to a new version, write its card, then move the pointer to it.
 
     content_sha256, when given, is the hash the caller's evidence is about: the copy must carry an
@@ -240,7 +316,7 @@ def promote(
         return pointer
     if token != expected_token:
         raise PromotionConflict(name, expected_token, token, _version_of(pointer))
-    history.backfill(storage, name, pointer)
+    history.backfill(storage, name, pointer.move if pointer else None)
     version = next_version(storage.listdir(MODELS, name), run_id)
     _copy_model(storage, source_path, (MODELS, name, version))
     try:
@@ -251,19 +327,18 @@ def promote(
     except Exception:
         storage.remove(MODELS, name, version, recursive=True)
         raise
-    at = now_iso()
-    move = history.next_move(pointer, intent or default_intent(), version, run_id, at)
-    full_card = {
-        **card,
-        "name": name,
-        "version": version,
-        "run_id": run_id,
-        "source_path": source_path,
-        **({"cost": cost_of(move)} if cost_of is not None else {}),
-        "history": [m.model_dump() for m in [*history.read(storage, name, pointer), move]],
-    }
+    move = history.next_move(
+        pointer.move if pointer else None, _version_of(pointer), intent or default_intent(), version, run_id, now_iso()
+    )
+    full_card = ModelCard(
+        **{**dict(card), "name": name, "run_id": run_id},
+        version=version,
+        source_path=source_path,
+        cost=cost_of(move) if cost_of is not None else None,
+        history=[*history.read(storage, name, pointer.move if pointer else None), move],
+    )
     storage.write_bytes(render_model_card(full_card).encode(), MODELS, name, version, CARD_MD)
-    storage.write_json(full_card, MODELS, name, version, CARD_JSON)
+    storage.write_json(full_card.to_json(), MODELS, name, version, CARD_JSON)
     new_pointer = pointer_doc(name, version, run_id, content_sha256, move)
     try:
         swap_pointer(storage, name, new_pointer, expected_token, lock_timeout_s, stale_lock_s)
@@ -288,23 +363,25 @@ def current_user() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
-def pointer_doc(name: str, version: str, run_id: str, content_sha256: str | None, move: Move) -> dict:
-    return {
-        "name": name,
-        "version": version,
-        "path": posixpath.join(MODELS, name, version),
-        "run_id": run_id,
-        "promoted_at": move.at,
-        "previous_version": move.from_version,
-        "content_sha256": content_sha256,
-        "move": move.model_dump(),
-    }
+def pointer_doc(name: str, version: str, run_id: str, content_sha256: str | None, move: Move) -> ProductionPointer:
+    return ProductionPointer(
+        name=name,
+        version=version,
+        path=posixpath.join(MODELS, name, version),
+        run_id=run_id,
+        promoted_at=move.at,
+        previous_version=move.from_version,
+        content_sha256=content_sha256,
+        move=move,
+    )
 
 
-def is_promotion_of(pointer: dict | None, run_id: str, content_sha256: str | None) -> TypeGuard[dict]:
+def is_promotion_of(
+    pointer: ProductionPointer | None, run_id: str, content_sha256: str | None
+) -> TypeGuard[ProductionPointer]:
     """The pointer already names this run's model with this content (a retry's or a continuation's
     second promotion is then the first one, unchanged). Pure."""
-    return pointer is not None and pointer.get("run_id") == run_id and pointer.get("content_sha256") == content_sha256
+    return pointer is not None and pointer.run_id == run_id and pointer.content_sha256 == content_sha256
 
 
 def _copy_model(storage: Storage, source_path: str, dest_parts: tuple[str, ...]) -> None:
@@ -334,26 +411,31 @@ def _check_copy(storage: Storage, name: str, version: str, content_sha256: str) 
 def _remove_unpointed(storage: Storage, name: str, version: str) -> None:
     """Remove a losing copy unless the pointer names it (a concurrent retry of the same run won)."""
     pointer, _ = read_pointer(storage, name)
-    if pointer is None or pointer["version"] != version:
+    if pointer is None or pointer.version != version:
         storage.remove(MODELS, name, version, recursive=True)
 
 
 def swap_pointer(
-    storage: Storage, name: str, pointer: dict, expected_token: str | None, lock_timeout_s: float, stale_lock_s: float
+    storage: Storage,
+    name: str,
+    pointer: ProductionPointer,
+    expected_token: str | None,
+    lock_timeout_s: float,
+    stale_lock_s: float,
 ) -> None:
-    data = json.dumps(pointer, indent=2, sort_keys=True).encode()
+    data = json.dumps(pointer.to_json(), indent=2, sort_keys=True).encode()
     if cas.write_if(
         storage, data, expected_token, *_pointer_parts(name), lock_timeout_s=lock_timeout_s, stale_lock_s=stale_lock_s
     ):
         return
     current, token = read_pointer(storage, name)
-    if current is not None and current.get("version") == pointer["version"]:
+    if current is not None and current.version == pointer.version:
         return  # our own earlier write landed (a retry whose response was lost): already points at this version
     raise PromotionConflict(name, expected_token, token, _version_of(current))
 
 
-def _version_of(pointer: dict | None) -> str | None:
-    return pointer.get("version") if pointer else None
+def _version_of(pointer: ProductionPointer | None) -> str | None:
+    return pointer.version if pointer else None
 
 
 def _pointer_parts(name: str) -> tuple[str, str, str]:
@@ -362,23 +444,19 @@ def _pointer_parts(name: str) -> tuple[str, str, str]:
 
 def read_history(storage: Storage, name: str) -> list[Move]:
     """Every move of the model's production pointer, oldest first (tuneproof.control.history)."""
-    return history.read(storage, name, read_pointer(storage, name)[0])
+    pointer = read_pointer(storage, name)[0]
+    return history.read(storage, name, pointer.move if pointer else None)
 
 
 # ---- the model card (pure) -------------------------------------------------------------------
 
 
-def render_model_card(card: dict) -> str:
-    """MODEL_CARD.md from a card dict (pure).
-
-    Needs name, version, run_id, metrics ({"candidate", "base", "incumbent": {metric: value} | None})
-    and gates (the gate lines); shows incumbent_version, forced ({"by", "reason", "bypassed"}),
-    dataset_hash, base_model, image_digest, code_sha, config_hash, resume and suites (the suites x models
-    table) when present.
-    """
+def render_model_card(card: ModelCard) -> str:
+    """MODEL_CARD.md from a card (pure): provenance, metrics, gate lines, and the suites table, cost and
+    production history when it has them."""
     return "\n".join(
         [
-            f"# {card['name']} {card['version']}",
+            f"# {card.name} {card.version}",
             "",
             _promotion_sentence(card),
             "",
@@ -390,73 +468,67 @@ def render_model_card(card: dict) -> str:
             "",
             "## Metrics",
             "",
-            *_metric_table(card["metrics"], card.get("incumbent_version")),
+            *_metric_table(card.metrics, card.incumbent_version),
             "",
             "## Gates",
             "",
-            *([f"- {line}" for line in card["gates"]] or ["- no gate lines recorded"]),
+            *([f"- {line}" for line in card.gates] or ["- no gate lines recorded"]),
             "",
-            *(["## Regression suites", "", *suite_table(card["suites"]), ""] if card.get("suites") else []),
-            *(["## Cost", "", *_cost_section(card["cost"], card["run_id"]), ""] if card.get("cost") else []),
-            *(
-                ["## Production history", "", *history.render([Move(**m) for m in card["history"]]), ""]
-                if card.get("history")
-                else []
-            ),
+            *(["## Regression suites", "", *suite_table(card.suites), ""] if card.suites else []),
+            *(["## Cost", "", *_cost_section(card.cost, card.run_id), ""] if card.cost else []),
+            *(["## Production history", "", *history.render(card.history), ""] if card.history else []),
         ]
     )
 
 
-def _promotion_sentence(card: dict) -> str:
-    replaced = (
-        f"replacing {card['incumbent_version']}" if card.get("incumbent_version") else "the first production model"
-    )
-    forced = card.get("forced")
+def _promotion_sentence(card: ModelCard) -> str:
+    replaced = f"replacing {card.incumbent_version}" if card.incumbent_version else "the first production model"
+    forced = card.forced
     if not forced:
-        return f"Promoted from run `{card['run_id']}` after every gate and the resume test passed, {replaced}."
-    bypassed = "; ".join(forced.get("bypassed") or []) or "nothing (all checks had passed)"
+        return f"Promoted from run `{card.run_id}` after every gate and the resume test passed, {replaced}."
+    bypassed = "; ".join(forced.bypassed) or "nothing (all checks had passed)"
     return (
-        f"Promoted by override from run `{card['run_id']}`, {replaced}, by {forced.get('by', 'unknown')}: "
-        f"{forced.get('reason', '')}. Checks bypassed: {bypassed}."
+        f"Promoted by override from run `{card.run_id}`, {replaced}, by {forced.by}: "
+        f"{forced.reason}. Checks bypassed: {bypassed}."
     )
 
 
-def _provenance_rows(card: dict) -> list[str]:
-    resume = card.get("resume") or {}
+def _provenance_rows(card: ModelCard) -> list[str]:
+    replay, resume = card.replay, card.resume
     rows = [
-        ("run", card["run_id"]),
-        ("source", card.get("source_path")),
-        ("base model", card.get("base_model")),
-        ("base content hash", card.get("base_content_hash")),
-        ("base recipe", card.get("base_recipe") and json.dumps(card["base_recipe"], sort_keys=True)),
-        ("method", card.get("method") and _method_line(card)),
-        ("dataset hash", card.get("dataset_hash")),
+        ("run", card.run_id),
+        ("source", card.source_path),
+        ("base model", card.base_model),
+        ("base content hash", card.base_content_hash),
+        ("base recipe", card.base_recipe and json.dumps(card.base_recipe, sort_keys=True)),
+        ("method", card.method and _method_line(card)),
+        ("dataset hash", card.dataset_hash),
         (
             "replayed",
-            card.get("replay")
-            and f"{card['replay']['share']:.0%} of training rows from {card['replay']['source']} "
-            f"(sha256 {card['replay']['sha256'][:12]})",
+            replay and f"{replay.share:.0%} of training rows from {replay.source} (sha256 {replay.sha256[:12]})",
         ),
-        ("image digest", card.get("image_digest")),
-        ("code SHA", card.get("code_sha") and card["code_sha"] + (" (dirty)" if card.get("code_dirty") else "")),
-        ("config hash", card.get("config_hash")),
+        ("image digest", card.image_digest),
+        ("code SHA", card.code_sha and card.code_sha + (" (dirty)" if card.code_dirty else "")),
+        ("config hash", card.config_hash),
         (
             "resume",
-            resume.get("restored_step") is not None
-            and f"restored at step {resume['restored_step']}, max replay loss diff {resume.get('max_loss_diff')}",
+            resume is not None
+            and resume.restored_step is not None
+            and f"restored at step {resume.restored_step}, max replay loss diff {resume.max_loss_diff}",
         ),
     ]
     return [f"| {label} | {f'`{value}`' if value else 'not recorded'} |" for label, value in rows]
 
 
-def _method_line(card: dict) -> str:
+def _method_line(card: ModelCard) -> str:
     """'lora: 12,345 of 1,234,567 parameters trained; adapter in adapter/' (pure)."""
-    counts = card.get("trainable_params"), card.get("total_params")
-    line = card["method"] + (f": {counts[0]:,} of {counts[1]:,} parameters trained" if None not in counts else "")
-    return line + (f"; adapter in {card['adapter']}/" if card.get("adapter") else "")
+    trainable, total = card.trainable_params, card.total_params
+    counted = trainable is not None and total is not None
+    line = f"{card.method}" + (f": {trainable:,} of {total:,} parameters trained" if counted else "")
+    return line + (f"; adapter in {card.adapter}/" if card.adapter else "")
 
 
-def _metric_table(metrics: dict, incumbent_version: str | None) -> list[str]:
+def _metric_table(metrics: dict[str, dict[str, float | None] | None], incumbent_version: str | None) -> list[str]:
     cand, base, inc = metrics.get("candidate") or {}, metrics.get("base") or {}, metrics.get("incumbent") or {}
     head = f"incumbent {incumbent_version}" if incumbent_version else "incumbent (none)"
     rows = [f"| metric | candidate | base | {head} | vs base | vs incumbent |", "|---|---|---|---|---|---|"]
@@ -466,13 +538,13 @@ def _metric_table(metrics: dict, incumbent_version: str | None) -> list[str]:
     return rows
 
 
-def suite_table(rows: list[dict]) -> list[str]:
-    """Markdown suites x models: one row per suite (the task's split first) and metric, with its verdicts (pure).
-    `rows` are SuiteRow dicts (EvaluateSummary.suite_rows)."""
+def suite_table(rows: list[SuiteRow]) -> list[str]:
+    """Markdown suites x models: one row per suite (the task's split first) and metric, with its verdicts (pure)."""
     lines = ["| suite | metric | candidate | base | incumbent | verdict |", "|---|---|---|---|---|---|"]
     for r in rows:
-        values = " | ".join(_num(r[role]) for role in ("candidate", "base", "incumbent"))
-        lines.append(f"| {r['suite']} | {r['metric']} | {values} | {r['verdict']} |")
+        lines.append(
+            f"| {r.suite} | {r.metric} | {_num(r.candidate)} | {_num(r.base)} | {_num(r.incumbent)} | {r.verdict} |"
+        )
     return lines
 
 
@@ -484,31 +556,28 @@ def _delta(a: Any, b: Any) -> str:
     return "–" if a is None or b is None else f"{float(a) - float(b):+.4g}"
 
 
-def _cost_section(cost: dict, run_id: str) -> list[str]:
-    """The version's cost (tuneproof.control.cost.VersionCost as JSON): every charged run, totals, goodput."""
-    resources = sorted({r for run in cost["charged"] for r in run["resource_seconds"]} | {"CPU"})
+def _cost_section(cost: VersionCost, run_id: str) -> list[str]:
+    """The version's cost: every charged run, totals, goodput."""
+    resources = sorted({r for run in cost.charged for r in run.resource_seconds} | {"CPU"})
     rows = [
         f"| run | outcome | {' | '.join(f'{r}-seconds' for r in resources)} | cost | fine-tune steps |",
         "|---|---|" + "---|" * (len(resources) + 2),
     ]
-    for run in cost["charged"]:
-        outcome = "promoted as this version" if run["run_id"] == run_id else run["status"]
-        seconds = " | ".join(f"{run['resource_seconds'].get(r, 0.0):.1f}" for r in resources)
-        rows.append(f"| {run['run_id']} | {outcome} | {seconds} | {_money(run['money'])} | {run['steps']} |")
-    total = " | ".join(f"**{cost['resource_seconds'].get(r, 0.0):.1f}**" for r in resources)
-    rows.append(
-        f"| **total** | {len(cost['charged'])} run(s) | {total} | **{_money(cost['money'])}** | {cost['steps_paid']} |"
-    )
-    goodput = "n/a (no fine-tune step paid for)" if cost["goodput"] is None else f"{cost['goodput']:.2f}"
-    prices = cost.get("prices") or {}
-    priced = ", ".join(f"{r} {p:g}" for r, p in sorted(prices.items()))
+    for run in cost.charged:
+        outcome = "promoted as this version" if run.run_id == run_id else run.status
+        seconds = " | ".join(f"{run.resource_seconds.get(r, 0.0):.1f}" for r in resources)
+        rows.append(f"| {run.run_id} | {outcome} | {seconds} | {_money(run.money)} | {run.steps} |")
+    total = " | ".join(f"**{cost.resource_seconds.get(r, 0.0):.1f}**" for r in resources)
+    rows.append(f"| **total** | {len(cost.charged)} run(s) | {total} | **{_money(cost.money)}** | {cost.steps_paid} |")
+    goodput = "n/a (no fine-tune step paid for)" if cost.goodput is None else f"{cost.goodput:.2f}"
+    priced = ", ".join(f"{r} {p:g}" for r, p in sorted(cost.prices.items()))
     rows += [
         "",
-        f"Goodput: {cost['promoted_steps']} fine-tune steps in this model / {cost['steps_paid']} paid for = {goodput}.",
+        f"Goodput: {cost.promoted_steps} fine-tune steps in this model / {cost.steps_paid} paid for = {goodput}.",
         f"Prices per resource-hour (the run's cost.prices): {priced}." if priced else "No price table: seconds only.",
     ]
-    if cost.get("apart"):
-        rows.append(f"Canary and comparison runs in the same period, not charged: {', '.join(cost['apart'])}.")
+    if cost.apart:
+        rows.append(f"Canary and comparison runs in the same period, not charged: {', '.join(cost.apart)}.")
     return rows
 
 

@@ -77,7 +77,9 @@ def _live_holder(storage: Storage, name: str) -> LeaseInfo | None:
     return None
 
 
-def rollback(storage: Storage, name: str, reason: str, by: str, to_version: str | None = None) -> dict:
+def rollback(
+    storage: Storage, name: str, reason: str, by: str, to_version: str | None = None
+) -> registry.ProductionPointer:
     """Move the pointer back to `to_version` (default: the latest complete version before production),
     by compare-and-swap, under the model's hold; record the move in the history. Returns the new pointer.
 
@@ -92,12 +94,12 @@ def rollback(storage: Storage, name: str, reason: str, by: str, to_version: str 
             raise RollbackRefused(f"{storage.uri(MODELS, name)}: no production model to roll back")
         versions = [v for v in registry.versions(storage, name) if storage.exists(MODELS, name, v, CARD_JSON)]
         target, card = _rollback_target(
-            storage, name, versions, pointer["version"], to_version or previous_version(versions, pointer["version"])
+            storage, name, versions, pointer.version, to_version or previous_version(versions, pointer.version)
         )
-        history.backfill(storage, name, pointer)
+        history.backfill(storage, name, pointer.move)
         intent = MoveIntent(kind="rollback", by=by, reason=reason)
-        move = history.next_move(pointer, intent, target, card["run_id"], now_iso())
-        new_pointer = registry.pointer_doc(name, target, card["run_id"], card.get("content_sha256"), move)
+        move = history.next_move(pointer.move, pointer.version, intent, target, card.run_id, now_iso())
+        new_pointer = registry.pointer_doc(name, target, card.run_id, card.content_sha256, move)
         registry.swap_pointer(storage, name, new_pointer, token, 30.0, 60.0)
         history.append(storage, name, move)
         return new_pointer
@@ -111,7 +113,7 @@ def previous_version(versions: list[str], current: str) -> str | None:
 
 def _rollback_target(
     storage: Storage, name: str, versions: list[str], current: str, target: str | None
-) -> tuple[str, dict]:
+) -> tuple[str, registry.ModelCard]:
     """(target, its card), once the target is an earlier complete version whose files match its manifest."""
     if target is None:
         raise RollbackRefused(f"{name}: production {current} has no earlier complete version to roll back to")
@@ -126,14 +128,12 @@ def _rollback_target(
     except (ValueError, OSError, RecursionError) as e:
         where = storage.uri(MODELS, name, target, CARD_JSON)
         raise RollbackRefused(f"{name} {target}: {where} cannot be read: {one_line(str(e), 200)}") from None
-    if not isinstance(card, dict):
-        raise RollbackRefused(f"{name} {target}: its card.json is not a JSON object")
     try:
         content = markers.verify_export(storage, MODELS, name, target).content_sha256
     except markers.ExportUnverified as e:
         raise RollbackRefused(f"{name} {target}: its files do not match its manifest: {e}") from None
-    if card.get("content_sha256") not in (None, content):
+    if card.content_sha256 not in (None, content):
         raise RollbackRefused(
-            f"{name} {target}: manifest content {content[:12]}, its card says {card['content_sha256'][:12]}"
+            f"{name} {target}: manifest content {content[:12]}, its card says {card.content_sha256[:12]}"
         )
     return target, card

@@ -214,7 +214,7 @@ def production_version(cfg: PipelineConfig, storage: Storage, record: RunRecord)
     """The production version evaluate scores the candidate against (the incumbent), or 'none'. When this
     run's own promotion moved production, the version it replaced is still what its evaluation stands on."""
     pointer, _ = registry.read_pointer(storage, cfg.model.name)
-    version = str((pointer or {}).get("version") or "none")
+    version = pointer.version if pointer else "none"
     own = record.promotion
     if own is not None and own.promoted and own.version == version:
         version = own.previous_version or "none"

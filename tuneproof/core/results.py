@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 JsonDict = dict[str, Any]
 
@@ -80,6 +80,14 @@ def now_iso() -> str:
 def one_line(text: str, limit: int = 400) -> str:
     line = " ".join(str(text).split())
     return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def first_problem(e: ValidationError) -> str:
+    """'<field.path>: <message> (N problem(s))': why a stored document was refused, in one line (pydantic's own
+    text spans a paragraph per field and quotes the input)."""
+    first = e.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    return one_line(f"{where + ': ' if where else ''}{first['msg']} ({e.error_count()} problem(s))", 300)
 
 
 def first_and_more(lines: list[str]) -> str:
