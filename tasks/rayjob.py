@@ -3,7 +3,9 @@
 The submission id is derived from the run id and the job name, so a Prefect retry attaches
 to the job already running (or finished) instead of starting a duplicate. A job that ended
 FAILED or STOPPED gets a new attempt id (<run>-<job>-a2) on the next submission, because Ray
-never reuses a submission id. Logs arrive through Ray's log-tail websocket (each byte once, not
+never reuses a submission id. So does an id held by another run's job (the same run id under another
+storage root, on a shared cluster): its job's metadata names the run, the job and the storage root, and
+only a job of this run is attached to, so its result is never read as this run's. Logs arrive through Ray's log-tail websocket (each byte once, not
 the whole log every poll) and are cut into whole lines before anyone sees them; a timeout, or any
 BaseException while following (Ctrl-C, a cancelled flow run), stops the Ray job.
 """
@@ -268,14 +270,26 @@ class RayJobRunner:
                     entrypoint=entrypoint,
                     submission_id=sid,
                     runtime_env=self.runtime_env(spec, str(workdir)),
-                    metadata={"tuneproof_run": self.run_id, "tuneproof_job": spec.job, "working_dir_hash": wd_hash},
+                    metadata={**self.owner(spec), "working_dir_hash": wd_hash},
                 )
                 self.on_line(f"submitted Ray job {sid}: {entrypoint}")
                 return sid, False, entrypoint, wd_hash
-            if status not in (JobStatus.FAILED, JobStatus.STOPPED):
-                self.on_line(f"attached to existing Ray job {sid} ({status.value})")
-                return sid, True, entrypoint, wd_hash
+            if status in (JobStatus.FAILED, JobStatus.STOPPED):
+                continue
+            if not self.is_ours(sid, spec):
+                self.on_line(f"Ray job {sid} is another run's (same run id, another storage root): not attaching")
+                continue
+            self.on_line(f"attached to existing Ray job {sid} ({status.value})")
+            return sid, True, entrypoint, wd_hash
         raise RuntimeError(f"{spec.job}: {MAX_ATTEMPTS} attempts already exist for run {self.run_id}")
+
+    def owner(self, spec: JobSpec) -> dict[str, str]:
+        """The job's metadata that says whose it is: a retry attaches only to a job that names all of it."""
+        return {"tuneproof_run": self.run_id, "tuneproof_job": spec.job, "tuneproof_storage": self.storage.uri()}
+
+    def is_ours(self, sid: str, spec: JobSpec) -> bool:
+        metadata = self.client.get_job_info(sid).metadata or {}
+        return all(metadata.get(key) == value for key, value in self.owner(spec).items())
 
     def runtime_env(self, spec: JobSpec, workdir: str) -> dict[str, Any]:
         # Ray Train re-prints worker output through its own logger unless told not to: lines came twice.

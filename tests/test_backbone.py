@@ -162,6 +162,22 @@ def test_a_prefect_retry_attaches_to_the_same_ray_submission(prefect_harness, ov
     assert [j.submission_id for j in jobs_for(ray_head, "bb-retry")] == ["bb-retry-verify"]
 
 
+def test_a_job_of_the_same_run_id_under_another_storage_root_is_never_attached_to(overrides, ray_head, tmp_path):
+    """Two storage roots share a cluster and a run id: the second run must not take the first's job (and then
+    its own storage's result.json, which may be stale) as its own. It submits under the next attempt's id."""
+    from tasks.rayjob import JobSpec, RayJobRunner
+
+    client = JobSubmissionClient(ray_head.address, headers={"Authorization": f"Bearer {ray_head.token()}"})
+    other = {"tuneproof_run": "bb-shared", "tuneproof_job": "verify", "tuneproof_storage": str(tmp_path / "other")}
+    client.submit_job(entrypoint="python -c pass", submission_id="bb-shared-verify", metadata=other)
+    cfg = load_config(overrides=overrides)
+    runner = RayJobRunner(cfg, "bb-shared", on_line=lambda line: None, poll_s=0.2)
+    assert runner.wait_terminal("bb-shared-verify").value == "SUCCEEDED"
+    outcome = runner.run(JobSpec("verify", "training.verify", timeout_s=120, summary=VerifySummary))
+    assert (outcome.submission_id, outcome.attached) == ("bb-shared-verify-a2", False)
+    assert outcome.result.status == "succeeded", outcome.result.cause
+
+
 def test_a_stage_past_its_timeout_is_stopped_and_is_an_infrastructure_failure(overrides, ray_head):
     from tasks.rayjob import JobSpec, RayJobRunner
 
