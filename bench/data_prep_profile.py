@@ -1,13 +1,13 @@
 """Where the data stage's time goes: its body run in this process, wall and CPU seconds per phase.
 
-    python -m bench.data_prep_profile [--rows 50000] [--one-process]
+    python -m bench.data_prep_profile [--rows 50000]
 
 The same generated corpus and configs/local.yaml settings as `bench.data_prep`, but no Ray job: the
 stage function runs here, with each phase's function wrapped in a timer. CPU seconds (this process,
 every thread) move much less with the machine's load than wall seconds do, so they are what to compare
-against the bare `encode_batch`'s. Outside a Ray job the stage's encoding pool (Ray actors, from
-POOL_MIN_ROWS rows) does not start, so every phase runs and is timed in this process; --one-process
-also keeps it so should RAY_ADDRESS be set. What a job pays before its first row (importing the stage
+against the bare `encode_batch`'s. The stage's encoding pool (Ray actors, from POOL_MIN_ROWS rows inside a
+Ray job) is kept off, even should RAY_ADDRESS be set: an actor's CPU is no child's of this process and its
+phases would go untimed, so every phase runs and is timed here. What a job pays before its first row (importing the stage
 and loading the tokenizer, which imports transformers and whatever it pulls in) is measured apart, in a
 fresh child process, since this one has imported transformers already to build the tiny model.
 Last, the bare side of `bench.data_prep` on the same corpus, and the two sides' tokens per CPU second
@@ -71,7 +71,7 @@ STARTUP = (
 
 
 def children_cpu() -> float:
-    """CPU seconds of this process's ended children (the stage's pool workers, once its pool is closed)."""
+    """CPU seconds of this process's ended children (the start-up probe's process)."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
 
@@ -90,7 +90,6 @@ def startup_cost(model: Path) -> tuple[float, float, str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.data_prep_profile", description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=50_000, help="rows of the generated corpus (at least 1)")
-    parser.add_argument("--one-process", action="store_true", help="no worker pool: every phase timed here")
     args = parser.parse_args(argv)
     if args.rows < 1:
         parser.error(f"--rows must be at least 1, got {args.rows}")
@@ -118,22 +117,15 @@ def main(argv: list[str] | None = None) -> None:
         for where, name in PHASES:
             module = importlib.import_module(where)
             setattr(module, name, timed(getattr(module, name), name, seen))
-        if args.one_process:
-            training.data_encode.POOL_MIN_ROWS = sys.maxsize
+        training.data_encode.POOL_MIN_ROWS = sys.maxsize
         wall, cpu = clocks()
-        workers_cpu = children_cpu()
         summary = stage.prepare_data(JobContext("profile", "data", cfg))
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        workers_cpu = children_cpu() - workers_cpu
-        cpu += workers_cpu
         bare_cpu = time.process_time()
         _, bare_tokens, bare_wall = bare_tokens_per_s(model, corpus)
         bare_cpu = time.process_time() - bare_cpu
     tokens = sum(split.tokens for split in summary.manifest.splits.values()) if summary.manifest else 0
-    print(
-        f"stage body: {args.rows:,} rows, {tokens:,} tokens in {wall:.2f} s wall, {cpu:.2f} CPU s "
-        f"({workers_cpu:.2f} of them in pool workers, whose phases are not timed below)"
-    )
+    print(f"stage body: {args.rows:,} rows, {tokens:,} tokens in {wall:.2f} s wall, {cpu:.2f} CPU s (one process)")
     for name, (phase_wall, phase_cpu) in seen.items():
         print(f"  {name:18s} {phase_wall:7.2f} s wall {phase_cpu:7.2f} CPU s {100 * phase_cpu / cpu:5.1f} % of CPU")
     rest = cpu - sum(c for _, c in seen.values())
