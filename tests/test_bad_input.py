@@ -289,7 +289,8 @@ STORAGE_FILE_CASES = [
     Case("pointer-not-utf8", models_cmd("show", pointer=NOT_UTF8), 1, "not a JSON production pointer"),
     Case("pointer-is-a-directory", pointer_dir, 0, "cannot be read as the production pointer"),
     Case("record-truncated-json-list", record_file("{", "list --json"), 0, '"status": "unreadable"'),
-    Case("card-corrupt", models_cmd("show", card="{"), 0, "card.json is unreadable"),
+    Case("card-corrupt", models_cmd("show", card="{"), 0, "card.json is unreadable: not a model card (Invalid JSON"),
+    Case("card-no-version", models_cmd("show", card='{"name": "m"}'), 0, "not a model card (run_id: Field required"),
 ]
 
 # ---- saved kubectl / ray JSON for verify --from-files --------------------------------------------------------

@@ -249,8 +249,13 @@ def version_costs(rows: list[dict]) -> list[dict]:
 
 
 def read_card(storage: Storage, name: str, version: str) -> ModelCard:
-    """A version's card.json: FileRefused (not a regular file, over MAX_CARD_BYTES), ValueError (not a card)."""
-    return ModelCard.model_validate_json(read_stored(storage, (MODELS, name, version, CARD_JSON), MAX_CARD_BYTES))
+    """A version's card.json: FileRefused (not a regular file, over MAX_CARD_BYTES), ValueError (not a card,
+    naming its first problem)."""
+    data = read_stored(storage, (MODELS, name, version, CARD_JSON), MAX_CARD_BYTES)
+    try:
+        return ModelCard.model_validate_json(data)
+    except ValidationError as e:
+        raise ValueError(f"not a model card ({first_problem(e)})") from None
 
 
 def model_parts(storage: Storage, name: str, version: str) -> dict[str, str | None]:
