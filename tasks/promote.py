@@ -216,7 +216,10 @@ def move_pointer(
         return refused(started, [problem or "no content hash"], FailureClass.infrastructure)
     evaluation = record.summary("evaluate", EvaluateSummary)
     evaluated = evaluation.incumbent_version if evaluation else None
-    pointer, token = registry.read_pointer(storage, cfg.model.name)
+    try:
+        pointer, token = registry.read_pointer(storage, cfg.model.name)
+    except registry.RegistryUnreadable as e:  # never moved against a pointer nobody can read
+        return refused(started, [str(e)], FailureClass.infrastructure)
     current = pointer.version if pointer else None
     if registry.is_promotion_of(pointer, record.run_id, content):
         # This run's own promotion already landed: a retry, or a continuation of a run whose flow died

@@ -123,6 +123,18 @@ def test_promoting_again_a_run_that_is_already_production_keeps_its_version_and_
     assert storage.listdir("models", cfg.model.name) == sorted(["v0001-r1", "v0002-r2", registry.POINTER, "history"])
 
 
+def test_an_unreadable_pointer_refuses_the_promotion_and_is_left_as_it_was(tmp_path):
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
+    storage = Storage(str(tmp_path))
+    with_export(storage, "r1")
+    storage.write_bytes(b'{"version": "v0001-x"}', "models", cfg.model.name, registry.POINTER)
+    entry = move_pointer(cfg, passed_record(cfg, "r1"), "t", forced=None)
+    assert (entry.status, entry.failure_class) == ("failed", "infrastructure")
+    assert "not a production pointer (name: Field required" in (entry.cause or "")
+    assert storage.read_bytes("models", cfg.model.name, registry.POINTER) == b'{"version": "v0001-x"}'
+    assert storage.listdir("models", cfg.model.name) == [registry.POINTER]  # no version copied
+
+
 def test_forced_promotion_is_recorded_with_who_and_why(tmp_path):
     cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
     storage = Storage(str(tmp_path))
