@@ -98,7 +98,7 @@ def _generate_batch(
         num_beams=1,
         repetition_penalty=1.0,
         max_new_tokens=max_new_tokens,
-        pad_token_id=stops[0] if tokenizer.pad_token_id is None else tokenizer.pad_token_id,
+        pad_token_id=pad_token_id(tokenizer),
         eos_token_id=stops,
     )
     new = out[:, enc["input_ids"].shape[1] :]
