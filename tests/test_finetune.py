@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -401,9 +402,11 @@ def test_the_resume_job_kills_its_run_after_a_checkpoint_and_restarts_it_there(l
     storage = Storage(config.storage.root)
     killed = storage.read_json("runs", "run-a", "stages", "resume-t1-interrupt", "interrupted.json")
     assert job.interrupted_at_step == killed["step"] == 6 and job.interrupted_at == killed["time"]
-    # Ray Train saw both workers' processes gone (no exception of ours): the run ended on the kill.
+    # Ray Train saw workers' processes gone (no exception of ours): the run ended on the kill. Which ranks it saw
+    # is a race: its health check fails the group at the first dead worker it polls, so one rank or both.
     failures = storage.read_text("runs", "run-a", "stages", "resume-t1-interrupt", "failures.jsonl")
-    assert "rank 0: WorkerHealthCheckFailedError" in failures and "rank 1: WorkerHealthCheckFailedError" in failures
+    seen = re.findall(r"rank (\d+): (\w+)", failures)
+    assert seen and {error for _, error in seen} == {"WorkerHealthCheckFailedError"}, failures
     resumed = job.resumed
     assert resumed is not None and resumed.restored_step == resumed.start_step == 6
     assert (resumed.restored_from or "").endswith("checkpoint_000006")
