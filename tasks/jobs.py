@@ -253,7 +253,10 @@ def evaluate(call: StageCall) -> StageEntry:
     The incumbent is the production model when the job is built; promotion later checks that it is
     still the production model (compare-and-swap on the pointer).
     """
-    pointer, _ = registry.read_pointer(Storage.from_config(call.cfg.storage), call.cfg.model.name)
+    try:
+        pointer, _ = registry.read_pointer(Storage.from_config(call.cfg.storage), call.cfg.model.name)
+    except registry.RegistryUnreadable as e:  # no incumbent anyone can name: nothing is scored against a guess
+        return StageEntry.failed(call.stage, FailureClass.infrastructure, str(e), started_at=now_iso())
     incumbent = {"version": pointer.version, "path": pointer.path} if pointer else None
     params = {"dataset": call.inputs["dataset_path"], "candidate": call.inputs["export_path"], "incumbent": incumbent}
     return run_single_job(call, call.spec("eval.evaluate_job", params))

@@ -280,6 +280,23 @@ def test_an_export_edited_after_evaluation_is_not_promoted(clone_run, finished_r
 
 
 @pytest.mark.integration
+def test_an_unreadable_production_pointer_fails_evaluate_as_infrastructure_and_is_left_as_it_was(clone_run):
+    # Continued (no --only) and rerun (--only): the stage's inputs key reads the pointer before the task does;
+    # neither may end the run as crashed, and no candidate is scored against an incumbent nobody can name.
+    storage = clone_run.storage
+    storage.write_bytes(b"{not json", "models", NAME, "production.json")
+    for only in (["--only", "evaluate"], []):
+        result = tuneproof("run", *only, "--run-id", "demo", *clone_run.args)
+        assert result.exit_code == 4, result.output
+        rec = records.load(storage, "demo")
+        entry = rec.stages["evaluate"]
+        assert (rec.status, entry.status, entry.failure_class) == ("failed", "failed", "infrastructure"), only
+        assert "production.json: not a JSON production pointer" in (entry.cause or ""), entry.cause
+        assert entry.jobs == [] and "unreadable: " in present(entry.inputs).needs["registry.production"]
+    assert pointer_bytes(storage) == b"{not json"
+
+
+@pytest.mark.integration
 def test_a_resume_test_retried_after_a_lost_connection_still_proves_an_interruption(clone_run, monkeypatch):
     from flows import stage_tasks
     from tasks.rayjob import RayJobRunner

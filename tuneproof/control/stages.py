@@ -213,7 +213,12 @@ def evaluate_metrics(s: EvaluateSummary) -> Metrics:
 def production_version(cfg: PipelineConfig, storage: Storage, record: RunRecord) -> dict[str, str]:
     """The production version evaluate scores the candidate against (the incumbent), or 'none'. When this
     run's own promotion moved production, the version it replaced is still what its evaluation stands on."""
-    pointer, _ = registry.read_pointer(storage, cfg.model.name)
+    try:
+        pointer, _ = registry.read_pointer(storage, cfg.model.name)
+    except registry.RegistryUnreadable as e:
+        # Not a reason to end the run here: the key says what was seen, and the evaluate task, which reads the
+        # pointer again, fails as infrastructure naming the file.
+        return {"registry.production": f"unreadable: {e}"}
     version = pointer.version if pointer else "none"
     own = record.promotion
     if own is not None and own.promoted and own.version == version:
