@@ -22,4 +22,5 @@ def ask_for_approval(cfg: PipelineConfig, record: RunRecord) -> Approval:
     evaluation = record.summary("evaluate", EvaluateSummary)
     lines = evaluation.gates.lines if evaluation else []
     get_run_logger().info("waiting for approval to promote; gates: " + "; ".join(lines))
-    return pause_flow_run(wait_for_input=Approval, timeout=cfg.promote.approval_timeout_s)
+    # Checked every second, not Prefect's default 10: an approver who answers waits for the flow to notice.
+    return pause_flow_run(wait_for_input=Approval, timeout=cfg.promote.approval_timeout_s, poll_interval=1)
