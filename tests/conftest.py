@@ -204,6 +204,12 @@ class SessionStart:
 
         return self.once("demo-run", launch)
 
+    def flow_run_env(self) -> Future[tuple[str, Path, dict]]:
+        """The flow-run pod's environment built and its pull steps run (tests/test_flow_run_env.py, pod_report)."""
+        from tests.test_flow_run_env import pod_report
+
+        return self.once("flow-run-env", lambda: pod_report(self.tmp.mktemp("flow-run-env")))
+
 
 PEFT_IMPORTS = (
     "import ray.train.torch, torch.distributed.checkpoint, torch.distributed.fsdp, pyarrow.parquet, safetensors.torch, "
@@ -387,6 +393,19 @@ def start_shared_run(request, session_start):
         # Its readers run the CLI in this process against the session's server, as they did when the run
         # started here: so this process's Prefect settings name it from the first test on (about 12 s).
         request.getfixturevalue("prefect_server")
+
+
+@pytest.fixture(autouse=True)
+def start_background_builds(request, session_start):
+    """At the first integration test, begin the flow-run environment's build (when its test was collected):
+    the integration tests leave about a quarter of the 2 cores idle, the unit tests before them none."""
+    if request.node.get_closest_marker("integration") and any(
+        item.name == FLOW_RUN_ENV_TEST for item in request.session.items
+    ):
+        session_start.flow_run_env()
+
+
+FLOW_RUN_ENV_TEST = "test_the_pull_step_builds_a_flow_run_environment_that_imports_the_flow"
 
 
 @pytest.fixture(scope="session")
