@@ -279,20 +279,29 @@ def test_an_export_edited_after_evaluation_is_not_promoted(clone_run, finished_r
     assert pointer_bytes(storage) == before
 
 
+def test_an_unreadable_production_pointer_is_an_input_of_evaluate_not_an_error_of_the_run(tmp_path):
+    # A continued run reads every stage's inputs before any runs: the pointer read there must not end the run.
+    storage, cfg = Storage(str(tmp_path)), PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
+    storage.write_bytes(b"{not json", "models", cfg.model.name, "production.json")
+    record = records.new_record("r1", cfg, records.CodeIdentity(), "flow-run")
+    external = table.by_name("evaluate").external
+    assert external is not None
+    seen = external(cfg, storage, record)
+    assert seen["registry.production"].startswith("unreadable: ") and "production.json" in seen["registry.production"]
+
+
 @pytest.mark.integration
 def test_an_unreadable_production_pointer_fails_evaluate_as_infrastructure_and_is_left_as_it_was(clone_run):
-    # Continued (no --only) and rerun (--only): the stage's inputs key reads the pointer before the task does;
-    # neither may end the run as crashed, and no candidate is scored against an incumbent nobody can name.
+    # No candidate is scored against an incumbent nobody can name, and the run ends failed, not crashed.
     storage = clone_run.storage
     storage.write_bytes(b"{not json", "models", NAME, "production.json")
-    for only in (["--only", "evaluate"], []):
-        result = tuneproof("run", *only, "--run-id", "demo", *clone_run.args)
-        assert result.exit_code == 4, result.output
-        rec = records.load(storage, "demo")
-        entry = rec.stages["evaluate"]
-        assert (rec.status, entry.status, entry.failure_class) == ("failed", "failed", "infrastructure"), only
-        assert "production.json: not a JSON production pointer" in (entry.cause or ""), entry.cause
-        assert entry.jobs == [] and "unreadable: " in present(entry.inputs).needs["registry.production"]
+    result = tuneproof("run", "--only", "evaluate", "--run-id", "demo", *clone_run.args)
+    assert result.exit_code == 4, result.output
+    rec = records.load(storage, "demo")
+    entry = rec.stages["evaluate"]
+    assert (rec.status, entry.status, entry.failure_class) == ("failed", "failed", "infrastructure")
+    assert "production.json: not a JSON production pointer" in (entry.cause or ""), entry.cause
+    assert entry.jobs == [] and "unreadable: " in present(entry.inputs).needs["registry.production"]
     assert pointer_bytes(storage) == b"{not json"
 
 
