@@ -395,6 +395,10 @@ def start_shared_run(request, session_start):
         request.getfixturevalue("prefect_server")
 
 
+FLOW_RUN_ENV_TEST = "test_the_pull_step_builds_a_flow_run_environment_that_imports_the_flow"
+"""The test whose venv build `start_background_builds` begins early (renamed, the build runs in its own turn)."""
+
+
 @pytest.fixture(autouse=True)
 def start_background_builds(request, session_start):
     """At the first integration test, begin the flow-run environment's build (when its test was collected):
@@ -403,9 +407,6 @@ def start_background_builds(request, session_start):
         item.name == FLOW_RUN_ENV_TEST for item in request.session.items
     ):
         session_start.flow_run_env()
-
-
-FLOW_RUN_ENV_TEST = "test_the_pull_step_builds_a_flow_run_environment_that_imports_the_flow"
 
 
 @pytest.fixture(scope="session")
