@@ -26,8 +26,9 @@ demo: setup
 # budget (make test ≤ 20 min, make test-fast ≤ 3 min on 2 cores), and this says where it goes.
 DURATIONS := --durations=15 --durations-min=1.0
 
+# The unit tests run in a second pytest process beside the integration tests (tests/run_tiers.sh says why).
 test: setup browser shellcheck lint
-	$(PY) -m pytest -q $(DURATIONS)
+	tests/run_tiers.sh $(PY) $(DURATIONS)
 
 # Lint, format and types before any test: the same checks a reviewer would make, in seconds.
 lint: setup

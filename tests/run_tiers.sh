@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# `make test`: the unit tests in a pytest process of their own, beside the integration tests; then both reports.
+#
+#   tests/run_tiers.sh PYTHON [PYTEST OPTIONS...]
+#
+# Why two processes: the integration tests wait on Ray jobs (process starts, status polls, Ray Train's worker
+# polls) and leave about a quarter of 2 cores idle (README: "Test time"), while the unit tests, run first in the
+# same process, kept both cores busy for their few minutes. Beside each other, the unit tests fill that idle time.
+# The integration run prints its progress as it goes; the unit run's report follows it. The exit status is 0 only
+# when both runs passed.
+set -uo pipefail
+
+python=$1
+shift
+unit_log=$(mktemp -t tuneproof-unit-tests.XXXXXX)
+"$python" -m pytest -q "$@" -m "not integration and not browser" >"$unit_log" 2>&1 &
+unit=$!
+# A background job of a script ignores Ctrl-C: stop it with the script, however the script ends.
+trap 'kill "$unit" 2>/dev/null; rm -f "$unit_log"' EXIT
+trap 'exit 130' INT TERM
+
+"$python" -m pytest -q "$@" -m "integration or browser"
+integration=$?
+wait "$unit"
+units=$?
+echo
+echo "---- the unit tests, run beside the integration tests (pytest exit status $units) ----"
+cat "$unit_log"
+echo "make test: integration tests exit status $integration, unit tests $units"
+[ "$integration" -eq 0 ] && [ "$units" -eq 0 ]
