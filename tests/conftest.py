@@ -379,8 +379,9 @@ def demo_run_started(session_start, prefect_server):
 
 @pytest.fixture(scope="session", autouse=True)
 def start_shared_run(request, session_start):
-    """Begin the shared demo run at the session's start when a collected test needs it, without waiting: the
-    unit tests run first (pytest_collection_modifyitems) and leave a core idle, which the base model's build,
+    """Begin the shared demo run at the session's start when a collected test needs it, without waiting: in a
+    plain `pytest` the unit tests run first (pytest_collection_modifyitems) and leave a core idle (under `make
+    test` they run in a process of their own beside this one, tests/run_tiers.sh), which the base model's build,
     the servers' starts and then the run's stages fill (a second shared run beside it, the LoRA pipeline's,
     gained nothing: 1191 s of `make test` against 1185 s).
 

@@ -13,8 +13,11 @@ set -uo pipefail
 python=$1
 shift
 unit_log=$(mktemp -t tuneproof-unit-tests.XXXXXX)
-"$python" -m pytest -q "$@" -m "not integration and not browser" >"$unit_log" 2>&1 &
+# At a lower priority: the integration run is the longer one, so its processes (pytest, Ray's jobs and workers)
+# keep the cores when both want them, and the unit tests take what the integration tests leave idle.
+nice -n 10 "$python" -m pytest -q "$@" -m "not integration and not browser" >"$unit_log" 2>&1 &
 unit=$!
+echo "the unit tests run beside the integration tests; their report follows this run's (as it goes: tail -f $unit_log)"
 # A background job of a script ignores Ctrl-C: stop it with the script, however the script ends.
 trap 'kill "$unit" 2>/dev/null; rm -f "$unit_log"' EXIT
 trap 'exit 130' INT TERM

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import runpy
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -94,6 +96,23 @@ def test_the_base_is_built_once_per_hash_deterministically_and_copied_from_the_c
     third = tmp_path / "three" / "tiny-qwen2"
     ensure_tiny_model(third, DEFAULT_DATA, recipe=SMALL)
     assert weights_sha(third) == weights_sha(first)
+
+
+def test_two_builds_of_one_hash_at_once_train_it_once_and_both_copy_it(tmp_path, monkeypatch):
+    # As the two pytest processes of `make test`, or two `local up`s, do on a machine whose cache is empty.
+    monkeypatch.setattr(tiny_model, "BASE_CACHE", tmp_path / "cache")
+    real_pretrain, trained = tiny_model.pretrain, []
+
+    def counted(*args, **kwargs):
+        trained.append(threading.current_thread().name)
+        return real_pretrain(*args, **kwargs)
+
+    monkeypatch.setattr(tiny_model, "pretrain", counted)
+    targets = [tmp_path / name / "tiny-qwen2" for name in ("one", "two")]
+    with ThreadPoolExecutor(2) as pool:
+        placed = list(pool.map(lambda out: ensure_tiny_model(out, DEFAULT_DATA, recipe=SMALL), targets))
+    assert placed == [True, True] and len(trained) == 1
+    assert weights_sha(targets[0]) == weights_sha(targets[1])
 
 
 def weights_sha(model_dir: Path) -> str:

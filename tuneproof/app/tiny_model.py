@@ -20,6 +20,8 @@ The output is deterministic given the corpus and the seed.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import shutil
 import tempfile
@@ -206,10 +208,11 @@ def ensure_tiny_model(
     if built_hash(out_dir) == key:
         return False
     cached = BASE_CACHE / key
-    if built_hash(cached) != key:
-        build_tiny_model(
-            cached, task_corpus(data_path, DataConfig().system_prompt), seed=seed, recipe=recipe, base_hash=key
-        )
+    with building(cached):
+        if built_hash(cached) != key:
+            build_tiny_model(
+                cached, task_corpus(data_path, DataConfig().system_prompt), seed=seed, recipe=recipe, base_hash=key
+            )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
     try:  # copied beside the target and renamed into place: a half-copied base is never picked up
@@ -220,6 +223,20 @@ def ensure_tiny_model(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return True
+
+
+@contextlib.contextmanager
+def building(cached: Path) -> Iterator[None]:
+    """One process at a time builds (or checks) a cached base: a second one (two `local up`s, the two pytest
+    processes of `make test`) waits under an flock on a sidecar file, then finds it built and copies it,
+    instead of training it again into the same files as the first writes them."""
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with open(cached.with_name(cached.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def built_hash(model_dir: Path) -> str | None:
