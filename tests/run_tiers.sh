@@ -15,7 +15,10 @@ shift
 unit_log=$(mktemp -t tuneproof-unit-tests.XXXXXX)
 # At a lower priority: the integration run is the longer one, so its processes (pytest, Ray's jobs and workers)
 # keep the cores when both want them, and the unit tests take what the integration tests leave idle.
-nice -n 10 "$python" -m pytest -q "$@" -m "not integration and not browser" >"$unit_log" 2>&1 &
+# Its own cache folder: two runs writing one .pytest_cache would each overwrite the other's record of what failed
+# (`pytest --lf -o cache_dir=.pytest_cache/unit` reruns the unit tests that failed).
+nice -n 10 "$python" -m pytest -q "$@" -m "not integration and not browser" -o cache_dir=.pytest_cache/unit \
+    >"$unit_log" 2>&1 &
 unit=$!
 echo "the unit tests run beside the integration tests; their report follows this run's (as it goes: tail -f $unit_log)"
 # A background job of a script ignores Ctrl-C: stop it with the script, however the script ends.
