@@ -4,7 +4,7 @@
 #   tests/run_tiers.sh PYTHON [PYTEST OPTIONS...]
 #
 # Why two processes: the integration tests wait on Ray jobs (process starts, status polls, Ray Train's worker
-# polls) and leave about a quarter of 2 cores idle (README: "Test time"), while the unit tests, run first in the
+# polls) and leave about a quarter of 2 cores idle (README: "Where the test time goes"), while the unit tests, run first in the
 # same process, kept both cores busy for their few minutes. Beside each other, the unit tests fill that idle time.
 # The integration run prints its progress as it goes; the unit run's report follows it. The exit status is 0 only
 # when both runs passed.

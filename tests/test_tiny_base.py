@@ -98,7 +98,7 @@ def test_the_base_is_built_once_per_hash_deterministically_and_copied_from_the_c
     assert weights_sha(third) == weights_sha(first)
 
 
-def test_two_builds_of_one_hash_at_once_train_it_once_and_both_copy_it(tmp_path, monkeypatch):
+def test_two_builds_of_one_hash_at_once_train_it_once_and_both_copy_it(tmp_path, monkeypatch, capsys):
     # As the two pytest processes of `make test`, or two `local up`s, do on a machine whose cache is empty.
     monkeypatch.setattr(tiny_model, "BASE_CACHE", tmp_path / "cache")
     real_pretrain, trained = tiny_model.pretrain, []
@@ -112,6 +112,7 @@ def test_two_builds_of_one_hash_at_once_train_it_once_and_both_copy_it(tmp_path,
     with ThreadPoolExecutor(2) as pool:
         placed = list(pool.map(lambda out: ensure_tiny_model(out, DEFAULT_DATA, recipe=SMALL), targets))
     assert placed == [True, True] and len(trained) == 1
+    assert "waiting for another process's build of the tiny base" in capsys.readouterr().err
     assert weights_sha(targets[0]) == weights_sha(targets[1])
 
 

@@ -24,6 +24,7 @@ import contextlib
 import fcntl
 import json
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -232,7 +233,14 @@ def building(cached: Path) -> Iterator[None]:
     instead of training it again into the same files as the first writes them."""
     cached.parent.mkdir(parents=True, exist_ok=True)
     with open(cached.with_name(cached.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # said once, so a wait of a minute is not mistaken for a hang
+            print(
+                f"waiting for another process's build of the tiny base {cached.name[:12]} ({lock.name})",
+                file=sys.stderr,
+            )
+            fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
         finally:
