@@ -10,7 +10,7 @@
 # when both runs passed.
 set -uo pipefail
 
-python=$1
+python=${1:?usage: tests/run_tiers.sh PYTHON [PYTEST OPTIONS...]}
 shift
 unit_log=$(mktemp -t tuneproof-unit-tests.XXXXXX)
 # At a lower priority: the integration run is the longer one, so its processes (pytest, Ray's jobs and workers)
