@@ -206,6 +206,30 @@ def test_stalled_steps_refuse_what_they_cannot_compare():
         stalled_steps([1.0, 1.0], [(1, 1)])
 
 
+def test_the_stall_loop_saves_and_completes_every_checkpoint_with_ours_and_with_stock_async_save(tmp_path):
+    """Both sides of the stall row go through the same loop: every due checkpoint is started, completed and on disk."""
+    from bench.checkpoint import measure_stall, one_rank, our_saver, stock_saver, trained_model
+    from training.checkpointing import MARKER, StagingBuffers
+    from tuneproof.core.storage import Storage
+
+    plan = {"steps": 7, "every": 2, "batch": 1, "seq": 8}  # checkpoints after steps 2 and 4 (6 + 2 > 7: none)
+    shape = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 1, "vocab_size": 128}
+    with one_rank():
+        import torch.distributed as dist
+
+        model, optimizer = trained_model(shape)
+        group = dist.new_group(backend="gloo")
+        ours_store, stock_store = Storage(str(tmp_path / "ours")), Storage(str(tmp_path / "stock"))
+        ours = measure_stall(model, optimizer, our_saver(model, optimizer, group, StagingBuffers(), ours_store), plan)
+        stock = measure_stall(model, optimizer, stock_saver(model, optimizer, group, stock_store), plan)
+    for side in (ours, stock):
+        assert [began for began, _ in side["checkpoint_spans"]] == [2, 4]
+        assert all(began <= done <= plan["steps"] for began, done in side["checkpoint_spans"])
+        assert len(side["stall_steps"]) == 2 and side["max"] == max(side["stall_steps"]) >= 0
+    assert all((tmp_path / "ours" / "stall" / f"step-{s}" / MARKER).is_file() for s in (2, 4))
+    assert all((tmp_path / "stock" / "stall" / f"stock-{s}" / ".metadata").is_file() for s in (2, 4))
+
+
 def test_the_contamination_row_is_ok_while_the_cost_per_row_stays_flat(monkeypatch):
     from bench import contamination
 
