@@ -450,9 +450,32 @@ def clone_run(finished_run, demo_env, tmp_path) -> DemoEnv:
     return demo_env.at(tmp_path)
 
 
+SERVER_FIXTURES = frozenset({"ray_head", "s3_endpoint", "prefect_server"})
+"""The session's servers. A test that needs one (directly or through another fixture) is an integration test: in
+the unit tier's process it would start a Ray head, moto or a Prefect server of its own beside the integration run's."""
+
+
+def unmarked_server_tests(items) -> list[str]:
+    """The tests that ask for a session server without the integration (or browser) marker, each with what it
+    asks for. item.fixturenames is the whole closure, so a server reached through another fixture counts."""
+    return [
+        f"{item.nodeid} (needs {', '.join(sorted(SERVER_FIXTURES & set(item.fixturenames)))})"
+        for item in items
+        if SERVER_FIXTURES & set(item.fixturenames)
+        and not any(item.get_closest_marker(m) for m in ("integration", "browser"))
+    ]
+
+
 def pytest_collection_modifyitems(config, items):
     """Fault-injection tests (marker `faults`, about ten minutes) run only when `-m` names them
-    (`make faults`, `pytest -m faults`): the default run deselects them, it does not skip them."""
+    (`make faults`, `pytest -m faults`): the default run deselects them, it does not skip them.
+
+    A test that needs a session server but is not marked integration is refused before anything runs: a marker
+    lost in an edit once put two Ray Train fine-tunes (80 s) into the unit tier, with a Ray head and moto of its own."""
+    if misfiled := unmarked_server_tests(items):
+        raise pytest.UsageError(
+            "mark these tests integration (they need a session server):\n  " + "\n  ".join(misfiled)
+        )
     # Unit tests first (a stable sort keeps each group's order): the shared demo run trains beside them.
     items.sort(key=lambda item: any(item.get_closest_marker(m) for m in ("integration", "browser")))
     if "faults" in (config.getoption("markexpr") or ""):

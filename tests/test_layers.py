@@ -208,3 +208,31 @@ def test_a_fork_is_caught(tmp_path, monkeypatch, source):
     assert len(fork_uses(tmp_path / "forks.py")) == 1
     (tmp_path / "spawns.py").write_text("import multiprocessing\nmultiprocessing.get_context('spawn').Pool(2)")
     assert fork_uses(tmp_path / "spawns.py") == []
+
+
+def test_a_test_that_needs_a_session_server_is_refused_without_the_integration_marker():
+    """The rule conftest applies at collection (a refused session runs nothing), on stand-in test items."""
+    from dataclasses import dataclass, field
+
+    from tests.conftest import unmarked_server_tests
+
+    @dataclass
+    class Item:
+        nodeid: str
+        fixturenames: list[str]
+        markers: set[str] = field(default_factory=set)
+
+        def get_closest_marker(self, name: str) -> str | None:
+            return name if name in self.markers else None
+
+    items = [
+        Item("t.py::unit", ["tmp_path"]),
+        Item("t.py::through_a_fixture", ["ray_cluster", "ray_head", "s3_endpoint", "tmp_path"]),
+        Item("t.py::marked", ["ray_head"], {"integration"}),
+        Item("t.py::page", ["prefect_server"], {"browser"}),
+        Item("t.py::prefect", ["prefect_harness", "prefect_server"], {"slow"}),
+    ]
+    assert unmarked_server_tests(items) == [
+        "t.py::through_a_fixture (needs ray_head, s3_endpoint)",
+        "t.py::prefect (needs prefect_server)",
+    ]

@@ -267,7 +267,6 @@ def assert_losses_match(reference: dict, resumed: dict, steps: list[int]) -> Non
         assert math.isclose(got[step], expected[step], rel_tol=1e-5), (step, got[step], expected[step])
 
 
-@pytest.mark.integration
 def test_each_rank_reads_its_own_shard_files_whole_and_of_the_others_only_the_ranges_it_loads(four_ranks):
     """Loading under the mesh it was saved with, each rank reads (and verifies) its own files once and takes from
     the other ranks' files only the replicated values DCP spread over them (each optimizer step count)."""
@@ -283,6 +282,7 @@ def test_each_rank_reads_its_own_shard_files_whole_and_of_the_others_only_the_ra
         )
 
 
+@pytest.mark.integration
 def test_a_checkpoint_of_2_full_workers_resumes_under_4_in_a_hybrid_mesh(reshard_runs):
     saved, resharded = reshard_runs
     assert resharded["start_step"] == 2 and resharded["restored_from"] == checkpoint_uri(saved, 2)
