@@ -332,6 +332,7 @@ def measure_stall(model, optimizer, saver: AsyncSaver, plan: dict[str, int]) -> 
         "max": round(max(stalls), 3),
         "median_step_s": round(statistics.median(times), 3),
         "checkpoint_spans": spans,
+        "step_seconds": [round(t, 3) for t in times],
     }
 
 
