@@ -167,10 +167,20 @@ def rank_main(rank: int, workdir: Path) -> None:
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory) -> list[dict]:
     """What each of 4 gloo ranks saw (rank 0 also holds the gathered weights)."""
+    import multiprocessing.forkserver
+
     import torch.multiprocessing as mp
 
     workdir = tmp_path_factory.mktemp("four-ranks")
-    mp.spawn(rank_main, args=(workdir,), nprocs=WORLD, join=True)
+    # The ranks start from a forkserver that has imported torch, transformers' Qwen2 and this module once (a
+    # single-threaded process, so its forks are safe), not as four spawned interpreters importing them each
+    # on two cores: the fixture took 16 s that way, 7.6 s this way.
+    preload = ["tests.test_sharding", "training.fsdp", "transformers.models.qwen2.modeling_qwen2"]
+    multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
+    try:
+        mp.start_processes(rank_main, args=(workdir,), nprocs=WORLD, join=True, start_method="forkserver")
+    finally:
+        multiprocessing.forkserver._forkserver._stop()  # type: ignore[attr-defined]  # tests stop what they start: no public way
     return [torch.load(workdir / f"rank-{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
