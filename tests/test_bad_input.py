@@ -135,7 +135,7 @@ STORAGE_URI_CASES = [
     Case("root-s3-no-bucket", with_set("storage.root=s3://"), 3, "names no bucket"),
     Case("root-http", with_set("storage.root=http://example.com/x"), 3, "scheme 'http://'"),
     Case("root-bad-bucket", with_set("storage.root=s3://Bad_Bucket/x"), 3, "not a valid S3 bucket name"),
-    Case("root-empty", with_set("storage.root="), 3, "storage root '' must not be empty"),
+    Case("root-empty", with_set("storage.root="), 3, "storage.root: must not be empty"),
     Case("root-a-file-runs", lambda tmp: ["runs", "list", *root_file(tmp)], 4, "is not a directory"),
     Case("root-a-file-models", lambda tmp: ["models", "list", *root_file(tmp)], 4, "is not a directory"),
     Case("root-a-file-show", lambda tmp: ["models", "show", MODEL, *root_file(tmp)], 4, "is not a directory"),

@@ -80,6 +80,24 @@ def test_wrong_type_names_field_and_value():
     assert any(p.startswith("train.max_steps:") and "'lots'" in p for p in e.value.problems)
 
 
+def test_an_empty_string_is_refused_naming_the_field_not_found_late_by_a_stage():
+    # Each was accepted before and failed a stage minutes in (data.source="" as "cannot tell the format of
+    # from its extension ''", model.source="" as a model directory without config.json).
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=["data.source=''", "model.source=''", "eval.metrics=['']", "data.system_prompt=''"])
+    assert sorted(p.split(":")[0] for p in e.value.problems) == [
+        "data.source",
+        "data.system_prompt",
+        "eval.metrics.0",
+        "model.source",
+    ]
+    assert all(
+        p.endswith("must not be empty (leave it out, or null where it may be unset) (got '')") for p in e.value.problems
+    )
+    # An environment variable set to nothing is a setting (PYTHONDONTWRITEBYTECODE="" turns bytecode writing back on).
+    assert load_config(overrides=["runtime_env.env_vars={A: ''}"]).runtime_env.env_vars == {"A": ""}
+
+
 def test_eks_requires_a_digest_pinned_image():
     with pytest.raises(ConfigError) as e:
         load_config(

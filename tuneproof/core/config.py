@@ -226,6 +226,8 @@ def format_errors(e: ValidationError) -> list[str]:
             # `--set key={a}` or `key=[a]`: YAML read braces or brackets as a collection, not text.
             kind = "mapping" if isinstance(value, dict) else "list"
             msg = f"expected text, got a YAML {kind}; quote it (e.g. --set '{loc}=\"...\"')"
+        if err["type"] == "string_too_short":  # Strict's str_min_length=1
+            msg = "must not be empty (leave it out, or null where it may be unset)"
         if not loc:  # cross-field checks name their fields in the message itself
             problems.append(msg)
             continue

@@ -58,7 +58,9 @@ class Strict(BaseModel):
     """Base for config sections: unknown keys are errors, assignments re-validate."""
 
     # allow_inf_nan=False: a NaN or inf threshold, tolerance or rate makes every comparison it enters meaningless.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    # str_min_length=1: an empty path, name or version is never what a user meant, and found late it fails a stage
+    # (data.source="" as "cannot tell the format of  from its extension"); None says "not set" where a field may be.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False, str_min_length=1)
 
     # A section dumped whole is read whole (tuneproof.core.config_reads); single reads are noted by
     # _noting_getattribute, installed only while a stage is recorded.

@@ -10,7 +10,7 @@ Ray image has.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -144,7 +144,7 @@ class RuntimeEnvSettings(Strict):
     packages, forwarded variables by name only) is the record's RuntimeEnvAdditions."""
 
     pip: list[str] = []
-    env_vars: dict[str, str] = {}
+    env_vars: dict[str, Annotated[str, Field(min_length=0)]] = {}  # an empty value is a setting (Strict refuses others)
     """Plain settings only: they are recorded, published and logged by Ray. Credentials are refused here."""
     forward_env: list[str] = []
     """Environment variables passed to every job by name: values from the submitting environment (local)
