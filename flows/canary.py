@@ -102,13 +102,7 @@ def request_problem(
         return "candidate_image is required on eks: give the image to try as repo@sha256:<64 hex>"
     if candidate is not None and (problem := images.image_problem(candidate)):
         return f"candidate image {candidate!r} {problem}"
-    if not 1 <= max_steps <= 100_000:
-        return f"max_steps must be between 1 and 100000 (got {max_steps})"
-    if problem := images.repeats_problem(repeats):
-        return problem
-    if not 0 < threshold < 1:
-        return f"threshold must be between 0 and 1 (got {threshold})"
-    return None
+    return images.max_steps_problem(max_steps) or images.repeats_problem(repeats) or images.threshold_problem(threshold)
 
 
 def canary_workload(cfg: PipelineConfig, storage: Storage, candidate: str, max_steps: int) -> PipelineConfig:

@@ -168,6 +168,10 @@ ID_CASES = [
         "not a readable run record",
     ),
     Case("models-show-unknown", lambda tmp: ["models", "show", "nosuch", *root_args(tmp)], 1, "no model 'nosuch'"),
+    # It exited 1 with nothing printed.
+    Case(
+        "models-history-unknown", lambda tmp: ["models", "history", "nosuch", *root_args(tmp)], 1, "no production moves"
+    ),
 ]
 
 # ---- run records and registry files in storage -----------------------------------------------------------

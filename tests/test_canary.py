@@ -39,10 +39,19 @@ def test_requests_that_cannot_run_name_the_value(tmp_path):
     assert "decision id 'a/b'" in (request_problem(cfg, None, 60, 2, 0.1, "a/b") or "")
 
 
-def test_the_cli_refuses_one_repeat_before_anything_starts(tmp_path):
-    result = tuneproof("canary", "--repeats", "1", "--set", f"storage.root={tmp_path}")
-    assert result.exit_code == 3
-    assert "--repeats: repeats must be at least 2 (got 1): one run gives one value per metric" in result.output
+@pytest.mark.parametrize(
+    ("option", "value", "says"),
+    [
+        ("--repeats", "1", "--repeats: repeats must be at least 2 (got 1): one run gives one value per metric"),
+        # These two started a flow run (and needed a Prefect API) before the flow refused them.
+        ("--max-steps", "0", "--max-steps: max_steps must be between 1 and 100000 (got 0)"),
+        ("--threshold", "nan", "--threshold: threshold must be between 0 and 1 (got nan)"),
+    ],
+)
+def test_the_cli_refuses_a_bad_setting_before_anything_starts(tmp_path, option, value, says):
+    result = tuneproof("canary", option, value, "--set", f"storage.root={tmp_path}")
+    assert result.exit_code == 3 and says in result.output
+    assert "image canary" not in result.output  # the flow's first line: no flow run was started
 
 
 def test_the_workload_is_short_resume_free_and_measured_not_gated(tmp_path):

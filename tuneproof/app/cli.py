@@ -447,14 +447,20 @@ def canary(
 ) -> None:
     """Try a candidate image on the production workload; record adopt|reject under images/; adopt moves the pointer."""
     from tuneproof.app.images_cli import canary_command
-    from tuneproof.control.images import image_problem, repeats_problem
+    from tuneproof.control import images
 
-    if candidate_image is not None and (problem := image_problem(candidate_image)):
+    if candidate_image is not None and (problem := images.image_problem(candidate_image)):
         say(err, f"--candidate-image {candidate_image!r} {problem}")
         raise typer.Exit(EXIT_INVALID_CONFIG)
-    if problem := repeats_problem(repeats):
-        say(err, f"--repeats: {problem}")
-        raise typer.Exit(EXIT_INVALID_CONFIG)
+    # Before any flow run: the flow checks them too (a deployment's parameters), but only after it has started.
+    for option, problem in (
+        ("--max-steps", images.max_steps_problem(max_steps)),
+        ("--repeats", images.repeats_problem(repeats)),
+        ("--threshold", images.threshold_problem(threshold)),
+    ):
+        if problem:
+            say(err, f"{option}: {problem}")
+            raise typer.Exit(EXIT_INVALID_CONFIG)
     cfg = config_or_exit(config, sets)
     prefect_env_or_exit()
     out = err if as_json else console  # --json: stdout is the decision alone; progress goes to stderr

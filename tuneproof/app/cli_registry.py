@@ -106,8 +106,9 @@ def models_history(
     from tuneproof.control import history
     from tuneproof.control.registry import RegistryUnreadable, read_history
 
+    storage = storage_for(config, sets)
     try:
-        moves = read_history(storage_for(config, sets), name)
+        moves = read_history(storage, name)
         when = history.parse_time(at) if at is not None else None
     except (RegistryUnreadable, history.HistoryUnreadable) as e:
         say(err, e)
@@ -115,7 +116,10 @@ def models_history(
     except ValueError as e:
         say(err, f"--at: {e}")
         raise typer.Exit(2) from None
-    if when is not None:
+    if not moves:  # a name never promoted (or mistyped): say so, rather than exit 1 with nothing printed
+        known = ", ".join(storage.listdir(history.MODELS)) or "none"
+        say(err, f"{name}: no production moves under {storage.uri(history.MODELS, name)} (models: {known})")
+    elif when is not None:
         found = history.production_at(moves, when)
         moves = [found] if found else []
         if not found:

@@ -218,6 +218,23 @@ def compare_metrics(
 MAX_REPEATS = 20
 
 
+MAX_CANARY_STEPS = 100_000
+
+
+def max_steps_problem(max_steps: int) -> str | None:
+    """Why a canary run cannot train `max_steps` steps, or None (pure)."""
+    if not 1 <= max_steps <= MAX_CANARY_STEPS:
+        return f"max_steps must be between 1 and {MAX_CANARY_STEPS} (got {max_steps})"
+    return None
+
+
+def threshold_problem(threshold: float) -> str | None:
+    """Why `threshold` cannot be the smallest relative change that counts as worse, or None (pure; NaN fails)."""
+    if not 0 < threshold < 1:
+        return f"threshold must be between 0 and 1 (got {threshold})"
+    return None
+
+
 def repeats_problem(repeats: int) -> str | None:
     """Why a canary cannot run `repeats` runs, or None (pure). One run gives one value per metric, which no
     interval stands on: it could never be adopted against a baseline, nor judge the next canary as one."""
