@@ -120,6 +120,12 @@ CONFIG_CASES = [
     Case("set-model-name-slash", with_set("model.name=team/prod"), 3, "model name 'team/prod'"),
     Case("set-model-name-empty", with_set("model.name="), 3, "must not be empty"),
     Case("set-run-with-bad-config", with_set("train.max_steps=0", command=("run",)), 3, "train.max_steps"),
+    Case(
+        "set-price-negative",
+        with_set("cost.prices={CPU: -1}"),
+        3,
+        "cost.prices.CPU: Input should be greater than or equal to 0 (got -1)",
+    ),
 ]
 
 
