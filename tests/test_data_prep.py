@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import copy
 import csv
@@ -71,6 +72,15 @@ def data_failure(cfg: PipelineConfig) -> StageFailure:
         prepare(cfg)
     assert info.value.failure_class is FailureClass.data
     return info.value
+
+
+def write_csv(path: Path, rows: list[dict[str, str]], prefix: bytes = b"") -> Path:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    path.write_bytes(prefix + buf.getvalue().encode())
+    return path
 
 
 def write_jsonl(path: Path, rows: list, raw_lines: Sequence[bytes] = ()) -> Path:
@@ -489,11 +499,7 @@ def test_two_percent_malformed_trains_and_the_manifest_lists_them(tmp_path, tiny
 
 def test_csv_and_parquet_sources_give_the_same_examples_as_jsonl(tmp_path, tiny_dir):
     rows = DATES[:60]
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=["input", "output"])
-    writer.writeheader()
-    writer.writerows(rows)
-    (tmp_path / "d.csv").write_text(buf.getvalue())
+    write_csv(tmp_path / "d.csv", rows)
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
     write_jsonl(tmp_path / "d.jsonl", rows)
     storage = Storage(str(tmp_path / "store"))
@@ -503,6 +509,32 @@ def test_csv_and_parquet_sources_give_the_same_examples_as_jsonl(tmp_path, tiny_
         tables[ext] = read_split(storage, summary["dataset_path"], "train").to_pylist()
     assert tables["csv"] == tables["jsonl"] == tables["parquet"]
     assert len(tables["csv"]) == 54
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_row(tmp_path, tiny_dir):
+    # Excel's "CSV UTF-8" and Notepad start a file with one: the first JSON line was undecodable (dropped), and a
+    # CSV's first column read as "\ufeffinput", so every row lacked its prompt and the stage failed as a data failure.
+    rows = DATES[:60]
+    write_csv(tmp_path / "d.csv", rows, prefix=codecs.BOM_UTF8)
+    plain = write_jsonl(tmp_path / "plain.jsonl", rows)
+    (tmp_path / "d.jsonl").write_bytes(codecs.BOM_UTF8 + plain.read_bytes())
+    storage = Storage(str(tmp_path / "store"))
+    expected = read_split(storage, prepare(config(tmp_path / "store", tiny_dir, plain))["dataset_path"], "train")
+    for name in ("d.jsonl", "d.csv"):
+        summary = prepare(config(tmp_path / "store", tiny_dir, tmp_path / name))
+        assert summary["manifest"]["dropped"] == {}, name
+        assert read_split(storage, summary["dataset_path"], "train").to_pylist() == expected.to_pylist(), name
+        # A dataset that an earlier release read with the mark (its first row dropped) has another hash.
+        assert summary["manifest"]["settings"]["utf8_bom"] == "stripped"
+    assert "utf8_bom" not in data_prep.prep_settings(config(tmp_path, tiny_dir, plain).data)
+
+
+@pytest.mark.parametrize("indent", [None, 2])
+def test_a_json_array_file_is_refused_naming_the_conversion(tmp_path, tiny_dir, indent):
+    # It was read as JSON Lines: one row that is a list (one line) or one fragment a line (pretty-printed), all dropped.
+    (tmp_path / "d.json").write_text(json.dumps(DATES[:40], indent=indent))
+    failure = data_failure(config(tmp_path / "store", tiny_dir, tmp_path / "d.json"))
+    assert "is one JSON array of 40 records, not JSON Lines" in failure.cause and "jq -c '.[]'" in failure.cause
 
 
 def test_csv_row_with_bytes_that_are_not_utf8_is_undecodable(tmp_path, tiny_dir):

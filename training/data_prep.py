@@ -74,7 +74,7 @@ def prepare_data(ctx: JobContext) -> DataSummary:
     shape = resolve_shape(cfg.data, parsed)
     source_id, eval_source_id = source.identity(), eval_source.identity() if eval_source else None
     replay_id = replay.identity() if replay else None
-    settings = prep_settings(cfg.data, replay_id)
+    settings = prep_settings(cfg.data, replay_id, bom=any(s.has_bom for s in (source, eval_source, replay) if s))
     content_hash = datahash.content_hash(
         source_id.sha256,
         eval_source_id.sha256 if eval_source_id else None,
@@ -124,9 +124,10 @@ def prepare_data(ctx: JobContext) -> DataSummary:
     return stage_summary(storage, dataset_path, manifest, cache_hit=False, suites=suites)
 
 
-def prep_settings(data: DataConfig, replay: SourceIdentity | None = None) -> dict[str, Any]:
+def prep_settings(data: DataConfig, replay: SourceIdentity | None = None, bom: bool = False) -> dict[str, Any]:
     """Settings that change what is written (max_dropped_fraction only decides pass/fail); `replay` is the
-    data.replay file's identity, which its share and bytes put into the dataset's."""
+    data.replay file's identity, which its share and bytes put into the dataset's; `bom`: a source starts with
+    a UTF-8 byte-order mark."""
     settings: dict[str, Any] = {
         "format": data.format,
         "max_seq_len": data.max_seq_len,
@@ -137,6 +138,8 @@ def prep_settings(data: DataConfig, replay: SourceIdentity | None = None) -> dic
     }
     if data.overflow == "pack":  # packed rows written before the segments column were one flat sequence:
         settings["pack_boundaries"] = "segments"  # a new hash, so such a dataset is never reused
+    if bom:  # read without it since 2026-12-06 (its first row was dropped): a new hash, the old dataset never reused
+        settings["utf8_bom"] = "stripped"
     if data.replay is not None and replay is not None:  # only when set: datasets without one keep their hash
         settings["replay"] = {"sha256": replay.sha256, "share": data.replay.share}
     return settings

@@ -9,6 +9,7 @@ rows then join the training split.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import io
 import json
@@ -38,6 +39,15 @@ class Source:
 
     def identity(self) -> SourceIdentity:
         return SourceIdentity(uri=self.uri, sha256=datahash.sha256_bytes(self.data), bytes=len(self.data))
+
+    @property
+    def has_bom(self) -> bool:
+        return self.data.startswith(codecs.BOM_UTF8)
+
+    def text_bytes(self) -> bytes:
+        """The bytes rows are parsed from: without a leading UTF-8 byte-order mark (Excel's "CSV UTF-8" and Notepad
+        write one), which made the first JSON line undecodable and a CSV's first column `\ufeffinput`."""
+        return self.data.removeprefix(codecs.BOM_UTF8)
 
 
 @dataclass
@@ -137,8 +147,17 @@ def parse_rows(source: Source, drops: datahash.Drops, where: str) -> tuple[list[
 
 
 def parse_jsonl(source: Source) -> Iterator[RawRow]:
-    """Yields (row, record, None) or (row, None, raw bytes); blank lines are not rows."""
-    lines = [line for line in source.data.split(b"\n") if line.strip()]
+    """Yields (row, record, None) or (row, None, raw bytes); blank lines are not rows. A file that is one JSON
+    array of records (what many tools call JSON) is refused naming the fix, rather than read as rows that are
+    each a fragment of it (all dropped, the stage failing on a count of malformed rows)."""
+    data = source.text_bytes()
+    if data.lstrip().startswith(b"[") and (records := _json_array(data)) is not None:
+        raise StageFailure(
+            "data",
+            f"data source {source.uri} is one JSON array of {records} records, not JSON Lines (one record a line): "
+            f"convert it, e.g. `jq -c '.[]' in.json > out.jsonl`",
+        )
+    lines = [line for line in data.split(b"\n") if line.strip()]
     for index, line in enumerate(lines):
         try:
             yield index, json.loads(line.decode("utf-8")), None
@@ -146,10 +165,19 @@ def parse_jsonl(source: Source) -> Iterator[RawRow]:
             yield index, None, line
 
 
+def _json_array(data: bytes) -> int | None:
+    """How many records `data` holds when it is one JSON array of objects, else None."""
+    try:
+        value = json.loads(data)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    return len(value) if isinstance(value, list) and value and all(isinstance(v, dict) for v in value) else None
+
+
 def parse_csv(source: Source) -> Iterator[RawRow]:
     """Yields (row, record, None) or (row, None, raw values); a header row names the columns."""
     # surrogateescape keeps going past bytes that are not UTF-8, so only the rows holding them are lost.
-    text = source.data.decode("utf-8", errors="surrogateescape")
+    text = source.text_bytes().decode("utf-8", errors="surrogateescape")
     for index, record in enumerate(csv.DictReader(io.StringIO(text, newline=""))):
         values = [v for v in record.values() if isinstance(v, str)]
         if any(not _is_utf8(v) for v in values):
