@@ -57,7 +57,7 @@ def read_suite(name: str, config: SuiteConfig, endpoint_url: str | None) -> Suit
     except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
         raise StageFailure(FailureClass.data, f"suite {name}: {config.source} is unreadable: {e}") from e
     ids, inputs, outputs = [], [], []
-    for number, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), start=1):
+    for number, line in enumerate(raw.decode("utf-8-sig", errors="replace").splitlines(), start=1):
         if not line.strip():
             continue
         row = _item(line)

@@ -107,6 +107,9 @@ def test_a_suite_file_that_is_not_items_is_a_data_failure_naming_the_line(tmp_pa
     assert info.value.cause.startswith(f"suite mine: {path} line 2 is not an item")
     with pytest.raises(StageFailure, match="is unreadable"):
         read_suite("gone", SuiteConfig(source=str(tmp_path / "gone.jsonl")), None)
+    # A byte-order mark (Notepad, Excel) is not part of the first item: it failed line 1 as "not an item".
+    path.write_bytes(b'\xef\xbb\xbf{"input": "a", "output": "b"}\n')
+    assert read_suite("mine", SuiteConfig(source=str(path)), None).inputs == ["a"]
 
 
 def test_a_gate_with_only_a_base_margin_is_a_gate():
