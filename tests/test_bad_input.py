@@ -43,7 +43,8 @@ EKS = str(PROJECT_ROOT / "configs" / "eks.yaml")
 GOOD_RUN = "20261130-103832-a31ad3"
 MODEL = "dates-qwen2-tiny"
 DEEP_JSON = "[" * 100_000 + "]" * 100_000
-NOT_UTF8 = b"\xff\xfe\x00bad \xc3\x28 bytes\n"
+# Not UTF-8, and no leading \xff\xfe: that is UTF-16's byte-order mark, which the saved-file readers honour.
+NOT_UTF8 = b"bad \xc3\x28 bytes \xff\xfe\x00\n"
 LONG = "a" * 65
 YAML_BOMB = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
     f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi", strict=True)

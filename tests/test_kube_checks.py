@@ -52,6 +52,15 @@ def only(findings, **match):
     return found[0]
 
 
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16"])
+def test_files_saved_with_a_byte_order_mark_read_as_the_plain_ones(saved, encoding):
+    # Windows PowerShell 5's `kubectl ... -o json > pods.json` writes UTF-16 with a mark: read as "not UTF-8 text".
+    plain = load_objects_from_dir(FIXTURE)
+    for path in saved.iterdir():
+        path.write_bytes(path.read_text().encode(encoding))
+    assert load_objects_from_dir(saved) == plain and errors(check(saved)) == []
+
+
 def test_fixture_is_the_committed_manifest():
     manifest = yaml.safe_load((PROJECT_ROOT / "deployments" / "raycluster.yaml").read_text())
     saved = json.loads((FIXTURE / "raycluster.json").read_text())

@@ -17,6 +17,7 @@ SAVED_FILES (see deployments/README.md for the commands that write them).
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from collections.abc import Callable
@@ -201,7 +202,7 @@ def load_objects_from_dir(directory: str | Path) -> dict[str, Any]:
             objects[key] = None
             continue
         try:
-            data = json.loads(read_regular(path, MAX_SAVED_BYTES).decode("utf-8"))
+            data = json.loads(saved_text(read_regular(path, MAX_SAVED_BYTES)))
         except UnicodeDecodeError as e:
             raise ValueError(f"{path}: not UTF-8 text (byte {e.start}); save it with `-o json`") from None
         except (json.JSONDecodeError, RecursionError) as e:
@@ -212,6 +213,14 @@ def load_objects_from_dir(directory: str | Path) -> dict[str, Any]:
     clusters = objects["raycluster"]
     objects["rayclusters"], objects["raycluster"] = clusters, clusters[0] if clusters else None
     return objects
+
+
+def saved_text(data: bytes) -> str:
+    """A saved file's text as the shell wrote it: UTF-8 with or without a byte-order mark, or UTF-16 with one
+    (Windows PowerShell 5's `>`, which made a file saved exactly as told read as "not UTF-8 text")."""
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        return data.decode("utf-16")
+    return data.decode("utf-8-sig")
 
 
 def _shape(path: Path, key: str, data: Any) -> Any:
