@@ -79,6 +79,15 @@ def test_runs_list_is_newest_first_and_show_reads_one(tmp_path):
     assert missing.exit_code == 1 and "nope" in missing.output
 
 
+def test_empty_lists_say_where_they_looked(tmp_path):
+    # They printed an empty table: a mistyped storage.root looked like a store with nothing in it.
+    for what, says in (("runs", "no runs under"), ("models", "no models under")):
+        listed = CliRunner().invoke(app, [what, "list", "--set", f"storage.root={tmp_path}"])
+        assert listed.exit_code == 0 and " ".join(listed.output.split()).startswith(f"{says} {tmp_path}/{what}")
+        as_json = CliRunner().invoke(app, [what, "list", "--json", "--set", f"storage.root={tmp_path}"])
+        assert as_json.exit_code == 0 and json.loads(as_json.output) == []
+
+
 READERS_WITHOUT_PREFECT = """
 import sys
 from typer.testing import CliRunner

@@ -44,6 +44,9 @@ def models_list(
     if as_json:
         print(json.dumps(models, indent=2))
         return
+    if not models:  # an empty table would not say where it looked
+        say(err, f"no models under {storage.uri('models')}: a run that passes its gates promotes the first")
+        return
     from tuneproof.app.terminal import whole_table
 
     # A version is named v<NNNN>-<run id>: the run that produced it needs no column of its own.

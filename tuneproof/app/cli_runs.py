@@ -49,6 +49,9 @@ def runs_list(
     if as_json:
         print(json.dumps([r.model_dump() for r in rows], indent=2))
         return
+    if not rows:  # an empty table would not say where it looked (a mistyped storage.root looks like no runs)
+        say(err, f"no runs under {storage.uri('runs')}: `tuneproof run` starts the first")
+        return
     from tuneproof.app.terminal import whole_table
 
     cells = [
