@@ -135,8 +135,9 @@ def test_drops_keep_three_examples_and_the_failure_names_every_count():
     assert drops.to_json()["empty"]["count"] == 5 and len(drops.to_json()["empty"]["examples"]) == 3
     assert drops.to_json()["too_long"]["examples"] == [{"source": "eval_source", "row": 9, "value": "'80 tokens > 64'"}]
     assert datahash.drop_failure(drops, 100, 0.06) is None
-    assert (
-        datahash.drop_failure(drops, 50, 0.05) == "12.0% of rows malformed (limit 5.0%): empty=5, too_long=1 of 50 rows"
+    assert datahash.drop_failure(drops, 50, 0.05) == (
+        "12.0% of rows malformed (limit 5.0%): empty=5, too_long=1 of 50 rows; the first empty is source row 0: "
+        "{'input': ''}"
     )
     with pytest.raises(ValueError, match="drop reason"):
         drops.add("ugly", "source", 0, None)
@@ -470,9 +471,9 @@ def test_thirty_percent_malformed_is_a_data_failure_with_counts(tmp_path, tiny_d
     bad, raw = malformed_rows(6)
     source = write_jsonl(tmp_path / "bad.jsonl", DATES[:70] + bad, raw)
     failure = data_failure(config(tmp_path / "store", tiny_dir, source))
-    assert failure.cause == (
+    assert failure.cause.startswith(
         "30.0% of rows malformed (limit 5.0%): undecodable=6, wrong_type=6, missing_field=6, "
-        "empty=6, too_long=6 of 100 rows"
+        "empty=6, too_long=6 of 100 rows; the first undecodable is source row 94: "
     )
     assert isinstance(failure.summary, DataSummary)
     assert {r: d.count for r, d in failure.summary.dropped.items()} == dict.fromkeys(datahash.COLUMN_REASONS, 6)
@@ -535,6 +536,13 @@ def test_a_json_array_file_is_refused_naming_the_conversion(tmp_path, tiny_dir, 
     (tmp_path / "d.json").write_text(json.dumps(DATES[:40], indent=indent))
     failure = data_failure(config(tmp_path / "store", tiny_dir, tmp_path / "d.json"))
     assert "is one JSON array of 40 records, not JSON Lines" in failure.cause and "jq -c '.[]'" in failure.cause
+
+
+def test_a_csv_with_another_delimiter_fails_showing_the_columns_it_read(tmp_path, tiny_dir):
+    # European Excel writes ";": every row had one column "input;output", and the failure said only missing_field=60.
+    (tmp_path / "d.csv").write_text("input;output\n" + "".join(f"{r['input']};{r['output']}\n" for r in DATES[:60]))
+    failure = data_failure(config(tmp_path / "store", tiny_dir, tmp_path / "d.csv"))
+    assert "missing_field=60 of 60 rows; the first missing_field is source row 0: {'input;output': " in failure.cause
 
 
 def test_csv_row_with_bytes_that_are_not_utf8_is_undecodable(tmp_path, tiny_dir):

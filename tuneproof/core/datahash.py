@@ -99,14 +99,21 @@ def short_repr(value: Any, limit: int = 120) -> str:
 
 
 def drop_failure(drops: Drops, total_rows: int, limit: float) -> str | None:
-    """The one-line cause when too many rows were dropped, else None."""
+    """The one-line cause when too many rows were dropped, else None: the counts by reason, and the first row
+    of the commonest reason, whose keys show at once a column named otherwise than data.fields says, or a CSV
+    read whole into one column (another delimiter)."""
     if total_rows == 0:
         return "the source has no rows"
     fraction = drops.total / total_rows
     if fraction <= limit:
         return None
     counts = ", ".join(f"{r}={drops.counts[r]}" for r in REASONS if r in drops.counts)
-    return f"{fraction:.1%} of rows malformed (limit {limit:.1%}): {counts} of {total_rows} rows"
+    top = max((r for r in REASONS if r in drops.counts), key=lambda r: drops.counts[r])  # ties: REASONS' order
+    first = drops.examples[top][0]
+    return (
+        f"{fraction:.1%} of rows malformed (limit {limit:.1%}): {counts} of {total_rows} rows; "
+        f"the first {top} is {first['source']} row {first['row']}: {first['value']}"
+    )
 
 
 def check_row(row: Any, fields: dict[str, str | None]) -> tuple[str | None, dict[str, str]]:
