@@ -17,7 +17,6 @@ SAVED_FILES (see deployments/README.md for the commands that write them).
 
 from __future__ import annotations
 
-import codecs
 import json
 import os
 from collections.abc import Callable
@@ -31,7 +30,7 @@ from kubernetes.config.config_exception import ConfigException
 
 from tuneproof.control.kube_checks import CLUSTER_LABEL
 from tuneproof.core.config_cluster import KubernetesConfig
-from tuneproof.core.files import read_regular
+from tuneproof.core.files import decode_text, read_regular
 from tuneproof.core.results import FailureClass, StageFailure
 
 RESOURCE_API_VERSIONS = ("v1", "v1beta2", "v1beta1")
@@ -202,7 +201,8 @@ def load_objects_from_dir(directory: str | Path) -> dict[str, Any]:
             objects[key] = None
             continue
         try:
-            data = json.loads(saved_text(read_regular(path, MAX_SAVED_BYTES)))
+            # decode_text: Windows PowerShell 5's `>` writes UTF-16, which read as "not UTF-8 text" though saved as told
+            data = json.loads(decode_text(read_regular(path, MAX_SAVED_BYTES)))
         except UnicodeDecodeError as e:
             raise ValueError(f"{path}: not UTF-8 text (byte {e.start}); save it with `-o json`") from None
         except (json.JSONDecodeError, RecursionError) as e:
@@ -213,14 +213,6 @@ def load_objects_from_dir(directory: str | Path) -> dict[str, Any]:
     clusters = objects["raycluster"]
     objects["rayclusters"], objects["raycluster"] = clusters, clusters[0] if clusters else None
     return objects
-
-
-def saved_text(data: bytes) -> str:
-    """A saved file's text as the shell wrote it: UTF-8 with or without a byte-order mark, or UTF-16 with one
-    (Windows PowerShell 5's `>`, which made a file saved exactly as told read as "not UTF-8 text")."""
-    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
-        return data.decode("utf-16")
-    return data.decode("utf-8-sig")
 
 
 def _shape(path: Path, key: str, data: Any) -> Any:

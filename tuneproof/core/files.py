@@ -5,6 +5,7 @@ and only up to a size.
     read_stored(storage, ("runs", run, "record.json"), 64 << 20)
     read_s3_body(client.get_object(...), 64 << 10, uri)     # an S3 response's body, at most that many bytes
     parse_yaml(text)                                      # yaml.safe_load, but a duplicate key is an error
+    decode_text(data)                                     # UTF-8, or UTF-16 where a byte-order mark says so
 
 A FIFO given as a config blocks open() until a writer comes, and a character device (/dev/zero) reads until
 memory runs out: the file is opened non-blocking, its type is checked on the open descriptor (so nothing can
@@ -14,6 +15,7 @@ which yaml.safe_load would resolve silently to the last one.
 
 from __future__ import annotations
 
+import codecs
 import errno
 import os
 import stat
@@ -37,6 +39,15 @@ KINDS = {
 
 class FileRefused(OSError):
     """Not a regular file, or larger than the reader allows; `strerror` says which, `filename` names it."""
+
+
+UTF16_BOMS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+
+
+def decode_text(data: bytes, errors: str = "strict") -> str:
+    """A handed file's text as a shell wrote it: UTF-16 when it starts with its byte-order mark (Windows
+    PowerShell 5's `>`), else UTF-8 with or without one (Notepad, Excel)."""
+    return data.decode("utf-16" if data.startswith(UTF16_BOMS) else "utf-8-sig", errors=errors)
 
 
 def read_regular(path: str | Path, limit: int) -> bytes:

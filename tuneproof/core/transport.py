@@ -18,10 +18,11 @@ Used by the connectivity stage (per rank, then `combine`) and by `tuneproof tran
 
 from __future__ import annotations
 
-import codecs
 import re
 import zlib
 from collections.abc import Iterable
+
+from tuneproof.core.files import UTF16_BOMS, decode_text
 
 KINDS = ("efa", "socket-fallback", "inconclusive", "gloo")
 EXPECTATIONS = ("any", "gloo", "efa")
@@ -91,12 +92,11 @@ def decode_log(data: bytes) -> str:
             data = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(data, MAX_LOG_BYTES)
         except zlib.error as e:
             raise ValueError(f"starts like gzip but is not readable gzip ({e})") from None
-    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
-        return data.decode("utf-16", errors="replace")
     head = data[:4096]
-    if len(head) >= 4 and head[1::2].count(0) > len(head) // 4:  # ASCII text as UTF-16-LE: every other byte NUL
+    # ASCII text as UTF-16-LE without a byte-order mark: every other byte NUL
+    if not data.startswith(UTF16_BOMS) and len(head) >= 4 and head[1::2].count(0) > len(head) // 4:
         return data.decode("utf-16-le", errors="replace")
-    return data.decode("utf-8-sig", errors="replace")
+    return decode_text(data, errors="replace")
 
 
 def classify_text(text: str) -> dict:
