@@ -326,6 +326,10 @@ def saved(name: str, data: str | bytes | None, directory: bool = False) -> Calla
 VERIFY_CASES = [
     Case("pods-truncated", saved("pods.json", '{"items": [{"metadata": '), 4, "pods.json: not JSON"),
     Case("pods-not-utf8", saved("pods.json", NOT_UTF8), 4, "pods.json: not UTF-8"),
+    # UTF-16 by its mark, with a lone surrogate: it must not be called "not UTF-8" alone.
+    Case(
+        "pods-broken-utf16", saved("pods.json", b"\xff\xfe{\x00\x00\xd8}\x00"), 4, "pods.json: not UTF-8 or UTF-16 text"
+    ),
     Case("pods-a-string", saved("pods.json", '"hello"'), 4, "expected Kubernetes objects"),
     Case("pods-list-of-numbers", saved("pods.json", '{"kind": "List", "items": [1, 2]}'), 4, "got int"),
     Case("raycluster-missing", saved("raycluster.json", None), 4, "raycluster.json: missing"),

@@ -94,6 +94,12 @@ def test_an_empty_string_is_refused_naming_the_field_not_found_late_by_a_stage()
     assert all(
         p.endswith("must not be empty (leave it out, or null where it may be unset) (got '')") for p in e.value.problems
     )
+    # An empty key is named by its mapping (the bare loc read "runtime_env.env_vars..[key]").
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=['runtime_env.env_vars={"": x}'])
+    assert e.value.problems == [
+        "runtime_env.env_vars (a key): must not be empty (leave it out, or null where it may be unset) (got '')"
+    ]
     # An environment variable set to nothing is a setting (PYTHONDONTWRITEBYTECODE="" turns bytecode writing back on).
     assert load_config(overrides=["runtime_env.env_vars={A: ''}"]).runtime_env.env_vars == {"A": ""}
 

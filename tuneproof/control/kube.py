@@ -204,7 +204,7 @@ def load_objects_from_dir(directory: str | Path) -> dict[str, Any]:
             # decode_text: Windows PowerShell 5's `>` writes UTF-16, which read as "not UTF-8 text" though saved as told
             data = json.loads(decode_text(read_regular(path, MAX_SAVED_BYTES)))
         except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: not UTF-8 text (byte {e.start}); save it with `-o json`") from None
+            raise ValueError(f"{path}: not UTF-8 or UTF-16 text (byte {e.start}); save it with `-o json`") from None
         except (json.JSONDecodeError, RecursionError) as e:
             raise ValueError(f"{path}: not JSON ({e}); save it with `-o json`") from None
         except OSError as e:

@@ -217,7 +217,9 @@ def validate(data: dict) -> PipelineConfig:
 def format_errors(e: ValidationError) -> list[str]:
     problems = []
     for err in e.errors():
-        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
+        parts = [str(p) for p in err["loc"] if not str(p).startswith("function-")]
+        # A mapping's key: pydantic's loc is (..., the key, "[key]"), which joined read "eval.gates..[key]".
+        loc = ".".join(parts[:-2]) + " (a key)" if parts[-1:] == ["[key]"] else ".".join(parts)
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
