@@ -112,6 +112,18 @@ CONFIG_CASES = [
     Case("set-regression-nan", with_set("eval.gates.exact_match.max_regression=.nan"), 3, "finite number"),
     Case("set-gates-empty", with_set("eval.gates={}"), 3, "eval.gates is empty"),
     Case("set-gate-no-threshold", with_set("eval.gates={exact_match: {}}"), 3, "a gate needs at least one"),
+    Case(
+        "set-metric-twice",
+        with_set("eval.metrics=[exact_match, rouge_l, exact_match]"),
+        3,
+        "more than once: exact_match",
+    ),
+    Case(
+        "set-suite-metric-twice",
+        with_set("eval.suites={s: {source: data/skills/suites/add.jsonl, metrics: [rouge_l, rouge_l]}}"),
+        3,
+        "eval.suites.s.metrics: list each metric once",
+    ),
     Case("set-string-got-mapping", with_set("data.source={a}"), 3, "got a YAML mapping; quote it"),
     Case("set-string-got-list", with_set("data.source=[a]"), 3, "got a YAML list; quote it"),
     Case("set-markup-in-value", with_set("data.name=a[/b]"), 3, "dataset name 'a[/b]'"),

@@ -7,7 +7,9 @@ Ray image has.
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator, model_validator
+from typing import Annotated
+
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from tuneproof.core.config_base import MAX_BATCH, MAX_EXAMPLES, MAX_SEQ_LEN, MAX_TIMEOUT_S, Strict
 from tuneproof.core.names import check_slug
@@ -36,6 +38,17 @@ class Gate(Strict):
         return self
 
 
+def _each_once(names: list[str]) -> list[str]:
+    # A metric listed twice is scored once (metrics load by name): the record would say what did not happen.
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ValueError(f"list each metric once (more than once: {', '.join(twice)})")
+    return names
+
+
+MetricNames = Annotated[list[str], AfterValidator(_each_once)]
+
+
 class SuiteConfig(Strict):
     """A "must not regress" suite: JSONL items {"input", "output"} (an "id" optional), each asked as one user
     turn with no system prompt. Candidate, base and incumbent answer every item; each metric gets a
@@ -44,7 +57,7 @@ class SuiteConfig(Strict):
     source: str
     """The JSONL file: a path (relative to the project root) or s3:// URI. Hashed, scored and checked
     against the training split for overlap."""
-    metrics: list[str] = ["exact_match"]
+    metrics: MetricNames = ["exact_match"]
     """Item-scored metrics (local `evaluate` modules), as eval.metrics."""
     margin: float = Field(0.1, gt=0.0, lt=1.0)
     """How far the candidate may fall below the base and the incumbent on this suite, >0..<1: the gate passes
@@ -63,7 +76,7 @@ class SuiteConfig(Strict):
 
 
 class EvalConfig(Strict):
-    metrics: list[str] = ["exact_match"]
+    metrics: MetricNames = ["exact_match"]
     """Metric names resolved first under eval/metrics/, then by evaluate.load only when hub_metrics is true."""
     hub_metrics: bool = False
     """Allow metrics that are not under eval/metrics/ to load from the Hugging Face hub (needs network on the cluster)."""
