@@ -38,7 +38,7 @@ from training.restarts import restarts
 from training.train_data import BatchLayout, StepBatches, load_examples, rank_slices
 from tuneproof.control.resume_evidence import as_ledger, compare_ledgers, compare_losses
 from tuneproof.core.config import PROJECT_ROOT, PipelineConfig
-from tuneproof.core.results import FailureClass, StageFailure
+from tuneproof.core.results import FailureClass, StageFailure, error_line
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries_training import FinetuneSummary, Restart, ledger_points, loss_curve
 
@@ -576,3 +576,24 @@ def test_the_planted_sampler_bug_changes_what_a_restored_worker_trains_on(tmp_pa
     fault_hooks.after_restore(restored, 8)
     assert restored.sample_ids(9) != planned.sample_ids(9)
     assert sorted(restored.order(0).tolist()) == list(range(len(examples)))  # still a permutation, just unseeded
+
+
+def test_a_worker_groups_error_is_named_by_the_workers_own_exception_not_rays_header():
+    # Ray Train's error opens with a header and ends each rank's traceback with the worker's exception; the
+    # connectivity stage showed only the header ("Training failed due to worker errors:") for a bad model.source.
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    snippet = (
+        "[Rank 0,1 Error Snippet]:\nTraceback (most recent call last):\n"
+        + '  File "training/connectivity.py", line 130, in rank_story\n' * 40
+        + "training.modeling.ModelUnreadable: model directory /etc has no config.json\n"
+    )
+    error = WorkerGroupError(snippet, {0: OSError("x"), 1: OSError("x")})
+    line = error_line(error)
+    assert line.startswith("WorkerGroupError: Training failed due to worker errors: ... ")
+    assert line.endswith("training.modeling.ModelUnreadable: model directory /etc has no config.json")
+    assert error_line(ValueError("one line")) == "ValueError: one line"
+    # The fine-tune's cause: the same line, the full text still searched for a full disk.
+    assert train_failure_cause(str(error), "/s", line) == f"Ray Train run failed: {line}"
+    full = WorkerGroupError(snippet.replace("ModelUnreadable", "OSError: [Errno 28] No space left on device\nX"), {})
+    assert train_failure_cause(str(full), "/s", error_line(full)).startswith("storage full")

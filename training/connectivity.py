@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from training.jobkit import ENV_VAR, JobContext, encode_job, load_context, log, run_stage, worker_reads_saved
 from tuneproof.core import transport
 from tuneproof.core.config import PipelineConfig
-from tuneproof.core.results import StageFailure, now_iso
+from tuneproof.core.results import StageFailure, error_line, now_iso
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import AllreduceRow, ConnectivitySummary, FsdpProbe, RankStatus, TransportVerdict
 
@@ -85,7 +85,7 @@ def run_trainer(ctx: JobContext, backend: str) -> str | None:
         trainer.fit()
     except Exception as e:  # noqa: BLE001 - the rank reports say which rank; keep the error as evidence
         log(f"connectivity: trainer failed: {type(e).__name__}: {e}")
-        return f"{type(e).__name__}: {e}".splitlines()[0]
+        return error_line(e)
     return None
 
 

@@ -66,7 +66,7 @@ from training.finetune_worker import (
 from training.jobkit import JobContext, run_stage
 from training.preemption import NOTICES
 from tuneproof.core.fit import refusal
-from tuneproof.core.results import FailureClass, StageFailure, one_line
+from tuneproof.core.results import FailureClass, StageFailure, error_line, one_line
 from tuneproof.core.rowlog import remove_log
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries_training import FinetuneSummary, FitEstimate
@@ -166,7 +166,9 @@ def read_outcome(ctx: JobContext, error: Exception | None) -> dict[str, Any]:
     if outcome and outcome["status"] == "failed":
         raise StageFailure(outcome["failure_class"], outcome["cause"])
     if error is not None:
-        raise StageFailure(FailureClass.infrastructure, train_failure_cause(str(error), ctx.storage.uri("runs")))
+        raise StageFailure(
+            FailureClass.infrastructure, train_failure_cause(str(error), ctx.storage.uri("runs"), error_line(error))
+        )
     if outcome is None:
         raise StageFailure(
             FailureClass.infrastructure, f"training ended without writing {ctx.storage.uri(*ctx.stage_parts(OUTCOME))}"
@@ -174,15 +176,16 @@ def read_outcome(ctx: JobContext, error: Exception | None) -> dict[str, Any]:
     return outcome
 
 
-def train_failure_cause(error: str, where: str) -> str:
-    """The failure's one-line cause; a full disk is named as such, with what to do. Pure."""
+def train_failure_cause(error: str, where: str, line: str | None = None) -> str:
+    """The failure's one-line cause (`line`, the error as error_line gives it, else `error`); a full disk,
+    found anywhere in the error's text, is named as such, with what to do. Pure."""
     if any(sign in error for sign in ("No space left on device", "ENOSPC", "[Errno 28]")):
         return (
             f"storage full: no space left on device (ENOSPC) writing under {where}; free space there or point "
             f"storage.root at a larger volume, then continue with train.continue_previous=true. "
-            f"Ray Train: {one_line(error, 300)}"
+            f"Ray Train: {one_line(line or error, 300)}"
         )
-    return f"Ray Train run failed: {error}"
+    return f"Ray Train run failed: {line or error}"
 
 
 def check_fit(ctx: JobContext, params: TrainParams) -> FitEstimate | None:

@@ -25,7 +25,7 @@ from tuneproof.core import cas, forward_env
 from tuneproof.core.checks import check_nodes, environment_digest, node_subject, summarize_cluster
 from tuneproof.core.config_cluster import StorageConfig
 from tuneproof.core.findings import Finding, errors
-from tuneproof.core.results import StageFailure, first_and_more
+from tuneproof.core.results import StageFailure, error_line, first_and_more
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import ClusterFacts, NodeFacts, StorageProbe, VerifySummary
 
@@ -242,7 +242,7 @@ def _probe_error(ref: ObjectRef[Any], ready: list[ObjectRef[Any]], timeout_s: fl
         ray.get(ref)
     except Exception as e:  # noqa: BLE001 - any task error is the finding itself
         cause = getattr(e, "cause", None) or e
-        return f"{type(cause).__name__}: {cause}".splitlines()[0]
+        return error_line(cause)
     return None
 
 

@@ -82,6 +82,16 @@ def one_line(text: str, limit: int = 400) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
+def error_line(e: BaseException, limit: int = 400) -> str:
+    """'<Type>: <message>' in one line; where the message runs over lines, its first and its last.
+
+    Ray Train's worker-group error opens with a header ('Training failed due to worker errors:') and
+    then each failed rank's traceback, which ends with the worker's own exception: the header alone
+    names no cause, and the whole squeezed into one line loses that exception past the limit."""
+    lines = [line.strip() for line in f"{type(e).__name__}: {e}".splitlines() if line.strip()]
+    return one_line(lines[0] if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}", limit)
+
+
 def first_problem(e: ValidationError) -> str:
     """'<field.path>: <message> (N problem(s))': why a stored document was refused, in one line (pydantic's own
     text spans a paragraph per field and quotes the input)."""
