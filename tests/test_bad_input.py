@@ -112,6 +112,11 @@ CONFIG_CASES = [
     Case("set-regression-nan", with_set("eval.gates.exact_match.max_regression=.nan"), 3, "finite number"),
     Case("set-gates-empty", with_set("eval.gates={}"), 3, "eval.gates is empty"),
     Case("set-gate-no-threshold", with_set("eval.gates={exact_match: {}}"), 3, "a gate needs at least one"),
+    Case("set-model-source-no-bucket", with_set("model.source=s3://"), 3, "names no valid S3 bucket"),
+    Case("set-model-source-gs", with_set("model.source=gs://b/m"), 3, "not a form the jobs can load"),
+    Case(
+        "set-model-source-not-hub-id", with_set("model.source=nosuchdir/"), 3, "neither a directory here nor a hub id"
+    ),
     Case(
         "set-metric-twice",
         with_set("eval.metrics=[exact_match, rouge_l, exact_match]"),

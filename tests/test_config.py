@@ -35,8 +35,10 @@ def test_a_hub_id_stays_a_hub_id_and_a_local_model_directory_becomes_absolute(tm
     cfg = PipelineConfig.model_validate({"model": {"source": "models/qwen"}})
     assert cfg.resolved(tmp_path).model.source == str(tmp_path / "models" / "qwen")  # a directory there
     assert cfg.resolved(PROJECT_ROOT).model.source == "models/qwen"  # none there: a hub id, as from_pretrained reads it
-    too_long = "a/" + "x" * 5000  # no file system holds the name: a hub id, never an OSError here
-    assert PipelineConfig.model_validate({"model": {"source": too_long}}).resolved(tmp_path).model.source == too_long
+    too_long = "a/" + "x" * 5000  # no file system holds the name, nor is it a hub id: a config error, not an OSError
+    with pytest.raises(ConfigError, match="neither a directory here nor a hub id") as refused:
+        PipelineConfig.model_validate({"model": {"source": too_long}}).resolved(tmp_path)
+    assert len(str(refused.value)) < 400  # the value shortened, not printed whole
     dotted = PipelineConfig.model_validate({"model": {"source": "./models/qwen"}})
     assert dotted.resolved(tmp_path).model.source == str(tmp_path / "models" / "qwen")
     # data.source has no hub form without hf://: a relative path is always the project's file

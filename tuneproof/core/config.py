@@ -44,6 +44,7 @@ from tuneproof.core.config_train import (
 from tuneproof.core.credentials import credential_problems
 from tuneproof.core.files import DuplicateKey, parse_yaml, read_regular
 from tuneproof.core.hashing import sha256_json
+from tuneproof.core.names import hub_id_problem
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PROFILE = PROJECT_ROOT / "configs" / "local.yaml"
@@ -135,7 +136,10 @@ class PipelineConfig(Strict):
             if not value or not _is_relative_local_path(value):
                 continue
             if dotted == "model.source" and not _names_a_local_model(value, base):
-                continue  # a hub id ("Qwen/Qwen2.5-1.5B"): the jobs load it from the hub, not from base/Qwen/...
+                # A hub id ("Qwen/Qwen2.5-1.5B"): the jobs load it from the hub, not from base/Qwen/...
+                if problem := hub_id_problem(value):
+                    raise ConfigError([f"model.source: {_short_repr(value)} {problem}"])
+                continue
             data[section][key] = str((base / value).resolve())
         for nested in [*data["eval"]["suites"].values(), *([data["data"]["replay"]] if data["data"]["replay"] else [])]:
             if _is_relative_local_path(nested["source"]):

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 
 from tuneproof.core.config_base import MAX_TIMEOUT_S, Strict
-from tuneproof.core.names import check_slug, check_storage_root
+from tuneproof.core.names import check_slug, check_storage_root, model_source_problem
 
 DIGEST_REF = re.compile(r"@sha256:[0-9a-f]{64}$")
 """The end of an image pinned by digest: a shorter hex string names no image."""
@@ -109,6 +109,13 @@ class ModelConfig(Strict):
     @classmethod
     def _slug(cls, v: str) -> str:
         return check_slug("model name", v)
+
+    @field_validator("source")
+    @classmethod
+    def _loadable_form(cls, v: str) -> str:
+        if problem := model_source_problem(v):
+            raise ValueError(f"{v!r} {problem}")
+        return v
 
 
 class CostConfig(Strict):

@@ -86,3 +86,33 @@ def storage_root_problem(root: object) -> str | None:
 def check_storage_root(what: str, root: object) -> str:
     """`root` when it is a storage root; else ValueError naming `what`, the value and the accepted forms."""
     return _checked(what, root, storage_root_problem(root))
+
+
+MODEL_SOURCE_RULE = "a hub id (org/name), a local model directory or s3://bucket/prefix"
+
+
+def model_source_problem(source: str) -> str | None:
+    """Why `source` cannot name a model by its form alone (pure), or None.
+
+    A URI must be s3://bucket[/prefix] (the jobs load s3:// and nothing else); a form huggingface_hub
+    refuses as a repo id is caught by `hub_id_problem` once the config knows it is not a local directory.
+    """
+    if "://" not in source and not re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", source):
+        return None
+    if not source.startswith("s3://"):
+        return f"is not a form the jobs can load; give {MODEL_SOURCE_RULE}"
+    bucket = source[len("s3://") :].split("/", 1)[0]
+    if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket):
+        return f"names no valid S3 bucket ({bucket!r}); give {MODEL_SOURCE_RULE}"
+    return None
+
+
+def hub_id_problem(source: str) -> str | None:
+    """Why `source`, taken as a Hugging Face hub id, is not one (huggingface_hub's own rule), or None (pure)."""
+    if re.fullmatch(r"[\w.-]{1,96}(/[\w.-]{1,96})?", source) and not re.search(
+        r"--|\.\.|^[-.]|[-.]$|/[-.]|[-.]/", source
+    ):
+        return None
+    return (
+        f"is neither a directory here nor a hub id (org/name: letters, digits, '-', '_', '.'); give {MODEL_SOURCE_RULE}"
+    )
