@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuneproof.core.checks import check_nodes, environment_digest, summarize_cluster
+from tuneproof.core.checks import check_capacity, check_nodes, environment_digest, summarize_cluster
 from tuneproof.core.config_cluster import ClusterExpect
 
 DIGEST = environment_digest([("torch", "2.13.0+cpu"), ("ray", "2.60.0")])
@@ -124,3 +124,26 @@ def test_summarize_cluster():
     assert [n["node_ip"] for n in summary["nodes"]] == ["10.0.0.1", "10.0.0.2"]
     split = summarize_cluster([HEAD, node("10.0.0.2", "bbbbbbbb", environment_digest="x")])
     assert split["environment_digest"] == {"node 10.0.0.1 (aaaaaaaa)": DIGEST, "node 10.0.0.2 (bbbbbbbb)": "x"}
+
+
+def test_workers_the_nodes_cannot_place_are_named_before_a_stage_waits_for_them():
+    # The embedded cluster: 4 CPUs on one node. 8 workers of 1 CPU would leave connectivity "waiting for
+    # resources" until its 600 s timeout; verify says so at once.
+    local = [node("127.0.0.1", "aaaaaaaa", is_head=True, cpus_advertised=4.0)]
+    assert check_capacity(local, 4, use_gpu=False, fixed_size=True) == []
+    (short,) = check_capacity(local, 8, use_gpu=False, fixed_size=True)
+    assert (short.field, short.seen, short.expected, short.severity) == ("train.num_workers", 8, "at most 4", "error")
+    assert "can place 4 workers of 1 CPU each" in short.message and "lower train.num_workers" in short.message
+    # A GPU worker needs both on one node: a CPU-only head places none, two 1-GPU workers place one each.
+    gpu = [
+        node("10.0.0.1", "aaaaaaaa", is_head=True, cpus_advertised=8.0),
+        *(node(f"10.0.0.{i}", f"{i}" * 8, cpus_advertised=8.0, gpus_advertised=1.0) for i in (2, 3)),
+    ]
+    assert check_capacity(gpu, 2, use_gpu=True, fixed_size=False) == []
+    (warned,) = check_capacity(gpu, 4, use_gpu=True, fixed_size=False)
+    assert warned.severity == "warning" and warned.expected == "at most 2" and "unless an autoscaler" in warned.message
+    (no_gpu,) = check_capacity(local, 2, use_gpu=True, fixed_size=True)
+    assert no_gpu.expected == "at most 0" and "no node advertises a GPU: set train.use_gpu=false" in no_gpu.message
+    # Dead nodes place nothing; facts without Ray's CPU count (older records) are not judged.
+    assert check_capacity([*local, node("10.0.0.9", "dddddddd", alive=False, cpus_advertised=64.0)], 8, False, True)
+    assert check_capacity([HEAD, WORKER], 4096, use_gpu=False, fixed_size=True) == []

@@ -399,6 +399,7 @@ def test_every_stage_stores_the_settings_its_jobs_read_with_their_values(finishe
     # The settings each job reads that a hand list once left out or could drift from:
     reads = {name: set(e.inputs.config) for name, e in rec.stages.items()}
     assert {"train.num_workers", "train.use_gpu", "train.sharding", "connectivity.iters"} <= reads["connectivity"]
+    assert {"train.num_workers", "train.use_gpu", "cluster.backend"} <= reads["verify"]
     assert {"train.lr", "train.max_steps", "train.seed"} <= reads["finetune"]
     assert {"eval.max_new_tokens", "eval.gates"} <= reads["evaluate"]
     # Of eval's settings the data stage reads only its suites (checked against the training split), so a gate
@@ -413,7 +414,9 @@ def test_continuing_with_another_world_size_reruns_connectivity_and_keeps_the_da
     wd = rec.stages["connectivity"].inputs.working_dir_hash
     now = {stage.name: table.stage_inputs(stage, config, wd, rec, _external(rec, stage.name)) for stage in table.STAGES}
     plan = table.plan_continuation(rec.stages, now)
-    assert "data" in plan.kept and "verify" in plan.kept
+    assert "data" in plan.kept
+    # verify reads it too: whether the nodes can place that many workers is part of its verdict.
+    assert plan.reran["verify"] == "inputs changed: config train.num_workers"
     assert plan.reran["connectivity"] == "inputs changed: config train.num_workers"
     assert plan.reran["finetune"] == "inputs changed: config train.num_workers"
 

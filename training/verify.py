@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from training.jobkit import JobContext, log, run_stage
 from tuneproof.core import cas, forward_env
-from tuneproof.core.checks import check_nodes, environment_digest, node_subject, summarize_cluster
+from tuneproof.core.checks import check_capacity, check_nodes, environment_digest, node_subject, summarize_cluster
 from tuneproof.core.config_cluster import StorageConfig
 from tuneproof.core.findings import Finding, errors
 from tuneproof.core.results import StageFailure, error_line, first_and_more
@@ -49,6 +49,8 @@ def verify(ctx: JobContext) -> VerifySummary:
     facts, probe_findings = probe_nodes(nodes, timeout_s)
     storage_probe = probe_storage(ctx.config.storage, ctx.stage_parts(f"probe-{uuid.uuid4().hex}"), nodes, timeout_s)
     findings = probe_findings + check_nodes([f for f in facts if "probe_error" not in f], ctx.config.cluster.expect)
+    train = ctx.config.train
+    findings += check_capacity(facts, train.num_workers, train.use_gpu, ctx.config.cluster.backend == "local")
     findings += storage_findings(storage_probe)
     summary = VerifySummary(
         nodes=[NodeFacts.model_validate(f) for f in facts],
@@ -68,7 +70,7 @@ def probe_timeout_s(ctx: JobContext) -> float:
 
 
 def alive_nodes() -> list[dict[str, Any]]:
-    """Ray's view of each alive node: id, IP, head or not, advertised GPUs."""
+    """Ray's view of each alive node: id, IP, head or not, advertised GPUs and CPUs."""
     import ray
 
     return [
@@ -78,6 +80,7 @@ def alive_nodes() -> list[dict[str, Any]]:
             "is_head": HEAD_RESOURCE in n["Resources"],
             "alive": True,
             "gpus_advertised": n["Resources"].get("GPU", 0.0),
+            "cpus_advertised": n["Resources"].get("CPU", 0.0),
         }
         for n in ray.nodes()
         if n["Alive"]

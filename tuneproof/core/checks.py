@@ -62,6 +62,44 @@ def check_nodes(nodes: list[dict], expect: ClusterExpect, worker_gpus_expected: 
     )
 
 
+def check_capacity(nodes: list[dict], workers: int, use_gpu: bool, fixed_size: bool) -> list[Finding]:
+    """Whether the alive nodes can place the Ray Train stages' workers (pure).
+
+    Connectivity, the fine-tune and the resume test each ask Ray Train for train.num_workers workers of
+    1 CPU (and 1 GPU with train.use_gpu), each on one node. A cluster that cannot place them all leaves
+    the stage "waiting for resources" until its timeout; on a cluster of fixed size (the embedded one)
+    that is an error here, and elsewhere a warning, since an autoscaler may add the nodes. Facts
+    without Ray's CPU count (a record from before it was read) are not judged.
+    """
+    alive = [n for n in nodes if n.get("alive", True)]
+    if not alive or any(n.get("cpus_advertised") is None for n in alive):
+        return []
+
+    def places(node: dict) -> int:
+        cpus = int(node["cpus_advertised"])
+        return min(cpus, int(node.get("gpus_advertised") or 0)) if use_gpu else cpus
+
+    total = sum(places(n) for n in alive)
+    if total >= workers:
+        return []
+    each = "1 CPU and 1 GPU" if use_gpu else "1 CPU"
+    where = "the embedded cluster cannot grow" if fixed_size else "unless an autoscaler adds nodes"
+    fix = "lower train.num_workers or add nodes"
+    if use_gpu and not any(n.get("gpus_advertised") for n in alive):
+        fix = "no node advertises a GPU: set train.use_gpu=false, or add GPU nodes"
+    return [
+        Finding(
+            "cluster",
+            "train.num_workers",
+            workers,
+            f"at most {total}",
+            f"the {len(alive)} alive node(s) can place {total} workers of {each} each; {where}, the Ray Train "
+            f"stages would wait for resources until their timeouts: {fix}",
+            "error" if fixed_size else "warning",
+        )
+    ]
+
+
 def check_expected_versions(nodes: list[dict], expect: ClusterExpect) -> list[Finding]:
     findings = []
     for field in VERSION_FIELDS:

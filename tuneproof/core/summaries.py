@@ -52,6 +52,8 @@ class NodeFacts(Summary):
     alive: bool = True
     gpus_advertised: float = 0.0
     """Ray's 'GPU' resource for the node."""
+    cpus_advertised: float | None = None
+    """Ray's 'CPU' resource for the node (None in records from before it was read)."""
     probe_error: str | None = None
     """Why the probe did not return facts; the version fields are then empty."""
     hostname: str | None = None
