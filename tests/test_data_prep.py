@@ -136,7 +136,7 @@ def test_drops_keep_three_examples_and_the_failure_names_every_count():
     assert drops.to_json()["too_long"]["examples"] == [{"source": "eval_source", "row": 9, "value": "'80 tokens > 64'"}]
     assert datahash.drop_failure(drops, 100, 0.06) is None
     assert datahash.drop_failure(drops, 50, 0.05) == (
-        "12.0% of rows malformed (limit 5.0%): empty=5, too_long=1 of 50 rows; the first empty is source row 0: "
+        "12.0% of rows dropped (over data.max_dropped_fraction 5.0%): empty=5, too_long=1 of 50 rows; the first empty is source row 0: "
         "{'input': ''}"
     )
     with pytest.raises(ValueError, match="drop reason"):
@@ -472,7 +472,7 @@ def test_thirty_percent_malformed_is_a_data_failure_with_counts(tmp_path, tiny_d
     source = write_jsonl(tmp_path / "bad.jsonl", DATES[:70] + bad, raw)
     failure = data_failure(config(tmp_path / "store", tiny_dir, source))
     assert failure.cause.startswith(
-        "30.0% of rows malformed (limit 5.0%): undecodable=6, wrong_type=6, missing_field=6, "
+        "30.0% of rows dropped (over data.max_dropped_fraction 5.0%): undecodable=6, wrong_type=6, missing_field=6, "
         "empty=6, too_long=6 of 100 rows; the first undecodable is source row 94: "
     )
     assert isinstance(failure.summary, DataSummary)
@@ -816,3 +816,27 @@ def test_replayed_rows_join_the_training_split_at_their_share_and_are_checked_li
     cfg.data.replay.source = str(write_jsonl(tmp_path / "broken.jsonl", [{"question": "?"}]))
     with pytest.raises(StageFailure, match=r"data.replay.source .*broken.jsonl: no usable rows \(all 1 dropped\)"):
         prepare(cfg)
+
+
+def test_a_replayed_row_too_long_is_one_dropped_row_not_one_per_copy(tmp_path, tiny_dir):
+    # The demo at data.max_seq_len=8 failed as "116.3% of rows malformed: too_long=4157 of 3574 rows": each
+    # replayed copy of a too-long row was counted against a total that counts the row once.
+    source = write_jsonl(tmp_path / "dates.jsonl", DATES[:100])  # 90 train, 10 eval
+    long_skill = {"input": "add " + " ".join(["1"] * 200), "output": "200"}
+    replay = write_jsonl(tmp_path / "skills.jsonl", [long_skill] + [{"input": "add 1 and 2", "output": "3"}] * 9)
+    cfg = config(tmp_path / "store", tiny_dir, source, replay={"source": str(replay), "share": 0.4}, max_seq_len=128)
+    summary = prepare(cfg)  # 60 replayed rows: six copies of the 10, the long one dropped from each
+    assert summary["manifest"]["splits"]["train"]["rows"] == 90 + 60 - 6
+    assert summary["dropped"]["too_long"]["count"] == 1 and summary["total_rows"] == 110
+    assert [e["row"] for e in summary["dropped"]["too_long"]["examples"]] == [0]
+
+
+def test_drops_count_each_row_once_across_chunks_and_keep_the_first_rows_as_evidence():
+    first, later = datahash.Drops(), datahash.Drops()
+    first.add("too_long", "replay", 3, "x")
+    first.add("too_long", "replay", 3, "x")  # a second copy of the row
+    for row in (3, 5, 7, 9):  # a later chunk met the same replayed row, then three new ones
+        later.add("too_long", "replay", row, row)
+    first.merge(later)
+    assert first.counts == {"too_long": 4} and first.total == 4
+    assert [e["row"] for e in first.examples["too_long"]] == [3, 5, 7]

@@ -325,7 +325,10 @@ def test_each_bad_messages_row_is_counted_by_reason(tmp_path, strict_template_di
 
 def test_too_many_bad_conversations_fail_the_stage_naming_the_reasons(tmp_path, tiny_dir):
     source = write_jsonl(tmp_path / "chat.jsonl", CHAT[:20] + [BAD_MESSAGES["no_assistant_turn"]] * 5)
-    with pytest.raises(StageFailure, match=r"20.0% of rows malformed \(limit 5.0%\): no_assistant_turn=5 of 25 rows"):
+    with pytest.raises(
+        StageFailure,
+        match=r"20.0% of rows dropped \(over data.max_dropped_fraction 5.0%\): no_assistant_turn=5 of 25 rows",
+    ):
         prepare(config(tmp_path / "store", tiny_dir, source))
 
 

@@ -64,26 +64,40 @@ def content_hash(
 
 @dataclass
 class Drops:
-    """Rows left out, counted by reason, with the first few kept as evidence."""
+    """Rows left out, counted by reason, with the first few kept as evidence.
+
+    A row is counted once, by its source and row number: data.replay repeats its rows in the training
+    split, and a replayed row too long for data.max_seq_len is dropped once per copy. Counted per copy,
+    the drops outgrew the rows read ("116.3% of rows malformed") against a total that counts each once."""
 
     counts: dict[str, int] = field(default_factory=dict)
     examples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    rows: dict[tuple[str, int], str] = field(default_factory=dict, repr=False)
+    """(source, row) -> reason of every row counted."""
 
     def add(self, reason: str, where: str, row: int, value: Any) -> None:
         if reason not in REASONS:
             raise ValueError(f"drop reason must be one of {REASONS}, got {reason!r}")
+        if (where, row) in self.rows:
+            return
+        self.rows[(where, row)] = reason
         self.counts[reason] = self.counts.get(reason, 0) + 1
         kept = self.examples.setdefault(reason, [])
         if len(kept) < EXAMPLES_PER_REASON:
             kept.append({"source": where, "row": row, "value": short_repr(value)})
 
     def merge(self, later: Drops) -> None:
-        """Take in the drops `later` counted after this one's: the counts add up and the evidence stays the
-        first few rows in order, as if every row had been added here (chunks of a split counted apart)."""
-        for reason, count in later.counts.items():
-            self.counts[reason] = self.counts.get(reason, 0) + count
+        """Take in the drops `later` counted after this one's: as if every row had been added here (chunks of a
+        split counted apart), each row once, the evidence the first few rows in order."""
+        evidence = {(e["source"], e["row"]): e for kept in later.examples.values() for e in kept}
+        for key, reason in later.rows.items():
+            if key in self.rows:
+                continue
+            self.rows[key] = reason
+            self.counts[reason] = self.counts.get(reason, 0) + 1
             kept = self.examples.setdefault(reason, [])
-            kept.extend(later.examples[reason][: EXAMPLES_PER_REASON - len(kept)])
+            if len(kept) < EXAMPLES_PER_REASON and key in evidence:
+                kept.append(evidence[key])
 
     @property
     def total(self) -> int:
@@ -111,7 +125,7 @@ def drop_failure(drops: Drops, total_rows: int, limit: float) -> str | None:
     top = max((r for r in REASONS if r in drops.counts), key=lambda r: drops.counts[r])  # ties: REASONS' order
     first = drops.examples[top][0]
     return (
-        f"{fraction:.1%} of rows malformed (limit {limit:.1%}): {counts} of {total_rows} rows; "
+        f"{fraction:.1%} of rows dropped (over data.max_dropped_fraction {limit:.1%}): {counts} of {total_rows} rows; "
         f"the first {top} is {first['source']} row {first['row']}: {first['value']}"
     )
 
