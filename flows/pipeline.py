@@ -34,9 +34,10 @@ from tuneproof.control.record import (
 )
 from tuneproof.control.stages import MissingStageOutput, Stage, UnknownStages
 from tuneproof.core import forward_env
-from tuneproof.core.config import PipelineConfig
+from tuneproof.core.config import ConfigError, PipelineConfig
 from tuneproof.core.config_base import reads_recorded
 from tuneproof.core.config_reads import unread_settings
+from tuneproof.core.metric_names import check_eval_config
 from tuneproof.core.names import slug_problem
 from tuneproof.core.results import FailureClass, now_iso, one_line
 from tuneproof.core.storage import Storage
@@ -79,7 +80,13 @@ def pipeline(
     # A run id becomes a storage prefix and part of Ray job routes: refuse a bad one before anything is submitted.
     if run_id is not None and (problem := slug_problem(run_id)):
         return refused(f"run id {run_id!r} {problem}")
-    cfg = config.resolved()
+    # A deployment's parameters reach here unchecked by the CLI: the same checks, before anything is submitted.
+    try:
+        cfg = config.resolved()
+    except ConfigError as e:
+        return refused(e)
+    if problems := check_eval_config(cfg.eval):
+        return refused(ConfigError(problems))
     run_id = run_id or records.make_run_id()
     storage = Storage.from_config(cfg.storage)
     try:  # EKS runs on the standing cluster run the adopted image (images/current.json), when there is one

@@ -112,6 +112,7 @@ CONFIG_CASES = [
     Case("set-regression-nan", with_set("eval.gates.exact_match.max_regression=.nan"), 3, "finite number"),
     Case("set-gates-empty", with_set("eval.gates={}"), 3, "eval.gates is empty"),
     Case("set-gate-no-threshold", with_set("eval.gates={exact_match: {}}"), 3, "a gate needs at least one"),
+    Case("set-gate-unreachable", with_set("eval.gates.exact_match.min=1.01"), 3, "would pass every model or none"),
     Case("set-model-source-no-bucket", with_set("model.source=s3://"), 3, "names no valid S3 bucket"),
     Case("set-model-source-gs", with_set("model.source=gs://b/m"), 3, "not a form the jobs can load"),
     Case(
@@ -1051,6 +1052,29 @@ def test_the_flow_refuses_a_bad_run_id_before_anything_runs(run_id: str, tmp_pat
     assert (
         state.is_failed() and f"run id {run_id!r}" in (state.message or "") and "nothing ran" in (state.message or "")
     )
+    assert not (tmp_path / "store").exists()  # no record, no lease, no job
+
+
+@pytest.mark.parametrize(
+    ("setting", "phrase"),
+    [
+        (
+            {"eval": {"metrics": ["exact_mach"], "gates": {"exact_mach": {"min": 0.5}}}},
+            "eval.metrics: metric 'exact_mach'",
+        ),
+        ({"eval": {"gates": {"exact_match": {"min": 1.01}}}}, "eval.gates.exact_match.min: 1.01 is outside 0..1"),
+        ({"model": {"source": "nosuchdir/"}}, "model.source: 'nosuchdir/' is neither a directory here nor a hub id"),
+    ],
+)
+def test_the_flow_refuses_what_a_deployments_parameters_get_wrong_before_anything_runs(setting, phrase, tmp_path):
+    # A run started from the Prefect UI has no CLI in front of it: an unknown metric failed evaluate after the
+    # fine-tune, and a model source that is no hub id crashed the flow.
+    from flows.pipeline import pipeline
+
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path / "store")}, **setting})
+    state = pipeline.fn(cfg, run_id="deployed")
+    assert state.is_failed() and "nothing ran: invalid config" in (state.message or ""), state.message
+    assert phrase in (state.message or "")
     assert not (tmp_path / "store").exists()  # no record, no lease, no job
 
 

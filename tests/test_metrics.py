@@ -13,6 +13,7 @@ from tuneproof.core.metric_names import (
     MetricNotFound,
     check_eval_config,
     check_gate_names,
+    check_gate_ranges,
     check_metric_names,
     local_metrics,
     resolve_metric,
@@ -97,6 +98,24 @@ def test_check_eval_config_reports_every_field():
     cfg = EvalConfig(metrics=["exact_match"], gates={"rouge_l": Gate(min=0.5)})
     assert [p.split(":")[0] for p in check_eval_config(cfg)] == ["eval.gates.rouge_l"]
     assert check_eval_config(EvalConfig()) == []
+
+
+def test_a_gate_no_fraction_can_meet_or_fail_is_a_config_error_not_a_verdict():
+    # exact_match >= 1.01 failed every model as a modeling failure: a verdict about no model in particular.
+    assert check_gate_ranges({"exact_match": Gate(min=1.01)}) == [
+        "eval.gates.exact_match.min: 1.01 is outside 0..1 (exact_match is a fraction, 0..1): "
+        "the gate would pass every model or none, judging nothing"
+    ]
+    wrong = {"rouge_l": Gate(min_improvement=1.5, max_regression=-2.0), "accuracy": Gate(max_regression_vs_base=3.0)}
+    assert [p.split(":")[0] for p in check_gate_ranges(wrong)] == [
+        "eval.gates.rouge_l.min_improvement",
+        "eval.gates.rouge_l.max_regression",
+        "eval.gates.accuracy.max_regression_vs_base",
+    ]
+    # The ends are thresholds a model can meet (min 1: every item right); losses have no upper end.
+    assert check_gate_ranges({"exact_match": Gate(min=1.0, min_improvement=-1.0), "eval_loss": Gate(min=50.0)}) == []
+    cfg = EvalConfig(metrics=["exact_match"], gates={"exact_match": Gate(min=2.0)})
+    assert [p.split(":")[0] for p in check_eval_config(cfg)] == ["eval.gates.exact_match.min"]
 
 
 def test_a_gate_without_thresholds_is_invalid_config():

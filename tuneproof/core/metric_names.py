@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from tuneproof.core.config import PROJECT_ROOT
 
 if TYPE_CHECKING:
-    from tuneproof.core.config_eval import EvalConfig, SuiteConfig
+    from tuneproof.core.config_eval import EvalConfig, Gate, SuiteConfig
 
 METRICS_DIR = PROJECT_ROOT / "eval" / "metrics"
 LOSS_METRICS = ("eval_loss", "perplexity")
@@ -83,10 +83,37 @@ def check_gate_names(metric_names: list[str], gate_names: list[str]) -> list[str
     ]
 
 
+FRACTIONS = ("accuracy", "exact_match", "rouge_l")
+"""The shipped metrics whose values are fractions, 0..1 (each item scores 0 or 1, or an F1)."""
+
+
+def check_gate_ranges(gates: dict[str, Gate]) -> list[str]:
+    """'eval.gates.<name>.<field>: ...' per threshold a fraction cannot meet or always meets (pure).
+
+    A gate of exact_match >= 1.01 fails every model, so its failure says nothing about this one: a
+    config error, not a modeling verdict. A threshold past the other end passes every model, and
+    would read as evidence it is not. Differences of two fractions lie in -1..1."""
+    problems = []
+    for name, gate in gates.items():
+        if name not in FRACTIONS:
+            continue
+        bounds = {"min": (0.0, 1.0), "min_improvement": (-1.0, 1.0), "max_regression": (-1.0, 1.0)}
+        bounds["max_regression_vs_base"] = (-1.0, 1.0)
+        for field, (low, high) in bounds.items():
+            value = getattr(gate, field)
+            if value is not None and not low <= value <= high:
+                problems.append(
+                    f"eval.gates.{name}.{field}: {value} is outside {low:g}..{high:g} ({name} is a fraction, 0..1): "
+                    "the gate would pass every model or none, judging nothing"
+                )
+    return problems
+
+
 def check_eval_config(eval_cfg: EvalConfig) -> list[str]:
-    """Every metric, gate-name and suite problem of an EvalConfig as 'eval.<field>: ...' lines, before any job runs."""
+    """Every metric, gate and suite problem of an EvalConfig as 'eval.<field>: ...' lines, before any job runs."""
     metric_problems = [f"eval.metrics: {p}" for p in check_metric_names(eval_cfg.metrics, eval_cfg.hub_metrics)]
-    return metric_problems + check_gate_names(eval_cfg.metrics, list(eval_cfg.gates)) + check_suites(eval_cfg.suites)
+    gate_problems = check_gate_names(eval_cfg.metrics, list(eval_cfg.gates)) + check_gate_ranges(eval_cfg.gates)
+    return metric_problems + gate_problems + check_suites(eval_cfg.suites)
 
 
 def check_suites(suites: dict[str, SuiteConfig]) -> list[str]:
