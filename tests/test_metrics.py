@@ -100,20 +100,28 @@ def test_check_eval_config_reports_every_field():
     assert check_eval_config(EvalConfig()) == []
 
 
-def test_a_gate_no_fraction_can_meet_or_fail_is_a_config_error_not_a_verdict():
+def test_a_gate_no_fraction_can_meet_is_a_config_error_not_a_verdict():
     # exact_match >= 1.01 failed every model as a modeling failure: a verdict about no model in particular.
     assert check_gate_ranges({"exact_match": Gate(min=1.01)}) == [
-        "eval.gates.exact_match.min: 1.01 is outside 0..1 (exact_match is a fraction, 0..1): "
-        "the gate would pass every model or none, judging nothing"
+        "eval.gates.exact_match.min: 1.01 cannot be met (exact_match is a fraction, 0..1, and a difference of "
+        "two lies in -1..1): every model would fail it, a verdict about none of them"
     ]
-    wrong = {"rouge_l": Gate(min_improvement=1.5, max_regression=-2.0), "accuracy": Gate(max_regression_vs_base=3.0)}
+    wrong = {
+        "rouge_l": Gate(min_improvement=1.5, max_regression=-2.0),
+        "accuracy": Gate(max_regression_vs_base=-1.5),
+        "exact_match": Gate(min=-0.5, higher_is_better=False),  # "at most -0.5"
+    }
     assert [p.split(":")[0] for p in check_gate_ranges(wrong)] == [
         "eval.gates.rouge_l.min_improvement",
         "eval.gates.rouge_l.max_regression",
         "eval.gates.accuracy.max_regression_vs_base",
+        "eval.gates.exact_match.min",
     ]
-    # The ends are thresholds a model can meet (min 1: every item right); losses have no upper end.
-    assert check_gate_ranges({"exact_match": Gate(min=1.0, min_improvement=-1.0), "eval_loss": Gate(min=50.0)}) == []
+    # The ends can be met (min 1: every item right); a threshold every model meets judges nothing but is no
+    # false verdict (the image canary's gates, -1e300, only ask that the metric was computed); losses have no end.
+    meetable = {"exact_match": Gate(min=1.0, min_improvement=1.0, max_regression=-1.0), "eval_loss": Gate(min=50.0)}
+    assert check_gate_ranges(meetable) == []
+    assert check_gate_ranges({"exact_match": Gate(min=-1e300), "rouge_l": Gate(max_regression=3.0)}) == []
     cfg = EvalConfig(metrics=["exact_match"], gates={"exact_match": Gate(min=2.0)})
     assert [p.split(":")[0] for p in check_eval_config(cfg)] == ["eval.gates.exact_match.min"]
 

@@ -88,24 +88,29 @@ FRACTIONS = ("accuracy", "exact_match", "rouge_l")
 
 
 def check_gate_ranges(gates: dict[str, Gate]) -> list[str]:
-    """'eval.gates.<name>.<field>: ...' per threshold a fraction cannot meet or always meets (pure).
+    """'eval.gates.<name>.<field>: ...' per threshold no value of a fraction can meet (pure).
 
     A gate of exact_match >= 1.01 fails every model, so its failure says nothing about this one: a
-    config error, not a modeling verdict. A threshold past the other end passes every model, and
-    would read as evidence it is not. Differences of two fractions lie in -1..1."""
+    config error, not a modeling verdict. A fraction lies in 0..1 and a difference of two in -1..1. A
+    threshold every model meets (min 0) is left alone: it judges nothing, and says so by passing (the
+    image canary asks its gates only that the metric was computed)."""
     problems = []
     for name, gate in gates.items():
         if name not in FRACTIONS:
             continue
-        bounds = {"min": (0.0, 1.0), "min_improvement": (-1.0, 1.0), "max_regression": (-1.0, 1.0)}
-        bounds["max_regression_vs_base"] = (-1.0, 1.0)
-        for field, (low, high) in bounds.items():
-            value = getattr(gate, field)
-            if value is not None and not low <= value <= high:
-                problems.append(
-                    f"eval.gates.{name}.{field}: {value} is outside {low:g}..{high:g} ({name} is a fraction, 0..1): "
-                    "the gate would pass every model or none, judging nothing"
-                )
+        floor = gate.min is not None and (gate.min > 1.0 if gate.higher_is_better else gate.min < 0.0)
+        unmeetable = {
+            "min": floor,
+            "min_improvement": gate.min_improvement is not None and gate.min_improvement > 1.0,
+            "max_regression": gate.max_regression is not None and gate.max_regression < -1.0,
+            "max_regression_vs_base": gate.max_regression_vs_base is not None and gate.max_regression_vs_base < -1.0,
+        }
+        problems += [
+            f"eval.gates.{name}.{field}: {getattr(gate, field)} cannot be met ({name} is a fraction, 0..1, and a "
+            "difference of two lies in -1..1): every model would fail it, a verdict about none of them"
+            for field, bad in unmeetable.items()
+            if bad
+        ]
     return problems
 
 
