@@ -200,6 +200,10 @@ def test_an_unknown_suite_file_and_metric_are_refused_before_anything_runs(tmp_p
     problems = check_eval_config(cfg.eval)
     missing = str(PROJECT_ROOT / "data" / "skills" / "suites" / "nope.jsonl")
     assert f"eval.suites.mine.source: no such file (got {missing!r}); give a JSONL file of items" in problems
+    folder = load_config(overrides=[f"eval.suites.mine.source={tmp_path}"])
+    assert f"eval.suites.mine.source: a directory, not a file (got {str(tmp_path)!r})" in " ".join(
+        check_eval_config(folder.eval)
+    )
     assert any(p.startswith("eval.suites.add.metrics: metric 'exact_matsh' is not a local module") for p in problems)
     with pytest.raises(ConfigError, match="suite name 'Bad Name'"):
         load_config(DEFAULT_PROFILE, ["eval.suites={'Bad Name': {source: data/skills/suites/add.jsonl}}"])

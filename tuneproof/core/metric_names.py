@@ -127,9 +127,8 @@ def check_suites(suites: dict[str, SuiteConfig]) -> list[str]:
     problems = []
     for name, suite in suites.items():
         if "://" not in suite.source and not Path(suite.source).is_file():
-            problems.append(
-                f"eval.suites.{name}.source: no such file (got {suite.source!r}); give a JSONL file of items"
-            )
+            what = "a directory, not a file" if Path(suite.source).is_dir() else "no such file"
+            problems.append(f"eval.suites.{name}.source: {what} (got {suite.source!r}); give a JSONL file of items")
         problems += [f"eval.suites.{name}.metrics: {p}" for p in check_metric_names(suite.metrics, allow_hub=False)]
     return problems
 
