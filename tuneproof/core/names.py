@@ -53,6 +53,8 @@ def _checked(what: str, value: object, problem: str | None) -> str:
 
 
 STORAGE_ROOT_RULE = "a local path or s3://bucket[/prefix]"
+S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+"""An S3 bucket name: 3-63 of a-z, 0-9, '.', '-', starting and ending with a letter or digit."""
 
 
 def storage_root_problem(root: object) -> str | None:
@@ -70,7 +72,7 @@ def storage_root_problem(root: object) -> str | None:
         bucket = rest.split("/", 1)[0]
         if not bucket:
             return f"names no bucket; give {STORAGE_ROOT_RULE}"
-        if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket):
+        if not S3_BUCKET.fullmatch(bucket):
             return f"bucket {bucket!r} is not a valid S3 bucket name (3-63 of a-z, 0-9, '.', '-')"
         return None
     if sep and scheme == "file" and not rest.strip():
@@ -102,7 +104,7 @@ def model_source_problem(source: str) -> str | None:
     if not source.startswith("s3://"):
         return f"is not a form the jobs can load; give {MODEL_SOURCE_RULE}"
     bucket = source[len("s3://") :].split("/", 1)[0]
-    if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket):
+    if not S3_BUCKET.fullmatch(bucket):
         return f"names no valid S3 bucket ({bucket!r}); give {MODEL_SOURCE_RULE}"
     return None
 
