@@ -39,6 +39,9 @@ def test_a_hub_id_stays_a_hub_id_and_a_local_model_directory_becomes_absolute(tm
     with pytest.raises(ConfigError, match="neither a directory here nor a hub id") as refused:
         PipelineConfig.model_validate({"model": {"source": too_long}}).resolved(tmp_path)
     assert len(str(refused.value)) < 400  # the value shortened, not printed whole
+    with pytest.raises(ConfigError, match="not a form the jobs can load") as pasted:
+        load_config(overrides=["model.source=gs://" + "x" * 5000])
+    assert len(str(pasted.value)) < 400  # here too: it printed the whole value
     dotted = PipelineConfig.model_validate({"model": {"source": "./models/qwen"}})
     assert dotted.resolved(tmp_path).model.source == str(tmp_path / "models" / "qwen")
     # data.source has no hub form without hf://: a relative path is always the project's file

@@ -10,6 +10,7 @@ Ray image has.
 from __future__ import annotations
 
 import re
+import reprlib
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -114,7 +115,9 @@ class ModelConfig(Strict):
     @classmethod
     def _loadable_form(cls, v: str) -> str:
         if problem := model_source_problem(v):
-            raise ValueError(f"{v!r} {problem}")
+            shown = reprlib.Repr()
+            shown.maxstring = 120  # as format_errors shortens a value, so the message does not print it twice
+            raise ValueError(f"{shown.repr(v)} {problem}")
         return v
 
 
