@@ -1,5 +1,6 @@
-"""The backbone through a real local Ray head and a real Prefect test harness: stages 1-2 via the flow,
-failure classes and exit codes, config rejection before submission, and retry re-attachment."""
+"""The backbone through a real local Ray head and a real Prefect test harness: failure classes and exit codes,
+config rejection before submission, retry re-attachment, timeouts and cancellation. (What verify and connectivity
+record on success is asserted on the session's demo run: tests/test_full_pipeline.py.)"""
 
 from __future__ import annotations
 
@@ -7,12 +8,11 @@ import pytest
 from ray.job_submission import JobSubmissionClient
 from typer.testing import CliRunner
 
-from tests.reading import present, summary_of
 from tuneproof.app.cli import app
 from tuneproof.control import record as records
 from tuneproof.core.config import load_config
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import ConnectivitySummary, VerifySummary
+from tuneproof.core.summaries import VerifySummary
 
 pytestmark = pytest.mark.integration
 
@@ -42,30 +42,6 @@ def overrides(ray_head, tmp_path, tiny_model_dir):
 def jobs_for(ray_head, run_id: str) -> list:
     client = JobSubmissionClient(ray_head.address, headers={"Authorization": f"Bearer {ray_head.token()}"})
     return [j for j in client.list_jobs() if (j.submission_id or "").startswith(run_id)]
-
-
-def test_verify_and_connectivity_through_the_flow(prefect_harness, overrides, ray_head):
-    from flows.pipeline import pipeline
-
-    cfg = load_config(overrides=overrides)
-    state = pipeline(config=cfg, run_id="bb-ok", only=["verify", "connectivity"], return_state=True)
-    assert state.is_completed(), state.message
-    rec = records.load(Storage.from_config(cfg.storage), "bb-ok")
-    assert rec.passed("verify") and rec.passed("connectivity")
-    verify, conn = summary_of(rec, "verify", VerifySummary), summary_of(rec, "connectivity", ConnectivitySummary)
-    node = verify.nodes[0]
-    assert node.torch_version is not None
-    assert node.ray_version == "2.60.0" and node.torch_version.startswith("2.13.0")
-    assert len(present(node.environment_digest)) == 64
-    assert [r.size_bytes for r in conn.allreduce] == [1024, 65536]
-    assert all(r.busbw_GBps > 0 for r in conn.allreduce)
-    assert len(conn.ranks) == 2 and all(r.finished for r in conn.ranks)
-    assert conn.transport.kind == "gloo"
-    assert rec.stages["connectivity"].jobs[0].submission_id == "bb-ok-connectivity"
-    assert len(present(rec.code.working_dir_hash)) == 64 and len(rec.config_hash) == 64
-    assert rec.code.git_sha is not None and rec.code.dirty is not None
-    assert rec.cluster is not None
-    assert rec.cluster.ray_version == "2.60.0"
 
 
 def test_wrong_ray_version_fails_verify_as_infrastructure(prefect_harness, overrides, ray_head, tmp_path):

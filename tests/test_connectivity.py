@@ -1,4 +1,5 @@
-"""The connectivity stage: its pure parts, then the whole body with 2 CPU workers on a real Ray head."""
+"""The connectivity stage's pure parts. The whole stage on a real Ray head (2 CPU workers, gloo, the FSDP step)
+is asserted on the session's demo run: tests/test_full_pipeline.py."""
 
 from __future__ import annotations
 
@@ -6,18 +7,13 @@ import os
 
 import pytest
 
-from tests.test_verify_probe import ray_connected  # noqa: F401 - the shared Ray driver fixture
-from tests.tiny import tiny_qwen2_config
 from training.connectivity import (
     bandwidth,
     check_ranks,
     check_transport,
-    connectivity,
     own_nccl_lines,
     transport_verdict,
 )
-from training.jobkit import JobContext
-from tuneproof.core.config import PipelineConfig
 from tuneproof.core.results import StageFailure
 from tuneproof.core.summaries import ConnectivitySummary, FsdpProbe, TransportVerdict
 from tuneproof.core.transport import nccl_env
@@ -91,38 +87,3 @@ def test_unfinished_ranks_are_named():
 def test_non_finite_fsdp_loss_fails():
     with pytest.raises(StageFailure, match="not finite"):
         check_ranks(with_losses([4.8, float("nan")]), {0: {"finished": "t"}}, None)
-
-
-@pytest.fixture
-def tiny_model_dir(tmp_path):
-    path = tmp_path / "tiny-qwen2"
-    tiny_qwen2_config(vocab_size=128).save_pretrained(path)
-    return path
-
-
-@pytest.mark.integration
-def test_connectivity_two_cpu_workers(ray_connected, tmp_path, tiny_model_dir):
-    config = PipelineConfig.model_validate(
-        {
-            "storage": {"root": str(tmp_path / "storage")},
-            "model": {"source": str(tiny_model_dir)},
-            "train": {"num_workers": 2, "use_gpu": False},
-            "connectivity": {
-                "sizes_bytes": [1024, 65536],
-                "iters": 3,
-                "warmup_iters": 1,
-                "fsdp_steps": 2,
-                "expect_transport": "gloo",
-            },
-        }
-    )
-    ctx = JobContext("run-conn", "connectivity", config)
-    summary = connectivity(ctx)
-    assert summary.backend == "gloo" and summary.world_size == 2
-    assert [r.rank for r in summary.ranks] == [0, 1]
-    assert all(r.started and r.joined and r.finished and r.pid for r in summary.ranks)
-    assert [row.size_bytes for row in summary.allreduce] == [1024, 65536]
-    assert all(row.algbw_GBps > 0 and row.busbw_GBps > 0 for row in summary.allreduce)
-    assert summary.fsdp.steps == 2 and len(summary.fsdp.losses) == 2
-    assert summary.transport.to_json() == {"kind": "gloo", "evidence": ["backend gloo (CPU)"]}
-    assert ctx.storage.exists(*ctx.stage_parts("rank-1.json"))

@@ -20,6 +20,7 @@ from tests.reading import present, summary_of
 from tuneproof.control import record as records
 from tuneproof.core.config import PROJECT_ROOT
 from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import ConnectivitySummary, VerifySummary
 from tuneproof.core.summaries_data import DataSummary
 from tuneproof.core.summaries_eval import EvaluateSummary
 from tuneproof.core.summaries_training import FinetuneSummary, ResumeSummary
@@ -70,6 +71,29 @@ def test_the_demo_learns_the_task_survives_a_resume_and_is_promoted(demo, storag
     assert models["incumbent"] is None
     assert demo.promotion.promoted is True
     assert json.loads(pointer_bytes(storage))["run_id"] == "demo"
+
+
+def test_the_demo_records_its_cluster_its_transport_and_its_code(demo, storage):
+    """What verify and connectivity observed, through the flow as `tuneproof run` runs it (this was a run of its
+    own in tests/test_backbone.py and tests/test_connectivity.py: the demo's record holds the same evidence, at no
+    extra Ray Train run)."""
+    verify, conn = summary_of(demo, "verify", VerifySummary), summary_of(demo, "connectivity", ConnectivitySummary)
+    node = verify.nodes[0]
+    assert node.ray_version == "2.60.0" and present(node.torch_version).startswith("2.13.0")
+    assert len(present(node.environment_digest)) == 64
+    assert [r.size_bytes for r in conn.allreduce] == demo.config["connectivity"]["sizes_bytes"]
+    assert conn.allreduce and all(r.busbw_GBps > 0 for r in conn.allreduce)
+    assert conn.backend == "gloo" and conn.world_size == 2 and [r.rank for r in conn.ranks] == [0, 1]
+    assert all(r.started and r.joined and r.finished and r.pid for r in conn.ranks)
+    assert all(r.algbw_GBps > 0 for r in conn.allreduce)
+    steps = demo.config["connectivity"]["fsdp_steps"]
+    assert conn.fsdp.steps == steps and len(conn.fsdp.losses) == steps
+    assert conn.transport.to_json() == {"kind": "gloo", "evidence": ["backend gloo (CPU)"]}
+    assert storage.exists("runs", "demo", "stages", "connectivity", "rank-1.json")
+    assert demo.stages["connectivity"].jobs[0].submission_id == "demo-connectivity"
+    assert len(present(demo.code.working_dir_hash)) == 64 and len(demo.config_hash) == 64
+    assert demo.code.git_sha is not None and demo.code.dirty is not None
+    assert present(demo.cluster).ray_version == "2.60.0"
 
 
 def test_the_demo_rehearses_the_skills_and_keeps_them_with_a_verdict_per_suite(demo, storage):
