@@ -1,4 +1,4 @@
-"""Stage 6, evaluate: the candidate against its base and the production incumbent, then the gate decision.
+"""The evaluate stage: the candidate against its base and the production incumbent, then the gate decision.
 
     TUNEPROOF_JOB=<jobkit.encode_job(...)> python -m eval.evaluate_job   (submitted by tasks/ as a Ray job)
 

@@ -1,4 +1,4 @@
-"""Stage 3 (data): the bundled dataset, the pure prep logic, and the stage end to end on real storage."""
+"""The data stage: the bundled dataset, the pure prep logic, and the stage end to end on real storage."""
 
 from __future__ import annotations
 

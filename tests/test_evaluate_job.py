@@ -1,4 +1,4 @@
-"""Stage 6 end to end on a tiny Qwen2 and a tiny prepared dataset built here; plus generation checks.
+"""The evaluate stage end to end on a tiny Qwen2 and a tiny prepared dataset built here; plus generation checks.
 
 The candidate is the base model trained for a few dozen steps to always answer "2024-01-05", so
 it scores 1.0 where the untrained base scores 0: the gates have something real to decide.

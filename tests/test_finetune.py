@@ -1,4 +1,4 @@
-"""Stage 4 (fine-tune) and the training side of stage 5 (resume).
+"""The fine-tune stage and the training side of the resume test.
 
 Unit tests cover the parameters, data order and loss bookkeeping. The integration tests run real
 2-worker FSDP2 training through Ray Train on CPU (gloo) with a tiny tied-embedding Qwen2 on a

@@ -1,4 +1,4 @@
-"""Stage 7 on the Prefect side: when promotion is refused, the stale-incumbent guard, and the logged override."""
+"""Promotion on the Prefect side: when promotion is refused, the stale-incumbent guard, and the logged override."""
 
 from __future__ import annotations
 
