@@ -227,11 +227,12 @@ def test_ray_node_listing_formats():
             "is_head": n["is_head_node"],
             "alive": True,
             "gpus_advertised": n["resources_total"].get("GPU", 0),
+            "cpus_advertised": n["resources_total"]["CPU"],
         }
         for n in cli
     ]
     assert normalize_ray_nodes(cli) == normalize_ray_nodes(dashboard) == normalize_ray_nodes(verify_facts)
-    assert [n["gpus"] for n in normalize_ray_nodes(cli)] == [0, 4, 4]
+    assert [(n["gpus"], n["cpus"]) for n in normalize_ray_nodes(cli)] == [(0, 6.0), (4, 44.0), (4, 44.0)]
 
 
 def test_operator_version_sources():
@@ -278,3 +279,14 @@ def test_verify_from_files_command(saved, capsys):
     (saved / "pods.json").unlink()
     assert verify_from_files_command(str(saved), None, [], as_json=False) == 4
     assert "pods.json: missing" in capsys.readouterr().err
+
+
+def test_verify_from_files_warns_when_the_saved_nodes_cannot_place_the_workers(capsys):
+    """As the live verify does (tuneproof.core.checks.check_capacity): 12 GPU workers on two nodes of 4 GPUs
+    would wait for resources. A warning, not an error: an autoscaler may add nodes."""
+    assert verify_from_files_command(str(FIXTURE), str(EKS), ["train.num_workers=12"], as_json=True) == 0
+    found = [f for f in json.loads(capsys.readouterr().out)["findings"] if f["field"] == "train.num_workers"]
+    assert [(f["seen"], f["expected"], f["severity"]) for f in found] == [(12, "at most 8", "warning")]
+    assert "can place 8 workers of 1 CPU and 1 GPU each; unless an autoscaler adds nodes" in found[0]["message"]
+    assert verify_from_files_command(str(FIXTURE), str(EKS), ["train.num_workers=8"], as_json=True) == 0
+    assert "train.num_workers" not in capsys.readouterr().out

@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from tuneproof.core.checks import check_capacity
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.findings import Finding
 
@@ -132,8 +133,18 @@ def check_cluster(objects: dict, cfg: PipelineConfig) -> list[Finding]:
         *image_digests(raycluster, pods, cfg.cluster.expect.image),
         *gpu_agreement(raycluster, pods, objects.get("ray_nodes"), cfg.cluster.expect.gpus_per_worker),
         *node_devices(pods, objects.get("nodes") or [], objects.get("resourceslices"), cfg.cluster.expect.efa),
+        *capacity(objects.get("ray_nodes"), cfg),
         operator_finding(raycluster, pods, objects.get("operator")),
     ]
+
+
+def capacity(ray_nodes: list | dict | None, cfg: PipelineConfig) -> list[Finding]:
+    """Whether the saved Ray nodes can place train.num_workers workers, as the live verify judges it: a warning
+    here, since the cluster may scale (tuneproof.core.checks.check_capacity). Without Ray's node list, nothing."""
+    if ray_nodes is None:
+        return []
+    nodes = [{"cpus_advertised": n["cpus"], "gpus_advertised": n["gpus"]} for n in normalize_ray_nodes(ray_nodes)]
+    return check_capacity(nodes, cfg.train.num_workers, cfg.train.use_gpu, fixed_size=False)
 
 
 def named_cluster(objects: dict, namespace: str, name: str) -> tuple[dict, list[Finding]]:
@@ -395,7 +406,8 @@ def operator_version(raycluster: dict, pods: list[dict], operator: dict | None) 
 
 
 def normalize_ray_nodes(data: list | dict) -> list[dict]:
-    """Alive Ray nodes as {ip, gpus, node_id, is_head} from any of Ray's node listings.
+    """Alive Ray nodes as {ip, gpus, cpus, node_id, is_head} from any of Ray's node listings (cpus None where
+    the listing does not say).
 
     `ray list nodes --format json`: a list of {node_ip, resources_total, state, is_head_node, ...}.
     The dashboard's GET /nodes?view=summary: {"data": {"summary": [{"raylet": {nodeManagerAddress,
@@ -411,10 +423,14 @@ def _ray_node(row: dict) -> dict | None:
     alive = (raylet.get("state") or row.get("state")) == "ALIVE" or row.get("alive") is True
     if not alive:
         return None
-    resources = raylet.get("resourcesTotal") or row.get("resources_total") or {"GPU": row.get("gpus_advertised") or 0}
+    resources = raylet.get("resourcesTotal") or row.get("resources_total")
+    if resources is None:  # the verify stage's node facts
+        resources = {"GPU": row.get("gpus_advertised") or 0, "CPU": row.get("cpus_advertised")}
+    cpus = resources.get("CPU")
     return {
         "ip": raylet.get("nodeManagerAddress") or row.get("node_ip"),
         "gpus": int(float(resources.get("GPU", 0))),
+        "cpus": float(cpus) if cpus is not None else None,
         "node_id": raylet.get("nodeId") or row.get("node_id"),
         "is_head": bool(raylet.get("isHeadNode", row.get("is_head_node", row.get("is_head", False)))),
     }
