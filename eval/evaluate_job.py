@@ -381,8 +381,14 @@ def invalid(cause: str, summary: EvaluateSummary | None = None) -> StageFailure:
 
 
 def check_references(metrics: dict, references: list[str]) -> None:
-    """Each local metric (scores in [0, 1]) must give the references, as answers, 1 on every item: a
-    post-processing or extraction step that changes a correct answer would score correct models down."""
+    """Each local metric (scores in [0, 1]) must tell a right answer from a wrong one, or its scores judge no model.
+
+    Right: the references, as answers, score 1 on every item; a post-processing or extraction step that
+    changes a correct answer would score correct models down. Wrong: each item answered with the next item's
+    reference (the references rotated by one) must score below 1 wherever that is another text, on at least
+    one item; a metric that gives full credit to every wrong answer (an extraction that finds nothing in
+    either text and compares two empty strings) would pass every model.
+    """
     totals = score(metrics, references, references)
     for key, values in item_scores(metrics, references, references, totals).items():
         wrong = [i for i, v in enumerate(values) if v < 1.0 - 1e-9]
@@ -392,6 +398,22 @@ def check_references(metrics: dict, references: list[str]) -> None:
                 f"{key} scores the references as answers {totals[key]:.4g}, below 1 on {len(wrong)} of "
                 f"{len(values)} items (first: item {first}, reference {references[first][:80]!r} scores "
                 f"{values[first]:.4g}): the metric's post-processing changes a correct answer"
+            )
+    others = references[1:] + references[:1]
+    differ = [i for i, (other, own) in enumerate(zip(others, references)) if other.strip() != own.strip()]
+    if not differ:
+        return
+    wrong_totals = score(metrics, others, references)
+    items = item_scores(metrics, others, references, wrong_totals)
+    for key, total in wrong_totals.items():
+        per_item = items.get(key)  # None for a corpus-level key: then its total must be below 1
+        if all(per_item[i] >= 1.0 - 1e-9 for i in differ) if per_item is not None else total >= 1.0 - 1e-9:
+            first = differ[0]
+            raise invalid(
+                f"{key} gives full credit to wrong answers: each item answered with the next item's reference "
+                f"scores 1 on all {len(differ)} items where that is another text (first: item {first}, reference "
+                f"{references[first][:80]!r}, answer {others[first][:80]!r}): the metric cannot tell a right "
+                "answer from a wrong one"
             )
 
 

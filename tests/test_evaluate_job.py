@@ -356,6 +356,40 @@ def test_a_planted_extraction_bug_fails_the_self_test():
     check_references({"exact_match": load_metric("exact_match"), "rouge_l": load_metric("rouge_l")}, [ANSWER, "a b"])
 
 
+class FindsNothing:
+    """exact_match with a planted extraction bug of the other kind: it looks for a number in words ("answer: 42")
+    that a date answer never has, finds none in either text and compares two empty strings."""
+
+    name = "exact_match"
+
+    def _compute(self, predictions, references):
+        def extract(text):
+            return text.split("answer:")[1].strip() if "answer:" in text else ""
+
+        hits = sum(extract(p) == extract(r) for p, r in zip(predictions, references))
+        return {"exact_match": hits / len(predictions) if predictions else 0.0}
+
+    def compute(self, predictions, references):
+        return self._compute(predictions, references)
+
+
+def test_a_metric_that_gives_full_credit_to_wrong_answers_fails_the_self_test():
+    """References score 1 under it, so the first half of the self-test passes; every model would pass too."""
+    with pytest.raises(StageFailure) as info:
+        check_references({"exact_match": FindsNothing()}, [ANSWER, "1999-12-14", "2001-02-03"])
+    assert info.value.failure_class is FailureClass.infrastructure
+    assert info.value.cause == (
+        "evaluation invalid: exact_match gives full credit to wrong answers: each item answered with the next "
+        "item's reference scores 1 on all 3 items where that is another text (first: item 0, reference "
+        "'2024-01-05', answer '1999-12-14'): the metric cannot tell a right answer from a wrong one"
+    )
+    # A set whose references are all one text has no wrong answer to try: nothing to judge, no failure.
+    check_references({"exact_match": FindsNothing()}, [ANSWER, ANSWER])
+    # Labels that differ only in case, under accuracy's casefold: full credit where the texts differ, but not
+    # on every item (the third label is another class), so the metric still tells answers apart.
+    check_references({"accuracy": load_metric("accuracy")}, ["Yes", "yes", "no"])
+
+
 def test_too_small_max_new_tokens_is_an_invalid_evaluation_not_a_gate_failure(world, store):
     """The trained candidate's answer needs 11 tokens with its stop token: at 2 every answer is cut off."""
     upload_export(store, world["trained"], "short")
