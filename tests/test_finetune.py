@@ -3,9 +3,10 @@
 Unit tests cover the parameters, data order and loss bookkeeping. The integration tests run real
 2-worker FSDP2 training through Ray Train on CPU (gloo) with a tiny tied-embedding Qwen2 on a
 synthetic digit-reversal task: a straight run, a replay from its step-4 checkpoint that must
-reproduce its losses exactly, a stop-and-restart under the same run name, the resume test's job (a run
-killed after a checkpoint, restarted as a new run), a NaN that must end as a modeling failure, and the
-same fine-tune against an S3-compatible server.
+reproduce its losses exactly, a stop-and-restart under the same run name, a NaN that must end as a
+modeling failure, and the same fine-tune against an S3-compatible server. The resume test's job (every rank
+killed after a checkpoint, restarted as a new run) is asserted on the session's demo run
+(tests/test_full_pipeline.py), which runs it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import time
@@ -36,11 +36,11 @@ from training.finetune_worker import divergence, resolve_start
 from training.jobkit import JobContext
 from training.restarts import restarts
 from training.train_data import BatchLayout, StepBatches, load_examples, rank_slices
-from tuneproof.control.resume_evidence import as_ledger, compare_ledgers, compare_losses
+from tuneproof.control.resume_evidence import compare_losses
 from tuneproof.core.config import PROJECT_ROOT, PipelineConfig
 from tuneproof.core.results import FailureClass, StageFailure, error_line
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries_training import FinetuneSummary, Restart, ledger_points, loss_curve
+from tuneproof.core.summaries_training import FinetuneSummary, Restart, loss_curve
 
 DATASET = "datasets/reverse/abc123"
 DIGIT0, SEP, EOS = 3, 13, 14  # token ids of the synthetic task (digits are 3..12)
@@ -390,49 +390,6 @@ def test_a_stopped_run_resumes_under_its_name_at_the_saved_step(local_run, ray_c
 
 
 @pytest.mark.integration
-def test_the_resume_job_kills_its_run_after_a_checkpoint_and_restarts_it_there(local_run):
-    """The resume test's job: from the step-4 checkpoint, every rank is SIGKILLed once checkpoint 6 is
-    complete; a new Ray Train run under the same name restores step 6, and steps 5..9 equal the straight run."""
-    from training.resume import resume
-
-    config, main = local_run
-    step4 = next(c["uri"] for c in main["checkpoints"] if c["step"] == 4)
-    params = {"dataset": DATASET, "run_name": "run-a-resume-t1", "init_from": step4, "interrupt_at": 6, "max_steps": 9}
-    job = resume(JobContext("run-a", "resume-t1", config, params))
-    storage = Storage(config.storage.root)
-    killed = storage.read_json("runs", "run-a", "stages", "resume-t1-interrupt", "interrupted.json")
-    assert job.interrupted_at_step == killed["step"] == 6 and job.interrupted_at == killed["time"]
-    # Ray Train saw workers' processes gone (no exception of ours): the run ended on the kill. Which ranks it saw
-    # is a race: its health check fails the group at the first dead worker it polls, so one rank or both.
-    failures = storage.read_text("runs", "run-a", "stages", "resume-t1-interrupt", "failures.jsonl")
-    seen = re.findall(r"rank (\d+): (\w+)", failures)
-    assert seen and {error for _, error in seen} == {"WorkerHealthCheckFailedError"}, failures
-    resumed = job.resumed
-    assert resumed is not None and resumed.restored_step == resumed.start_step == 6
-    assert (resumed.restored_from or "").endswith("checkpoint_000006")
-    assert resumed.run_name == "run-a-resume-t1" and resumed.restarts == []  # a new run, not Ray's in-run retry
-    interrupted = read_losses(storage, "resume-t1-interrupt")
-    assert sorted(interrupted) == [5, 6] and [s for s, _ in resumed.loss_curve] == [7, 8, 9]
-    verdict = compare_losses(
-        losses(main), interrupted | {s: loss for s, loss in resumed.loss_curve if loss is not None}, rtol=0.0
-    )
-    assert verdict["ok"] and verdict["steps_compared"] == 5 and verdict["max_abs_diff"] == 0.0, verdict
-    # The data order too: both phases trained on the main run's samples, step for step, and the ledger each
-    # checkpoint carried on (the seed's, then the interruption's) makes every running hash equal as well.
-    rows = [
-        json.loads(line)
-        for line in storage.read_text("runs", "run-a", "stages", "resume-t1-interrupt", "metrics.jsonl").splitlines()
-    ]
-    replay = as_ledger(ledger_points(rows)) | as_ledger(resumed.ledger)
-    order = compare_ledgers(as_ledger(main["ledger"]), replay)
-    assert order["ok"] and order["steps_compared"] == 5 and all(ledger for _, ledger in replay.values()), order
-    progress = storage.read_json(
-        "runs", "run-a", "train", "run-a-resume-t1", "checkpoint_000006", "progress-rank1.json"
-    )
-    assert progress["ledger"][:16] == {step: running for step, _, running in main["ledger"]}[6]
-
-
-@pytest.mark.integration
 def test_a_run_whose_ray_snapshot_was_torn_by_a_full_disk_continues_from_its_latest_complete_checkpoint(local_run):
     """Ray rewrites checkpoint_manager_snapshot.json in place; a disk that fills up mid-write leaves it torn
     and Ray's controller dies on it at the next start. The continuation sets it aside and resumes by marker."""
@@ -450,11 +407,6 @@ def test_a_run_whose_ray_snapshot_was_torn_by_a_full_disk_continues_from_its_lat
     assert resumed["restored_step"] == 8 and [s for s, _ in resumed["loss_curve"]] == [9, 10, 11, 12]
     assert compare_losses(losses(main), losses(resumed), rtol=0.0)["ok"]
     assert any(name.startswith(f"{RAY_SNAPSHOT}.unusable-") for name in storage.listdir(*copy))
-
-
-def read_losses(storage: Storage, job: str) -> dict[int, float]:
-    rows = storage.read_text("runs", "run-a", "stages", job, "metrics.jsonl").splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, rows)}
 
 
 def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -94,6 +95,35 @@ def test_the_demo_records_its_cluster_its_transport_and_its_code(demo, storage):
     assert len(present(demo.code.working_dir_hash)) == 64 and len(demo.config_hash) == 64
     assert demo.code.git_sha is not None and demo.code.dirty is not None
     assert present(demo.cluster).ray_version == "2.60.0"
+
+
+def test_the_demos_resume_test_killed_every_rank_and_a_new_run_restored_the_interruption(demo, storage):
+    """The resume stage's job on the demo (this was a run of its own in tests/test_finetune.py): from the seed
+    checkpoint k, every rank is SIGKILLed once checkpoint k + extra_steps is complete; a new Ray Train run under
+    the same name restores it, and every step replayed (extra + replay) equals the main run's, losses and data."""
+    resume = summary_of(demo, "resume", ResumeSummary)
+    interrupt_phase = ("runs", "demo", "stages", "resume-t1-interrupt")
+    killed = storage.read_json(*interrupt_phase, "interrupted.json")
+    seed = present(resume.seed_checkpoint).step
+    assert resume.interrupted_at_step == killed["step"] == seed + demo.config["resume"]["extra_steps"]
+    assert resume.restored_step == killed["step"] and resume.attempt_run_name == "demo-resume-t1"
+    assert (resume.restored_from or "").endswith(f"demo-resume-t1/checkpoint_{killed['step']:06d}")
+    # Ray Train saw the workers' processes gone (no exception of ours). Which ranks it saw is a race: its health
+    # check fails the group at the first dead worker it polls, so one rank or both.
+    failures = storage.read_text(*interrupt_phase, "failures.jsonl")
+    seen = re.findall(r"rank (\d+): (\w+)", failures)
+    assert seen and {error for _, error in seen} == {"WorkerHealthCheckFailedError"}, failures
+    job = storage.read_json("runs", "demo", "stages", "resume-t1", "result.json")["summary"]
+    assert job["resumed"]["run_name"] == "demo-resume-t1" and job["resumed"]["restarts"] == []  # a new run
+    assert job["resumed"]["start_step"] == killed["step"]
+    replayed = demo.config["resume"]["extra_steps"] + demo.config["resume"]["replay_steps"]
+    losses, order = present(resume.loss_comparison), present(resume.ledger_comparison)
+    assert losses.ok and losses.steps_compared == replayed and losses.max_abs_diff == 0.0
+    assert order.ok and order.steps_compared == replayed and order.first_differing_step is None
+    checkpoint = ("runs", "demo", "train", "demo-resume-t1", f"checkpoint_{killed['step']:06d}")
+    for rank in (0, 1):  # each rank's position and running ledger travel with the checkpoint it restored
+        progress = storage.read_json(*checkpoint, f"progress-rank{rank}.json")
+        assert progress["step"] == killed["step"] and progress["rank"] == rank and len(progress["ledger"]) == 64
 
 
 def test_the_demo_rehearses_the_skills_and_keeps_them_with_a_verdict_per_suite(demo, storage):
