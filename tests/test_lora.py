@@ -1,8 +1,8 @@
 """LoRA (train.method: lora) without a cluster: the config and the runtime_env dependency it adds,
 the wrapping (what trains, what is frozen, how much), and the export (adapter + merged model).
 
-The fine-tune itself under Ray Train (FSDP2, DCP resume with loss_rtol 0, evaluation of the merged
-export) is tests/test_lora_finetune.py.
+The fine-tune itself under Ray Train (FSDP2, adapter-only checkpoints, DCP resume with loss_rtol 0, the merged
+export against the adapter, evaluation of it) is tests/test_lora_pipeline.py, on a pipeline run.
 """
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ def start_ray_head(
         "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
         # Ray Train's controller steps its state machine once per health check, 2 s apart by default: a short
         # local run spent seconds starting and ending between checks. At 0.2 s, tests/test_sharding.py and
-        # tests/test_lora_finetune.py took 87 and 88 s against 110 and 114 s (alternated, 2 idle cores).
+        # the LoRA fine-tune tests of the time took 87 and 88 s against 110 and 114 s (alternated, 2 idle cores).
         # The environment's own value wins, so the two can still be compared.
         "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2"),
         # Job entrypoints run `python -m ...` from PATH: it must be this environment's Python,
