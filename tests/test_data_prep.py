@@ -143,6 +143,21 @@ def test_drops_keep_three_examples_and_the_failure_names_every_count():
         drops.add("ugly", "source", 0, None)
 
 
+def test_a_drop_whose_fix_the_row_does_not_show_says_what_to_change():
+    """OpenAI's content arrays are the common case: the row shows a list, not why a list is refused."""
+    drops = datahash.Drops()
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "5 Mar 2021"}]}]}
+    for i in range(3):
+        drops.add("non_string_content", "source", i, parts)
+    cause = datahash.drop_failure(drops, 3, 0.05) or ""
+    assert cause.startswith("100.0% of rows dropped (over data.max_dropped_fraction 5.0%): non_string_content=3 of 3")
+    assert cause.endswith(
+        "; each turn's content must be one string: a list of content parts, as OpenAI's API takes, is not read "
+        "(join its text parts into one string)"
+    )
+    assert set(datahash.REMEDIES) <= set(datahash.REASONS)
+
+
 def test_drops_counted_in_chunks_and_merged_in_order_equal_drops_counted_in_one():
     events = [("empty", i) for i in range(4)] + [("too_long", 9), ("empty", 11), ("too_long", 12), ("too_long", 13)]
     whole, merged = datahash.Drops(), datahash.Drops()

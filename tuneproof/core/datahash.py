@@ -28,6 +28,13 @@ SHAPE_REASONS = (
     "template_rejected",  # the tokenizer's chat template raised on the conversation
 )
 REASONS = COLUMN_REASONS + SHAPE_REASONS
+# What to change in the data, for the reasons whose fix the row alone does not show.
+REMEDIES = {
+    "non_string_content": "each turn's content must be one string: a list of content parts, as OpenAI's API "
+    "takes, is not read (join its text parts into one string)",
+    "unknown_role": "roles are system, user and assistant: tool and function turns are not read",
+    "bad_turn": "each turn must be a mapping with 'role' and 'content'",
+}
 EXAMPLES_PER_REASON = 3
 
 # Bump when the shard layout or the meaning of a setting changes: old datasets must not be reused.
@@ -124,9 +131,10 @@ def drop_failure(drops: Drops, total_rows: int, limit: float) -> str | None:
     counts = ", ".join(f"{r}={drops.counts[r]}" for r in REASONS if r in drops.counts)
     top = max((r for r in REASONS if r in drops.counts), key=lambda r: drops.counts[r])  # ties: REASONS' order
     first = drops.examples[top][0]
+    remedy = f"; {REMEDIES[top]}" if top in REMEDIES else ""
     return (
         f"{fraction:.1%} of rows dropped (over data.max_dropped_fraction {limit:.1%}): {counts} of {total_rows} rows; "
-        f"the first {top} is {first['source']} row {first['row']}: {first['value']}"
+        f"the first {top} is {first['source']} row {first['row']}: {first['value']}{remedy}"
     )
 
 
