@@ -18,24 +18,19 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory, base_model):  # base_model: built once a session, copied here
-    from tuneproof.app.tiny_model import ensure_tiny_model
-    from tuneproof.core.config import PROJECT_ROOT
-
-    out = tmp_path_factory.mktemp("model") / "tiny-qwen2"
-    ensure_tiny_model(str(out), str(PROJECT_ROOT / "data" / "dates" / "dates.jsonl"))
-    return out
+def model_dir(tmp_path_factory):
+    """A directory for model.source: these tests run verify, which reads no model, so they need not wait for
+    the session's tiny base (about a minute to build at the session's start) and run beside its build."""
+    return tmp_path_factory.mktemp("no-model-needed")
 
 
 @pytest.fixture
-def overrides(ray_head, tmp_path, tiny_model_dir):
+def overrides(ray_head, tmp_path, model_dir):
     return [
         f"cluster.address={ray_head.address}",
         f"cluster.auth_token_file={ray_head.token_file}",
         f"storage.root={tmp_path / 'storage'}",
-        f"model.source={tiny_model_dir}",
-        "connectivity.sizes_bytes=[1024, 65536]",
-        "connectivity.fsdp_steps=2",
+        f"model.source={model_dir}",
     ]
 
 
