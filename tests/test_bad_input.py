@@ -360,6 +360,13 @@ VERIFY_CASES = [
         "saved objects have an unexpected shape",
     ),
     Case("ray-nodes-nested", saved("ray-nodes.json", DEEP_JSON), 4, "ray-nodes.json: not JSON"),
+    # JSON reads 1e400 as inf: it ended in "error: OverflowError: cannot convert float infinity to integer".
+    Case(
+        "ray-nodes-cpu-infinite",
+        saved("ray-nodes.json", '[{"node_ip": "10.0.1.11", "state": "ALIVE", "resources_total": {"CPU": 1e400}}]'),
+        4,
+        "resources_total.CPU is inf, not a count",
+    ),
     Case("from-files-not-a-dir", lambda tmp: ["verify", "--from-files", str(tmp / "nope"), "-c", EKS], 4, "missing"),
 ]
 

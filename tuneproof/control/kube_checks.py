@@ -22,6 +22,7 @@ operator version is noted. The manifest helpers here are shared with `tuneproof 
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -429,11 +430,20 @@ def _ray_node(row: dict) -> dict | None:
     cpus = resources.get("CPU")
     return {
         "ip": raylet.get("nodeManagerAddress") or row.get("node_ip"),
-        "gpus": int(float(resources.get("GPU", 0))),
-        "cpus": float(cpus) if cpus is not None else None,
+        "gpus": int(_resource_count(resources.get("GPU", 0), "GPU")),
+        "cpus": _resource_count(cpus, "CPU") if cpus is not None else None,
         "node_id": raylet.get("nodeId") or row.get("node_id"),
         "is_head": bool(raylet.get("isHeadNode", row.get("is_head_node", row.get("is_head", False)))),
     }
+
+
+def _resource_count(raw: Any, resource: str) -> float:
+    """A Ray node's advertised count of `resource`. Anything else (text, a negative or non-finite number: JSON's
+    1e400 reads as inf) raises ValueError, which verify --from-files reports as an unexpected shape."""
+    count = float(raw)
+    if not math.isfinite(count) or count < 0:
+        raise ValueError(f"resources_total.{resource} is {raw!r}, not a count")
+    return count
 
 
 # ---------------------------------------------------------------- summary for the run record
