@@ -752,6 +752,11 @@ NAME_CASES = [
     Case("run-id-escape", lambda tmp: ["run", "--run-id", "a\x1b[2J"], 2, "holds a control character"),
     Case("only-lookalike", lambda tmp: ["run", "--only", "v\u0435rify"], 3, "'v\\u0435rify'; did you mean 'verify'?"),
     Case("until-lookalike", lambda tmp: ["run", "--until", "fin\u0435tune"], 3, "did you mean 'finetune'?"),
+    Case("only-empty", lambda tmp: ["run", "--only", "", *root_args(tmp)], 3, "--only: names no stage (got '')"),
+    Case("only-commas", lambda tmp: ["run", "--only", " , ", *root_args(tmp)], 3, "--only: names no stage (got ' , ')"),
+    Case(
+        "compare-stages-empty", lambda tmp: ["compare", "--stages", "", *root_args(tmp)], 3, "--stages: names no stage"
+    ),
     Case(
         "compare-unread-difference",
         lambda tmp: data_ran(tmp, "train.lr=0.001", "train.lr=0.002"),

@@ -176,9 +176,13 @@ def run_exit_code(record: Any) -> int:
 def parse_only(only: str | None, option: str = "--only") -> list[str] | None:
     from tuneproof.control import stages as table
 
-    if not only:
+    if only is None:
         return None
     stages = [s.strip() for s in only.split(",") if s.strip()]
+    if not stages:
+        # Not "all stages": `--only "$STAGES"` with the variable unset would otherwise run, and promote, everything.
+        say(err, f"{option}: names no stage (got {only!r}); expected some of {', '.join(table.names())}")
+        raise typer.Exit(EXIT_INVALID_CONFIG)
     refuse_unknown_stages(option, stages)
     try:
         table.plan(stages)
