@@ -402,6 +402,12 @@ LINT_CASES = [
         "rayStartParams.num-gpus is '1e400', expected '4'",
     ),
     Case("lint-missing-path", lambda tmp: ["lint", str(tmp / "nope.yaml"), "-c", EKS], 1, "no such file or folder"),
+    Case(
+        "lint-folder-without-manifests",
+        lambda tmp: ["lint", str(write(tmp / "m" / "notes.md", "# no manifests here\n").parent), "-c", EKS],
+        1,
+        "no manifests in folder",
+    ),
 ]
 
 # ---- NCCL logs for transport -------------------------------------------------------------------------------------

@@ -113,7 +113,14 @@ def manifest_files(paths: list[str]) -> list[Path]:
     for raw in paths:
         path = Path(raw)
         if path.is_dir():
-            files += sorted(p for p in path.rglob("*") if is_linted(p) and p.is_file())
+            found = sorted(p for p in path.rglob("*") if is_linted(p) and p.is_file())
+            if not found:
+                # A mistyped or empty folder would otherwise lint nothing and print "ok".
+                raise FileNotFoundError(
+                    f"lint: no manifests in folder {raw} (files ending {', '.join(MANIFEST_SUFFIXES)}, "
+                    "or requirements*.txt)"
+                )
+            files += found
         elif path.exists():
             files.append(path)
         else:
