@@ -567,6 +567,15 @@ def test_csv_row_with_bytes_that_are_not_utf8_is_undecodable(tmp_path, tiny_dir)
     assert summary["manifest"]["dropped"]["undecodable"]["count"] == 1
 
 
+def test_a_csv_field_longer_than_the_csv_modules_limit_is_a_row_dropped_as_too_long(tmp_path, tiny_dir):
+    # csv refuses fields over 131,072 characters by default: the stage failed as infrastructure, `Error: field larger than
+    # field limit (131072)`, for a source with one long document among short rows.
+    text = "input,output\n" + "".join(f"{r['input'].replace(',', '')},{r['output']}\n" for r in DATES[:40])
+    (tmp_path / "d.csv").write_text(text + "a " * 100_000 + ",2021-03-05\n")
+    summary = prepare(config(tmp_path / "store", tiny_dir, tmp_path / "d.csv", max_dropped_fraction=0.1))
+    assert summary["manifest"]["dropped"]["too_long"]["count"] == 1 and summary["manifest"]["total_rows"] == 41
+
+
 def test_overflow_truncate_and_pack(tmp_path, tiny_dir):
     source = write_jsonl(tmp_path / "d.jsonl", DATES[:60])
     with pytest.raises(StageFailure, match="too_long=60 of 60 rows"):

@@ -178,6 +178,9 @@ def parse_csv(source: Source) -> Iterator[RawRow]:
     """Yields (row, record, None) or (row, None, raw values); a header row names the columns."""
     # surrogateescape keeps going past bytes that are not UTF-8, so only the rows holding them are lost.
     text = source.text_bytes().decode("utf-8", errors="surrogateescape")
+    # The csv module refuses a field over 128 KiB (csv.Error: the stage failed as infrastructure): a long
+    # document is a row like any other, kept or dropped as too_long by its tokens. No field outgrows its file.
+    csv.field_size_limit(max(csv.field_size_limit(), len(text)))
     for index, record in enumerate(csv.DictReader(io.StringIO(text, newline=""))):
         values = [v for v in record.values() if isinstance(v, str)]
         if any(not _is_utf8(v) for v in values):
