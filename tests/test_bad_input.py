@@ -908,6 +908,7 @@ DATA_CASES = [
     ("row-field-a-number", b'{"input": 5, "output": "2020-01-01"}', "wrong_type"),
     ("row-empty-response", b'{"input": "1 Jan 2020", "output": ""}', "empty"),
     ("row-nested-deep", b"[" * 100_000 + b"]" * 100_000, "undecodable"),
+    ("row-lone-surrogate", b'{"input": "1 Jan \\ud800", "output": "2020-01-01"}', "undecodable"),
 ]
 
 

@@ -576,6 +576,14 @@ def test_a_csv_field_longer_than_the_csv_modules_limit_is_a_row_dropped_as_too_l
     assert summary["manifest"]["dropped"]["too_long"]["count"] == 1 and summary["manifest"]["total_rows"] == 41
 
 
+def test_a_csv_column_named_twice_fails_naming_it(tmp_path, tiny_dir):
+    # A row kept the last one's value: `input,output,input` trained every row on the third column's text.
+    rows = "".join(f"{r['input'].replace(',', '')},{r['output']},x\n" for r in DATES[:40])
+    (tmp_path / "d.csv").write_text("input,output,input\n" + rows)
+    failure = data_failure(config(tmp_path / "store", tiny_dir, tmp_path / "d.csv"))
+    assert "names column(s) 'input' more than once (columns: ['input', 'output', 'input'])" in failure.cause
+
+
 def test_overflow_truncate_and_pack(tmp_path, tiny_dir):
     source = write_jsonl(tmp_path / "d.jsonl", DATES[:60])
     with pytest.raises(StageFailure, match="too_long=60 of 60 rows"):

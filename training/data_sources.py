@@ -14,7 +14,8 @@ import csv
 import io
 import json
 import posixpath
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,8 @@ from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries_data import SourceIdentity
 
+LONE_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+"""A JSON escape of a UTF-16 surrogate (half of a pair, or alone); only a line holding one is checked further."""
 EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
 
 
@@ -160,8 +163,13 @@ def parse_jsonl(source: Source) -> Iterator[RawRow]:
     lines = [line for line in data.split(b"\n") if line.strip()]
     for index, line in enumerate(lines):
         try:
-            yield index, json.loads(line.decode("utf-8")), None
-        except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: absurdly nested JSON
+            record = json.loads(line.decode("utf-8"))
+            if LONE_SURROGATE_ESCAPE.search(line):
+                # `"\ud800"` is valid JSON but no text: it failed the stage as infrastructure where the row was
+                # encoded (UnicodeEncodeError). A pair (an emoji) decodes to one character and passes.
+                json.dumps(record, ensure_ascii=False).encode("utf-8")
+            yield index, record, None
+        except (UnicodeError, ValueError, RecursionError):  # RecursionError: absurdly nested JSON
             yield index, None, line
 
 
@@ -181,7 +189,9 @@ def parse_csv(source: Source) -> Iterator[RawRow]:
     # The csv module refuses a field over 128 KiB (csv.Error: the stage failed as infrastructure): a long
     # document is a row like any other, kept or dropped as too_long by its tokens. No field outgrows its file.
     csv.field_size_limit(max(csv.field_size_limit(), len(text)))
-    for index, record in enumerate(csv.DictReader(io.StringIO(text, newline=""))):
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    refuse_duplicate_columns(source, reader.fieldnames or [])
+    for index, record in enumerate(reader):
         values = [v for v in record.values() if isinstance(v, str)]
         if any(not _is_utf8(v) for v in values):
             yield index, None, [v.encode("utf-8", errors="surrogateescape") for v in values]
@@ -204,6 +214,18 @@ def parse_parquet(source: Source) -> Iterator[RawRow]:
         raise StageFailure("data", f"data source {source.uri} is not a readable parquet file: {e}") from e
     for index, record in enumerate(table.to_pylist()):
         yield index, record, None
+
+
+def refuse_duplicate_columns(source: Source, columns: Sequence[str]) -> None:
+    """A CSV column named twice is a data failure naming it: a row kept only the last one's value, so `input,output,input`
+    trained on the third column's text under the first one's name. (pyarrow refuses such a parquet file itself.)"""
+    twice = sorted({name for name in columns if name and columns.count(name) > 1})
+    if twice:
+        raise StageFailure(
+            "data",
+            f"data source {source.uri} names column(s) {', '.join(map(repr, twice))} more than once (columns: "
+            f"{columns[:20]}): which one is meant is ambiguous; rename or remove the others",
+        )
 
 
 def split_conversations(
