@@ -130,6 +130,13 @@ CONFIG_CASES = [
         3,
         "eval.suites.s.metrics: list each metric once",
     ),
+    Case("set-response-is-the-prompt", with_set("data.fields.prompt=output"), 3, "every answer would be in its own"),
+    Case(
+        "set-template-shows-the-response",
+        with_set("data.template={prompt: '{input} = {output}'}", "data.shape=template"),
+        3,
+        "prompt names {output}, the response column",
+    ),
     Case("set-string-got-mapping", with_set("data.source={a}"), 3, "got a YAML mapping; quote it"),
     Case("set-string-got-list", with_set("data.source=[a]"), 3, "got a YAML list; quote it"),
     Case("set-markup-in-value", with_set("data.name=a[/b]"), 3, "dataset name 'a[/b]'"),

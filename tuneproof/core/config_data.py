@@ -24,6 +24,17 @@ class FieldMap(Strict):
     response: str = "output"
     system: str | None = None
 
+    @model_validator(mode="after")
+    def _response_not_in_the_prompt(self) -> FieldMap:
+        # The answer would be in its own prompt: a model that copies it scores 1, a verdict about no skill.
+        for part, column in (("prompt", self.prompt), ("system", self.system)):
+            if column == self.response:
+                raise ValueError(
+                    f"fields.{part} and fields.response both name column {column!r}: every answer would be in its "
+                    "own prompt, and a model that copies it would pass every gate"
+                )
+        return self
+
 
 class PromptTemplate(Strict):
     """The prompt of data.shape template: named columns laid into a text, e.g. an instruction and an optional input."""
@@ -48,6 +59,15 @@ class PromptTemplate(Strict):
         if not names or bad:
             raise ValueError("prompt must name at least one column as {column} (plain names, no index or attribute)")
         return v
+
+    @model_validator(mode="after")
+    def _response_not_in_the_prompt(self) -> PromptTemplate:
+        if self.response in {name for _, name, _, _ in string.Formatter().parse(self.prompt) if name is not None}:
+            raise ValueError(
+                f"prompt names {{{self.response}}}, the response column: every answer would be in its own prompt, "
+                "and a model that copies it would pass every gate"
+            )
+        return self
 
 
 class ReplayConfig(Strict):
