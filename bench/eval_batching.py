@@ -19,8 +19,8 @@ AGAINST_BATCHED = Target("<=", 1.05)
 
 
 def run(bench, repeats: int, quick: bool) -> BenchResult:
-    # Four batches of 64, an eval split's size (the demo scores up to 300, eval.max_examples): one batch was the same work on both
-    # sides but sorting, and its 22 ms passes left the ratio against padded batches to the scheduler's noise.
+    # Four batches of 64, an eval split's size (the demo scores up to 300, eval.max_examples): one batch was the
+    # same work on both sides but sorting, and its 22 ms passes left the ratio against padded batches to noise.
     examples = 64 if quick else 256
     measured, agree = generation_batching.measure(examples, repeats, batch_size=64)
     say(f"  eval_batching: {measured}; answers equal to ours: {agree}")
