@@ -138,3 +138,16 @@ def test_verdict_for_files_document():
     ]
     assert all(line.startswith(("nccl.b.2.log: ", "nccl.a.1.log: efa")) for line in doc["evidence"])
     assert verdict_for_files({"only.log": EFA_LOG}, expect="efa")["ok"] is True
+
+
+def test_a_gzipped_log_that_expands_past_the_limit_is_refused_not_judged_on_its_first_part(monkeypatch):
+    # It was cut at the limit without a word: "no NCCL transport line among 268168 lines" for a 500 MB log.
+    import gzip
+
+    from tuneproof.core import transport
+
+    monkeypatch.setattr(transport, "MAX_LOG_BYTES", 1000)
+    line = b"NET/OFI Selected provider is efa\n"
+    assert "efa" in transport.decode_log(gzip.compress(line * 30))  # 990 bytes: read whole
+    with pytest.raises(ValueError, match="expands past 1,000 bytes, more than a log is read to"):
+        transport.decode_log(gzip.compress(line * 31))

@@ -85,13 +85,20 @@ def classify(lines: Iterable[str]) -> dict:
 def decode_log(data: bytes) -> str:
     """A log file's text: gunzipped when gzipped (at most MAX_LOG_BYTES of it), UTF-16 when it starts with
     a byte-order mark or reads as UTF-16 (PowerShell's `>` writes it), else UTF-8; undecodable bytes
-    become U+FFFD rather than an error. ValueError for a corrupt gzip stream."""
+    become U+FFFD rather than an error. ValueError for a corrupt gzip stream, or one that expands past MAX_LOG_BYTES."""
     if data[:2] == b"\x1f\x8b":
         # wbits 16+: the gzip header; max_length bounds what a small file can expand to (a gzip bomb).
+        gunzip = zlib.decompressobj(16 + zlib.MAX_WBITS)
         try:
-            data = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(data, MAX_LOG_BYTES)
+            data = gunzip.decompress(data, MAX_LOG_BYTES)
         except zlib.error as e:
             raise ValueError(f"starts like gzip but is not readable gzip ({e})") from None
+        if gunzip.unconsumed_tail:
+            # Refused like an uncompressed log past the size: a verdict on its first part would read as the whole's.
+            raise ValueError(
+                f"expands past {MAX_LOG_BYTES:,} bytes, more than a log is read to: pass the part with NCCL's "
+                "start-up lines (e.g. `zcat LOG | head -c 100M > part.log`)"
+            )
     head = data[:4096]
     # ASCII text as UTF-16-LE without a byte-order mark: every other byte NUL
     if not data.startswith(UTF16_BOMS) and len(head) >= 4 and head[1::2].count(0) > len(head) // 4:
