@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 
 from tuneproof.core.config_base import MAX_EXAMPLES, MAX_SEED, MAX_SEQ_LEN, Strict
 from tuneproof.core.names import check_slug
+from tuneproof.core.shapes import template_columns
 
 
 class FieldMap(Strict):
@@ -62,7 +63,7 @@ class PromptTemplate(Strict):
 
     @model_validator(mode="after")
     def _response_not_in_the_prompt(self) -> PromptTemplate:
-        if self.response in {name for _, name, _, _ in string.Formatter().parse(self.prompt) if name is not None}:
+        if self.response in template_columns(self.prompt):
             raise ValueError(
                 f"prompt names {{{self.response}}}, the response column: every answer would be in its own prompt, "
                 "and a model that copies it would pass every gate"
