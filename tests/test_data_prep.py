@@ -584,6 +584,22 @@ def test_a_csv_column_named_twice_fails_naming_it(tmp_path, tiny_dir):
     assert "names column(s) 'input' more than once (columns: ['input', 'output', 'input'])" in failure.cause
 
 
+def test_a_csv_quote_never_closed_fails_naming_its_line_and_stray_quotes_still_read(tmp_path, tiny_dir):
+    # The csv module read everything after the open quote as one value: rows 13-40 vanished without a drop.
+    rows = [f"{r['input'].replace(',', '')},{r['output']}\n" for r in DATES[:40]]
+    rows[11] = '"12 Jan 2021,2021-01-12\n'
+    (tmp_path / "d.csv").write_text("input,output\n" + "".join(rows))
+    failure = data_failure(config(tmp_path / "store", tiny_dir, tmp_path / "d.csv"))
+    assert failure.failure_class.value == "data"
+    assert "a quote opened in the row on line 13 is never closed, so the file from there to its end (29 lines)" in (
+        failure.cause
+    )
+    # A quote inside a value, or a space after a closing one, is not CSV to the letter but reads as before.
+    rows[11], rows[12] = '"12 Jan 2021" ,2021-01-12\n', '13" Jan 2021,2021-01-13\n'
+    (tmp_path / "d.csv").write_text("input,output\n" + "".join(rows))
+    assert prepare(config(tmp_path / "store", tiny_dir, tmp_path / "d.csv"))["manifest"]["total_rows"] == 40
+
+
 def test_overflow_truncate_and_pack(tmp_path, tiny_dir):
     source = write_jsonl(tmp_path / "d.jsonl", DATES[:60])
     with pytest.raises(StageFailure, match="too_long=60 of 60 rows"):

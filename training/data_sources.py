@@ -189,14 +189,54 @@ def parse_csv(source: Source) -> Iterator[RawRow]:
     # The csv module refuses a field over 128 KiB (csv.Error: the stage failed as infrastructure): a long
     # document is a row like any other, kept or dropped as too_long by its tokens. No field outgrows its file.
     csv.field_size_limit(max(csv.field_size_limit(), len(text)))
-    reader = csv.DictReader(io.StringIO(text, newline=""))
+    lines = _Lines(text)
+    reader = csv.DictReader(lines)
     refuse_duplicate_columns(source, reader.fieldnames or [])
+    start = after = (lines.offset, reader.line_num + 1)  # where a record starts: (its first character, line)
     for index, record in enumerate(reader):
+        start, after = after, (lines.offset, reader.line_num + 1)
         values = [v for v in record.values() if isinstance(v, str)]
         if any(not _is_utf8(v) for v in values):
             yield index, None, [v.encode("utf-8", errors="surrogateescape") for v in values]
         else:
             yield index, record, None
+    refuse_unclosed_quote(source, text, *start)
+
+
+class _Lines:
+    """A text's lines for the csv reader, counting where the next unread one starts: a record's first character."""
+
+    def __init__(self, text: str) -> None:
+        self.lines, self.offset = iter(io.StringIO(text, newline="")), 0
+
+    def __iter__(self) -> _Lines:
+        return self
+
+    def __next__(self) -> str:
+        line = next(self.lines)
+        self.offset += len(line)
+        return line
+
+
+def refuse_unclosed_quote(source: Source, text: str, start: int, line: int) -> None:
+    """A quote opened and never closed is a data failure naming its line: the csv module (not strict, which would
+    refuse `"a" ,b` too) reads the rest of the file as one value of one row, so every row after it vanished
+    without a drop, or trained as that value. Only the last record can hold it; it begins at `start`, on `line`."""
+    tail = text[start:]
+    blank = len(tail) - len(tail.lstrip("\r\n"))  # blank lines the reader skipped before the record
+    tail, line = tail[blank:], line + tail[:blank].count("\n")
+    try:
+        for _ in csv.reader(io.StringIO(tail, newline=""), strict=True):
+            pass
+    except csv.Error as e:
+        if "end of data" not in str(e):  # another strictness (`"a" ,b`): read leniently, like every other row
+            return
+        raise StageFailure(
+            "data",
+            f"data source {source.uri}: a quote opened in the row on line {line} is never closed, so the file from "
+            f"there to its end ({tail.rstrip().count(chr(10)) + 1} lines) would be read as one row: close the quote, "
+            'or double a quote that is part of the text ("")',
+        ) from None
 
 
 def _is_utf8(text: str) -> bool:
