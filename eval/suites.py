@@ -50,13 +50,15 @@ class Suite:
 
 
 def read_suite(name: str, config: SuiteConfig, endpoint_url: str | None) -> Suite:
-    """The suite's items; an unreadable file, a row that is not {"input": str, "output": str} or an empty file
-    is a data failure naming the suite, the file and the line."""
+    """The suite's items; an unreadable file, a row that is not {"input": str, "output": str}, an item or id twice,
+    or an empty file is a data failure naming the suite, the file and the line. (An item twice would count twice
+    in the suite gate's n, its interval narrower than the evidence; an id names one item in the overlap report.)"""
     try:
         raw = Storage(config.source, endpoint_url).read_bytes()
     except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
         raise StageFailure(FailureClass.data, f"suite {name}: {config.source} is unreadable: {e}") from e
     ids, inputs, outputs = [], [], []
+    lines: dict[object, int] = {}  # an item's id, and its (input, output), -> the line that first held it
     for number, line in enumerate(raw.decode("utf-8-sig", errors="replace").splitlines(), start=1):
         if not line.strip():
             continue
@@ -66,7 +68,15 @@ def read_suite(name: str, config: SuiteConfig, endpoint_url: str | None) -> Suit
                 FailureClass.data,
                 f'suite {name}: {config.source} line {number} is not an item {{"input": text, "output": text}}: {line[:80]!r}',
             )
-        ids.append(str(row.get("id", f"{name}:{number}")))
+        item_id = str(row.get("id", f"{name}:{number}"))
+        for key, what in (((row["input"], row["output"]), "the same input and output"), (item_id, f"id {item_id!r}")):
+            if (first := lines.setdefault(key, number)) != number:
+                raise StageFailure(
+                    FailureClass.data,
+                    f"suite {name}: {config.source} line {number} has {what} as line {first}: an item counts once "
+                    "in the suite's gate; remove or rename the repeat",
+                )
+        ids.append(item_id)
         inputs.append(row["input"])
         outputs.append(row["output"])
     if not ids:

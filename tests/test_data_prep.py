@@ -628,6 +628,27 @@ def test_separate_eval_source(tmp_path, tiny_dir):
     assert manifest["settings"]["eval_fraction"] is None
 
 
+def test_the_eval_split_holds_each_conversation_once(tmp_path, tiny_dir):
+    # A repeat counted twice in every gate's n: an interval narrower than the evidence. Training keeps its repeats.
+    twice = write_jsonl(tmp_path / "twice.jsonl", DATES[:60] + DATES[:60])
+    summary = prepare(config(tmp_path / "store", tiny_dir, twice, max_dropped_fraction=0.1))
+    manifest = summary["manifest"]
+    assert (manifest["splits"]["train"]["rows"], manifest["splits"]["eval"]["rows"]) == (108, 6)
+    assert manifest["dropped"]["repeated_eval_item"]["count"] == 6
+    eval_src = write_jsonl(tmp_path / "eval.jsonl", DATES[50:58] + [DATES[52], DATES[52]])
+    train_src = write_jsonl(tmp_path / "train.jsonl", DATES[:50])
+    summary = prepare(
+        config(tmp_path / "store", tiny_dir, train_src, eval_source=str(eval_src), max_dropped_fraction=0.1)
+    )
+    assert summary["manifest"]["splits"]["eval"]["rows"] == 8
+    repeats = summary["manifest"]["dropped"]["repeated_eval_item"]
+    assert repeats["count"] == 2 and repeats["examples"][0] == {
+        "source": "eval_source",
+        "row": 8,
+        "value": "'the same conversation as eval_source row 2'",
+    }
+
+
 @pytest.mark.parametrize(
     "source, match",
     [

@@ -48,8 +48,10 @@ TWO_TURNS = [
     {"role": "assistant", "content": "2021"},
 ]
 ALPACA = "Below is an instruction.\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:"
-# The date content hash of configs/local.yaml before shapes existed: columns datasets must stay cache hits.
-LOCAL_DATES_HASH = "0a34d21bd02b2d8d0d5af5d2c8b63987ce6f840c803513facfe88ee431a2c24b"
+# The date content hash of configs/local.yaml: shapes and replay left it as it was (columns datasets stayed cache
+# hits); it moves only with datahash.PREP_VERSION, on purpose (0a34d21b... at version 1, before the eval split
+# kept each conversation once).
+LOCAL_DATES_HASH = "31bc2fedeb4b1d044173a156ddebc7113fc1834f5127e312d64dd5d0171a0551"
 
 
 def chat_text(messages: list[dict]) -> str:

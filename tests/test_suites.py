@@ -112,5 +112,26 @@ def test_a_suite_file_that_is_not_items_is_a_data_failure_naming_the_line(tmp_pa
     assert read_suite("mine", SuiteConfig(source=str(path)), None).inputs == ["a"]
 
 
+@pytest.mark.parametrize(
+    "second, says",
+    [
+        ('{"input": "a", "output": "b", "id": "x2"}', "line 3 has the same input and output as line 1"),
+        ('{"input": "c", "output": "d", "id": "x1"}', "line 3 has id 'x1' as line 1"),
+    ],
+)
+def test_a_suite_item_or_id_twice_is_a_data_failure_naming_both_lines(tmp_path, second, says):
+    # Twice counted as two items in the suite gate's n: an interval narrower than the evidence.
+    path = tmp_path / "mine.jsonl"
+    path.write_text(f'{{"input": "a", "output": "b", "id": "x1"}}\n\n{second}\n')
+    with pytest.raises(StageFailure) as info:
+        read_suite("mine", SuiteConfig(source=str(path)), None)
+    assert info.value.failure_class is FailureClass.data and f"suite mine: {path} {says}: an item counts once" in (
+        info.value.cause
+    )
+    # The same input with another answer, or the same answer to another input, are other items.
+    path.write_text('{"input": "a", "output": "b"}\n{"input": "a", "output": "c"}\n{"input": "z", "output": "b"}\n')
+    assert read_suite("mine", SuiteConfig(source=str(path)), None).ids == ["mine:1", "mine:2", "mine:3"]
+
+
 def test_a_gate_with_only_a_base_margin_is_a_gate():
     assert Gate(max_regression_vs_base=0.1).max_regression_vs_base == 0.1

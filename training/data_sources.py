@@ -272,7 +272,7 @@ def split_conversations(
     data: DataConfig, shape: str, parsed: ParsedSources, drops: datahash.Drops
 ) -> tuple[list[Conversation], list[Conversation], int]:
     """(train conversations, eval conversations, rows read): the seeded split, or eval_source as the eval
-    split; then data.replay's rows added to the training split."""
+    split, each of its conversations once; then data.replay's rows added to the training split."""
     convs, total = conversations(parsed.source, data, shape, drops, "source")
     if parsed.eval_source is None:
         keys = [c.split_key() for c in convs]
@@ -284,6 +284,7 @@ def split_conversations(
             [convs[rank] for rank in datahash.rank_for_split([c.split_key() for c in convs], data.seed)],
             total + eval_total,
         )
+    eval_convs = each_once(eval_convs, drops)
     if parsed.replay is None or data.replay is None:
         return train, eval_convs, total
     replay_convs, replay_total = conversations(parsed.replay, data, shape, drops, "replay")
@@ -294,6 +295,28 @@ def split_conversations(
     extra = replayed(replay_convs, len(train), data.replay.share, data.seed)
     log(f"replay: {len(extra)} rows from {len(replay_convs)} of {data.replay.source} join {len(train)} training rows")
     return train + extra, eval_convs, total + replay_total
+
+
+def each_once(convs: list[Conversation], drops: datahash.Drops) -> list[Conversation]:
+    """The eval split with each conversation once, a repeat dropped as repeated_eval_item naming the first.
+
+    A gate's items are its independent evidence: an item twice counts twice in n, and the interval it
+    states is narrower than the evidence (the bundled alpaca example's eval split held 4 repeats in 300). A
+    repeat in the training split stays: there it weighs the row, which a source may mean."""
+    first: dict[str, Conversation] = {}
+    kept = []
+    for conv in convs:
+        original = first.setdefault(conv.split_key(), conv)
+        if original is conv:
+            kept.append(conv)
+        else:
+            drops.add(
+                "repeated_eval_item",
+                conv.where,
+                conv.row,
+                f"the same conversation as {original.where} row {original.row}",
+            )
+    return kept
 
 
 def replayed(rows: list[Conversation], task_rows: int, share: float, seed: int) -> list[Conversation]:

@@ -27,18 +27,23 @@ SHAPE_REASONS = (
     "no_assistant_turn",  # nothing to learn and nothing to evaluate
     "template_rejected",  # the tokenizer's chat template raised on the conversation
 )
-REASONS = COLUMN_REASONS + SHAPE_REASONS
+# An eval row whose conversation an earlier eval row already holds (training/data_sources.each_once).
+SPLIT_REASONS = ("repeated_eval_item",)
+REASONS = COLUMN_REASONS + SHAPE_REASONS + SPLIT_REASONS
 # What to change in the data, for the reasons whose fix the row alone does not show.
 REMEDIES = {
     "non_string_content": "each turn's content must be one string: a list of content parts, as OpenAI's API "
     "takes, is not read (join its text parts into one string)",
     "unknown_role": "roles are system, user and assistant: tool and function turns are not read",
     "bad_turn": "each turn must be a mapping with 'role' and 'content'",
+    "repeated_eval_item": "the eval split keeps one copy of each conversation, since a repeat would count twice in "
+    "every gate's n: remove the repeated rows from the source",
 }
 EXAMPLES_PER_REASON = 3
 
 # Bump when the shard layout or the meaning of a setting changes: old datasets must not be reused.
-PREP_VERSION = 1
+PREP_VERSION = 2
+"""2: the eval split holds each conversation once (2026-12-07); a dataset prepared before may count one twice."""
 
 
 def content_hash(
