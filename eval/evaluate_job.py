@@ -22,6 +22,7 @@ Before any model verdict the evaluation tests itself, and a failed self-test end
 model), never as a gate failure: every local metric must score the references, put through the same
 post-processing, at its maximum (1) on every item; the candidate's and the base's tokenizer must carry the
 chat template the data stage rendered the eval prompts with (the dataset manifest's chat_template_sha256);
+every gated value the metric modules report must be a number (not missing, NaN or infinite) for every model;
 no more than eval.max_truncated_fraction of a model's answers on a split may stop at eval.max_new_tokens
 without a stop token, nor come back empty (eval/selftest.py: counted per model and split, kept in the
 summary; the base is not held to it on the task it has not learned); and the base's answers must repeat
@@ -39,6 +40,7 @@ import gc
 import json
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,7 +61,7 @@ from training.modeling import load_model, load_tokenizer, materialize
 from training.train_data import read_split
 from tuneproof.core import markers
 from tuneproof.core.hashing import chat_template_sha256
-from tuneproof.core.metric_names import resolve_metric
+from tuneproof.core.metric_names import LOSS_METRICS, resolve_metric
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.summaries_eval import ROLES, EvaluateSummary, GateDecision, Generations, ModelScore
 
@@ -284,6 +286,8 @@ def evaluate_model(
         on_batch=lambda n: counter.advance(n, source.role),
     )
     values = score(metrics, answers, data.references)
+    if problem := unscored(values, cfg.gates):
+        raise invalid(f"{source.role} on the eval split: {problem}")
     items = item_scores(metrics, answers, data.references, values)
     values.update(eval_loss(model, data.input_ids, data.labels, cfg.batch_size, pad_token_id(tokenizer)))
     answered = {s.name: answer_suite(ctx, model, tokenizer, s, source.role, counter) for s in suites}
@@ -316,6 +320,8 @@ def answer_suite(
         on_batch=lambda n: counter.advance(n, role),
     )
     values = score(suite.metrics, answers, suite.references)
+    if problem := unscored(values, suite.config.metrics):
+        raise invalid(f"{role} on suite {suite.name}: {problem}")
     jobkit.log(f"{role} on suite {suite.name}: " + ", ".join(f"{k}={v:.4g}" for k, v in values.items()))
     return Scores(values, item_scores(suite.metrics, answers, suite.references, values)), generations(answers, cut)
 
@@ -349,6 +355,24 @@ def score(metrics: dict, answers: list[str], references: list[str]) -> dict[str,
             if isinstance(value, (int, float)):
                 values[key] = float(value)
     return values
+
+
+def unscored(values: dict[str, float], gated: Iterable[str]) -> str | None:
+    """Why the metric modules gave no number for a gated value (none reported, NaN, infinite), or None.
+
+    The scorer failed there, not the model: a gate reading it would fail the model (a modeling failure, the
+    wrong class) or, worse, pass it. eval_loss and perplexity are computed from the model itself, and are
+    not asked here: their NaN is a diverged model's, which their gates judge."""
+    for name in gated:
+        if name in LOSS_METRICS:
+            continue
+        value = values.get(name)
+        if value is None:
+            have = ", ".join(sorted(values)) or "nothing"
+            return f"the metrics report no {name} (they report {have}): a gate on it cannot judge any model"
+        if not math.isfinite(value):
+            return f"{name} is {value}: the metric module computed no number, so its gates cannot judge the model"
+    return None
 
 
 def item_scores(

@@ -419,6 +419,49 @@ def test_a_planted_extraction_bug_ends_evaluate_before_any_model_is_scored(world
     assert not store.exists("runs/offbyone/stages/evaluate/predictions.jsonl")  # no model answered
 
 
+class NoNumber:
+    """A local metric that passes the self-test (the references score 1, the rotated references not 1) but gives
+    a model's answers no number: NaN as a division by an empty count gives, or its value under another key."""
+
+    name = "exact_match"
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def _compute(self, predictions, references):
+        if predictions == references:
+            return {"exact_match": 1.0}
+        return {"exact_match": float("nan")} if self.key == "exact_match" else {self.key: 0.5}
+
+    def compute(self, predictions, references):
+        return self._compute(predictions, references)
+
+
+@pytest.mark.parametrize(
+    "key, says",
+    [
+        (
+            "exact_match",
+            "exact_match is nan: the metric module computed no number, so its gates cannot judge the model",
+        ),
+        ("em", "the metrics report no exact_match (they report em, rouge_l): a gate on it cannot judge any model"),
+    ],
+)
+def test_a_gated_value_the_metric_gives_no_number_is_an_invalid_evaluation_not_a_model_verdict(
+    world, store, monkeypatch, key, says
+):
+    # Before, its gate failed the candidate as a modeling failure ("candidate value is NaN (fail)").
+    upload_export(store, world["trained"], f"nan-{key}")
+    monkeypatch.setattr(
+        evaluate_job, "load_metric", lambda name, hub: NoNumber(key) if name == "exact_match" else load_metric(name)
+    )
+    with pytest.raises(StageFailure) as info:
+        evaluate_body(make_ctx(world, f"nan-{key}", store.root))
+    assert info.value.failure_class is FailureClass.infrastructure
+    # The trained candidate answers all 30 items right, which scores; the untrained base's answers do not.
+    assert info.value.cause == f"evaluation invalid: base on the eval split: {says}"
+
+
 def test_a_chat_template_changed_after_data_prep_makes_the_evaluation_invalid(world, store, tmp_path):
     """The candidate's tokenizer now lays prompts out with another template than the eval rows were rendered with."""
     edited = shutil.copytree(world["trained"], tmp_path / "edited")
