@@ -50,16 +50,25 @@ class Suite:
 
 
 def read_suite(name: str, config: SuiteConfig, endpoint_url: str | None) -> Suite:
-    """The suite's items; an unreadable file, a row that is not {"input": str, "output": str}, an item or id twice,
-    or an empty file is a data failure naming the suite, the file and the line. (An item twice would count twice
-    in the suite gate's n, its interval narrower than the evidence; an id names one item in the overlap report.)"""
+    """The suite's items; an unreadable file, bytes that are not UTF-8, a row that is not {"input": str, "output":
+    str}, an item or id twice, or an empty file is a data failure naming the suite, the file and the line. (An item
+    twice would count twice in the suite gate's n, its interval narrower than the evidence; an id names one item in
+    the overlap report.)"""
     try:
         raw = Storage(config.source, endpoint_url).read_bytes()
     except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
         raise StageFailure(FailureClass.data, f"suite {name}: {config.source} is unreadable: {e}") from e
     ids, inputs, outputs = [], [], []
     lines: dict[object, int] = {}  # an item's id, and its (input, output), -> the line that first held it
-    for number, line in enumerate(raw.decode("utf-8-sig", errors="replace").splitlines(), start=1):
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:  # replaced, an answer would hold U+FFFD that no model can match
+        at = raw[: e.start].count(b"\n") + 1
+        raise StageFailure(
+            FailureClass.data,
+            f"suite {name}: {config.source} line {at} is not UTF-8 text ({e.reason} at byte {e.start})",
+        ) from None
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         row = _item(line)

@@ -107,6 +107,10 @@ def test_a_suite_file_that_is_not_items_is_a_data_failure_naming_the_line(tmp_pa
     assert info.value.cause.startswith(f"suite mine: {path} line 2 is not an item")
     with pytest.raises(StageFailure, match="is unreadable"):
         read_suite("gone", SuiteConfig(source=str(tmp_path / "gone.jsonl")), None)
+    # Bytes that are not UTF-8 were replaced by U+FFFD, an answer no model gives: now the line is named.
+    path.write_bytes(b'{"input": "a", "output": "b"}\n{"input": "c", "output": "M\xe4rz"}\n')
+    with pytest.raises(StageFailure, match=f"suite mine: {path} line 2 is not UTF-8 text \\(invalid continuation"):
+        read_suite("mine", SuiteConfig(source=str(path)), None)
     # A byte-order mark (Notepad, Excel) is not part of the first item: it failed line 1 as "not an item".
     path.write_bytes(b'\xef\xbb\xbf{"input": "a", "output": "b"}\n')
     assert read_suite("mine", SuiteConfig(source=str(path)), None).inputs == ["a"]
