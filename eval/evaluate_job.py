@@ -407,7 +407,8 @@ def invalid(cause: str, summary: EvaluateSummary | None = None) -> StageFailure:
 def check_references(metrics: dict, references: list[str]) -> None:
     """Each local metric (scores in [0, 1]) must tell a right answer from a wrong one, or its scores judge no model.
 
-    Right: the references, as answers, score 1 on every item; a post-processing or extraction step that
+    Right: the references, as answers, score 1 on every item (above 1, the metric is on another scale than the
+    gates' intervals assume); a post-processing or extraction step that
     changes a correct answer would score correct models down. Wrong: each item answered with the next item's
     reference (the references rotated by one) must score below 1 wherever that is another text, on at least
     one item; a metric that gives full credit to every wrong answer (an extraction that finds nothing in
@@ -415,6 +416,11 @@ def check_references(metrics: dict, references: list[str]) -> None:
     """
     totals = score(metrics, references, references)
     for key, values in item_scores(metrics, references, references, totals).items():
+        if above := [i for i, v in enumerate(values) if v > 1.0 + 1e-9]:
+            raise invalid(
+                f"{key} scores the references as answers {totals[key]:.4g}, above 1 on {len(above)} of {len(values)} "
+                "items: the gates' intervals read a score in [0, 1] per item, 1 for a right answer; scale the metric"
+            )
         wrong = [i for i, v in enumerate(values) if v < 1.0 - 1e-9]
         if wrong:
             first = wrong[0]

@@ -356,6 +356,23 @@ def test_a_planted_extraction_bug_fails_the_self_test():
     check_references({"exact_match": load_metric("exact_match"), "rouge_l": load_metric("rouge_l")}, [ANSWER, "a b"])
 
 
+class OutOfTen(OffByOne):
+    """A score out of 10 per item: the gates' intervals (their edges, and under 20 items) assume [0, 1]."""
+
+    def _compute(self, predictions, references):
+        return {"exact_match": 10.0 * sum(p == r for p, r in zip(predictions, references)) / max(len(predictions), 1)}
+
+
+def test_a_metric_on_another_scale_than_0_to_1_fails_the_self_test():
+    with pytest.raises(StageFailure) as info:
+        check_references({"exact_match": OutOfTen()}, [ANSWER, "1999-12-14"])
+    assert info.value.failure_class is FailureClass.infrastructure
+    assert info.value.cause == (
+        "evaluation invalid: exact_match scores the references as answers 10, above 1 on 2 of 2 items: the gates' "
+        "intervals read a score in [0, 1] per item, 1 for a right answer; scale the metric"
+    )
+
+
 class FindsNothing:
     """exact_match with a planted extraction bug of the other kind: it looks for a number in words ("answer: 42")
     that a date answer never has, finds none in either text and compares two empty strings."""
