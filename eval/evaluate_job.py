@@ -407,12 +407,12 @@ def invalid(cause: str, summary: EvaluateSummary | None = None) -> StageFailure:
 def check_references(metrics: dict, references: list[str]) -> None:
     """Each local metric (scores in [0, 1]) must tell a right answer from a wrong one, or its scores judge no model.
 
-    Right: the references, as answers, score 1 on every item (above 1, the metric is on another scale than the
-    gates' intervals assume); a post-processing or extraction step that
-    changes a correct answer would score correct models down. Wrong: each item answered with the next item's
-    reference (the references rotated by one) must score below 1 wherever that is another text, on at least
-    one item; a metric that gives full credit to every wrong answer (an extraction that finds nothing in
-    either text and compares two empty strings) would pass every model.
+    Right: the references, as answers, score 1 on every item; a post-processing or extraction step that
+    changes a correct answer would score correct models down, and a score above 1 is another scale than the
+    [0, 1] the gates' intervals assume. Wrong: each item answered with the next item's reference (the
+    references rotated by one) must score below 1 wherever that is another text, on at least one item; a
+    metric that gives full credit to every wrong answer (an extraction that finds nothing in either text and
+    compares two empty strings) would pass every model.
     """
     totals = score(metrics, references, references)
     for key, values in item_scores(metrics, references, references, totals).items():
