@@ -916,6 +916,9 @@ DATA_CASES = [
     ("row-empty-response", b'{"input": "1 Jan 2020", "output": ""}', "empty"),
     ("row-nested-deep", b"[" * 100_000 + b"]" * 100_000, "undecodable"),
     ("row-lone-surrogate", b'{"input": "1 Jan \\ud800", "output": "2020-01-01"}', "undecodable"),
+    # json keeps the last value: this trained on "x" without a word.
+    ("row-repeated-key", b'{"input": "1 Jan 2020", "output": "2020-01-01", "input": "x"}', "undecodable"),
+    ("row-turn-repeated-key", b'{"input": {"a": 1, "a": 2}, "output": "2020-01-01"}', "undecodable"),
 ]
 
 

@@ -163,14 +163,34 @@ def parse_jsonl(source: Source) -> Iterator[RawRow]:
     lines = [line for line in data.split(b"\n") if line.strip()]
     for index, line in enumerate(lines):
         try:
-            record = json.loads(line.decode("utf-8"))
+            record = ROW_DECODER.decode(line.decode("utf-8"))
             if LONE_SURROGATE_ESCAPE.search(line):
                 # `"\ud800"` is valid JSON but no text: it failed the stage as infrastructure where the row was
                 # encoded (UnicodeEncodeError). A pair (an emoji) decodes to one character and passes.
                 json.dumps(record, ensure_ascii=False).encode("utf-8")
             yield index, record, None
+        except RepeatedKey as e:  # the row number names the line
+            yield index, None, str(e)
         except (UnicodeError, ValueError, RecursionError):  # RecursionError: absurdly nested JSON
             yield index, None, line
+
+
+class RepeatedKey(ValueError):
+    """A JSON object naming a key twice: json keeps the last value, so `{"input": "a", "input": "b"}` trained on
+    "b" without a word (a CSV naming a column twice is refused for the same reason: refuse_duplicate_columns)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    record = dict(pairs)
+    if len(record) != len(pairs):
+        twice = next(key for i, (key, _) in enumerate(pairs) if key in dict(pairs[:i]))
+        raise RepeatedKey(f"names key {json.dumps(twice)} more than once: which value is meant is ambiguous")
+    return record
+
+
+ROW_DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys)
+"""JSON Lines rows as json.loads reads them, a repeated key refused; built once (json.loads with a hook builds
+a decoder a call, which doubled the parse)."""
 
 
 def _json_array(data: bytes) -> int | None:

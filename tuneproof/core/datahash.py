@@ -43,7 +43,8 @@ EXAMPLES_PER_REASON = 3
 
 # Bump when the shard layout or the meaning of a setting changes: old datasets must not be reused.
 PREP_VERSION = 2
-"""2: the eval split holds each conversation once (2026-12-07); a dataset prepared before may count one twice."""
+"""2 (2026-12-07): the eval split holds each conversation once, and a JSON row naming a key twice is dropped as
+undecodable; a dataset prepared before may count an eval item twice, or hold the last of two values."""
 
 
 def content_hash(
