@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 from eval.gates import Scores, decide
 from tuneproof.core.config_eval import SuiteConfig
 from tuneproof.core.datahash import sha256_bytes
+from tuneproof.core.files import DuplicateJSONKey, parse_json
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries_eval import GateDecision, SuiteScore
@@ -71,7 +72,10 @@ def read_suite(name: str, config: SuiteConfig, endpoint_url: str | None) -> Suit
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        row = _item(line)
+        try:
+            row = _item(line)
+        except DuplicateJSONKey as e:
+            raise StageFailure(FailureClass.data, f"suite {name}: {config.source} line {number} {e}") from None
         if row is None:
             raise StageFailure(
                 FailureClass.data,
@@ -95,7 +99,7 @@ def read_suite(name: str, config: SuiteConfig, endpoint_url: str | None) -> Suit
 
 def _item(line: str) -> dict | None:
     try:
-        row = json.loads(line)
+        row = parse_json(line)  # DuplicateJSONKey, raised through: json.loads would keep the last value
     except json.JSONDecodeError:
         return None
     ok = isinstance(row, dict) and isinstance(row.get("input"), str) and isinstance(row.get("output"), str)

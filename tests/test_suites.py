@@ -105,6 +105,10 @@ def test_a_suite_file_that_is_not_items_is_a_data_failure_naming_the_line(tmp_pa
         read_suite("mine", SuiteConfig(source=str(path)), None)
     assert info.value.failure_class is FailureClass.data
     assert info.value.cause.startswith(f"suite mine: {path} line 2 is not an item")
+    # An item naming a key twice: json kept the last answer.
+    path.write_text('{"input": "a", "output": "b"}\n{"input": "c", "output": "d", "output": "e"}\n')
+    with pytest.raises(StageFailure, match=f'suite mine: {path} line 2 names key "output" more than once'):
+        read_suite("mine", SuiteConfig(source=str(path)), None)
     with pytest.raises(StageFailure, match="is unreadable"):
         read_suite("gone", SuiteConfig(source=str(tmp_path / "gone.jsonl")), None)
     # Bytes that are not UTF-8 were replaced by U+FFFD, an answer no model gives: now the line is named.

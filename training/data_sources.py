@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 from training.jobkit import log
 from tuneproof.core import datahash, shapes
 from tuneproof.core.config_data import DataConfig
+from tuneproof.core.files import DuplicateJSONKey, parse_json
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries_data import SourceIdentity
@@ -163,34 +164,16 @@ def parse_jsonl(source: Source) -> Iterator[RawRow]:
     lines = [line for line in data.split(b"\n") if line.strip()]
     for index, line in enumerate(lines):
         try:
-            record = ROW_DECODER.decode(line.decode("utf-8"))
+            record = parse_json(line.decode("utf-8"))
             if LONE_SURROGATE_ESCAPE.search(line):
                 # `"\ud800"` is valid JSON but no text: it failed the stage as infrastructure where the row was
                 # encoded (UnicodeEncodeError). A pair (an emoji) decodes to one character and passes.
                 json.dumps(record, ensure_ascii=False).encode("utf-8")
             yield index, record, None
-        except RepeatedKey as e:  # the row number names the line
+        except DuplicateJSONKey as e:  # the row number names the line
             yield index, None, str(e)
         except (UnicodeError, ValueError, RecursionError):  # RecursionError: absurdly nested JSON
             yield index, None, line
-
-
-class RepeatedKey(ValueError):
-    """A JSON object naming a key twice: json keeps the last value, so `{"input": "a", "input": "b"}` trained on
-    "b" without a word (a CSV naming a column twice is refused for the same reason: refuse_duplicate_columns)."""
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    record = dict(pairs)
-    if len(record) != len(pairs):
-        twice = next(key for i, (key, _) in enumerate(pairs) if key in dict(pairs[:i]))
-        raise RepeatedKey(f"names key {json.dumps(twice)} more than once: which value is meant is ambiguous")
-    return record
-
-
-ROW_DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys)
-"""JSON Lines rows as json.loads reads them, a repeated key refused; built once (json.loads with a hook builds
-a decoder a call, which doubled the parse)."""
 
 
 def _json_array(data: bytes) -> int | None:

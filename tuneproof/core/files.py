@@ -5,18 +5,20 @@ and only up to a size.
     read_stored(storage, ("runs", run, "record.json"), 64 << 20)
     read_s3_body(client.get_object(...), 64 << 10, uri)     # an S3 response's body, at most that many bytes
     parse_yaml(text)                                      # yaml.safe_load, but a duplicate key is an error
+    parse_json(text)                                      # json.loads, but a duplicate key is an error
     decode_text(data)                                     # UTF-8, or UTF-16 where a byte-order mark says so
 
 A FIFO given as a config blocks open() until a writer comes, and a character device (/dev/zero) reads until
 memory runs out: the file is opened non-blocking, its type is checked on the open descriptor (so nothing can
-be swapped in between), and at most `limit` + 1 bytes are ever read. YAML is parsed refusing duplicate keys,
-which yaml.safe_load would resolve silently to the last one.
+be swapped in between), and at most `limit` + 1 bytes are ever read. YAML and JSON are parsed refusing
+duplicate keys, which yaml.safe_load and json.loads would resolve silently to the last one.
 """
 
 from __future__ import annotations
 
 import codecs
 import errno
+import json
 import os
 import stat
 from pathlib import Path
@@ -124,3 +126,25 @@ def parse_yaml(text: str) -> Any:
 def parse_yaml_all(text: str) -> list[Any]:
     """Every document of a YAML stream, as yaml.safe_load_all reads them, duplicate keys refused."""
     return list(yaml.load_all(text, Loader=UniqueKeyLoader))  # noqa: S506 - a SafeLoader subclass
+
+
+class DuplicateJSONKey(ValueError):
+    """A JSON object naming a key twice: json keeps the last value, so a data row `{"input": "a", "input": "b"}`
+    trained on "b" without a word (a CSV naming a column twice is refused for the same reason)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    record = dict(pairs)
+    if len(record) != len(pairs):
+        twice = next(key for i, (key, _) in enumerate(pairs) if key in dict(pairs[:i]))
+        raise DuplicateJSONKey(f"names key {json.dumps(twice)} more than once: which value is meant is ambiguous")
+    return record
+
+
+_UNIQUE_KEYS = json.JSONDecoder(object_pairs_hook=_unique_keys)  # built once: json.loads(hook=) builds one a call
+
+
+def parse_json(text: str) -> Any:
+    """One JSON document, as json.loads reads it, but an object naming a key twice is DuplicateJSONKey naming it;
+    about json.loads' own cost (a data stage parses every row through it)."""
+    return _UNIQUE_KEYS.decode(text)
