@@ -476,7 +476,9 @@ def malformed_rows(n_each: int) -> tuple[list[dict], list[bytes]]:
             {"input": DATES[i]["input"]},
             {"input": 20210305 + i, "output": "2021-03-05"},
             {"input": " ", "output": "2021-03-05"},
-            {"input": "March 5, 2021 " * 20, "output": "2021-03-05"},
+            # each its own text: copies of one row would all land in one split, and in eval all but one would be
+            # dropped as repeats before any is found too long
+            {"input": "March 5, 2021 " * 20 + f"(copy {i})", "output": "2021-03-05"},
         ]
     not_utf8, not_json = b'{"input": "5 M\xe4r 2021", "output": "2021-03-05"}', b'{"input": "5 Mar 2021", "output": '
     return bad, [not_utf8, not_json] * (n_each // 2)
