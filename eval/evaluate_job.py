@@ -22,7 +22,8 @@ Before any model verdict the evaluation tests itself, and a failed self-test end
 model), never as a gate failure: every local metric must score the references, put through the same
 post-processing, at its maximum (1) on every item; the candidate's and the base's tokenizer must carry the
 chat template the data stage rendered the eval prompts with (the dataset manifest's chat_template_sha256);
-every gated value the metric modules report must be a number (not missing, NaN or infinite) for every model;
+every gated value the metric modules report must be a number (not missing, NaN or infinite), each item's in
+[0, 1], for every model;
 no more than eval.max_truncated_fraction of a model's answers on a split may stop at eval.max_new_tokens
 without a stop token, nor come back empty (eval/selftest.py: counted per model and split, kept in the
 summary; the base is not held to it on the task it has not learned); and the base's answers must repeat
@@ -286,9 +287,9 @@ def evaluate_model(
         on_batch=lambda n: counter.advance(n, source.role),
     )
     values = score(metrics, answers, data.references)
-    if problem := unscored(values, cfg.gates):
-        raise invalid(f"{source.role} on the eval split: {problem}")
     items = item_scores(metrics, answers, data.references, values)
+    if problem := unscored(values, items, cfg.gates):
+        raise invalid(f"{source.role} on the eval split: {problem}")
     values.update(eval_loss(model, data.input_ids, data.labels, cfg.batch_size, pad_token_id(tokenizer)))
     answered = {s.name: answer_suite(ctx, model, tokenizer, s, source.role, counter) for s in suites}
     del model, tokenizer
@@ -320,10 +321,11 @@ def answer_suite(
         on_batch=lambda n: counter.advance(n, role),
     )
     values = score(suite.metrics, answers, suite.references)
-    if problem := unscored(values, suite.config.metrics):
+    items = item_scores(suite.metrics, answers, suite.references, values)
+    if problem := unscored(values, items, suite.config.metrics):
         raise invalid(f"{role} on suite {suite.name}: {problem}")
     jobkit.log(f"{role} on suite {suite.name}: " + ", ".join(f"{k}={v:.4g}" for k, v in values.items()))
-    return Scores(values, item_scores(suite.metrics, answers, suite.references, values)), generations(answers, cut)
+    return Scores(values, items), generations(answers, cut)
 
 
 def load_for_eval(ctx: JobContext, source: ModelSource) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str | None]:
@@ -357,12 +359,14 @@ def score(metrics: dict, answers: list[str], references: list[str]) -> dict[str,
     return values
 
 
-def unscored(values: dict[str, float], gated: Iterable[str]) -> str | None:
-    """Why the metric modules gave no number for a gated value (none reported, NaN, infinite), or None.
+def unscored(values: dict[str, float], items: dict[str, list[float]], gated: Iterable[str]) -> str | None:
+    """Why the metric modules gave no usable number for a gated value (none reported, NaN, infinite, or an item
+    scored outside [0, 1]), or None.
 
     The scorer failed there, not the model: a gate reading it would fail the model (a modeling failure, the
-    wrong class) or, worse, pass it. eval_loss and perplexity are computed from the model itself, and are
-    not asked here: their NaN is a diverged model's, which their gates judge."""
+    wrong class) or, worse, pass it; the gates' intervals read a score in [0, 1] per item. eval_loss and
+    perplexity are computed from the model itself, and are not asked here: their NaN is a diverged model's,
+    which their gates judge."""
     for name in gated:
         if name in LOSS_METRICS:
             continue
@@ -372,6 +376,12 @@ def unscored(values: dict[str, float], gated: Iterable[str]) -> str | None:
             return f"the metrics report no {name} (they report {have}): a gate on it cannot judge any model"
         if not math.isfinite(value):
             return f"{name} is {value}: the metric module computed no number, so its gates cannot judge the model"
+        if off := [(i, v) for i, v in enumerate(items.get(name, [])) if not 0.0 <= v <= 1.0]:
+            i, v = off[0]
+            return (
+                f"{name} scores {len(off)} items outside [0, 1] (first: item {i}, {v:.4g}): the gates' intervals read "
+                "a score in [0, 1] per item"
+            )
     return None
 
 

@@ -440,7 +440,8 @@ def test_a_planted_extraction_bug_ends_evaluate_before_any_model_is_scored(world
 
 class NoNumber:
     """A local metric that passes the self-test (the references score 1, the rotated references not 1) but gives
-    a model's answers no number: NaN as a division by an empty count gives, or its value under another key."""
+    a model's answers no usable number: NaN as a division by an empty count gives, its value under another key,
+    or a score below 0 for a wrong answer."""
 
     name = "exact_match"
 
@@ -448,6 +449,10 @@ class NoNumber:
         self.key = key
 
     def _compute(self, predictions, references):
+        if self.key == "below_zero":  # each wrong answer -0.5: passes the self-test, which asks the references
+            return {
+                "exact_match": sum(1.0 if p == r else -0.5 for p, r in zip(predictions, references)) / len(references)
+            }
         if predictions == references:
             return {"exact_match": 1.0}
         return {"exact_match": float("nan")} if self.key == "exact_match" else {self.key: 0.5}
@@ -464,9 +469,14 @@ class NoNumber:
             "exact_match is nan: the metric module computed no number, so its gates cannot judge the model",
         ),
         ("em", "the metrics report no exact_match (they report em, rouge_l): a gate on it cannot judge any model"),
+        (
+            "below_zero",
+            "exact_match scores 30 items outside [0, 1] (first: item 0, -0.5): the gates' intervals read a score in "
+            "[0, 1] per item",
+        ),
     ],
 )
-def test_a_gated_value_the_metric_gives_no_number_is_an_invalid_evaluation_not_a_model_verdict(
+def test_a_gated_value_the_metric_gives_no_usable_number_is_an_invalid_evaluation_not_a_model_verdict(
     world, store, monkeypatch, key, says
 ):
     # Before, its gate failed the candidate as a modeling failure ("candidate value is NaN (fail)").
