@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -164,3 +165,22 @@ def test_run_compare_and_canary_share_one_in_process_runner_that_runs_nothing_wi
         )
     assert isinstance(result, terminal.NotRun) and result.failure_class == "infrastructure"
     assert "127.0.0.1:9" in result.cause and not called and "the title" not in out.getvalue()
+
+
+def test_stopping_a_started_process_stops_its_whole_session_other_process_groups_included():
+    # Ray starts some workers in process groups of their own: a Ray Train controller outlived a test session's
+    # head by hours when only the head's group was killed.
+    from tuneproof.app.local import pid_alive, session_members, stop_group
+
+    worker = "import os, time; os.setpgrp(); print(os.getpid(), flush=True); time.sleep(600)"
+    head = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {worker!r}]); time.sleep(600)"
+    leader = subprocess.Popen([sys.executable, "-c", head], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert leader.stdout is not None
+        child = int(leader.stdout.readline())
+        assert child in session_members(leader.pid) and os.getpgid(child) == child != leader.pid
+        stop_group(leader.pid, 5)
+        assert not pid_alive(leader.pid) and not pid_alive(child)
+    finally:
+        leader.kill()
+        leader.wait()
