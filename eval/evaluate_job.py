@@ -58,7 +58,7 @@ from training import jobkit
 from training.checkpoint_listing import check_complete
 from training.data_files import read_manifest
 from training.jobkit import JobContext, run_stage
-from training.modeling import load_model, load_tokenizer, materialize
+from training.modeling import load_model, load_tokenizer, materialize, special_token_finder
 from training.train_data import read_split
 from tuneproof.core import markers
 from tuneproof.core.hashing import chat_template_sha256
@@ -312,6 +312,8 @@ def answer_suite(
     """One model's greedy answers to a regression suite, scored item by item with the suite's metrics, and
     its cut-off and empty answers."""
     cfg = ctx.config.eval
+    if problem := suite.special_token(special_token_finder(tokenizer)):
+        raise StageFailure(FailureClass.data, problem)
     answers, cut = generate_checked(
         model,
         tokenizer,

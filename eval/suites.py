@@ -11,11 +11,13 @@ that wins its task but forgets a skill fails here, with a line that names the su
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
 from eval.gates import Scores, decide
+from training.modeling import SPECIAL_TOKEN
 from tuneproof.core.config_eval import SuiteConfig
 from tuneproof.core.datahash import sha256_bytes
 from tuneproof.core.files import DuplicateJSONKey, parse_json
@@ -44,6 +46,15 @@ class Suite:
     def with_metrics(self, load: Callable[[str, bool], Any]) -> Suite:
         """This suite with its metric modules loaded (local modules only: preflight checked the names)."""
         return replace(self, metrics={name: load(name, False) for name in self.config.metrics})
+
+    def special_token(self, find: Callable[[str], re.Match[str] | None]) -> str | None:
+        """The first item whose input or output holds a special token of the model's tokenizer, as a data failure's
+        cause: the tokenizer reads it as a control token, so the item would not ask or answer what its text says."""
+        for item_id, pair in zip(self.ids, zip(self.inputs, self.references)):
+            for what, text in zip(("input", "output"), pair):
+                if hit := find(text):
+                    return f"suite {self.name}: item {item_id}'s {what} holds {hit.group()!r}, {SPECIAL_TOKEN}"
+        return None
 
     def texts(self) -> list[tuple[str, str]]:
         """(item id, input and answer): what the contamination check compares with the training split."""

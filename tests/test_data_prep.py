@@ -651,6 +651,32 @@ def test_the_eval_split_holds_each_conversation_once(tmp_path, tiny_dir):
     }
 
 
+def test_a_row_holding_a_special_tokens_text_is_dropped_and_a_system_prompt_holding_one_fails(tmp_path, tiny_dir):
+    # The tokenizer reads "<|im_end|>" in a text as the end-of-turn token: a response would end there in training,
+    # a prompt would open a turn the template never wrote, and no generation gives a reference holding one.
+    planted = [
+        {"input": "3 May 2021", "output": "2021-05-03<|im_end|>"},
+        {"input": "4 May 2021<|im_end|>\n<|im_start|>assistant\n2021-05-04", "output": "2021-05-04"},
+        {"input": "5 May 2021 <|im_end", "output": "2021-05-05"},  # not the token: read as text
+    ]
+    source = write_jsonl(tmp_path / "d.jsonl", DATES[:60] + planted)
+    summary = prepare(config(tmp_path / "store", tiny_dir, source, max_dropped_fraction=0.1))
+    dropped = summary["manifest"]["dropped"]["special_token"]
+    assert dropped["count"] == 2 and [e["row"] for e in dropped["examples"]] == [60, 61]
+    assert dropped["examples"][0]["value"] == "\"response: '<|im_end|>' in …2021-05-03<|im_end|>…\""
+    assert dropped["examples"][1]["value"].startswith("\"prompt: '<|im_end|>' in …4 May 2021<|im_end|>")
+    assert sum(s["rows"] for s in summary["manifest"]["splits"].values()) == 61
+    rows = DATES[:60] + [{"input": "6 May 2021", "output": "<|endoftext|>"}]
+    turns = [[{"role": "user", "content": r["input"]}, {"role": "assistant", "content": r["output"]}] for r in rows]
+    messages = write_jsonl(tmp_path / "m.jsonl", [{"messages": t} for t in turns])
+    summary = prepare(config(tmp_path / "store", tiny_dir, messages, max_dropped_fraction=0.1))
+    assert summary["manifest"]["dropped"]["special_token"]["examples"][0]["value"] == (
+        "\"assistant: '<|endoftext|>' in …<|endoftext|>…\""
+    )
+    failure = data_failure(config(tmp_path / "store", tiny_dir, source, system_prompt="Answer.<|im_end|>"))
+    assert "data.system_prompt holds '<|im_end|>', one of the tokenizer's special tokens" in failure.cause
+
+
 @pytest.mark.parametrize(
     "source, match",
     [
@@ -826,6 +852,16 @@ def test_a_suite_the_training_split_repeats_is_a_data_failure_also_on_a_cache_hi
     cfg.eval.suites = {"leaked": SuiteConfig(source=str(leaked))}
     assert data_failure(cfg).cause.startswith(
         f"suite leaked ({leaked}) overlaps the training split: 90 of 100 eval items"
+    )
+
+
+def test_a_suite_item_holding_a_special_tokens_text_fails_the_data_stage_before_any_training(tmp_path, tiny_dir):
+    marked = write_jsonl(tmp_path / "marked.jsonl", [{"input": "add 1 and 2<|im_end|>", "output": "3"}])
+    cfg = config(tmp_path / "store", tiny_dir, write_jsonl(tmp_path / "dates.jsonl", DATES[:100]))
+    cfg.eval.suites = {"marked": SuiteConfig(source=str(marked))}
+    assert data_failure(cfg).cause == (
+        "suite marked: item marked:1's input holds '<|im_end|>', one of the tokenizer's special tokens, which it "
+        "reads as that control token and not as text"
     )
 
 

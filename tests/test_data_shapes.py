@@ -50,8 +50,8 @@ TWO_TURNS = [
 ALPACA = "Below is an instruction.\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:"
 # The date content hash of configs/local.yaml: shapes and replay left it as it was (columns datasets stayed cache
 # hits); it moves only with datahash.PREP_VERSION, on purpose (0a34d21b... at version 1, before the eval split
-# kept each conversation once).
-LOCAL_DATES_HASH = "31bc2fedeb4b1d044173a156ddebc7113fc1834f5127e312d64dd5d0171a0551"
+# kept each conversation once; 31bc2fed... at version 2, before rows holding a special token's text were dropped).
+LOCAL_DATES_HASH = "be5e662b33a89e1c0da249343fdbfc3a77f78866adc66afbf6b802754d3fa33f"
 
 
 def chat_text(messages: list[dict]) -> str:

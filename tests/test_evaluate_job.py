@@ -574,3 +574,14 @@ def test_a_users_own_suite_file_is_scored_for_every_model_and_gated(world, store
     scored = json.loads(store.read_text("runs/suite/stages/evaluate/item_scores.json"))
     assert scored["suites"]["mine"]["candidate"]["exact_match"] == [1.0] * 12
     assert [row.suite for row in summary.suite_rows()] == ["task", "mine"]
+
+    # An item holding a special token's text asks or answers something else than its text says (the tokenizer
+    # reads "<|im_end|>" as the end of the turn): a data failure naming the item, not a model verdict.
+    mine.write_text(mine.read_text().replace(ANSWER, f"{ANSWER}<|im_end|>", 1))
+    with pytest.raises(StageFailure) as info:
+        evaluate_body(make_ctx(world, "suite", store.root, suites=suites, max_truncated_fraction=1.0))
+    assert info.value.failure_class is FailureClass.data
+    assert info.value.cause == (
+        "suite mine: item mine:1's output holds '<|im_end|>', one of the tokenizer's special tokens, which it reads "
+        "as that control token and not as text"
+    )

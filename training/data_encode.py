@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,7 @@ from training import parallel
 from training.data_files import SCHEMA, Example, examples_table
 from training.data_sources import Conversation
 from training.jobkit import log
+from training.modeling import SPECIAL_TOKEN, special_token_finder
 from tuneproof.core import datahash, shapes
 from tuneproof.core.config_data import DataConfig
 from tuneproof.core.results import StageFailure
@@ -132,8 +135,10 @@ def encode_split(
     drops: datahash.Drops,
     render: ChatRenderer | None = None,
 ) -> tuple[list[Example], list[Conversation]]:
-    """(examples, the conversations they came from): a conversation the chat template rejects is dropped."""
+    """(examples, the conversations they came from): a conversation holding a special token's text, or one
+    the chat template rejects, is dropped."""
     render = render or ChatRenderer(tokenizer)
+    convs = without_special_tokens(special_token_finder(tokenizer), convs, data.system_prompt, drops)
     if not convs or convs[0].messages is None:
         return encode(tokenizer, convs, data.system_prompt, render), convs
     chats = [shapes.with_system(conv.messages or [], data.system_prompt) for conv in convs]
@@ -151,6 +156,30 @@ def encode_split(
         except jinja2.TemplateError as e:
             drops.add("template_rejected", conv.where, conv.row, f"{type(e).__name__}: {e}")
     return examples, kept
+
+
+def without_special_tokens(
+    find: Callable[[str], re.Match[str] | None],
+    convs: list[Conversation],
+    system_prompt: str | None,
+    drops: datahash.Drops,
+) -> list[Conversation]:
+    """The conversations none of whose texts holds a special token of the tokenizer (modeling.special_token_finder);
+    the others dropped as special_token. The same token in data.system_prompt, on every row, is a data failure."""
+    if system_prompt is not None and (hit := find(system_prompt)):
+        raise StageFailure("data", f"data.system_prompt holds {hit.group()!r}, {SPECIAL_TOKEN}")
+    kept = []
+    for conv in convs:
+        turns = conv.messages or [{"role": name, "content": text} for name, text in conv.parts.items()]
+        for turn in turns:
+            text = turn.get("content")
+            if isinstance(text, str) and (hit := find(text)):
+                around = text[max(hit.start() - 40, 0) : hit.end() + 20]
+                drops.add("special_token", conv.where, conv.row, f"{turn.get('role')}: {hit.group()!r} in …{around}…")
+                break
+        else:
+            kept.append(conv)
+    return kept
 
 
 def encode_messages(

@@ -10,10 +10,12 @@ data.max_contamination. Regression suites (eval.suites) are read with eval/suite
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from eval.suites import read_suite
 from training.contamination import TrainingIndex, shared_texts
 from training.data_sources import Conversation
+from training.modeling import special_token_finder
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.config_data import DataConfig
 from tuneproof.core.results import FailureClass, StageFailure
@@ -38,12 +40,17 @@ class TrainingSplit:
         return self.index.measure((f"{c.where}:{c.row}", self.text(c)) for c in eval_convs)
 
 
-def suite_overlaps(cfg: PipelineConfig, train: TrainingSplit) -> list[SuiteFile]:
+def suite_overlaps(cfg: PipelineConfig, train: TrainingSplit, tokenizer: Any) -> list[SuiteFile]:
     """Each regression suite (eval.suites) hashed and measured against the training split: a suite whose items
-    the fine-tune trains on measures recall, not retention, so above data.max_contamination it is a data failure."""
+    the fine-tune trains on measures recall, not retention, so above data.max_contamination it is a data failure.
+    So is an item holding a special token of the base's tokenizer (Suite.special_token), found here before any
+    training rather than in the evaluate job."""
     files = []
+    find = special_token_finder(tokenizer)
     for name, suite_cfg in cfg.eval.suites.items():
         suite = read_suite(name, suite_cfg, cfg.storage.endpoint_url)
+        if problem := suite.special_token(find):
+            raise StageFailure(FailureClass.data, problem)
         found = train.index.measure(suite.texts())
         files.append(
             SuiteFile(name=name, source=suite.source, sha256=suite.sha256, items=len(suite.ids), contamination=found)

@@ -92,7 +92,7 @@ def prepare_data(ctx: JobContext) -> DataSummary:
         # The suites are not part of the dataset's identity (a new suite must not retrain), so they are
         # checked against the training split again; only when there are any, since it re-reads every row.
         train = split_conversations(cfg.data, shape, parsed_sources, datahash.Drops())[0] if cfg.eval.suites else []
-        suites = suite_overlaps(cfg, TrainingSplit(train, template_literals(cfg.data)))
+        suites = suite_overlaps(cfg, TrainingSplit(train, template_literals(cfg.data)), tokenizer)
         return stage_summary(storage, dataset_path, cached, cache_hit=True, suites=suites)
 
     splits, total_rows, contamination, suites = build_splits(cfg, shape, tokenizer, parsed_sources, drops)
@@ -174,7 +174,7 @@ def build_splits(
     seen = TrainingSplit(train_convs, template_literals(data))  # hashed once for the eval split and every suite
     contamination = seen.overlap(eval_convs)
     check_contamination(contamination, data.max_contamination)
-    suites = suite_overlaps(cfg, seen)
+    suites = suite_overlaps(cfg, seen, tokenizer)
     progress("data", 1, 3, rows=total)
     # Packing serves training only; evaluation needs one prompt per row.
     overflow: dict[str, str] = {"train": data.overflow, "eval": "drop" if data.overflow == "pack" else data.overflow}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -109,6 +110,24 @@ def load_tokenizer(
     from transformers import AutoTokenizer
 
     return _from_pretrained(AutoTokenizer.from_pretrained, materialize(source, endpoint_url), **_common(revision))
+
+
+SPECIAL_TOKEN = "one of the tokenizer's special tokens, which it reads as that control token and not as text"
+
+
+def special_token_finder(tokenizer: Any) -> Callable[[str], re.Match[str] | None]:
+    """Finds the tokenizer's special tokens (<|im_end|>, <|endoftext|>, ...) written out in a text.
+
+    The tokenizer reads such text as the control token itself, not as its characters: an <|im_end|> in a
+    response ends the turn there in training, one in a prompt opens a turn the template never wrote, and
+    a reference holding one is an answer no generation gives (it stops at the token). Added tokens that
+    are not special (Qwen's <tool_call>) are meant to appear in text and are not looked for."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    specials = sorted({t.content for t in decoder.values() if t.special and t.content}, key=len, reverse=True)
+    if not specials:
+        return lambda text: None
+    # One alternation: re factors out the tokens' common prefix ("<|"), so a text without it is one fast scan.
+    return re.compile("|".join(map(re.escape, specials))).search
 
 
 # Model types whose AutoTokenizer resolution, for a local directory naming one of these tokenizer classes

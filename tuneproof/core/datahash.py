@@ -26,6 +26,7 @@ SHAPE_REASONS = (
     "non_string_content",  # a turn whose content is not a string
     "no_assistant_turn",  # nothing to learn and nothing to evaluate
     "template_rejected",  # the tokenizer's chat template raised on the conversation
+    "special_token",  # a text holds a special token's text (<|im_end|>), which the tokenizer reads as that token
 )
 # An eval row whose conversation an earlier eval row already holds (training/data_sources.each_once).
 SPLIT_REASONS = ("repeated_eval_item",)
@@ -36,15 +37,18 @@ REMEDIES = {
     "takes, is not read (join its text parts into one string)",
     "unknown_role": "roles are system, user and assistant: tool and function turns are not read",
     "bad_turn": "each turn must be a mapping with 'role' and 'content'",
+    "special_token": "the tokenizer reads a special token written in a row's text (<|im_end|>, say) as that control "
+    "token, which ends or opens a turn inside the text: remove it from the data, or spell it otherwise",
     "repeated_eval_item": "the eval split keeps one copy of each conversation, since a repeat would count twice in "
     "every gate's n: remove the repeated rows from the source",
 }
 EXAMPLES_PER_REASON = 3
 
 # Bump when the shard layout or the meaning of a setting changes: old datasets must not be reused.
-PREP_VERSION = 2
+PREP_VERSION = 3
 """2 (2026-12-07): the eval split holds each conversation once, and a JSON row naming a key twice is dropped as
-undecodable; a dataset prepared before may count an eval item twice, or hold the last of two values."""
+undecodable; a dataset prepared before may count an eval item twice, or hold the last of two values.
+3 (2026-12-07): a row whose text holds a special token of the tokenizer is dropped (special_token)."""
 
 
 def content_hash(
