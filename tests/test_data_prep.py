@@ -855,6 +855,16 @@ def test_a_suite_the_training_split_repeats_is_a_data_failure_also_on_a_cache_hi
     )
 
 
+def test_a_base_model_whose_tokenizer_has_no_chat_template_is_a_data_failure_naming_it(tmp_path, tiny_dir):
+    bare = tmp_path / "no-template"
+    shutil.copytree(tiny_dir, bare)
+    (bare / "chat_template.jinja").unlink()
+    source = write_jsonl(tmp_path / "d.jsonl", DATES[:20])
+    assert data_failure(config(tmp_path / "store", bare, source)).cause.startswith(
+        f"model.source {bare}: its tokenizer has no chat template, so no row can be rendered as a conversation"
+    )
+
+
 def test_a_suite_item_holding_a_special_tokens_text_fails_the_data_stage_before_any_training(tmp_path, tiny_dir):
     marked = write_jsonl(tmp_path / "marked.jsonl", [{"input": "add 1 and 2<|im_end|>", "output": "3"}])
     cfg = config(tmp_path / "store", tiny_dir, write_jsonl(tmp_path / "dates.jsonl", DATES[:100]))

@@ -66,6 +66,13 @@ def prepare_data(ctx: JobContext) -> DataSummary:
     eval_source = read_source(cfg.data.eval_source, cfg.data.format, endpoint) if cfg.data.eval_source else None
     replay = read_source(cfg.data.replay.source, cfg.data.format, endpoint) if cfg.data.replay else None
     tokenizer = load_text_tokenizer(cfg.model.source, cfg.model.revision, endpoint)
+    if not getattr(tokenizer, "chat_template", None):  # it raised a bare ValueError from the first row's rendering
+        raise StageFailure(
+            "data",
+            f"model.source {cfg.model.source}: its tokenizer has no chat template, so no row can be rendered as a "
+            "conversation: use a model whose tokenizer ships one (chat_template.jinja, or chat_template in "
+            "tokenizer_config.json), as instruct releases do",
+        )
     tokenizer_sha = tokenizer_sha256(tokenizer)
     drops = datahash.Drops()
     parsed = parse_rows(source, drops, "source")
