@@ -9,6 +9,7 @@ stage ends the run with its failure class.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Annotated, Any
 
 from prefect import flow, get_run_logger
@@ -93,7 +94,7 @@ def pipeline(
         cfg = images.pin_from_pointer(storage, cfg)
     except images.ImagesUnreadable as e:
         return refused(e)
-    missing = missing_forwarded_env(cfg)
+    missing = missing_forwarded_env(cfg) or missing_local_files(cfg, {stage.name for stage in plan})
     if missing:
         return refused(missing)
     logger = get_run_logger()
@@ -188,6 +189,25 @@ def missing_forwarded_env(cfg: PipelineConfig) -> str | None:
         f"runtime_env.forward_env names {', '.join(missing)}, not set in the submitting environment: "
         "export it before the run (or drop it from forward_env)"
     )
+
+
+def missing_local_files(cfg: PipelineConfig, planned: set[str]) -> str | None:
+    """Locally the data stage reads its files from this machine: each must be a file here, or the run verified the
+    cluster and measured its network before the data stage found it missing. (Suite files: check_suites.)"""
+    if cfg.cluster.backend != "local" or "data" not in planned:
+        return None  # on EKS a path may be on the nodes alone (an FSx mount)
+    replay = cfg.data.replay.source if cfg.data.replay else None
+    read = (
+        ("data.source", cfg.data.source),
+        ("data.eval_source", cfg.data.eval_source),
+        ("data.replay.source", replay),
+    )
+    problems = [
+        f"{key}: {'a directory, not a file' if Path(path).is_dir() else 'no such file'} (got {path!r})"
+        for key, path in read
+        if path and "://" not in path and not Path(path).is_file()
+    ]
+    return "; ".join(problems) or None
 
 
 def holder_command(only: list[str] | None, until: str | None = None) -> str:
