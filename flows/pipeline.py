@@ -176,8 +176,9 @@ def end_abnormally(storage: Storage, record: RunRecord | None, e: BaseException)
         logger.error(f"could not mark run {record.run_id} {record.status}: {type(save_error).__name__}: {save_error}")
 
 
-DEFAULTS = PipelineConfig().model_dump(mode="json")
-"""What a setting is when nobody gave it a value: one that differs and that no stage read was ignored."""
+DEFAULTS = PipelineConfig().resolved().model_dump(mode="json")
+"""What a setting is when nobody gave it a value: one that differs and that no stage read was ignored. Resolved as
+the run's config is, so a default path made absolute is still the default."""
 
 
 def missing_forwarded_env(cfg: PipelineConfig) -> str | None:
@@ -379,7 +380,10 @@ def unusable_request(storage: Storage, record: RunRecord, cause: str) -> State:
 
 def finish(storage: Storage, record: RunRecord, failed: StageEntry | None) -> State:
     read = [path for entry in record.stages.values() if entry.inputs is not None for path in entry.inputs.config]
-    record.unread_settings = unread_settings(record.config, DEFAULTS, read)
+    # A setting is ignored only once every stage has had its turn: `--until data` ran connectivity, which reads
+    # train.num_workers, and reported the fine-tune's train.max_failures as set but read by no stage.
+    every_stage = failed is None and all(stage.name in record.stages for stage in table.STAGES)
+    record.unread_settings = unread_settings(record.config, DEFAULTS, read) if every_stage else []
     if record.unread_settings:
         get_run_logger().warning(f"settings no stage read (ignored): {', '.join(record.unread_settings)}")
     if failed is None:

@@ -314,11 +314,13 @@ def test_a_continued_run_keeps_unchanged_stages_and_reruns_a_changed_one_and_its
 
 @pytest.mark.integration
 def test_a_run_until_a_stage_stops_there_and_its_continuation_runs_the_rest(prefect_harness, stand_ins, tmp_path):
-    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
+    # train.log_every: set, in a section b reads, and read by no stage; only once c has had its turn is it ignored.
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}, "train": {"log_every": 7}})
     assert pipeline(config=cfg, run_id="part", until="b", return_state=True).is_completed()
     rec = records.load(Storage(str(tmp_path)), "part")
     assert CALLS == ["a", "b"] and set(rec.stages) == {"a", "b"}
     assert rec.status == "succeeded" and rec.invocations[-1].until == "b"
+    assert rec.unread_settings == []  # c, not run yet, might read it
 
     CALLS.clear()  # the same `until` again: everything it covers stands, nothing runs
     assert pipeline(config=cfg, run_id="part", until="b", return_state=True).is_completed()
@@ -332,6 +334,7 @@ def test_a_run_until_a_stage_stops_there_and_its_continuation_runs_the_rest(pref
     last = rec.invocations[-1]
     assert last.kept == ["a", "b"] and last.reran == {"c": "no result yet"} and last.until is None
     assert [rec.stages[n].invocation for n in ("a", "b", "c")] == [1, 1, 3]
+    assert rec.unread_settings == ["train.log_every"]
 
 
 def test_evaluate_depends_on_the_production_model_but_not_on_its_own_promotion(tmp_path):
