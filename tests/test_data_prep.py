@@ -32,6 +32,7 @@ from training.data_sources import Conversation
 from training.jobkit import ENV_VAR, JobContext, encode_job
 from training.modeling import direct_tokenizer_class, load_text_tokenizer, load_tokenizer
 from tuneproof.app.tiny_model import CHAT_TEMPLATE, DEFAULT_DATA, build_tiny_model, task_corpus
+from tuneproof.control.stages import data_evidence
 from tuneproof.core import datahash
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.config_eval import SuiteConfig
@@ -666,6 +667,10 @@ def test_a_row_holding_a_special_tokens_text_is_dropped_and_a_system_prompt_hold
     assert dropped["examples"][0]["value"] == "\"response: '<|im_end|>' in …2021-05-03<|im_end|>…\""
     assert dropped["examples"][1]["value"].startswith("\"prompt: '<|im_end|>' in …4 May 2021<|im_end|>")
     assert sum(s["rows"] for s in summary["manifest"]["splits"].values()) == 61
+    train, held_out = (summary["manifest"]["splits"][name]["rows"] for name in ("train", "eval"))
+    assert data_evidence(DataSummary.model_validate(summary)).endswith(  # the run's table shows the drop too
+        f": train {train}, eval {held_out} rows of 63 read; dropped special_token 2"
+    )
     rows = DATES[:60] + [{"input": "6 May 2021", "output": "<|endoftext|>"}]
     turns = [[{"role": "user", "content": r["input"]}, {"role": "assistant", "content": r["output"]}] for r in rows]
     messages = write_jsonl(tmp_path / "m.jsonl", [{"messages": t} for t in turns])

@@ -142,7 +142,14 @@ def connectivity_metrics(s: ConnectivitySummary) -> Metrics:
 
 
 def data_evidence(s: DataSummary) -> str:
-    return f"{s.content_hash}{' (cache hit)' if s.cache_hit else ''}"
+    """The dataset's hash and what went into it: a dropped row is seen here, not only in the manifest."""
+    head = f"{s.content_hash}{' (cache hit)' if s.cache_hit else ''}"
+    if s.manifest is None:
+        return head
+    m = s.manifest
+    rows = ", ".join(f"{name} {m.splits[name].rows:,}" for name in ("train", "eval") if name in m.splits)
+    drops = ", ".join(f"{reason} {d.count:,}" for reason, d in m.dropped.items())
+    return f"{head}: {rows} rows of {m.total_rows:,} read" + (f"; dropped {drops}" if drops else ", none dropped")
 
 
 def lift_data(record: RunRecord, s: DataSummary) -> None:
