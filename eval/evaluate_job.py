@@ -9,9 +9,10 @@ Each model in turn, one in memory at a time: greedy answers to the eval split's 
 configured `evaluate` metrics over them, eval loss and perplexity over input_ids/labels.
 Per-example answers go to runs/<run>/stages/<job>/predictions.jsonl, and every item's score per model
 and metric to item_scores.json beside it: the gates are decided on those per-item scores, paired by item
-(eval/gates.py), so a verdict replays from that file. A failed gate, or one the items cannot resolve
-(insufficient evidence), fails the stage as a modeling failure whose summary still carries every number
-and gate line.
+(eval/gates.py), so a verdict replays from that file. A failed gate fails the stage as a modeling failure
+whose summary still carries every number and gate line; gates the items cannot resolve (insufficient
+evidence), with none failed, fail it as a data failure: the eval items cannot tell, which is no verdict on
+the model.
 
 Beside the task's split, each regression suite of eval.suites (eval/suites.py) is asked of the same loaded
 model, item by item, and decided with the same gates against base and incumbent, one Holm family per suite;
@@ -190,7 +191,7 @@ def evaluate_body(ctx: JobContext) -> EvaluateSummary:
     )
     verdict = overall(decision, scored)
     if not verdict.passed:
-        raise StageFailure(FailureClass.modeling, verdict.failure_cause(), summary)
+        raise StageFailure(verdict.failure_class(), verdict.failure_cause(), summary)
     return summary
 
 

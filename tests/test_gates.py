@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from eval.gates import Scores, decide, fmt
 from tests.reading import present
 from tuneproof.core.config_eval import Gate
+from tuneproof.core.results import FailureClass
 
 EM = {"exact_match": Gate(min=0.8, min_improvement=0.5, max_regression=0.02)}
 SPLIT = "ab" * 32
@@ -55,6 +56,7 @@ def test_both_perfect_on_a_small_set_is_insufficient_evidence_for_a_small_margin
     assert f"about {regression.items_needed:,} items at the observed disagreement would resolve it" in regression.line
     assert "(fail)" not in regression.line and "worse" not in regression.line
     assert d.failure_cause() == regression.line
+    assert d.failure_class() is FailureClass.data  # the items cannot tell: no verdict on the model, exit 5
 
 
 def test_all_wrong_base_against_all_right_candidate_passes_half_a_point_on_a_small_set():
@@ -83,6 +85,7 @@ def test_failed_before_insufficient_in_the_cause():
     d = decide(cand, cand, scores([1] * 15), policy)
     assert [v.outcome for v in d.verdicts] == ["insufficient", "fail"]
     assert d.failure_cause().startswith("rouge_l >= 0.9: 0.1 (point: no per-item scores) (fail)")
+    assert d.failure_class() is FailureClass.modeling  # one gate failed outright
 
 
 def test_no_incumbent_makes_regression_not_applicable():

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Literal
 
-from tuneproof.core.results import first_and_more
+from tuneproof.core.results import FailureClass, first_and_more
 from tuneproof.core.summaries import Summary
 from tuneproof.core.summaries_training import RankMemory
 
@@ -135,6 +135,14 @@ class GateDecision(Summary):
         refused = [v for v in self.verdicts if not v.passed]
         refused.sort(key=lambda v: v.outcome == "insufficient")
         return first_and_more([v.line for v in refused])
+
+    def failure_class(self) -> FailureClass:
+        """modeling when a gate failed (its whole interval on the wrong side); data when every refusal is
+        insufficient evidence: the items cannot tell, which says nothing about the model, and more eval items
+        (the line says how many) are the remedy."""
+        refused = [v for v in self.verdicts if not v.passed]
+        unsure = refused and all(v.outcome == "insufficient" for v in refused)
+        return FailureClass.data if unsure else FailureClass.modeling
 
 
 class Reproduction(Summary):
