@@ -63,7 +63,8 @@ class Suite:
 
 def read_suite(name: str, config: SuiteConfig, endpoint_url: str | None) -> Suite:
     """The suite's items; an unreadable file, bytes that are not UTF-8, a row that is not {"input": str, "output":
-    str}, an item or id twice, or an empty file is a data failure naming the suite, the file and the line. (An item
+    str}, an empty input or output, an item or id twice, or an empty file is a data failure naming the suite, the
+    file and the line. (An item
     twice would count twice in the suite gate's n, its interval narrower than the evidence; an id names one item in
     the overlap report.)"""
     try:
@@ -91,6 +92,13 @@ def read_suite(name: str, config: SuiteConfig, endpoint_url: str | None) -> Suit
             raise StageFailure(
                 FailureClass.data,
                 f'suite {name}: {config.source} line {number} is not an item {{"input": text, "output": text}}: {line[:80]!r}',
+            )
+        if empty := [key for key in ("input", "output") if not row[key].strip()]:
+            # An empty answer matches an empty output: the item would pass a model that says nothing.
+            raise StageFailure(
+                FailureClass.data,
+                f"suite {name}: {config.source} line {number} has an empty {' and '.join(empty)}: an item asks "
+                "something and has an answer",
             )
         item_id = str(row.get("id", f"{name}:{number}"))
         for key, what in (((row["input"], row["output"]), "the same input and output"), (item_id, f"id {item_id!r}")):

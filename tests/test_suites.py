@@ -115,6 +115,10 @@ def test_a_suite_file_that_is_not_items_is_a_data_failure_naming_the_line(tmp_pa
     path.write_bytes(b'{"input": "a", "output": "b"}\n{"input": "c", "output": "M\xe4rz"}\n')
     with pytest.raises(StageFailure, match=f"suite mine: {path} line 2 is not UTF-8 text \\(invalid continuation"):
         read_suite("mine", SuiteConfig(source=str(path)), None)
+    # An empty output is matched by an empty answer: the item passed a model that said nothing.
+    path.write_text('{"input": "a", "output": "b"}\n{"input": "c", "output": " "}\n')
+    with pytest.raises(StageFailure, match=f"suite mine: {path} line 2 has an empty output: an item asks something"):
+        read_suite("mine", SuiteConfig(source=str(path)), None)
     # A byte-order mark (Notepad, Excel) is not part of the first item: it failed line 1 as "not an item".
     path.write_bytes(b'\xef\xbb\xbf{"input": "a", "output": "b"}\n')
     assert read_suite("mine", SuiteConfig(source=str(path)), None).inputs == ["a"]
