@@ -923,6 +923,10 @@ def test_replayed_rows_join_the_training_split_at_their_share_and_are_checked_li
     evals = read_split(store, summary["dataset_path"], "eval").to_pylist()
     replayed = [r for r in train if r["reference"] in {s["output"] for s in skills} and "add" in r["prompt"]]
     assert len(replayed) == 60 and not any("add" in r["prompt"] for r in evals)
+    # The run's line says why the training split holds more rows than were read: 150 + 10 from 120.
+    assert data_evidence(DataSummary.model_validate(summary)).endswith(
+        ": train 150 (40% replayed), eval 10 rows of 120 read, none dropped"
+    )
 
     # A share that is not a whole number of copies: 90 * 0.3 / 0.7 = 38.6 -> 39 rows, one copy and 19 sampled.
     assert cfg.data.replay is not None

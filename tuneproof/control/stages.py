@@ -147,7 +147,10 @@ def data_evidence(s: DataSummary) -> str:
     if s.manifest is None:
         return head
     m = s.manifest
-    rows = ", ".join(f"{name} {m.splits[name].rows:,}" for name in ("train", "eval") if name in m.splits)
+    replay = m.settings.get("replay") or {}
+    # Replayed rows are repeated up to their share: the training split can hold more rows than were read.
+    mixed = {"train": f" ({replay['share']:.0%} replayed)" if "share" in replay else ""}
+    rows = ", ".join(f"{n} {m.splits[n].rows:,}{mixed.get(n, '')}" for n in ("train", "eval") if n in m.splits)
     drops = ", ".join(f"{reason} {d.count:,}" for reason, d in m.dropped.items())
     return f"{head}: {rows} rows of {m.total_rows:,} read" + (f"; dropped {drops}" if drops else ", none dropped")
 
