@@ -64,9 +64,8 @@ class Suite:
 def read_suite(name: str, config: SuiteConfig, endpoint_url: str | None) -> Suite:
     """The suite's items; an unreadable file, bytes that are not UTF-8, a row that is not {"input": str, "output":
     str}, an empty input or output, an item or id twice, or an empty file is a data failure naming the suite, the
-    file and the line. (An item
-    twice would count twice in the suite gate's n, its interval narrower than the evidence; an id names one item in
-    the overlap report.)"""
+    file and the line. (An item twice would count twice in the suite gate's n, its interval narrower than the
+    evidence; an id names one item in the overlap report.)"""
     try:
         raw = Storage(config.source, endpoint_url).read_bytes()
     except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
