@@ -9,7 +9,6 @@ stage ends the run with its failure class.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Annotated, Any
 
 from prefect import flow, get_run_logger
@@ -38,6 +37,7 @@ from tuneproof.core import forward_env
 from tuneproof.core.config import ConfigError, PipelineConfig
 from tuneproof.core.config_base import reads_recorded
 from tuneproof.core.config_reads import unread_settings
+from tuneproof.core.files import not_a_file
 from tuneproof.core.metric_names import check_eval_config
 from tuneproof.core.names import slug_problem
 from tuneproof.core.results import FailureClass, now_iso, one_line
@@ -204,9 +204,9 @@ def missing_local_files(cfg: PipelineConfig, planned: set[str]) -> str | None:
         ("data.replay.source", replay),
     )
     problems = [
-        f"{key}: {'a directory, not a file' if Path(path).is_dir() else 'no such file'} (got {path!r})"
+        f"{key}: {what} (got {path!r})"
         for key, path in read
-        if path and "://" not in path and not Path(path).is_file()
+        if path and "://" not in path and (what := not_a_file(path))
     ]
     return "; ".join(problems) or None
 

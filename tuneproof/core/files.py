@@ -7,6 +7,7 @@ and only up to a size.
     parse_yaml(text)                                      # yaml.safe_load, but a duplicate key is an error
     parse_json(text)                                      # json.loads, but a duplicate key is an error
     decode_text(data)                                     # UTF-8, or UTF-16 where a byte-order mark says so
+    not_a_file("data/x.jsonl")                            # 'no such file', 'a directory, not a file' or None
 
 A FIFO given as a config blocks open() until a writer comes, and a character device (/dev/zero) reads until
 memory runs out: the file is opened non-blocking, its type is checked on the open descriptor (so nothing can
@@ -37,6 +38,13 @@ KINDS = {
     stat.S_IFBLK: "a block device",
     stat.S_IFSOCK: "a socket",
 }
+
+
+def not_a_file(path: str) -> str | None:
+    """Why a local path names no file to read ('no such file', 'a directory, not a file'), or None."""
+    if Path(path).is_file():
+        return None
+    return "a directory, not a file" if Path(path).is_dir() else "no such file"
 
 
 class FileRefused(OSError):

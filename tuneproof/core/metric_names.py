@@ -9,10 +9,10 @@ not a failure after training; the evaluate job loads what `resolve_metric` names
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tuneproof.core.config import PROJECT_ROOT
+from tuneproof.core.files import not_a_file
 
 if TYPE_CHECKING:
     from tuneproof.core.config_eval import EvalConfig, Gate, SuiteConfig
@@ -126,8 +126,7 @@ def check_suites(suites: dict[str, SuiteConfig]) -> list[str]:
     local module (a suite is scored item by item: a hub metric may not score one item alone)."""
     problems = []
     for name, suite in suites.items():
-        if "://" not in suite.source and not Path(suite.source).is_file():
-            what = "a directory, not a file" if Path(suite.source).is_dir() else "no such file"
+        if "://" not in suite.source and (what := not_a_file(suite.source)):
             problems.append(f"eval.suites.{name}.source: {what} (got {suite.source!r}); give a JSONL file of items")
         problems += [f"eval.suites.{name}.metrics: {p}" for p in check_metric_names(suite.metrics, allow_hub=False)]
     return problems
