@@ -1116,6 +1116,22 @@ def test_the_flow_refuses_what_a_deployments_parameters_get_wrong_before_anythin
     assert not (tmp_path / "store").exists()  # no record, no lease, no job
 
 
+def test_a_fifo_given_as_a_data_or_suite_file_is_named_for_what_it_is(tmp_path):
+    # It read "no such file", which sends a user looking for a file that is there; a FIFO would block the reader.
+    from flows.pipeline import missing_local_files
+    from tuneproof.core.metric_names import check_suites
+
+    fifo = tmp_path / "rows.jsonl"
+    os.mkfifo(fifo)
+    cfg = PipelineConfig.model_validate(
+        {"data": {"source": str(fifo)}, "eval": {"suites": {"s": {"source": str(fifo)}}}}
+    )
+    assert missing_local_files(cfg, {"data"}) == f"data.source: not a regular file (got '{fifo}')"
+    assert check_suites(cfg.eval.suites) == [
+        f"eval.suites.s.source: not a regular file (got '{fifo}'); give a JSONL file of items"
+    ]
+
+
 # ---- what storage holds reaches the terminal escaped; errors one line, tables whole, off a terminal ------------------
 
 ESCAPES = "\x1b[2J\x1b[31mALL GATES PASSED\x1b[0m\u202e\r\n"

@@ -41,10 +41,14 @@ KINDS = {
 
 
 def not_a_file(path: str) -> str | None:
-    """Why a local path names no file to read ('no such file', 'a directory, not a file'), or None."""
-    if Path(path).is_file():
+    """Why a local path names no file to read ('no such file', 'a directory, not a file', 'not a regular file':
+    a FIFO would block the reader), or None."""
+    target = Path(path)
+    if target.is_file():
         return None
-    return "a directory, not a file" if Path(path).is_dir() else "no such file"
+    if target.is_dir():
+        return "a directory, not a file"
+    return "not a regular file" if target.exists() else "no such file"
 
 
 class FileRefused(OSError):
