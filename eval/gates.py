@@ -33,6 +33,8 @@ from tuneproof.core.stats import TOLERANCE, Evidence
 from tuneproof.core.summaries_eval import GateDecision, GateKind, GateOutcome, Verdict, p_text
 
 Metrics = Mapping[str, Any]
+POINT = "point (no per-item scores)"
+"""The method of a verdict on a metric's value alone (eval_loss, perplexity: token-weighted over the split)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,8 @@ class Check:
     """The quantity as shown (a regression is shown as incumbent - candidate)."""
     shown_sign: float = 1.0
     """-1 for a regression: shown value = -(candidate - incumbent)."""
+    shown_offset: float = 0.0
+    """1 for a lower-is-better score, tested as 1 - score: shown value = shown_offset + shown_sign * tested."""
     target: float = 0.0
     """The threshold on the tested quantity (candidate, or candidate - other)."""
     settled: tuple[bool, str] | None = None
@@ -135,10 +139,23 @@ def _min_check(metric: str, gate: Gate, threshold: float, candidate: Scores) -> 
     items = candidate.items.get(metric)
     if not items:
         passed = sign * value >= sign * threshold - TOLERANCE
-        return Check(metric, "min", head, threshold, settled=(passed, f"{fmt(value)} (point: no per-item scores)"))
-    evidence = stats.single(items) if sign > 0 else stats.Bootstrap([-x for x in items], span=(-1.0, 0.0))
+        words = f"{fmt(value)} (point: no per-item scores)"
+        return Check(metric, "min", head, threshold, point=value, settled=(passed, words))
+    if sign > 0:
+        return Check(metric, "min", head, threshold, evidence=stats.single(items), point=value, target=threshold)
+    # Lower is better: tested as 1 - score, so 0/1 items keep the score interval (a bootstrap of 58 of 60 claims a
+    # certainty that Wilson does not) and the verdict is the one the same items give read the other way round.
+    evidence = stats.single([1.0 - x for x in items])
     return Check(
-        metric, "min", head, threshold, evidence=evidence, point=value, shown_sign=sign, target=sign * threshold
+        metric,
+        "min",
+        head,
+        threshold,
+        evidence=evidence,
+        point=value,
+        shown_sign=-1.0,
+        shown_offset=1.0,
+        target=1.0 - threshold,
     )
 
 
@@ -166,15 +183,15 @@ def _paired_check(
     if not ours or not theirs:
         passed = gain >= target - TOLERANCE
         words = f"{fmt(shown_sign * gain, signed=True)} ({detail}; point: no per-item scores)"
-        return Check(metric, kind, head, threshold, settled=(passed, words))
+        return Check(metric, kind, head, threshold, point=shown_sign * gain, settled=(passed, words))
     if len(ours) != len(theirs):
         raise ValueError(
             f"{metric}: candidate has {len(ours)} item scores, {role} {len(theirs)}; a paired gate needs the same items"
         )
-    evidence = (
-        stats.paired(ours, theirs) if sign > 0 else stats.Bootstrap([y - x for x, y in zip(ours, theirs)], (-1.0, 1.0))
-    )
-    return Check(metric, kind, head, threshold, detail, evidence, shown_sign * gain, shown_sign, target)
+    if sign < 0:  # (1 - candidate) - (1 - other) is the gain, with the paired score interval for 0/1 items
+        ours, theirs = [1.0 - x for x in ours], [1.0 - y for y in theirs]
+    evidence = stats.paired(ours, theirs)
+    return Check(metric, kind, head, threshold, detail, evidence, shown_sign * gain, shown_sign, target=target)
 
 
 # ---- the verdict -----------------------------------------------------------------------------------------
@@ -186,13 +203,15 @@ def _verdict(check: Check, alpha: float, p: float | None, family: str | None, sp
         passed, words = check.settled or (False, "nothing to decide on")
         word = "pass" if passed else "fail"
         line = f"{check.head}: {words}" + ("" if "not applicable" in words else f" ({word})")
-        value = check.point
-        return Verdict(**common, value=value, passed=passed, outcome=word, line=line)
+        # A point comparison names its method, so that no table reads its verdict as "n/a (no incumbent)".
+        method = POINT if check.point is not None else None
+        return Verdict(**common, value=check.point, passed=passed, outcome=word, line=line, method=method)
     evidence = check.evidence
     lo, hi = evidence.bounds(alpha)
     result: GateOutcome = stats.outcome(lo, hi, check.target)
     needed = evidence.items_needed(check.target, alpha) if result == "insufficient" else None
-    shown = sorted((check.shown_sign * lo, check.shown_sign * hi))
+    unresolvable = not evidence.resolves(alpha)
+    shown = sorted((check.shown_offset + check.shown_sign * lo, check.shown_offset + check.shown_sign * hi))
     interval = (shown[0], shown[1])
     level = 1.0 - 2 * alpha
     signed = check.gate != "min"
@@ -201,7 +220,13 @@ def _verdict(check: Check, alpha: float, p: float | None, family: str | None, sp
     how += f": {family}" if family else ""
     how += f", {p_text(p)}" if p is not None else ""
     context = f"{check.detail}; {how}" if check.detail else how
-    line = f"{check.head}: {text} ({context}) ({_outcome_words(result, needed, check.threshold, check.gate)})"
+    words = _outcome_words(result, needed, check.threshold, check.gate)
+    if unresolvable and result == "insufficient":  # the method, not the items, is what cannot tell
+        words = (
+            f"insufficient evidence: {stats.RESAMPLES:,} bootstrap resamples cannot give a {100 * (1 - alpha):.6g}% one-sided "
+            "bound: lower eval.confidence, or gate fewer metrics at once (Holm divides the level among them)"
+        )
+    line = f"{check.head}: {text} ({context}) ({words})"
     return Verdict(
         **common,
         value=check.point,

@@ -113,6 +113,14 @@ CONFIG_CASES = [
     Case("set-gates-empty", with_set("eval.gates={}"), 3, "eval.gates is empty"),
     Case("set-gate-no-threshold", with_set("eval.gates={exact_match: {}}"), 3, "a gate needs at least one"),
     Case("set-gate-unreachable", with_set("eval.gates.exact_match.min=1.01"), 3, "every model would fail it"),
+    Case("set-gate-at-the-end", with_set("eval.gates.exact_match.min=1"), 3, "never reaches an end"),
+    Case(
+        "set-gate-wrong-way",
+        with_set("eval.gates={exact_match: {min: 0.8}, eval_loss: {max_regression: 0.05}}"),
+        3,
+        "eval.gates.eval_loss.higher_is_better: true, but a lower eval_loss is better",
+    ),
+    Case("set-predictions-none", with_set("eval.predictions_cap=0"), 3, "eval.predictions_cap"),
     Case("set-model-source-no-bucket", with_set("model.source=s3://"), 3, "names no valid S3 bucket"),
     Case("set-model-source-gs", with_set("model.source=gs://b/m"), 3, "not a form the jobs can load"),
     Case(

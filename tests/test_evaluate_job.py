@@ -112,7 +112,7 @@ def make_ctx(world, run_id: str, storage_root: str, endpoint: str | None = None,
                 "max_new_tokens": 16,
                 "batch_size": 5,
                 "max_examples": 30,
-                "predictions_cap": 4,
+                "predictions_cap": 32,
                 "gates": GATES,
                 **eval_overrides,
             },
@@ -168,7 +168,7 @@ def test_trained_candidate_passes_as_the_first_model(world, store, capsys):
         json.loads(line) for line in store.read_text("runs/good/stages/evaluate/predictions.jsonl").splitlines()
     ]
     assert summary["predictions_uri"] == store.uri("runs/good/stages/evaluate/predictions.jsonl")
-    assert len(predictions) == 4
+    assert len(predictions) == 30  # every eval item: the cap (32, the copy check's floor) is more
     assert set(predictions[0]) == {"prompt", "reference", "candidate", "base", "incumbent"}
     assert predictions[0]["candidate"] == ANSWER and predictions[0]["incumbent"] is None
     assert predictions[0]["prompt"] == world["rows"][0]["prompt"]

@@ -6,7 +6,9 @@ import math
 import random
 from collections.abc import Sequence
 
-from eval.gates import Scores, decide, fmt
+import pytest
+
+from eval.gates import POINT, Scores, decide, fmt
 from tests.reading import present
 from tuneproof.core.config_eval import Gate
 from tuneproof.core.results import FailureClass
@@ -117,7 +119,13 @@ def test_metrics_without_item_scores_compare_points_and_say_so():
         "eval_loss improvement over base >= 0.5: +1.6 (candidate 0.4, base 2; point: no per-item scores) (pass)",
         "eval_loss regression vs incumbent <= 0.1: -0.05 (candidate 0.4, incumbent 0.45; point: no per-item scores) (pass)",
     ]
-    assert all(v.method is None and v.interval is None for v in good.verdicts)
+    # The verdicts keep the compared value and their method: a table showed each as "n/a (no incumbent)".
+    assert [(v.value, v.method, v.interval) for v in good.verdicts] == [
+        (0.4, POINT, None),
+        (pytest.approx(1.6), POINT, None),
+        (pytest.approx(-0.05), POINT, None),
+    ]
+    assert [v.brief() for v in good.verdicts] == ["pass, point (no per-item scores)"] * 3
     bad = decide(points(eval_loss=1.2), points(eval_loss=1.5), points(eval_loss=0.9), policy)
     assert [v.outcome for v in bad.verdicts] == ["fail", "fail", "fail"]
 
@@ -212,3 +220,43 @@ def test_a_true_ten_point_improvement_on_300_items_passes_at_least_95_percent():
     )
     assert rate >= 0.95, rate
     assert math.isclose(0.25 * 0.55 - 0.75 * 0.05, 0.1)
+
+
+def test_the_same_items_give_the_same_verdict_whichever_way_the_metric_points():
+    # A lower-is-better metric scored 0/1 per item (an error rate) was decided by a percentile bootstrap, which
+    # passed "err <= 0.1" on 2 errors in 60 where "acc >= 0.9" on the same items is insufficient evidence.
+    right = [1.0] * 58 + [0.0] * 2
+    errors = [1.0 - x for x in right]
+    acc = decide(scores(right, "acc"), scores(right, "acc"), None, {"acc": Gate(min=0.9)})
+    err = decide(scores(errors, "err"), scores(errors, "err"), None, {"err": Gate(min=0.1, higher_is_better=False)})
+    assert [v.outcome for v in acc.verdicts] == [v.outcome for v in err.verdicts] == ["insufficient"]
+    assert err.verdicts[0].method == acc.verdicts[0].method == "Wilson score"
+    lo, hi = present(acc.verdicts[0].interval)
+    assert present(err.verdicts[0].interval) == (pytest.approx(1.0 - hi), pytest.approx(1.0 - lo))
+    assert err.lines[0].startswith("err <= 0.1: 0.03333 [")
+    # Paired: one item lost in 300 against the incumbent, read as accuracy and as errors.
+    cand, inc = [1.0] * 299 + [0.0], [1.0] * 300
+    policy_acc, policy_err = (
+        {"acc": Gate(max_regression=0.01)},
+        {"err": Gate(max_regression=0.01, higher_is_better=False)},
+    )
+    acc = decide(scores(cand, "acc"), scores(cand, "acc"), scores(inc, "acc"), policy_acc)
+    err = decide(
+        scores([1 - x for x in cand], "err"),
+        scores([1 - x for x in cand], "err"),
+        scores([1 - x for x in inc], "err"),
+        policy_err,
+    )
+    assert [v.outcome for v in acc.verdicts] == [v.outcome for v in err.verdicts]
+    assert err.verdicts[0].method == "Newcombe paired score" and err.verdicts[0].interval == acc.verdicts[0].interval
+
+
+def test_a_level_the_bootstrap_cannot_reach_says_so():
+    rng = random.Random(1)
+    values = [min(1.0, max(0.0, rng.gauss(0.6, 0.25))) for _ in range(25)]
+    d = decide(scores(values, "rouge_l"), scores(values, "rouge_l"), None, {"rouge_l": Gate(min=0.455)}, 0.99999)
+    assert d.verdicts[0].outcome == "insufficient"
+    assert d.lines[0].endswith(
+        "(insufficient evidence: 10,000 bootstrap resamples cannot give a 99.9995% one-sided bound: lower eval.confidence, or gate "
+        "fewer metrics at once (Holm divides the level among them))"
+    )

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from eval.metrics_loader import load_metric
-from tuneproof.core.config_eval import EvalConfig, Gate
+from tuneproof.core.config_eval import COPY_CHECK_EXAMPLES, EvalConfig, Gate
 from tuneproof.core.metric_names import (
     METRICS_DIR,
     MetricNotFound,
@@ -103,29 +103,74 @@ def test_check_eval_config_reports_every_field():
 def test_a_gate_no_fraction_can_meet_is_a_config_error_not_a_verdict():
     # exact_match >= 1.01 failed every model as a modeling failure: a verdict about no model in particular.
     assert check_gate_ranges({"exact_match": Gate(min=1.01)}) == [
-        "eval.gates.exact_match.min: 1.01 cannot be met (exact_match is a fraction, 0..1, and a difference of "
-        "two lies in -1..1): every model would fail it, a verdict about none of them"
+        "eval.gates.exact_match.min: 1.01 cannot be met (exact_match is a fraction, 0..1, a difference of two lies "
+        "in -1..1, and an interval over items never reaches an end): every model would fail it, a verdict about none "
+        "of them"
     ]
     wrong = {
         "rouge_l": Gate(min_improvement=1.5, max_regression=-2.0),
         "accuracy": Gate(max_regression_vs_base=-1.5),
-        "exact_match": Gate(min=-0.5, higher_is_better=False),  # "at most -0.5"
+        "eval_loss": Gate(min=-0.5, higher_is_better=False),  # "at most -0.5"
+        "perplexity": Gate(min=0.9, higher_is_better=False),
     }
     assert [p.split(":")[0] for p in check_gate_ranges(wrong)] == [
         "eval.gates.rouge_l.min_improvement",
         "eval.gates.rouge_l.max_regression",
         "eval.gates.accuracy.max_regression_vs_base",
-        "eval.gates.exact_match.min",
+        "eval.gates.eval_loss.min",
+        "eval.gates.perplexity.min",
     ]
-    # The ends can be met (min 1: every item right); a threshold every model meets judges nothing but is no
-    # false verdict (the image canary's gates, -1e300, only ask that the metric was computed); losses have no end.
-    meetable = {"exact_match": Gate(min=1.0, min_improvement=1.0, max_regression=-1.0), "eval_loss": Gate(min=50.0)}
+    # The ends of a fraction cannot be met either: its gates stand on an interval over the items, and a perfect
+    # candidate on 100,000 items was "insufficient evidence" against min 1 (no number of items resolves it).
+    ends = {"exact_match": Gate(min=1.0, min_improvement=1.0, max_regression=-1.0, max_regression_vs_base=-1.0)}
+    assert [p.split(":")[0] for p in check_gate_ranges(ends)] == [
+        "eval.gates.exact_match.min",
+        "eval.gates.exact_match.min_improvement",
+        "eval.gates.exact_match.max_regression",
+        "eval.gates.exact_match.max_regression_vs_base",
+    ]
+    # Just inside the ends can be met; a loss, compared on its point value, can meet its floor; a threshold every
+    # model meets judges nothing but is no false verdict (the image canary's gates, -1e300, only ask that the
+    # metric was computed).
+    meetable = {
+        "exact_match": Gate(min=0.999, min_improvement=0.999, max_regression=-0.999),
+        "eval_loss": Gate(min=0.0, higher_is_better=False),
+        "perplexity": Gate(min=1.0, higher_is_better=False),
+    }
     assert check_gate_ranges(meetable) == []
     assert check_gate_ranges({"exact_match": Gate(min=-1e300), "rouge_l": Gate(max_regression=3.0)}) == []
     cfg = EvalConfig(metrics=["exact_match"], gates={"exact_match": Gate(min=2.0)})
     assert [p.split(":")[0] for p in check_eval_config(cfg)] == ["eval.gates.exact_match.min"]
 
 
+def test_a_gate_pointing_the_wrong_way_for_a_known_metric_is_a_config_error():
+    # eval_loss with the default higher_is_better passed a candidate whose loss rose from 0.4 to 2.5 ("regression
+    # -2.1") and failed one whose loss fell; exact_match with higher_is_better false passed a model that learned
+    # nothing ("exact_match <= 0.8").
+    wrong = {
+        "eval_loss": Gate(max_regression=0.05),
+        "perplexity": Gate(min=20.0),
+        "exact_match": Gate(min=0.8, higher_is_better=False),
+    }
+    assert check_gate_ranges(wrong) == [
+        "eval.gates.eval_loss.higher_is_better: true, but a lower eval_loss is better: set higher_is_better: false "
+        "(as given, the gate would pass worse models and fail better ones)",
+        "eval.gates.perplexity.higher_is_better: true, but a lower perplexity is better: set higher_is_better: false "
+        "(as given, the gate would pass worse models and fail better ones)",
+        "eval.gates.exact_match.higher_is_better: false, but a higher exact_match is better: set higher_is_better: "
+        "true (as given, the gate would pass worse models and fail better ones)",
+    ]
+    # A metric tuneproof does not know (a hub metric, a user's module) keeps the direction it is given.
+    assert check_gate_ranges({"bleu_err": Gate(min=0.1, higher_is_better=False)}) == []
+
+
 def test_a_gate_without_thresholds_is_invalid_config():
     with pytest.raises(ValueError, match="at least one of min, min_improvement, max_regression"):
         Gate(higher_is_better=False)
+
+
+def test_predictions_are_saved_for_at_least_the_copy_check():
+    # predictions_cap 0 saved no answers, and promotion's check of the registry's copy was skipped without a word.
+    with pytest.raises(ValueError, match="predictions_cap"):
+        EvalConfig(predictions_cap=0)
+    assert EvalConfig(predictions_cap=COPY_CHECK_EXAMPLES).predictions_cap == 32

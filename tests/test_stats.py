@@ -118,3 +118,20 @@ def test_holm_levels():
 def test_paired_scores_need_the_same_items():
     with pytest.raises(ValueError, match="same items: 2 candidate vs 3 other"):
         stats.paired([1, 0], [1, 0, 1])
+
+
+def test_a_bootstrap_bound_finer_than_its_resamples_is_insufficient_not_the_smallest_mean():
+    # At alpha below 1 / (RESAMPLES + 1) the bound was the smallest of 10,000 resampled means whatever alpha was:
+    # a rouge_l >= 0.455 gate on 25 items passed at "100% interval" where a million resamples put it below.
+    rng = random.Random(1)
+    values = [min(1.0, max(0.0, rng.gauss(0.6, 0.25))) for _ in range(25)]
+    boot = stats.Bootstrap(values, span=(0.0, 1.0))
+    assert boot.resolves(1e-3) and boot.bounds(1e-3)[0] > 0.0
+    assert not boot.resolves(5e-6) and boot.bounds(5e-6) == (0.0, 1.0)
+    assert boot.items_needed(0.455, 5e-6) is None
+    # The p-value is never 0 (the sample is one of its resamples), and a bound reaches t exactly when p <= alpha.
+    assert boot.p_value(0.0) == pytest.approx(1 / (stats.RESAMPLES + 1))
+    for threshold in (0.45, 0.5, 0.55):
+        p = boot.p_value(threshold)
+        for alpha in (0.001, 0.01, 0.025):
+            assert (boot.bounds(alpha)[0] >= threshold - stats.TOLERANCE) == (p <= alpha)

@@ -14,6 +14,9 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 from tuneproof.core.config_base import MAX_BATCH, MAX_EXAMPLES, MAX_SEQ_LEN, MAX_TIMEOUT_S, Strict
 from tuneproof.core.names import check_slug
 
+COPY_CHECK_EXAMPLES = 32
+"""Saved answers that promotion's copy check (eval/copy_check.py) asks the registry's copy again."""
+
 
 class Gate(Strict):
     """Thresholds on one metric; eval/gates.py turns each set one into a pass/fail line."""
@@ -84,7 +87,9 @@ class EvalConfig(Strict):
     batch_size: int = Field(64, ge=1, le=MAX_BATCH)
     max_examples: int = Field(300, ge=1, le=MAX_EXAMPLES)
     """Eval examples scored, 1..10,000,000."""
-    predictions_cap: int = Field(200, ge=0, le=MAX_EXAMPLES)
+    predictions_cap: int = Field(200, ge=COPY_CHECK_EXAMPLES, le=MAX_EXAMPLES)
+    """Eval items whose prompt, reference and every model's answer are saved (predictions.jsonl), at least
+    COPY_CHECK_EXAMPLES: promotion re-scores the first of them from the registry's copy, and 0 skipped that check."""
     gates: dict[str, Gate] = {"exact_match": Gate(min=0.8, min_improvement=0.5, max_regression=0.02)}
     """At least one gate: with none, every candidate would pass and promotion would judge nothing."""
     max_truncated_fraction: float = Field(0.02, ge=0.0, le=1.0)

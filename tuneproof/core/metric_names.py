@@ -84,34 +84,58 @@ def check_gate_names(metric_names: list[str], gate_names: list[str]) -> list[str
 
 
 FRACTIONS = ("accuracy", "exact_match", "rouge_l")
-"""The shipped metrics whose values are fractions, 0..1 (each item scores 0 or 1, or an F1)."""
+"""The shipped metrics whose values are fractions, 0..1, scored item by item (each item 0 or 1, or an F1)."""
+HIGHER_IS_BETTER = {**dict.fromkeys(FRACTIONS, True), "eval_loss": False, "perplexity": False}
+"""Which way each metric tuneproof knows improves: a gate pointing the other way passes worse models."""
+FLOORS = {"eval_loss": 0.0, "perplexity": 1.0}
+"""The least value a loss metric can take (a cross-entropy is >= 0, its exp >= 1)."""
 
 
 def check_gate_ranges(gates: dict[str, Gate]) -> list[str]:
-    """'eval.gates.<name>.<field>: ...' per threshold no value of a fraction can meet (pure).
+    """'eval.gates.<name>.<field>: ...' per gate that points the wrong way for a metric tuneproof knows, and per
+    threshold no model's value can meet (pure).
 
-    A gate of exact_match >= 1.01 fails every model, so its failure says nothing about this one: a
-    config error, not a modeling verdict. A fraction lies in 0..1 and a difference of two in -1..1. A
-    threshold every model meets (min 0) is left alone: it judges nothing, and says so by passing (the
-    image canary asks its gates only that the metric was computed)."""
+    A gate of exact_match >= 1.01 fails every model, so its failure says nothing about this one: a config
+    error, not a modeling verdict. A fraction lies in 0..1 and a difference of two in -1..1, and since its
+    gates are decided on an interval over the items, whose bounds never reach the ends (a Wilson bound on
+    300 of 300 right is 0.9874), an end itself cannot be met either: min 1, an improvement of 1, a regression
+    of -1. A loss is compared on its point value, so its floor can be met but nothing below it. A threshold
+    every model meets (min 0) is left alone: it judges nothing, and says so by passing (the image canary asks
+    its gates only that the metric was computed)."""
     problems = []
     for name, gate in gates.items():
-        if name not in FRACTIONS:
+        higher = HIGHER_IS_BETTER.get(name)
+        if higher is not None and gate.higher_is_better != higher:
+            problems.append(
+                f"eval.gates.{name}.higher_is_better: {str(gate.higher_is_better).lower()}, but a "
+                f"{'higher' if higher else 'lower'} {name} is better: set higher_is_better: {str(higher).lower()} "
+                "(as given, the gate would pass worse models and fail better ones)"
+            )
             continue
-        floor = gate.min is not None and (gate.min > 1.0 if gate.higher_is_better else gate.min < 0.0)
-        unmeetable = {
-            "min": floor,
-            "min_improvement": gate.min_improvement is not None and gate.min_improvement > 1.0,
-            "max_regression": gate.max_regression is not None and gate.max_regression < -1.0,
-            "max_regression_vs_base": gate.max_regression_vs_base is not None and gate.max_regression_vs_base < -1.0,
-        }
         problems += [
-            f"eval.gates.{name}.{field}: {getattr(gate, field)} cannot be met ({name} is a fraction, 0..1, and a "
-            "difference of two lies in -1..1): every model would fail it, a verdict about none of them"
-            for field, bad in unmeetable.items()
-            if bad
+            f"eval.gates.{name}.{field}: {getattr(gate, field)} cannot be met ({why}): every model would fail it, "
+            "a verdict about none of them"
+            for field, why in _unmeetable(name, gate).items()
         ]
     return problems
+
+
+def _unmeetable(name: str, gate: Gate) -> dict[str, str]:
+    """{field: why} for each threshold of `gate` that no value of metric `name` can meet (`gate` points the
+    metric's way)."""
+    if name in FLOORS:
+        floor = FLOORS[name]
+        return {"min": f"{name} is at least {floor:g}"} if gate.min is not None and gate.min < floor else {}
+    if name not in FRACTIONS:
+        return {}
+    why = f"{name} is a fraction, 0..1, a difference of two lies in -1..1, and an interval over items never reaches an end"
+    bad = {
+        "min": gate.min is not None and gate.min >= 1.0,
+        "min_improvement": gate.min_improvement is not None and gate.min_improvement >= 1.0,
+        "max_regression": gate.max_regression is not None and gate.max_regression <= -1.0,
+        "max_regression_vs_base": gate.max_regression_vs_base is not None and gate.max_regression_vs_base <= -1.0,
+    }
+    return {field: why for field, unmeetable in bad.items() if unmeetable}
 
 
 def check_eval_config(eval_cfg: EvalConfig) -> list[str]:

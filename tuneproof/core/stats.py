@@ -74,6 +74,10 @@ class Evidence(Protocol):
 
     def items_needed(self, threshold: float, alpha: float) -> int | None: ...
 
+    def resolves(self, alpha: float) -> bool:
+        """False where the method itself cannot give a bound at alpha, however many items there are."""
+        ...
+
 
 # ---- binary outcomes ---------------------------------------------------------------------------------
 
@@ -161,6 +165,9 @@ class _ScoreInterval:
             lo_z, hi_z = (mid, hi_z) if self._bounds_at(self.n, mid)[0] >= threshold - TOLERANCE else (lo_z, mid)
         return 1.0 - NormalDist().cdf(lo_z)
 
+    def resolves(self, alpha: float) -> bool:
+        return True
+
     def items_needed(self, threshold: float, alpha: float) -> int | None:
         """Fewest items, at the observed rates, whose bounds leave `threshold` outside; None if none up to MAX_ITEMS."""
         z = z_for(alpha)
@@ -236,10 +243,17 @@ class Bootstrap:
     def bounds(self, alpha: float) -> tuple[float, float]:
         if self.constant:
             return self._no_spread_bounds(self.n, z_for(alpha))
-        if self.n < MIN_BOOTSTRAP_ITEMS:
+        if self.n < MIN_BOOTSTRAP_ITEMS or not self.resolves(alpha):
             return self.span
-        k = min(int(math.floor(alpha * RESAMPLES)), RESAMPLES - 1)
+        # The (R + 1) * alpha-th smallest of R resampled means (Davison & Hinkley 1997, 5.2), which agrees with
+        # p_value: the bound reaches a threshold exactly when p <= alpha.
+        k = _tail_rank(alpha)
         return float(self.means[k]), float(self.means[RESAMPLES - 1 - k])
+
+    def resolves(self, alpha: float) -> bool:
+        """Whether RESAMPLES resamples reach a bound at alpha: below 1 / (R + 1) the bound would be the smallest
+        resampled mean whatever alpha is (a 99.999 % bound equal to a 99.99 % one), a certainty never shown."""
+        return self.constant or _tail_rank(alpha) >= 0
 
     def _no_spread_bounds(self, n: float, z: float) -> tuple[float, float]:
         share = wilson(0, n, z)[1]
@@ -252,18 +266,26 @@ class Bootstrap:
             return _ScoreIntervalOf(self).p_value(threshold)
         if self.n < MIN_BOOTSTRAP_ITEMS:
             return 1.0
-        return int(np.searchsorted(self.means, threshold - TOLERANCE, side="left")) / RESAMPLES
+        # (below + 1) / (R + 1): a Monte Carlo p-value is never 0, since the observed sample is one of the resamples
+        return (int(np.searchsorted(self.means, threshold - TOLERANCE, side="left")) + 1) / (RESAMPLES + 1)
 
     def items_needed(self, threshold: float, alpha: float) -> int | None:
         """Normal approximation at the observed spread: n = (z * sd / |mean - threshold|)^2, at least 20."""
         if self.constant:
             return _ScoreIntervalOf(self).items_needed(threshold, alpha)
+        if not self.resolves(alpha):
+            return None
         gap = abs(self.point - threshold)
         if gap <= TOLERANCE:
             return None
         sd = float(self.values.std(ddof=1))
         needed = max(MIN_BOOTSTRAP_ITEMS, math.ceil((z_for(alpha) * sd / gap) ** 2))
         return needed if needed <= MAX_ITEMS else None
+
+
+def _tail_rank(alpha: float) -> int:
+    """The 0-based rank of the resampled mean that bounds a one-sided interval at alpha; -1 where none does."""
+    return min(math.floor(alpha * (RESAMPLES + 1)) - 1, RESAMPLES - 1)
 
 
 class _ScoreIntervalOf(_ScoreInterval):

@@ -105,6 +105,8 @@ class Verdict(Summary):
 
     def _evidence(self) -> str:
         parts = []
+        if self.interval is None and self.method:  # a point comparison: no interval, no n
+            parts.append(f", {self.method}")
         if self.interval is not None:
             parts.append(f" [{self.interval[0]:.4g}, {self.interval[1]:.4g}] n={self.n}")
             parts += [f", {self.method}"] if self.method else []
