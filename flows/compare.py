@@ -19,6 +19,7 @@ from tuneproof.control import comparison as cmp
 from tuneproof.control import record as records
 from tuneproof.control import stages as table
 from tuneproof.control.comparison import ArmIdentity, Comparison, RunOutcome
+from tuneproof.control.images import MAX_REPEATS
 from tuneproof.control.record import RunRecord
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.names import slug_problem
@@ -43,6 +44,10 @@ def check_request(config_a: PipelineConfig, config_b: PipelineConfig, stages: li
         raise ComparisonRefused("A and B are the same config: give each arm at least one --a/--b override that differs")
     if repeats < 2:
         raise ComparisonRefused(f"repeats must be at least 2 for an interval (got {repeats})")
+    if repeats > MAX_REPEATS:  # the canary's bound: 10**9 was accepted, a comparison that would never end
+        raise ComparisonRefused(
+            f"repeats must be at most {MAX_REPEATS} (got {repeats}): each repeat runs the stages once per arm"
+        )
     if config_a.storage != config_b.storage:
         raise ComparisonRefused("A and B must share the storage root: the comparison lives beside both arms' runs")
 

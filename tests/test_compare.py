@@ -180,10 +180,15 @@ def test_a_bad_override_names_its_arm(tmp_path):
     [
         (["--stages", "nope", "--b", "connectivity.iters=6"], 3, "--stages: unknown stage 'nope'"),
         (["--stages", "connectivity", "--b", "connectivity.iters=6", "--repeats", "1"], 3, "at least 2"),
+        (
+            ["--stages", "connectivity", "--b", "connectivity.iters=6", "--repeats", "1000000000"],
+            3,
+            "at most 20 (got 1000000000)",
+        ),
         (["--stages", "connectivity", "--b", "connectivity.iters=6", "--threshold", "2"], 3, "between 0 and 1"),
         (["--stages", "connectivity", "--b", "connectivity.iters=6", "--id", "a/b"], 2, "comparison id"),
     ],
-    ids=["unknown-stage", "one-repeat", "threshold", "id-not-a-slug"],
+    ids=["unknown-stage", "one-repeat", "a-billion-repeats", "threshold", "id-not-a-slug"],
 )
 def test_bad_comparison_requests_are_refused_by_name(args, code, phrase, tmp_path):
     result = tuneproof("compare", *args, "--set", f"storage.root={tmp_path}")

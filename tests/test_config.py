@@ -12,6 +12,7 @@ from tuneproof.core.config import (
     load_config,
     parse_override,
 )
+from tuneproof.core.config_cluster import Timeouts
 
 
 def test_local_profile_loads_with_absolute_paths():
@@ -107,6 +108,83 @@ def test_an_empty_string_is_refused_naming_the_field_not_found_late_by_a_stage()
     ]
     # An environment variable set to nothing is a setting (PYTHONDONTWRITEBYTECODE="" turns bytecode writing back on).
     assert load_config(overrides=["runtime_env.env_vars={A: ''}"]).runtime_env.env_vars == {"A": ""}
+
+
+def test_a_yaml_boolean_is_refused_where_a_number_is_expected():
+    # pydantic read True as 1: resume.loss_rtol=on tolerated a 100 % loss difference in the resume test.
+    with pytest.raises(ConfigError) as e:
+        load_config(
+            overrides=[
+                "resume.loss_rtol=on",
+                "data.max_dropped_fraction=no",
+                "train.lr=true",
+                "train.max_steps=true",
+                "train.shard_group_size=yes",
+                "eval.gates.exact_match.min=yes",
+                "cost.prices={CPU: true}",
+            ]
+        )
+    problems = sorted(p.split(" (YAML reads")[0] for p in e.value.problems)
+    assert problems == [
+        "cost.prices: expected a number at ['CPU'], got the boolean True",
+        "data.max_dropped_fraction: expected a number, got the boolean False",
+        "eval.gates.exact_match.min: expected a number, got the boolean True",
+        "resume.loss_rtol: expected a number, got the boolean True",
+        "train.lr: expected a number, got the boolean True",
+        "train.max_steps: expected a number, got the boolean True",
+        "train.shard_group_size: expected a number, got the boolean True",
+    ]
+    assert load_config(overrides=["train.use_gpu=yes", "resume.enabled=off"]).train.use_gpu is True  # bools stay bools
+
+
+def test_a_dashboard_address_needs_a_host_and_a_port_a_url_can_have():
+    bad = ["http://", "https:///", "http://127.0.0.1:99999", "http://host name:8265", "http://h:x"]
+    for address in bad:
+        with pytest.raises(ConfigError) as e:
+            load_config(overrides=[f"cluster.address={address}"])
+        assert e.value.problems[0].startswith("cluster.address: address must"), e.value.problems
+        assert repr(address) in e.value.problems[0]
+    assert load_config(overrides=["cluster.address=http://[::1]:8265/"]).cluster.address == "http://[::1]:8265"
+    # A value that skipped validation is named when resolve() validates it, not raised as a ValidationError.
+    unchecked = PipelineConfig().model_copy(update={"timeouts": Timeouts.model_construct(verify=0)})
+    with pytest.raises(ConfigError, match="timeouts.verify: Input should be greater than or equal to 1"):
+        unchecked.resolved()
+
+
+def test_a_path_under_the_home_directory_is_made_absolute_there_not_under_the_project(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(
+        overrides=[
+            "storage.root=~/tp",
+            "data.source=~/x.jsonl",
+            "cluster.auth_token_file=~/token",
+            "eval.suites.mine.source=~/suite.jsonl",
+        ]
+    )
+    assert cfg.storage.root == str(tmp_path / "tp")
+    assert cfg.data.source == str(tmp_path / "x.jsonl")
+    assert cfg.cluster.auth_token_file == str(tmp_path / "token")
+    assert cfg.eval.suites["mine"].source == str(tmp_path / "suite.jsonl")
+
+
+def test_a_price_for_a_ray_resource_spelt_in_another_case_is_refused():
+    # cost looks prices up by Ray's names: {"gpu": 4.0} priced every GPU-hour at 0 without a word.
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=["cost.prices={CPU: 0.05, gpu: 4.0, Memory: 1}"])
+    assert e.value.problems[0].startswith(
+        "cost.prices: prices are by Ray resource name, which is case-sensitive: got 'gpu' (Ray's 'GPU'), "
+        "'Memory' (Ray's 'memory')"
+    )
+    assert load_config(overrides=["cost.prices={CPU: 0.05, GPU: 4.0, my_tpu: 9}"]).cost.prices["my_tpu"] == 9
+
+
+def test_env_vars_are_environment_variable_names_the_pipeline_does_not_set():
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=['runtime_env.env_vars={"A=B": x, "1A": x, TUNEPROOF_JOB: x, OK: x}'])
+    assert e.value.problems[0].startswith("runtime_env.env_vars: env_vars keys must be environment variable names")
+    assert "got ['A=B', '1A', 'TUNEPROOF_JOB']" in e.value.problems[0]
+    with pytest.raises(ConfigError, match="runtime_env.forward_env"):
+        load_config(overrides=['runtime_env.forward_env=["A\\n"]'])  # re's $ matched before a final newline
 
 
 def test_eks_requires_a_digest_pinned_image():

@@ -15,6 +15,7 @@ pydantic and yaml, which the published Ray image has.
 
 from __future__ import annotations
 
+import os
 import reprlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -132,7 +133,7 @@ class PipelineConfig(Strict):
         data = self.model_dump(mode="json")
         for dotted in ("storage.root", "model.source", "data.source", "data.eval_source", "cluster.auth_token_file"):
             section, key = dotted.split(".")
-            value = data[section][key]
+            value = data[section][key] = _home_expanded(data[section][key])
             if not value or not _is_relative_local_path(value):
                 continue
             if dotted == "model.source" and not _names_a_local_model(value, base):
@@ -142,9 +143,13 @@ class PipelineConfig(Strict):
                 continue
             data[section][key] = str((base / value).resolve())
         for nested in [*data["eval"]["suites"].values(), *([data["data"]["replay"]] if data["data"]["replay"] else [])]:
+            nested["source"] = _home_expanded(nested["source"])
             if _is_relative_local_path(nested["source"]):
                 nested["source"] = str((base / nested["source"]).resolve())
-        return PipelineConfig.model_validate(data)
+        try:
+            return PipelineConfig.model_validate(data)
+        except ValidationError as e:  # a value valid as given, not once made absolute: named as validate() names it
+            raise ConfigError(format_errors(e)) from None
 
 
 class ConfigError(ValueError):
@@ -161,6 +166,12 @@ def _requirement_name(requirement: str) -> str:
         if not (ch.isalnum() or ch in "-_."):
             return requirement[:i].strip().lower().replace("_", "-")
     return requirement.strip().lower().replace("_", "-")
+
+
+def _home_expanded(value: str | None) -> str | None:
+    """`value` with a leading ~ read as a shell reads it, the home directory: made absolute against the
+    project instead, storage.root=~/tp was <project>/~/tp."""
+    return os.path.expanduser(value) if value and value.startswith("~") else value
 
 
 def _is_relative_local_path(value: str) -> bool:

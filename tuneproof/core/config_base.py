@@ -8,11 +8,12 @@ Ray image has.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Annotated, Any, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 from tuneproof.core import config_reads
 
@@ -62,6 +63,15 @@ class Strict(BaseModel):
     # (data.source="" as "cannot tell the format of  from its extension"); None says "not set" where a field may be.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False, str_min_length=1)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode reads True as 1 and False as 0, and YAML reads on/off and yes/no as booleans:
+        # `--set resume.loss_rtol=on` was a tolerance of 100 %. A bool field still takes true/false.
+        if problem := _bool_for_a_number(cls.model_fields[info.field_name or ""].annotation, value):
+            raise ValueError(problem)
+        return value
+
     # A section dumped whole is read whole (tuneproof.core.config_reads); single reads are noted by
     # _noting_getattribute, installed only while a stage is recorded.
     def model_dump(self, **kwargs: Any) -> dict[str, Any]:
@@ -73,6 +83,39 @@ class Strict(BaseModel):
         if config_reads.ACTIVE.recorder is not None:
             config_reads.ACTIVE.recorder.note_whole(self)
         return super().model_dump_json(**kwargs)
+
+
+def _members(annotation: Any) -> list[Any]:
+    """The types a value of `annotation` may be: a union's members, each without its Annotated metadata (pure)."""
+    if get_origin(annotation) is Annotated:
+        return _members(get_args(annotation)[0])
+    if get_origin(annotation) in (Union, types.UnionType):
+        return [member for arg in get_args(annotation) for member in _members(arg)]
+    return [annotation]
+
+
+def _bool_for_a_number(annotation: Any, value: Any, where: str = "") -> str | None:
+    """Why `value` cannot be `annotation`: a boolean where a number is expected (the value, or an item of a list
+    or mapping), or None (pure). A nested section is a Strict model that checks its own fields."""
+    members = _members(annotation)
+    if isinstance(value, bool):
+        if bool in members or not (int in members or float in members):
+            return None
+        return (
+            f"expected a number{where}, got the boolean {value} (YAML reads true/false, yes/no and on/off as booleans)"
+        )
+    for member in members:
+        args = get_args(member)
+        if get_origin(member) is list and isinstance(value, list):
+            items, item_type = list(enumerate(value)), args[0]
+        elif get_origin(member) is dict and isinstance(value, dict):
+            items, item_type = list(value.items()), args[1]
+        else:
+            continue
+        for key, item in items:
+            if problem := _bool_for_a_number(item_type, item, f" at [{key!r}]"):
+                return problem
+    return None
 
 
 def _noting_getattribute(self: Strict, name: str) -> Any:

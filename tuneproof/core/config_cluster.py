@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import reprlib
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
@@ -27,6 +28,10 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 RESERVED_ENV = {"TUNEPROOF_JOB", "TUNEPROOF_FORWARD_ENV_FILE"}
 """Set by the pipeline for every job (tuneproof.core.envelope, tuneproof.core.forward_env)."""
+
+
+RAY_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+"""Ray's standard resource names, as cost.prices must spell them."""
 
 
 class ClusterExpect(Strict):
@@ -82,6 +87,19 @@ class ClusterConfig(Strict):
     def _http(cls, v: str) -> str:
         if not v.startswith(("http://", "https://")):
             raise ValueError(f"address must be the dashboard's http(s) URL, got {v!r}")
+        # Checked here, not found by the first request as requests' InvalidURL: "http://" has no host,
+        # "http://h:99999" a port past 65535, "http://host name" a space no URL holds.
+        url = urlsplit(v)
+        if not url.hostname or any(ch.isspace() for ch in v):
+            raise ValueError(f"address must name the dashboard's host, with no space (http://host[:port]), got {v!r}")
+        try:
+            port_ok = url.port is None or url.port > 0
+        except ValueError:  # not a number, or past 65535
+            port_ok = False
+        if not port_ok:
+            raise ValueError(
+                f"address must give its port as a number 1..65535, or none (http://host[:port]), got {v!r}"
+            )
         return v.rstrip("/")
 
 
@@ -127,6 +145,16 @@ class CostConfig(Strict):
     prices: dict[str, Annotated[float, Field(ge=0)]] = {}
     """Price per resource-hour by Ray resource name ({"CPU": 0.04, "GPU": 2.5}), each 0 or more; empty: seconds only."""
 
+    @field_validator("prices")
+    @classmethod
+    def _ray_names(cls, v: dict[str, float]) -> dict[str, float]:
+        # Ray's names are case-sensitive and the cost looks resources up by them: {"gpu": 4.0} priced GPU-hours at 0.
+        misspelt = {key: name for key in v for name in RAY_RESOURCES if key != name and key.lower() == name.lower()}
+        if misspelt:
+            spelt = ", ".join(f"{key!r} (Ray's {name!r})" for key, name in misspelt.items())
+            raise ValueError(f"prices are by Ray resource name, which is case-sensitive: got {spelt}")
+        return v
+
 
 class Timeouts(Strict):
     """Seconds per stage, 1..604,800 (a week)."""
@@ -155,13 +183,15 @@ class RuntimeEnvSettings(Strict):
     @field_validator("forward_env")
     @classmethod
     def _env_names(cls, v: list[str]) -> list[str]:
-        bad = [n for n in v if not ENV_NAME.match(n) or n in RESERVED_ENV]
-        if bad:
-            raise ValueError(
-                f"forward_env takes environment variable names ([A-Za-z_][A-Za-z0-9_]*, not {sorted(RESERVED_ENV)}), "
-                f"got {bad!r}"
-            )
+        _check_env_names("forward_env takes", v)
         return list(dict.fromkeys(v))
+
+    @field_validator("env_vars")
+    @classmethod
+    def _env_var_names(cls, v: dict[str, str]) -> dict[str, str]:
+        # The same names as forward_env's: a reserved one was overwritten at submission without a word.
+        _check_env_names("env_vars keys must be", list(v))
+        return v
 
     @model_validator(mode="after")
     def _not_both(self) -> RuntimeEnvSettings:
@@ -169,3 +199,12 @@ class RuntimeEnvSettings(Strict):
         if both:
             raise ValueError(f"forward_env and env_vars both set {both}: a variable is either forwarded or given")
         return self
+
+
+def _check_env_names(what: str, names: list[str]) -> None:
+    """ValueError naming every one of `names` that is no environment variable name or one the pipeline sets."""
+    bad = [n for n in names if not ENV_NAME.fullmatch(n) or n in RESERVED_ENV]
+    if bad:
+        raise ValueError(
+            f"{what} environment variable names ([A-Za-z_][A-Za-z0-9_]*, not {sorted(RESERVED_ENV)}), got {bad!r}"
+        )
