@@ -193,6 +193,17 @@ def test_an_interrupted_fine_tune_pays_for_the_steps_its_metrics_log_shows():
     assert (version.promoted_steps, version.steps_paid, version.goodput) == (400, 403, 0.9926)
 
 
+def test_a_fine_tune_summary_this_release_cannot_read_is_paid_for_by_its_logged_steps():
+    # One other run of the model whose job summary carried a field this release does not know raised a raw
+    # ValidationError from every later promotion of the model, after the registry copy was made.
+    rec = run("r0", 0)
+    entry = rec.stages["finetune"]
+    summary = {**(entry.jobs[0].result.summary or {}), "a_later_releases_field": 1}
+    result = entry.jobs[0].result.model_copy(update={"summary": summary})
+    entry.jobs[0] = entry.jobs[0].model_copy(update={"logged_steps": 40, "result": result})
+    assert [s.steps for s in cost.run_cost(rec, {}).stages] == [0, 40]
+
+
 def test_an_attempt_that_left_no_job_entry_is_paid_for_up_to_the_checkpoint_resumed_from():
     # The flow died with its job (close_interrupted's entry: failed, no jobs): the checkpoint at 20 that the
     # next job resumed from is the evidence that some attempt of this run trained steps 1-20.

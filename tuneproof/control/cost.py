@@ -29,6 +29,8 @@ import re
 from collections.abc import Iterable
 from datetime import datetime
 
+from pydantic import ValidationError
+
 from tuneproof.control.history import Move
 from tuneproof.control.record import JobEntry, RunRecord, StageEntry
 from tuneproof.core.results import Model
@@ -146,7 +148,15 @@ def _module(job: JobEntry) -> str:
 
 
 def _summary(job: JobEntry) -> FinetuneSummary | None:
-    return FinetuneSummary.model_validate(job.result.summary) if job.result.summary is not None else None
+    """The job's fine-tune summary; None where it left none, or one this release cannot read (another release's
+    record, a hand edit), which then counts as a job without one: by its logged steps. Raising here made one
+    such record of a model stop every later promotion of it, after the registry copy was made."""
+    if job.result.summary is None:
+        return None
+    try:
+        return FinetuneSummary.model_validate(job.result.summary)
+    except ValidationError:
+        return None
 
 
 def goodput(promoted_steps: int, steps_paid: int) -> float | None:
