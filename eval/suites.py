@@ -63,9 +63,9 @@ class Suite:
 
 def read_suite(name: str, config: SuiteConfig, endpoint_url: str | None) -> Suite:
     """The suite's items; an unreadable file, bytes that are not UTF-8, a row that is not {"input": str, "output":
-    str}, an empty input or output, an item or id twice, or an empty file is a data failure naming the suite, the
-    file and the line. (An item twice would count twice in the suite gate's n, its interval narrower than the
-    evidence; an id names one item in the overlap report.)"""
+    str}, an empty input or output, an item twice (its input and output, stripped) or an id twice, or an empty
+    file is a data failure naming the suite, the file and the line. (An item twice would count twice in the suite
+    gate's n, its interval narrower than the evidence; an id names one item in the overlap report.)"""
     try:
         raw = Storage(config.source, endpoint_url).read_bytes()
     except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
@@ -80,7 +80,9 @@ def read_suite(name: str, config: SuiteConfig, endpoint_url: str | None) -> Suit
             FailureClass.data,
             f"suite {name}: {config.source} line {at} is not UTF-8 text ({e.reason} at byte {e.start})",
         ) from None
-    for number, line in enumerate(text.splitlines(), start=1):
+    # "\n" alone ends a line, as parse_jsonl reads data: splitlines() also split at U+2028, U+2029 and U+0085, which
+    # JSON allows raw inside a string, and failed an item holding one as "not an item".
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
@@ -100,7 +102,9 @@ def read_suite(name: str, config: SuiteConfig, endpoint_url: str | None) -> Suit
                 "something and has an answer",
             )
         item_id = str(row.get("id", f"{name}:{number}"))
-        for key, what in (((row["input"], row["output"]), "the same input and output"), (item_id, f"id {item_id!r}")):
+        # Stripped: items that differ only in surrounding whitespace ask and answer the same thing.
+        same = (row["input"].strip(), row["output"].strip())
+        for key, what in ((same, "the same input and output"), (item_id, f"id {item_id!r}")):
             if (first := lines.setdefault(key, number)) != number:
                 raise StageFailure(
                     FailureClass.data,

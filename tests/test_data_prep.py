@@ -558,9 +558,13 @@ def test_a_json_array_file_is_refused_naming_the_conversion(tmp_path, tiny_dir, 
 
 def test_a_csv_with_another_delimiter_fails_showing_the_columns_it_read(tmp_path, tiny_dir):
     # European Excel writes ";": every row had one column "input;output", and the failure said only missing_field=60.
+    # A date with a comma ("March 5, 2021") is two values of that one column.
     (tmp_path / "d.csv").write_text("input;output\n" + "".join(f"{r['input']};{r['output']}\n" for r in DATES[:60]))
     failure = data_failure(config(tmp_path / "store", tiny_dir, tmp_path / "d.csv"))
-    assert "missing_field=60 of 60 rows; the first missing_field is source row 0: {'input;output': " in failure.cause
+    assert (
+        "missing_field=41, extra_fields=19 of 60 rows; the first missing_field is source row 0: {'input;output': "
+        in failure.cause
+    )
 
 
 def test_csv_row_with_bytes_that_are_not_utf8_is_undecodable(tmp_path, tiny_dir):
@@ -568,6 +572,22 @@ def test_csv_row_with_bytes_that_are_not_utf8_is_undecodable(tmp_path, tiny_dir)
     (tmp_path / "d.csv").write_bytes(text.encode() + b"5 M\xe4r 2021,2021-03-05\n")
     summary = prepare(config(tmp_path / "store", tiny_dir, tmp_path / "d.csv", max_dropped_fraction=0.1))
     assert summary["manifest"]["dropped"]["undecodable"]["count"] == 1
+
+
+def test_a_csv_row_with_more_values_than_the_header_is_dropped_as_extra_fields(tmp_path, tiny_dir):
+    # csv.DictReader kept the values past the header under the key None: the row trained with its text cut at the
+    # unquoted comma ("What is 1" -> "000 plus 1"), and nothing was dropped.
+    text = "input,output\n" + "".join(f"{r['input'].replace(',', '')},{r['output']}\n" for r in DATES[:40])
+    extra = "What is 1,000 plus 1,000?,2000\nlist three colours,red, green, blue\n"
+    (tmp_path / "d.csv").write_text(text + extra + '"What is 1,000 plus 1,000?",2000\nonly an input\n')
+    summary = prepare(config(tmp_path / "store", tiny_dir, tmp_path / "d.csv", max_dropped_fraction=0.1))
+    manifest = summary["manifest"]
+    dropped = manifest["dropped"]
+    assert {r: d["count"] for r, d in dropped.items()} == {"extra_fields": 2, "missing_field": 1}  # too few: None
+    assert dropped["extra_fields"]["examples"][0]["value"] == repr(
+        "4 fields, the header has 2: ['What is 1', '000 plus 1', '000?', '2000']"
+    )
+    assert manifest["splits"]["train"]["rows"] + manifest["splits"]["eval"]["rows"] == 41  # the quoted one kept
 
 
 def test_a_csv_field_longer_than_the_csv_modules_limit_is_a_row_dropped_as_too_long(tmp_path, tiny_dir):

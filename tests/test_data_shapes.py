@@ -50,8 +50,10 @@ TWO_TURNS = [
 ALPACA = "Below is an instruction.\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:"
 # The date content hash of configs/local.yaml: shapes and replay left it as it was (columns datasets stayed cache
 # hits); it moves only with datahash.PREP_VERSION, on purpose (0a34d21b... at version 1, before the eval split
-# kept each conversation once; 31bc2fed... at version 2, before rows holding a special token's text were dropped).
-LOCAL_DATES_HASH = "be5e662b33a89e1c0da249343fdbfc3a77f78866adc66afbf6b802754d3fa33f"
+# kept each conversation once; 31bc2fed... at version 2, before rows holding a special token's text were dropped;
+# be5e662b... at version 3, before CSV rows with extra fields, blank template rows and blank or assistant-first
+# turns were dropped).
+LOCAL_DATES_HASH = "9c2d86926b8d368438fa44cb2265c5d457c58f7930f8618bcea03116fba40d2a"
 
 
 def chat_text(messages: list[dict]) -> str:
@@ -156,6 +158,52 @@ def test_a_rejected_conversation_is_dropped_and_its_batch_neighbours_kept(tokeni
     assert examples == [encode_messages(tokenizer, m, data) for i, m in enumerate(chats) if i != 5]
 
 
+# Like Qwen2's, this tokenizer has "\n\n" as one token: a reply opening with "\n" merges with the newline that ends
+# the generation prompt, so the prompt's tokens are no prefix of the conversation's.
+NEWLINE_FIRST = [{"role": "user", "content": "write code"}, {"role": "assistant", "content": "\nprint(1)"}]
+
+
+def test_a_conversation_whose_turn_cannot_be_located_is_dropped_and_the_others_kept(tokenizer):
+    # It failed the whole stage, saying the template re-renders earlier turns and to label the last turn alone,
+    # which fails on it too.
+    chats = [row["messages"] for row in CHAT[:6]]
+    chats.insert(3, NEWLINE_FIRST)
+    data = DataConfig(shape="messages", loss_on="last_assistant")
+    drops = datahash.Drops()
+    examples, kept = encode_split(
+        tokenizer, [Conversation("source", i, {}, m) for i, m in enumerate(chats)], data, drops
+    )
+    assert [conv.row for conv in kept] == [0, 1, 2, 4, 5, 6]
+    assert drops.counts == {"not_a_prefix": 1}
+    assert (
+        "assistant turn 1 '\\\\nprint(1)': the conversation up to or through it"
+        in drops.examples["not_a_prefix"][0]["value"]
+    )
+    assert examples == [encode_messages(tokenizer, m, data) for i, m in enumerate(chats) if i != 3]
+
+
+# Like templates that hide earlier assistant turns' reasoning: a reply renders otherwise once more turns follow.
+HIDE_EARLIER_REPLIES = (
+    "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' and not loop.last %}…{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n"
+    "{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_re_renders_earlier_turns_drops_every_conversation_and_the_failure_names_the_fix(tokenizer):
+    hiding = copy.deepcopy(tokenizer)
+    hiding.chat_template = HIDE_EARLIER_REPLIES
+    convs = [Conversation("source", i, {}, TWO_TURNS) for i in range(4)]
+    drops = datahash.Drops()
+    assert encode_split(hiding, convs, DataConfig(shape="messages"), drops) == ([], [])
+    cause = datahash.drop_failure(drops, 4, 0.05) or ""
+    assert cause.startswith("100.0% of rows dropped (over data.max_dropped_fraction 5.0%): not_a_prefix=4 of 4 rows")
+    assert cause.endswith("(use data.loss_on last_assistant, or the columns shape)")
+    # The fix it names: the last turn alone is labelled, after the earlier turns as they render.
+    last = DataConfig(shape="messages", loss_on="last_assistant")
+    assert len(encode_split(hiding, convs, last, datahash.Drops())[1]) == 4
+
+
 @pytest.mark.parametrize("loss_on", ["all_assistant", "last_assistant"])
 def test_renderings_names_every_prefix_the_mask_and_the_eval_pair_render(loss_on):
     seen: set[tuple[int, bool]] = set()
@@ -230,6 +278,14 @@ def test_template_row_reasons(row, reason):
     assert shapes.check_template_row(row, "{instruction}\n\n{input}", "output", None)[0] == reason
 
 
+@pytest.mark.parametrize("blank", ["", "  ", None])
+def test_a_template_row_whose_columns_are_all_blank_is_empty(blank):
+    # It trained on a prompt of the template's fixed text alone ("Below is an instruction.\n\n### Response:").
+    row = {"instruction": blank, "input": None, "output": "an answer to no question"}
+    assert shapes.check_template_row(row, ALPACA, "output", None) == ("empty", {})
+    assert shapes.check_template_row({**row, "input": "5 Mar 2021"}, ALPACA, "output", None)[0] is None
+
+
 # ---- messages rows ---------------------------------------------------------------------------------------
 
 
@@ -245,6 +301,8 @@ BAD_MESSAGES = {
     "unknown_role": turns(("user", "5 Mar 2021"), ("robot", "2021-03-05")),
     "non_string_content": {"messages": [{"role": "user", "content": ["5 Mar 2021"]}, TWO_TURNS[2]]},
     "no_assistant_turn": turns(("system", SYSTEM), ("user", "5 Mar 2021")),
+    # Without a system turn the stage failed as infrastructure: the first turn's prompt is an empty conversation.
+    "no_user_turn": turns(("assistant", "Hello! How can I help?"), ("user", "5 Mar 2021"), ("assistant", "2021-03-05")),
     "empty": turns(("user", "5 Mar 2021"), ("assistant", " ")),
 }
 
@@ -252,6 +310,20 @@ BAD_MESSAGES = {
 @pytest.mark.parametrize("reason", sorted(BAD_MESSAGES))
 def test_messages_row_reasons(reason):
     assert shapes.check_messages(BAD_MESSAGES[reason], "messages") == (reason, [])
+
+
+@pytest.mark.parametrize(
+    "row, reason",
+    [
+        (turns(("user", "  "), ("assistant", "Paris.")), "empty"),  # a prompt that asks nothing
+        (turns(("user", "hi"), ("assistant", " \n "), ("user", "hello?"), ("assistant", "Here.")), "empty"),  # a label
+        (turns(("system", SYSTEM), ("assistant", "Hello! How can I help?")), "no_user_turn"),
+        (turns(("user", "hi"), ("assistant", "Hello!"), ("user", " ")), None),  # cut after the last assistant turn
+    ],
+)
+def test_a_blank_turn_or_an_assistant_turn_first_drops_the_conversation(row, reason):
+    # Both trained: the labels taught a blank reply, and the eval prompt of an assistant-first row asked nothing.
+    assert shapes.check_messages(row, "messages")[0] == reason
 
 
 def test_auto_detection():
@@ -315,14 +387,14 @@ def strict_template_dir(tiny_dir, tmp_path_factory) -> Path:
 
 def test_each_bad_messages_row_is_counted_by_reason(tmp_path, strict_template_dir):
     bad = [*BAD_MESSAGES.values(), turns(("user", "5 Mar 2021"), ("system", SYSTEM), ("assistant", "2021-03-05"))]
-    bad.append(turns(("user", "5 Mar 2021 " * 40), ("assistant", "2021-03-05")))
+    bad += [turns(("user", "5 Mar 2021 " * 40), ("assistant", "2021-03-05")), {"messages": NEWLINE_FIRST}]
     source = write_jsonl(tmp_path / "chat.jsonl", CHAT[:40] + bad, [b'{"messages": [}'])
     summary = prepare(config(tmp_path / "store", strict_template_dir, source, max_dropped_fraction=0.5))
     counted = {reason: drop.count for reason, drop in summary.manifest.dropped.items()}
-    assert counted == dict.fromkeys([*BAD_MESSAGES, "template_rejected", "too_long", "undecodable"], 1)
+    assert counted == dict.fromkeys([*BAD_MESSAGES, "template_rejected", "too_long", "not_a_prefix", "undecodable"], 1)
     rejected = summary.manifest.dropped["template_rejected"].examples[0]
-    assert rejected.row == 48 and "System role only as the first message" in rejected.value  # the template's own words
-    assert summary.manifest.shape == "messages" and summary.total_rows == 51
+    assert rejected.row == 49 and "System role only as the first message" in rejected.value  # the template's own words
+    assert summary.manifest.shape == "messages" and summary.total_rows == 53
 
 
 def test_too_many_bad_conversations_fail_the_stage_naming_the_reasons(tmp_path, tiny_dir):
@@ -339,7 +411,8 @@ def test_alpaca_rows_with_empty_inputs_prepare_through_the_template(tmp_path, ti
         {"instruction": "Normalise the date.", "input": r["input"] if i % 2 else "", "output": r["output"]}
         for i, r in enumerate(json.loads(line) for line in DEFAULT_DATA.read_text().splitlines()[:60])
     ]
-    source = write_jsonl(tmp_path / "alpaca.jsonl", [*rows, {"instruction": "x", "output": "y"}])
+    blank = {"instruction": " ", "input": None, "output": "an answer to no question"}  # the template's text alone
+    source = write_jsonl(tmp_path / "alpaca.jsonl", [*rows, {"instruction": "x", "output": "y"}, blank])
     cfg = config(
         tmp_path / "store", tiny_dir, source, template={"prompt": ALPACA}, max_dropped_fraction=0.1, max_seq_len=192
     )
@@ -347,7 +420,7 @@ def test_alpaca_rows_with_empty_inputs_prepare_through_the_template(tmp_path, ti
     manifest = summary.manifest
     assert manifest.shape == "template" and manifest.loss_on is None
     assert manifest.template_sha256 == shapes.template_sha256({"prompt": ALPACA, "response": "output"})
-    assert {r: d.count for r, d in manifest.dropped.items()} == {"missing_template_column": 1}
+    assert {r: d.count for r, d in manifest.dropped.items()} == {"missing_template_column": 1, "empty": 1}
     eval_rows = read_split(Storage(cfg.storage.root), summary.dataset_path, "eval").to_pylist()
     assert len(eval_rows) == 6
     for row in eval_rows:

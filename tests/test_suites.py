@@ -124,11 +124,24 @@ def test_a_suite_file_that_is_not_items_is_a_data_failure_naming_the_line(tmp_pa
     assert read_suite("mine", SuiteConfig(source=str(path)), None).inputs == ["a"]
 
 
+@pytest.mark.parametrize("separator", ["\u2028", "\u2029", "\u0085"])
+def test_a_suite_item_holding_a_unicode_line_separator_is_one_item(tmp_path, separator):
+    # JSON allows these raw inside a string (json.dumps(ensure_ascii=False) writes them so); splitlines() cut the
+    # item at one and failed its line as "not an item".
+    path = tmp_path / "mine.jsonl"
+    items = [{"input": f"Copy:{separator}second line", "output": "ok"}, {"input": "Say hi", "output": "hi"}]
+    path.write_text("".join(json.dumps(item, ensure_ascii=False) + "\r\n" for item in items), encoding="utf-8")
+    suite = read_suite("mine", SuiteConfig(source=str(path)), None)
+    assert suite.inputs == [f"Copy:{separator}second line", "Say hi"] and suite.ids == ["mine:1", "mine:2"]
+
+
 @pytest.mark.parametrize(
     "second, says",
     [
         ('{"input": "a", "output": "b", "id": "x2"}', "line 3 has the same input and output as line 1"),
         ('{"input": "c", "output": "d", "id": "x1"}', "line 3 has id 'x1' as line 1"),
+        # Only surrounding whitespace differs: the same item, counted twice in n.
+        ('{"input": " a\\n", "output": "b ", "id": "x2"}', "line 3 has the same input and output as line 1"),
     ],
 )
 def test_a_suite_item_or_id_twice_is_a_data_failure_naming_both_lines(tmp_path, second, says):

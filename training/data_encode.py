@@ -135,8 +135,8 @@ def encode_split(
     drops: datahash.Drops,
     render: ChatRenderer | None = None,
 ) -> tuple[list[Example], list[Conversation]]:
-    """(examples, the conversations they came from): a conversation holding a special token's text, or one
-    the chat template rejects, is dropped."""
+    """(examples, the conversations they came from): a conversation holding a special token's text, one the
+    chat template rejects, or one whose assistant turns' tokens cannot be located (shapes.NotAPrefix) is dropped."""
     render = render or ChatRenderer(tokenizer)
     convs = without_special_tokens(special_token_finder(tokenizer), convs, data.system_prompt, drops)
     if not convs or convs[0].messages is None:
@@ -155,6 +155,10 @@ def encode_split(
             kept.append(conv)
         except jinja2.TemplateError as e:
             drops.add("template_rejected", conv.where, conv.row, f"{type(e).__name__}: {e}")
+        except shapes.NotAPrefix as e:
+            # One row's reply can merge with the prompt's tokens; a template that re-renders earlier turns
+            # drops every multi-turn row, and datahash.drop_failure then fails the stage with the remedy.
+            drops.add("not_a_prefix", conv.where, conv.row, str(e))
     return examples, kept
 
 
@@ -193,7 +197,8 @@ def encode_messages(
 
     `rendered` ({(prefix length, add_generation_prompt): text}) and `token_cache` ({text: ids}) hold what
     encode_split already rendered and tokenized in batches; anything not in them is rendered or
-    tokenized here, one call at a time, so the result never depends on what was batched.
+    tokenized here, one call at a time, so the result never depends on what was batched. Raises
+    shapes.NotAPrefix where the assistant turns' tokens cannot be located.
     """
     messages = shapes.with_system(messages, data.system_prompt)
     rendered, token_cache = rendered or {}, token_cache or {}
@@ -210,14 +215,7 @@ def encode_messages(
         # A copy: two conversations with equal text must not share one list.
         return list(cached) if cached is not None else tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    try:
-        ids, labels = shapes.assistant_labels(messages, render, tokenize, data.loss_on)
-    except shapes.NotAPrefix as e:
-        raise StageFailure(
-            "data",
-            f"{e}; the base model's chat template re-renders earlier turns as the conversation grows, "
-            "so the messages shape cannot mask it: use data.loss_on last_assistant, or the columns shape",
-        ) from e
+    ids, labels = shapes.assistant_labels(messages, render, tokenize, data.loss_on)
     prompt, reference = shapes.eval_pair(messages, render)
     return Example(ids, labels, prompt, reference)
 
@@ -230,7 +228,8 @@ def render_conversations(
 
     A conversation the batch cannot render gets no renderings: encode_messages then renders it row by
     row, which drops it with the template's own error exactly as before. An empty prefix (a
-    conversation that opens with the assistant) is left to that path too.
+    conversation that opens with the assistant, which check_messages drops as no_user_turn) is left to
+    that path too.
     """
     rendered: list[dict[tuple[int, bool], str]] = [{} for _ in chats]
     failed: set[int] = set()

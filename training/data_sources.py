@@ -66,7 +66,17 @@ class Conversation:
 
 
 RawRow = tuple[int, Any, Any]
-"""(row index, record, None) or (row index, None, what could not be decoded), as each parser yields them."""
+"""(row index, record, None), or (row index, None, what could not be decoded or a Dropped), as each parser yields."""
+
+
+@dataclass
+class Dropped:
+    """A row a parser read but must not pass on, for a reason other than undecodable bytes."""
+
+    reason: str
+    evidence: str
+
+
 Parsed = tuple[list[tuple[int, Any]], int]  # ([(row index, record)], rows read)
 
 
@@ -143,7 +153,9 @@ def parse_rows(source: Source, drops: datahash.Drops, where: str) -> tuple[list[
     rows, total = [], 0
     for index, record, problem in parse(source):
         total += 1
-        if problem is not None:
+        if isinstance(problem, Dropped):
+            drops.add(problem.reason, where, index, problem.evidence)
+        elif problem is not None:
             drops.add("undecodable", where, index, problem)
         else:
             rows.append((index, record))
@@ -186,7 +198,8 @@ def _json_array(data: bytes) -> int | None:
 
 
 def parse_csv(source: Source) -> Iterator[RawRow]:
-    """Yields (row, record, None) or (row, None, raw values); a header row names the columns."""
+    """Yields (row, record, None) or (row, None, raw values); a header row names the columns. A row with more
+    values than the header is dropped as extra_fields: an unquoted comma in a value cut its text there."""
     # surrogateescape keeps going past bytes that are not UTF-8, so only the rows holding them are lost.
     text = source.text_bytes().decode("utf-8", errors="surrogateescape")
     # The csv module refuses a field over 128 KiB (csv.Error: the stage failed as infrastructure): a long
@@ -201,6 +214,10 @@ def parse_csv(source: Source) -> Iterator[RawRow]:
         values = [v for v in record.values() if isinstance(v, str)]
         if any(not _is_utf8(v) for v in values):
             yield index, None, [v.encode("utf-8", errors="surrogateescape") for v in values]
+        elif None in record:  # csv.DictReader keeps the values past the header's columns under the key None
+            fields = [*values, *record[None]]
+            header = len(reader.fieldnames or [])
+            yield index, None, Dropped("extra_fields", f"{len(fields)} fields, the header has {header}: {fields}")
         else:
             yield index, record, None
     refuse_unclosed_quote(source, text, *start)

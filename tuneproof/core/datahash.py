@@ -17,6 +17,8 @@ __all__ = ["IGNORE_INDEX", "files_sha256", "sha256_bytes", "sha256_json"]  # the
 
 # Why a row was left out; every dropped row has exactly one reason, the first that applies.
 COLUMN_REASONS = ("undecodable", "wrong_type", "missing_field", "empty", "too_long")
+# A CSV row with more values than the header names columns (training/data_sources.parse_csv).
+CSV_REASONS = ("extra_fields",)
 # The template and messages shapes add their own (tuneproof/core/shapes.py decides them).
 SHAPE_REASONS = (
     "missing_template_column",  # a column the prompt template names is not in the row
@@ -25,18 +27,28 @@ SHAPE_REASONS = (
     "unknown_role",  # a role other than system, user, assistant
     "non_string_content",  # a turn whose content is not a string
     "no_assistant_turn",  # nothing to learn and nothing to evaluate
+    "no_user_turn",  # the first assistant turn answers no user turn
     "template_rejected",  # the tokenizer's chat template raised on the conversation
+    "not_a_prefix",  # an assistant turn's tokens cannot be told apart from the conversation before it
     "special_token",  # a text holds a special token's text (<|im_end|>), which the tokenizer reads as that token
 )
 # An eval row whose conversation an earlier eval row already holds (training/data_sources.each_once).
 SPLIT_REASONS = ("repeated_eval_item",)
-REASONS = COLUMN_REASONS + SHAPE_REASONS + SPLIT_REASONS
+REASONS = COLUMN_REASONS + CSV_REASONS + SHAPE_REASONS + SPLIT_REASONS
 # What to change in the data, for the reasons whose fix the row alone does not show.
 REMEDIES = {
     "non_string_content": "each turn's content must be one string: a list of content parts, as OpenAI's API "
     "takes, is not read (join its text parts into one string)",
     "unknown_role": "roles are system, user and assistant: tool and function turns are not read",
     "bad_turn": "each turn must be a mapping with 'role' and 'content'",
+    "extra_fields": "a CSV row has more values than its header names columns: quote a value that holds a comma "
+    '("1,000"); a header of one column means the file has another delimiter (;), so save it with commas',
+    "no_user_turn": "a conversation opens with a user turn (after any system turn): an assistant turn before it "
+    "answers nothing, and its eval prompt would ask nothing",
+    "not_a_prefix": "the tokens of the conversation before an assistant turn are not a prefix of the whole "
+    "conversation's: a reply starting with whitespace the tokenizer merges with the text before it (strip it), or, "
+    "when every conversation drops, a chat template that re-renders earlier turns as more follow (use "
+    "data.loss_on last_assistant, or the columns shape)",
     "special_token": "the tokenizer reads a special token written in a row's text (<|im_end|>, say) as that control "
     "token, which ends or opens a turn inside the text: remove it from the data, or spell it otherwise",
     "repeated_eval_item": "the eval split keeps one copy of each conversation, since a repeat would count twice in "
@@ -44,11 +56,15 @@ REMEDIES = {
 }
 EXAMPLES_PER_REASON = 3
 
-# Bump when the shard layout or the meaning of a setting changes: old datasets must not be reused.
-PREP_VERSION = 3
+# Bump when the shard layout, the meaning of a setting or the rows kept change: old datasets must not be reused.
+PREP_VERSION = 4
 """2 (2026-12-07): the eval split holds each conversation once, and a JSON row naming a key twice is dropped as
 undecodable; a dataset prepared before may count an eval item twice, or hold the last of two values.
-3 (2026-12-07): a row whose text holds a special token of the tokenizer is dropped (special_token)."""
+3 (2026-12-07): a row whose text holds a special token of the tokenizer is dropped (special_token).
+4 (2026-12-07): dropped are a CSV row with more values than its header (extra_fields, was kept cut at the comma), a
+template row whose named columns are all blank (empty), a conversation with a blank user or assistant turn (empty)
+or whose first assistant turn answers no user turn (no_user_turn), and one whose turn tokens cannot be located
+(not_a_prefix, was a stage failure)."""
 
 
 def content_hash(

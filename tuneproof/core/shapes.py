@@ -30,7 +30,8 @@ Tokenize = Callable[[str], list[int]]
 
 
 class NotAPrefix(ValueError):
-    """The chat template renders a conversation's prefix as something that is not a prefix of the whole."""
+    """A conversation's prefix does not tokenize to a prefix of the whole: the chat template re-renders earlier turns,
+    or the tokenizer merges a turn's first characters with the text before it."""
 
 
 def resolve_shape(configured: str, first_row: Any, messages_column: str, has_template: bool) -> str:
@@ -93,7 +94,8 @@ def check_template_row(
 ) -> tuple[str | None, dict[str, str]]:
     """(reason, {}) for a row to drop, or (None, {prompt, response[, system]}) with the prompt rendered.
 
-    Every column the template names must be present; null or blank is an empty (optional) part.
+    Every column the template names must be present; null or blank is an empty (optional) part, but a row
+    whose named columns are all empty is dropped as empty: its prompt would be the template's fixed text alone.
     """
     if not isinstance(row, dict):
         return "wrong_type", {}
@@ -108,10 +110,9 @@ def check_template_row(
     reason, parts = check_row(row, {"response": response_column, "system": system_column})
     if reason:
         return reason, {}
-    rendered = render_template(prompt, values)
-    if not rendered:
+    if not any(value.strip() for value in values.values()):
         return "empty", {}
-    return None, {"prompt": rendered, **parts}
+    return None, {"prompt": render_template(prompt, values), **parts}
 
 
 # ---- messages ----------------------------------------------------------------------------------
@@ -121,7 +122,10 @@ def check_messages(row: Any, column: str) -> tuple[str | None, Messages]:
     """(reason, []) for a row to drop, or (None, turns) cut after the last assistant turn.
 
     Turns keep only role and content; what follows the last assistant turn has nothing to learn
-    and nothing to evaluate, so it is left out.
+    and nothing to evaluate, so it is left out. A kept user or assistant turn that is blank is empty
+    (the labels would teach a blank reply), and the first turn after any system turn must be the user's:
+    an assistant turn before it answers nothing, and with no turn before it the chat template has nothing
+    to render as its prompt.
     """
     if not isinstance(row, dict):
         return "wrong_type", []
@@ -144,9 +148,13 @@ def check_messages(row: Any, column: str) -> tuple[str | None, Messages]:
     last = last_assistant(messages)
     if last is None:
         return "no_assistant_turn", []
-    if not messages[last]["content"].strip():
+    kept = messages[: last + 1]
+    spoken = [turn for turn in kept if turn["role"] != "system"]
+    if spoken[0]["role"] != "user":
+        return "no_user_turn", []
+    if any(not turn["content"].strip() for turn in spoken):
         return "empty", []
-    return None, messages[: last + 1]
+    return None, kept
 
 
 def last_assistant(messages: Messages) -> int | None:
@@ -200,7 +208,9 @@ def assistant_labels(
     with the generation prompt, and the conversation through the turn, must both tokenize to prefixes
     of the whole, and the turn is what lies between. Whitespace after a turn's end (ChatML's newline)
     is not the turn's to generate, so it stays unlabelled. A template that rewrites earlier turns
-    when more follow raises NotAPrefix: its turns cannot be told apart by position.
+    when more follow, or a tokenizer that merges a turn's first characters with the text before it
+    (a reply opening with "\\n" where "\\n\\n" is one token), raises NotAPrefix: the turn cannot be told
+    apart by position.
     """
     ids = tokenize(render(messages, False).rstrip())
     labels = [IGNORE_INDEX] * len(ids)
@@ -209,8 +219,8 @@ def assistant_labels(
         end = tokenize(render(messages[: i + 1], False).rstrip())
         if ids[: len(start)] != start or ids[: len(end)] != end or len(end) <= len(start):
             raise NotAPrefix(
-                f"assistant turn {i}: the chat template's rendering of the conversation up to it is not a token "
-                "prefix of the whole conversation, so its tokens cannot be located"
+                f"assistant turn {i} {messages[i]['content'][:30]!r}: the conversation up to or through it does not "
+                "tokenize to a prefix of the whole, so its tokens cannot be located"
             )
         labels[len(start) : len(end)] = ids[len(start) : len(end)]
     return ids, labels
