@@ -32,7 +32,8 @@ ModelName = Annotated[str, Field(min_length=1, description="The registered model
 Reason = Annotated[str, Field(min_length=1, description="Why production goes back (recorded in the history).")]
 Who = Annotated[str, Field(min_length=1, description="Who rolls back (recorded in the history), e.g. ana@team.")]
 Version = Annotated[
-    str | None, Field(description="The version to go back to, e.g. v0001-<run>; empty: the one before production.")
+    str | None,
+    Field(description="The version to go back to, e.g. v0001-<run>; empty: the version production replaced."),
 ]
 
 
@@ -44,7 +45,7 @@ def rollback(
     to_version: Version = None,
     storage: StorageConfig = StorageConfig(),
 ) -> State:
-    """Move `model`'s production pointer back to `to_version` (default: the version before production)."""
+    """Move `model`'s production pointer back to `to_version` (default: the version production replaced)."""
     for label, value in (("model", model), ("to_version", to_version)):
         if value is not None and (problem := slug_problem(value)):
             return Failed(message=f"nothing moved: {label} {value!r} {problem}")
@@ -56,6 +57,8 @@ def rollback(
     if not result.rolled_back:
         return Failed(message="rollback refused, the pointer did not move: " + "; ".join(result.reasons), data=result)
     get_run_logger().info(f"{model}: {result.from_version} -> {result.to_version} (history move #{result.move})")
+    for warning in result.warnings:  # the rollback stands; what it could not record is said where people look
+        get_run_logger().warning(warning)
     return Completed(message=f"{model} production is {result.to_version}", data=result)
 
 

@@ -2,12 +2,15 @@
 
 Promotion needs evidence about exactly the model it copies: the current (not superseded) evaluation
 passed every gate for the content hash of the current fine-tune's export, the export in storage still
-has that hash, and the resume test passed on the same fine-tune's Ray Train run. The model is copied
-to models/<name>/<version>/ with its card (the copy checked against the hash), then the production
-pointer, naming the hash, moves with a compare-and-swap on the pointer the evaluation compared
-against, so two concurrent runs cannot both promote over the same incumbent. A refusal leaves the
-pointer untouched and says why. `tuneproof promote RUN --force --reason` is the logged override
-(it bypasses the gates, never the check that the copied files are the export's own).
+has that hash, and the resume test passed on the same fine-tune's Ray Train run; each of those stages
+read the settings this config gives (evidence reached under another config, or another model's, is
+refused), no rollback moved production away from that content, and evaluate saved answers to score the
+copy with. The model is copied to models/<name>/<version>/ with its card (the copy checked against the
+hash), then the production pointer, naming the hash, moves with a compare-and-swap on the pointer the
+evaluation compared against, so two concurrent runs cannot both promote over the same incumbent. A
+refusal leaves the pointer untouched and says why; what fails after the pointer moved (publishing the
+history) is a warning. `tuneproof promote RUN --force --reason` is the logged override (it bypasses the
+gates and a rollback, never the check that the copied files are the export's own).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from tasks import artifacts
 from tasks.jobs import StageCall, runner_for
@@ -32,11 +35,12 @@ from tuneproof.control import rollback as rollbacks
 from tuneproof.control.cost import VersionCost
 from tuneproof.control.history import MoveIntent
 from tuneproof.control.lease import Lease, LeaseHeld
-from tuneproof.control.record import JobEntry, Override, RolledBack, RunRecord, StageEntry
-from tuneproof.core import markers
+from tuneproof.control.record import Invocation, JobEntry, Override, RolledBack, RunRecord, StageEntry
+from tuneproof.core import config_reads, markers
 from tuneproof.core.config import PipelineConfig
+from tuneproof.core.config_eval import COPY_CHECK_EXAMPLES
 from tuneproof.core.config_train import LORA_ADAPTER_DIR
-from tuneproof.core.results import FailureClass, now_iso
+from tuneproof.core.results import FailureClass, first_problem, now_iso
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries_data import DataSummary
 from tuneproof.core.summaries_eval import CopyCheckSummary, EvaluateSummary, Forced, PromoteSummary
@@ -48,7 +52,55 @@ def refusal_reasons(cfg: PipelineConfig, record: RunRecord) -> list[str]:
     finetune = record.summary("finetune", FinetuneSummary) if record.passed("finetune") else None
     if finetune is None or finetune.export_sha256 is None:
         return [f"run {record.run_id} has no succeeded fine-tune with a hashed export: run finetune first"]
-    return resume_reasons(cfg, record, finetune) + evaluation_reasons(record, finetune)
+    return config_reasons(cfg, record) + resume_reasons(cfg, record, finetune) + evaluation_reasons(record, finetune)
+
+
+def config_reasons(cfg: PipelineConfig, record: RunRecord) -> list[str]:
+    """The evidence stages that read a setting whose value `cfg` does not give: their verdict was reached under
+    another config (a `--only promote` with other settings, another model's run), so it is not this one's.
+    Compared by each stage's observed inputs (StageInputs.config: sha256 per setting read). Pure."""
+    now = cfg.model_dump(mode="json")
+    reasons = []
+    for stage in EVIDENCE_STAGES:
+        entry = record.stages.get(stage)
+        observed = observed_settings(record, entry) if entry is not None else {}
+        current = config_reads.reads_hashes(now, list(observed))
+        changed = [path for path in sorted(observed) if current.get(path) != observed[path] and not is_place(path)]
+        if changed:
+            more = f" (+{len(changed) - 3} more)" if len(changed) > 3 else ""
+            reasons.append(
+                f"{stage} ran with other settings than this config gives: {', '.join(changed[:3])}{more}; "
+                f"rerun {stage} with this config, or promote with the config it ran with"
+            )
+    return reasons
+
+
+PLACES = ("storage", "cluster.address", "cluster.auth_token_file")
+"""Settings that say where a run's files and cluster were reached, not what its evidence judged: the record is
+read from this config's storage (a run moved or cloned to another root read another), and what was judged is
+bound by content hash, which promotion checks again where the files are now."""
+
+
+def is_place(path: str) -> bool:
+    """`path` is one of PLACES or inside one. Pure."""
+    return any(path == place or path.startswith(place + ".") for place in PLACES)
+
+
+def observed_settings(record: RunRecord, entry: StageEntry) -> dict[str, str]:
+    """sha256 per setting the entry's stage read: its inputs; for an entry of an earlier release without them,
+    every section but the timeouts of its invocation's config (none when that was not kept either). Pure."""
+    if entry.inputs is not None:
+        return entry.inputs.config
+    ran = invocation_of(record, entry)
+    if ran is None or ran.config is None:
+        return {}
+    sections = [s for s in PipelineConfig.model_fields if s not in config_reads.NOT_INPUTS]
+    return config_reads.reads_hashes(ran.config, sections)
+
+
+def invocation_of(record: RunRecord, entry: StageEntry | None) -> Invocation | None:
+    """The invocation that produced `entry` (None: not in the record, as in a record built by hand)."""
+    return next((i for i in record.invocations if entry is not None and i.number == entry.invocation), None)
 
 
 def resume_reasons(cfg: PipelineConfig, record: RunRecord, finetune: FinetuneSummary) -> list[str]:
@@ -104,10 +156,11 @@ def model_card(cfg: PipelineConfig, record: RunRecord, forced: Forced | None = N
     evaluation = record.summary("evaluate", EvaluateSummary)
     resume = record.summary("resume", ResumeSummary)
     cluster = record.cluster
+    trained, trained_hash = trained_under(record)
     return registry.CardFacts(
         name=cfg.model.name,
         run_id=record.run_id,
-        base_model=cfg.model.source,
+        base_model=config_reads.value_at(trained, "model.source"),
         **base_facts(record),
         **method_facts(record),
         metrics={role: (score.metrics if score else None) for role, score in evaluation.models.items()}
@@ -118,18 +171,28 @@ def model_card(cfg: PipelineConfig, record: RunRecord, forced: Forced | None = N
         suites=evaluation.suite_rows() if evaluation and evaluation.suites else [],
         dataset_hash=record.data.content_hash if record.data else None,
         replay=replay_facts(record),
-        image=cfg.cluster.expect.image,
+        image=config_reads.value_at(trained, "cluster.expect.image"),
         image_digest=cluster.image_digest if cluster else None,
         environment_digest=cluster.environment_digest if cluster else None,
         code_sha=record.code.git_sha,
         code_dirty=record.code.dirty,
         working_dir_hash=record.code.working_dir_hash,
-        config_hash=record.config_hash,
+        config_hash=trained_hash,
         resume=registry.Restored(restored_step=resume.restored_step, max_loss_diff=resume.max_loss_diff)
         if resume
         else None,
         forced=forced,
     )
+
+
+def trained_under(record: RunRecord) -> tuple[dict[str, Any], str]:
+    """(config as JSON, its hash) of the invocation that ran the fine-tune being promoted: what the model was
+    trained under. The record's own config is its latest invocation's, and a `--only promote` trained nothing;
+    a record without that invocation (one built by hand) gives its own."""
+    ran = invocation_of(record, record.stages.get("finetune"))
+    if ran is None:
+        return record.config, record.config_hash
+    return ran.config or {}, ran.config_hash
 
 
 def card_gate_lines(evaluation: EvaluateSummary) -> list[str]:
@@ -177,12 +240,17 @@ def promote(call: StageCall) -> StageEntry:
     reasons = refusal_reasons(call.cfg, call.record)
     if reasons:
         return refused(started, reasons, FailureClass.modeling)
+    storage = Storage.from_config(call.cfg.storage)
+    evaluation = call.record.summary("evaluate", EvaluateSummary)
+    items = copy_check_slice(storage, evaluation)
+    if items is None:  # without saved answers the registry copy would go unscored: no evidence, no promotion
+        return refused(started, [no_copy_check(call.cfg, evaluation)], FailureClass.modeling)
     jobs: list[JobEntry] = []
-    checker = copy_checker(call, jobs)
+    checker = copy_checker(call, items, jobs)
     entry = move_pointer(call.cfg, call.record, started, forced=None, check_copy=checker, jobs=jobs)
     entry = with_copy_check(entry, jobs)
     if entry.ok:
-        publish_history(Storage.from_config(call.cfg.storage), call.cfg.model.name, call.record.run_id)
+        published(storage, call.cfg.model.name, call.record.run_id)
     return entry
 
 
@@ -193,6 +261,18 @@ def publish_history(storage: Storage, name: str, key_id: str) -> None:
     create_markdown_artifact(
         text, key=artifacts.key("production-history", key_id), description=f"{name} production history"
     )
+
+
+def published(storage: Storage, name: str, key_id: str) -> list[str]:
+    """publish_history after the pointer has moved (or a rollback was decided): a failure is a warning, logged
+    and returned, never the move's failure (the pointer already names the model; the history is in storage)."""
+    try:
+        publish_history(storage, name, key_id)
+    except Exception as e:  # noqa: BLE001 - whatever the artifact API raises, the move stands
+        warning = f"the production history artifact of {name} was not published: {type(e).__name__}: {e}"
+        logging.getLogger("tuneproof.promote").warning(warning)
+        return [warning]
+    return []
 
 
 def move_pointer(
@@ -218,7 +298,8 @@ def move_pointer(
     evaluated = evaluation.incumbent_version if evaluation else None
     try:
         pointer, token = registry.read_pointer(storage, cfg.model.name)
-    except registry.RegistryUnreadable as e:  # never moved against a pointer nobody can read
+        moves = history.read(storage, cfg.model.name, pointer.move if pointer else None)
+    except (registry.RegistryUnreadable, history.HistoryUnreadable) as e:  # never moved on a registry nobody can read
         return refused(started, [str(e)], FailureClass.infrastructure)
     current = pointer.version if pointer else None
     if registry.is_promotion_of(pointer, record.run_id, content):
@@ -228,6 +309,11 @@ def move_pointer(
         logging.getLogger("tuneproof.promote").info(f"{cfg.model.name} {current} is already this run's model")
         summary = promoted_summary(pointer, forced)
         return StageEntry.succeeded("promote", summary, started)
+    rolled_back = rollback_reasons(storage, cfg.model.name, record, content, moves)
+    if forced is None and rolled_back:  # a judgement on the model, like a failed gate: only the override undoes it
+        return refused(started, rolled_back, FailureClass.modeling)
+    if forced is not None:  # the override says what it went past, the rollback included
+        forced = forced.model_copy(update={"bypassed": [*forced.bypassed, *rolled_back]})
     if forced is None and current != evaluated:
         return refused(
             started,
@@ -253,7 +339,7 @@ def move_pointer(
                 check_copy=check_copy,
                 cost_of=cost_of,
             )
-    except CopyCheckFailed as e:
+    except (CopyCheckFailed, CostUnknown, history.HistoryUnreadable) as e:
         return refused(started, [str(e)], FailureClass.infrastructure)
     except (registry.PromotionConflict, rollbacks.PointerHeld) as e:
         return refused(started, [f"lost a concurrent promotion: {e}"], FailureClass.infrastructure)
@@ -264,6 +350,39 @@ def move_pointer(
     return StageEntry.succeeded("promote", summary, started)
 
 
+def rollback_reasons(
+    storage: Storage, name: str, record: RunRecord, content: str, moves: list[history.Move]
+) -> list[str]:
+    """Why `content` may not go back to production on its evidence alone: a rollback moved production away from
+    a version of it, as the model's history (`moves`) or this run's record says. Only the override
+    (`tuneproof promote RUN --force --reason`) promotes it again, and its card says it went past this."""
+    recorded = [r for r in record.rollbacks if r.model == name]
+    away: dict[int, history.Move | RolledBack] = {m.seq: m for m in moves if m.kind == "rollback"}
+    away.update({r.seq: r for r in recorded})
+    ours = {m.to_version for m in moves if m.run_id == record.run_id} | {r.from_version for r in recorded}
+    return [
+        f"{name} {m.from_version}, this content ({content[:12]}), was rolled back by {m.by} (history #{seq}): "
+        f"{m.reason}; only `tuneproof promote {record.run_id} --force --reason ...` promotes it again"
+        for seq, m in sorted(away.items())
+        if m.from_version is not None and holds(storage, name, m.from_version, content, m.from_version in ours)
+    ]
+
+
+def holds(storage: Storage, name: str, version: str, content: str, ours: bool) -> bool:
+    """Whether registry version `version` is `content`, as its card says. A card that cannot say (unreadable,
+    or written before cards named content) counts when the version is this run's (`ours`): a broken card never
+    hides a rollback of this run's model."""
+    try:
+        found = registry.read_card(storage, name, version).content_sha256
+    except (ValueError, OSError, RecursionError):
+        found = None
+    return ours if found is None else found == content
+
+
+class CostUnknown(RuntimeError):
+    """The promoted version's cost cannot be computed (a record of the model this release cannot read)."""
+
+
 def promotion_cost(storage: Storage, cfg: PipelineConfig, record: RunRecord, move: history.Move) -> VersionCost:
     """What the version `move` promotes cost: this run as `record` has it, and
     the model's other runs since the previous promotion. The card states it; `models show` shows the card's."""
@@ -271,7 +390,14 @@ def promotion_cost(storage: Storage, cfg: PipelineConfig, record: RunRecord, mov
     runs = [r for r in cost.records_of(stored, cfg.model.name) if r.run_id != record.run_id] + [record]
     moves = [*registry.read_history(storage, cfg.model.name), move]
     side = cost.side_runs(storage, [r.run_id for r in runs])
-    return cost.version_costs(runs, moves, cfg.cost.prices, side)[-1]
+    try:
+        return cost.version_costs(runs, moves, cfg.cost.prices, side)[-1]
+    except ValidationError as e:  # a summary of another release, or hand-edited: named, not a raw traceback
+        raise CostUnknown(
+            f"the cost of {cfg.model.name} {move.to_version} cannot be computed: a record of one of its runs "
+            f"({', '.join(r.run_id for r in runs)}) holds a summary this release cannot read: "
+            f"{e.title}: {first_problem(e)}"
+        ) from None
 
 
 def as_stored(record: RunRecord, started: str, jobs: list[JobEntry]) -> RunRecord:
@@ -290,23 +416,14 @@ def as_stored(record: RunRecord, started: str, jobs: list[JobEntry]) -> RunRecor
     return record.model_copy(update={"stages": {**record.stages, "promote": entry}})
 
 
-COPY_CHECK_EXAMPLES = 32
-"""Eval items the registry copy answers before the pointer moves: enough for a corrupted or wrong model to
-score differently, few enough to cost seconds."""
-
-
 class CopyCheckFailed(RuntimeError):
     """The registry copy did not score like the evaluated export on the fixed slice (or could not be scored)."""
 
 
-def copy_checker(call: StageCall, jobs: list[JobEntry]) -> Callable[[str], None] | None:
+def copy_checker(call: StageCall, items: dict[str, list[str]], jobs: list[JobEntry]) -> Callable[[str], None]:
     """A check_copy for registry.promote: a Ray job (eval.copy_check) that loads the copy from the registry's
-    bytes and scores the first COPY_CHECK_EXAMPLES items evaluate saved; its JobEntry goes to `jobs`.
-    None when the evaluation saved no candidate answers to compare with."""
-    storage = Storage.from_config(call.cfg.storage)
-    items = copy_check_slice(storage, call.record.summary("evaluate", EvaluateSummary))
-    if items is None:
-        return None
+    bytes and scores `items` (copy_check_slice: the first COPY_CHECK_EXAMPLES items evaluate saved); its
+    JobEntry goes to `jobs`."""
 
     def check(model_path: str) -> None:
         params = {"model": model_path, **items}
@@ -334,6 +451,17 @@ def copy_check_slice(storage: Storage, evaluation: EvaluateSummary | None) -> di
 
 
 FIELDS = {"prompts": "prompt", "references": "reference", "answers": "candidate"}
+
+
+def no_copy_check(cfg: PipelineConfig, evaluation: EvaluateSummary | None) -> str:
+    """Why the registry copy cannot be scored: the evaluation saved no candidate answers to compare it with."""
+    saved = evaluation.predictions_uri if evaluation else None
+    where = f"in {saved}" if saved else "(no predictions file)"
+    return (
+        f"evaluate saved no candidate answers {where} to score the registry copy with (eval.predictions_cap is "
+        f"{cfg.eval.predictions_cap}; the copy check needs {COPY_CHECK_EXAMPLES}): rerun evaluate with "
+        f"eval.predictions_cap >= {COPY_CHECK_EXAMPLES}"
+    )
 
 
 def with_copy_check(entry: StageEntry, jobs: list[JobEntry]) -> StageEntry:
@@ -418,10 +546,9 @@ def forced_promotion(cfg: PipelineConfig, run_id: str, reason: str, user: str) -
     forced = Forced(by=user, reason=reason, at=now_iso(), bypassed=refusal_reasons(cfg, record))
     entry = move_pointer(cfg, record, now_iso(), forced)
     result = entry.summary_as(PromoteSummary) or PromoteSummary(promoted=False, reasons=[entry.cause or ""])
+    bypassed = result.forced.bypassed if result.forced else forced.bypassed  # with a rollback it went past
     record.overrides.append(
-        Override(
-            action="promote --force", by=user, reason=reason, at=forced.at, bypassed=forced.bypassed, result=result
-        )
+        Override(action="promote --force", by=user, reason=reason, at=forced.at, bypassed=bypassed, result=result)
     )
     record.promotion = result
     records.save(storage, record)
@@ -443,39 +570,58 @@ class RollbackResult(BaseModel):
     """The run whose model was production before, whose record now names the rollback."""
     reasons: list[str] = []
     """Why it was refused (empty when it moved)."""
+    warnings: list[str] = []
+    """What failed once the pointer had moved (the rolled-back run's record not annotated, the history artifact
+    not published), or that a retry found its rollback already made: the rollback stands; each says what is missing."""
 
 
 def roll_back(
     cfg: PipelineConfig, name: str, reason: str, by: str, to_version: str | None, flow_run_id: str | None = None
 ) -> RollbackResult:
-    """Move the pointer back (control.rollback) and note it in the rolled-back run's record, under that
-    run's lease so no flow writes the record meanwhile. Every refusal leaves the pointer where it was."""
+    """Move the pointer back (control.rollback) from the production version read here, and note it in the
+    rolled-back run's record, under that run's lease so no flow writes the record meanwhile. Every refusal
+    leaves the pointer where it was; a pointer that moved after this read (a promotion landing) is refused,
+    never rolled back in its place. A retry of a rollback that already moved the pointer (rollback.repeats)
+    moves nothing again. Once the pointer has moved, what fails after it is a warning in the result."""
     storage = Storage.from_config(cfg.resolved().storage)
     try:
-        pointer, _ = registry.read_pointer(storage, name)
+        pointer, token = registry.read_pointer(storage, name)
     except registry.RegistryUnreadable as e:  # nothing to roll back from that anyone can name
         return RollbackResult(rolled_back=False, model=name, reasons=[str(e)])
-    run_id = pointer.run_id if pointer else None
+    made = pointer.move if pointer and rollbacks.repeats(pointer.move, reason, by, to_version) else None
+    run_id = rolled_back_run(storage, name, pointer, made)
     lease = None
     if run_id and storage.exists("runs", run_id, records.RECORD):
         lease = Lease(storage, run_id, flow_run_id, f"tuneproof rollback {name}")
+    warnings: list[str] = []
     try:
-        with lease.held(on_problem=logging.getLogger("tuneproof.rollback").warning) if lease else nullcontext():
-            new = rollbacks.rollback(storage, name, reason, by, to_version)
-            move = new.move
-            assert move is not None and move.from_version is not None  # rollback always records its move
+        with lease.held(on_problem=warnings.append) if lease else nullcontext():
+            if made is not None:  # a retry whose first attempt moved the pointer: that move, none again
+                move = made
+                warnings.append(
+                    f"{name} is already at {move.to_version} by this rollback (#{move.seq}): not moved again"
+                )
+            else:
+                seen = pointer.version if pointer else None
+                new = rollbacks.rollback(storage, name, reason, by, to_version, seen, token, warnings.append)
+                assert new.move is not None  # rollback always records its move
+                move = new.move
             if lease is not None:
-                note_rollback(storage, lease.run_id, name, move)
-    except (
-        rollbacks.RollbackRefused,
-        rollbacks.PointerHeld,
-        registry.PromotionConflict,
-        registry.RegistryUnreadable,
-        LeaseHeld,
-    ) as e:
+                warnings += noted(storage, lease.run_id, name, move)
+    except registry.PromotionConflict as e:
+        seen = pointer.version if pointer else None
+        return RollbackResult(
+            rolled_back=False,
+            model=name,
+            from_version=seen,
+            reasons=[f"production moved after it was read ({seen} -> {e.seen_version}): nothing was rolled back"],
+        )
+    except (rollbacks.RollbackRefused, rollbacks.PointerHeld, registry.RegistryUnreadable, LeaseHeld) as e:
         return RollbackResult(
             rolled_back=False, model=name, from_version=pointer.version if pointer else None, reasons=[str(e)]
         )
+    for warning in warnings:
+        logging.getLogger("tuneproof.rollback").warning(warning)
     return RollbackResult(
         rolled_back=True,
         model=name,
@@ -483,11 +629,37 @@ def roll_back(
         to_version=move.to_version,
         move=move.seq,
         rolled_back_run=run_id,
+        warnings=warnings,
     )
 
 
+def rolled_back_run(
+    storage: Storage, name: str, pointer: registry.ProductionPointer | None, made: history.Move | None
+) -> str | None:
+    """The run whose model the rollback moves production away from: production's run; for a retry, the run of
+    the version its first attempt (`made`) moved away from, as that version's card says (None: unreadable)."""
+    if made is None or made.from_version is None:
+        return pointer.run_id if pointer else None
+    try:
+        return registry.read_card(storage, name, made.from_version).run_id
+    except (ValueError, OSError, RecursionError):
+        return None
+
+
+def noted(storage: Storage, run_id: str, name: str, move: history.Move) -> list[str]:
+    """note_rollback once the pointer has moved: a failure (a truncated record, a store error) is a warning."""
+    try:
+        note_rollback(storage, run_id, name, move)
+    except Exception as e:  # noqa: BLE001 - the rollback stands whatever becomes of its note
+        return [f"run {run_id}'s record does not name rollback #{move.seq}: {type(e).__name__}: {e}"]
+    return []
+
+
 def note_rollback(storage: Storage, run_id: str, name: str, move: history.Move) -> None:
+    """The run's record names the rollback, once (a retry's note finds it there)."""
     record = records.load(storage, run_id)
+    if any((r.model, r.seq) == (name, move.seq) for r in record.rollbacks):
+        return
     record.rollbacks.append(
         RolledBack(
             model=name,
@@ -507,5 +679,5 @@ def rollback(
     cfg: PipelineConfig, name: str, reason: str, by: str, to_version: str | None, flow_run_id: str
 ) -> RollbackResult:
     result = roll_back(cfg, name, reason, by, to_version, flow_run_id)
-    publish_history(Storage.from_config(cfg.resolved().storage), name, f"rollback-{flow_run_id}")
-    return result
+    storage = Storage.from_config(cfg.resolved().storage)
+    return result.model_copy(update={"warnings": result.warnings + published(storage, name, f"rollback-{flow_run_id}")})

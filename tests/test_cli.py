@@ -8,14 +8,17 @@ import signal
 import subprocess
 import sys
 
+import pytest
+import typer
 from typer.testing import CliRunner
 
-from tuneproof.app.cli import app, run_exit_code
+from tuneproof.app.cli import app, latest_run_id, run_exit_code
 from tuneproof.control import record as records
 from tuneproof.control import stages as table
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries_data import DataSummary
+from tuneproof.core.summaries_training import FinetuneSummary
 
 EFA_LOG = """\
 ip-10-0-1-5:1234:1234 [0] NCCL INFO NCCL version 2.29.7+cuda13.0
@@ -78,6 +81,36 @@ def test_runs_list_is_newest_first_and_show_reads_one(tmp_path):
     assert json.loads(shown.output)["config_hash"] == cfg.config_hash()
     missing = CliRunner().invoke(app, ["runs", "show", "nope", "--set", f"storage.root={tmp_path}"])
     assert missing.exit_code == 1 and "nope" in missing.output
+
+
+def test_only_without_a_run_id_reruns_the_latest_finished_run_of_this_model(tmp_path):
+    # `--only promote` with another model's config took the newest finished run of any model: its export was
+    # then promoted as this model's production.
+    for run_id, model in (("20261130-100000-aaaaaa", "model-b"), ("20261130-110000-bbbbbb", "model-a")):
+        cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}, "model": {"name": model}})
+        rec = records.new_record(run_id, cfg, records.CodeIdentity(git_sha="abc", dirty=False), None)
+        rec.created_at, rec.status = run_id, "succeeded"
+        records.save(Storage(str(tmp_path)), rec)
+    model_b = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}, "model": {"name": "model-b"}})
+    assert latest_run_id(model_b) == "20261130-100000-aaaaaa"
+    model_c = model_b.model_copy(update={"model": model_b.model.model_copy(update={"name": "model-c"})})
+    with pytest.raises(typer.Exit):
+        latest_run_id(model_c)
+
+
+def test_runs_show_names_a_summary_its_cost_cannot_read(tmp_path, monkeypatch):
+    # print_cost ran outside the guard: a summary the cost could not read ended in a raw ValidationError, exit 4.
+    storage = Storage(str(tmp_path))
+    rec = records.new_record("r0", PipelineConfig(), records.CodeIdentity(git_sha="abc", dirty=False), None)
+    records.save(storage, rec)
+
+    def unreadable(*args: object) -> None:
+        FinetuneSummary.model_validate({"legacy_field": 1})
+
+    monkeypatch.setattr("tuneproof.control.cost.run_cost", unreadable)
+    shown = CliRunner().invoke(app, ["runs", "show", "r0", "--set", f"storage.root={tmp_path}"])
+    assert shown.exit_code == 1, shown.output
+    assert "run r0: a stage summary in record.json is not readable: FinetuneSummary." in shown.output
 
 
 def test_empty_lists_say_where_they_looked(tmp_path):

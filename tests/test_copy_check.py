@@ -15,12 +15,14 @@ from pathlib import Path
 import pytest
 
 from eval.copy_check import score_differences
-from tasks.promote import COPY_CHECK_EXAMPLES, copy_check_slice
+from tasks.promote import COPY_CHECK_EXAMPLES, copy_check_slice, promote
 from tests.conftest import tuneproof
 from tests.reading import entry_summary, present
+from tests.test_promote_task import passed_record, stage_call, with_export
 from tuneproof.control import record as records
 from tuneproof.control import registry
 from tuneproof.core import markers
+from tuneproof.core.config import PipelineConfig
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries_eval import EvaluateSummary, GateDecision, PromoteSummary
 
@@ -51,6 +53,19 @@ def test_the_slice_is_the_first_saved_candidate_answers(tmp_path):
     assert items["references"][1] == "r2" and items["answers"][1] == "a2"
     assert copy_check_slice(storage, evaluation(None)) is None
     assert copy_check_slice(storage, evaluation("s3://elsewhere/p.jsonl")) is None
+
+
+def test_an_evaluation_that_saved_no_answers_refuses_the_promotion(tmp_path):
+    # eval.predictions_cap 0 (or a record of a release without the floor) saved no answers, and promotion went
+    # ahead with the registry copy unscored.
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
+    storage = Storage(str(tmp_path))
+    with_export(storage, "r1")
+    entry = promote.fn(stage_call(cfg, passed_record(cfg)))  # its evaluation has no predictions file
+    assert (entry.status, entry.failure_class) == ("failed", "modeling")
+    assert "evaluate saved no candidate answers (no predictions file) to score the registry copy" in (entry.cause or "")
+    assert f"rerun evaluate with eval.predictions_cap >= {COPY_CHECK_EXAMPLES}" in (entry.cause or "")
+    assert not storage.exists("models")
 
 
 @pytest.mark.integration

@@ -11,18 +11,21 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tasks import promote as promote_tasks
 from tasks.promote import evidence_sha256, forced_promotion, move_pointer, roll_back
 from tests.conftest import TEST_BUCKET, tuneproof
 from tests.reading import present, production_pointer, summary_dict
-from tests.test_promote_task import passed_record, with_export
+from tests.test_promote_task import passed_record, promoted_on_evidence, with_export
 from tuneproof.control import history, registry, rollback
 from tuneproof.control import record as records
 from tuneproof.control.history import Move, MoveIntent, production_at
@@ -128,6 +131,79 @@ def test_a_rollback_goes_back_only(tmp_path):
         result = roll_back(cfg, cfg.model.name, "again", "bob", target)
         assert not result.rolled_back and why in result.reasons[0], result.reasons
     assert production_pointer(storage, cfg.model.name).version == v1
+
+
+def test_a_promotion_landing_before_the_rollback_holds_the_pointer_is_not_rolled_back(tmp_path, monkeypatch):
+    # The rollback read production (v2, run r2), a promotion of r3 landed, and the rollback then swapped what it
+    # found: production went back to the v2 the operator wanted gone, and r2's record named a rollback from v3.
+    cfg = config(str(tmp_path))
+    storage = Storage(str(tmp_path))
+    promoted_on_evidence(cfg, "r1", None)
+    promoted_on_evidence(cfg, "r2", "v0001-r1")
+    real = rollback.rollback
+
+    def promotion_lands_first(*args: Any, **kwargs: Any) -> registry.ProductionPointer:
+        promoted_on_evidence(cfg, "r3", "v0002-r2")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rollback, "rollback", promotion_lands_first)
+    result = roll_back(cfg, cfg.model.name, "v2 answers in the wrong format", "bob", None)
+    assert not result.rolled_back
+    assert result.reasons == ["production moved after it was read (v0002-r2 -> v0003-r3): nothing was rolled back"]
+    assert production_pointer(storage, cfg.model.name).version == "v0003-r3"
+    assert records.load(storage, "r2").rollbacks == records.load(storage, "r3").rollbacks == []
+
+
+def test_a_rollback_whose_record_cannot_be_noted_stands_and_its_retry_moves_nothing(tmp_path):
+    # The rolled-back run's record was truncated: the pointer moved, the command failed (exit 4), and its retry
+    # rolled back one more version.
+    cfg = config(str(tmp_path))
+    storage = Storage(str(tmp_path))
+    for run, incumbent in (("r1", None), ("r2", "v0001-r1"), ("r3", "v0002-r2")):
+        promoted_on_evidence(cfg, run, incumbent)
+    path = storage.path("runs", "r3", records.RECORD)
+    Path(path).write_text(Path(path).read_text()[:200])
+    root = ["--set", f"storage.root={tmp_path}"]
+    done = tuneproof("rollback", cfg.model.name, "--reason", "v3 is bad", *root)
+    assert done.exit_code == 0, done.output
+    result = json.loads(done.stdout)
+    assert (result["rolled_back"], result["from_version"], result["to_version"]) == (True, "v0003-r3", "v0002-r2")
+    assert result["warnings"][0].startswith("run r3's record does not name rollback #4: RecordUnreadable")
+    again = tuneproof("rollback", cfg.model.name, "--reason", "v3 is bad", *root)
+    assert again.exit_code == 0 and "already at v0002-r2 by this rollback (#4): not moved again" in again.stdout
+    assert production_pointer(storage, cfg.model.name).version == "v0002-r2"
+    assert len(registry.read_history(storage, cfg.model.name)) == 4
+
+
+def test_a_history_artifact_that_cannot_be_published_is_a_warning_of_the_rollback(tmp_path, monkeypatch):
+    cfg = config(str(tmp_path))
+    storage, v1, v2 = promote_two(cfg)
+
+    def api_down(*args: object, **kwargs: object) -> None:
+        raise ConnectionError("prefect API: connection refused")
+
+    monkeypatch.setattr(promote_tasks, "create_markdown_artifact", api_down)
+    result = promote_tasks.rollback.fn(cfg, cfg.model.name, "v2 regressed", "bob", None, "flow-run-1")
+    assert (result.rolled_back, result.to_version) == (True, v1)
+    assert result.warnings == [
+        f"the production history artifact of {cfg.model.name} was not published: ConnectionError: prefect API: "
+        "connection refused"
+    ]
+
+
+def test_the_default_rollback_target_is_the_version_production_replaced(tmp_path):
+    # It was the version numbered before production: a complete copy that never served (its swap timed out), or
+    # one rolled back as bad.
+    cfg = config(str(tmp_path))
+    storage = Storage(str(tmp_path))
+    name = cfg.model.name
+    promoted_on_evidence(cfg, "r1", None)
+    models = Path(storage.path("models", name))
+    shutil.copytree(models / "v0001-r1", models / "v0002-r2")  # complete, never production
+    promoted_on_evidence(cfg, "r3", "v0001-r1")
+    assert production_pointer(storage, name).version == "v0003-r3"
+    result = roll_back(cfg, name, "v3 regressed", "bob", None)
+    assert (result.from_version, result.to_version) == ("v0003-r3", "v0001-r1")
 
 
 def test_what_was_production_at_a_time():

@@ -11,12 +11,15 @@ import threading
 import pytest
 from typer.testing import CliRunner
 
-from tasks.promote import forced_promotion, move_pointer, refusal_reasons
+from tasks import promote as promote_tasks
+from tasks.jobs import StageCall
+from tasks.promote import forced_promotion, model_card, move_pointer, refusal_reasons, roll_back
 from tests.reading import entry_summary, present, production_pointer, summary_dict, summary_of
 from tuneproof.app.cli import app
 from tuneproof.control import record as records
 from tuneproof.control import registry
-from tuneproof.control.record import CodeIdentity, RunRecord, StageEntry, new_record
+from tuneproof.control.record import CodeIdentity, Invocation, RunRecord, StageEntry, StageInputs, new_record
+from tuneproof.core import config_reads
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.markers import EXPORT_MANIFEST, ExportManifest, FileDigest, content_sha256
 from tuneproof.core.storage import Storage
@@ -74,6 +77,56 @@ def with_export(storage: Storage, run_id: str) -> None:
         content_sha256=EXPORT_SHA256, files=EXPORT_DIGESTS, run_id=run_id, run_name=run_id, step=400, written_at="t"
     )
     storage.write_bytes(manifest.model_dump_json().encode(), "runs", run_id, "model", EXPORT_MANIFEST)
+
+
+def with_predictions(storage: Storage, rec: RunRecord) -> RunRecord:
+    """`rec` whose evaluation saved its candidate answers (the copy check's items) under its run."""
+    rows = [{"prompt": f"p{i}", "reference": f"r{i}", "candidate": f"r{i}"} for i in range(40)]
+    parts = ("runs", rec.run_id, "stages", "evaluate", "predictions.jsonl")
+    storage.write_bytes("\n".join(map(json.dumps, rows)).encode(), *parts)
+    summary_dict(rec, "evaluate")["predictions_uri"] = storage.uri(*parts)
+    return rec
+
+
+def stage_call(cfg: PipelineConfig, rec: RunRecord) -> StageCall:
+    """The flow's call of the promote stage on `rec`."""
+    return StageCall(
+        stage="promote",
+        cfg=cfg,
+        run_id=rec.run_id,
+        invocation=1,
+        timeout_s=60,
+        summary=PromoteSummary,
+        inputs={},
+        record=rec,
+    )
+
+
+def promoted_on_evidence(cfg: PipelineConfig, run_id: str, incumbent: str | None) -> RunRecord:
+    """Run `run_id` exported, evaluated against `incumbent`, saved and promoted by the flow's move_pointer."""
+    storage = Storage.from_config(cfg.storage)
+    with_export(storage, run_id)
+    rec = passed_record(cfg, run_id)
+    summary_dict(rec, "evaluate")["incumbent_version"] = incumbent
+    records.save(storage, rec)
+    assert move_pointer(cfg, rec, "t", forced=None).ok
+    return rec
+
+
+READS = {
+    "finetune": ["model.source", "storage.root", "train.lr"],
+    "resume": ["storage.root", "train.lr"],
+    "evaluate": ["eval.gates", "model.name", "model.source", "storage.root"],
+}
+"""Settings each evidence stage read, as the flow observes them (a few of the real ones)."""
+
+
+def with_inputs(rec: RunRecord, cfg: PipelineConfig) -> RunRecord:
+    """`rec` whose evidence stages record their inputs as the flow does: each setting they read (READS), hashed."""
+    for stage, reads in READS.items():
+        observed = config_reads.reads_hashes(cfg.model_dump(mode="json"), reads)
+        rec.stages[stage].inputs = StageInputs(key=stage, config=observed, working_dir_hash="wd")
+    return rec
 
 
 def test_promotion_needs_the_resume_test_and_every_gate():
@@ -156,9 +209,78 @@ def test_forced_promotion_is_recorded_with_who_and_why(tmp_path):
     assert json.loads(listed.output)[0]["production"]["run_id"] == "r1"
 
 
+def test_evidence_reached_under_other_settings_is_not_promoted():
+    # `--only promote` with stricter gates, or under another model's config, promoted on the evaluation (and the
+    # fine-tune) the old config had passed: the verdict was not about the config now promoting.
+    model_a = {"name": "model-a", "source": "Qwen/Qwen2.5-0.5B"}
+    ran = PipelineConfig.model_validate({"model": model_a})
+    rec = with_inputs(passed_record(ran), ran)
+    assert refusal_reasons(ran, rec) == []
+    stricter = PipelineConfig.model_validate({"model": model_a, "eval": {"gates": {"exact_match": {"min": 0.99}}}})
+    assert refusal_reasons(stricter, rec) == [
+        "evaluate ran with other settings than this config gives: eval.gates; rerun evaluate with this config, "
+        "or promote with the config it ran with"
+    ]
+    other = PipelineConfig.model_validate({"model": {"name": "model-b", "source": "Qwen/Qwen2.5-7B"}})
+    reasons = refusal_reasons(other, rec)
+    assert [r.split(";")[0].split(": ")[1] for r in reasons] == ["model.source", "model.name, model.source"]
+    assert reasons[0].startswith("finetune ran with other settings") and reasons[1].startswith("evaluate ")
+    moved = PipelineConfig.model_validate({"model": model_a, "storage": {"root": "/elsewhere"}})
+    assert refusal_reasons(moved, rec) == []  # a run moved or cloned: where its files are is not what was judged
+
+
+def test_the_card_names_what_the_fine_tune_ran_under_not_a_later_promote_only_config():
+    ran = PipelineConfig.model_validate({"model": {"source": "Qwen/Qwen2.5-0.5B"}})
+    rec = passed_record(ran)
+    rec.invocations = [Invocation(number=1, at="t1", config_hash=ran.config_hash(), config=ran.model_dump(mode="json"))]
+    later = PipelineConfig.model_validate({"model": {"source": "Qwen/Qwen2.5-7B"}})
+    # `--only promote` under `later`: the record takes its config, the fine-tune stays invocation 1's
+    rec.config, rec.config_hash = later.model_dump(mode="json"), later.config_hash()
+    rec.invocations.append(Invocation(number=2, at="t2", config_hash=later.config_hash(), only=["promote"]))
+    facts = model_card(later, rec)
+    assert (facts.base_model, facts.config_hash) == ("Qwen/Qwen2.5-0.5B", ran.config_hash())
+
+
+def test_a_rolled_back_model_is_promoted_again_only_by_the_override(tmp_path):
+    # A plain rerun of the rolled-back run's promote stage put it back in production, undoing the rollback.
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
+    storage = Storage(str(tmp_path))
+    promoted_on_evidence(cfg, "r1", None)
+    promoted_on_evidence(cfg, "r2", "v0001-r1")
+    assert roll_back(cfg, cfg.model.name, "v2 answers in the wrong format", "bob", None).rolled_back
+    rec = records.load(storage, "r2")
+    again = move_pointer(cfg, rec, "t2", forced=None)
+    assert (again.status, again.failure_class) == ("failed", "modeling")
+    assert f"v0002-r2, this content ({EXPORT_SHA256[:12]}), was rolled back by bob (history #3)" in (again.cause or "")
+    assert "v2 answers in the wrong format; only `tuneproof promote r2 --force --reason ...`" in (again.cause or "")
+    rec.rollbacks = []  # the record's note was lost: the history alone says so
+    assert "was rolled back by bob" in (move_pointer(cfg, rec, "t3", forced=None).cause or "")
+    assert production_pointer(storage, cfg.model.name).version == "v0001-r1"
+    forced = forced_promotion(cfg, "r2", "the downstream parser is fixed", "ana")
+    assert forced.promoted and "was rolled back by bob" in present(forced.forced).bypassed[-1]
+    assert "was rolled back by bob" in records.load(storage, "r2").overrides[0].bypassed[-1]
+
+
+def test_a_history_artifact_that_cannot_be_published_does_not_fail_a_promotion(tmp_path, monkeypatch):
+    # The artifact API raised after the swap: the stage was recorded failed while production served its model.
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
+    storage = Storage(str(tmp_path))
+    with_export(storage, "r1")
+    rec = with_predictions(storage, passed_record(cfg))
+    monkeypatch.setattr(promote_tasks, "copy_checker", lambda *args: lambda path: None)  # no Ray job here
+
+    def api_down(*args: object, **kwargs: object) -> None:
+        raise ConnectionError("prefect API: connection refused")
+
+    monkeypatch.setattr(promote_tasks, "create_markdown_artifact", api_down)
+    entry = promote_tasks.promote.fn(stage_call(cfg, rec))
+    assert entry.ok, entry.cause
+    assert production_pointer(storage, cfg.model.name).run_id == "r1"
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("approve", [True, False])
-def test_approval_pauses_the_flow_before_the_pointer_moves(prefect_harness, tmp_path, approve):
+def test_approval_pauses_the_flow_before_the_pointer_moves(prefect_harness, tmp_path, approve, monkeypatch):
     """With promote.require_approval the flow pauses for a typed form; the answer decides the pointer."""
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
@@ -172,7 +294,8 @@ def test_approval_pauses_the_flow_before_the_pointer_moves(prefect_harness, tmp_
     )
     storage = Storage(str(tmp_path))
     with_export(storage, "r1")
-    records.save(storage, passed_record(cfg))
+    records.save(storage, with_predictions(storage, passed_record(cfg)))
+    monkeypatch.setattr(promote_tasks, "copy_checker", lambda *args: lambda path: None)  # its model is no model
     answered = {}
     paused_only = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PAUSED])))
 

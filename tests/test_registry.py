@@ -18,6 +18,7 @@ import pytest
 from tests.conftest import TEST_BUCKET
 from tests.reading import production_pointer
 from tuneproof.control import registry
+from tuneproof.control.history import HistoryUnreadable
 from tuneproof.control.registry import PromotionConflict, next_version, promote, read_pointer, render_model_card
 from tuneproof.core.storage import Storage
 
@@ -176,6 +177,26 @@ def test_a_retry_of_the_promoted_run_changes_nothing(local):
 def test_missing_export_is_named(local):
     with pytest.raises(FileNotFoundError, match="runs/ghost/model has no config.json"):
         promote(local, NAME, "ghost", "runs/ghost/model", card("ghost"), None)
+
+
+def test_whatever_stops_a_promotion_between_the_copy_and_the_swap_leaves_no_version(local):
+    # A cost that could not be computed (another run's record) raised after the copy and its check, and the copy
+    # stayed behind as an incomplete version; an unreadable history did the same after the copy check's Ray job.
+    promote(local, NAME, "runA", export(local, "runA"), card("runA"), None)
+    _, token = read_pointer(local, NAME)
+
+    def no_cost(move: Any) -> Any:
+        raise ValueError("a record of this model cannot be read")
+
+    with pytest.raises(ValueError, match="cannot be read"):
+        promote(local, NAME, "runB", export(local, "runB"), card("runB"), token, cost_of=no_cost)
+    assert local.listdir("models", NAME) == ["history", "production.json", "v0001-runA"]
+    local.write_bytes(b'{"seq": 1, "kind": "prom', "models", NAME, "history", "000001.json")
+    checked: list[str] = []
+    with pytest.raises(HistoryUnreadable, match="000001.json: not a production-history entry"):
+        promote(local, NAME, "runB", export(local, "runB"), card("runB"), token, check_copy=checked.append)
+    assert checked == [] and local.listdir("models", NAME) == ["history", "production.json", "v0001-runA"]
+    assert production_pointer(local, NAME).version == "v0001-runA"
 
 
 def _race(root: str, endpoint: str | None, run_id: str, token: str | None, start: Any, outcomes: Any) -> None:

@@ -219,15 +219,28 @@ def refuse_unknown_stages(option: str, given: list[str]) -> None:
 
 def latest_run_id(cfg: PipelineConfig) -> str:
     from tuneproof.control import record
+    from tuneproof.core.config_reads import value_at
     from tuneproof.core.storage import Storage
 
-    rows = record.list_rows(Storage.from_config(cfg.storage))
+    storage = Storage.from_config(cfg.storage)
+
+    def of_this_model(run_id: str) -> bool:
+        # Another model's run is no base either: its evidence is about another model, which a promote would
+        # then serve as this one.
+        found = record.load_or_row(storage, run_id)
+        return isinstance(found, record.RunRecord) and value_at(found.config, "model.name") == cfg.model.name
+
+    rows = record.list_rows(storage)
     # A run that is still running (or whose writer died), crashed or was cancelled is no base to rerun against.
-    finished = [r for r in rows if r.status in ("succeeded", "failed")]
-    if not finished:
-        say(err, "--only without --run-id needs an earlier finished run to rerun against; none found")
+    finished = (r.run_id for r in rows if r.status in ("succeeded", "failed"))
+    latest = next((run_id for run_id in finished if of_this_model(run_id)), None)
+    if latest is None:
+        say(
+            err,
+            f"--only without --run-id needs an earlier finished run of {cfg.model.name} to rerun against; none found",
+        )
         raise typer.Exit(EXIT_INVALID_CONFIG)
-    return finished[0].run_id
+    return latest
 
 
 @app.command()
@@ -235,7 +248,7 @@ def compare(
     stages: str = typer.Option(..., "--stages", help=f"Comma-separated stages each repeat runs: {STAGES_HELP}."),
     a: list[str] = typer.Option([], "--a", help="An override for arm A only: dotted.key=value (repeatable)."),
     b: list[str] = typer.Option([], "--b", help="An override for arm B only: dotted.key=value (repeatable)."),
-    repeats: int = typer.Option(3, "--repeats", help="Runs per arm, interleaved A B A B ... (at least 2)."),
+    repeats: int = typer.Option(3, "--repeats", help="Runs per arm, interleaved A B A B ... (2 to 20)."),
     threshold: float = typer.Option(
         0.05, "--threshold", help="Smallest relative change a verdict may call a difference."
     ),
@@ -369,7 +382,7 @@ def transport(
 def rollback(
     name: str = typer.Argument(..., callback=slug_arg("model name")),
     to: str | None = typer.Option(
-        None, "--to", callback=slug_arg("version"), help="Default: the version before production."
+        None, "--to", callback=slug_arg("version"), help="Default: the version production replaced."
     ),
     reason: str = typer.Option("", "--reason", help="Why production goes back (recorded in the history)."),
     config: Path | None = ConfigOpt,

@@ -98,9 +98,9 @@ def runs_show(
 
     try:
         print_record(rec, console)
+        print_cost(rec, config_or_exit(config, sets).cost.prices)  # the cost reads the fine-tune's summaries too
     except ValidationError as e:
         raise typer.Exit(summary_unreadable(run_id, e)) from None
-    print_cost(rec, config_or_exit(config, sets).cost.prices)
 
 
 def print_cost(rec: Any, prices: dict[str, float]) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import logging
 import os
 import posixpath
 import re
@@ -304,7 +305,8 @@ def promote(
     content_sha256, when given, is the hash the caller's evidence is about: the copy must carry an
     export manifest with exactly that content (checked file by file on the copy), and the pointer names it.
     check_copy, when given, is called with the version's path after the copy and before the swap; what
-    it raises stops the promotion with the pointer unchanged and the copy removed.
+    it raises (or anything else raises before the swap: cost_of, the card's write) stops the promotion with
+    the pointer unchanged and the copy removed. An unreadable history refuses before anything is copied.
     cost_of, when given, is called after the check with the move about to be made: the card's `cost`, so
     the card states what the version cost up to and including its copy check, over the move's own window.
     intent says who promotes and why; the pointer and the history record it as the move (default: a
@@ -321,7 +323,9 @@ def promote(
         return pointer
     if token != expected_token:
         raise PromotionConflict(name, expected_token, token, _version_of(pointer))
-    history.backfill(storage, name, pointer.move if pointer else None)
+    last = pointer.move if pointer else None
+    history.backfill(storage, name, last)
+    earlier = history.read(storage, name, last)  # before the copy: an unreadable history leaves nothing behind
     version = next_version(storage.listdir(MODELS, name), run_id)
     _copy_model(storage, source_path, (MODELS, name, version))
     try:
@@ -329,28 +333,31 @@ def promote(
             _check_copy(storage, name, version, content_sha256)
         if check_copy is not None:
             check_copy(posixpath.join(MODELS, name, version))
+        move = history.next_move(last, _version_of(pointer), intent or default_intent(), version, run_id, now_iso())
+        full_card = ModelCard(
+            **{**dict(card), "name": name, "run_id": run_id},
+            version=version,
+            source_path=source_path,
+            cost=cost_of(move) if cost_of is not None else None,
+            history=[*earlier, move],
+        )
+        storage.write_bytes(render_model_card(full_card).encode(), MODELS, name, version, CARD_MD)
+        storage.write_json(full_card.to_json(), MODELS, name, version, CARD_JSON)
     except Exception:
+        # Whatever stops the promotion between the copy and the swap (a failed check, a cost that cannot be
+        # computed, a card that cannot be written) leaves no version behind: the pointer never named it.
         storage.remove(MODELS, name, version, recursive=True)
         raise
-    move = history.next_move(
-        pointer.move if pointer else None, _version_of(pointer), intent or default_intent(), version, run_id, now_iso()
-    )
-    full_card = ModelCard(
-        **{**dict(card), "name": name, "run_id": run_id},
-        version=version,
-        source_path=source_path,
-        cost=cost_of(move) if cost_of is not None else None,
-        history=[*history.read(storage, name, pointer.move if pointer else None), move],
-    )
-    storage.write_bytes(render_model_card(full_card).encode(), MODELS, name, version, CARD_MD)
-    storage.write_json(full_card.to_json(), MODELS, name, version, CARD_JSON)
     new_pointer = pointer_doc(name, version, run_id, content_sha256, move)
     try:
         swap_pointer(storage, name, new_pointer, expected_token, lock_timeout_s, stale_lock_s)
     except PromotionConflict:
         _remove_unpointed(storage, name, version)
         raise
-    history.append(storage, name, move)
+    try:
+        history.append(storage, name, move)
+    except (history.HistoryUnreadable, OSError) as e:  # the move is in the pointer: readers and movers backfill it
+        logging.getLogger("tuneproof.registry").warning(f"{name}: promotion #{move.seq} is not yet in its history: {e}")
     return new_pointer
 
 

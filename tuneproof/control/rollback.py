@@ -6,25 +6,30 @@ flow at a time on a model's pointer.
 
 A rollback checks its target like a promotion checks its copy (the files against the version's
 manifest, the manifest against the card's content hash), then swaps the pointer by compare-and-swap
-against the pointer it read, and appends the move to the history (tuneproof.control.history).
-Every refusal happens before the pointer is touched.
+against the pointer it read, and appends the move to the history (tuneproof.control.history). The
+caller passes the pointer it decided on: one that moved meanwhile is refused, never rolled back in its
+place. By default it goes back to the version production replaced. Every refusal happens before the
+pointer is touched.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 
 from tuneproof.control import history, registry
-from tuneproof.control.history import MoveIntent
+from tuneproof.control.history import Move, MoveIntent
 from tuneproof.control.lease import LeaseInfo, pid_alive, stale_reason
 from tuneproof.control.registry import CARD_JSON, MODELS
 from tuneproof.core import cas, markers
 from tuneproof.core.results import now_iso, one_line
 from tuneproof.core.storage import Storage
+
+_log = logging.getLogger("tuneproof.rollback")
 
 HOLD = ".hold.json"
 HOLD_TTL_S = 1800.0
@@ -78,45 +83,85 @@ def _live_holder(storage: Storage, name: str) -> LeaseInfo | None:
 
 
 def rollback(
-    storage: Storage, name: str, reason: str, by: str, to_version: str | None = None
+    storage: Storage,
+    name: str,
+    reason: str,
+    by: str,
+    to_version: str | None = None,
+    from_version: str | None = None,
+    expected_token: str | None = None,
+    on_problem: Callable[[str], None] = _log.warning,
 ) -> registry.ProductionPointer:
-    """Move the pointer back to `to_version` (default: the latest complete version before production),
+    """Move the pointer back to `to_version` (default: the version production replaced, `default_target`),
     by compare-and-swap, under the model's hold; record the move in the history. Returns the new pointer.
 
-    RollbackRefused when there is no production model, the target is not an earlier complete version,
-    or its files do not match its manifest (and its card's content hash); PointerHeld when another flow
-    holds the pointer; PromotionConflict when the pointer moved meanwhile. The pointer stays on refusal."""
+    from_version and expected_token are the pointer the caller read and decided on (read_pointer's version
+    and token): when given, a pointer that is not that one under the hold is PromotionConflict, so a
+    promotion that landed meanwhile is never the one rolled back. RollbackRefused when there is no
+    production model, the target is not an earlier complete version, or its files do not match its
+    manifest (and its card's content hash); PointerHeld when another flow holds the pointer. The pointer
+    stays on refusal. Once it has moved, a history entry that cannot be appended goes to on_problem: the
+    move is in the pointer, and readers and the next mover take it from there (history.backfill)."""
     if registry.read_pointer(storage, name)[0] is None:  # before the hold: refusing leaves nothing behind
         raise RollbackRefused(f"{storage.uri(MODELS, name)}: no production model to roll back")
     with hold(storage, name, "(rollback)", f"rollback {name} by {by}"):
         pointer, token = registry.read_pointer(storage, name)
         if pointer is None:
             raise RollbackRefused(f"{storage.uri(MODELS, name)}: no production model to roll back")
+        seen = pointer.version == from_version and expected_token in (None, token)
+        if from_version is not None and not seen:
+            raise registry.PromotionConflict(name, expected_token, token, pointer.version)
         versions = [v for v in registry.versions(storage, name) if storage.exists(MODELS, name, v, CARD_JSON)]
         target, card = _rollback_target(
-            storage, name, versions, pointer.version, to_version or previous_version(versions, pointer.version)
+            storage, name, versions, pointer, to_version or default_target(pointer, versions)
         )
         history.backfill(storage, name, pointer.move)
         intent = MoveIntent(kind="rollback", by=by, reason=reason)
         move = history.next_move(pointer.move, pointer.version, intent, target, card.run_id, now_iso())
         new_pointer = registry.pointer_doc(name, target, card.run_id, card.content_sha256, move)
         registry.swap_pointer(storage, name, new_pointer, token, 30.0, 60.0)
-        history.append(storage, name, move)
+        try:
+            history.append(storage, name, move)
+        except (history.HistoryUnreadable, OSError) as e:
+            on_problem(f"{name}: rollback #{move.seq} is in the pointer but not yet in its history: {e}")
         return new_pointer
 
 
-def previous_version(versions: list[str], current: str) -> str | None:
-    """The latest of `versions` (in promotion order) before `current`; None when there is none. Pure."""
-    earlier = versions[: versions.index(current)] if current in versions else []
+def default_target(pointer: registry.ProductionPointer, versions: list[str]) -> str | None:
+    """The version production replaced: the from-version of the move that put it there (not the version
+    numbered before it, which may be a copy that never served or one rolled back as bad). None when it
+    replaced none, or when that move was a rollback (its from-version is the one rolled back from). A
+    pointer written before moves were recorded has only its previous_version, if that: else the latest of
+    `versions` (complete, in promotion order) before it, as rollbacks then chose. Pure."""
+    if pointer.move is not None:
+        return None if pointer.move.kind == "rollback" else pointer.move.from_version
+    if pointer.previous_version is not None:
+        return pointer.previous_version
+    earlier = versions[: versions.index(pointer.version)] if pointer.version in versions else []
     return earlier[-1] if earlier else None
 
 
+def repeats(move: Move | None, reason: str, by: str, to_version: str | None) -> bool:
+    """The move that put the pointer where it is is this very rollback: by the same person, for the same
+    reason, to the version asked for (if one was). A retry of a rollback whose first attempt moved the pointer
+    (and then failed, or died) finds it so, and moves nothing again. Pure."""
+    if move is None or move.kind != "rollback":
+        return False
+    return (move.by, move.reason) == (by, reason) and to_version in (None, move.to_version)
+
+
 def _rollback_target(
-    storage: Storage, name: str, versions: list[str], current: str, target: str | None
+    storage: Storage, name: str, versions: list[str], pointer: registry.ProductionPointer, target: str | None
 ) -> tuple[str, registry.ModelCard]:
     """(target, its card), once the target is an earlier complete version whose files match its manifest."""
+    current = pointer.version
     if target is None:
-        raise RollbackRefused(f"{name}: production {current} has no earlier complete version to roll back to")
+        move = pointer.move
+        how = f"was restored by rollback #{move.seq}" if move and move.kind == "rollback" else "replaced none"
+        raise RollbackRefused(
+            f"{name}: production {current} {how}, so there is no earlier version to go back to by default; "
+            "name one (--to)"
+        )
     if target not in versions:
         raise RollbackRefused(f"{name}: no complete version {target!r} (complete: {', '.join(versions) or 'none'})")
     if target == current:

@@ -15,7 +15,8 @@ from tuneproof.core.config_base import MAX_BATCH, MAX_EXAMPLES, MAX_SEQ_LEN, MAX
 from tuneproof.core.names import check_slug
 
 COPY_CHECK_EXAMPLES = 32
-"""Saved answers that promotion's copy check (eval/copy_check.py) asks the registry's copy again."""
+"""Saved answers that promotion's copy check (eval/copy_check.py) asks the registry's copy again before the
+pointer moves: enough for a corrupted or wrong model to score differently, few enough to cost seconds."""
 
 
 class Gate(Strict):
