@@ -6,6 +6,7 @@ import codecs
 import contextlib
 import copy
 import csv
+import gzip
 import hashlib
 import io
 import itertools
@@ -28,7 +29,7 @@ from training import data_encode, data_prep, modeling, parallel
 from training.data_encode import ChatRenderer, encode, token_ids, verify_sample
 from training.data_files import SCHEMA, read_split
 from training.data_prep import prepare_data
-from training.data_sources import Conversation
+from training.data_sources import Conversation, read_source
 from training.jobkit import ENV_VAR, JobContext, encode_job
 from training.modeling import direct_tokenizer_class, load_text_tokenizer, load_tokenizer
 from tuneproof.app.tiny_model import CHAT_TEMPLATE, DEFAULT_DATA, build_tiny_model, task_corpus
@@ -986,3 +987,22 @@ def test_drops_count_each_row_once_across_chunks_and_keep_the_first_rows_as_evid
     first.merge(later)
     assert first.counts == {"too_long": 4} and first.total == 4
     assert [e["row"] for e in first.examples["too_long"]] == [3, 5, 7]
+
+
+def test_a_compressed_or_utf16_text_source_is_named_for_what_it_is(tmp_path: Path):
+    # Read as text, a gzip or UTF-16 file was "100.0% of rows dropped ... undecodable=3 of 3 rows; the first
+    # undecodable is source row 0: b'\x1f\x8b...'", naming neither the file nor why.
+    row = '{"input": "a", "output": "b"}\n' * 3
+    files = {
+        "rows.jsonl": (gzip.compress(row.encode()), "gzip-compressed"),
+        "rows-utf16.jsonl": (row.encode("utf-16"), "UTF-16 text"),
+        "rows.csv": (b"PK\x03\x04" + b"\0" * 20, "a zip archive"),
+    }
+    for name, (data, what) in files.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(StageFailure) as info:
+            read_source(str(tmp_path / name), "auto", None)
+        assert info.value.failure_class is FailureClass.data
+        assert f"data source {tmp_path / name} is {what}" in str(info.value), str(info.value)
+    (tmp_path / "plain.jsonl").write_text(row)
+    assert read_source(str(tmp_path / "plain.jsonl"), "auto", None).format == "jsonl"

@@ -114,8 +114,30 @@ def read_source(uri: str, fmt: str, endpoint_url: str | None) -> Source:
         data = Storage(uri, endpoint_url).read_bytes()
     except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
         raise StageFailure("data", f"data source {uri} is unreadable: {type(e).__name__}: {e}") from e
+    if fmt in ("jsonl", "csv") and (packed := not_text(data)):
+        raise StageFailure(
+            "data",
+            f"data source {uri} is {packed}, not the UTF-8 text a {fmt} file is: every row would be undecodable; "
+            "save it as UTF-8 text (decompress it, or re-export it as UTF-8)",
+        )
     log(f"read {len(data)} bytes from {uri} ({fmt})")
     return Source(uri, data, fmt)
+
+
+MAGIC = {
+    b"\x1f\x8b": "gzip-compressed",
+    b"\x28\xb5\x2f\xfd": "zstd-compressed",
+    b"PK\x03\x04": "a zip archive (an .xlsx workbook is one)",
+    codecs.BOM_UTF16_LE: "UTF-16 text (little-endian, by its byte-order mark)",
+    codecs.BOM_UTF16_BE: "UTF-16 text (big-endian, by its byte-order mark)",
+}
+"""How a text source's first bytes say it is no UTF-8 text; (a UTF-32 LE mark starts like UTF-16 LE's: read as that)."""
+
+
+def not_text(data: bytes) -> str | None:
+    """What `data` is when its first bytes say it is compressed, archived or UTF-16 (pure); None otherwise. Read
+    as text, such a file was '100% of rows dropped: undecodable', naming neither the file nor the cause."""
+    return next((what for magic, what in MAGIC.items() if data.startswith(magic)), None)
 
 
 def format_from_extension(uri: str) -> str:
