@@ -21,10 +21,15 @@ a suite's failed or unresolved gate fails the stage as a modeling failure whose 
 Before any model verdict the evaluation tests itself, and a failed self-test ends the stage as
 "evaluation invalid: ..." in the infrastructure class (exit 4: the measuring apparatus failed, not the
 model), never as a gate failure: every local metric must score the references, put through the same
-post-processing, at its maximum (1) on every item; the candidate's and the base's tokenizer must carry the
-chat template the data stage rendered the eval prompts with (the dataset manifest's chat_template_sha256);
-every gated value the metric modules report must be a number (not missing, NaN or infinite), each item's in
-[0, 1], for every model;
+post-processing, at its maximum (1) on every item, and give full credit to no wrong answer (the next item's
+reference on every item; the empty answer and the reference with one character changed on more than
+eval/selftest.py's WRONG_CREDIT_SHARE of them); a local metric must score each item alone, its value the
+mean of its items' (its gates are decided on them; only a hub metric, maybe corpus-level, falls back to
+comparing points); the candidate's and the base's tokenizer must encode the eval prompts to the ids the data stage
+wrote (checked on the split's own prompts) and carry the chat template it rendered the eval prompts with (its
+chat_template_sha256); every gated value the metric modules report must be a number (not
+missing, NaN or infinite), each item's in [0, 1] and a fraction's (exact_match, accuracy, rouge_l) too, for
+every model;
 no more than eval.max_truncated_fraction of a model's answers on a split may stop at eval.max_new_tokens
 without a stop token, nor come back empty (eval/selftest.py: counted per model and split, kept in the
 summary; the base is not held to it on the task it has not learned); and the base's answers must repeat
@@ -40,9 +45,8 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import time
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,7 +57,17 @@ from eval.gates import Scores, decide
 from eval.generation import eval_loss, generate_checked, pad_token_id, pick_device
 from eval.metrics_loader import load_metric
 from eval.reproduce import base_reproduction
-from eval.selftest import TASK, count_lines, generation_problem, generations
+from eval.selftest import (
+    TASK,
+    check_references,
+    count_lines,
+    generation_problem,
+    generations,
+    invalid,
+    item_scores,
+    score,
+    unscored,
+)
 from eval.suites import Suite, chat_prompts, overall, read_suite, suite_score
 from training import jobkit
 from training.checkpoint_listing import check_complete
@@ -70,6 +84,7 @@ from tuneproof.core.summaries_eval import ROLES, EvaluateSummary, GateDecision, 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from tuneproof.core.config_eval import Gate
     from tuneproof.core.storage import Storage
 
 STAGE = "evaluate"
@@ -142,7 +157,7 @@ def evaluate_body(ctx: JobContext) -> EvaluateSummary:
     require_complete_export(ctx, params.candidate)
     sources = model_sources(ctx, params)
     metrics = {name: load_metric(name, cfg.hub_metrics) for name in cfg.metrics}
-    check_references({n: m for n, m in metrics.items() if metric_module_hash(n, cfg.hub_metrics)}, data.references)
+    check_references({n: m for n, m in metrics.items() if is_local(n, cfg.hub_metrics)}, data.references)
     suites = [
         read_suite(name, suite, ctx.config.storage.endpoint_url).with_metrics(load_metric)
         for name, suite in cfg.suites.items()
@@ -211,12 +226,14 @@ def read_eval_set(ctx: JobContext, dataset: str) -> EvalSet:
         cols[name] = table.column(name).to_pylist()
         if None in cols[name]:  # the data stage writes no nulls: such a split was written by something else
             raise ValueError(f"eval split of {dataset}: column {name} has null rows; expected none")
-    template = read_manifest(ctx.storage, dataset).chat_template_sha256
+    manifest = read_manifest(ctx.storage, dataset)
+    template = manifest.chat_template_sha256
     if template is None:
         jobkit.log(
             f"self-test: {dataset}'s manifest records no chat template (older data stage): templates not checked"
         )
-    return EvalSet(cols["prompt"], cols["reference"], cols["input_ids"], cols["labels"], template)
+    ids = cols["input_ids"], cols["labels"]
+    return EvalSet(cols["prompt"], cols["reference"], *ids, template)
 
 
 def eval_split_hash(ctx: JobContext, dataset: str) -> str:
@@ -227,10 +244,14 @@ def eval_split_hash(ctx: JobContext, dataset: str) -> str:
 
 def metric_module_hash(name: str, allow_hub: bool) -> str | None:
     """The content hash of a local metric module's files; None for a hub metric (its script is not ours)."""
-    where = Path(resolve_metric(name, allow_hub))
-    if not where.is_dir():
+    if not is_local(name, allow_hub):
         return None
-    return markers.content_sha256(markers.local_digests(where))
+    return markers.content_sha256(markers.local_digests(Path(resolve_metric(name, allow_hub))))
+
+
+def is_local(name: str, allow_hub: bool) -> bool:
+    """Whether metric `name` loads from a module of ours (eval/metrics/), not from the hub."""
+    return Path(resolve_metric(name, allow_hub)).is_dir()
 
 
 def model_hash(storage: Storage, source: ModelSource, local: Path) -> str | None:
@@ -275,6 +296,7 @@ def evaluate_model(
     started = time.monotonic()
     model, tokenizer, content = load_for_eval(ctx, source)
     template = check_template(source.role, tokenizer, data.chat_template_sha256)
+    same_ids = check_tokenizer(source.role, tokenizer, data, cfg.gates)
     jobkit.log(
         f"{source.role}: {source.path} (content {str(content)[:12]}, chat template {str(template)[:12]}) "
         f"on {model.device} ({model.dtype})"
@@ -287,11 +309,14 @@ def evaluate_model(
         cfg.batch_size,
         on_batch=lambda n: counter.advance(n, source.role),
     )
+    where = f"{source.role} on the eval split"
     values = score(metrics, answers, data.references)
-    items = item_scores(metrics, answers, data.references, values)
+    hub = [name for name in metrics if not is_local(name, cfg.hub_metrics)]
+    items = item_scores(metrics, answers, data.references, values, where, hub)
     if problem := unscored(values, items, cfg.gates):
-        raise invalid(f"{source.role} on the eval split: {problem}")
-    values.update(eval_loss(model, data.input_ids, data.labels, cfg.batch_size, pad_token_id(tokenizer)))
+        raise invalid(f"{where}: {problem}")
+    if same_ids:  # over another tokenizer's ids a loss means nothing (check_tokenizer)
+        values.update(eval_loss(model, data.input_ids, data.labels, cfg.batch_size, pad_token_id(tokenizer)))
     answered = {s.name: answer_suite(ctx, model, tokenizer, s, source.role, counter) for s in suites}
     del model, tokenizer
     _free_memory()
@@ -323,10 +348,11 @@ def answer_suite(
         cfg.batch_size,
         on_batch=lambda n: counter.advance(n, role),
     )
+    where = f"{role} on suite {suite.name}"
     values = score(suite.metrics, answers, suite.references)
-    items = item_scores(suite.metrics, answers, suite.references, values)
+    items = item_scores(suite.metrics, answers, suite.references, values, where)
     if problem := unscored(values, items, suite.config.metrics):
-        raise invalid(f"{role} on suite {suite.name}: {problem}")
+        raise invalid(f"{where}: {problem}")
     jobkit.log(f"{role} on suite {suite.name}: " + ", ".join(f"{k}={v:.4g}" for k, v in values.items()))
     return Scores(values, items), generations(answers, cut)
 
@@ -352,114 +378,6 @@ def load_for_eval(ctx: JobContext, source: ModelSource) -> tuple[PreTrainedModel
     return model, tokenizer, content
 
 
-def score(metrics: dict, answers: list[str], references: list[str]) -> dict[str, float]:
-    """Every numeric value each metric module reports, by its own key."""
-    values: dict[str, float] = {}
-    for metric in metrics.values():
-        for key, value in metric.compute(predictions=answers, references=references).items():
-            if isinstance(value, (int, float)):
-                values[key] = float(value)
-    return values
-
-
-def unscored(values: dict[str, float], items: dict[str, list[float]], gated: Iterable[str]) -> str | None:
-    """Why the metric modules gave no usable number for a gated value (none reported, NaN, infinite, or an item
-    scored outside [0, 1]), or None.
-
-    The scorer failed there, not the model: a gate reading it would fail the model (a modeling failure, the
-    wrong class) or, worse, pass it; the gates' intervals read a score in [0, 1] per item. eval_loss and
-    perplexity are computed from the model itself, and are not asked here: their NaN is a diverged model's,
-    which their gates judge."""
-    for name in gated:
-        if name in LOSS_METRICS:
-            continue
-        value = values.get(name)
-        if value is None:
-            have = ", ".join(sorted(values)) or "nothing"
-            return f"the metrics report no {name} (they report {have}): a gate on it cannot judge any model"
-        if not math.isfinite(value):
-            return f"{name} is {value}: the metric module computed no number, so its gates cannot judge the model"
-        if off := [(i, v) for i, v in enumerate(items.get(name, [])) if not 0.0 <= v <= 1.0]:
-            i, v = off[0]
-            return (
-                f"{name} scores {len(off)} items outside [0, 1] (first: item {i}, {v:.4g}): the gates' intervals read "
-                "a score in [0, 1] per item"
-            )
-    return None
-
-
-def item_scores(
-    metrics: dict, answers: list[str], references: list[str], totals: dict[str, float]
-) -> dict[str, list[float]]:
-    """Each item's score under each metric, by the metric module's own computation on that one item.
-
-    Kept only for a key whose item scores average to the value the metric reported over the whole set:
-    a corpus-level metric (BLEU-like) is not a mean over items, so its gates compare points instead.
-    `_compute` is the method every `evaluate` module implements; calling it per item skips the public
-    compute's per-call Arrow cache (17 ms an item, 15 s for 300 items and three models on the demo).
-    """
-    items: dict[str, list[float]] = {}
-    for metric in metrics.values():
-        try:
-            per_item = [metric._compute(predictions=[a], references=[r]) for a, r in zip(answers, references)]
-        except Exception as e:  # a hub metric that cannot score one item alone: its gates compare points
-            jobkit.log(f"{metric.name}: no per-item scores ({type(e).__name__}: {e}); its gates compare points")
-            continue
-        for key in (k for k in (per_item[0] if per_item else {}) if k in totals):
-            values = [float(row[key]) for row in per_item]
-            if math.isclose(sum(values) / len(values), totals[key], abs_tol=1e-9):
-                items[key] = values
-    return items
-
-
-def invalid(cause: str, summary: EvaluateSummary | None = None) -> StageFailure:
-    """A failed self-test: the evaluation cannot judge any model, so it is not a modeling failure."""
-    return StageFailure(FailureClass.infrastructure, f"evaluation invalid: {cause}", summary)
-
-
-def check_references(metrics: dict, references: list[str]) -> None:
-    """Each local metric (scores in [0, 1]) must tell a right answer from a wrong one, or its scores judge no model.
-
-    Right: the references, as answers, score 1 on every item; a post-processing or extraction step that
-    changes a correct answer would score correct models down, and a score above 1 is another scale than the
-    [0, 1] the gates' intervals assume. Wrong: each item answered with the next item's reference (the
-    references rotated by one) must score below 1 wherever that is another text, on at least one item; a
-    metric that gives full credit to every wrong answer (an extraction that finds nothing in either text and
-    compares two empty strings) would pass every model.
-    """
-    totals = score(metrics, references, references)
-    for key, values in item_scores(metrics, references, references, totals).items():
-        if above := [i for i, v in enumerate(values) if v > 1.0 + 1e-9]:
-            raise invalid(
-                f"{key} scores the references as answers {totals[key]:.4g}, above 1 on {len(above)} of {len(values)} "
-                "items: the gates' intervals read a score in [0, 1] per item, 1 for a right answer; scale the metric"
-            )
-        wrong = [i for i, v in enumerate(values) if v < 1.0 - 1e-9]
-        if wrong:
-            first = wrong[0]
-            raise invalid(
-                f"{key} scores the references as answers {totals[key]:.4g}, below 1 on {len(wrong)} of "
-                f"{len(values)} items (first: item {first}, reference {references[first][:80]!r} scores "
-                f"{values[first]:.4g}): the metric's post-processing changes a correct answer"
-            )
-    others = references[1:] + references[:1]
-    differ = [i for i, (other, own) in enumerate(zip(others, references)) if other.strip() != own.strip()]
-    if not differ:
-        return
-    wrong_totals = score(metrics, others, references)
-    items = item_scores(metrics, others, references, wrong_totals)
-    for key, total in wrong_totals.items():
-        per_item = items.get(key)  # None for a corpus-level key: then its total must be below 1
-        if all(per_item[i] >= 1.0 - 1e-9 for i in differ) if per_item is not None else total >= 1.0 - 1e-9:
-            first = differ[0]
-            raise invalid(
-                f"{key} gives full credit to wrong answers: each item answered with the next item's reference "
-                f"scores 1 on all {len(differ)} items where that is another text (first: item {first}, reference "
-                f"{references[first][:80]!r}, answer {others[first][:80]!r}): the metric cannot tell a right "
-                "answer from a wrong one"
-            )
-
-
 def check_template(role: str, tokenizer: PreTrainedTokenizerBase, rendered_with: str | None) -> str | None:
     """The hash of the chat template `role`'s tokenizer lays prompts out with. The eval prompts are the data
     stage's renderings: the candidate's and the base's template must be the one they were rendered with,
@@ -476,6 +394,49 @@ def check_template(role: str, tokenizer: PreTrainedTokenizerBase, rendered_with:
         jobkit.log(f"note: {what}: the incumbent answers prompts laid out for another template")
         return mine
     raise invalid(f"{what}: prepare the data with the tokenizer the model is evaluated with (re-run data)")
+
+
+def check_tokenizer(role: str, tokenizer: PreTrainedTokenizerBase, data: EvalSet, gates: Mapping[str, Gate]) -> bool:
+    """Whether `role`'s tokenizer encodes the eval split's prompts to the ids the split's rows begin with (the data
+    stage's tokenizer's), so that its eval loss may be read over the split's input_ids.
+
+    Compared by what it does, on this split's own prompts, not by a hash of its saved files: those carry where it
+    was loaded from (`is_local` in tokenizer_config.json), so a base named by hub id and an export read from
+    storage hash apart with one vocabulary. The candidate's and the base's must agree: with another vocabulary
+    their loss is over foreign ids and their answers decode other ids (cut off, or an IndexError), and the
+    evaluation is invalid. An incumbent's may differ (trained before a change of base model): it answers the
+    prompts as text with its own, but its eval loss and perplexity are left out (False) rather than reported
+    over foreign ids; a gate comparing one with the incumbent then cannot judge, and the evaluation is invalid."""
+    differs = first_foreign_row(tokenizer, data)
+    if differs is None:
+        return True
+    what = f"the {role}'s tokenizer does not encode the eval split's prompts to the split's ids ({differs})"
+    if role != "incumbent":
+        raise invalid(
+            f"{what}: the split's ids are another tokenizer's, its eval loss over them means nothing, and a model "
+            "trained on them decodes its answers wrongly; prepare the data with the tokenizer the model is evaluated "
+            "with (re-run data)"
+        )
+    if gated := [
+        f"{name}.max_regression" for name, g in gates.items() if name in LOSS_METRICS and g.max_regression is not None
+    ]:
+        raise invalid(
+            f"{what}: its loss over the split's ids means nothing, so gate {', '.join(gated)} cannot compare the "
+            "candidate with it"
+        )
+    jobkit.log(f"note: {what}: its eval loss and perplexity are left out (over another tokenizer's ids)")
+    return False
+
+
+def first_foreign_row(tokenizer: PreTrainedTokenizerBase, data: EvalSet) -> str | None:
+    """Where `tokenizer` first encodes a prompt otherwise than the split's row begins ('row 3, token 1: 87 vs
+    266'); None when every prompt's ids are its row's first ids (a truncated row: as far as it goes)."""
+    encoded = tokenizer(list(data.prompts), add_special_tokens=False)["input_ids"]
+    for row, (mine, stored) in enumerate(zip(encoded, data.input_ids)):
+        for at, (a, b) in enumerate(zip(mine, stored)):
+            if a != b:
+                return f"row {row}, token {at}: {a} vs {b}"
+    return None
 
 
 def save_item_scores(ctx: JobContext, split: str, results: dict[str, ModelEval]) -> str:

@@ -13,16 +13,19 @@ import shutil
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from eval import evaluate_job
-from eval.evaluate_job import check_references, evaluate_body
+from eval.evaluate_job import evaluate_body
 from eval.generation import eval_loss, generate, right_padded
 from eval.metrics_loader import load_metric
+from eval.selftest import check_references, item_scores, score, unscored
 from tests.conftest import TEST_BUCKET, run_job_module
 from tests.reading import present, production_pointer
 from training import jobkit, modeling
+from training.data_prep import tokenizer_sha256
 from training.hf_export import publish_export
 from training.jobkit import JobContext
 from tuneproof.app.tiny_model import CHAT_TEMPLATE, build_tiny_model, conversation_text
@@ -60,13 +63,16 @@ def encode(tokenizer, text: str, answer: str) -> dict:
     }
 
 
-def write_dataset(storage: Storage, rows: list[dict]) -> None:
-    """The eval split as the data stage writes it: checksummed parquet shards, manifest.json last."""
+def write_dataset(storage: Storage, rows: list[dict], tokenizer_sha: str) -> None:
+    """The eval split as the data stage writes it: checksummed parquet shards, manifest.json last, naming the
+    tokenizer that tokenized the rows (tokenizer_sha, data_prep.tokenizer_sha256) and its chat template."""
     from tests.datasets import write_prepared
     from training.data_files import Example
 
-    write_prepared(
-        storage, DATASET, "dates", {"eval": [Example(**row) for row in rows]}, chat_template_sha256=TEMPLATE_SHA
+    examples = {"eval": [Example(**row) for row in rows]}
+    manifest = write_prepared(storage, DATASET, "dates", examples, chat_template_sha256=TEMPLATE_SHA)
+    storage.write_json(
+        manifest.model_copy(update={"tokenizer_sha256": tokenizer_sha}).to_json(), DATASET, "manifest.json"
     )
 
 
@@ -99,7 +105,15 @@ def world(tmp_path_factory):
     tokenizer = AutoTokenizer.from_pretrained(base)
     rows = [encode(tokenizer, p, ANSWER) for p in PROMPTS]
     trained = train_constant_answer(base, rows, root / "trained")
-    return {"root": root, "base": base, "rows": rows, "trained": trained, "tokenizer": tokenizer}
+    tokenizer_sha = tokenizer_sha256(tokenizer)  # the rows' tokenizer, as the data stage hashes it
+    return {
+        "root": root,
+        "base": base,
+        "rows": rows,
+        "trained": trained,
+        "tokenizer": tokenizer,
+        "tokenizer_sha256": tokenizer_sha,
+    }
 
 
 def make_ctx(world, run_id: str, storage_root: str, endpoint: str | None = None, **eval_overrides) -> JobContext:
@@ -129,7 +143,7 @@ def upload_export(storage: Storage, local_dir: Path, run_id: str) -> None:
 @pytest.fixture
 def store(world, tmp_path) -> Storage:
     storage = Storage(str(tmp_path / "store"))
-    write_dataset(storage, world["rows"])
+    write_dataset(storage, world["rows"], world["tokenizer_sha256"])
     return storage
 
 
@@ -277,7 +291,7 @@ def test_a_missing_parameter_is_named(world, store):
 def test_candidate_and_dataset_on_s3(world, s3_endpoint, tmp_path, monkeypatch):
     monkeypatch.setattr(modeling, "CACHE_ROOT", tmp_path / "model-cache")
     storage = Storage(f"s3://{TEST_BUCKET}/evaluate-{uuid.uuid4().hex[:8]}", s3_endpoint)
-    write_dataset(storage, world["rows"])
+    write_dataset(storage, world["rows"], world["tokenizer_sha256"])
     upload_export(storage, world["trained"], "s3run")
     # Five items are all this test needs to read and write through S3; a gate five items can resolve.
     gates = {"exact_match": {"min": 0.3}}
@@ -402,11 +416,158 @@ def test_a_metric_that_gives_full_credit_to_wrong_answers_fails_the_self_test():
         "item's reference scores 1 on all 3 items where that is another text (first: item 0, reference "
         "'2024-01-05', answer '1999-12-14'): the metric cannot tell a right answer from a wrong one"
     )
-    # A set whose references are all one text has no wrong answer to try: nothing to judge, no failure.
-    check_references({"exact_match": FindsNothing()}, [ANSWER, ANSWER])
+    # A set whose references are all one text has no other reference to answer with, but answers wrong by
+    # construction (empty, one character changed) still show it; before, the self-test passed it.
+    with pytest.raises(StageFailure) as one_text:
+        check_references({"exact_match": FindsNothing()}, [ANSWER, ANSWER])
+    assert one_text.value.cause == (
+        "evaluation invalid: exact_match gives full credit to wrong answers: the empty answer scores 1 on 2 of 2 "
+        "items, more than WRONG_CREDIT_SHARE=0.1 of them (first: item 0, reference '2024-01-05', answer ''): the "
+        "metric cannot tell a right answer from a wrong one"
+    )
     # Labels that differ only in case, under accuracy's casefold: full credit where the texts differ, but not
     # on every item (the third label is another class), so the metric still tells answers apart.
     check_references({"accuracy": load_metric("accuracy")}, ["Yes", "yes", "no"])
+
+
+class YearOnly(OffByOne):
+    """exact_match with an extraction bug that compares only a date's year: the rotation's next reference is another
+    date, mostly of the same year, so only its one item of another year scores 0."""
+
+    def _compute(self, predictions, references):
+        hits = sum(p.strip()[:4] == r.strip()[:4] for p, r in zip(predictions, references))
+        return {"exact_match": hits / len(predictions)}
+
+
+class Constant(OffByOne):
+    """A scorer that reads no text: every answer scores 1."""
+
+    def _compute(self, predictions, references):
+        return {"exact_match": 1.0}
+
+
+def test_wrong_answers_by_construction_find_a_metric_the_rotation_misses():
+    """Empty answers and references with one character changed are wrong under any metric that reads the text;
+    before, the year-only metric (rotation: 4 of 5 items full credit) and a constant on one-text references passed."""
+    dates = ["2024-01-05", "2024-03-17", "2024-07-30", "2024-11-02", "2023-12-31"]
+    with pytest.raises(StageFailure) as info:
+        check_references({"exact_match": YearOnly()}, dates)
+    assert info.value.failure_class is FailureClass.infrastructure
+    assert info.value.cause == (
+        "evaluation invalid: exact_match gives full credit to wrong answers: each reference with 'x' appended to its "
+        "first line scores 1 on 5 of 5 items, more than WRONG_CREDIT_SHARE=0.1 of them (first: item 0, reference "
+        "'2024-01-05', answer '2024-01-05x'): the metric cannot tell a right answer from a wrong one"
+    )
+    with pytest.raises(StageFailure, match="the empty answer scores 1 on 30 of 30 items"):
+        check_references({"exact_match": Constant()}, [ANSWER] * 30)
+
+
+def test_the_shipped_metrics_give_no_wrong_answer_full_credit():
+    """rouge_l is an F1 over tokens: one character changed in one token of several scores high but below 1, which
+    is not full credit; accuracy reads an answer's first line, which both one-character changes alter."""
+    metrics = {name: load_metric(name) for name in ("exact_match", "rouge_l", "accuracy")}
+    references = [ANSWER, "a b", "Paris is the capital", "Yes\nbecause it is", "x marks", "(a) first", "- 5"]
+    check_references(metrics, references)
+    rouge = metrics["rouge_l"]
+    assert 0.5 < rouge.compute(predictions=["Paris is the capitalx"], references=[references[2]])["rouge_l"] < 1.0
+    for suite in sorted(Path("data/skills/suites").glob("*.jsonl")):  # the bundled suites, scored by exact_match
+        outputs = [json.loads(line)["output"] for line in suite.read_text().splitlines() if line.strip()]
+        check_references({"exact_match": metrics["exact_match"]}, outputs)
+
+
+class PercentCorpus(OffByOne):
+    """exact_match on a 0-100 scale that will not score an item alone (a corpus statistic)."""
+
+    def _compute(self, predictions, references):
+        if len(predictions) < 2:
+            raise ValueError("needs two items or more")
+        return {"exact_match": 100.0 * sum(p == r for p, r in zip(predictions, references)) / len(predictions)}
+
+
+class ReturnInLoop(OffByOne):
+    """exact_match with its return indented into the loop: the value is the first item's hit over n."""
+
+    def _compute(self, predictions, references):
+        for p, r in zip(predictions, references):
+            return {"exact_match": float(p == r) / len(predictions)}
+        return {"exact_match": 0.0}
+
+
+class DistinctDenominator(OffByOne):
+    """exact_match divided by the number of distinct references instead of items."""
+
+    def _compute(self, predictions, references):
+        return {"exact_match": sum(p == r for p, r in zip(predictions, references)) / len(set(references))}
+
+
+@pytest.mark.parametrize(
+    "metric, says",
+    [
+        (PercentCorpus(), "exact_match cannot score an item alone (ValueError: needs two items or more)"),
+        (ReturnInLoop(), "exact_match's item scores average 1, but exact_match reports 0.3333 over the same 3 items"),
+        (
+            DistinctDenominator(),
+            "exact_match's item scores average 1, but exact_match reports 1.5 over the same 3 items",
+        ),
+    ],
+)
+def test_a_local_metric_whose_item_scores_are_not_its_value_fails_the_self_test(metric, says):
+    """Before, such a metric lost its item scores without a word and its gates compared the bare total (50 for a
+    half-right candidate passed exact_match >= 0.8)."""
+    with pytest.raises(StageFailure) as info:
+        check_references({"exact_match": metric}, [ANSWER, ANSWER, "1999-12-14"])
+    assert info.value.failure_class is FailureClass.infrastructure
+    assert info.value.cause.startswith(f"evaluation invalid: the references as answers: {says}: ")
+
+
+def test_item_scores_a_local_metric_cannot_pair_are_invalid_and_a_hub_metrics_compare_points():
+    answers, references = [ANSWER, "1999-12-14", ANSWER], [ANSWER] * 3
+    totals = score({"exact_match": ReturnInLoop()}, answers, references)
+    with pytest.raises(StageFailure) as info:
+        item_scores({"exact_match": ReturnInLoop()}, answers, references, totals, "candidate on the eval split")
+    assert info.value.cause == (
+        "evaluation invalid: candidate on the eval split: exact_match's item scores average 0.6667, but exact_match "
+        "reports 0.3333 over the same 3 items: a local metric's value must be the mean of its items' scores, which "
+        "its gates are decided on"
+    )
+    # A hub metric may be corpus-level (BLEU-like): no item scores, and its gates compare points, as before.
+    for hub_metric in (ReturnInLoop(), PercentCorpus()):
+        assert item_scores({"bleu": hub_metric}, answers, references, totals, "candidate", hub=["bleu"]) == {}
+    # A fraction's total on another scale is no number its gates can read, items or not.
+    assert unscored({"exact_match": 50.0}, {}, ["exact_match"]) == (
+        "exact_match is 50, outside [0, 1]: a fraction on another scale, which no gate on it can read"
+    )
+
+
+class NumpyMean(OffByOne):
+    """exact_match as np.mean gives it: a numpy scalar, not a Python float."""
+
+    def _compute(self, predictions, references):
+        return {"exact_match": np.mean([p == r for p, r in zip(predictions, references)], dtype=np.float32)}
+
+
+def test_a_numpy_scalar_is_a_number():
+    """Before, np.float32 was skipped and the gate read 'the metrics report no exact_match'."""
+    assert score({"exact_match": NumpyMean()}, [ANSWER, "1999-12-14"], [ANSWER, ANSWER]) == {"exact_match": 0.5}
+
+
+@pytest.mark.parametrize(
+    "metric, says",
+    [
+        (PercentCorpus(), "the references as answers: exact_match cannot score an item alone (ValueError: "),
+        (Constant(), "exact_match gives full credit to wrong answers: the empty answer scores 1 on 30 of 30 items"),
+    ],
+)
+def test_a_broken_scorer_ends_evaluate_as_invalid_not_as_a_verdict(world, store, monkeypatch, metric, says):
+    """Before, the percentage passed its gates on the bare total (50 >= 0.8), and the constant passed the self-test
+    and failed the candidate as a modeling failure (its improvement over a base that 'scored' 1)."""
+    upload_export(store, world["trained"], "broken")
+    monkeypatch.setattr(evaluate_job, "load_metric", lambda name, hub: metric)
+    with pytest.raises(StageFailure) as info:
+        evaluate_body(make_ctx(world, "broken", store.root, metrics=["exact_match"]))
+    assert info.value.failure_class is FailureClass.infrastructure
+    assert info.value.cause.startswith(f"evaluation invalid: {says}")
+    assert not store.exists("runs/broken/stages/evaluate/predictions.jsonl")  # no model answered
 
 
 def test_too_small_max_new_tokens_is_an_invalid_evaluation_not_a_gate_failure(world, store):
@@ -506,6 +667,82 @@ def test_a_chat_template_changed_after_data_prep_makes_the_evaluation_invalid(wo
         "prepare the data with the tokenizer the model is evaluated with (re-run data)"
     )
     print(info.value.cause)
+
+
+def without_merges(model_dir: Path, out: Path) -> Path:
+    """A copy of the model whose tokenizer has no BPE merges: the same vocabulary and chat template, but "user"
+    and "assistant" encode byte by byte, so every prompt's ids are another tokenizer's (all within the model's)."""
+    shutil.copytree(model_dir, out)
+    path = out / "tokenizer.json"
+    spec = json.loads(path.read_text())
+    spec["model"]["merges"] = []
+    path.write_text(json.dumps(spec))
+    return out
+
+
+def test_a_candidate_tokenizer_other_than_the_datasets_makes_the_evaluation_invalid(world, store, tmp_path):
+    """The eval split's input_ids are the data stage's tokenizer's. Before, nothing compared them with the model's:
+    a candidate with another tokenizer (same template) was judged on its answers and a loss over ids that are not
+    its own. Compared by what it does, not by a hash of its files, which name where it was loaded from."""
+    upload_export(store, without_merges(world["trained"], tmp_path / "retokenized"), "retok")
+    with pytest.raises(StageFailure) as info:
+        evaluate_body(make_ctx(world, "retok", store.root))
+    assert info.value.failure_class is FailureClass.infrastructure
+    cause = info.value.cause or ""
+    assert cause.startswith(
+        "evaluation invalid: the candidate's tokenizer does not encode the eval split's prompts to the split's ids "
+        "(row 0, token 1: "  # "user": byte by byte without merges, one token with them
+    )
+    assert cause.endswith(
+        "): the split's ids are another tokenizer's, its eval loss over them means nothing, and a model trained on "
+        "them decodes its answers wrongly; prepare the data with the tokenizer the model is evaluated with (re-run data)"
+    )
+
+
+def test_a_tokenizer_saved_from_elsewhere_with_the_same_vocabulary_is_the_same_tokenizer(world, store, tmp_path):
+    # A hash of the saved files moves with where the tokenizer was loaded from (tokenizer_config.json's is_local): a
+    # base named by hub id and the export read from storage would hash apart, and every evaluation be invalid.
+    moved = tmp_path / "moved"
+    shutil.copytree(world["trained"], moved)
+    config = json.loads((moved / "tokenizer_config.json").read_text())
+    (moved / "tokenizer_config.json").write_text(json.dumps({**config, "is_local": not config.get("is_local")}))
+    upload_export(store, moved, "moved")
+    summary = evaluate_body(make_ctx(world, "moved", store.root, max_examples=5, gates={"exact_match": {"min": 0.3}}))
+    assert "eval_loss" in present(summary.models["candidate"]).metrics
+
+
+def test_an_incumbent_with_another_tokenizer_is_judged_on_its_answers_with_no_loss_over_foreign_ids(
+    world, store, tmp_path
+):
+    """An incumbent may predate a change of tokenizer: its answers are text and still compare, item by item; its eval
+    loss over the split's ids would be another tokenizer's, so it is left out, and a gate that compares losses
+    with the incumbent cannot judge (invalid, not a verdict)."""
+    upload_export(store, without_merges(world["trained"], tmp_path / "older"), "older")
+    card = registry.CardFacts(name="dates-qwen2-tiny", run_id="older")
+    registry.promote(store, "dates-qwen2-tiny", "older", "runs/older/model", card, expected_token=None)
+    pointer = production_pointer(store, "dates-qwen2-tiny")
+    upload_export(store, world["trained"], "newer")
+
+    def ctx_with(gates: dict) -> JobContext:
+        # Byte by byte the incumbent does not end its answers: counted, not held to the cut-off cap here.
+        ctx = make_ctx(world, "newer", store.root, max_examples=5, gates=gates, max_truncated_fraction=1.0)
+        ctx.params["incumbent"] = {"version": pointer.version, "path": pointer.path}
+        return ctx
+
+    summary = evaluate_body(ctx_with({"exact_match": {"min": 0.3}}))
+    incumbent, candidate = present(summary.models["incumbent"]), present(summary.models["candidate"])
+    assert "exact_match" in incumbent.metrics  # its answers are scored
+    assert "eval_loss" not in incumbent.metrics and "perplexity" not in incumbent.metrics
+    assert "eval_loss" in candidate.metrics
+    loss_gate = {"eval_loss": {"max_regression": 0.5, "higher_is_better": False}}
+    with pytest.raises(StageFailure) as info:
+        evaluate_body(ctx_with({"exact_match": {"min": 0.3}, **loss_gate}))
+    assert info.value.failure_class is FailureClass.infrastructure
+    assert info.value.cause.startswith("evaluation invalid: the incumbent's tokenizer does not encode the eval split")
+    assert info.value.cause.endswith(
+        "its loss over the split's ids means nothing, so gate eval_loss.max_regression cannot compare the candidate "
+        "with it"
+    )
 
 
 def test_the_base_reproduces_its_answers_and_planted_sampling_is_not_reproducible(world, store, monkeypatch, capsys):
