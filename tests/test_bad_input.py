@@ -801,7 +801,10 @@ def data_ran(tmp: Path, a: str, b: str) -> list[str]:
 
 # ---- logs and pointers: read what they hold -------------------------------------------------------------------------
 
-EFA_LINE = "NCCL INFO NET/OFI Selected provider is efa, fabric is efa-direct\n"
+EFA_LINE = (  # the plugin's choice, and a channel that ran over it: the choice alone is no traffic
+    "NCCL INFO NET/OFI Selected provider is efa, fabric is efa-direct\n"
+    "NCCL INFO Channel 00/0 : 0[0] -> 1[0] [send] via NET/Libfabric/0/GDRDMA\n"
+)
 
 
 def dangling_pointer(tmp: Path) -> list[str]:

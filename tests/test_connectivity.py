@@ -12,6 +12,7 @@ from training.connectivity import (
     check_ranks,
     check_transport,
     own_nccl_lines,
+    summarize,
     transport_verdict,
 )
 from tuneproof.core.results import StageFailure
@@ -50,11 +51,47 @@ def test_transport_verdict_worst_rank_wins_and_fails_efa():
             "rank-0": ["h:1:1 [0] NCCL INFO NET/OFI Selected provider is efa, fabric is efa (found 1 nics)"],
             "rank-1": ["h:2:2 [0] NCCL INFO NET/Socket : Using [0]eth0:10.0.0.1<0>"],
         },
+        {"10.0.0.1", "10.0.0.2"},
     )
     assert verdict["kind"] == "socket-fallback"
     with pytest.raises(StageFailure, match=r"transport is socket-fallback, expected efa: rank-1: .*NET/Socket"):
         check_transport(with_transport(verdict), "efa")
-    check_transport(with_transport(transport_verdict("gloo", {})), "gloo")
+    check_transport(with_transport(transport_verdict("gloo", {}, set())), "gloo")
+
+
+def single_node_report(rank: int, channel: str) -> dict:
+    """A finished rank of 4 on node 10.0.2.20, aws-ofi-nccl loaded and efa selected, one channel `channel`."""
+    host = f"ip-10-0-2-20:41{rank}:41{rank} [{rank}] NCCL INFO"
+    lines = [
+        f"{host} NET/OFI Selected provider is efa, fabric is efa (found 4 nics)",
+        f"{host} Using network Libfabric",
+        f"{host} comm 0x55d1 rank {rank} nRanks 4 nNodes 1 localRanks 4 localRank {rank} MNNVL 0",
+        f"{host} Channel 00/0 : {rank}[{rank}] -> {(rank + 1) % 4}[{(rank + 1) % 4}] via {channel}",
+    ]
+    return {
+        **{"rank": rank, "node_ip": "10.0.2.20", "pid": 4100 + rank, "started": "t", "joined": "t", "finished": "t"},
+        **{"allreduce": [{"size_bytes": 1 << 20, "time_ms": 0.1}], "fsdp_losses": [10.0], "nccl_lines": lines},
+    }
+
+
+@pytest.mark.parametrize("channel", ["P2P/CUMEM/read", "NET/Libfabric/0/GDRDMA"])
+def test_a_single_node_run_never_passes_expect_efa(channel):
+    # It passed: the plugin's provider choice counted as the transport though all 4 ranks shared one node.
+    reports: dict[int, dict | None] = {rank: single_node_report(rank, channel) for rank in range(4)}
+    summary = summarize("nccl", 4, reports)
+    assert summary.transport.kind == "inconclusive"
+    with pytest.raises(StageFailure, match=r"transport is inconclusive, expected efa"):
+        check_transport(summary, "efa")
+
+
+def test_efa_channels_on_two_nodes_pass_expect_efa():
+    line = "h:1:1 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[0] [send] via NET/Libfabric/0/GDRDMA"
+    verdict = transport_verdict("nccl", {"rank-0": [line], "rank-1": [line]}, {"10.0.2.20", "10.0.2.21"})
+    assert verdict["kind"] == "efa"
+    check_transport(with_transport(verdict), "efa")
+    one_node = transport_verdict("nccl", {"rank-0": [line], "rank-1": [line]}, {"10.0.2.20"})
+    assert one_node["kind"] == "inconclusive"
+    assert one_node["evidence"][0] == "every rank ran on one node (10.0.2.20): no traffic crossed the network"
 
 
 def with_transport(verdict: dict) -> ConnectivitySummary:

@@ -137,6 +137,16 @@ def test_the_canary_manifest_is_a_valid_raycluster_running_only_the_candidate():
     assert expected_pods(body) == 3
 
 
+def test_an_autoscaling_canary_waits_for_the_pods_it_wants_now_not_its_maximum():
+    # expected_pods counted maxReplicas under autoscaling: a canary of such a cluster waited for pods that the
+    # autoscaler never starts until work asks for them.
+    body = canary_manifest(manifest(), CANDIDATE, canary_name("20261201-140000-abc123"), "tuneproof")
+    body["spec"]["enableInTreeAutoscaling"] = True
+    for group in body["spec"]["workerGroupSpecs"]:
+        group.update(minReplicas=1, replicas=1, maxReplicas=50)
+    assert expected_pods(body) == 1 + len(body["spec"]["workerGroupSpecs"])
+
+
 def test_canary_names_are_dns_labels_with_room_for_kuberays_suffixes():
     name = canary_name("A_Very/Long-ID-" + "x" * 80)
     assert name.startswith(CANARY_CLUSTER_PREFIX) and len(name) <= 40

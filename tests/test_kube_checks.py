@@ -16,7 +16,7 @@ import yaml
 
 from tuneproof.app.cli_eks import verify_from_files_command
 from tuneproof.control.kube import load_objects_from_dir
-from tuneproof.control.kube_checks import check_cluster, normalize_ray_nodes, operator_version, summarize
+from tuneproof.control.kube_checks import as_count, check_cluster, normalize_ray_nodes, operator_version, summarize
 from tuneproof.core.config import PROJECT_ROOT, load_config
 from tuneproof.core.findings import errors
 
@@ -290,3 +290,78 @@ def test_verify_from_files_warns_when_the_saved_nodes_cannot_place_the_workers(c
     assert "can place 8 workers of 1 CPU and 1 GPU each; unless an autoscaler adds nodes" in found[0]["message"]
     assert verify_from_files_command(str(FIXTURE), str(EKS), ["train.num_workers=8"], as_json=True) == 0
     assert "train.num_workers" not in capsys.readouterr().out
+
+
+def crash_loop(status: dict, last_exit: str) -> None:
+    status["containerStatuses"][0].update(
+        ready=False,
+        started=False,
+        restartCount=7,
+        state={"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 5m0s restarting failed container"}},
+        lastState={"terminated": {"exitCode": 1, "reason": last_exit}},
+    )
+
+
+def test_a_crash_looping_ray_container_fails_though_its_pod_is_running(saved):
+    # It passed: the pod's phase stays Running while its Ray container restarts, and only the phase was read.
+    edit(saved / "pods.json", lambda pods: crash_loop(pod(pods, "tuneproof-gpu-worker-4qj8n")["status"], "Error"))
+    (saved / "ray-nodes.json").unlink()
+    finding = only(check(saved), subject="pod tuneproof-gpu-worker-4qj8n")
+    assert finding.field == "status.containerStatuses[ray-worker].state"
+    assert (finding.seen, finding.expected) == ("waiting: CrashLoopBackOff", "running")
+    assert "restarts 7, last exit Error" in finding.message
+
+
+def test_a_ray_container_that_is_not_ready_fails(saved):
+    edit(
+        saved / "pods.json",
+        lambda pods: pod(pods, "tuneproof-gpu-worker-9tlwz")["status"]["containerStatuses"][0].update(ready=False),
+    )
+    finding = only(check(saved), subject="pod tuneproof-gpu-worker-9tlwz")
+    assert (finding.field, finding.seen, finding.expected) == (
+        "status.containerStatuses[ray-worker].ready",
+        False,
+        True,
+    )
+
+
+def test_head_pod_not_ready_fails_though_the_state_is_ready(saved):
+    # KubeRay keeps state 'ready' once reached; HeadPodReady falls when the head crash-loops.
+    def head_down(rc):
+        next(c for c in rc["status"]["conditions"] if c["type"] == "HeadPodReady").update(
+            status="False", reason="HeadPodNotReady"
+        )
+
+    edit(saved / "raycluster.json", head_down)
+    edit(saved / "pods.json", lambda pods: crash_loop(pod(pods, "tuneproof-head-7xk2p")["status"], "OOMKilled"))
+    findings = check(saved)
+    head_ready = only(findings, field="status.conditions[HeadPodReady]")
+    assert (head_ready.subject, head_ready.seen, head_ready.message) == (
+        "RayCluster tuneproof/tuneproof",
+        "False",
+        "HeadPodNotReady",
+    )
+    assert "last exit OOMKilled" in only(findings, subject="pod tuneproof-head-7xk2p").message
+
+
+def test_an_autoscaling_cluster_below_max_replicas_is_not_short_of_pods(saved):
+    # It failed as infrastructure: under autoscaling, verify wanted maxReplicas pods running.
+    def autoscale(rc):
+        rc["spec"]["enableInTreeAutoscaling"] = True
+        rc["spec"]["workerGroupSpecs"][0].update(minReplicas=0, maxReplicas=4, replicas=2)
+
+    edit(saved / "raycluster.json", autoscale)
+    assert errors(check(saved)) == []
+    edit(saved / "raycluster.json", lambda rc: rc["spec"]["workerGroupSpecs"][0].update(replicas=3))
+    running = only(check(saved), field="workerGroupSpecs[gpu] running pods")
+    assert (running.seen, running.expected) == (2, 3)
+
+
+@pytest.mark.parametrize(
+    ("raw", "count"),
+    [("4", 4), ("4.0", 4), ("4k", 4000), ("1Ki", 1024), ("2e3", 2000), ("1.5Gi", 1610612736)]
+    + [("500m", None), ("four", None), ("4K", None), ("1e400", None), ("nan", None), ("1e999999999", None)],
+)
+def test_counts_are_read_as_kubernetes_quantities(raw, count):
+    # float('4k') failed, so a GPU limit of 4k read as no limit at all (0).
+    assert as_count(raw) == count

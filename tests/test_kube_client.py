@@ -41,11 +41,15 @@ class FakeApi:
         self.slices: list[dict] | None = []  # None: the resource.k8s.io API is not served (404)
         self.operator = saved["operator"]
         self.status: dict[str, int] = {}  # path -> forced HTTP status
+        self.body: dict[str, object] = {}  # path -> a 200 answer served as it is (a proxy's page)
+        self.dropped: set[str] = set()  # paths whose connection closes without an answer
         self.requests: list[tuple[str, dict, str | None]] = []
 
     def answer(self, path: str, query: dict) -> tuple[int, dict]:
         if path in self.status:
             return self.status[path], _status(self.status[path], path)
+        if path in self.body:
+            return 200, self.body[path]  # type: ignore[return-value]
         routes = {
             "/apis/ray.io/v1/namespaces/tuneproof/rayclusters/tuneproof": lambda: self.raycluster,
             "/api/v1/namespaces/tuneproof/pods": lambda: _list("PodList", _select(self.pods, query)),
@@ -114,6 +118,9 @@ def serve(fake: FakeApi, tmp_path: Path):
             length = int(self.headers.get("Content-Length") or 0)
             sent = json.loads(self.rfile.read(length) or b"null") if length else None
             fake.requests.append((url.path, query, self.headers.get("Authorization")))
+            if url.path in fake.dropped:
+                self.close_connection = True
+                return
             if self.headers.get("Authorization") != f"Bearer {TOKEN}":
                 code, body = 401, _status(401, url.path)
             elif method == "GET":
@@ -245,3 +252,24 @@ def test_missing_kubeconfig_names_the_path(tmp_path):
     with pytest.raises(StageFailure, match="no Kubernetes credentials") as caught:
         fetch_cluster_objects(kcfg(tmp_path / "absent-kubeconfig"))
     assert "absent-kubeconfig" in caught.value.cause
+
+
+def test_a_dropped_connection_on_an_optional_read_leaves_it_unknown(api):
+    # It raised urllib3's MaxRetryError out of the stage: only refusals (403/404) were expected there.
+    fake, kubeconfig = api
+    fake.dropped = {"/apis/resource.k8s.io/v1/resourceslices", "/apis/apps/v1/deployments"}
+    objects = fetch_cluster_objects(kcfg(kubeconfig))
+    assert objects["resourceslices"] is None and objects["operator"] is None
+    assert len(objects["nodes"]) == 3
+    note = next(f for f in check_cluster(objects, eks()) if f.severity == "info")
+    assert (note.seen, note.message) == ("unknown", "from no annotation and no readable operator Deployment")
+
+
+@pytest.mark.parametrize("body", ["<html>502 Bad Gateway</html>", ["a", "list"], {"items": "none"}])
+def test_an_answer_that_is_not_an_object_is_an_infrastructure_failure(api, body):
+    # It raised AttributeError ('str' object has no attribute 'get') from a required read.
+    fake, kubeconfig = api
+    fake.body["/api/v1/nodes"] = body
+    with pytest.raises(StageFailure, match=r"Kubernetes API answered reading nodes with") as caught:
+        fetch_cluster_objects(kcfg(kubeconfig))
+    assert caught.value.failure_class is FailureClass.infrastructure

@@ -217,6 +217,13 @@ def test_efa_and_pinned_nccl_net_are_required_when_expected(deploy):
     assert not errors(lint_paths([str(deploy)], eks("cluster.expect.efa=false", "connectivity.expect_transport=any")))
 
 
+def test_a_gpu_limit_with_a_quantity_suffix_is_read_as_its_value(deploy):
+    # It read as limit 0: the suffix made the count unreadable.
+    edit_rc(deploy, lambda rc: worker_container(rc)["resources"]["limits"].update({"nvidia.com/gpu": "4k"}))
+    finding = only(lint_paths([str(deploy)], None), field="spec.workerGroupSpecs[gpu].rayStartParams.num-gpus")
+    assert (finding.seen, finding.expected) == ("4", "4000")
+
+
 def test_gpus_per_worker_expectation(deploy):
     finding = only(lint_paths([str(deploy)], eks("cluster.expect.gpus_per_worker=8")), field="[nvidia.com/gpu]")
     assert (finding.seen, finding.expected) == (4, 8)
@@ -312,6 +319,72 @@ def test_strict_crd_conversion():
     assert strict["properties"]["a"]["type"] == ["string", "null"]
     assert "additionalProperties" not in strict["properties"]["open"]
     assert strict["properties"]["map"]["additionalProperties"] == {"type": "string"}
+
+
+def test_strict_crd_conversion_carries_what_the_api_server_adds_to_json_schema():
+    defaulted = {"type": "integer", "default": 2147483647}  # the API server defaults it before validating
+    crd: dict = {
+        "type": "object",
+        "required": ["name", "max"],
+        "properties": {
+            "name": {"type": "string"},
+            "max": defaulted,
+            "managedBy": {
+                "type": "string",
+                "x-kubernetes-validations": [
+                    {"rule": "self == oldSelf", "message": "immutable"},
+                    {"rule": "self in ['ray.io/kuberay-operator', 'kueue.x-k8s.io/multikueue']", "message": "..."},
+                ],
+            },
+        },
+    }
+    strict = _strict(crd)
+    assert strict["required"] == ["name"]
+    assert strict["properties"]["managedBy"]["enum"] == ["ray.io/kuberay-operator", "kueue.x-k8s.io/multikueue"]
+    assert "required" not in _strict({"type": "object", "required": ["max"], "properties": {"max": defaulted}})
+
+
+def test_the_committed_crd_schema_is_what_build_makes_of_the_kuberay_crd():
+    import json
+
+    from tuneproof.app.schemas.build import build_raycluster
+
+    crd = Path("/work/shared/kuberay/ray.io_rayclusters.yaml")
+    if not crd.exists():
+        pytest.skip("the KubeRay CRD checkout /work/shared/kuberay is absent")
+    committed = json.loads((PROJECT_ROOT / "tuneproof" / "app" / "schemas" / "raycluster-v1.json").read_text())
+    assert committed == build_raycluster(crd)
+
+
+def test_a_managed_by_the_crd_refuses_is_an_error(deploy):
+    # It passed: the CRD's CEL rule (self in [...]) was kept as a marker JSON Schema ignores.
+    edit_rc(deploy, lambda rc: rc["spec"].update({"managedBy": "example.com/other-controller"}))
+    finding = only(lint_paths([str(deploy)], None), field="spec.managedBy")
+    assert finding.seen == "example.com/other-controller"
+    edit_rc(deploy, lambda rc: rc["spec"].update({"managedBy": "kueue.x-k8s.io/multikueue"}))
+    assert not errors(lint_paths([str(deploy)], None))
+
+
+def test_a_worker_group_may_leave_min_and_max_replicas_to_the_crds_defaults(deploy):
+    # It was refused as 'required', though the API server defaults both (0 and 2147483647) before validating.
+    edit_rc(deploy, lambda rc: [worker(rc).pop(k) for k in ("minReplicas", "maxReplicas")])
+    assert not errors(lint_paths([str(deploy)], eks()))
+
+
+def test_a_key_repeated_in_a_list_type_map_is_an_error(deploy):
+    # It passed: x-kubernetes-list-type map is a marker JSON Schema ignores, and the API server refuses the object.
+    def repeat(rc):
+        worker_container(rc)["env"].append({"name": "NCCL_SOCKET_IFNAME", "value": "ens5"})
+        head = rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+        head["ports"].append({"containerPort": head["ports"][0]["containerPort"], "name": "again"})
+
+    edit_rc(deploy, repeat)
+    findings = lint_paths([str(deploy)], None)
+    env = only(findings, field="spec.workerGroupSpecs[0].template.spec.containers[0].env[")
+    assert (env.seen, env.expected) == ({"name": "NCCL_SOCKET_IFNAME"}, "entries with unique name")
+    port = only(findings, field="spec.headGroupSpec.template.spec.containers[0].ports[")
+    assert port.seen == {"containerPort": 6379, "protocol": "TCP"}  # protocol: the CRD's default
+    assert "Duplicate value" in port.message
 
 
 # ---------------------------------------------------------------- the Prefect template and RBAC

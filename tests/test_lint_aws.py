@@ -80,10 +80,24 @@ def test_the_canary_needs_gpu_capacity_the_standing_cluster_does_not_hold(deploy
     edit_yaml(deploy / "cluster.yaml", lambda c: c["managedNodeGroups"].pop(2))  # no gpu-canary group
     found = lint_errors(deploy)
     assert [f.seen for f in found] == [
-        "no room for the image canary's copy of tuneproof spec.workerGroupSpecs[gpu] pod 1",
-        "no room for the image canary's copy of tuneproof spec.workerGroupSpecs[gpu] pod 2",
+        "0 of 2 pods of the image canary's copy of tuneproof spec.workerGroupSpecs[gpu] fit"
     ]
     assert found[0].field == "managedNodeGroups (none selected)"
+
+
+def test_an_autoscaling_group_is_fitted_by_count_not_pod_by_pod(deploy):
+    # It built one entry per pod: at KubeRay's default maxReplicas (2**31 - 1), a MemoryError (or 199,996 findings).
+    def autoscale(doc: dict) -> None:
+        if doc.get("kind") == "RayCluster":
+            doc["spec"]["enableInTreeAutoscaling"] = True
+            doc["spec"]["workerGroupSpecs"][0].update(minReplicas=0, maxReplicas=100_000)
+
+    edit_yaml(deploy / "raycluster.yaml", autoscale)
+    found = [f for f in lint_errors(deploy) if f.field.startswith("managedNodeGroups")]
+    assert [f.seen for f in found] == [
+        "2 of 100000 pods of tuneproof spec.workerGroupSpecs[gpu] fit",
+        "2 of 100000 pods of the image canary's copy of tuneproof spec.workerGroupSpecs[gpu] fit",
+    ]
 
 
 def test_the_canary_copy_runs_its_workers_on_their_own_node_group():

@@ -162,7 +162,10 @@ def test_local_up_creates_every_pool_prefect_yaml_names():
     assert all((PROJECT_ROOT / template).is_file() for _, _, template in POOLS if template)
 
 
-EFA_LOG = "ip-10-0-1-11:1:1 [0] NCCL INFO NET/OFI Selected provider is efa, fabric is efa-direct\n"
+EFA_LOG = (
+    "ip-10-0-1-11:1:1 [0] NCCL INFO NET/OFI Selected provider is efa, fabric is efa-direct\n"
+    "ip-10-0-1-11:1:1 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[0] [send] via NET/Libfabric/0/GDRDMA\n"
+)
 
 
 def test_cheap_commands_run_as_written(tmp_path, monkeypatch):

@@ -58,14 +58,47 @@ ip-10-0-1-5:4121:4180 [0] NCCL INFO Connected all rings, use ring PXN 0 GDR 0
 def test_efa_selected_provider_and_libfabric_channels():
     verdict = classify_text(EFA_LOG)
     assert verdict["kind"] == "efa"
+    assert "via NET/Libfabric" in verdict["evidence"][0]  # the deciding line first
     assert any("Selected provider is efa" in line for line in verdict["evidence"])
     assert any("via NET/Libfabric" in line for line in verdict["evidence"])
     assert not any("Bootstrap" in line for line in verdict["evidence"])
 
 
 def test_efa_older_plugin_wording():
-    assert classify(["x:1:1 [0] NCCL INFO NET/OFI Selected Provider is efa (found 4 nics)"])["kind"] == "efa"
     assert classify(["x:1:1 [0] NCCL INFO Channel 00 : 0[0] -> 1[0] [send] via NET/AWS Libfabric/0"])["kind"] == "efa"
+    assert classify(["x:1:1 [0] NCCL INFO Channel 00 : 0[0] -> 1[0] [send] via NET/OFI/0"])["kind"] == "efa"
+
+
+# A single-node run with aws-ofi-nccl loaded: the plugin picks efa, every channel is P2P.
+SINGLE_NODE_LOG = (
+    BANNER
+    + """\
+ip-10-0-1-5:4121:4180 [0] NCCL INFO NET/OFI Initializing aws-ofi-nccl 1.20.0
+ip-10-0-1-5:4121:4180 [0] NCCL INFO NET/OFI Selected provider is efa, fabric is efa (found 4 nics)
+ip-10-0-1-5:4121:4180 [0] NCCL INFO Using network Libfabric
+ip-10-0-1-5:4121:4180 [0] NCCL INFO comm 0x55d1 rank 0 nRanks 4 nNodes 1 localRanks 4 localRank 0 MNNVL 0
+ip-10-0-1-5:4121:4180 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read
+"""
+)
+
+
+def test_the_plugin_choosing_efa_is_not_efa_traffic():
+    # It read efa and passed --expect efa: 'Selected provider is efa' is logged on a single node too.
+    verdict = classify_text(SINGLE_NODE_LOG)
+    assert verdict["kind"] == "inconclusive"
+    assert "no channel ran over NET/Libfabric or NET/OFI" in verdict["evidence"][0]
+    assert any("Selected provider is efa" in line for line in verdict["evidence"])
+    assert classify(["x:1:1 [0] NCCL INFO NET/OFI Selected Provider is efa (found 4 nics)"])["kind"] == "inconclusive"
+    assert verdict_for_files({"single-node.log": SINGLE_NODE_LOG}, expect="efa")["ok"] is False
+
+
+def test_net_channels_within_one_node_are_not_efa_traffic():
+    # NCCL_P2P_DISABLE/NCCL_SHM_DISABLE route a single node's channels through the plugin: nothing left the node.
+    log = SINGLE_NODE_LOG.replace("via P2P/CUMEM/read", "[send] via NET/Libfabric/0/GDRDMA")
+    verdict = classify_text(log)
+    assert verdict["kind"] == "inconclusive"
+    assert verdict["evidence"][0] == "NET channels, but every communicator has nNodes 1: nothing left the node"
+    assert classify_text(EFA_LOG)["kind"] == "efa"  # nNodes 2
 
 
 def test_socket_fallback_after_ofi_failure():
@@ -151,3 +184,37 @@ def test_a_gzipped_log_that_expands_past_the_limit_is_refused_not_judged_on_its_
     assert "efa" in transport.decode_log(gzip.compress(line * 30))  # 990 bytes: read whole
     with pytest.raises(ValueError, match="expands past 1,000 bytes, more than a log is read to"):
         transport.decode_log(gzip.compress(line * 31))
+
+
+def test_every_member_of_a_concatenated_gzip_is_read():
+    # `cat a.gz b.gz` is one file to zcat: the fallback in the second member was not read, and the log read efa.
+    import gzip
+
+    from tuneproof.core.transport import decode_log
+
+    text = decode_log(gzip.compress(EFA_LOG.encode()) + gzip.compress(SOCKET_LOG.encode()))
+    assert text == EFA_LOG + SOCKET_LOG
+    assert classify_text(text)["kind"] == "socket-fallback"
+    assert decode_log(gzip.compress(EFA_LOG.encode()) + b"\x00" * 8) == EFA_LOG  # zero padding after the last
+
+
+def test_a_truncated_gzip_is_refused_not_judged_on_what_arrived():
+    import gzip
+
+    from tuneproof.core.transport import decode_log
+
+    whole = gzip.compress((EFA_LOG + SOCKET_LOG).encode())
+    with pytest.raises(ValueError, match="gzip stream ends before its end marker"):
+        decode_log(whole[: len(whole) - 12])
+
+
+def test_the_size_limit_counts_every_member(monkeypatch):
+    import gzip
+
+    from tuneproof.core import transport
+
+    monkeypatch.setattr(transport, "MAX_LOG_BYTES", 1000)
+    member = gzip.compress(b"x" * 600)
+    assert len(transport.decode_log(member)) == 600
+    with pytest.raises(ValueError, match="expands past 1,000 bytes"):
+        transport.decode_log(member + member)

@@ -251,7 +251,11 @@ def summarize(backend: str, world_size: int, reports: dict[int, dict | None]) ->
         allreduce=[AllreduceRow(**row) for row in bandwidth([r["allreduce"] for r in finished], world_size)],
         fsdp=FsdpProbe(steps=len(losses), losses=losses),
         transport=TransportVerdict.model_validate(
-            transport_verdict(backend, {f"rank-{r['rank']}": r.get("nccl_lines", []) for r in finished})
+            transport_verdict(
+                backend,
+                {f"rank-{r['rank']}": r.get("nccl_lines", []) for r in finished},
+                {r.get("node_ip") or "unknown" for r in finished},
+            )
         ),
     )
 
@@ -275,10 +279,17 @@ def bandwidth(rows_by_rank: list[list[dict]], world_size: int) -> list[dict]:
     return table
 
 
-def transport_verdict(backend: str, lines_by_rank: dict[str, list[str]]) -> dict:
+def transport_verdict(backend: str, lines_by_rank: dict[str, list[str]], node_ips: set[str]) -> dict:
+    """The ranks' combined verdict; efa only when the ranks ran on two nodes or more, since on one node no
+    traffic crossed the network whatever the NCCL lines say."""
     if backend == "gloo":
         return {"kind": "gloo", "evidence": [transport.GLOO_EVIDENCE]}
-    return transport.combine({name: transport.classify(lines) for name, lines in lines_by_rank.items()})
+    verdict = transport.combine({name: transport.classify(lines) for name, lines in lines_by_rank.items()})
+    if verdict["kind"] == "efa" and len(node_ips) < 2:
+        where = ", ".join(sorted(node_ips)) or "no node"
+        one_node = f"every rank ran on one node ({where}): no traffic crossed the network"
+        return {"kind": "inconclusive", "evidence": [one_node, *verdict["evidence"]][: transport.MAX_EVIDENCE]}
+    return verdict
 
 
 def check_ranks(summary: ConnectivitySummary, reports: dict[int, dict | None], fit_error: str | None) -> None:

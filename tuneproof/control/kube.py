@@ -9,7 +9,9 @@ uses the official `kubernetes` client: in-cluster config when running in a pod a
 configured, else the kubeconfig (cluster.kubernetes.kubeconfig, else ~/.kube/config). Every object is
 kept as the API's own JSON (what `kubectl get -o json` prints), so live and saved inputs are the same.
 ResourceSlices are optional (404 when the cluster serves no DRA API, 403 without the ClusterRole),
-and so is the KubeRay operator Deployment (usually in another namespace the pipeline cannot read).
+and so is the KubeRay operator Deployment (usually in another namespace the pipeline cannot read): either
+is None when it cannot be read, the HTTP connection failing included, and the checks say what that leaves
+unknown. An answer that is not a JSON object (a proxy's error page) is an infrastructure failure.
 
 Offline (`tuneproof verify --from-files DIR`): load_objects_from_dir reads the files named in
 SAVED_FILES (see deployments/README.md for the commands that write them).
@@ -68,12 +70,15 @@ def fetch_cluster_objects(kcfg: KubernetesConfig) -> dict[str, Any]:
                         label_selector=f"{CLUSTER_LABEL}={kcfg.raycluster}",
                         _preload_content=False,
                         _request_timeout=TIMEOUT_S,
-                    )
+                    ),
+                    f"pods in namespace {kcfg.namespace}",
                 ),
                 f"pods in namespace {kcfg.namespace}",
             ),
             "nodes": _required(
-                lambda: _items(client.CoreV1Api(api).list_node(_preload_content=False, _request_timeout=TIMEOUT_S)),
+                lambda: _items(
+                    client.CoreV1Api(api).list_node(_preload_content=False, _request_timeout=TIMEOUT_S), "nodes"
+                ),
                 "nodes",
             ),
             "resourceslices": _resourceslices(api),
@@ -101,6 +106,7 @@ def api_client(kcfg: KubernetesConfig) -> client.ApiClient:
 
 
 def _raycluster(api: client.ApiClient, kcfg: KubernetesConfig) -> dict | None:
+    what = f"RayCluster {kcfg.namespace}/{kcfg.raycluster}"
     try:
         return _json(
             client.CustomObjectsApi(api).get_namespaced_custom_object(
@@ -111,12 +117,13 @@ def _raycluster(api: client.ApiClient, kcfg: KubernetesConfig) -> dict | None:
                 kcfg.raycluster,
                 _preload_content=False,
                 _request_timeout=TIMEOUT_S,
-            )
+            ),
+            what,
         )
     except ApiException as e:
         if e.status == 404:
             return None
-        raise _refused(f"RayCluster {kcfg.namespace}/{kcfg.raycluster}", e) from e
+        raise _refused(what, e) from e
     except urllib3.exceptions.HTTPError as e:
         raise _unreachable(api, e) from e
 
@@ -137,7 +144,8 @@ def _resourceslices(api: client.ApiClient) -> list[dict] | None:
             return _items(
                 client.CustomObjectsApi(api).list_cluster_custom_object(
                     "resource.k8s.io", version, "resourceslices", _preload_content=False, _request_timeout=TIMEOUT_S
-                )
+                ),
+                "resourceslices",
             )
         except ApiException as e:
             if e.status == 404:
@@ -145,32 +153,55 @@ def _resourceslices(api: client.ApiClient) -> list[dict] | None:
             if e.status == 403:
                 return None
             raise _refused("resourceslices", e) from e
+        except urllib3.exceptions.HTTPError:
+            return None  # a dropped connection or a timeout on an optional read: the checks name what is unknown
     return None
 
 
 def _operator(api: client.ApiClient) -> dict | None:
     """The KubeRay operator Deployment when the pipeline may list Deployments cluster-wide; else None."""
+    what = "the KubeRay operator Deployment"
     try:
         items = _items(
             client.AppsV1Api(api).list_deployment_for_all_namespaces(
                 label_selector=OPERATOR_SELECTOR, _preload_content=False, _request_timeout=TIMEOUT_S
-            )
+            ),
+            what,
         )
     except ApiException as e:
         if e.status in (403, 404):
             return None
-        raise _refused("the KubeRay operator Deployment", e) from e
+        raise _refused(what, e) from e
+    except urllib3.exceptions.HTTPError:
+        return None  # as a 403: the operator version is then "unknown", and a note says why
     return items[0] if items else None
 
 
 # Any: with _preload_content=False the client returns the raw urllib3 response, though its annotations name the
 # model it would have parsed (V1PodList, ...); .data is the body's bytes.
-def _json(response: Any) -> dict:
-    return json.loads(response.data)
+def _json(response: Any, what: str) -> dict:
+    """The answer's JSON object; StageFailure(infrastructure) for anything else, so the checks only see objects."""
+    try:
+        body = json.loads(response.data)
+    except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError and UnicodeDecodeError
+        raise _malformed(what, f"not JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise _malformed(what, f"a JSON {type(body).__name__}, not an object")
+    return body
 
 
-def _items(response: Any) -> list[dict]:
-    return _json(response).get("items") or []
+def _items(response: Any, what: str) -> list[dict]:
+    items = _json(response, what).get("items") or []
+    if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+        raise _malformed(what, "a List whose items are not all objects")
+    return items
+
+
+def _malformed(what: str, answer: str) -> StageFailure:
+    return StageFailure(
+        FailureClass.infrastructure,
+        f"Kubernetes API answered reading {what} with {answer}: is a proxy or load balancer in the way?",
+    )
 
 
 def _refused(what: str, e: ApiException) -> StageFailure:

@@ -41,7 +41,7 @@ from kubernetes.client.exceptions import ApiException
 
 from tuneproof.control.images import CANARY_CLUSTER_PREFIX
 from tuneproof.control.kube import TIMEOUT_S, api_client
-from tuneproof.control.kube_checks import CLUSTER_LABEL, group_pod_count, worker_groups
+from tuneproof.control.kube_checks import CLUSTER_LABEL, group_desired_pods, worker_groups
 from tuneproof.core.config_cluster import KubernetesConfig
 from tuneproof.core.results import FailureClass, StageFailure
 
@@ -110,8 +110,9 @@ def canary_manifest(manifest: dict, image: str, name: str, namespace: str) -> di
 
 
 def expected_pods(raycluster: dict) -> int:
-    """The head plus every worker pod the spec asks for."""
-    return 1 + sum(group_pod_count(raycluster, g) for g in worker_groups(raycluster))
+    """The head plus every worker pod the spec asks for now: under autoscaling, `replicas` within its bounds, not
+    maxReplicas, which a canary cluster would wait for in vain."""
+    return 1 + sum(group_desired_pods(g) for g in worker_groups(raycluster))
 
 
 def readiness(raycluster: dict, pods: list[dict]) -> tuple[bool, str]:

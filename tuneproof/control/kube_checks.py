@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal
 from typing import Any
 
 from tuneproof.core.checks import check_capacity
@@ -39,6 +40,16 @@ CLUSTER_LABEL, NODE_TYPE_LABEL, GROUP_LABEL = "ray.io/cluster", "ray.io/node-typ
 HEAD_GROUP = "headgroup"
 """The ray.io/group label KubeRay puts on the head pod."""
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+_QUANTITY = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)([a-zA-Z]*)$")
+_QUANTITY_SUFFIXES = {
+    **{"": Decimal(1), "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "k": Decimal(10**3)},
+    **{"M": Decimal(10**6), "G": Decimal(10**9), "T": Decimal(10**12), "P": Decimal(10**15), "E": Decimal(10**18)},
+    **{"Ki": Decimal(2**10), "Mi": Decimal(2**20), "Gi": Decimal(2**30), "Ti": Decimal(2**40), "Pi": Decimal(2**50)},
+    "Ei": Decimal(2**60),
+}
+"""Kubernetes quantity suffixes (k8s.io/apimachinery resource.Quantity): decimal SI and binary."""
+MAX_REPLICAS = 2**31 - 1
+"""The CRD's default maxReplicas."""
 
 
 # ---------------------------------------------------------------- manifest helpers (shared with lint)
@@ -78,11 +89,23 @@ def ray_gpu_setting(group: dict) -> tuple[str, str] | None:
 
 
 def as_count(raw: str) -> int | None:
-    """'4' or '4.0' -> 4; None when it is not a finite number (the schema check reports that)."""
-    try:
-        return int(float(raw))
-    except (ValueError, TypeError, OverflowError):  # OverflowError: '1e400' parses as inf
+    """A Kubernetes quantity that is a whole number, as an int: '4', '4.0', '4k' (4000), '1Ki' (1024), '2e3'.
+    None for anything else (text, a fraction such as '500m', inf): the schema check or the finding that compares
+    it names the raw value."""
+    match = _QUANTITY.match(raw.strip())
+    if match is None:
         return None
+    number, suffix = match.groups()
+    if suffix not in _QUANTITY_SUFFIXES:
+        return None
+    try:
+        value = Decimal(number) * _QUANTITY_SUFFIXES[suffix]
+    except ArithmeticError:  # decimal's Overflow: '1e999999999999999999' is no count
+        return None
+    # Kubernetes bounds a quantity to 64 bits; bounding it first also keeps int() off a '1e999999' of digits.
+    if abs(value) >= 2**63 or value != value.to_integral_value():
+        return None
+    return int(value)
 
 
 def worker_groups(raycluster: dict) -> list[dict]:
@@ -90,14 +113,21 @@ def worker_groups(raycluster: dict) -> list[dict]:
 
 
 def group_pod_count(raycluster: dict, group: dict) -> int:
-    """Pods a worker group runs: maxReplicas when autoscaling may grow it, else replicas clamped to [min, max]."""
+    """Pods a worker group may run: maxReplicas when autoscaling may grow it, else what it wants now (lint's
+    capacity: the most the cluster can place)."""
+    if (raycluster.get("spec") or {}).get("enableInTreeAutoscaling") and not group.get("suspend"):
+        return group.get("maxReplicas", MAX_REPLICAS) * group.get("numOfHosts", 1)
+    return group_desired_pods(group)
+
+
+def group_desired_pods(group: dict) -> int:
+    """Pods a worker group wants now, as KubeRay counts status.desiredWorkerReplicas (that field is the sum over
+    groups): replicas clamped to [minReplicas, maxReplicas] times numOfHosts, 0 when suspended. The autoscaler
+    moves `replicas` within the bounds, so a cluster below maxReplicas is not short of pods."""
     if group.get("suspend"):
         return 0
-    hosts = group.get("numOfHosts", 1)
-    low, high = group.get("minReplicas", 0), group.get("maxReplicas", 2**31 - 1)
-    if (raycluster.get("spec") or {}).get("enableInTreeAutoscaling"):
-        return high * hosts
-    return min(max(group.get("replicas", low), low), high) * hosts
+    low, high = group.get("minReplicas", 0), group.get("maxReplicas", MAX_REPLICAS)
+    return min(max(group.get("replicas", low), low), high) * group.get("numOfHosts", 1)
 
 
 def group_spec(raycluster: dict, group_name: str) -> dict | None:
@@ -131,6 +161,7 @@ def check_cluster(objects: dict, cfg: PipelineConfig) -> list[Finding]:
         *repeats,
         *readiness(raycluster),
         *pod_presence(raycluster, pods),
+        *ray_containers_ready(pods),
         *image_digests(raycluster, pods, cfg.cluster.expect.image),
         *gpu_agreement(raycluster, pods, objects.get("ray_nodes"), cfg.cluster.expect.gpus_per_worker),
         *node_devices(pods, objects.get("nodes") or [], objects.get("resourceslices"), cfg.cluster.expect.efa),
@@ -186,8 +217,14 @@ def _repeated(kind: str, items: list[dict]) -> list[Finding]:
 
 
 def readiness(raycluster: dict) -> list[Finding]:
+    """The RayCluster is ready, and its head pod is, when KubeRay says (state 'ready' stays once reached: it
+    does not fall back when the head crash-loops, while the HeadPodReady condition does)."""
     status = raycluster.get("status") or {}
     conditions = {c.get("type"): c for c in status.get("conditions") or []}
+    head = conditions.get("HeadPodReady")
+    if head is not None and head.get("status") != "True":
+        why = f"{head.get('reason') or ''} {head.get('message') or ''}".strip()
+        return [Finding(_rc_subject(raycluster), "status.conditions[HeadPodReady]", head.get("status"), "True", why)]
     provisioned = all(conditions.get(t, {}).get("status") == "True" for t in ("RayClusterProvisioned", "HeadPodReady"))
     if status.get("state") == "ready" or provisioned:
         return []
@@ -209,7 +246,7 @@ def pod_presence(raycluster: dict, pods: list[dict]) -> list[Finding]:
     if not any(_labels(p).get(NODE_TYPE_LABEL) == "head" for p in running):
         findings.append(Finding(_rc_subject(raycluster), "head pod", "none running", "1 running"))
     for group in worker_groups(raycluster):
-        desired = group_pod_count(raycluster, group)
+        desired = group_desired_pods(group)
         have = sum(1 for p in running if _labels(p).get(GROUP_LABEL) == group.get("groupName"))
         if have < desired:
             findings.append(
@@ -219,6 +256,42 @@ def pod_presence(raycluster: dict, pods: list[dict]) -> list[Finding]:
                     have,
                     desired,
                     "fewer worker pods than the group asks for",
+                )
+            )
+    return findings
+
+
+def ray_containers_ready(pods: list[dict]) -> list[Finding]:
+    """Each running pod's Ray container is ready: the pod's phase stays Running while the container crash-loops
+    (CrashLoopBackOff) or fails its readiness probe, and then no Ray node serves from it."""
+    findings = []
+    for pod in pods:
+        container = ray_container(pod.get("spec") or {})
+        status = _container_status(pod, container.get("name"))
+        if (pod.get("status") or {}).get("phase") != "Running" or status is None:
+            continue  # pod_presence names the phase; image_digests a Ray container that has not started
+        field = f"status.containerStatuses[{container.get('name')}]"
+        waiting = (status.get("state") or {}).get("waiting")
+        if waiting is not None:
+            last = ((status.get("lastState") or {}).get("terminated") or {}).get("reason")
+            why = f"{waiting.get('message') or 'not running'}; restarts {status.get('restartCount', 0)}"
+            findings.append(
+                Finding(
+                    f"pod {_name(pod)}",
+                    f"{field}.state",
+                    f"waiting: {waiting.get('reason')}",
+                    "running",
+                    why + (f", last exit {last}" if last else ""),
+                )
+            )
+        elif status.get("ready") is not True:
+            findings.append(
+                Finding(
+                    f"pod {_name(pod)}",
+                    f"{field}.ready",
+                    status.get("ready"),
+                    True,
+                    "the Ray container is not ready: its readiness probe (Ray's health check) fails",
                 )
             )
     return findings

@@ -3,10 +3,14 @@
 Input: lines written with NCCL_DEBUG=INFO and NCCL_DEBUG_SUBSYS=INIT,NET (one file per process
 with NCCL_DEBUG_FILE). Output: one verdict with the lines that decided it:
 
-- efa: aws-ofi-nccl selected the efa provider, or channels run over NET/OFI / NET/(AWS) Libfabric;
+- efa: channels run over NET/OFI / NET/(AWS) Libfabric, i.e. traffic crossed the network through
+  aws-ofi-nccl (the plugin's provider lines are kept beside them as evidence);
 - socket-fallback: NCCL used its internal socket transport, or the OFI plugin failed to initialise
   (NCCL then falls back to sockets), or libfabric picked a TCP provider instead of efa;
-- inconclusive: no line decides it (e.g. a single-node run whose channels are all P2P/SHM, or IB);
+- inconclusive: no line decides it (e.g. a single-node run whose channels are all P2P/SHM, or IB). The
+  plugin selecting efa ("Selected provider is efa", "Using network Libfabric") is not enough: NCCL loads
+  and initialises it on a single node too, where no channel uses the network; nor are NET channels
+  whose communicators all report nNodes 1;
 - gloo: the run used torch's gloo backend (CPU); the connectivity stage writes GLOO_EVIDENCE.
 
 A socket line wins over efa lines: some process fell back, and that is what one must see.
@@ -44,12 +48,18 @@ _SOCKET = [
     # libfabric over TCP is a socket transport under another name.
     re.compile(r"NET/OFI Selected [Pp]rovider is (tcp|sockets|udp)\b"),
 ]
-_EFA = [
-    re.compile(r"NET/OFI Selected [Pp]rovider is efa\b"),
-    re.compile(r"Using network (AWS )?Libfabric\b"),
+_EFA_CHANNEL = [
     re.compile(r"via NET/(AWS )?Libfabric"),
     re.compile(r"via NET/OFI"),
 ]
+"""A channel that runs over aws-ofi-nccl: traffic that crossed the network over it."""
+_EFA_SELECTED = [
+    re.compile(r"NET/OFI Selected [Pp]rovider is efa\b"),
+    re.compile(r"Using network (AWS )?Libfabric\b"),
+]
+"""The plugin chose efa: logged on a single node too, so evidence only beside an _EFA_CHANNEL line."""
+_NODES = re.compile(r"\bnNodes (\d+)\b")
+"""A communicator's init line: 'comm 0x.. rank 0 nRanks 16 nNodes 2 localRanks 8 ...'."""
 
 
 def nccl_env(submission_id: str) -> dict[str, str]:
@@ -63,20 +73,33 @@ def nccl_env(submission_id: str) -> dict[str, str]:
 
 def classify(lines: Iterable[str]) -> dict:
     """{"kind": one of KINDS, "evidence": [the lines that decided it]} for one log's lines."""
-    socket, efa, gloo, seen = [], [], [], 0
+    socket, channels, selected, gloo, nodes, seen = [], [], [], [], [], 0
     for raw in lines:
         line = raw.strip()
         seen += 1
         if _matches(_SOCKET, line):
             socket.append(line)
-        elif _matches(_EFA, line):
-            efa.append(line)
+        elif _matches(_EFA_CHANNEL, line):
+            channels.append(line)
+        elif _matches(_EFA_SELECTED, line):
+            selected.append(line)
         elif GLOO_EVIDENCE in line:
             gloo.append(line)
+        if match := _NODES.search(line):
+            nodes.append(int(match.group(1)))
     if socket:
         return _verdict("socket-fallback", socket)
-    if efa:
+    # The deciding channel line first, then the plugin's choice: channel lines repeat past the evidence cap.
+    efa = [*channels[:1], *selected, *channels[1:]]
+    if channels and nodes and max(nodes) == 1:
+        return _verdict(
+            "inconclusive", ["NET channels, but every communicator has nNodes 1: nothing left the node", *efa]
+        )
+    if channels:
         return _verdict("efa", efa)
+    if selected:
+        why = "aws-ofi-nccl selected efa, but no channel ran over NET/Libfabric or NET/OFI (a single node uses P2P/SHM)"
+        return _verdict("inconclusive", [why, *selected])
     if gloo:
         return _verdict("gloo", gloo)
     return {"kind": "inconclusive", "evidence": [f"no NCCL transport line among {seen} lines"]}
@@ -85,25 +108,41 @@ def classify(lines: Iterable[str]) -> dict:
 def decode_log(data: bytes) -> str:
     """A log file's text: gunzipped when gzipped (at most MAX_LOG_BYTES of it), UTF-16 when it starts with
     a byte-order mark or reads as UTF-16 (PowerShell's `>` writes it), else UTF-8; undecodable bytes
-    become U+FFFD rather than an error. ValueError for a corrupt gzip stream, or one that expands past MAX_LOG_BYTES."""
+    become U+FFFD rather than an error. ValueError for a corrupt or truncated gzip stream, or one that expands
+    past MAX_LOG_BYTES."""
     if data[:2] == b"\x1f\x8b":
-        # wbits 16+: the gzip header; max_length bounds what a small file can expand to (a gzip bomb).
-        gunzip = zlib.decompressobj(16 + zlib.MAX_WBITS)
-        try:
-            data = gunzip.decompress(data, MAX_LOG_BYTES)
-        except zlib.error as e:
-            raise ValueError(f"starts like gzip but is not readable gzip ({e})") from None
-        if gunzip.unconsumed_tail:
-            # Refused like an uncompressed log past the size: a verdict on its first part would read as the whole's.
-            raise ValueError(
-                f"expands past {MAX_LOG_BYTES:,} bytes, more than a log is read to: pass the part with NCCL's "
-                "start-up lines (e.g. `zcat LOG | head -c 100M > part.log`)"
-            )
+        data = _gunzip(data)
     head = data[:4096]
     # ASCII text as UTF-16-LE without a byte-order mark: every other byte NUL
     if not data.startswith(UTF16_BOMS) and len(head) >= 4 and head[1::2].count(0) > len(head) // 4:
         return data.decode("utf-16-le", errors="replace")
     return decode_text(data, errors="replace")
+
+
+def _gunzip(data: bytes) -> bytes:
+    """Every member of a gzip file (`cat a.gz b.gz` is one file to zcat, and a fallback can sit in the second),
+    at most MAX_LOG_BYTES in all; a stream cut before its end is refused, as zcat refuses it."""
+    members: list[bytes] = []
+    size, rest = 0, data
+    while rest:
+        # wbits 16+: the gzip header; max_length bounds what a small file can expand to (a gzip bomb).
+        gunzip = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        try:
+            members.append(gunzip.decompress(rest, MAX_LOG_BYTES - size + 1))
+        except zlib.error as e:
+            raise ValueError(f"starts like gzip but is not readable gzip ({e})") from None
+        size += len(members[-1])
+        if size > MAX_LOG_BYTES or gunzip.unconsumed_tail:
+            # Refused like an uncompressed log past the size: a verdict on its first part would read as the whole's.
+            raise ValueError(
+                f"expands past {MAX_LOG_BYTES:,} bytes, more than a log is read to: pass the part with NCCL's "
+                "start-up lines (e.g. `zcat LOG | head -c 100M > part.log`)"
+            )
+        if not gunzip.eof:
+            raise ValueError("gzip stream ends before its end marker (truncated: copied or downloaded in part?)")
+        # gzip pads some files with zeros after the last member; zcat ignores them too.
+        rest = gunzip.unused_data.lstrip(b"\x00")
+    return b"".join(members)
 
 
 def classify_text(text: str) -> dict:

@@ -3,7 +3,9 @@ check shares (a group's pod spec, its containers, a template's variable defaults
 
 - schema: core kinds against Kubernetes v1.34's schemas and RayCluster against the KubeRay CRD's
   openAPIV3Schema, both vendored in tuneproof/schemas/ and strict (unknown fields are errors, as
-  with `kubectl apply --validate=strict`); a kind with no offline schema is a warning.
+  with `kubectl apply --validate=strict`); a kind with no offline schema is a warning. A RayCluster's
+  list-type map (or set) holding a key twice is an error too: the API server refuses it for a custom
+  resource, and JSON Schema has no word for it (built-in kinds only warn, so theirs are not checked).
 """
 
 from __future__ import annotations
@@ -223,13 +225,69 @@ def schema_findings(doc: Doc) -> list[Finding]:
                 "warning",
             )
         ]
-    return [schema_finding(doc.subject, e) for e in sorted(validator.iter_errors(doc.obj), key=lambda e: list(e.path))]
+    findings = [
+        schema_finding(doc.subject, e) for e in sorted(validator.iter_errors(doc.obj), key=lambda e: list(e.path))
+    ]
+    if doc.kind == "RayCluster":
+        findings += list_key_findings(doc.subject, doc.obj, _raycluster_schema())
+    return findings
+
+
+def list_key_findings(subject: str, value, schema: dict, path: tuple = ()) -> list[Finding]:
+    """Entries of a list-type map whose x-kubernetes-list-map-keys repeat an earlier entry's (a key the entry
+    omits counts as its schema default, as the API server defaults it first), and repeated entries of a
+    list-type set: a CRD's API server refuses both ("Duplicate value")."""
+    if isinstance(value, dict):
+        properties, extra = schema.get("properties") or {}, schema.get("additionalProperties")
+        return [
+            finding
+            for key, sub in value.items()
+            if isinstance(sub_schema := properties.get(key, extra), dict)
+            for finding in list_key_findings(subject, sub, sub_schema, (*path, key))
+        ]
+    if not isinstance(value, list):
+        return []
+    findings = _repeated_entries(subject, value, schema, path)
+    items = schema.get("items")
+    if isinstance(items, dict):
+        findings += [f for i, item in enumerate(value) for f in list_key_findings(subject, item, items, (*path, i))]
+    return findings
+
+
+def _repeated_entries(subject: str, entries: list, schema: dict, path: tuple) -> list[Finding]:
+    list_type, keys = schema.get("x-kubernetes-list-type"), schema.get("x-kubernetes-list-map-keys") or []
+    if list_type not in ("map", "set"):
+        return []
+    defaults = {k: s.get("default") for k, s in ((schema.get("items") or {}).get("properties") or {}).items()}
+    seen: set[str] = set()
+    findings = []
+    for i, entry in enumerate(entries):
+        key = (
+            {k: entry.get(k, defaults.get(k)) for k in keys}
+            if list_type == "map" and isinstance(entry, dict)
+            else entry
+        )
+        text = json.dumps(key, sort_keys=True)
+        if text in seen:
+            findings.append(
+                Finding(
+                    subject,
+                    dotted((*path, i)),
+                    key,
+                    f"entries with unique {', '.join(keys)}" if list_type == "map" else "unique entries",
+                    f"x-kubernetes-list-type {list_type}: the API server refuses a repeated "
+                    + ("key" if list_type == "map" else "entry")
+                    + " (Duplicate value), so the cluster never gets this object",
+                )
+            )
+        seen.add(text)
+    return findings
 
 
 @cache
 def schema_validator(api_version: str, kind: str) -> jsonschema.Draft202012Validator | None:
     if api_version == "ray.io/v1" and kind == "RayCluster":
-        return jsonschema.Draft202012Validator(json.loads(RAYCLUSTER_SCHEMA.read_text()))
+        return jsonschema.Draft202012Validator(_raycluster_schema())
     bundle = _kubernetes_bundle()
     key = f"{api_version}/{kind}"
     if key not in bundle["$defs"]:
@@ -241,6 +299,11 @@ def schema_validator(api_version: str, kind: str) -> jsonschema.Draft202012Valid
 @lru_cache(maxsize=1)
 def _kubernetes_bundle() -> dict:
     return json.loads(KUBERNETES_SCHEMA.read_text())
+
+
+@lru_cache(maxsize=1)
+def _raycluster_schema() -> dict:
+    return json.loads(RAYCLUSTER_SCHEMA.read_text())
 
 
 def schema_finding(subject: str, error: jsonschema.ValidationError) -> Finding:

@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import math
+
 from tuneproof.app.lint.documents import Doc, as_list, group_pod_spec, ray_groups, schema_findings
 from tuneproof.app.lint.nodes import (
     DAEMONSET_ALLOWANCE,
@@ -122,28 +124,34 @@ def node_groups(doc: Doc) -> list[dict]:
 
 
 def node_group_fit_findings(doc: Doc, docs: list[Doc]) -> list[Finding]:
-    """The Ray pods (each RayCluster's and its canary copy's) fit the node groups they select (first fit)."""
+    """The Ray pods (each RayCluster's and its canary copy's) fit the node groups they select (first fit).
+
+    Pods are fitted a group at a time, by count: an autoscaling group may reach KubeRay's default maxReplicas
+    (2**31 - 1), far too many to list one by one."""
     free = {g.get("name"): _nodes(g) for g in node_groups(doc)}
     findings = []
-    for label, pod_spec in sorted(ray_pods(docs), key=lambda p: -pod_requests(p[1])[GPU_RESOURCE]):
+    for label, pod_spec, count in sorted(ray_pods(docs), key=lambda p: -pod_requests(p[1])[GPU_RESOURCE]):
         need = pod_requests(pod_spec)
         fits = [g for g in node_groups(doc) if _selects(pod_spec, g)]
-        if not any(_take(free[g.get("name")], need) for g in fits):
+        placed = 0
+        for group in fits:
+            placed += _take(free[group.get("name")], need, count - placed)
+        if placed < count:
             findings.append(
                 Finding(
                     doc.subject,
                     "managedNodeGroups " + (", ".join(str(g.get("name")) for g in fits) or "(none selected)"),
-                    f"no room for {label}",
+                    f"{placed} of {count} pods of {label} fit",
                     "a node group with room for every Ray pod at maxSize",
-                    "the pod would stay Pending: give it a node group of its own, or room in the one it selects "
-                    "(deployments/README.md, 'The image canary's capacity')",
+                    "the pods that do not fit would stay Pending: give them a node group of their own, or room in "
+                    "the one they select (deployments/README.md, 'The image canary's capacity')",
                 )
             )
     return findings
 
 
-def ray_pods(docs: list[Doc]) -> list[tuple[str, dict]]:
-    """(which pod, its pod spec) for every pod of every RayCluster and of the canary's copy of it."""
+def ray_pods(docs: list[Doc]) -> list[tuple[str, dict, int]]:
+    """(which group, its pod spec, how many pods) for every group of every RayCluster and of its canary copy."""
     pods = []
     valid = (
         d for d in docs if d.kind == "RayCluster" and not errors(schema_findings(d))
@@ -153,7 +161,7 @@ def ray_pods(docs: list[Doc]) -> list[tuple[str, dict]]:
         for what, body in ((doc.name, doc.obj), (f"the image canary's copy of {doc.name}", canary)):
             for where, group in ray_groups(body):
                 count = 1 if where == "spec.headGroupSpec" else group_pod_count(body, group)
-                pods += [(f"{what} {where} pod {i + 1}", group_pod_spec(group)) for i in range(count)]
+                pods.append((f"{what} {where}", group_pod_spec(group), count))
     return pods
 
 
@@ -173,13 +181,28 @@ def _nodes(group: dict) -> list[dict[str, float]]:
     return [dict(room) for _ in range(int(size))]
 
 
-def _take(nodes: list[dict[str, float]], need: dict[str, float]) -> bool:
+def _take(nodes: list[dict[str, float]], need: dict[str, float], count: int) -> int:
+    """Place up to `count` pods that each need `need`, first fit: how many found room (taken from `nodes`).
+
+    Identical pods fill the first node with room before the next, so a node takes as many as it has room for."""
+    placed = 0
     for node in nodes:
-        if all(need[k] <= node[k] for k in node):
-            for k in node:
-                node[k] -= need[k]
-            return True
-    return False
+        taken = _room(node, need, count - placed)
+        for k in node:
+            node[k] -= taken * need[k]
+        placed += taken
+    return placed
+
+
+def _room(node: dict[str, float], need: dict[str, float], most: int) -> int:
+    """How many pods that each need `need` the node still has room for, at most `most`."""
+    room = most
+    for k in node:
+        if need[k] > 0:
+            room = min(room, math.floor(node[k] / need[k]))
+        elif node[k] < need[k]:
+            return 0
+    return max(room, 0)
 
 
 def _selects(pod_spec: dict, group: dict) -> bool:

@@ -12,12 +12,16 @@ Writes two self-contained JSON Schemas (draft 2020-12), descriptions stripped to
   Each kind's root is `$defs["<apiVersion>/<Kind>"]`; shared types are the other `$defs`.
 - raycluster-v1.json: the KubeRay CRD's `ray.io/v1` openAPIV3Schema, made strict the way
   `kubectl apply --validate=strict` is (unknown fields are errors, except where the CRD
-  preserves them) and with OpenAPI's `nullable` turned into a JSON Schema null type.
+  preserves them) and with OpenAPI's `nullable` turned into a JSON Schema null type. What the API
+  server does beyond JSON Schema is carried over where it can be: a CEL rule `self in [...]` becomes
+  an `enum`, and a field it defaults is not `required` (defaults are applied before validation).
+  Its list-type map keys stay markers, checked by lint (documents.list_key_findings).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -110,7 +114,8 @@ def _strip_descriptions(node):
 
 
 def _strict(node):
-    """Unknown fields become errors where the CRD lists the fields; `nullable` admits null."""
+    """Unknown fields become errors where the CRD lists the fields; `nullable` admits null; a field the API server
+    defaults is not required; a `self in [...]` rule is an enum."""
     if isinstance(node, list):
         return [_strict(x) for x in node]
     if not isinstance(node, dict):
@@ -122,7 +127,23 @@ def _strict(node):
             out["additionalProperties"] = False
     if out.pop("nullable", False) and isinstance(out.get("type"), str):
         out["type"] = [out["type"], "null"]
+    if isinstance(node.get("required"), list):
+        # The API server applies a CRD's defaults before it validates: a defaulted field is never missing.
+        defaulted = {name for name, sub in (node.get("properties") or {}).items() if "default" in sub}
+        required = [name for name in node["required"] if name not in defaulted]
+        if required:
+            out["required"] = required
+        else:
+            out.pop("required")
+    for rule in node.get("x-kubernetes-validations") or []:
+        values = _ONE_OF_RULE.match(rule.get("rule", ""))
+        if values:
+            out["enum"] = re.findall(r"'([^']*)'", values.group(1))
     return out
+
+
+_ONE_OF_RULE = re.compile(r"^self in \[((?:\s*'[^']*'\s*,?)+)\]$")
+"""A CEL rule that admits listed strings (spec.managedBy's): JSON Schema's enum says the same."""
 
 
 def main(argv: list[str]) -> None:
