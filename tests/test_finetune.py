@@ -134,11 +134,14 @@ def test_params_default_to_the_config_and_reject_unknown_keys(tmp_path):
         TrainParams.resolve(context(config, "r1", hold_after_checkpoint_step=6))
 
 
-def test_divergence_names_the_loss_and_step():
-    assert divergence(2.5, 7, 50.0) is None
-    assert divergence(float("nan"), 37, 50.0) == "loss is nan at step 37"
-    assert divergence(float("inf"), 3, 50.0) == "loss is inf at step 3"
-    assert divergence(80.0, 9, 50.0) == "loss is 80 at step 9, above train.divergence_loss 50.0"
+def test_divergence_names_the_loss_or_gradient_norm_and_step():
+    assert divergence(2.5, 1.0, 7, 50.0) is None
+    assert divergence(float("nan"), 1.0, 37, 50.0) == "loss is nan at step 37"
+    assert divergence(float("inf"), 1.0, 3, 50.0) == "loss is inf at step 3"
+    assert divergence(80.0, 1.0, 9, 50.0) == "loss is 80 at step 9, above train.divergence_loss 50.0"
+    assert divergence(2.5, float("inf"), 4, 50.0) == (
+        "gradient norm is inf at step 4 (loss 2.5): its update was not applied"
+    )
 
 
 def test_a_full_disk_is_named_with_what_to_do_and_other_failures_pass_through():

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from training.checkpointing import MARKER, step_of
+from training.checkpointing import MARKER, checkpoint_dir_name, step_of
 from tuneproof.core import markers
 from tuneproof.core.markers import Digests
 from tuneproof.core.results import now_iso
@@ -222,6 +222,22 @@ def skip_unusable(storage: Storage, found: CheckpointsFound, *run_parts: str) ->
             )
         )
     return skipped
+
+
+def set_aside_latest(storage: Storage, reason: str, *run_parts: str) -> SkippedCheckpoint | None:
+    """Take the run's newest complete checkpoint out of use, kept beside as evidence: out of Ray Train's snapshot,
+    then moved to checkpoint_<step>.unusable-<time>, so a continuation resumes from the complete one before it,
+    or fresh. Returns what was done; None when the run has no complete checkpoint. Call once no worker runs."""
+    latest = find_checkpoints(storage, *run_parts, contents=False).latest
+    if latest is None:
+        return None
+    name = checkpoint_dir_name(latest.step)
+    dropped = drop_from_ray_snapshot(storage, {name}, *run_parts)
+    aside = f"{name}.unusable-{time.strftime('%Y%m%dT%H%M%S')}"
+    storage.fs.mv(storage.path(*run_parts, name), storage.path(*run_parts, aside), recursive=True)
+    return SkippedCheckpoint(
+        name=name, step=latest.step, reason=reason, set_aside_as=aside, dropped_from_ray=name in dropped
+    )
 
 
 def drop_from_ray_snapshot(storage: Storage, names: set[str], *run_parts: str) -> set[str]:

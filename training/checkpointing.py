@@ -89,6 +89,9 @@ class TrainingProgress:
     ledger: str | None = None
     """The data-order ledger after `step` (training.train_data.fold_ledger): a running sha256 of every step's
     sample ids. The same on every rank; None in checkpoints written before the ledger existed."""
+    identity: dict[str, Any] | None = None
+    """The settings a run resuming from it must share (training.finetune_state.run_identity); None in
+    checkpoints written before it was recorded."""
 
     def file_name(self) -> str:
         return progress_file(self.rank)

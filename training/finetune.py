@@ -19,6 +19,10 @@ checkpoint_every, export, hold_after_checkpoint_step, interrupt_after_checkpoint
 inject_nan_at_step, invocation.
 A job whose run already holds a complete checkpoint at max_steps would train nothing: it is refused
 (a modeling failure naming train.max_steps and train.continue_previous) instead of re-exporting old weights.
+A checkpoint written under other settings (finetune_state.run_identity) is refused as unusable. The stage
+fails as modeling when the loss (or the gradient norm) diverges, and then sets the run's latest checkpoint
+aside so that no continuation resumes into the divergence; and when the loss did not fall over a run
+trained from step 1 (finetune_summary.loss_trend).
 
 This file holds the driver's story (`finetune`) and each worker's (`train_loop`); their pieces live
 beside it: training/finetune_state.py (TrainParams, the Worker state), training/finetune_worker.py
@@ -38,6 +42,7 @@ from training.checkpoint_listing import (
     check_complete,
     find_checkpoints,
     remove_unmarked,
+    set_aside_latest,
     set_aside_unusable_ray_snapshot,
     skip_unusable,
 )
@@ -69,7 +74,7 @@ from tuneproof.core.fit import refusal
 from tuneproof.core.results import FailureClass, StageFailure, error_line, one_line
 from tuneproof.core.rowlog import remove_log
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries_training import FinetuneSummary, FitEstimate
+from tuneproof.core.summaries_training import FinetuneSummary, FitEstimate, SkippedCheckpoint
 
 # ---------------------------------------------------------------- driver
 
@@ -100,12 +105,38 @@ def finetune(ctx: JobContext) -> FinetuneSummary:
     if error is not None and (dropped := remove_unmarked(ctx.storage, *ctx.run_parts("train", params.run_name))):
         jobkit.log(f"removed checkpoints the failed run left without a completion marker: {', '.join(dropped)}")
     outcome = read_outcome(ctx, error)
+    if outcome["status"] == "diverged" and (aside := set_aside_diverged(ctx, params, outcome["cause"])):
+        skipped.append(aside)
     summary = summarize(ctx, params, outcome, time.time() - started, fit).model_copy(
         update={"skipped_checkpoints": skipped}
     )
-    if outcome["status"] == "diverged":
-        raise StageFailure(FailureClass.modeling, outcome["cause"], summary)
+    if cause := modeling_failure(outcome, summary):
+        raise StageFailure(FailureClass.modeling, cause, summary)
     return summary
+
+
+def set_aside_diverged(ctx: JobContext, params: TrainParams, cause: str) -> SkippedCheckpoint | None:
+    """After a divergence, set the run's latest checkpoint aside (checkpoint_listing.set_aside_latest): it holds
+    the weights the diverging steps trained from (one saved at the step before the divergence holds the very
+    weights whose loss diverged), so a continuation from it would diverge again."""
+    aside = set_aside_latest(
+        ctx.storage, f"the loss diverged after it: {cause}", *ctx.run_parts("train", params.run_name)
+    )
+    if aside is not None:
+        jobkit.log(
+            f"set aside {aside.name} as {aside.set_aside_as} (the loss diverged after it): a continuation resumes "
+            "from the complete checkpoint before it, or fresh"
+        )
+    return aside
+
+
+def modeling_failure(outcome: dict[str, Any], summary: FinetuneSummary) -> str | None:
+    """Why a run that ended fails as modeling: its loss diverged, or it did not fall (summary.loss_falling). Pure."""
+    if outcome["status"] == "diverged":
+        return str(outcome["cause"])
+    if summary.loss_falling is False:
+        return f"the loss did not fall: {summary.loss_trend}"
+    return None
 
 
 def require_complete(uri: str, endpoint_url: str | None, what: str) -> None:
@@ -227,8 +258,8 @@ def train_loop(loop_config: dict) -> None:
             complete_checkpoint_if_written(w)  # an earlier step's save, once every rank has written it
             fault_hooks.after_step(w.rank, step)
             record(w, step, stats, start)
-            if cause := divergence(stats["loss"], step, ctx.config.train.divergence_loss):
-                complete_checkpoint(w)  # saved before the loss diverged: it counts
+            if cause := divergence(stats["loss"], stats["grad_norm"], step, ctx.config.train.divergence_loss):
+                complete_checkpoint(w)  # the save in flight ends; the driver sets the latest checkpoint aside
                 return finish(w, start, step, status="diverged", cause=cause)
             if step % params.checkpoint_every == 0 or step == params.max_steps:
                 save_checkpoint(w, step)

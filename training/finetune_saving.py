@@ -138,6 +138,7 @@ def progress_at(w: Worker, step: int) -> TrainingProgress:
         schedule=w.schedule.to_dict(),
         rng=capture_rng(),
         ledger=w.ledger,
+        identity=w.identity,
     )
 
 

@@ -96,6 +96,42 @@ class TrainParams(BaseModel):
         return "model" if self.run_name == run_id else f"model-{self.run_name}"
 
 
+def run_identity(ctx: JobContext, params: TrainParams, world_size: int) -> dict[str, Any]:
+    """What a checkpoint must share with the run that resumes from it, by the setting that decides each. Pure.
+
+    Each decides what the steps after the checkpoint train or how: the base model, the dataset (its path
+    names its content hash) and the method what is trained on what; the seed and the global batch which
+    samples each step takes (training.train_data cuts step s out of a (seed, epoch) permutation by the global
+    batch); the peak rate, warmup and floor the rate at each step. Not in it: train.max_steps (a continuation
+    raises it to train on; the cosine then spans the new end), and the worker count alone (DCP reshards, and
+    an equal global batch keeps every step's samples)."""
+    cfg = ctx.config
+    return {
+        "model.source": cfg.model.source,
+        "model.revision": cfg.model.revision,
+        "dataset": params.dataset,
+        "train.method": cfg.train.method,
+        "train.lora": cfg.train.lora.model_dump(mode="json") if cfg.train.method == "lora" else None,
+        "train.seed": cfg.train.seed,
+        "train.lr": cfg.train.lr,
+        "train.warmup_steps": cfg.train.warmup_steps,
+        "train.min_lr_ratio": cfg.train.min_lr_ratio,
+        "train.micro_batch_size x train.grad_accum_steps x workers": (
+            cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size
+        ),
+    }
+
+
+def identity_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Each setting of `current` the checkpoint recorded with another value, as 'name (checkpoint X, this run
+    Y)'. Pure. A setting the checkpoint did not record (added since it was written) is not compared."""
+    return [
+        f"{name} (checkpoint {saved[name]!r}, this run {value!r})"
+        for name, value in current.items()
+        if name in saved and saved[name] != value
+    ]
+
+
 @dataclass
 class Worker:
     """Everything one rank trains with; built once by `setup`."""
@@ -137,6 +173,8 @@ class Worker:
     """The last step's sample ids, as their digest (every rank's)."""
     notices: NoticeWatch = field(default_factory=lambda: NoticeWatch(enabled=False))
     """Ray's preemption notices (train.checkpoint_on_preemption), asked every few steps."""
+    identity: dict[str, Any] = field(default_factory=dict)
+    """run_identity of this run: saved in every checkpoint's progress, compared with a checkpoint's at restore."""
 
     def log(self, message: str) -> None:
         if self.rank == 0:

@@ -16,9 +16,17 @@ from typing import TYPE_CHECKING, Any
 
 from training import fault_hooks, jobkit
 from training.checkpoint_listing import check_complete, latest_complete_checkpoint, read_step
-from training.checkpointing import ChangedCheckpoint, CheckpointRef, load_shards, restore_rng, seed_everything
+from training.checkpointing import (
+    ChangedCheckpoint,
+    CheckpointRef,
+    TrainingProgress,
+    load_shards,
+    progress_file,
+    restore_rng,
+    seed_everything,
+)
 from training.finetune_saving import check_checkpoint_home, flush_metrics
-from training.finetune_state import OUTCOME, TrainParams, Worker
+from training.finetune_state import OUTCOME, TrainParams, Worker, identity_differences, run_identity
 from training.jobkit import JobContext
 from training.preemption import NoticeWatch
 from training.schedule import WarmupCosine
@@ -72,6 +80,7 @@ def setup(ctx: JobContext, params: TrainParams) -> Worker:
         ctx, params, rank, world, device, model, optimizer, batches, schedule, flops_per_token, peak_flops(device)
     )
     w.param_counts = counts
+    w.identity = run_identity(ctx, params, world)
     check_checkpoint_home(w)
     w.mesh = list(mesh_shape(cfg.sharding, world, cfg.shard_group_size, local_world_size()))  # as shard_model built it
     w.save_group = dist.new_group(backend="gloo")  # collective: every rank creates it, in the same order
@@ -143,6 +152,7 @@ def restore(w: Worker, ref: CheckpointRef | None) -> int:
         seed_everything(w.ctx.config.train.seed + w.rank)
         w.log(f"starting fresh from the base model {w.ctx.config.model.source}")
         return 0
+    check_identity(w, ref)
     try:
         loaded = load_shards(
             w.model, w.optimizer, Storage(ref.uri, w.ctx.config.storage.endpoint_url), w.rank, trainable_only=w.lora
@@ -168,6 +178,30 @@ def restore(w: Worker, ref: CheckpointRef | None) -> int:
     w.restored_from = ref.uri
     w.log(f"RESUMED at step {progress.step} from {ref.uri}")
     return progress.step
+
+
+def check_identity(w: Worker, ref: CheckpointRef) -> None:
+    """Refuse a checkpoint written under other settings than this run's (finetune_state.run_identity), as an
+    unusable checkpoint, naming each setting that differs: resumed, it would train on as neither run. One
+    written before identities were recorded is restored unchecked, and the log says so.
+
+    Rank 0's progress file is read before any shard is loaded (the load verifies it against the marker
+    after): a checkpoint of another base model would otherwise fail inside DCP on a shape, naming no setting."""
+    saved = TrainingProgress(**Storage(ref.uri, w.ctx.config.storage.endpoint_url).read_json(progress_file(0)))
+    if saved.identity is None:
+        w.log(
+            f"checkpoint {ref.uri} records no run identity (written before it was recorded): its base model, "
+            "dataset, seed, LR schedule and global batch could not be checked against this run's"
+        )
+        return
+    differences = identity_differences(saved.identity, w.identity)
+    if differences:  # the differences first: a cause is cut to one line of 400 characters
+        raise StageFailure(
+            FailureClass.infrastructure,
+            f"checkpoint {posixpath.basename(ref.uri.rstrip('/'))} was written under other settings than this "
+            f"run's: {'; '.join(differences)}. Resume it only with its own settings, or train a fresh run "
+            f"(train.continue_previous=false). The checkpoint: {ref.uri}",
+        )
 
 
 def account_samples(w: Worker, step: int) -> None:
@@ -214,12 +248,14 @@ def train_step(w: Worker, step: int) -> dict[str, Any]:
     return stats
 
 
-def divergence(loss: float, step: int, limit: float) -> str | None:
-    """The failure cause when a loss means training has diverged. Pure."""
+def divergence(loss: float, grad_norm: float, step: int, limit: float) -> str | None:
+    """The failure cause when a step's loss or gradient norm means training has diverged. Pure."""
     if not math.isfinite(loss):
         return f"loss is {loss} at step {step}"
     if loss > limit:
         return f"loss is {loss:.4g} at step {step}, above train.divergence_loss {limit}"
+    if not math.isfinite(grad_norm):  # a finite loss, but the update would have made every weight NaN
+        return f"gradient norm is {grad_norm} at step {step} (loss {loss:.4g}): its update was not applied"
     return None
 
 

@@ -80,9 +80,12 @@ def write_hf_export(
 def publish_export(
     storage: Storage, local_dir: str | Path, path: str, step: int, made_by: dict[str, Any]
 ) -> ExportManifest:
-    """Upload a finished local export to storage `path`: files, then its manifest, then the marker last."""
+    """Upload a finished local export to storage `path`, emptied first: files, then its manifest, then the
+    marker last."""
     storage.remove(path, MARKER)  # an earlier, superseded export stops counting before any file changes
-    storage.remove(path, markers.EXPORT_MANIFEST)
+    # None of its files stays either: the folder loads as a whole, and one this export lacks (an adapter of
+    # an earlier LoRA export) would load with it unhashed.
+    storage.remove(path, recursive=True)
     storage.upload_dir(local_dir, path)
     files = markers.local_digests(local_dir)
     manifest = ExportManifest(

@@ -15,6 +15,7 @@ baseline.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -137,7 +138,8 @@ def optimizer_step(
     poison: bool = False,
 ) -> tuple[float, float]:
     """Forward and backward over the micro-batches, one gradient reduction, clip, AdamW; returns the step's
-    mean loss over all `targets` target tokens of every rank, and the gradient norm before clipping.
+    mean loss over all `targets` target tokens of every rank, and the gradient norm before clipping. With a
+    non-finite gradient norm (the same on every rank) no update is applied.
 
     FSDP averages gradients over ranks, so each micro-batch's summed loss is scaled by world_size / targets
     to get sum / global targets. poison: multiply the loss by NaN (the divergence test's hook). Collective."""
@@ -159,7 +161,10 @@ def optimizer_step(
         loss_sum += summed.detach()
     dist.all_reduce(loss_sum)
     grad_norm = clip_gradients(model, max_grad_norm)
-    optimizer.step()
+    # A non-finite norm clips every gradient to NaN: stepping would write NaN into the weights (and into the
+    # checkpoint saved after this step). The weights stay as they were; the caller stops the run as diverged.
+    if math.isfinite(grad_norm):
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return float(loss_sum) / targets, grad_norm
 

@@ -4,7 +4,8 @@ A checkpoint's completion marker lists every file with its size and sha256; an e
 manifest (EXPORT_MANIFEST) with the sha256 of every file and one `content_sha256` over them, and
 says which run, invocation and Ray Train run produced it. Evaluate records the content hash of the
 model it scored and promote copies only a model with that hash, so a rerun or an edited file can
-never be promoted on someone else's evidence.
+never be promoted on someone else's evidence; a file beside them that the manifest does not list (a
+stray adapter that from_pretrained would attach) fails the check too.
 
 The functions above the line are pure (names, digests and comparisons); `stored_digests` and
 `local_digests` at the bottom are the edge that reads files, on local disk or S3 alike. Hashes
@@ -77,11 +78,18 @@ def hash_of_hashes(hashes: dict[str, str]) -> str:
 
 def content_files(files: Digests) -> Digests:
     """The files that are the model (or checkpoint) itself: markers, manifests, cards and caches left out."""
-    return {
-        name: d
-        for name, d in files.items()
-        if Path(name).name not in NOT_CONTENT and "__pycache__" not in Path(name).parts and not name.endswith(".pyc")
-    }
+    return {name: d for name, d in files.items() if is_content(name)}
+
+
+def is_content(name: str) -> bool:
+    """Whether a file (by path) is part of the model or checkpoint: not a marker, manifest, card or cache."""
+    return Path(name).name not in NOT_CONTENT and "__pycache__" not in Path(name).parts and not name.endswith(".pyc")
+
+
+def unlisted_problems(listed: Digests, present: Iterable[str]) -> list[str]:
+    """Each content file present that the manifest does not list, as 'name (why)'. Such a file is loaded with
+    the model (a LoRA adapter beside the weights is attached by from_pretrained) but not hashed with it."""
+    return [f"{name} (not listed in the manifest)" for name in sorted(set(present) - set(listed)) if is_content(name)]
 
 
 def digest_problems(expected: Digests, present: Digests) -> list[str]:
@@ -133,7 +141,7 @@ def local_digests(root: str | Path, names: Iterable[str] | None = None, threads:
     """Size and sha256 of files under a local directory (all of them, or those named); `threads` files at
     a time (hashlib lets go of the GIL while it hashes, so the threads hash on as many cores)."""
     base = Path(root)
-    paths = [base / n for n in names] if names is not None else sorted(p for p in base.rglob("*") if p.is_file())
+    paths = [base / n for n in (names if names is not None else local_names(base))]
     paths = [path for path in paths if path.is_file()]
 
     def digest(path: Path) -> FileDigest:
@@ -153,11 +161,7 @@ def stored_digests(storage: Storage, *parts: str, names: Iterable[str] | None = 
     """Size and sha256 of files under a storage location (all of them, or those named), read in chunks."""
     base = storage.path(*parts).rstrip("/")
     if names is None:
-        try:
-            found = storage.fs.find(base)
-        except FileNotFoundError:
-            return {}
-        names = [p[len(base) :].lstrip("/") for p in found if p.startswith(base + "/")]
+        names = stored_names(storage, *parts)
     out: Digests = {}
     for name in sorted(names):
         try:
@@ -167,6 +171,22 @@ def stored_digests(storage: Storage, *parts: str, names: Iterable[str] | None = 
             continue
         out[name] = FileDigest(size=size, sha256=sha)
     return out
+
+
+def stored_names(storage: Storage, *parts: str) -> list[str]:
+    """Every file under a storage location, by path relative to it (none when it does not exist)."""
+    base = storage.path(*parts).rstrip("/")
+    try:
+        found = storage.fs.find(base)
+    except FileNotFoundError:
+        return []
+    return [p[len(base) :].lstrip("/") for p in found if p.startswith(base + "/")]
+
+
+def local_names(root: str | Path) -> list[str]:
+    """Every file under a local directory, by path relative to it."""
+    base = Path(root)
+    return sorted(p.relative_to(base).as_posix() for p in base.rglob("*") if p.is_file())
 
 
 class ExportUnverified(ValueError):
@@ -186,13 +206,17 @@ def read_export_manifest(storage: Storage, *parts: str) -> ExportManifest:
 
 def verify_export(storage: Storage, *parts: str, local_dir: str | Path | None = None) -> ExportManifest:
     """The manifest, after checking every file it lists (in `local_dir` when the model was mirrored there)
-    has its size and sha256 and that content_sha256 is theirs; ExportUnverified naming what differs."""
+    has its size and sha256, that content_sha256 is theirs and that no other content file is there (the
+    folder loads as a whole: a file the manifest does not list would change the model that was judged);
+    ExportUnverified naming what differs."""
     manifest = read_export_manifest(storage, *parts)
     if local_dir is not None:
         present = local_digests(local_dir, manifest.files)
+        names = local_names(local_dir)
     else:
         present = stored_digests(storage, *parts, names=manifest.files)
-    problems = digest_problems(manifest.files, present)
+        names = stored_names(storage, *parts)
+    problems = digest_problems(manifest.files, present) + unlisted_problems(manifest.files, names)
     if not problems and content_sha256(manifest.files) != manifest.content_sha256:
         problems = [f"content_sha256 {manifest.content_sha256[:12]} is not the hash of the listed files"]
     if problems:

@@ -101,13 +101,15 @@ class Restart(Summary):
 
 
 class SkippedCheckpoint(Summary):
-    """A checkpoint newer than the one a fine-tune resumed from, left out because it failed its check."""
+    """A checkpoint newer than the one a fine-tune resumed from, left out because it failed its check; or the
+    latest checkpoint of a run whose loss diverged, set aside so that no continuation resumes into it."""
 
     name: str
     """Its directory name, checkpoint_<step>."""
     step: int
     reason: str
-    """What the completion check found (no marker, a file missing, a size or sha256 that differs)."""
+    """What the completion check found (no marker, a file missing, a size or sha256 that differs), or the
+    divergence after it."""
     set_aside_as: str | None = None
     """The directory it was moved to, kept as evidence (None: left where it was, to be saved over)."""
     dropped_from_ray: bool = False
@@ -167,6 +169,12 @@ class FinetuneSummary(Summary):
     loss_curve: list[LossPoint] = []
     """At most CURVE_POINTS (step, loss) points, evenly spaced, first and last included: for display. Every
     step's loss is in the metrics log (`metrics_path`)."""
+    loss_falling: bool | None = None
+    """Whether the loss fell (training.finetune_summary.loss_trend: the mean over the last tenth of the steps below
+    that over the first); False fails the stage as modeling. None: not judged (too few steps, or a job that
+    continued its run rather than training it from step 1), or a record written before it was judged."""
+    loss_trend: str | None = None
+    """The two mean losses compared, or why the loss was not judged."""
     curve_steps: int | None = None
     """How many steps the whole loss curve has (None in records written before the curve was thinned, whose
     `loss_curve` and `ledger` hold every step)."""
@@ -211,8 +219,8 @@ class FinetuneSummary(Summary):
         return self.curve_steps is not None and self.curve_steps > len(self.loss_curve)
 
     skipped_checkpoints: list[SkippedCheckpoint] = []
-    """Checkpoints newer than the one this job resumed from that failed their completion check: left out of
-    the restore and of Ray Train's checkpoint bookkeeping alike."""
+    """Checkpoints newer than the one this job resumed from that failed their completion check, and the latest
+    one when this job's loss diverged: left out of the restore and of Ray Train's checkpoint bookkeeping alike."""
     memory: list[RankMemory] = []
     """Peak memory of every rank of the run's last attempt, by rank."""
     fit_estimate: FitEstimate | None = None
