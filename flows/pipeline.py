@@ -19,10 +19,10 @@ from pydantic import WithJsonSchema
 from flows.stage_tasks import ARTIFACTS, task_for
 from tasks import artifacts, events
 from tasks.jobs import StageCall
-from tuneproof.control import images
+from tuneproof.control import images, registry
 from tuneproof.control import record as records
 from tuneproof.control import stages as table
-from tuneproof.control.identity import git_identity, working_dir_hash
+from tuneproof.control.identity import code_hash, git_identity, working_dir_hash
 from tuneproof.control.lease import Lease, LeaseHeld
 from tuneproof.control.record import (
     CodeIdentity,
@@ -122,7 +122,11 @@ def run_plan(
     try:
         if lease.taken_over:
             get_run_logger().warning(lease.taken_over)
-        record, plan = open_record(storage, cfg, run_id, plan, only, lease.taken_over, until)
+        try:
+            record, plan = open_record(storage, cfg, run_id, plan, only, lease.taken_over, until)
+        except MissingStageOutput as e:  # refused before the record was touched: nothing ran, nothing superseded
+            get_run_logger().error(str(e))
+            return refused(e)
         invocation = record.invocations[-1]
         if invocation.kept:
             get_run_logger().info(f"run {run_id} continues: kept {', '.join(invocation.kept)}")
@@ -151,8 +155,8 @@ def run_plan(
                 failure_class=entry.failure_class.value if entry.failure_class else None,
             )
             if entry.status == "failed":
-                return finish(storage, record, entry)
-        return finish(storage, record, None)
+                return finish(storage, cfg, record, entry)
+        return finish(storage, cfg, record, None)
     except BaseException as e:
         end_abnormally(storage, record, e)
         raise
@@ -229,7 +233,7 @@ def run_stage(
     the stage as running (with its inputs) while it runs, so a flow that dies mid-stage leaves that behind."""
     with reads_recorded(cfg) as skip_reads:
         why_not = stage.skip(cfg) if stage.skip else None
-    external = stage.external(cfg, storage, record) if stage.external else None
+    external = outside_inputs(stage, cfg, storage, record)
     config = cfg.model_dump(mode="json")
     if why_not:
         inputs = table.stage_inputs(stage, config, wd_hash, record, external, skip_reads)
@@ -286,7 +290,8 @@ def open_record(
 ) -> tuple[RunRecord, list[Stage]]:
     """A fresh record, or the run's own: then `only` reruns a subset, and no `only` continues the run (stages
     whose inputs are unchanged are kept; with `until`, up to that stage). Returns the record and the stages to
-    run."""
+    run; MissingStageOutput, before anything is saved, when a planned stage needs an output the plan leaves
+    nobody to provide."""
     kept: list[str] = []
     reran: dict[str, str] = {}
     if storage.exists("runs", run_id, records.RECORD):
@@ -300,12 +305,14 @@ def open_record(
             kept = continuation.kept
             reran = {name: why for name, why in continuation.reran.items() if name in planned}
             plan = [stage for stage in plan if stage.name not in kept]
+        table.check_needs(plan, record)
         record.start()
         record.config, record.config_hash = cfg.model_dump(mode="json"), cfg.config_hash()
         supersede(record, table.names(plan))
     else:
         code = CodeIdentity.model_validate(git_identity())
         record = records.new_record(run_id, cfg, code, str(flow_run.get_id()))
+        table.check_needs(plan, record)
     record.invocations.append(
         Invocation(
             number=len(record.invocations) + 1,
@@ -326,8 +333,17 @@ def open_record(
 
 def inputs_now(stage: Stage, cfg: PipelineConfig, wd_hash: str, record: RunRecord, storage: Storage) -> StageInputs:
     """The stage's inputs as they stand: the pure key over the record, plus what it reads from outside."""
-    external = stage.external(cfg, storage, record) if stage.external else None
+    external = outside_inputs(stage, cfg, storage, record)
     return table.stage_inputs(stage, cfg.model_dump(mode="json"), wd_hash, record, external)
+
+
+def outside_inputs(stage: Stage, cfg: PipelineConfig, storage: Storage, record: RunRecord) -> dict[str, str]:
+    """What the stage's result depends on besides its settings, the job code and the outputs it needs: its
+    external inputs, and the hash of the flow-side code that decides its verdict ('code tasks/promote.py')."""
+    external = stage.external(cfg, storage, record) if stage.external else {}
+    if stage.verdict_code:
+        external[f"code {', '.join(stage.verdict_code)}"] = code_hash(stage.verdict_code)
+    return external
 
 
 def close_interrupted(record: RunRecord, taken_over: str | None) -> None:
@@ -378,7 +394,10 @@ def unusable_request(storage: Storage, record: RunRecord, cause: str) -> State:
     return refused(cause)
 
 
-def finish(storage: Storage, record: RunRecord, failed: StageEntry | None) -> State:
+def finish(storage: Storage, cfg: PipelineConfig, record: RunRecord, failed: StageEntry | None) -> State:
+    """End the invocation: the run's status is that of its current entries, not only of the stages this invocation
+    ran (`failed`), and its promotion what the registry holds for it."""
+    failed = failed or standing_failure(record)
     read = [path for entry in record.stages.values() if entry.inputs is not None for path in entry.inputs.config]
     # A setting is ignored only once every stage has had its turn: `--until data` ran connectivity, which reads
     # train.num_workers, and reported the fine-tune's train.max_failures as set but read by no stage.
@@ -390,10 +409,15 @@ def finish(storage: Storage, record: RunRecord, failed: StageEntry | None) -> St
         record.end("succeeded")
     else:
         failure = failed.failure_class or FailureClass.infrastructure
-        record.end("failed", failure, f"{failed.stage}: {failed.cause}")
+        earlier = (
+            f" (invocation {failed.invocation}'s, still current)" if failed.invocation < len(record.invocations) else ""
+        )
+        record.end("failed", failure, f"{failed.stage}: {failed.cause}{earlier}")
         if failed.stage != "promote" and "promote" not in record.stages:
             # Nothing is promoted after a failed stage; the refusal and its reason are part of the record.
             record.promotion = PromoteSummary(promoted=False, reasons=[f"{failure.value} failure in {record.cause}"])
+    if "promote" not in record.stages and (live := live_promotion(storage, cfg, record)) is not None:
+        record.promotion = live
     records.save(storage, record)
     publish(artifacts.stage_table, record, table.names())
     publish(artifacts.run_report, record)
@@ -403,6 +427,33 @@ def finish(storage: Storage, record: RunRecord, failed: StageEntry | None) -> St
         message=f"{record.failure_class.value if record.failure_class else ''} failure in {record.cause}",
         data=summary_of(record),
     )
+
+
+def standing_failure(record: RunRecord) -> StageEntry | None:
+    """The first current entry that failed, in table order: an earlier invocation's failure stands until its stage
+    reruns (`--only verify` after a failed evaluate leaves the run failed). A stage that has not run, or whose
+    entry a rerun superseded, is no failure: `--until data` of a new run succeeds through data."""
+    return next(
+        (entry for name in table.names() if (entry := record.stages.get(name)) and entry.status == "failed"), None
+    )
+
+
+def live_promotion(storage: Storage, cfg: PipelineConfig, record: RunRecord) -> PromoteSummary | None:
+    """This run's promotion when production still serves it although no current promote entry says so: a rerun
+    superseded the evidence it was promoted on (a re-evaluation that then failed, `--until`, `--only evaluate`),
+    but only a rollback takes a model out of production, and the record never denies what the registry serves.
+    Its summary as that promotion recorded it (the override's, or the pointer's fields when neither is kept)."""
+    try:
+        pointer, _ = registry.read_pointer(storage, cfg.model.name)
+    except registry.RegistryUnreadable as e:
+        get_run_logger().warning(f"cannot tell whether run {record.run_id}'s promotion still serves: {e}")
+        return None
+    if pointer is None or pointer.run_id != record.run_id:
+        return None
+    earlier = [entry.summary_as(PromoteSummary) for entry in table.attempts("promote", record)]
+    earlier += [override.result for override in record.overrides]
+    same = [s for s in earlier if s is not None and s.promoted and s.version == pointer.version]
+    return same[-1] if same else PromoteSummary(promoted=True, **pointer.model_dump(exclude={"move"}))
 
 
 def summary_of(record: RunRecord) -> dict[str, Any]:

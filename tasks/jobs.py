@@ -23,6 +23,7 @@ from prefect.cache_policies import NO_CACHE
 from tasks import artifacts, events
 from tasks.rayjob import JobSpec, RayJobRunner
 from tuneproof.control import cost, registry
+from tuneproof.control import stages as table
 from tuneproof.control.record import JobEntry, RunRecord, StageEntry
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.envelope import ProgressEvent
@@ -250,13 +251,15 @@ def connectivity(call: StageCall) -> StageEntry:
 def evaluate(call: StageCall) -> StageEntry:
     """Candidate vs base vs incumbent on the held-out split, and the gate decision.
 
-    The incumbent is the production model when the job is built; promotion later checks that it is
-    still the production model (compare-and-swap on the pointer).
+    The incumbent is the production model when the job is built (or, when that is this fine-tune's own
+    promotion, the version it replaced: stages.incumbent, which evaluate's inputs key reads too); promotion
+    later checks that it is still the production model (compare-and-swap on the pointer).
     """
     try:
         pointer, _ = registry.read_pointer(Storage.from_config(call.cfg.storage), call.cfg.model.name)
     except registry.RegistryUnreadable as e:  # no incumbent anyone can name: nothing is scored against a guess
         return StageEntry.failed(call.stage, FailureClass.infrastructure, str(e), started_at=now_iso())
-    incumbent = {"version": pointer.version, "path": pointer.path} if pointer else None
+    found = table.incumbent(pointer, call.record)
+    incumbent = {"version": found.version, "path": found.path} if found else None
     params = {"dataset": call.inputs["dataset_path"], "candidate": call.inputs["export_path"], "incumbent": incumbent}
     return run_single_job(call, call.spec("eval.evaluate_job", params))

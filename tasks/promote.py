@@ -58,10 +58,13 @@ def refusal_reasons(cfg: PipelineConfig, record: RunRecord) -> list[str]:
 def config_reasons(cfg: PipelineConfig, record: RunRecord) -> list[str]:
     """The evidence stages that read a setting whose value `cfg` does not give: their verdict was reached under
     another config (a `--only promote` with other settings, another model's run), so it is not this one's.
-    Compared by each stage's observed inputs (StageInputs.config: sha256 per setting read). Pure."""
+    Compared by each stage's observed inputs (StageInputs.config: sha256 per setting read), the data stage's
+    included: the evaluation scored the eval split data prepared, and no evaluate or fine-tune job reads a data.*
+    source setting, so only data's reads show that `--only evaluate,promote` came after data.eval_source changed.
+    Pure."""
     now = cfg.model_dump(mode="json")
     reasons = []
-    for stage in EVIDENCE_STAGES:
+    for stage in ("data", *EVIDENCE_STAGES):
         entry = record.stages.get(stage)
         observed = observed_settings(record, entry) if entry is not None else {}
         current = config_reads.reads_hashes(now, list(observed))

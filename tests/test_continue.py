@@ -12,7 +12,7 @@ import pytest
 from prefect import task
 
 from flows import stage_tasks
-from flows.pipeline import pipeline
+from flows.pipeline import pipeline, refusal
 from tasks.jobs import StageCall
 from tests.reading import present, summary_dict
 from tuneproof.control import record as records
@@ -237,6 +237,8 @@ def test_stage_inputs_hash_the_sections_the_code_and_the_needed_outputs_identity
 
 CALLS: list[str] = []
 STAND_IN_TASKS: dict[str, Callable[[StageCall], StageEntry]] = {}
+FAILING: dict[str, str] = {}
+"""Stand-in stages that fail (as a modeling failure) with this cause."""
 
 
 def stand_in(name: str, needs: tuple[Need, ...], setting: str) -> Stage:
@@ -248,6 +250,8 @@ def stand_in(name: str, needs: tuple[Need, ...], setting: str) -> Stage:
         CALLS.append(name)
         section, field = setting.split(".")
         getattr(getattr(call.cfg, section), field)
+        if name in FAILING:
+            return StageEntry.failed(name, FailureClass.modeling, FAILING[name])
         summary = DataSummary(dataset_path=f"datasets/{name}/{call.invocation}", content_hash=name, dataset_uri="/x")
         return StageEntry.succeeded(name, summary, "t0")
 
@@ -272,6 +276,7 @@ def stand_ins(monkeypatch):
     monkeypatch.setattr(table, "STAGES", stages)
     monkeypatch.setattr(stage_tasks, "TASKS", dict(STAND_IN_TASKS))
     CALLS.clear()
+    FAILING.clear()
     return stages
 
 
@@ -337,13 +342,79 @@ def test_a_run_until_a_stage_stops_there_and_its_continuation_runs_the_rest(pref
     assert rec.unread_settings == ["train.log_every"]
 
 
+@pytest.mark.integration
+def test_a_subset_that_would_supersede_what_a_later_stage_needs_is_refused_before_anything_runs(
+    prefect_harness, stand_ins, tmp_path
+):
+    """`--only data,evaluate`: data ran (and superseded the fine-tune), then evaluate was refused, "nothing ran"."""
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
+    assert pipeline(config=cfg, run_id="sub", return_state=True).is_completed()
+    before = records.load(Storage(str(tmp_path)), "sub")
+    CALLS.clear()
+    state = pipeline(config=cfg, run_id="sub", only=["a", "c"], return_state=True)
+    assert refusal(state) == (
+        "nothing ran: stage c needs b.dataset_path from a succeeded b stage, and run sub's b is superseded by this "
+        "rerun; run it too (e.g. --only a,b,c)"
+    )
+    assert CALLS == [] and records.load(Storage(str(tmp_path)), "sub") == before  # nothing superseded, nothing saved
+
+
+def test_needs_are_checked_against_what_the_plan_leaves_standing():
+    data = DataSummary(dataset_path="datasets/d/abc", content_hash="abc", dataset_uri="/x")
+    finished = record_with(
+        {
+            "data": StageEntry.succeeded("data", data, "t0"),
+            "finetune": StageEntry.succeeded("finetune", finetuned("e1"), "t0"),
+        }
+    )
+    table.check_needs(table.plan(["evaluate", "promote"]), finished)  # the fine-tune and the data stand
+    table.check_needs(table.plan(["data", "finetune", "evaluate"]), finished)  # each need made earlier in the plan
+    with pytest.raises(
+        table.MissingStageOutput, match="finetune is superseded by this rerun; .*--only data,finetune,evaluate"
+    ):
+        table.check_needs(table.plan(["data", "evaluate"]), finished)
+    with pytest.raises(
+        table.MissingStageOutput, match="run r's data has not run; run it too .e.g. --only data,finetune"
+    ):
+        table.check_needs(table.plan(["finetune"]), record_with({}))
+    unreadable = StageEntry.failed("data", FailureClass.data, "data source x is unreadable")
+    with pytest.raises(table.MissingStageOutput, match="run r's data failed without it"):
+        table.check_needs(table.plan(["finetune"]), record_with({"data": unreadable}))
+
+
+@pytest.mark.integration
+def test_a_current_failed_stage_keeps_the_run_failed_whatever_a_later_invocation_ran(
+    prefect_harness, stand_ins, tmp_path, monkeypatch
+):
+    """`--until b` or `--only v` (v: a stage c does not depend on, as verify for evaluate) after c failed ended
+    `succeeded`, exit 0, with the failed c still current."""
+    from tuneproof.app.cli import run_exit_code
+
+    monkeypatch.setattr(table, "STAGES", (stand_in("v", (), "cluster.backend"), *stand_ins))
+    monkeypatch.setattr(stage_tasks, "TASKS", dict(STAND_IN_TASKS))
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
+    FAILING["c"] = "gate exact_match failed"
+    assert pipeline(config=cfg, run_id="bad", return_state=True).is_failed()
+    FAILING.clear()
+    for only, until in ((None, "b"), (["v"], None)):
+        CALLS.clear()
+        state = pipeline(config=cfg, run_id="bad", only=only, until=until, return_state=True)
+        rec = records.load(Storage(str(tmp_path)), "bad")
+        assert state.is_failed() and rec.status == "failed" and rec.failure_class == FailureClass.modeling
+        assert rec.cause == "c: gate exact_match failed (invocation 1's, still current)"
+        assert run_exit_code(rec) == 6
+    assert CALLS == ["v"]
+    CALLS.clear()  # the continuation reruns c (and only c): the run succeeds once nothing failed stands
+    assert pipeline(config=cfg, run_id="bad", return_state=True).is_completed()
+    assert CALLS == ["c"] and records.load(Storage(str(tmp_path)), "bad").status == "succeeded"
+
+
 def test_evaluate_depends_on_the_production_model_but_not_on_its_own_promotion(tmp_path):
     from tuneproof.control.registry import ProductionPointer
-    from tuneproof.core.summaries_eval import PromoteSummary
 
     cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
     storage = Storage(str(tmp_path))
-    rec = record_with({})
+    rec = record_with({"finetune": StageEntry.succeeded("finetune", finetuned("e1"), "t0")})
     evaluate = table.by_name("evaluate")
     assert evaluate.external is not None
     assert evaluate.external(cfg, storage, rec) == {"registry.production": "none"}
@@ -352,13 +423,103 @@ def test_evaluate_depends_on_the_production_model_but_not_on_its_own_promotion(t
     )
     storage.write_json(other.to_json(), "models", cfg.model.name, "production.json")
     assert evaluate.external(cfg, storage, rec) == {"registry.production": "v0002-other"}
-    rec.promotion = PromoteSummary(promoted=True, version="v0002-other", previous_version="v0001-a")
-    assert evaluate.external(cfg, storage, rec) == {"registry.production": "v0001-a"}  # its own promotion
+    # This run promoted its fine-tune over v0002; a rerun of evaluate superseded record.promotion before it ran.
+    own = other.model_copy(
+        update={"version": "v0003-r", "path": "models/x/v0003-r", "run_id": "r", "previous_version": "v0002-other"}
+    )
+    storage.write_json(
+        own.model_copy(update={"content_sha256": "e1"}).to_json(), "models", cfg.model.name, "production.json"
+    )
+    assert rec.promotion is None
+    assert evaluate.external(cfg, storage, rec) == {"registry.production": "v0002-other"}  # its own promotion
     config = cfg.model_dump(mode="json")
     moved = table.stage_inputs(evaluate, config, "wd", rec, {"registry.production": "v3"})
     assert moved.key != table.stage_inputs(evaluate, config, "wd", rec, {"registry.production": "v2"}).key
     before = table.stage_inputs(evaluate, config, "wd", rec, {"registry.production": "v2"})
     assert table.changed_inputs(before, moved) == "registry.production"
+
+
+def finetuned(export_sha256: str) -> FinetuneSummary:
+    return FinetuneSummary(
+        run_name="r", train_storage_uri="/t", checkpoints=[], start_step=0, steps=4, seconds=1.0,
+        export_path="runs/r/model", export_sha256=export_sha256,
+    )  # fmt: skip
+
+
+def test_a_candidate_already_in_production_is_scored_against_the_version_it_replaced_never_itself():
+    """Re-evaluating a run that promoted itself (a continuation after a gate changed, `--only evaluate,promote`)
+    compared the candidate with itself: the incumbent was whatever production named, this run's own version."""
+    from tuneproof.control.registry import ProductionPointer
+
+    rec = record_with({"finetune": StageEntry.succeeded("finetune", finetuned("e1"), "t0")})
+    own = ProductionPointer(
+        name="m", version="v0003-r", path="models/m/v0003-r", run_id="r", promoted_at="t",
+        previous_version="v0002-other", content_sha256="e1",
+    )  # fmt: skip
+    assert table.incumbent(own, rec) == table.Incumbent("v0002-other", "models/m/v0002-other")
+    assert table.incumbent(own.model_copy(update={"previous_version": None}), rec) is None  # it was the first
+    # Production is an earlier fine-tune of this same run: that model is the incumbent the new one must beat.
+    earlier = own.model_copy(update={"content_sha256": "e0"})
+    assert table.incumbent(earlier, rec) == table.Incumbent("v0003-r", "models/m/v0003-r")
+    assert table.incumbent(None, rec) is None
+
+
+def test_the_evaluate_job_is_given_the_incumbent_its_inputs_key_names(tmp_path, monkeypatch):
+    from tasks import jobs
+    from tuneproof.control.registry import ProductionPointer
+    from tuneproof.core.summaries_eval import EvaluateSummary
+
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
+    rec = record_with({"finetune": StageEntry.succeeded("finetune", finetuned("e1"), "t0")})
+    own = ProductionPointer(
+        name=cfg.model.name, version="v0003-r", path=f"models/{cfg.model.name}/v0003-r", run_id="r",
+        promoted_at="t", previous_version="v0002-other", content_sha256="e1",
+    )  # fmt: skip
+    Storage(str(tmp_path)).write_json(own.to_json(), "models", cfg.model.name, "production.json")
+    submitted = []
+    monkeypatch.setattr(jobs, "run_single_job", lambda call, spec: submitted.append(spec.params))
+    inputs = {"dataset_path": "datasets/d/abc", "export_path": "runs/r/model"}
+    call = StageCall(
+        stage="evaluate", cfg=cfg, run_id="r", invocation=2, timeout_s=60, summary=EvaluateSummary, inputs=inputs,
+        record=rec,
+    )  # fmt: skip
+    jobs.evaluate.fn(call)
+    assert submitted[0]["incumbent"] == {"version": "v0002-other", "path": f"models/{cfg.model.name}/v0002-other"}
+    evaluate = table.by_name("evaluate")
+    assert evaluate.external is not None
+    assert evaluate.external(cfg, Storage(str(tmp_path)), rec) == {"registry.production": "v0002-other"}
+
+
+def test_a_source_file_edited_in_place_changes_the_data_stages_key(tmp_path):
+    """The data stage's settings name its files by path: an edited file kept its dataset, and every model after it."""
+    source, suite = tmp_path / "train.jsonl", tmp_path / "suite.jsonl"
+    source.write_text('{"q": "a", "a": "b"}\n')
+    suite.write_text('{"input": "x", "output": "y"}\n')
+    cfg = PipelineConfig.model_validate(
+        {
+            "storage": {"root": str(tmp_path)},
+            "data": {"source": str(source), "eval_source": "hf://org/held-out:test"},
+            "eval": {"suites": {"add": {"source": str(suite)}}},
+        }
+    )
+    data, storage, rec = table.by_name("data"), Storage(str(tmp_path)), record_with({})
+    assert data.external is not None
+    contents = data.external(cfg, storage, rec)
+    assert set(contents) == {"data.source content", "data.eval_source content", "eval.suites.add.source content"}
+    assert contents["data.eval_source content"] == "hf://org/held-out:test"  # a hub dataset: its URI alone
+    config = cfg.model_dump(mode="json")
+    before = table.stage_inputs(data, config, "wd", rec, contents)
+    source.write_text('{"q": "a", "a": "b"}\n')  # written again, the same bytes: the same key
+    assert table.stage_inputs(data, config, "wd", rec, data.external(cfg, storage, rec)) == before
+    source.write_text('{"q": "NEW", "a": "ROWS"}\n')
+    edited = table.stage_inputs(data, config, "wd", rec, data.external(cfg, storage, rec))
+    assert table.changed_inputs(before, edited) == "data.source content"
+    suite.write_text('{"input": "x", "output": "z"}\n')
+    assert "eval.suites.add.source content" in table.changed_inputs(
+        edited, table.stage_inputs(data, config, "wd", rec, data.external(cfg, storage, rec))
+    )
+    source.unlink()  # a path on the cluster's nodes alone: the data job, which reads it there, is the judge
+    assert data.external(cfg, storage, rec)["data.source content"] == "unreadable here (FileNotFoundError)"
 
 
 def test_runs_show_says_which_stages_were_kept_and_why_others_reran():
@@ -425,9 +586,7 @@ def test_continuing_with_another_world_size_reruns_connectivity_and_keeps_the_da
 
 
 def _external(rec: RunRecord, name: str) -> dict[str, str]:
-    """The external inputs the stage ran with (evaluate's production version), as its entry stored them."""
-    return {
-        k: v
-        for k, v in present(rec.stages[name].inputs).needs.items()
-        if "." in k and k.split(".")[0] not in table.names()
-    }
+    """The external inputs the stage ran with (evaluate's production version, data's source contents, the
+    flow-side code of an in-flow verdict), as its entry stored them: its inputs' needs that are no need of its."""
+    needs = {str(need) for need in table.by_name(name).needs}
+    return {k: v for k, v in present(rec.stages[name].inputs).needs.items() if k not in needs}

@@ -347,7 +347,7 @@ def test_the_rollback_flow_refuses_with_the_pointer_kept_and_publishes_the_histo
     )
     assert done.is_completed(), done.message
     refused = rollback_flow(model=cfg.model.name, reason="again", by="oncall", storage=cfg.storage, return_state=True)
-    assert refused.is_failed() and "no earlier complete version" in (refused.message or "")
+    assert refused.is_failed() and "no earlier version to go back to by default" in (refused.message or "")
     assert production_pointer(storage, cfg.model.name).version == v1
 
     async def artifact():

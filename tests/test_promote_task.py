@@ -23,6 +23,7 @@ from tuneproof.core import config_reads
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.markers import EXPORT_MANIFEST, ExportManifest, FileDigest, content_sha256
 from tuneproof.core.storage import Storage
+from tuneproof.core.summaries_data import DataSummary
 from tuneproof.core.summaries_eval import EvaluateSummary, GateDecision, ModelScore, PromoteSummary
 from tuneproof.core.summaries_training import FinetuneSummary, ResumeSummary
 
@@ -227,6 +228,23 @@ def test_evidence_reached_under_other_settings_is_not_promoted():
     assert reasons[0].startswith("finetune ran with other settings") and reasons[1].startswith("evaluate ")
     moved = PipelineConfig.model_validate({"model": model_a, "storage": {"root": "/elsewhere"}})
     assert refusal_reasons(moved, rec) == []  # a run moved or cloned: where its files are is not what was judged
+
+
+def test_an_evaluation_of_a_split_prepared_from_another_eval_source_is_not_promoted():
+    """`--only evaluate,promote` after data.eval_source changed scored the old file's eval split and promoted: no
+    evaluate or fine-tune job reads a data.* source setting, so only the data stage's reads can tell."""
+    ran = PipelineConfig.model_validate({"data": {"eval_source": "/data/old-eval.jsonl"}})
+    rec = with_inputs(passed_record(ran), ran)
+    prepared = DataSummary(dataset_path="datasets/d/abc", content_hash="abc", dataset_uri="/x")
+    rec.stages["data"] = StageEntry.succeeded("data", prepared, "a")
+    observed = config_reads.reads_hashes(ran.model_dump(mode="json"), ["data.eval_source", "data.source"])
+    rec.stages["data"].inputs = StageInputs(key="data", config=observed, working_dir_hash="wd")
+    assert refusal_reasons(ran, rec) == []
+    new_eval = PipelineConfig.model_validate({"data": {"eval_source": "/data/new-eval.jsonl"}})
+    assert refusal_reasons(new_eval, rec) == [
+        "data ran with other settings than this config gives: data.eval_source; rerun data with this config, "
+        "or promote with the config it ran with"
+    ]
 
 
 def test_the_card_names_what_the_fine_tune_ran_under_not_a_later_promote_only_config():

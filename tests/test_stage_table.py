@@ -168,7 +168,8 @@ def test_a_toy_stage_without_its_input_is_a_usage_error(prefect_harness, with_to
     cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
     state = pipeline(config=cfg, run_id="empty-run", only=["toy"], return_state=True)
     assert "stage toy needs data.dataset_path" in (refusal(state) or "")
-    assert records.load(Storage(str(tmp_path)), "empty-run").failure_class is None
+    assert "(e.g. --only data,toy)" in (refusal(state) or "")
+    assert not Storage(str(tmp_path)).exists("runs", "empty-run", records.RECORD)  # refused before it was written
 
 
 @pytest.mark.integration

@@ -213,12 +213,19 @@ def run_with_display(
     except (OSError, records.RecordUnreadable) as e:
         say(console, f"the run's record cannot be read back ({e}): {state.message}", "bold red")
         return {"run_id": run_id, "status": "crashed", "failure_class": None, "cause": state.message}
-    if rec.status == "running":
-        # The flow raised and could not even mark its record (the storage that failed refused that too).
+    if rec.status == "running" or not (state.is_completed() or written_by(rec, state)):
+        # The flow raised and could not even mark its record (the storage that failed refused that too): the record
+        # on disk is still running, or still an earlier invocation's, whose summary is not this invocation's end.
         say(console, f"run {run_id} crashed and its record could not be updated: {state.message}", "bold red")
         return {"run_id": run_id, "status": "crashed", "failure_class": None, "cause": state.message}
     print_summary(rec, console)
     return rec
+
+
+def written_by(rec: RunRecord, state: State) -> bool:
+    """The record's last invocation is the flow run that ended in `state` (it opened the record and saved it)."""
+    last = rec.invocations[-1] if rec.invocations else None
+    return last is not None and last.flow_run_id == str(state.state_details.flow_run_id)
 
 
 def prefect_api_problem(console: Console) -> str | None:
@@ -277,6 +284,12 @@ def print_summary(rec: RunRecord, console: Console) -> None:
     promotion = rec.promotion
     if promotion is not None:
         verdict = f"promoted {promotion.version}" if promotion.promoted else "refused: " + "; ".join(promotion.reasons)
+        if promotion.promoted and not rec.passed("promote"):
+            # The record never denies what production serves, nor passes it off as standing on current evidence.
+            verdict += (
+                " earlier in this run and still in production, though the evidence it was promoted on is superseded "
+                f"(`tuneproof rollback {promotion.name or 'MODEL'} --reason ...` takes it out)"
+            )
         print_line(console, f"  promotion: {verdict}")
     style = "green" if rec.status == "succeeded" else "bold red"
     tail = f" ({rec.failure_class.value}: {rec.cause})" if rec.failure_class else ""

@@ -3,7 +3,8 @@
 The working_dir shipped to every job is staged from exactly the job side: the core package
 (tuneproof/core/, with the empty tuneproof/__init__.py above it), training/ and eval/. Its hash is
 what ran, independent of the control plane, the CLI, tests, docs or local outputs in the checkout:
-an edit to the CLI does not change the recorded working_dir_hash.
+an edit to the CLI does not change the recorded working_dir_hash. The few control-plane modules that decide a
+stage's verdict in the flow (the resume test's checks, promotion's refusals) are hashed apart (`code_hash`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import hashlib
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 from tuneproof.core.config import PROJECT_ROOT
@@ -37,8 +39,13 @@ def git_identity(root: Path = PROJECT_ROOT) -> dict:
 
 
 def job_files(root: Path = PROJECT_ROOT) -> list[Path]:
+    return files_under(JOB_PATHS, root)
+
+
+def files_under(paths: Iterable[str], root: Path = PROJECT_ROOT) -> list[Path]:
+    """The files `paths` (files or folders, relative to `root`) hold, caches and bytecode left out."""
     files = []
-    for entry in JOB_PATHS:
+    for entry in paths:
         base = root / entry
         for path in [base] if base.is_file() else sorted(base.rglob("*")):
             if path.is_file() and not (_SKIP_DIRS & set(path.relative_to(root).parts)) and path.suffix != ".pyc":
@@ -87,3 +94,9 @@ def stage_working_dir(root: Path = PROJECT_ROOT) -> tuple[Path, str]:
 def working_dir_hash(root: Path = PROJECT_ROOT) -> str:
     """The hash `stage_working_dir` would give the job code now, without staging a copy."""
     return tree_hash(job_files(root), root)
+
+
+def code_hash(paths: Iterable[str], root: Path = PROJECT_ROOT) -> str:
+    """tree_hash of control-plane code outside the working_dir: the modules that decide a stage's verdict in the
+    flow (a stage's `verdict_code`), which a fix changes without changing working_dir_hash."""
+    return tree_hash(files_under(paths, root), root)

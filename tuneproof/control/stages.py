@@ -14,6 +14,8 @@ into the record), then the table. Regenerate the record's committed JSON Schema 
 
 from __future__ import annotations
 
+import hashlib
+import posixpath
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -83,7 +85,11 @@ class Stage:
     """Why the configured run leaves this stage out, or None to run it."""
     external: Callable[[PipelineConfig, Storage, RunRecord], dict[str, str]] | None = None
     """Inputs from outside the run that the stage's result depends on (evaluate: the production model it
-    compares against); part of its inputs key, so a continued run re-evaluates when production moved."""
+    compares against; data: its source files' contents); part of its inputs key, so a continued run re-evaluates
+    when production moved, and prepares the data again when a source file changed under the same path."""
+    verdict_code: tuple[str, ...] = ()
+    """Modules outside the job code (relative to the project root) that decide the stage's verdict in the flow:
+    their hash is part of its inputs key, so a fix to how it judges reruns it on a continuation."""
     resumable: bool = False
     """An interrupted attempt (failed as infrastructure, or cut short by a dead flow) continued with the same
     inputs reuses that attempt's Ray job and Ray Train names, so training resumes from its checkpoint."""
@@ -155,6 +161,39 @@ def data_evidence(s: DataSummary) -> str:
     return f"{head}: {rows} rows of {m.total_rows:,} read" + (f"; dropped {drops}" if drops else ", none dropped")
 
 
+def source_contents(cfg: PipelineConfig, storage: Storage, record: RunRecord) -> dict[str, str]:
+    """The content of each file the data stage reads, by setting ('data.source content'): a file edited in place
+    keeps its path, the only thing the settings say, so without this a continuation kept a dataset (and a model)
+    made from the old rows. Files: data.source, data.eval_source, data.replay.source and each suite's source."""
+    replay = cfg.data.replay.source if cfg.data.replay else None
+    sources = {"data.source": cfg.data.source, "data.eval_source": cfg.data.eval_source, "data.replay.source": replay}
+    sources |= {f"eval.suites.{name}.source": suite.source for name, suite in cfg.eval.suites.items()}
+    hub = cfg.data.format == "hf"
+    return {
+        f"{key} content": content_identity(uri, cfg.storage.endpoint_url, hub and key.startswith("data."))
+        for key, uri in sources.items()
+        if uri
+    }
+
+
+def content_identity(uri: str, endpoint_url: str | None, hub: bool = False) -> str:
+    """A local file's sha256 (exact, and cheap beside the data job, which reads and hashes every byte of it
+    again: about 0.7 s a GB here), an S3 object's ETag and size (its content's, without reading it), a hub
+    dataset's URI (no identity short of downloading it). One that cannot be read here (a path on the cluster's
+    nodes alone) says so: the data stage, which reads it there, is the judge."""
+    if hub or uri.startswith("hf://"):
+        return uri
+    try:
+        source = Storage(uri, endpoint_url)
+        if source.is_s3:
+            info = source.fs.info(source.path())
+            return f"etag {info.get('ETag') or info.get('etag')}, {info.get('size')} bytes"
+        with open(source.path(), "rb") as f:
+            return "sha256 " + hashlib.file_digest(f, "sha256").hexdigest()
+    except (OSError, ValueError) as e:
+        return f"unreadable here ({type(e).__name__})"
+
+
 def lift_data(record: RunRecord, s: DataSummary) -> None:
     if s.content_hash:
         # Its identity fields only: a DataSummary is a DataIdentity, but the record keeps no more than these.
@@ -221,19 +260,36 @@ def evaluate_metrics(s: EvaluateSummary) -> Metrics:
 
 
 def production_version(cfg: PipelineConfig, storage: Storage, record: RunRecord) -> dict[str, str]:
-    """The production version evaluate scores the candidate against (the incumbent), or 'none'. When this
-    run's own promotion moved production, the version it replaced is still what its evaluation stands on."""
+    """The version evaluate scores the candidate against (`incumbent`), or 'none'."""
     try:
         pointer, _ = registry.read_pointer(storage, cfg.model.name)
     except registry.RegistryUnreadable as e:
         # Not a reason to end the run here: the key says what was seen, and the evaluate task, which reads the
         # pointer again, fails as infrastructure naming the file.
         return {"registry.production": f"unreadable: {e}"}
-    version = pointer.version if pointer else "none"
-    own = record.promotion
-    if own is not None and own.promoted and own.version == version:
-        version = own.previous_version or "none"
-    return {"registry.production": version}
+    found = incumbent(pointer, record)
+    return {"registry.production": found.version if found else "none"}
+
+
+@dataclass(frozen=True)
+class Incumbent:
+    """A registry version evaluate scores the candidate against, and where its model is (storage-relative)."""
+
+    version: str
+    path: str
+
+
+def incumbent(pointer: registry.ProductionPointer | None, record: RunRecord) -> Incumbent | None:
+    """What this run's current fine-tune is compared against: the production model, or, when production already
+    is this fine-tune's model (this run promoted it, and a continuation or `--only evaluate,promote` evaluates it
+    again), the version that promotion replaced, so the candidate is never scored against itself. Decided from the
+    pointer, not from record.promotion, which a rerun of evaluate supersedes before evaluate runs. Pure."""
+    finetune = record.summary("finetune", FinetuneSummary) if record.passed("finetune") else None
+    content = finetune.export_sha256 if finetune else None
+    if content is not None and registry.is_promotion_of(pointer, record.run_id, content):
+        replaced = pointer.previous_version
+        return Incumbent(replaced, posixpath.join(registry.MODELS, pointer.name, replaced)) if replaced else None
+    return Incumbent(pointer.version, pointer.path) if pointer else None
 
 
 def promote_evidence(s: PromoteSummary) -> str:
@@ -273,6 +329,7 @@ STAGES: tuple[Stage, ...] = (
         evidence=data_evidence,
         fails_as=(DATA, INFRA),
         timeout="data",
+        external=source_contents,
         lift=lift_data,
     ),
     Stage(
@@ -298,6 +355,7 @@ STAGES: tuple[Stage, ...] = (
         ),
         metrics=resume_metrics,
         skip=resume_disabled,
+        verdict_code=("tasks/resume.py", "tuneproof/control/resume_evidence.py"),
     ),
     Stage(
         name="evaluate",
@@ -317,6 +375,7 @@ STAGES: tuple[Stage, ...] = (
         reads=("finetune", "resume", "evaluate"),
         timeout="promote",  # the copy check's Ray job
         lift=lift_promotion,
+        verdict_code=("tasks/promote.py",),
     ),
 )
 
@@ -386,9 +445,7 @@ def inputs_for(stage: Stage, record: RunRecord) -> dict[str, Any]:
     """The outputs of earlier stages that `stage` needs, from the record; MissingStageOutput when one is absent."""
     inputs: dict[str, Any] = {}
     for need in stage.needs:
-        entry = record.stages.get(need.stage)
-        summary = entry.summary_as(by_name(need.stage).summary) if entry and entry.ok else None
-        value = getattr(summary, need.output, None) if summary is not None else None
+        value = output_of(need, record.stages)
         if value is None:
             raise MissingStageOutput(
                 f"stage {stage.name} needs {need} from a succeeded {need.stage} stage of run {record.run_id}; "
@@ -396,6 +453,34 @@ def inputs_for(stage: Stage, record: RunRecord) -> dict[str, Any]:
             )
         inputs[need.output] = value
     return inputs
+
+
+def output_of(need: Need, entries: dict[str, StageEntry]) -> Any:
+    """The needed output as the succeeded entry of its stage holds it; None when there is none. Pure."""
+    entry = entries.get(need.stage)
+    summary = entry.summary_as(by_name(need.stage).summary) if entry and entry.ok else None
+    return getattr(summary, need.output, None) if summary is not None else None
+
+
+def check_needs(planned: list[Stage], record: RunRecord) -> None:
+    """MissingStageOutput when a planned stage needs an output that neither an earlier planned stage makes nor
+    an entry left standing once the plan's supersede has run holds: `--only data,evaluate` is refused before data
+    runs (it would supersede the fine-tune evaluate needs), not after. Pure."""
+    chosen = names(planned)
+    stale = stale_after(chosen)
+    standing = {name: entry for name, entry in record.stages.items() if name not in stale}
+    for position, stage in enumerate(planned):
+        for need in stage.needs:
+            if need.stage in chosen[:position] or output_of(need, standing) is not None:
+                continue
+            entry = standing.get(need.stage)
+            why = "has not run" if entry is None else f"{entry.status} without it"
+            why = "is superseded by this rerun" if need.stage in stale else why
+            hint = [name for name in names() if name in chosen or name == need.stage]
+            raise MissingStageOutput(
+                f"stage {stage.name} needs {need} from a succeeded {need.stage} stage, and run {record.run_id}'s "
+                f"{need.stage} {why}; run it too (e.g. --only {','.join(hint)})"
+            )
 
 
 # ---- continuing a run ---------------------------------------------------------------------------
