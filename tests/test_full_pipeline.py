@@ -184,8 +184,11 @@ def test_a_gate_the_candidate_misses_is_a_modeling_failure_and_nothing_moves(dem
     rec = records.load(storage, "demo")
     assert rec.failure_class == "modeling"
     assert "exact_match >= 0.999" in (rec.stages["evaluate"].cause or "")
-    assert rec.promotion is not None
-    assert rec.promotion.promoted is False
+    # Nothing moved, and no promotion stands on this invocation's evidence; the record keeps the demo's earlier
+    # promotion, which production still serves (it never denies what the registry serves), and says so.
+    assert "promote" not in rec.stages
+    assert rec.promotion is not None and rec.promotion.version == "v0001-demo"
+    assert "earlier in this run and still in production" in result.output
     assert pointer_bytes(storage) == before
     assert storage.listdir("models", "dates-qwen2-tiny") == versions
 
@@ -226,6 +229,6 @@ def test_a_checkpoint_with_a_deleted_shard_is_never_used(demo, base_args, storag
     rec = records.load(storage, "demo")
     resume = rec.stages["resume"]
     assert resume.failure_class == "infrastructure" and shard.name in (resume.cause or "")
-    assert rec.promotion is not None
-    assert rec.promotion.promoted is False
+    assert "promote" not in rec.stages  # refused with the resume test: the earlier promotion alone still stands
+    assert rec.promotion is not None and rec.promotion.version == "v0001-demo"
     assert pointer_bytes(storage) == before
