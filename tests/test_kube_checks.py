@@ -365,3 +365,18 @@ def test_an_autoscaling_cluster_below_max_replicas_is_not_short_of_pods(saved):
 def test_counts_are_read_as_kubernetes_quantities(raw, count):
     # float('4k') failed, so a GPU limit of 4k read as no limit at all (0).
     assert as_count(raw) == count
+
+
+def test_a_pod_being_deleted_fails_though_it_still_runs_and_is_ready(saved):
+    # It passed: a pod being scaled down or evicted keeps phase Running and a ready container until it exits.
+    edit(
+        saved / "pods.json",
+        lambda pods: pod(pods, "tuneproof-gpu-worker-9tlwz")["metadata"].update(
+            deletionTimestamp="2026-12-07T15:00:00Z"
+        ),
+    )
+    findings = check(saved)
+    going = only(findings, subject="pod tuneproof-gpu-worker-9tlwz")
+    assert (going.field, going.seen) == ("metadata.deletionTimestamp", "2026-12-07T15:00:00Z")
+    short = only(findings, field="running pods")
+    assert (short.seen, short.expected) == (1, 2)

@@ -237,12 +237,31 @@ def readiness(raycluster: dict) -> list[Finding]:
 
 
 def pod_presence(raycluster: dict, pods: list[dict]) -> list[Finding]:
+    """Every pod Running and not being deleted; the head and each group's desired workers among them. A pod being
+    deleted (scale-down, eviction, a node drain) keeps phase Running and a ready container until it exits, and a
+    worker that joins the job there is lost with it."""
     findings = [
         Finding(f"pod {_name(p)}", "status.phase", p.get("status", {}).get("phase"), "Running")
         for p in pods
         if p.get("status", {}).get("phase") != "Running"
     ]
-    running = [p for p in pods if p.get("status", {}).get("phase") == "Running"]
+    findings += [
+        Finding(
+            f"pod {_name(p)}",
+            "metadata.deletionTimestamp",
+            p["metadata"]["deletionTimestamp"],
+            None,
+            "the pod is being deleted (scale-down, eviction or a node drain): wait until it is gone and its group is "
+            "whole again",
+        )
+        for p in pods
+        if (p.get("metadata") or {}).get("deletionTimestamp")
+    ]
+    running = [
+        p
+        for p in pods
+        if p.get("status", {}).get("phase") == "Running" and not (p.get("metadata") or {}).get("deletionTimestamp")
+    ]
     if not any(_labels(p).get(NODE_TYPE_LABEL) == "head" for p in running):
         findings.append(Finding(_rc_subject(raycluster), "head pod", "none running", "1 running"))
     for group in worker_groups(raycluster):
