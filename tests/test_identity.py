@@ -10,11 +10,12 @@ from tuneproof.core.config import PROJECT_ROOT, PipelineConfig
 from tuneproof.core.storage import Storage
 
 JUDGED_IN_THE_FLOW = {
+    "verify": {"tuneproof/control/kube_checks.py"},
     "resume": {"tasks/resume.py", "tuneproof/control/resume_evidence.py"},
     "promote": {"tasks/promote.py"},
 }
 """The modules outside the job code that decide a stage's verdict: the resume test's checks of the restart, the
-losses and the data order; promotion's refusals."""
+losses and the data order; promotion's refusals; on eks, verify's checks of the Kubernetes objects."""
 
 
 def test_the_modules_that_judge_a_stage_in_the_flow_are_in_its_key_not_in_the_jobs_working_dir(tmp_path):
@@ -29,7 +30,7 @@ def test_the_modules_that_judge_a_stage_in_the_flow_are_in_its_key_not_in_the_jo
         assert len(files_under(stage.verdict_code)) == len(modules), f"{name}: a verdict_code path names no file"
         key = f"code {', '.join(stage.verdict_code)}"
         assert outside_inputs(stage, cfg, Storage(str(tmp_path)), rec)[key] == code_hash(stage.verdict_code)
-    assert all(not table.by_name(name).verdict_code for name in ("verify", "data", "finetune", "evaluate"))
+    assert all(not table.by_name(name).verdict_code for name in ("connectivity", "data", "finetune", "evaluate"))
 
 
 def test_a_change_to_a_verdict_module_changes_its_hash_and_nothing_else(tmp_path):

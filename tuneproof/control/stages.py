@@ -313,6 +313,7 @@ STAGES: tuple[Stage, ...] = (
         fails_as=(INFRA,),
         timeout="verify",
         lift=lift_cluster,
+        verdict_code=("tuneproof/control/kube_checks.py",),  # the Kubernetes half, judged in the flow on eks
     ),
     Stage(
         name="connectivity",
