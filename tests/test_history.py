@@ -191,19 +191,69 @@ def test_a_history_artifact_that_cannot_be_published_is_a_warning_of_the_rollbac
     ]
 
 
-def test_the_default_rollback_target_is_the_version_production_replaced(tmp_path):
-    # It was the version numbered before production: a complete copy that never served (its swap timed out), or
-    # one rolled back as bad.
-    cfg = config(str(tmp_path))
-    storage = Storage(str(tmp_path))
+def with_a_copy_that_never_served(cfg: PipelineConfig) -> tuple[Storage, str]:
+    """r1 promoted, a complete v0002-r2 the pointer never named (a promotion that died before its swap), then r3
+    promoted over r1."""
+    storage = Storage.from_config(cfg.storage)
     name = cfg.model.name
     promoted_on_evidence(cfg, "r1", None)
     models = Path(storage.path("models", name))
     shutil.copytree(models / "v0001-r1", models / "v0002-r2")  # complete, never production
     promoted_on_evidence(cfg, "r3", "v0001-r1")
     assert production_pointer(storage, name).version == "v0003-r3"
+    return storage, name
+
+
+def test_the_default_rollback_target_is_the_version_production_replaced(tmp_path):
+    # It was the version numbered before production: a complete copy that never served (its swap timed out), or
+    # one rolled back as bad.
+    cfg = config(str(tmp_path))
+    _, name = with_a_copy_that_never_served(cfg)
     result = roll_back(cfg, name, "v3 regressed", "bob", None)
     assert (result.from_version, result.to_version) == ("v0003-r3", "v0001-r1")
+
+
+def test_a_rollback_to_a_copy_production_never_served_is_refused_by_name(tmp_path):
+    # A promotion killed between its card and the swap left a complete copy whose card claimed move #1, and
+    # `rollback --to` moved production onto it.
+    cfg = config(str(tmp_path))
+    storage, name = with_a_copy_that_never_served(cfg)
+    result = roll_back(cfg, name, "v3 regressed", "bob", "v0002-r2")
+    assert not result.rolled_back
+    assert result.reasons == [
+        f"{name}: v0002-r2 was never production (no move in {storage.uri('models', name, 'history')}/ puts it "
+        "there; its promotion stopped before the pointer's swap): nothing was rolled back"
+    ]
+    assert production_pointer(storage, name).version == "v0003-r3"
+    assert len(registry.read_history(storage, name)) == 2
+    assert roll_back(cfg, name, "v3 regressed", "bob", "v0001-r1").to_version == "v0001-r1"  # it served
+
+
+def test_a_pointer_written_before_moves_were_recorded_still_rolls_back_to_what_served_before_it(tmp_path):
+    # Nothing tells which of those versions served, so each one up to that pointer counts, as rollbacks then took them.
+    cfg = config(str(tmp_path))
+    storage = Storage(str(tmp_path))
+    name = cfg.model.name
+    for run in ("r1", "r2"):
+        promoted_on_evidence(cfg, run, None if run == "r1" else "v0001-r1")
+    pointer = production_pointer(storage, name)
+    storage.write_json(pointer.model_copy(update={"move": None}).to_json(), "models", name, "production.json")
+    storage.remove("models", name, "history", recursive=True)
+    result = roll_back(cfg, name, "v2 regressed", "bob", "v0001-r1")
+    assert (result.rolled_back, result.to_version, result.move) == (True, "v0001-r1", 1)
+
+
+def test_which_versions_production_served():
+    def move(seq: int, old: str | None, new: str) -> Move:
+        return Move(seq=seq, kind="promote", from_version=old, to_version=new, run_id="r", by="a", at="t", reason="x")
+
+    names = ["v0001-a", "v0002-b", "v0003-c", "v0004-d", "v0005-e"]
+    moves = [move(1, None, "v0001-a"), move(2, "v0001-a", "v0003-c")]
+    assert history.served(moves, names, None) == {"v0001-a", "v0003-c"}  # v0002-b, v0004-d: never production
+    # Moves recorded from a pointer that had none: what it named, and everything before it, may have served.
+    assert history.served([move(1, "v0002-b", "v0004-d")], names, None) == {"v0001-a", "v0002-b", "v0004-d"}
+    assert history.served([], names, "v0003-c") == {"v0001-a", "v0002-b", "v0003-c"}
+    assert history.served([], names, None) == set()
 
 
 def test_what_was_production_at_a_time():

@@ -290,7 +290,7 @@ def test_a_crashed_holders_lock_is_broken(local):
     assert not os.path.exists(lock)
 
 
-def test_a_live_lock_times_out_and_the_copy_is_kept_unpointed(local):
+def test_a_live_lock_times_out_and_the_copy_is_kept_unpointed_until_the_runs_next_promotion(local):
     promote(local, NAME, "runA", export(local, "runA"), card("runA"), None)
     lock = local.path("models", NAME, registry.LOCK)
     with open(lock, "w") as f:
@@ -300,6 +300,67 @@ def test_a_live_lock_times_out_and_the_copy_is_kept_unpointed(local):
         promote(local, NAME, "runB", export(local, "runB"), card("runB"), token, lock_timeout_s=0.3, stale_lock_s=60)
     assert production_pointer(local, NAME).version == "v0001-runA"
     assert [v["production"] for v in registry.show_model(local, NAME)["versions"]] == [True, False]
+    os.remove(lock)  # the run's next promotion removes the copy its swap never named
+    assert promote(local, NAME, "runB", export(local, "runB"), card("runB"), token).version == "v0003-runB"
+    assert registry.versions(local, NAME) == ["v0001-runA", "v0003-runB"]
+
+
+def died_before_the_swap(storage: Storage, run_id: str, monkeypatch) -> None:
+    """A promotion of `run_id` killed between its card and the pointer's swap: a complete copy the pointer
+    never named, whose card claims a move that never happened."""
+    token = read_pointer(storage, NAME)[1]
+
+    def killed(*args: Any) -> None:
+        raise SystemExit(137)  # not an Exception: nothing of promote's own cleanup runs, as after kill -9
+
+    with monkeypatch.context() as patched:
+        patched.setattr(registry, "swap_pointer", killed)
+        with pytest.raises(SystemExit):
+            promote(storage, NAME, run_id, export(storage, run_id), card(run_id), token)
+
+
+def test_a_retry_after_a_promotion_died_before_its_swap_removes_that_copy_never_another_runs(local, monkeypatch):
+    # The retry promoted a second copy and left the first, whose card claimed move #1, and `rollback --to` took it.
+    died_before_the_swap(local, "runB", monkeypatch)
+    died_before_the_swap(local, "runA", monkeypatch)
+    assert registry.versions(local, NAME) == ["v0001-runB", "v0002-runA"]
+    assert local.read_json(MODELS_DIR, NAME, "v0002-runA", "card.json")["history"][0]["to_version"] == "v0002-runA"
+    retried = promote(local, NAME, "runA", export(local, "runA"), card("runA"), None)
+    assert retried.version == "v0003-runA" and retried.previous_version is None
+    shown = registry.show_model(local, NAME)
+    assert [(v["version"], v["production"], v["served"]) for v in shown["versions"]] == [
+        ("v0001-runB", False, False),  # another run's: never touched, but named as never production
+        ("v0003-runA", True, True),
+    ]
+    assert "v0001-runB was never production (no move in" in shown["versions"][0]["problem"]
+    assert "problem" not in shown["versions"][1]
+    assert [(m["seq"], m["to_version"]) for m in shown["history"]] == [(1, "v0003-runA")]
+
+
+def test_an_attempt_still_before_its_swap_loses_to_the_retry_that_removed_its_copy(local, monkeypatch):
+    # Its copy is removed only after the retry's swap: by then its own swap holds a stale token and can only lose,
+    # so the pointer never names a removed folder.
+    real_swap = registry.swap_pointer
+    swaps: list[str] = []
+
+    def retry_lands_first(storage: Storage, name: str, pointer: Any, *rest: Any) -> None:
+        swaps.append(pointer.version)
+        if len(swaps) == 1:  # the first attempt, copied and carded: the retry runs whole before its swap
+            promote(storage, NAME, "runA", export(storage, "runA"), card("runA"), None)
+        real_swap(storage, name, pointer, *rest)
+
+    monkeypatch.setattr(registry, "swap_pointer", retry_lands_first)
+    with pytest.raises(PromotionConflict, match="found v0002-runA"):
+        promote(local, NAME, "runA", export(local, "runA"), card("runA"), None)
+    assert swaps == ["v0001-runA", "v0002-runA"] and production_pointer(local, NAME).version == "v0002-runA"
+    assert registry.versions(local, NAME) == ["v0002-runA"]
+    assert local.exists(MODELS_DIR, NAME, "v0002-runA", "card.json")
+
+
+def test_a_copy_production_never_served_has_no_cost_in_models_show():
+    cost = {"money": 1.0}
+    rows = [{"served": False, "card": {"cost": cost}}, {"served": True, "card": {"cost": cost}}]
+    assert registry.version_costs(rows) == [cost]
 
 
 def test_model_card_renders_provenance_metrics_and_gates():

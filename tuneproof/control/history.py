@@ -10,7 +10,8 @@ only the winner of that swap ever writes entry N+1. The entry is appended after 
 that dies between the two leaves its move in the pointer, and `read` (and the next mover, through
 `backfill`) take it from there, so a move is never lost from the history.
 
-`production_at` answers "what was production at time T" from the log alone (pure).
+`production_at` answers "what was production at time T" from the log alone, and `served` which versions
+production ever served (both pure): a rollback goes only to one of those.
 """
 
 from __future__ import annotations
@@ -153,6 +154,21 @@ def production_at(moves: list[Move], t: datetime) -> Move | None:
     was production yet (or the log starts later). Pure."""
     before = [m for m in moves if parse_time(m.at) <= t]
     return max(before, key=lambda m: m.seq) if before else None
+
+
+def served(moves: list[Move], names: list[str], unrecorded: str | None) -> set[str]:
+    """The versions production ever served, as far as the record tells (pure; `names`: the model's versions in
+    promotion order). Every move's to-version and from-version (the pointer named it when the move was made);
+    and, from before moves were recorded, every version up to the one production then had (the first move's
+    from-version, or `unrecorded`: the version of a pointer that records no move). Nothing tells a version that
+    served then from a copy that never did, so those all count, as rollbacks then took them.
+
+    A complete version outside this set is a copy whose promotion stopped before the pointer's swap: its card
+    claims a move that never happened."""
+    found = {v for m in moves for v in (m.from_version, m.to_version) if v is not None}
+    before = [moves[0].from_version if moves else None, unrecorded]
+    marks = [names.index(v) for v in before if v in names]
+    return found | set(names[: max(marks) + 1]) if marks else found
 
 
 def render(moves: list[Move]) -> list[str]:

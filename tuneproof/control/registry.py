@@ -17,7 +17,8 @@ token from `read_pointer`), through tuneproof.core.cas: on a local or FSx/NFS ro
 lock file, on S3 with a conditional PutObject (If-None-Match: * for the first pointer, If-Match:
 <ETag> afterwards). On a conflict the pointer is re-read: if it already names this version (a retry
 whose first write landed), that is success; otherwise the loser raises PromotionConflict and removes
-its own version copy.
+its own version copy. The winner removes its run's earlier copies that production never served (an attempt
+that died between its card and the swap), so no card claims a promotion that never happened.
 """
 
 from __future__ import annotations
@@ -205,10 +206,12 @@ def list_models(storage: Storage) -> list[dict]:
 
 
 def show_model(storage: Storage, name: str) -> dict:
-    """{"name", "pointer", "token", "versions": [{"version", "production", "complete", "card"}], "history": [moves]},
-    as `models show` prints it (the pointer and cards as their JSON).
+    """{"name", "pointer", "token", "versions": [{"version", "production", "served", "complete", "card"}],
+    "history": [moves]}, as `models show` prints it (the pointer and cards as their JSON).
 
-    A version without card.json is an incomplete copy (a promotion that crashed while copying).
+    A version without card.json is an incomplete copy (a promotion that crashed while copying). "served" says
+    whether production ever served the version (history.served); a complete one it never served is a copy whose
+    promotion stopped before the pointer's swap, and its "problem" says so, since its card claims a promotion.
     Raises FileNotFoundError for a name with no versions and no pointer.
     """
     names = versions(storage, name)
@@ -216,37 +219,53 @@ def show_model(storage: Storage, name: str) -> dict:
     if not names and pointer is None:
         known = ", ".join(storage.listdir(MODELS)) or "none"
         raise FileNotFoundError(f"no model {name!r} under {storage.uri(MODELS)} (registered: {known})")
+    moves = history.read(storage, name, pointer.move if pointer else None)
+    served = history.served(moves, names, unrecorded_version(pointer))
+    current = pointer.version if pointer else None
     return {
         "name": name,
         "pointer": pointer.to_json() if pointer else None,
         "token": token,
-        "versions": [_version_row(storage, name, v, pointer.version if pointer else None) for v in names],
-        "history": [m.model_dump() for m in history.read(storage, name, pointer.move if pointer else None)],
+        "versions": [_version_row(storage, name, v, current, v in served) for v in names],
+        "history": [m.model_dump() for m in moves],
     }
 
 
-def _version_row(storage: Storage, name: str, version: str, current: str | None) -> dict:
+def _version_row(storage: Storage, name: str, version: str, current: str | None, served: bool) -> dict:
     complete = storage.exists(MODELS, name, version, CARD_JSON)
     row: dict[str, Any] = {
         "version": version,
         "production": version == current,
+        "served": served,
         "complete": complete,
         **model_parts(storage, name, version),
         "card": None,
     }
+    if complete and not served:
+        row["problem"] = (
+            f"{version} was never production (no move in {storage.uri(MODELS, name, history.HISTORY)}/ puts it "
+            "there): its promotion stopped before the pointer's swap, and its card's promotion never happened"
+        )
     if complete:
         try:
             row["card"] = read_card(storage, name, version).to_json()
         except (ValueError, OSError, RecursionError) as e:
-            row["problem"] = f"{storage.uri(MODELS, name, version, CARD_JSON)} is unreadable: {one_line(str(e), 200)}"
+            unreadable = f"{storage.uri(MODELS, name, version, CARD_JSON)} is unreadable: {one_line(str(e), 200)}"
+            row["problem"] = "; ".join(filter(None, [row.get("problem"), unreadable]))
     return row
+
+
+def unrecorded_version(pointer: ProductionPointer | None) -> str | None:
+    """The version of a pointer written before moves were recorded (None for any other): history.served counts it."""
+    return pointer.version if pointer is not None and pointer.move is None else None
 
 
 def version_costs(rows: list[dict]) -> list[dict]:
     """What each promoted version cost, as its card states it (one computation, at promotion, after the copy
-    check: tuneproof.control.cost.VersionCost as JSON), oldest first; versions whose card has none are left out.
+    check: tuneproof.control.cost.VersionCost as JSON), oldest first; versions whose card has none are left out,
+    and so are copies production never served (their card's cost is of a promotion that never happened).
     `rows` are show_model's version rows."""
-    return [row["card"]["cost"] for row in rows if row.get("card") and row["card"].get("cost")]
+    return [row["card"]["cost"] for row in rows if row["served"] and row.get("card") and row["card"].get("cost")]
 
 
 def read_card(storage: Storage, name: str, version: str) -> ModelCard:
@@ -315,7 +334,8 @@ def promote(
     expected_token is read_pointer's token for the incumbent the candidate was evaluated against
     (None: there was none). If the pointer has moved since, PromotionConflict is raised, before
     copying when it is already visible, else at the swap; the loser's version copy is removed.
-    A retry of a run that is already production returns the current pointer unchanged.
+    A retry of a run that is already production returns the current pointer unchanged. Once the pointer names
+    the new version, this run's earlier copies that production never served are removed (_remove_leftovers).
     Returns the new pointer.
     """
     pointer, token = read_pointer(storage, name)
@@ -358,6 +378,7 @@ def promote(
         history.append(storage, name, move)
     except (history.HistoryUnreadable, OSError) as e:  # the move is in the pointer: readers and movers backfill it
         logging.getLogger("tuneproof.registry").warning(f"{name}: promotion #{move.seq} is not yet in its history: {e}")
+    _remove_leftovers(storage, name, run_id, version, [*earlier, move])
     return new_pointer
 
 
@@ -418,6 +439,35 @@ def _check_copy(storage: Storage, name: str, version: str, content_sha256: str) 
             f"{storage.uri(MODELS, name, version)} has content {manifest.content_sha256[:12]}, "
             f"expected {content_sha256[:12]}"
         )
+
+
+def _remove_leftovers(storage: Storage, name: str, run_id: str, version: str, moves: list[Move]) -> None:
+    """Once `version` is production, remove this run's earlier copies that production never served: an attempt of
+    this same promotion that died between its card and the swap left them, with a card claiming a move that never
+    happened. Another run's copies are never touched.
+
+    Removed rather than reused: reusing one would give production a version numbered below copies made since,
+    and promotion order is version order (a rollback goes back by it). Done after the swap, not before the copy:
+    a concurrent attempt of this run still between its card and its swap read the pointer before this swap, so its
+    swap can only lose, whereas removing its copy before this swap could leave a pointer to a removed folder.
+    `moves` is the whole history with this promotion's move (this swap won from the last of the others).
+    A store that fails here is a warning: the promotion stands, and listings name the copies left."""
+    try:
+        names = versions(storage, name)
+        earlier = names[: names.index(version)] if version in names else []
+        served = history.served(moves, names, None)
+        for leftover in [v for v in earlier if v not in served and _run_of(v) == run_id]:
+            storage.remove(MODELS, name, leftover, CARD_JSON)  # the completion marker first: never a half-removed
+            storage.remove(MODELS, name, leftover, recursive=True)  # copy that looks complete
+    except OSError as e:
+        logging.getLogger("tuneproof.registry").warning(
+            f"{name}: copies of run {run_id} that never served could not all be removed: {e}"
+        )
+
+
+def _run_of(version: str) -> str | None:
+    match = _VERSION.match(version)
+    return match.group(2) if match else None
 
 
 def _remove_unpointed(storage: Storage, name: str, version: str) -> None:

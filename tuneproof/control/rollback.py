@@ -98,10 +98,11 @@ def rollback(
     from_version and expected_token are the pointer the caller read and decided on (read_pointer's version
     and token): when given, a pointer that is not that one under the hold is PromotionConflict, so a
     promotion that landed meanwhile is never the one rolled back. RollbackRefused when there is no
-    production model, the target is not an earlier complete version, or its files do not match its
-    manifest (and its card's content hash); PointerHeld when another flow holds the pointer. The pointer
-    stays on refusal. Once it has moved, a history entry that cannot be appended goes to on_problem: the
-    move is in the pointer, and readers and the next mover take it from there (history.backfill)."""
+    production model, the target is not an earlier complete version that production served, or its files
+    do not match its manifest (and its card's content hash); PointerHeld when another flow holds the
+    pointer. The pointer stays on refusal. Once it has moved, a history entry that cannot be appended goes
+    to on_problem: the move is in the pointer, and readers and the next mover take it from there
+    (history.backfill)."""
     if registry.read_pointer(storage, name)[0] is None:  # before the hold: refusing leaves nothing behind
         raise RollbackRefused(f"{storage.uri(MODELS, name)}: no production model to roll back")
     with hold(storage, name, "(rollback)", f"rollback {name} by {by}"):
@@ -111,9 +112,12 @@ def rollback(
         seen = pointer.version == from_version and expected_token in (None, token)
         if from_version is not None and not seen:
             raise registry.PromotionConflict(name, expected_token, token, pointer.version)
-        versions = [v for v in registry.versions(storage, name) if storage.exists(MODELS, name, v, CARD_JSON)]
+        names = registry.versions(storage, name)
+        versions = [v for v in names if storage.exists(MODELS, name, v, CARD_JSON)]
+        moves = history.read(storage, name, pointer.move)
+        served = history.served(moves, names, registry.unrecorded_version(pointer))
         target, card = _rollback_target(
-            storage, name, versions, pointer, to_version or default_target(pointer, versions)
+            storage, name, versions, served, pointer, to_version or default_target(pointer, versions)
         )
         history.backfill(storage, name, pointer.move)
         intent = MoveIntent(kind="rollback", by=by, reason=reason)
@@ -151,9 +155,16 @@ def repeats(move: Move | None, reason: str, by: str, to_version: str | None) -> 
 
 
 def _rollback_target(
-    storage: Storage, name: str, versions: list[str], pointer: registry.ProductionPointer, target: str | None
+    storage: Storage,
+    name: str,
+    versions: list[str],
+    served: set[str],
+    pointer: registry.ProductionPointer,
+    target: str | None,
 ) -> tuple[str, registry.ModelCard]:
-    """(target, its card), once the target is an earlier complete version whose files match its manifest."""
+    """(target, its card), once the target is an earlier complete version that production served (history.served:
+    a complete copy whose promotion died before the swap has a card, but never served) and whose files match its
+    manifest."""
     current = pointer.version
     if target is None:
         move = pointer.move
@@ -166,6 +177,11 @@ def _rollback_target(
         raise RollbackRefused(f"{name}: no complete version {target!r} (complete: {', '.join(versions) or 'none'})")
     if target == current:
         raise RollbackRefused(f"{name}: {target} is already production")
+    if target not in served:
+        raise RollbackRefused(
+            f"{name}: {target} was never production (no move in {storage.uri(MODELS, name, history.HISTORY)}/ puts it "
+            "there; its promotion stopped before the pointer's swap): nothing was rolled back"
+        )
     if current in versions and versions.index(target) > versions.index(current):
         raise RollbackRefused(f"{name}: {target} is not earlier than production {current}: a rollback goes back")
     try:
