@@ -103,6 +103,7 @@ def runner_for(call: StageCall) -> RayJobRunner:
         on_progress=on_progress,
         on_status=on_status,
         on_wait=logger.warning,  # shown on the terminal too, which hides the job's own log lines
+        invocation=call.invocation,
     )
 
 
@@ -110,8 +111,10 @@ def run_single_job(call: StageCall, spec: JobSpec) -> StageEntry:
     """Run one job and return an entry whose verdict is the job's own result."""
     started = now_iso()
     events.publish("stage", stage=call.stage, status="running")
-    job = runner_for(call).run(spec)
-    return StageEntry.from_jobs(call.stage, job.result, [job], started)
+    runner = runner_for(call)
+    job = runner.run(spec)
+    # An earlier try of this task whose job left no verdict is replaced, and listed: it was paid for.
+    return StageEntry.from_jobs(call.stage, job.result, [*runner.superseded, job], started)
 
 
 def entry_from_jobs(call: StageCall, jobs: list[JobEntry], started: str, summary: Summary | None = None) -> StageEntry:

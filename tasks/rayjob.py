@@ -1,13 +1,15 @@
 """Submit a stage as a Ray job, follow its log as a stream, and read back its result.json.
 
-The submission id is derived from the run id and the job name, so a Prefect retry attaches
-to the job already running (or finished) instead of starting a duplicate. A job that ended
-FAILED or STOPPED gets a new attempt id (<run>-<job>-a2) on the next submission, because Ray
-never reuses a submission id. So does an id held by another run's job (the same run id under another
-storage root, on a shared cluster): its job's metadata names the run, the job and the storage root, and
-only a job of this run is attached to, so its result is never read as this run's. Logs arrive through Ray's log-tail websocket (each byte once, not
-the whole log every poll) and are cut into whole lines before anyone sees them; a timeout, or any
-BaseException while following (Ctrl-C, a cancelled flow run), stops the Ray job.
+The submission id is derived from the run id and the job name, so a Prefect retry attaches to the job
+already running or ended instead of starting a duplicate: a verdict a job reached, failed or not, is read,
+never re-rolled (`reattaches`). A job stopped, or ended without a result, gets a new attempt id
+(<run>-<job>-a2) on the next submission, because Ray never reuses a submission id; the attempt it replaces
+stays evidence (`RayJobRunner.superseded`). So does an id held by another run's job
+(the same run id under another storage root, on a shared cluster): its job's metadata names the run, the job
+and the storage root, and only a job of this run is attached to, so its result is never read as this run's.
+Logs arrive through Ray's log-tail websocket (each byte once, not the whole log every poll) and are cut into
+whole lines before anyone sees them; a timeout, or any BaseException while following (Ctrl-C, a cancelled
+flow run), stops the Ray job.
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import requests
 from pydantic import ValidationError
-from ray.job_submission import JobStatus, JobSubmissionClient
+from ray.job_submission import JobDetails, JobStatus, JobSubmissionClient
 
 from tuneproof.control.identity import stage_working_dir
 from tuneproof.control.record import JobEntry, RuntimeEnvAdditions
@@ -39,6 +42,10 @@ TERMINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
 MAX_ATTEMPTS = 20
 UNREACHABLE_WAIT_S = 120.0
 """How long a submission waits for an unreachable Ray dashboard (a head restarting) before the stage fails."""
+INVOCATION = "tuneproof_invocation"
+"""Job metadata: the run's invocation that submitted it (record.invocations), so a Prefect retry within that
+invocation knows its own job from an earlier invocation's. Not the flow run id: a flow run retried from the
+Prefect UI keeps its id but is a new invocation, which reruns an infrastructure failure."""
 
 
 class ClusterUnreachable(ConnectionError):
@@ -114,6 +121,33 @@ def auth_headers(cfg: PipelineConfig) -> dict[str, str] | None:
 
 def submission_id(run_id: str, job: str, attempt: int = 1) -> str:
     return f"{run_id}-{job}" if attempt == 1 else f"{run_id}-{job}-a{attempt}"
+
+
+def reattaches(status: JobStatus, result: StageResult | None, same_invocation: bool) -> bool:
+    """Whether a submission attaches to this run's latest job for a stage job (else it submits a new attempt).
+    `result` is what the job left, None while it runs or when it left none. Pure.
+
+    A job still going is followed. A job that ended with a result reached a verdict that must not vanish: a
+    Prefect retry (the same invocation) reads it, failed or not, and so does a continuation (a later invocation),
+    except an infrastructure failure, which is what a continuation reruns (a fine-tune then resumes from its
+    checkpoint). A stopped job, or one that ended without a result, reached no verdict: a new attempt replaces it.
+    """
+    if status not in TERMINAL:
+        return True
+    if status == JobStatus.STOPPED or result is None:
+        return False
+    return same_invocation or result.failure_class != FailureClass.infrastructure
+
+
+@dataclass(frozen=True)
+class LatestJob:
+    """This run's newest Ray job for a stage job, as a submission finds it."""
+
+    sid: str
+    status: JobStatus
+    info: JobDetails
+    same_invocation: bool
+    """Submitted by this invocation (a Prefect retry's earlier try): no entry holds its verdict yet."""
 
 
 class LineAssembler:
@@ -205,9 +239,12 @@ class RayJobRunner:
         poll_s: float = 1.0,
         client: JobSubmissionClient | None = None,
         on_wait: Callable[[str], None] | None = None,
+        invocation: int = 1,
     ):
         self.cfg = cfg
         self.run_id = run_id
+        self.invocation = invocation
+        """The record's invocation this runner submits for (tasks.jobs.StageCall.invocation)."""
         self.on_line = on_line
         self.on_progress = on_progress
         self.on_status = on_status or (lambda sid, status: None)
@@ -217,14 +254,18 @@ class RayJobRunner:
         self.storage = Storage.from_config(cfg.storage)
         self.client = client or connect(cfg, self.on_wait)
         self.following = ""
+        """The submission id being followed (its status events name it)."""
         self.waiting = False
         """Whether the current wait for cluster resources has been reported (emit)."""
-        """The submission id being followed (its status events name it)."""
+        self.superseded: list[JobEntry] = []
+        """Attempts of this invocation the last submission replaced (stopped, or ended without a result): in no
+        entry yet, so the caller lists them before the job `run` returns."""
 
-    def run(self, spec: JobSpec, stop_when: Callable[[str], bool] | None = None) -> JobEntry:
-        """Submit (or attach), follow to the end, read the result. `stop_when(line)` stops the job early."""
+    def run(self, spec: JobSpec, stop_when: Callable[[str], bool] | None = None, attach_only: bool = False) -> JobEntry:
+        """Submit (or attach), follow to the end, read the result. `stop_when(line)` stops the job early.
+        `attach_only`: a job that would need a new attempt raises instead (`attaches` said it would not)."""
         submitted_at = now_iso()
-        sid, attached, entrypoint, wd_hash = self.submit_or_attach(spec)
+        sid, attached, entrypoint, wd_hash = self.submit_or_attach(spec, attach_only)
         try:
             status = self.follow(sid, spec.timeout_s, stop_when)
             forward_env.discard(
@@ -255,40 +296,85 @@ class RayJobRunner:
             result=result,
         )
 
-    def submit_or_attach(self, spec: JobSpec) -> tuple[str, bool, str, str]:
+    def submit_or_attach(self, spec: JobSpec, attach_only: bool = False) -> tuple[str, bool, str, str]:
         entrypoint = f"python -m {spec.module}"
         workdir, wd_hash = stage_working_dir()
+        attempt, latest = self.latest_ours(spec)
+        self.superseded = []
+        if latest is not None and self.attaches_to(spec, latest):
+            self.on_line(f"attached to existing Ray job {latest.sid} ({latest.status.value})")
+            return latest.sid, True, entrypoint, wd_hash
+        if attach_only:
+            found = f"{latest.sid} is {latest.status.value} without a result" if latest else "none is there"
+            raise RuntimeError(f"{spec.job}: expected a Ray job of run {self.run_id} to attach to, but {found}")
+        if latest is not None and latest.same_invocation:  # an earlier try of this task: it raised, no entry lists it
+            self.superseded.append(self.superseded_entry(spec, latest))
+        sid = submission_id(self.run_id, spec.job, attempt)
+        # What the replaced attempt left is no verdict of this one's.
+        self.storage.remove(*result_path(self.run_id, spec.job))
+        self.client.submit_job(
+            entrypoint=entrypoint,
+            submission_id=sid,
+            runtime_env=self.runtime_env(spec, str(workdir)),
+            metadata={**self.owner(spec), "working_dir_hash": wd_hash, INVOCATION: str(self.invocation)},
+        )
+        self.on_line(f"submitted Ray job {sid}: {entrypoint}")
+        return sid, False, entrypoint, wd_hash
+
+    def attaches(self, spec: JobSpec) -> bool:
+        """Whether `run(spec)` would attach to a job already there rather than submit one."""
+        _, latest = self.latest_ours(spec)
+        return latest is not None and self.attaches_to(spec, latest)
+
+    def latest_ours(self, spec: JobSpec) -> tuple[int, LatestJob | None]:
+        """The first free attempt number, and the newest attempt that is this run's job (Ray holds attempt ids
+        in order, and each earlier one of ours had ended when the next was submitted)."""
+        taken: list[tuple[str, JobStatus]] = []
         for attempt in range(1, MAX_ATTEMPTS + 1):
             sid = submission_id(self.run_id, spec.job, attempt)
             status = while_unreachable(
                 functools.partial(self.status, sid), self.cfg.cluster.address, self.on_wait, UNREACHABLE_WAIT_S
             )
             if status is None:
-                # A result left by an earlier, failed attempt must not be mistaken for this one's.
-                self.storage.remove("runs", self.run_id, "stages", spec.job, "result.json")
-                self.client.submit_job(
-                    entrypoint=entrypoint,
-                    submission_id=sid,
-                    runtime_env=self.runtime_env(spec, str(workdir)),
-                    metadata={**self.owner(spec), "working_dir_hash": wd_hash},
-                )
-                self.on_line(f"submitted Ray job {sid}: {entrypoint}")
-                return sid, False, entrypoint, wd_hash
-            if status in (JobStatus.FAILED, JobStatus.STOPPED):
-                continue
-            if not self.is_ours(sid, spec):
-                self.on_line(f"Ray job {sid} is another run's (same run id, another storage root): not attaching")
-                continue
-            self.on_line(f"attached to existing Ray job {sid} ({status.value})")
-            return sid, True, entrypoint, wd_hash
-        raise RuntimeError(f"{spec.job}: {MAX_ATTEMPTS} attempts already exist for run {self.run_id}")
+                break
+            taken.append((sid, status))
+        else:
+            raise RuntimeError(f"{spec.job}: {MAX_ATTEMPTS} attempts already exist for run {self.run_id}")
+        for sid, status in reversed(taken):
+            info = self.client.get_job_info(sid)
+            if self.is_ours(info, spec):
+                mine = (info.metadata or {}).get(INVOCATION) == str(self.invocation)
+                return attempt, LatestJob(sid, status, info, mine)
+            self.on_line(f"Ray job {sid} is another run's (same run id, another storage root): not attaching")
+        return attempt, None
+
+    def attaches_to(self, spec: JobSpec, latest: LatestJob) -> bool:
+        ended = latest.status in TERMINAL and self.storage.exists(*result_path(self.run_id, spec.job))
+        result = self.read_result(spec, latest.sid, latest.status) if ended else None
+        return reattaches(latest.status, result, latest.same_invocation)
+
+    def superseded_entry(self, spec: JobSpec, latest: LatestJob) -> JobEntry:
+        """The record of an attempt a new one replaces: what it cost and how it ended."""
+        info = latest.info
+        return JobEntry(
+            submission_id=latest.sid,
+            entrypoint=info.entrypoint,
+            job_status=latest.status.value,
+            attached=False,
+            working_dir_hash=(info.metadata or {}).get("working_dir_hash", ""),
+            runtime_env_additions=RuntimeEnvAdditions.of(self.cfg, spec.module),
+            pipeline_env=spec.env,
+            submitted_at=iso_from_ms(info.start_time),
+            ended_at=iso_from_ms(info.end_time),
+            result=self.read_result(spec, latest.sid, latest.status),
+        )
 
     def owner(self, spec: JobSpec) -> dict[str, str]:
         """The job's metadata that says whose it is: a retry attaches only to a job that names all of it."""
         return {"tuneproof_run": self.run_id, "tuneproof_job": spec.job, "tuneproof_storage": self.storage.uri()}
 
-    def is_ours(self, sid: str, spec: JobSpec) -> bool:
-        metadata = self.client.get_job_info(sid).metadata or {}
+    def is_ours(self, info: JobDetails, spec: JobSpec) -> bool:
+        metadata = info.metadata or {}
         return all(metadata.get(key) == value for key, value in self.owner(spec).items())
 
     def runtime_env(self, spec: JobSpec, workdir: str) -> dict[str, Any]:
@@ -416,7 +502,7 @@ class RayJobRunner:
     def read_result(self, spec: JobSpec, sid: str, status: JobStatus) -> StageResult:
         """The job's result.json with its summary checked against the stage's model; a job that left
         none (died before its harness could write one) or a malformed one is an infrastructure failure."""
-        parts = ("runs", self.run_id, "stages", spec.job, "result.json")
+        parts = result_path(self.run_id, spec.job)
         if not self.storage.exists(*parts):
             info = self.client.get_job_info(sid)
             cause = info.message or f"job ended {status.value} without writing {'/'.join(parts)}"
@@ -442,6 +528,15 @@ class RayJobRunner:
             started_at=now_iso(),
             ended_at=now_iso(),
         )
+
+
+def result_path(run_id: str, job: str) -> tuple[str, ...]:
+    return ("runs", run_id, "stages", job, "result.json")
+
+
+def iso_from_ms(ms: int | None) -> str:
+    """Ray's job times (ms since the epoch) as the record's ISO times; now when Ray has none."""
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds") if ms else now_iso()
 
 
 def validation_problem(e: ValidationError) -> str:

@@ -9,20 +9,24 @@ One Ray job (training.resume) in two phases, under one Ray Train run name "<run>
    run's (within resume.loss_rtol; 0 on CPU fp32, where replays are bit for bit).
 
 The test passes only on proof: an interrupt phase that was never killed at its interruption step, or a
-continue phase that restored any step but that one, is an infrastructure failure. Every attempt
-(a Prefect retry included) trains under its own Ray Train run name and job name (-t<N>, N the
-first attempt number that left nothing in storage), so a retry can never resume an earlier
-attempt's checkpoints past the interruption step and pass without a real restart. The summary names the
+continue phase that restored any step but that one, is an infrastructure failure. Every new job
+trains under its own Ray Train run name and job name (-t<N>, N the first attempt number that left
+nothing in storage), so no job can resume an earlier attempt's checkpoints past the interruption step
+and pass without a real restart. A Prefect retry whose earlier try's job is still running, or ended with
+a result, attaches to that job and reads its verdict instead (`attempt_number`). The summary names the
 fine-tune's Ray Train run it tested; promotion needs that to be the promoted model's.
 An unusable checkpoint is an infrastructure failure, and blocks promotion.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefect import task
 
 from tasks import events
 from tasks.jobs import RETRY, StageCall, entry_from_jobs, runner_for
+from tasks.rayjob import JobSpec, RayJobRunner
 from tuneproof.control.record import StageEntry
 from tuneproof.control.resume_evidence import as_ledger, check_restart, compare_ledgers, compare_losses
 from tuneproof.core.results import FailureClass, StageFailure, now_iso
@@ -68,7 +72,9 @@ def resume_test(call: StageCall) -> StageEntry:
 
     interrupt_at = seed.step + extra
     storage = Storage.from_config(cfg.storage)
-    tag = f"t{first_unused_attempt(storage, call)}"
+    runner = runner_for(call)
+    n, earlier = attempt_number(storage, call, runner)
+    tag = f"t{n}"
     finetune = call.record.summary("finetune", FinetuneSummary)
     lineage = {
         "seed_checkpoint": seed,
@@ -84,15 +90,17 @@ def resume_test(call: StageCall) -> StageEntry:
         "max_steps": interrupt_at + replay,
         "invocation": call.invocation,
     }
-    ran = runner_for(call).run(call.spec("training.resume", params, suffix=tag, summary=ResumeJobSummary))
+    # An earlier attempt's job is only ever attached to: a new job under its name would resume its checkpoints.
+    ran = runner.run(resume_spec(call, tag, params), attach_only=earlier)
+    jobs = [*runner.superseded, ran]
     job = ResumeJobSummary.model_validate(ran.result.summary) if ran.result.summary is not None else None
     if not ran.result.ok or job is None or job.resumed is None:
         killed_at = job.interrupted_at_step if job else None
         summary = ResumeSummary(**lineage, interrupted=killed_at is not None, interrupted_at_step=killed_at)
-        return entry_from_jobs(call, [ran], started, summary)
+        return entry_from_jobs(call, jobs, started, summary)
 
     evidence = judge(call, job, seed, interrupt_at, loss_curve).model_copy(update=lineage)
-    outcome = entry_from_jobs(call, [ran], started, evidence)
+    outcome = entry_from_jobs(call, jobs, started, evidence)
     if evidence.problems:
         outcome = outcome.model_copy(
             update={
@@ -106,6 +114,20 @@ def resume_test(call: StageCall) -> StageEntry:
 
 def attempt_run_name(call: StageCall, tag: str) -> str:
     return f"{call.run_id}-{call.job_name(tag)}"
+
+
+def resume_spec(call: StageCall, tag: str, params: dict[str, Any] | None = None) -> JobSpec:
+    return call.spec("training.resume", params, suffix=tag, summary=ResumeJobSummary)
+
+
+def attempt_number(storage: Storage, call: StageCall, runner: RayJobRunner) -> tuple[int, bool]:
+    """This attempt's N, and whether it is an earlier attempt's: the previous attempt's when `runner` attaches to
+    its job (a Prefect retry after a lost connection: that job is still running, or ended with a verdict that
+    must stand), else the first unused."""
+    n = first_unused_attempt(storage, call)
+    if n > 1 and runner.attaches(resume_spec(call, f"t{n - 1}")):
+        return n - 1, True
+    return n, False
 
 
 def first_unused_attempt(storage: Storage, call: StageCall) -> int:

@@ -331,7 +331,8 @@ def test_a_resume_test_retried_after_a_lost_connection_still_proves_an_interrupt
         summary = entry_summary(entry, ResumeSummary)
         assert result.exit_code == 0, result.output
         assert summary.interrupted and summary.restored_step == summary.interrupted_at_step
-        assert summary.attempt_run_name == "demo-resume-t2-r2" and summary.tested_run_name == "demo"
+        # The retry attached to t1's ended job and read its verdict: a retry never re-rolls one (tasks/rayjob.py).
+        assert summary.attempt_run_name == "demo-resume-t1-r2" and summary.tested_run_name == "demo"
     else:
         assert result.exit_code == 4 and entry.failure_class == "infrastructure", result.output
 
