@@ -140,8 +140,9 @@ def sampled(name: str, sizes: Sequence[int], measure: Callable[[int], float], un
 
 
 def indexed_runs(storage_root: str, count: int, endpoint: str | None = None) -> Storage:
-    """`count` runs as `save` leaves them (record.json + row.json), one record's bytes with its id replaced."""
-    from tuneproof.control.record import RECORD, ROW, load, save
+    """`count` runs as `save` leaves them (record.json + a row stamped with it), one record's bytes with its id
+    replaced."""
+    from tuneproof.control.record import RECORD, load, row_of, save, write_row
 
     storage = Storage(storage_root, endpoint)
     template = "20261201-000000-bench"
@@ -149,12 +150,13 @@ def indexed_runs(storage_root: str, count: int, endpoint: str | None = None) -> 
         local = Storage(str(Path(tempfile.mkdtemp(prefix="bench-record-"))))
         write_records(Path(local.root), 1)
         save(storage, load(local, template))
-    record, row = storage.read_text("runs", template, RECORD), storage.read_text("runs", template, ROW)
+    record = storage.read_text("runs", template, RECORD)
+    row = row_of(load(storage, template))
     have = len(storage.listdir("runs"))
     for i in range(have, count):
         run_id = f"20261201-{i:06d}-bench"
         storage.write_bytes(record.replace(template, run_id).encode(), "runs", run_id, RECORD)
-        storage.write_bytes(row.replace(template, run_id).encode(), "runs", run_id, ROW)
+        write_row(storage, row.model_copy(update={"run_id": run_id}))  # stamped with its own record, as save does
     return storage
 
 

@@ -23,7 +23,7 @@ from tuneproof.control import images, registry
 from tuneproof.control import record as records
 from tuneproof.control import stages as table
 from tuneproof.control.identity import code_hash, git_identity, working_dir_hash
-from tuneproof.control.lease import Lease, LeaseHeld
+from tuneproof.control.lease import Lease, LeaseHeld, LeaseLost
 from tuneproof.control.record import (
     CodeIdentity,
     Invocation,
@@ -117,13 +117,15 @@ def run_plan(
     lease: Lease,
     until: str | None = None,
 ) -> State:
-    """The planned stages in order, under the lease; a flow that raises leaves its record crashed or cancelled."""
+    """The planned stages in order, under the lease; a flow that raises leaves its record crashed or cancelled.
+    Every write of the record is fenced by the lease (records.save): a flow that lost it stops there, and the
+    record stays its successor's."""
     record = None
     try:
         if lease.taken_over:
             get_run_logger().warning(lease.taken_over)
         try:
-            record, plan = open_record(storage, cfg, run_id, plan, only, lease.taken_over, until)
+            record, plan = open_record(storage, cfg, run_id, plan, only, lease, until)
         except MissingStageOutput as e:  # refused before the record was touched: nothing ran, nothing superseded
             get_run_logger().error(str(e))
             return refused(e)
@@ -142,11 +144,11 @@ def run_plan(
         wd_hash = working_dir_hash()
         for stage in plan:
             try:
-                entry = run_stage(stage, cfg, record, storage, wd_hash)
+                entry = run_stage(stage, cfg, record, storage, lease, wd_hash)
             except MissingStageOutput as e:
-                return unusable_request(storage, record, str(e))
+                return unusable_request(storage, lease, record, str(e))
             record_stage(record, stage, entry)
-            records.save(storage, record)
+            records.save(storage, record, lease)
             publish(ARTIFACTS.get(stage.name), record, entry, storage)
             events.publish(
                 "stage",
@@ -155,16 +157,19 @@ def run_plan(
                 failure_class=entry.failure_class.value if entry.failure_class else None,
             )
             if entry.status == "failed":
-                return finish(storage, cfg, record, entry)
-        return finish(storage, cfg, record, None)
+                return finish(storage, lease, cfg, record, entry)
+        return finish(storage, lease, cfg, record, None)
+    except LeaseLost as e:  # presumed dead and taken over: the record is the successor's now, not ours to end
+        get_run_logger().error(f"run {run_id}: {e}; this flow stopped and wrote nothing more")
+        return Failed(message=f"run {run_id}: this flow stopped, its record not written: {e}")
     except BaseException as e:
-        end_abnormally(storage, record, e)
+        end_abnormally(storage, lease, record, e)
         raise
     finally:
         forward_env.discard(forward_env.run_key(run_id, storage.root))
 
 
-def end_abnormally(storage: Storage, record: RunRecord | None, e: BaseException) -> None:
+def end_abnormally(storage: Storage, lease: Lease, record: RunRecord | None, e: BaseException) -> None:
     """The flow itself raised: the record says `crashed` (an error: storage, credentials, a bug) or
     `cancelled` (Ctrl-C, a cancelled Prefect flow run), with the cause. Best effort: the storage that
     failed may refuse this write too; then `runs list` still shows the run crashed once its lease is gone."""
@@ -175,7 +180,7 @@ def end_abnormally(storage: Storage, record: RunRecord | None, e: BaseException)
         "crashed" if isinstance(e, Exception) else "cancelled", None, one_line(f"{type(e).__name__}: {e}".rstrip(": "))
     )
     try:
-        records.save(storage, record)
+        records.save(storage, record, lease)
     except Exception as save_error:  # noqa: BLE001 - the original exception is what propagates
         logger.error(f"could not mark run {record.run_id} {record.status}: {type(save_error).__name__}: {save_error}")
 
@@ -226,6 +231,7 @@ def run_stage(
     cfg: PipelineConfig,
     record: RunRecord,
     storage: Storage,
+    lease: Lease,
     wd_hash: str,
 ) -> StageEntry:
     """One stage with the outputs of earlier stages (from this run's record). An interrupted attempt with the
@@ -257,7 +263,7 @@ def run_stage(
     invocation.running = StageAttempt(
         stage=stage.name, inputs=inputs, job_invocation=call.job_invocation, started_at=now_iso()
     )
-    records.save(storage, record)
+    records.save(storage, record, lease)  # fenced: a flow that lost the run submits nothing more
     with reads_recorded(call.cfg) as flow_reads:
         try:
             entry = task_for(stage)(call)
@@ -285,7 +291,7 @@ def open_record(
     run_id: str,
     plan: list[Stage],
     only: list[str] | None,
-    taken_over: str | None = None,
+    lease: Lease,
     until: str | None = None,
 ) -> tuple[RunRecord, list[Stage]]:
     """A fresh record, or the run's own: then `only` reruns a subset, and no `only` continues the run (stages
@@ -296,7 +302,7 @@ def open_record(
     reran: dict[str, str] = {}
     if storage.exists("runs", run_id, records.RECORD):
         record = records.load(storage, run_id)
-        close_interrupted(record, taken_over)
+        close_interrupted(record, lease.taken_over)
         if only is None:
             wd_hash = working_dir_hash()
             now = {stage.name: inputs_now(stage, cfg, wd_hash, record, storage) for stage in table.STAGES}
@@ -322,12 +328,12 @@ def open_record(
             at=now_iso(),
             config_hash=cfg.config_hash(),
             config=cfg.model_dump(mode="json"),
-            lease_takeover=taken_over,
+            lease_takeover=lease.taken_over,
             kept=kept,
             reran=reran,
         )
     )
-    records.save(storage, record)
+    records.save(storage, record, lease)
     return record, plan
 
 
@@ -387,14 +393,14 @@ def publish(artifact: Any, *args: Any) -> None:
         get_run_logger().warning(f"could not publish artifact {artifact.__name__}: {type(e).__name__}: {e}")
 
 
-def unusable_request(storage: Storage, record: RunRecord, cause: str) -> State:
+def unusable_request(storage: Storage, lease: Lease, record: RunRecord, cause: str) -> State:
     """A subset rerun that lacks an earlier stage's output: a usage error, not a stage failure."""
     record.end("failed", None, cause)
-    records.save(storage, record)
+    records.save(storage, record, lease)
     return refused(cause)
 
 
-def finish(storage: Storage, cfg: PipelineConfig, record: RunRecord, failed: StageEntry | None) -> State:
+def finish(storage: Storage, lease: Lease, cfg: PipelineConfig, record: RunRecord, failed: StageEntry | None) -> State:
     """End the invocation: the run's status is that of its current entries, not only of the stages this invocation
     ran (`failed`), and its promotion what the registry holds for it."""
     failed = failed or standing_failure(record)
@@ -418,7 +424,7 @@ def finish(storage: Storage, cfg: PipelineConfig, record: RunRecord, failed: Sta
             record.promotion = PromoteSummary(promoted=False, reasons=[f"{failure.value} failure in {record.cause}"])
     if "promote" not in record.stages and (live := live_promotion(storage, cfg, record)) is not None:
         record.promotion = live
-    records.save(storage, record)
+    records.save(storage, record, lease)
     publish(artifacts.stage_table, record, table.names())
     publish(artifacts.run_report, record)
     if failed is None:

@@ -98,6 +98,21 @@ def test_only_without_a_run_id_reruns_the_latest_finished_run_of_this_model(tmp_
         latest_run_id(model_c)
 
 
+def test_only_without_a_run_id_never_reruns_against_a_run_whose_record_is_not_finished(tmp_path):
+    # A flow killed between record.json and row.json left the row saying `succeeded` for a run whose record was
+    # running again (its writer dead): `--only` took that crashed run as the latest finished one.
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
+    storage = Storage(str(tmp_path))
+    for run_id in ("20261130-100000-aaaaaa", "20261130-110000-bbbbbb"):
+        rec = records.new_record(run_id, cfg, records.CodeIdentity(git_sha="abc", dirty=False), None)
+        rec.created_at, rec.status = run_id, "succeeded"
+        records.save(storage, rec)
+    killed = records.load(storage, "20261130-110000-bbbbbb")
+    killed.start()
+    storage.write_json(killed.to_json(), "runs", killed.run_id, records.RECORD)  # and no row.json after it
+    assert latest_run_id(cfg) == "20261130-100000-aaaaaa"
+
+
 def test_runs_show_names_a_summary_its_cost_cannot_read(tmp_path, monkeypatch):
     # print_cost ran outside the guard: a summary the cost could not read ended in a raw ValidationError, exit 4.
     storage = Storage(str(tmp_path))

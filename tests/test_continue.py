@@ -160,8 +160,8 @@ def test_a_job_cut_short_keeps_the_key_it_had_before_it_ran_so_a_changed_setting
     result = StageResult(stage="finetune", status="failed", failure_class=INFRA, started_at="t0", ended_at="t1")
     stopped = JobEntry(
         submission_id="r-finetune", entrypoint="python -m training.finetune", job_status="STOPPED", attached=False,
-        working_dir_hash="wd", runtime_env_additions=RuntimeEnvAdditions(), submitted_at="t0", ended_at="t1",
-        result=result,
+        working_dir_hash="wd", runtime_env_additions=RuntimeEnvAdditions(),
+        submitted_at="2026-12-01T00:00:00+00:00", ended_at="2026-12-01T00:01:00+00:00", result=result,
     )  # fmt: skip
     assert not table.reads_reported(StageEntry.failed("finetune", INFRA, "STOPPED", jobs=[stopped]))
     assert table.reads_reported(StageEntry.failed("promote", INFRA, "no job"))  # in-flow: the flow's reads are all
@@ -357,6 +357,44 @@ def test_a_subset_that_would_supersede_what_a_later_stage_needs_is_refused_befor
         "rerun; run it too (e.g. --only a,b,c)"
     )
     assert CALLS == [] and records.load(Storage(str(tmp_path)), "sub") == before  # nothing superseded, nothing saved
+
+
+@pytest.mark.integration
+def test_a_flow_whose_run_was_taken_over_mid_stage_stops_and_leaves_its_successors_record(
+    prefect_harness, stand_ins, tmp_path, monkeypatch
+):
+    """A flow presumed dead (renewals failing past the ttl) whose run another flow took over carried on: its next
+    save overwrote the successor's record, its failed verify and its invocation gone, with `succeeded`."""
+    from tuneproof.control import lease as leases
+    from tuneproof.core.results import now_iso
+
+    storage = Storage(str(tmp_path))
+
+    @task(name="b")
+    def taken_over_meanwhile(call: StageCall) -> StageEntry:
+        CALLS.append("b")
+        now = now_iso()
+        successor = leases.LeaseInfo(
+            run_id="lost", holder="elsewhere", pid=1, flow_run_id="flow-successor", command="successor", started=now,
+            renewed=now,
+        )  # fmt: skip
+        storage.write_bytes(successor.model_dump_json().encode(), "runs", "lost", leases.LEASE)
+        theirs = records.load(storage, "lost")
+        theirs.end("failed", INFRA, "a: the successor's own verdict")
+        records.save(storage, theirs)
+        return StageEntry.succeeded("b", DataSummary(dataset_path="d", content_hash="b", dataset_uri="/x"), "t0")
+
+    monkeypatch.setitem(stage_tasks.TASKS, "b", taken_over_meanwhile)
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
+    state = pipeline(config=cfg, run_id="lost", return_state=True)
+    assert state.is_failed() and "lost the lease on run lost" in (state.message or "")
+    assert "held by 'successor' (flow run flow-successor" in (state.message or "")
+    assert CALLS == ["a", "b"]  # c was never submitted
+    rec = records.load(storage, "lost")
+    assert (rec.status, rec.cause) == ("failed", "a: the successor's own verdict")
+    assert rec.stages["b"].status == "failed"  # as the successor closed it (interrupted), not this flow's success
+    assert records.read_row(storage, "lost") == records.row_of(rec)
+    assert present(leases.read(storage, "lost")).flow_run_id == "flow-successor"  # the loser released nothing
 
 
 def test_needs_are_checked_against_what_the_plan_leaves_standing():

@@ -377,7 +377,7 @@ def test_crashed_and_cancelled_runs_say_so(clone_run, monkeypatch):
     real_save = records.save
     broken: list[str] = []
 
-    def save_while_the_record_path_is_blocked(storage_: Storage, record) -> None:
+    def save_while_the_record_path_is_blocked(storage_: Storage, record, lease=None) -> None:
         # After verify, record.json's place is taken by a directory for one write: the write fails in the
         # storage layer for real (IsADirectoryError), as a disk or a bucket that refuses writes does.
         if record.run_id == "crash" and "verify" in record.stages and not broken:
@@ -387,12 +387,12 @@ def test_crashed_and_cancelled_runs_say_so(clone_run, monkeypatch):
             path.rename(aside)
             (path / "blocker").mkdir(parents=True)
             try:
-                real_save(storage_, record)
+                real_save(storage_, record, lease)
             finally:
                 shutil.rmtree(path)
                 aside.rename(path)
         else:
-            real_save(storage_, record)
+            real_save(storage_, record, lease)
 
     monkeypatch.setattr(records, "save", save_while_the_record_path_is_blocked)
     result = tuneproof("run", "--run-id", "crash", "--only", "verify,connectivity", *clone_run.args)

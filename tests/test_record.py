@@ -142,6 +142,59 @@ def test_a_run_without_a_readable_row_is_listed_from_its_record_or_as_unreadable
     assert "a copied run directory?" in (rows["20261203-000000-copy"].cause or "")
 
 
+def record_saved_without_its_row(storage: Storage, run_id: str, status: str) -> None:
+    """The first half of records.save: the flow was killed before it wrote row.json."""
+    rec = records.load(storage, run_id)
+    rec.status, rec.failure_class, rec.cause = status, None, None  # type: ignore[assignment]
+    storage.write_json(rec.to_json(), "runs", run_id, records.RECORD)
+
+
+def test_a_row_a_save_behind_its_record_is_never_listed(tmp_path, v1_storage):
+    # A flow killed between record.json and row.json left `runs list` saying the previous save's status: succeeded
+    # for a run whose record was running again (its writer dead), running (shown crashed) for one that succeeded.
+    storage = Storage(str(tmp_path / "store"))
+    ahead, behind, edited, gone = saved_runs(storage, v1_storage, 4)
+    record_saved_without_its_row(storage, ahead, "running")
+    running = records.load(storage, behind)
+    running.status = "running"
+    records.save(storage, running)
+    record_saved_without_its_row(storage, behind, "succeeded")
+    row = storage.read_json("runs", edited, records.ROW)
+    storage.write_json({**row, "status": "crashed"}, "runs", edited, records.ROW)  # a hand edit of the index
+    storage.remove("runs", gone, records.RECORD)
+    rows = {r.run_id: r for r in records.list_rows(storage)}
+    assert (rows[ahead].status, rows[behind].status, rows[edited].status) == ("running", "succeeded", "succeeded")
+    assert rows[gone].status == "unreadable"  # not the `failed` its row said
+    assert f"{gone}/record.json is gone" in (rows[gone].cause or "")
+
+
+def test_a_row_written_before_rows_were_stamped_is_checked_against_its_record(tmp_path, v1_storage):
+    storage = Storage(str(tmp_path / "store"))
+    (run_id,) = saved_runs(storage, v1_storage, 1)
+    unstamped = {k: v for k, v in storage.read_json("runs", run_id, records.ROW).items() if k != "stamp"}
+    storage.write_json({**unstamped, "status": "running"}, "runs", run_id, records.ROW)
+    assert [(r.run_id, r.status) for r in records.list_rows(storage)] == [(run_id, "failed")]
+    records.save(storage, records.load(storage, run_id))  # the next save stamps it
+    assert "stamp" in storage.read_json("runs", run_id, records.ROW)
+
+
+@pytest.mark.parametrize("bad", ["unknown", "2026-12-01T04:12:46"])
+def test_a_job_time_that_is_not_an_iso_time_with_its_offset_makes_the_record_unreadable(v1_storage, bad):
+    # `runs show` subtracted it for the run's cost: `error: ValueError: Invalid isoformat string` (exit 4, no file).
+    run_id = V1_RUNS["v1-demo"]
+    path = v1_storage / "runs" / run_id / "record.json"
+    doc = json.loads(path.read_text())
+    job = next(job for entry in doc["stages"].values() for job in entry.get("jobs", []))
+    job["submitted_at"] = bad
+    path.write_text(json.dumps(doc))
+    with pytest.raises(records.RecordUnreadable, match="submitted_at") as refused:
+        records.load(Storage(str(v1_storage)), run_id)
+    assert str(path) in str(refused.value) and repr(bad) in str(refused.value)
+    for command in (["show", run_id], ["diff", run_id, V1_RUNS["v1-verify-failed"]]):
+        shown = tuneproof("runs", *command, "--set", f"storage.root={v1_storage}")
+        assert shown.exit_code == 1 and "not a readable run record" in shown.output, shown.output
+
+
 @pytest.mark.integration
 def test_runs_list_reads_rows_on_s3_too(s3_endpoint, v1_storage):
     import uuid
@@ -154,6 +207,8 @@ def test_runs_list_reads_rows_on_s3_too(s3_endpoint, v1_storage):
     rows = records.list_rows(storage)
     assert [r.run_id for r in rows] == [*ids[::-1], "20261203-000000-bad"]
     assert rows[-1].status == "unreadable"
+    record_saved_without_its_row(storage, ids[-1], "running")  # its ETag is not the one its row was stamped with
+    assert records.list_rows(storage)[0].status == "running"
 
 
 def test_a_100000_step_fine_tune_leaves_a_record_of_at_most_64_kb(tmp_path):
@@ -194,7 +249,7 @@ def test_a_100000_step_fine_tune_leaves_a_record_of_at_most_64_kb(tmp_path):
     job = records.JobEntry(
         submission_id="big-finetune-1", entrypoint="python -m training.finetune", job_status="SUCCEEDED",
         attached=False, working_dir_hash="0" * 64, runtime_env_additions=records.RuntimeEnvAdditions(),
-        submitted_at="t0", ended_at="t1", result=result,
+        submitted_at="2026-12-01T00:00:00+00:00", ended_at="2026-12-02T00:00:00+00:00", result=result,
     )  # fmt: skip
     rec = records.new_record("big", PipelineConfig(), records.CodeIdentity(git_sha="abc", dirty=False), None)
     rec.stages["finetune"] = records.StageEntry.from_jobs("finetune", result, [job], "t0")

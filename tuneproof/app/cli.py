@@ -218,22 +218,27 @@ def refuse_unknown_stages(option: str, given: list[str]) -> None:
 
 
 def latest_run_id(cfg: PipelineConfig) -> str:
+    """The newest run of this model whose record says it finished (succeeded or failed): what `--only` without
+    --run-id reruns against. Exit 3 when there is none."""
     from tuneproof.control import record
     from tuneproof.core.config_reads import value_at
     from tuneproof.core.storage import Storage
 
     storage = Storage.from_config(cfg.storage)
 
-    def of_this_model(run_id: str) -> bool:
-        # Another model's run is no base either: its evidence is about another model, which a promote would
-        # then serve as this one.
+    def a_base(run_id: str) -> bool:
+        # The record decides, never its listing row alone: a row can be a save behind (a flow killed between the
+        # two writes). A run still running (or whose writer died), crashed or cancelled is no base to rerun
+        # against, nor is another model's run: its evidence is about another model, which a promote would then
+        # serve as this one.
         found = record.load_or_row(storage, run_id)
-        return isinstance(found, record.RunRecord) and value_at(found.config, "model.name") == cfg.model.name
+        return (
+            isinstance(found, record.RunRecord)
+            and found.status in ("succeeded", "failed")
+            and value_at(found.config, "model.name") == cfg.model.name
+        )
 
-    rows = record.list_rows(storage)
-    # A run that is still running (or whose writer died), crashed or was cancelled is no base to rerun against.
-    finished = (r.run_id for r in rows if r.status in ("succeeded", "failed"))
-    latest = next((run_id for run_id in finished if of_this_model(run_id)), None)
+    latest = next((row.run_id for row in record.list_rows(storage) if a_base(row.run_id)), None)
     if latest is None:
         say(
             err,

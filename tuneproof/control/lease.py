@@ -8,6 +8,10 @@ the holder. A heartbeat thread renews it; renewals, takeovers and the release ar
 (S3: `If-Match` on the ETag the holder last wrote; local disk: under an flock on a sidecar file), so
 a holder that lost its lease never overwrites its successor's.
 
+The lease fences the record too: its holder calls `fence()` before each write of the run's record
+(record.save does). A holder presumed dead (its renewals failed for longer than the ttl) whose run was
+taken over gets LeaseLost there, and writes nothing over its successor's record.
+
 A lease is stale when it was not renewed for `ttl_s`, or when its holder ran on this host and its pid
 is gone (kill -9, a crash of the machine's session): then the next flow takes it over and says so.
 
@@ -97,7 +101,7 @@ class LeaseHeld(Exception):
 
 
 class LeaseLost(Exception):
-    """Our lease was taken over (we were presumed dead) or deleted under us."""
+    """Our lease was taken over (we were presumed dead) or deleted under us: the run is no longer ours to write."""
 
 
 def stale_reason(info: LeaseInfo, now: datetime, host: str, pid_alive: Callable[[int], bool]) -> str | None:
@@ -155,18 +159,24 @@ class Lease:
         self.info = LeaseInfo.this_process(run_id, command, ttl_s, flow_run_id)
         self.taken_over: str | None = None
         """When acquiring replaced a stale lease: whose, and why it was stale."""
+        self.lost: str | None = None
+        """Set (to what happened, and who holds the run now) once a renewal finds the lease no longer ours:
+        from then on every renewal and fence raises LeaseLost without asking the store again."""
         self._token: Any = None
+        # The heartbeat thread and the flow's fence both renew: one at a time, so neither sends a token the
+        # other has just replaced (which would read as a takeover).
+        self._renewing = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def acquire(self) -> None:
         """Create the lease, or take over a stale one; LeaseHeld when a live writer holds it."""
-        self._token = self.store.create(self._body())
+        self._token = self.store.create(_body(self.info))
         if self._token is not None:
             return
         raw = self.store.read()
         if raw is None:  # released between our create and our read: try once more
-            self._token = self.store.create(self._body())
+            self._token = self.store.create(_body(self.info))
             if self._token is not None:
                 return
             raw = self.store.read()
@@ -177,7 +187,7 @@ class Lease:
         why = "it is not a readable lease" if info is None else stale_reason(info, _now(), self.info.holder, pid_alive)
         if why is None and info is not None:
             raise LeaseHeld(self.run_id, info)
-        self._token = self.store.replace(self._body(), token)
+        self._token = self.store.replace(_body(self.info), token)
         if self._token is None:  # another flow took it over first
             current = read_info(self.store)
             if current is None:
@@ -186,11 +196,23 @@ class Lease:
         self.taken_over = f"took over the lease of {info.describe() if info else 'an unreadable lease'}: {why}"
 
     def renew(self) -> None:
-        self.info = self.info.model_copy(update={"renewed": now_iso()})
-        token = self.store.replace(self._body(), self._token)
-        if token is None:
-            raise LeaseLost(f"the lease on run {self.run_id} was taken over or removed ({self.store.where})")
-        self._token = token
+        """Extend the lease by a ttl from now; LeaseLost (and `lost` set) when it is no longer this holder's."""
+        with self._renewing:
+            if self.lost is not None:
+                raise LeaseLost(self.lost)
+            renewed = self.info.model_copy(update={"renewed": now_iso()})
+            token = self.store.replace(_body(renewed), self._token)
+            if token is None:
+                self.lost = self._loss()
+                raise LeaseLost(self.lost)
+            self.info, self._token = renewed, token
+
+    def fence(self) -> None:
+        """Before each write of the run's record: LeaseLost, and nothing to write, unless this holder still holds
+        the run. The check is a renewal (a conditional write of the lease): it fails when another writer took the
+        lease over, and when it succeeds no successor can take over for a whole ttl, so the write that follows
+        lands while the lease is ours. A plain read would pass a lease about to go stale."""
+        self.renew()
 
     def release(self) -> None:
         self._stop.set()
@@ -218,14 +240,29 @@ class Lease:
         while not self._stop.wait(self.ttl_s / 4):
             try:
                 self.renew()
-            except LeaseLost as e:
-                on_problem(str(e))
+            except LeaseLost as e:  # `lost` is set: the holder's next fence stops it before it writes
+                on_problem(f"{e}; the run's record is no longer this holder's to write")
                 return
             except Exception as e:  # noqa: BLE001 - a failed renewal is retried; the ttl leaves room for several
                 on_problem(f"could not renew the lease {self.store.where}: {type(e).__name__}: {e}")
 
-    def _body(self) -> bytes:
-        return self.info.model_dump_json(indent=2).encode()
+    def _loss(self) -> str:
+        """What happened to the lease, and who holds the run now, for the LeaseLost a renewal raises."""
+        try:
+            current = read_info(self.store)
+        except OSError as e:
+            now = f"who holds it now cannot be read ({type(e).__name__}: {e})"
+        else:
+            now = f"it is now held by {current.describe()}" if current else "nobody holds it now (released or removed)"
+        return (
+            f"lost the lease on run {self.run_id} ({self.store.where}): it was taken over or removed after this "
+            f"holder's last renewal at {self.info.renewed} (a holder is presumed dead {self.ttl_s:.0f}s after "
+            f"its last renewal); {now}"
+        )
+
+
+def _body(info: LeaseInfo) -> bytes:
+    return info.model_dump_json(indent=2).encode()
 
 
 def _now() -> datetime:

@@ -7,7 +7,10 @@ as JSON and read back with `RunRecord.summary`), failure class and cause. The fl
 writer; it rewrites the whole document after each stage.
 
 Beside it, runs/<run>/row.json holds the record's `runs list` line (RecordRow), rewritten with it, so
-listing N runs reads N small files, not N whole records (their size grows with stages and reruns).
+listing N runs reads N small files, not N whole records (their size grows with stages and reruns). The row
+carries a stamp over its fields and the record file it was written after (size and modification, as one
+metadata request reads them), so a row that a crash between the two writes, a hand edit or a deletion left
+behind its record is never listed for it: the record is read instead.
 
 The JSON Schema of this document is committed (schemas/run-record.schema.json) and `schema_version`
 says which shape a stored record has; `load` upgrades older shapes, so records written by earlier
@@ -16,12 +19,14 @@ releases still show.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import secrets
 from datetime import UTC, datetime
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ValidationError, field_validator
 
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.files import FileRefused, read_stored
@@ -30,6 +35,9 @@ from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import ClusterFacts, Summary
 from tuneproof.core.summaries_data import DataIdentity
 from tuneproof.core.summaries_eval import PromoteSummary
+
+if TYPE_CHECKING:
+    from tuneproof.control.lease import Lease
 
 RECORD = "record.json"
 ROW = "row.json"
@@ -84,6 +92,21 @@ class JobEntry(Model):
     logged_steps: int | None = None
     """A fine-tune job that left no summary (stopped, lost, failed inside Ray Train): the steps its metrics log
     shows it trained, counted when it ended (tuneproof.control.cost.logged_steps); None for any other job."""
+
+    @field_validator("submitted_at", "ended_at")
+    @classmethod
+    def _iso_with_offset(cls, v: str) -> str:
+        """Readers subtract these (a run's cost, a job's duration): a record whose job time is not an ISO-8601
+        time with its UTC offset is refused when it is read (RecordUnreadable naming the file), not when shown."""
+        try:
+            aware = datetime.fromisoformat(v).tzinfo is not None
+        except ValueError:
+            raise ValueError(
+                f"time {v!r} is not an ISO-8601 time (expected e.g. 2026-12-01T04:12:46.502+00:00)"
+            ) from None
+        if not aware:
+            raise ValueError(f"time {v!r} has no UTC offset (expected e.g. 2026-12-01T04:12:46.502+00:00)")
+        return v
 
 
 class StageInputs(Model):
@@ -334,11 +357,40 @@ def new_record(run_id: str, cfg: PipelineConfig, code: CodeIdentity, flow_run_id
     )
 
 
-def save(storage: Storage, record: RunRecord) -> None:
-    """Write the record, then its listing row (a crash between the two leaves a row one save behind)."""
+def save(storage: Storage, record: RunRecord, lease: Lease | None = None) -> None:
+    """Write the record, then its listing row, stamped with the record it follows (a crash between the two
+    leaves a row whose stamp is not the record's: readers then read the record). With the writer's lease, only
+    while the writer still holds the run: LeaseLost, and nothing written, once a successor has taken it over."""
+    if lease is not None:
+        lease.fence()
     record.updated_at = now_iso()
     storage.write_json(record.to_json(), "runs", record.run_id, RECORD)
-    storage.write_json(row_of(record).model_dump(), "runs", record.run_id, ROW)
+    write_row(storage, row_of(record))
+
+
+def write_row(storage: Storage, row: RecordRow) -> None:
+    """The run's listing row, stamped with its record as it stands now: call it after writing the record."""
+    stamped = StoredRow(**row.model_dump(), stamp=row_stamp(row, stamp_of(storage, row.run_id)))
+    storage.write_json(stamped.model_dump(), "runs", row.run_id, ROW)
+
+
+def row_stamp(row: RecordRow, record_stamp: str) -> str:
+    """sha256 over the row's fields and its record's stamp (stamp_of): a row edited since it was written, or
+    beside a record rewritten since, has another. Pure."""
+    fields = json.dumps([row.model_dump(), record_stamp], sort_keys=True)
+    return hashlib.sha256(fields.encode()).hexdigest()
+
+
+def stamp_of(storage: Storage, run_id: str) -> str:
+    """The record file's identity as one metadata request reads it, never its bytes: S3's size and ETag (a hash
+    of the content); local disk's size, modification time and inode (each save renames a new file into place).
+    A record rewritten since, or copied from another run, has another stamp. FileNotFoundError when it is gone."""
+    path = storage.path("runs", run_id, RECORD)
+    if storage.is_s3:
+        info = storage.fs.info(path)
+        return f"{info['size']}:{info['ETag']}"
+    stat = os.stat(path)  # not fsspec's info: a third of the cost of listing a run went to its bookkeeping
+    return f"{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ino}"
 
 
 class RecordUnreadable(ValueError):
@@ -415,6 +467,12 @@ class RecordRow(BaseModel):
     cause: str | None = None
 
 
+class StoredRow(RecordRow):
+    """row.json: the row, stamped with the record it was written after (row_stamp)."""
+
+    stamp: str
+
+
 def row_of(record: RunRecord) -> RecordRow:
     return RecordRow(
         run_id=record.run_id,
@@ -428,20 +486,33 @@ def row_of(record: RunRecord) -> RecordRow:
 def list_rows(storage: Storage) -> list[RecordRow]:
     """One row per run that has a record, newest first: its row.json, or, for a record written before rows
     were (or whose row cannot be read), the record itself; a run whose record cannot be read is one row
-    marked unreadable. Reads one small file per run, whatever the size of the records."""
+    marked unreadable. Reads one small file and the record's metadata (one stat, or one HEAD on S3) per run,
+    whatever the size of the records; a record only where its row does not match it (read_row)."""
     rows = [row for run_id in storage.listdir("runs") if (row := read_row(storage, run_id)) is not None]
     dated, undated = [r for r in rows if r.created_at], [r for r in rows if not r.created_at]
     return sorted(dated, key=lambda r: r.created_at or "", reverse=True) + undated
 
 
 def read_row(storage: Storage, run_id: str) -> RecordRow | None:
-    """The run's listing row; None when runs/<run_id> holds no record (another tool's folder)."""
+    """The run's listing row: row.json while it was written after the record as it stands (its stamp), else
+    the record's own headline (a crash between the two writes, a hand edit, a row older than stamps); a row
+    whose record is gone is listed unreadable, not as it last said; None when runs/<run_id> holds neither."""
     try:
-        row = RecordRow.model_validate_json(read_stored(storage, ("runs", run_id, ROW), MAX_ROW_BYTES))
+        row = StoredRow.model_validate_json(read_stored(storage, ("runs", run_id, ROW), MAX_ROW_BYTES))
     except (OSError, ValidationError):
-        row = None  # missing (an older record), hand-edited or unreadable: the record decides
+        row = None  # missing, unstamped (an older record), hand-edited or unreadable: the record decides
     if row is not None and row.run_id == run_id:
-        return row
+        listed = RecordRow.model_validate(row.model_dump(exclude={"stamp"}))
+        try:
+            record_stamp = stamp_of(storage, run_id)
+        except FileNotFoundError:
+            where = storage.uri("runs", run_id, RECORD)
+            cause = f"{where} is gone; the listing row left beside it said {row.status}"
+            return RecordRow(run_id=run_id, created_at=row.created_at, status="unreadable", cause=cause)
+        except OSError:
+            record_stamp = None  # the record's metadata cannot be read: load_or_row says why
+        if record_stamp is not None and row.stamp == row_stamp(listed, record_stamp):
+            return listed
     found = load_or_row(storage, run_id)
     return row_of(found) if isinstance(found, RunRecord) else found
 
