@@ -326,7 +326,7 @@ def move_pointer(
     card = model_card(cfg, record, forced).model_copy(update={"content_sha256": content})
 
     def cost_of(move: history.Move) -> VersionCost:
-        return promotion_cost(storage, cfg, as_stored(record, started, jobs or []), move)
+        return promotion_cost(storage, cfg, as_stored(record, started, jobs or []), move, pointer)
 
     try:
         with rollbacks.hold(storage, cfg.model.name, record.run_id, f"promote {record.run_id}", HOLD_WAIT_S):
@@ -386,21 +386,33 @@ class CostUnknown(RuntimeError):
     """The promoted version's cost cannot be computed (a record of the model this release cannot read)."""
 
 
-def promotion_cost(storage: Storage, cfg: PipelineConfig, record: RunRecord, move: history.Move) -> VersionCost:
-    """What the version `move` promotes cost: this run as `record` has it, and
-    the model's other runs since the previous promotion. The card states it; `models show` shows the card's."""
-    stored, _ = records.list_records(storage)
+def promotion_cost(
+    storage: Storage,
+    cfg: PipelineConfig,
+    record: RunRecord,
+    move: history.Move,
+    pointer: registry.ProductionPointer | None,
+) -> VersionCost:
+    """What the version `move` promotes cost: this run as `record` has it, and what the model's other runs spent
+    since the previous promotion. `pointer` is the incumbent `move` replaces: one the first release wrote has
+    no move in the history, so its promotion time bounds the window (else all of its run would be charged
+    again). Records that cannot be read are named on the cost, never dropped in silence. The card states it;
+    `models show` shows the card's."""
+    stored, unreadable = records.list_records(storage)
     runs = [r for r in cost.records_of(stored, cfg.model.name) if r.run_id != record.run_id] + [record]
     moves = [*registry.read_history(storage, cfg.model.name), move]
     side = cost.side_runs(storage, [r.run_id for r in runs])
+    since = pointer.promoted_at if pointer is not None and pointer.move is None else None
     try:
-        return cost.version_costs(runs, moves, cfg.cost.prices, side)[-1]
+        version = cost.version_costs(runs, moves, cfg.cost.prices, side, since)[-1]
     except ValidationError as e:  # a summary of another release, or hand-edited: named, not a raw traceback
         raise CostUnknown(
             f"the cost of {cfg.model.name} {move.to_version} cannot be computed: a record of one of its runs "
             f"({', '.join(r.run_id for r in runs)}) holds a summary this release cannot read: "
             f"{e.title}: {first_problem(e)}"
         ) from None
+    lost = sorted(row.run_id for row in unreadable if row.run_id != record.run_id)
+    return version.model_copy(update={"unreadable": lost})
 
 
 def as_stored(record: RunRecord, started: str, jobs: list[JobEntry]) -> RunRecord:

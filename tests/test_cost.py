@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tuneproof
-from tests.reading import production_pointer
+from tests.reading import present, production_pointer
 from tuneproof.app.rundiff import diff_records
 from tuneproof.control import cost, registry
 from tuneproof.control import record as records
@@ -345,3 +345,166 @@ def test_after_a_failed_run_the_promoted_versions_cost_includes_it(clone_run):
     assert shown["cost"][-1] == card and card["version"] == version
     runs_show = tuneproof("runs", "show", "demo", *clone_run.args, *prices)
     assert runs_show.exit_code == 0 and "cost: CPU" in runs_show.output
+
+
+def evaluation(start: int) -> StageEntry:
+    """A continued run's re-evaluation at `start` seconds (10 s)."""
+    return StageEntry(
+        stage="evaluate",
+        status="succeeded",
+        started_at=at(start),
+        ended_at=at(start + 10),
+        jobs=[job("eval.evaluate_job", at(start), at(start + 10))],
+    )
+
+
+def test_each_stage_is_charged_once_to_the_version_promoted_after_it_ended():
+    # Windows by the record's creation left a continued run's later stages on no card.
+    prices = {"CPU": 3.6, "GPU": 3.6}
+    failed, r1, b = run("A-failed", 0, failed=True), run("R1", 20), run("B", 80)
+    b_then = b.model_copy(update={"stages": {"data": b.stages["data"]}})  # its fine-tune (90-150 s) still running
+    moves = [promotion(1, "R1", 130)]
+    first_card = cost.version_costs([failed.model_copy(deep=True), r1, b_then], moves, prices)[-1]  # at 130 s
+    # At 300 s `tuneproof run --run-id A-failed` continues A: its fine-tune reruns, and fails again.
+    failed.superseded.append(failed.stages["finetune"])
+    failed.stages["finetune"] = StageEntry(
+        stage="finetune",
+        status="failed",
+        started_at=at(300),
+        ended_at=at(360),
+        invocation=2,
+        jobs=[job("training.finetune", at(300), at(360))],
+    )
+    c = run("C", 400)
+    moves.append(promotion(2, "C", 500))
+    first, second = cost.version_costs([failed, r1, b, c], moves, prices)
+    assert [(r.run_id, [s.stage for s in r.stages]) for r in second.charged] == [
+        ("A-failed", ["finetune"]),  # the rerun; its first attempt is on the first card
+        ("B", ["finetune"]),  # ended after the first promotion, so the first card never saw it
+        ("C", ["data", "finetune"]),
+    ]
+    # Computed again from the records as they are now, the first card charges what it charged at its promotion.
+    assert [r.run_id for r in first.charged] == [r.run_id for r in first_card.charged] == ["A-failed", "R1", "B"]
+    assert (first.resource_seconds, first.steps_paid) == (first_card.resource_seconds, first_card.steps_paid)
+    paid = cost.add(cost.run_cost(r, prices).resource_seconds for r in (failed, r1, b, c))
+    assert cost.add([first_card.resource_seconds, second.resource_seconds]) == paid
+    assert first_card.steps_paid + second.steps_paid == sum(cost.run_cost(r, {}).steps for r in (failed, r1, b, c))
+
+
+def test_a_run_promoted_after_another_version_is_charged_what_it_spent_since_and_not_its_steps_again():
+    # It was charged whole to both versions: to the first by its creation, to its own by its id.
+    r1, b = run("R1", 0), run("B", 10)  # B's fine-tune ends at 80 s, before R1's promotion
+    b.stages["evaluate"] = evaluation(200)  # re-evaluated against R1's version, then promoted
+    first, second = cost.version_costs([r1, b], [promotion(1, "R1", 100), promotion(2, "B", 300)], {})
+    assert [r.run_id for r in first.charged] == ["R1", "B"] and first.steps_paid == 200
+    assert [(r.run_id, r.status, [s.stage for s in r.stages]) for r in second.charged] == [
+        ("B", "promoted", ["evaluate"])
+    ]
+    assert (second.promoted_steps, second.earlier_steps, second.steps_paid, second.goodput) == (100, 100, 0, None)
+    assert cost.card_notes(second) == [
+        "100 of the model's 100 fine-tune steps were trained before the previous promotion and are on that "
+        "version's card: goodput counts the other 0."
+    ]
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "records"
+FIRST_RELEASE = {"v1-demo": "20261201-041236-af7799", "v1-verify-failed": "20261201-041616-e52621"}
+
+
+def first_release(root: Path) -> Storage:
+    """Storage holding the two records the first release's demo wrote."""
+    for fixture, run_id in FIRST_RELEASE.items():
+        (root / "runs" / run_id).mkdir(parents=True)
+        shutil.copy(FIXTURES / f"{fixture}.json", root / "runs" / run_id / "record.json")
+    return Storage(str(root))
+
+
+def test_a_first_release_resume_test_is_not_fine_tune_steps_paid_for(tmp_path):
+    # Its resume test ran `python -m training.finetune` jobs: counted as 309 more steps of a 400-step run.
+    demo = records.load(first_release(tmp_path), FIRST_RELEASE["v1-demo"])
+    stages = {s.stage: s for s in cost.run_cost(demo, {}).stages}
+    assert (stages["finetune"].steps, stages["resume"].steps, cost.run_cost(demo, {}).steps) == (400, 0, 400)
+    assert stages["resume"].resource_seconds["CPU"] > 0  # its time is paid for all the same
+
+
+def test_a_version_after_a_first_release_pointer_is_not_charged_that_versions_run(tmp_path):
+    # That pointer records no move, so the window had no start: the demo run, already v0001, was charged again.
+    from tasks.promote import move_pointer
+    from tests.test_promote_task import EXPORT_FILES, passed_record, with_export
+
+    storage = first_release(tmp_path)
+    demo = records.load(storage, FIRST_RELEASE["v1-demo"])
+    promoted = present(demo.promotion)
+    name, v1 = "dates-qwen2-tiny", str(promoted.version)
+    pointer = {"name": name, "version": v1, "path": f"models/{name}/{v1}", "run_id": demo.run_id}
+    for file, data in EXPORT_FILES.items():  # the version it copied, and a pointer to it that records no move
+        storage.write_bytes(data, "models", name, v1, file)
+    storage.write_json({**pointer, "promoted_at": promoted.promoted_at}, "models", name, "production.json")
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}, "model": {"name": name}})
+    with_export(storage, "r-new")
+    rec = passed_record(cfg, "r-new")
+    rec.stages["evaluate"].summary = {**(rec.stages["evaluate"].summary or {}), "incumbent_version": v1}
+    finetune = rec.stages["finetune"]
+    finetune.jobs = [job("training.finetune", at(100), at(160), finetune.summary)]
+    assert move_pointer(cfg, rec, "t", forced=None).ok
+    version = production_pointer(storage, name).version
+    card = storage.read_json("models", name, version, registry.CARD_JSON)["cost"]
+    charged = [(c["run_id"], c["status"]) for c in card["charged"]]
+    assert charged == [(FIRST_RELEASE["v1-verify-failed"], "failed (infrastructure)"), ("r-new", "promoted")]
+    assert (card["promoted_steps"], card["steps_paid"], card["goodput"]) == (400, 400, 1.0)
+
+
+def test_a_record_that_cannot_be_read_is_named_on_the_cost_not_left_out_in_silence(tmp_path):
+    from tasks.promote import move_pointer
+    from tests.test_promote_task import passed_record, with_export
+
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}, "cost": {"prices": {"CPU": 3.6}}})
+    storage = Storage(str(tmp_path))
+    for run_id in ("r0-readable", "r0-truncated"):
+        failed = run(run_id, 0, cfg=cfg, failed=True)
+        failed.created_at = records.now_iso()
+        records.save(storage, failed)
+    torn = tmp_path / "runs" / "r0-truncated" / "record.json"
+    torn.write_text(torn.read_text()[:300])  # a torn write, a full disk
+    with_export(storage, "r1")
+    promoted = passed_record(cfg, "r1")
+    promoted.stages["finetune"].jobs = [job("training.finetune", at(100), at(160), promoted.stages["finetune"].summary)]
+    assert move_pointer(cfg, promoted, "t", forced=None).ok
+    version = production_pointer(storage, cfg.model.name).version
+    card = cost.VersionCost.model_validate(
+        storage.read_json("models", cfg.model.name, version, registry.CARD_JSON)["cost"]
+    )
+    assert [r.run_id for r in card.charged] == ["r0-readable", "r1"] and card.unreadable == ["r0-truncated"]
+    note = "Cost excludes 1 run(s) whose records could not be read (so their model is unknown): r0-truncated."
+    assert cost.card_notes(card) == [note]
+    assert note in storage.read_text("models", cfg.model.name, version, "MODEL_CARD.md")  # where people read it
+
+
+def test_a_resource_without_a_price_is_named_not_priced_at_zero():
+    gpu_run = run("r1", 0)  # 250 CPU-seconds, 240 GPU-seconds
+    priced = cost.run_cost(gpu_run, {"CPU": 3.6})
+    assert (priced.money, priced.unpriced) == (0.25, ["GPU"])  # what was priced; GPU named
+    assert cost.seconds_line(priced.resource_seconds, priced.money, priced.unpriced) == (
+        "CPU 250.0 s, GPU 240.0 s (cost 0.2500, GPU unpriced)"
+    )
+    assert cost.run_cost(gpu_run, {}).unpriced == []  # no table at all: seconds only, money None
+    (version,) = cost.version_costs([gpu_run], [promotion(1, "r1", 100)], {"CPU": 3.6})
+    assert version.unpriced == ["GPU"]
+    assert cost.card_notes(version) == ["GPU unpriced: cost.prices has no price for it, so the cost counts only CPU."]
+
+
+def test_runs_show_prices_a_run_with_its_own_price_table_unless_told_otherwise(tmp_path):
+    # It priced with the reader's config: one run had two costs, `runs show`'s and `runs diff`'s.
+    own = PipelineConfig.model_validate(
+        {"train": {"num_workers": 4, "use_gpu": True}, "cost": {"prices": {"CPU": 1.0, "GPU": 10.0}}}
+    )
+    records.save(Storage(str(tmp_path)), run("r1", 0, cfg=own))
+    where = ["--set", f"storage.root={tmp_path}"]
+    shown = " ".join(tuneproof("runs", "show", "r1", *where).output.split())
+    assert "prices per resource-hour: CPU 1, GPU 10 (the run's own cost.prices)" in shown
+    assert "cost: CPU 250.0 s, GPU 240.0 s (cost 0.7361)" in shown
+    assert cost.diff_numbers(run("r1", 0, cfg=own))["cost.money"] == 0.736111  # `runs diff`'s: the same table
+    cheaper = tuneproof("runs", "show", "r1", *where, "--set", 'cost.prices={"CPU": 0.05}').output
+    cheaper = " ".join(cheaper.split())
+    assert "prices per resource-hour: CPU 0.05 (--set cost.prices)" in cheaper
+    assert "cost: CPU 250.0 s, GPU 240.0 s (cost 0.0035, GPU unpriced)" in cheaper

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import hashlib
+import io
 import json
 import threading
 
@@ -277,6 +278,33 @@ def test_a_rolled_back_model_is_promoted_again_only_by_the_override(tmp_path):
     forced = forced_promotion(cfg, "r2", "the downstream parser is fixed", "ana")
     assert forced.promoted and "was rolled back by bob" in present(forced.forced).bypassed[-1]
     assert "was rolled back by bob" in records.load(storage, "r2").overrides[0].bypassed[-1]
+
+
+def promotion_line(rec: RunRecord) -> str:
+    """The `promotion:` line `runs show` prints for `rec`."""
+    from rich.console import Console
+
+    from tuneproof.app.terminal import print_record
+
+    out = io.StringIO()
+    print_record(rec, Console(file=out, width=400, no_color=True))
+    return next(line.strip() for line in out.getvalue().splitlines() if line.strip().startswith("promotion:"))
+
+
+def test_a_rolled_back_promotion_is_never_shown_as_still_in_production(tmp_path):
+    # `runs show` said "still in production" right above the record's own "rolled back" line.
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
+    storage = Storage(str(tmp_path))
+    promoted_on_evidence(cfg, "r1", None)
+    promoted_on_evidence(cfg, "r2", "v0001-r1")
+    promotion = PromoteSummary(promoted=True, name=cfg.model.name, version="v0002-r2")  # as live_promotion keeps it
+    rec = records.load(storage, "r2").model_copy(update={"promotion": promotion})  # its promote entry superseded
+    assert promotion_line(rec).startswith("promotion: promoted v0002-r2 earlier in this run and still in production")
+    assert roll_back(cfg, cfg.model.name, "v2 answers in the wrong format", "bob", None).rolled_back
+    rec = records.load(storage, "r2").model_copy(update={"promotion": promotion})
+    assert promotion_line(rec) == "promotion: promoted v0002-r2, since rolled back to v0001-r1 (history #3)"
+    rec.stages["promote"] = StageEntry.succeeded("promote", promotion, "t")  # on current evidence: the same
+    assert promotion_line(rec) == "promotion: promoted v0002-r2, since rolled back to v0001-r1 (history #3)"
 
 
 def test_a_history_artifact_that_cannot_be_published_does_not_fail_a_promotion(tmp_path, monkeypatch):

@@ -98,27 +98,47 @@ def runs_show(
 
     try:
         print_record(rec, console)
-        print_cost(rec, config_or_exit(config, sets).cost.prices)  # the cost reads the fine-tune's summaries too
+        prices, source = shown_prices(rec, sets, config_or_exit(config, sets).cost.prices)
+        print_cost(rec, prices, source)  # the cost reads the fine-tune's summaries too
     except ValidationError as e:
         raise typer.Exit(summary_unreadable(run_id, e)) from None
 
 
-def print_cost(rec: Any, prices: dict[str, float]) -> None:
-    """What the run cost, stage by stage (superseded attempts included): resource-seconds and money."""
+def shown_prices(rec: RunRecord, sets: list[str], configured: dict[str, float]) -> tuple[dict[str, float], str]:
+    """(the price table `runs show` prices the run with, where it came from): the run's own recorded
+    cost.prices, as `runs diff` and the model card use, so one run has one cost whoever reads it; an explicit
+    `--set cost.prices...` prices it with another table (`configured`, the reader's config with it applied)."""
+    from tuneproof.control.cost import record_prices
+    from tuneproof.core.config import parse_override
+
+    if any(parse_override(item)[0][:2] == ["cost", "prices"] for item in sets):
+        return configured, "--set cost.prices"
+    own = record_prices(rec)
+    if own:
+        return own, "the run's own cost.prices"
+    return {}, "the run's config has no cost.prices (`--set cost.prices=...` prices it)"
+
+
+def print_cost(rec: Any, prices: dict[str, float], source: str) -> None:
+    """What the run cost, stage by stage (superseded attempts included): resource-seconds and money, the
+    resources the table does not price named, and which table it was."""
     from tuneproof.app.terminal import whole_table
-    from tuneproof.control.cost import run_cost, seconds_line
+    from tuneproof.control.cost import run_cost, seconds_line, unpriced
 
     run = run_cost(rec, prices)
     cells = [
         [
             s.stage + (" (superseded)" if s.superseded else ""),
             f"{s.seconds:.1f}",
-            seconds_line(s.resource_seconds, s.money),
+            seconds_line(s.resource_seconds, s.money, unpriced(s.resource_seconds, prices)),
         ]
         for s in run.stages
     ]
     console.print(whole_table(["stage", "wall s", "resource-seconds"], cells, keep=("stage",)))
-    console.print(f"cost: {seconds_line(run.resource_seconds, run.money)}; fine-tune steps paid for: {run.steps}")
+    table = ", ".join(f"{r} {p:g}" for r, p in sorted(prices.items()))
+    console.print(f"prices per resource-hour: {table + ' (' + source + ')' if table else source}")
+    line = seconds_line(run.resource_seconds, run.money, run.unpriced)
+    console.print(f"cost: {line}; fine-tune steps paid for: {run.steps}")
 
 
 def record_or_exit(storage: Storage, run_id: str) -> RunRecord:

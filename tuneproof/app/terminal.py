@@ -34,7 +34,7 @@ from rich.text import Text
 from tuneproof.control.record import Invocation, RunRecord
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.envelope import ProgressEvent, format_metrics
-from tuneproof.core.summaries_eval import EvaluateSummary
+from tuneproof.core.summaries_eval import EvaluateSummary, PromoteSummary
 
 if TYPE_CHECKING:
     from prefect.states import State
@@ -281,22 +281,34 @@ def print_summary(rec: RunRecord, console: Console) -> None:
         print_line(console, f"  gate: {line}")
     if rec.unread_settings:
         print_line(console, ("  ignored: ", "yellow"), f"set, but no stage read: {', '.join(rec.unread_settings)}")
-    promotion = rec.promotion
-    if promotion is not None:
-        verdict = f"promoted {promotion.version}" if promotion.promoted else "refused: " + "; ".join(promotion.reasons)
-        if promotion.promoted and not rec.passed("promote"):
-            # The record never denies what production serves, nor passes it off as standing on current evidence.
-            verdict += (
-                " earlier in this run and still in production, though the evidence it was promoted on is superseded "
-                f"(`tuneproof rollback {promotion.name or 'MODEL'} --reason ...` takes it out)"
-            )
-        print_line(console, f"  promotion: {verdict}")
+    if rec.promotion is not None:
+        print_line(console, f"  promotion: {promotion_verdict(rec, rec.promotion)}")
     style = "green" if rec.status == "succeeded" else "bold red"
     tail = f" ({rec.failure_class.value}: {rec.cause})" if rec.failure_class else ""
     last = rec.invocations[-1] if rec.invocations else None
     if last is not None and last.until and rec.status == "succeeded":
         tail = f" through {last.until} (--until): `tuneproof run --run-id {rec.run_id}` runs the rest"
     print_line(console, (f"run {rec.run_id} {rec.status}{tail}", style))
+
+
+def promotion_verdict(rec: RunRecord, promotion: PromoteSummary) -> str:
+    """The record's promotion in words (pure): refused and why; promoted, and since rolled back when a rollback
+    moved production away from that version (the record names it); or promoted on superseded evidence, which
+    production kept serving. The record never denies what production serves, nor claims it serves a version a
+    rollback took out."""
+    if not promotion.promoted:
+        return "refused: " + "; ".join(promotion.reasons)
+    verdict = f"promoted {promotion.version}"
+    away = [r for r in rec.rollbacks if r.from_version == promotion.version and promotion.name in (None, r.model)]
+    if away:
+        back = away[-1]
+        return f"{verdict}, since rolled back to {back.to_version} (history #{back.seq})"
+    if not rec.passed("promote"):
+        verdict += (
+            " earlier in this run and still in production, though the evidence it was promoted on is superseded "
+            f"(`tuneproof rollback {promotion.name or 'MODEL'} --reason ...` takes it out)"
+        )
+    return verdict
 
 
 def print_record(rec: RunRecord, console: Console) -> None:

@@ -2,7 +2,7 @@
 and goodput.
 
     run_cost(record, prices)                  -> RunCost: by stage, superseded attempts included
-    version_costs(records, moves, prices)     -> [VersionCost]: per promoted version, its lineage's runs
+    version_costs(records, moves, prices)     -> [VersionCost]: per promoted version, what its lineage paid
 
 A job's resources are what it asked Ray for, from the config it ran with: a Ray Train job (fine-tune,
 connectivity, the resume test) one CPU per worker and, with train.use_gpu, one GPU per worker (Ray
@@ -26,7 +26,7 @@ in the cost, not in the steps. All pure over records and history moves, but `sid
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime
 
 from pydantic import ValidationError
@@ -66,6 +66,8 @@ class RunCost(Model):
     stages: list[StageCost]
     resource_seconds: dict[str, float]
     money: float | None = None
+    unpriced: list[str] = []
+    """Resources it used that the price table has no price for: `money` leaves them out."""
     steps: int
 
 
@@ -73,17 +75,25 @@ class VersionCost(Model):
     version: str
     run_id: str
     charged: list[RunCost]
-    """The promoted run and every other run of the model since the previous promotion, oldest first."""
+    """The promoted run and every other run of the model with a stage that ended since the previous promotion,
+    oldest first, each with those stages only."""
     apart: list[str] = []
     """Canary and comparison runs in the same window: listed, not charged."""
+    unreadable: list[str] = []
+    """Runs whose records could not be read when the cost was computed (their model unknown): not in the cost,
+    which is short by whatever of theirs was this model's."""
     resource_seconds: dict[str, float]
     money: float | None = None
+    unpriced: list[str] = []
+    """Resources the charged runs used that `prices` has no price for: `money` leaves them out."""
     prices: dict[str, float] = {}
     """The price table `money` was computed with (per resource-hour; empty: seconds only)."""
     promoted_steps: int
+    earlier_steps: int = 0
+    """Of promoted_steps, those its run paid for before the previous promotion: on an earlier version's card."""
     steps_paid: int
     goodput: float | None
-    """promoted_steps / steps_paid (None when no step was paid for); never above 1."""
+    """(promoted_steps - earlier_steps) / steps_paid (None when no step was paid for); never above 1."""
 
 
 def job_resources(job: JobEntry, config: dict) -> dict[str, float]:
@@ -113,9 +123,17 @@ def paid_steps(entries: list[StageEntry]) -> list[int]:
       a flow that died with its job), charged to the resuming job's entry.
 
     A Ray Train run's steps paid for are therefore never fewer than the last step it reached. Jobs go in
-    submission order; a summary-less job belongs to the Ray Train run of a summary written in its folder."""
+    submission order; a summary-less job belongs to the Ray Train run of a summary written in its folder.
+    Only the finetune stage's jobs count: a first-release record's resume test ran training.finetune jobs,
+    whose steps test a restore and are not the model's training."""
     jobs = sorted(
-        ((i, job) for i, entry in enumerate(entries) for job in entry.jobs if _module(job) == FINETUNE),
+        (
+            (i, job)
+            for i, entry in enumerate(entries)
+            if entry.stage == "finetune"
+            for job in entry.jobs
+            if _module(job) == FINETUNE
+        ),
         key=lambda pair: datetime.fromisoformat(pair[1].submitted_at),
     )
     run_of_folder = {job.result.stage: s.run_name for _, job in jobs if (s := _summary(job)) is not None}
@@ -173,10 +191,21 @@ def goodput(promoted_steps: int, steps_paid: int) -> float | None:
 
 
 def money(resource_seconds: dict[str, float], prices: dict[str, float]) -> float | None:
-    """resource-hours × price per hour; None without a price table (pure)."""
+    """resource-hours × price per hour over the resources the table prices; None without a price table (pure).
+    A resource it does not price is left out, not priced at 0 in silence: `unpriced` names it beside the
+    number. The number stays what was priced (rather than None) so a CPU-only table still prices a CPU-only
+    run exactly, and None keeps meaning one thing: no price table."""
     if not prices:
         return None
-    return round(sum(s / 3600 * prices.get(r, 0.0) for r, s in resource_seconds.items()), 6)
+    return round(sum(s / 3600 * prices[r] for r, s in resource_seconds.items() if r in prices), 6)
+
+
+def unpriced(resource_seconds: dict[str, float], prices: dict[str, float]) -> list[str]:
+    """The resources with seconds that a price table has no price for (pure); none without a table, where
+    nothing is priced and `money` is None."""
+    if not prices:
+        return []
+    return sorted(r for r, s in resource_seconds.items() if s > 0 and r not in prices)
 
 
 def stage_cost(
@@ -197,16 +226,17 @@ def stage_cost(
     )
 
 
-def run_cost(record: RunRecord, prices: dict[str, float]) -> RunCost:
+def run_cost(
+    record: RunRecord, prices: dict[str, float], charged: Callable[[StageEntry], bool] | None = None
+) -> RunCost:
     """Every stage the run paid for: the superseded attempts, then its current entries in the order they ran
-    (a stored record keeps its stages by name; stages run one after another, so their start times order them) (pure)."""
+    (pure). `charged`, when given, keeps only the entries it accepts (those a version is charged); their steps
+    are counted over the whole run all the same, as a resumed job's start step is set against all its earlier jobs."""
     configs = {inv.number: inv.config or record.config for inv in record.invocations}
-    current = sorted(record.stages.values(), key=lambda e: (e.started_at, e.stage))
-    entries = [(e, True) for e in record.superseded] + [(e, False) for e in current]
-    steps = paid_steps([e for e, _ in entries])
     stages = [
         stage_cost(e, configs.get(e.invocation, record.config), prices, superseded, paid)
-        for (e, superseded), paid in zip(entries, steps, strict=True)
+        for e, superseded, paid in _paid_entries(record)
+        if charged is None or charged(e)
     ]
     total = add(s.resource_seconds for s in stages)
     failure = f" ({record.failure_class.value})" if record.failure_class else ""
@@ -216,8 +246,19 @@ def run_cost(record: RunRecord, prices: dict[str, float]) -> RunCost:
         stages=stages,
         resource_seconds=total,
         money=money(total, prices),
+        unpriced=unpriced(total, prices),
         steps=sum(s.steps for s in stages),
     )
+
+
+def _paid_entries(record: RunRecord) -> list[tuple[StageEntry, bool, int]]:
+    """(entry, superseded, the fine-tune steps it paid for): the superseded attempts, then the current entries in
+    the order they ran (a stored record keeps its stages by name; stages run one after another, so their start
+    times order them)."""
+    current = sorted(record.stages.values(), key=lambda e: (e.started_at, e.stage))
+    entries = [(e, True) for e in record.superseded] + [(e, False) for e in current]
+    steps = paid_steps([e for e, _ in entries])
+    return [(e, superseded, paid) for (e, superseded), paid in zip(entries, steps, strict=True)]
 
 
 def add(parts: Iterable[dict[str, float]]) -> dict[str, float]:
@@ -229,51 +270,93 @@ def add(parts: Iterable[dict[str, float]]) -> dict[str, float]:
 
 
 def version_costs(
-    records: list[RunRecord], moves: list[Move], prices: dict[str, float], apart: frozenset[str] = frozenset()
+    records: list[RunRecord],
+    moves: list[Move],
+    prices: dict[str, float],
+    apart: frozenset[str] = frozenset(),
+    since: str | None = None,
 ) -> list[VersionCost]:
-    """One row per promoted version (promotions in the history, oldest first), charging it the model's runs
-    created after the previous promotion up to its own, except the `apart` ones (side_runs) (pure)."""
+    """One row per promoted version (promotions in the history, oldest first), charging it the stage entries of
+    the model's runs that `owner` gives it; the `apart` runs (side_runs) it lists instead (pure). `since` is when
+    the version production served before the first move was promoted, where no move put it there (a pointer the
+    first release wrote): what ended before then was that version's, on no row here."""
     promotions = [m for m in moves if m.kind != "rollback"]
+    points = [datetime.fromisoformat(t) for t in ([since] if since else []) + [m.at for m in promotions]]
     by_id = {r.run_id: r for r in records}
-    rows, since = [], None
-    for move in promotions:
-        window = [r for r in records if _in_window(r, since, move) or r.run_id == move.run_id]
+    rows = []
+    for index, move in enumerate(promotions, start=len(points) - len(promotions)):
+
+        def charged(entry: StageEntry, index: int = index) -> bool:
+            return owner(entry, points) == index
+
+        window = [r for r in records if r.run_id == move.run_id or any(map(charged, _entries(r)))]
         window.sort(key=lambda r: r.created_at)
-        rows.append(_version_cost(move, by_id.get(move.run_id), window, prices, apart - {move.run_id}))
-        since = move.at
+        promoted = by_id.get(move.run_id)
+        earlier = _earlier_steps(promoted, points, index) if promoted else 0
+        rows.append(_version_cost(move, promoted, window, charged, earlier, prices, apart - {move.run_id}))
     return rows
 
 
-def _in_window(record: RunRecord, since: str | None, move: Move) -> bool:
-    created = datetime.fromisoformat(record.created_at)
-    after = since is None or created > datetime.fromisoformat(since)
-    return after and created <= datetime.fromisoformat(move.at)
+def owner(entry: StageEntry, promotions_at: list[datetime]) -> int | None:
+    """Which promotion an entry is charged to: the first made once its last job had ended (pure); None for an
+    entry without jobs (it cost nothing) or one that ended after the last promotion. By the entry's own jobs, not
+    its record's creation, so a continued run's later stages go to a later version; and by their end, not their
+    start, because a card is computed at its promotion from the entries stored by then and an entry is stored
+    when it ends: a job still running at a promotion goes to the next one, which sees it."""
+    if not entry.jobs:
+        return None
+    ended = max(datetime.fromisoformat(job.ended_at) for job in entry.jobs)
+    return next((i for i, at in enumerate(promotions_at) if ended <= at), None)
 
 
-def _version_cost(
-    move: Move, promoted: RunRecord | None, window: list[RunRecord], prices: dict, apart: frozenset[str]
-) -> VersionCost:
-    charged = [_charged(r, move.run_id, prices) for r in window if r.run_id not in apart]
-    total = add(c.resource_seconds for c in charged)
-    lineage = _export_step(promoted)
-    paid = sum(c.steps for c in charged)
-    return VersionCost(
-        version=move.to_version,
-        run_id=move.run_id,
-        charged=charged,
-        apart=[r.run_id for r in window if r.run_id in apart],
-        resource_seconds=total,
-        money=money(total, prices),
-        prices=prices,
-        promoted_steps=lineage,
-        steps_paid=paid,
-        goodput=goodput(lineage, paid),
+def _entries(record: RunRecord) -> list[StageEntry]:
+    return [*record.superseded, *record.stages.values()]
+
+
+def _earlier_steps(promoted: RunRecord, promotions_at: list[datetime], index: int) -> int:
+    """The fine-tune steps the promoted run paid for before promotion `index`'s window: on an earlier card (its
+    run trained before another version was promoted) or on none (before the first release's)."""
+    return sum(
+        paid
+        for entry, _, paid in _paid_entries(promoted)
+        if (before := owner(entry, promotions_at)) is not None and before < index
     )
 
 
-def _charged(record: RunRecord, promoted_run: str, prices: dict[str, float]) -> RunCost:
-    """The run's cost; the promoted run's status is 'promoted' (whether its flow was still running then)."""
-    run = run_cost(record, prices)
+def _version_cost(
+    move: Move,
+    promoted: RunRecord | None,
+    window: list[RunRecord],
+    charged: Callable[[StageEntry], bool],
+    earlier: int,
+    prices: dict[str, float],
+    apart: frozenset[str],
+) -> VersionCost:
+    runs = [_charged(r, move.run_id, prices, charged) for r in window if r.run_id not in apart]
+    total = add(c.resource_seconds for c in runs)
+    lineage = _export_step(promoted)
+    paid = sum(c.steps for c in runs)
+    return VersionCost(
+        version=move.to_version,
+        run_id=move.run_id,
+        charged=runs,
+        apart=[r.run_id for r in window if r.run_id in apart],
+        resource_seconds=total,
+        money=money(total, prices),
+        unpriced=unpriced(total, prices),
+        prices=prices,
+        promoted_steps=lineage,
+        earlier_steps=earlier,
+        steps_paid=paid,
+        goodput=goodput(max(0, lineage - earlier), paid),
+    )
+
+
+def _charged(
+    record: RunRecord, promoted_run: str, prices: dict[str, float], charged: Callable[[StageEntry], bool]
+) -> RunCost:
+    """The run's cost in the window; the promoted run's status is 'promoted' (whether its flow was still running)."""
+    run = run_cost(record, prices, charged)
     return run.model_copy(update={"status": "promoted"}) if record.run_id == promoted_run else run
 
 
@@ -299,10 +382,36 @@ def side_runs(storage: Storage, run_ids: Iterable[str]) -> frozenset[str]:
     return frozenset(side)
 
 
-def seconds_line(resource_seconds: dict[str, float], amount: float | None) -> str:
-    """'CPU 123.4 s, GPU 0 s (0.0137)' for a terminal or a card (pure)."""
+def seconds_line(resource_seconds: dict[str, float], amount: float | None, missing: Iterable[str] = ()) -> str:
+    """'CPU 250.0 s, GPU 240.0 s (cost 0.0035, GPU unpriced)' for a terminal or a card (pure): `missing` are the
+    resources the price table does not price (`unpriced`), which the cost leaves out."""
     parts = ", ".join(f"{r} {s:.1f} s" for r, s in sorted(resource_seconds.items())) or "no Ray job time"
-    return parts + (f" (cost {amount:.4f})" if amount is not None else "")
+    priced = [f"cost {amount:.4f}"] if amount is not None else []
+    priced += [f"{r} unpriced" for r in missing]
+    return parts + (f" ({', '.join(priced)})" if priced else "")
+
+
+def card_notes(version: VersionCost) -> list[str]:
+    """What the card's cost does not count, one sentence each, under its table (pure): runs whose records could
+    not be read, resources without a price, and the model's steps an earlier card paid for."""
+    notes = []
+    if version.unreadable:
+        notes.append(
+            f"Cost excludes {len(version.unreadable)} run(s) whose records could not be read (so their model is "
+            f"unknown): {', '.join(version.unreadable)}."
+        )
+    if version.unpriced:
+        notes.append(
+            f"{', '.join(version.unpriced)} unpriced: cost.prices has no price for it, so the cost counts only "
+            f"{', '.join(sorted(version.prices))}."
+        )
+    if version.earlier_steps:
+        notes.append(
+            f"{version.earlier_steps} of the model's {version.promoted_steps} fine-tune steps were trained before "
+            "the previous promotion and are on that version's card: goodput counts the other "
+            f"{max(0, version.promoted_steps - version.earlier_steps)}."
+        )
+    return notes
 
 
 def record_prices(record: RunRecord) -> dict[str, float]:

@@ -36,7 +36,7 @@ from typing import Any, TypeGuard
 from pydantic import ValidationError
 
 from tuneproof.control import history
-from tuneproof.control.cost import VersionCost
+from tuneproof.control.cost import VersionCost, card_notes
 from tuneproof.control.history import Move, MoveIntent
 from tuneproof.core import cas, markers
 from tuneproof.core.cas import file_lock
@@ -637,6 +637,7 @@ def _cost_section(cost: VersionCost, run_id: str) -> list[str]:
         "",
         f"Goodput: {cost.promoted_steps} fine-tune steps in this model / {cost.steps_paid} paid for = {goodput}.",
         f"Prices per resource-hour (the run's cost.prices): {priced}." if priced else "No price table: seconds only.",
+        *card_notes(cost),
     ]
     if cost.apart:
         rows.append(f"Canary and comparison runs in the same period, not charged: {', '.join(cost.apart)}.")
