@@ -24,13 +24,15 @@ Artifact = Callable[[RunRecord, StageEntry, Storage], None]
 
 def promote_stage(call: StageCall) -> StageEntry:
     """Runs in the flow (not a task): an approval pause must belong to the flow run itself."""
+    answer = None
     if call.cfg.promote.require_approval and not promote_tasks.refusal_reasons(call.cfg, call.record):
         from flows.approval import ask_for_approval  # Prefect's pause API, only when approval is configured
 
-        approval = ask_for_approval(call.cfg, call.record)
-        if not approval.approve:
-            return promote_tasks.approval_refused(call.record.updated_at, approval.approver, approval.comment)
-    return promote_tasks.promote(call)
+        answer = ask_for_approval(call.cfg, call.record).answer()
+        if not answer.approve:
+            return promote_tasks.approval_refused(call.record.updated_at, answer)
+    # The answer goes with the promotion: its summary, the card and the history's move name the approver.
+    return promote_tasks.promote(call, answer)
 
 
 TASKS: dict[str, StageTask] = {

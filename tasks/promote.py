@@ -43,7 +43,7 @@ from tuneproof.core.config_train import LORA_ADAPTER_DIR
 from tuneproof.core.results import FailureClass, first_problem, now_iso
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries_data import DataSummary
-from tuneproof.core.summaries_eval import CopyCheckSummary, EvaluateSummary, Forced, PromoteSummary
+from tuneproof.core.summaries_eval import ApprovalAnswer, CopyCheckSummary, EvaluateSummary, Forced, PromoteSummary
 from tuneproof.core.summaries_training import FinetuneSummary, ResumeSummary
 
 
@@ -155,7 +155,9 @@ def superseded_note(record: RunRecord, stage: str) -> str:
     return f" (its last result, from invocation {stale[-1].invocation}, was superseded by a rerun of an earlier stage)"
 
 
-def model_card(cfg: PipelineConfig, record: RunRecord, forced: Forced | None = None) -> registry.CardFacts:
+def model_card(
+    cfg: PipelineConfig, record: RunRecord, forced: Forced | None = None, approval: ApprovalAnswer | None = None
+) -> registry.CardFacts:
     evaluation = record.summary("evaluate", EvaluateSummary)
     resume = record.summary("resume", ResumeSummary)
     cluster = record.cluster
@@ -185,6 +187,7 @@ def model_card(cfg: PipelineConfig, record: RunRecord, forced: Forced | None = N
         if resume
         else None,
         forced=forced,
+        approval=approval,
     )
 
 
@@ -238,7 +241,8 @@ def method_facts(record: RunRecord) -> dict[str, Any]:
 
 
 @task(name="promote", cache_policy=NO_CACHE)
-def promote(call: StageCall) -> StageEntry:
+def promote(call: StageCall, approval: ApprovalAnswer | None = None) -> StageEntry:
+    """Promote on the record's evidence; `approval` is the approver's yes when promote.require_approval asked."""
     started = now_iso()
     reasons = refusal_reasons(call.cfg, call.record)
     if reasons:
@@ -250,7 +254,7 @@ def promote(call: StageCall) -> StageEntry:
         return refused(started, [no_copy_check(call.cfg, evaluation)], FailureClass.modeling)
     jobs: list[JobEntry] = []
     checker = copy_checker(call, items, jobs)
-    entry = move_pointer(call.cfg, call.record, started, forced=None, check_copy=checker, jobs=jobs)
+    entry = move_pointer(call.cfg, call.record, started, forced=None, check_copy=checker, jobs=jobs, approval=approval)
     entry = with_copy_check(entry, jobs)
     if entry.ok:
         published(storage, call.cfg.model.name, call.record.run_id)
@@ -285,11 +289,13 @@ def move_pointer(
     forced: Forced | None,
     check_copy: Callable[[str], None] | None = None,
     jobs: list[JobEntry] | None = None,
+    approval: ApprovalAnswer | None = None,
 ) -> StageEntry:
     """Check the export is the judged content, copy it to a new version, check the copy (check_copy, given
     the version's path) and CAS the pointer against the incumbent that was evaluated. Every refusal
     happens before the pointer is touched. `jobs` is the promote stage's own (check_copy appends the copy
-    check's): the card's cost, computed once the check has run, includes them."""
+    check's): the card's cost, computed once the check has run, includes them. `approval` (the approver's yes)
+    goes on the summary, the card and the history's move."""
     storage = Storage.from_config(cfg.storage)
     finetune = record.summary("finetune", FinetuneSummary)
     if finetune is None or finetune.export_path is None:
@@ -310,7 +316,7 @@ def move_pointer(
         # between the pointer's swap and the record's save. The same version, not a second copy, and not
         # "the production model changed since evaluation" (it changed to this run).
         logging.getLogger("tuneproof.promote").info(f"{cfg.model.name} {current} is already this run's model")
-        summary = promoted_summary(pointer, forced)
+        summary = promoted_summary(pointer, forced, approval)
         return StageEntry.succeeded("promote", summary, started)
     rolled_back = rollback_reasons(storage, cfg.model.name, record, content, moves)
     if forced is None and rolled_back:  # a judgement on the model, like a failed gate: only the override undoes it
@@ -323,7 +329,7 @@ def move_pointer(
             [f"the production model changed since evaluation ({evaluated} -> {current}); re-evaluate"],
             FailureClass.infrastructure,
         )
-    card = model_card(cfg, record, forced).model_copy(update={"content_sha256": content})
+    card = model_card(cfg, record, forced, approval).model_copy(update={"content_sha256": content})
 
     def cost_of(move: history.Move) -> VersionCost:
         return promotion_cost(storage, cfg, as_stored(record, started, jobs or []), move, pointer)
@@ -338,7 +344,7 @@ def move_pointer(
                 card,
                 token,
                 content_sha256=content,
-                intent=move_intent(record, forced),
+                intent=move_intent(record, forced, approval),
                 check_copy=check_copy,
                 cost_of=cost_of,
             )
@@ -349,7 +355,7 @@ def move_pointer(
     except markers.ExportUnverified as e:
         return refused(started, [f"the copied model is not the judged export: {e}"], FailureClass.infrastructure)
     logging.getLogger("tuneproof.promote").info(f"promoted {cfg.model.name} {result.version} (previous: {current})")
-    summary = promoted_summary(result, forced)
+    summary = promoted_summary(result, forced, approval)
     return StageEntry.succeeded("promote", summary, started)
 
 
@@ -443,8 +449,10 @@ def copy_checker(call: StageCall, items: dict[str, list[str]], jobs: list[JobEnt
     def check(model_path: str) -> None:
         params = {"model": model_path, **items}
         spec = call.spec("eval.copy_check", params, suffix="copy-check", summary=CopyCheckSummary)
-        job = runner_for(call).run(spec)
-        jobs.append(job)
+        runner = runner_for(call)
+        job = runner.run(spec)
+        # An earlier try of this job that left no verdict is replaced, and listed before it: it was paid for.
+        jobs.extend([*runner.superseded, job])
         if job.result.status != "succeeded":
             raise CopyCheckFailed(f"copy check ({job.submission_id}): {job.result.cause}")
 
@@ -495,20 +503,23 @@ HOLD_WAIT_S = 120.0
 """How long a promotion waits for another flow's hold on the pointer (a rollback, another promotion)."""
 
 
-def promoted_summary(pointer: registry.ProductionPointer, forced: Forced | None) -> PromoteSummary:
+def promoted_summary(
+    pointer: registry.ProductionPointer, forced: Forced | None, approval: ApprovalAnswer | None = None
+) -> PromoteSummary:
     """The promotion as the record keeps it: the pointer's fields (its move lives in the model's history)."""
-    return PromoteSummary(promoted=True, forced=forced, **pointer.model_dump(exclude={"move"}))
+    return PromoteSummary(promoted=True, forced=forced, approval=approval, **pointer.model_dump(exclude={"move"}))
 
 
-def move_intent(record: RunRecord, forced: Forced | None) -> MoveIntent:
+def move_intent(record: RunRecord, forced: Forced | None, approval: ApprovalAnswer | None = None) -> MoveIntent:
     """Who moves the pointer and why: the override's author and reason, or the gates' pass with the
-    hash of the evidence they judged."""
+    hash of the evidence they judged, moved by the approver with their comment when one was asked."""
     if forced is not None:
         return MoveIntent(kind="forced-promote", by=forced.by, reason=forced.reason)
+    passed = "every gate and the resume test passed"
     return MoveIntent(
         kind="promote",
-        by=registry.current_user(),
-        reason="every gate and the resume test passed",
+        by=approval.by if approval else registry.current_user(),
+        reason=f"{passed}; approved: {approval.comment or 'no comment'}" if approval else passed,
         evidence_sha256=evidence_sha256(record),
     )
 
@@ -538,10 +549,11 @@ def export_problem(storage: Storage, finetune: FinetuneSummary, forced: Forced |
     return None, content
 
 
-def approval_refused(started: str, approver: str, comment: str) -> StageEntry:
-    return refused(
-        started, [f"approval refused by {approver or 'an approver'}: {comment or 'no comment'}"], FailureClass.modeling
-    )
+def approval_refused(started: str, answer: ApprovalAnswer) -> StageEntry:
+    """The approver said no: nothing moved, and the record names who refused and why."""
+    reason = f"approval refused by {answer.by}: {answer.comment or 'no comment'}"
+    summary = PromoteSummary(promoted=False, reasons=[reason], approval=answer)
+    return StageEntry.failed("promote", FailureClass.modeling, reason, started, summary=summary)
 
 
 def refused(started: str, reasons: list[str], failure_class: FailureClass) -> StageEntry:
@@ -550,8 +562,11 @@ def refused(started: str, reasons: list[str], failure_class: FailureClass) -> St
     )
 
 
-def forced_promotion(cfg: PipelineConfig, run_id: str, reason: str, user: str) -> PromoteSummary:
-    """`tuneproof promote RUN --force --reason`: bypass the gates, and say so in the record and the card."""
+def forced_promotion(
+    cfg: PipelineConfig, run_id: str, reason: str, user: str, lease: Lease | None = None
+) -> PromoteSummary:
+    """`tuneproof promote RUN --force --reason`: bypass the gates, and say so in the record and the card. `lease`
+    is the run's, held by the caller: the record is written only while it still holds the run."""
     storage = Storage.from_config(cfg.resolved().storage)
     record = records.load(storage, run_id)
     finetune = record.stages.get("finetune")
@@ -559,6 +574,8 @@ def forced_promotion(cfg: PipelineConfig, run_id: str, reason: str, user: str) -
         why = finetune.status if finetune else "did not run"
         return PromoteSummary(promoted=False, reasons=[f"run {run_id} has no exported model (finetune {why})"])
     forced = Forced(by=user, reason=reason, at=now_iso(), bypassed=refusal_reasons(cfg, record))
+    if lease is not None:  # a holder that lost the run moves no pointer in its name either
+        lease.fence()
     entry = move_pointer(cfg, record, now_iso(), forced)
     result = entry.summary_as(PromoteSummary) or PromoteSummary(promoted=False, reasons=[entry.cause or ""])
     bypassed = result.forced.bypassed if result.forced else forced.bypassed  # with a rollback it went past
@@ -566,7 +583,7 @@ def forced_promotion(cfg: PipelineConfig, run_id: str, reason: str, user: str) -
         Override(action="promote --force", by=user, reason=reason, at=forced.at, bypassed=bypassed, result=result)
     )
     record.promotion = result
-    records.save(storage, record)
+    records.save(storage, record, lease)
     return result
 
 
@@ -622,7 +639,7 @@ def roll_back(
                 assert new.move is not None  # rollback always records its move
                 move = new.move
             if lease is not None:
-                warnings += noted(storage, lease.run_id, name, move)
+                warnings += noted(storage, lease, name, move)
     except registry.PromotionConflict as e:
         seen = pointer.version if pointer else None
         return RollbackResult(
@@ -661,18 +678,20 @@ def rolled_back_run(
         return None
 
 
-def noted(storage: Storage, run_id: str, name: str, move: history.Move) -> list[str]:
-    """note_rollback once the pointer has moved: a failure (a truncated record, a store error) is a warning."""
+def noted(storage: Storage, lease: Lease, name: str, move: history.Move) -> list[str]:
+    """note_rollback once the pointer has moved: a failure (a truncated record, a store error, the lease lost to
+    another writer) is a warning."""
     try:
-        note_rollback(storage, run_id, name, move)
+        note_rollback(storage, lease, name, move)
     except Exception as e:  # noqa: BLE001 - the rollback stands whatever becomes of its note
-        return [f"run {run_id}'s record does not name rollback #{move.seq}: {type(e).__name__}: {e}"]
+        return [f"run {lease.run_id}'s record does not name rollback #{move.seq}: {type(e).__name__}: {e}"]
     return []
 
 
-def note_rollback(storage: Storage, run_id: str, name: str, move: history.Move) -> None:
-    """The run's record names the rollback, once (a retry's note finds it there)."""
-    record = records.load(storage, run_id)
+def note_rollback(storage: Storage, lease: Lease, name: str, move: history.Move) -> None:
+    """The run's record names the rollback, once (a retry's note finds it there), written only while `lease`
+    still holds the run (a holder presumed dead and taken over writes nothing over its successor's record)."""
+    record = records.load(storage, lease.run_id)
     if any((r.model, r.seq) == (name, move.seq) for r in record.rollbacks):
         return
     record.rollbacks.append(
@@ -686,7 +705,7 @@ def note_rollback(storage: Storage, run_id: str, name: str, move: history.Move) 
             seq=move.seq,
         )
     )
-    records.save(storage, record)
+    records.save(storage, record, lease)
 
 
 @task(name="rollback", cache_policy=NO_CACHE)

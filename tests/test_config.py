@@ -151,6 +151,17 @@ def test_a_dashboard_address_needs_a_host_and_a_port_a_url_can_have():
         unchecked.resolved()
 
 
+def test_an_s3_endpoint_must_be_an_http_url_like_the_dashboard_address():
+    # "localhost:9000" was accepted and the flow died inside botocore ("Invalid endpoint"), the CLI exiting 4.
+    for endpoint in ["localhost:9000", "http://", "http://127.0.0.1:99999", "http://minio host:9000"]:
+        with pytest.raises(ConfigError) as e:
+            load_config(overrides=["storage.root=s3://tuneproof-b/p", f"storage.endpoint_url={endpoint}"])
+        assert e.value.problems[0].startswith("storage.endpoint_url: endpoint_url must"), e.value.problems
+        assert repr(endpoint) in e.value.problems[0]
+    ok = load_config(overrides=["storage.root=s3://tuneproof-b/p", "storage.endpoint_url=http://127.0.0.1:9000"])
+    assert ok.storage.endpoint_url == "http://127.0.0.1:9000"
+
+
 def test_a_path_under_the_home_directory_is_made_absolute_there_not_under_the_project(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     cfg = load_config(

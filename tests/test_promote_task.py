@@ -17,15 +17,28 @@ from tasks.jobs import StageCall
 from tasks.promote import forced_promotion, model_card, move_pointer, refusal_reasons, roll_back
 from tests.reading import entry_summary, present, production_pointer, summary_dict, summary_of
 from tuneproof.app.cli import app
+from tuneproof.control import lease as leases
 from tuneproof.control import record as records
 from tuneproof.control import registry
-from tuneproof.control.record import CodeIdentity, Invocation, RunRecord, StageEntry, StageInputs, new_record
+from tuneproof.control.history import Move
+from tuneproof.control.lease import Lease, LeaseInfo, LeaseLost
+from tuneproof.control.record import (
+    CodeIdentity,
+    Invocation,
+    JobEntry,
+    RunRecord,
+    RuntimeEnvAdditions,
+    StageEntry,
+    StageInputs,
+    new_record,
+)
 from tuneproof.core import config_reads
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.markers import EXPORT_MANIFEST, ExportManifest, FileDigest, content_sha256
+from tuneproof.core.results import StageResult, now_iso
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries_data import DataSummary
-from tuneproof.core.summaries_eval import EvaluateSummary, GateDecision, ModelScore, PromoteSummary
+from tuneproof.core.summaries_eval import CopyCheckSummary, EvaluateSummary, GateDecision, ModelScore, PromoteSummary
 from tuneproof.core.summaries_training import FinetuneSummary, ResumeSummary
 
 EXPORT_FILES = {"config.json": b'{"model_type": "qwen2"}', "model.safetensors": b"weights"}
@@ -324,6 +337,143 @@ def test_a_history_artifact_that_cannot_be_published_does_not_fail_a_promotion(t
     assert production_pointer(storage, cfg.model.name).run_id == "r1"
 
 
+def approved_through_the_stage(
+    tmp_path, monkeypatch, approve: bool, comment: str = "looks right"
+) -> tuple[StageEntry, Storage, PipelineConfig]:
+    """promote_stage under promote.require_approval, bob answering the form (no Prefect pause, no Ray job)."""
+    import flows.approval
+    from flows import stage_tasks
+
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}, "promote": {"require_approval": True}})
+    storage = Storage(str(tmp_path))
+    with_export(storage, "r1")
+    rec = with_predictions(storage, passed_record(cfg))
+    form = flows.approval.Approval(approve=approve, approver=" bob ", comment=comment)
+    monkeypatch.setattr(flows.approval, "ask_for_approval", lambda cfg, record: form)
+    monkeypatch.setattr(promote_tasks, "promote", promote_tasks.promote.fn)  # the task's body, no Prefect API
+    monkeypatch.setattr(promote_tasks, "copy_checker", lambda *args: lambda path: None)
+    monkeypatch.setattr(promote_tasks, "create_markdown_artifact", lambda *args, **kwargs: None)
+    return stage_tasks.promote_stage(stage_call(cfg, rec)), storage, cfg
+
+
+def test_an_approved_promotion_names_its_approver_on_the_summary_the_card_and_the_history(tmp_path, monkeypatch):
+    # The history said "by root@vm: every gate and the resume test passed" and nothing kept who approved.
+    entry, storage, cfg = approved_through_the_stage(tmp_path, monkeypatch, approve=True)
+    assert entry.ok, entry.cause
+    summary = entry_summary(entry, PromoteSummary)
+    approval = present(summary.approval)
+    assert (approval.approve, approval.by, approval.comment) == (True, "bob", "looks right")
+    version = present(summary.version)
+    assert present(registry.read_card(storage, cfg.model.name, version).approval).by == "bob"
+    card = storage.read_text("models", cfg.model.name, version, "MODEL_CARD.md")
+    assert "after every gate and the resume test passed and bob approved it (looks right)" in card
+    move = registry.read_history(storage, cfg.model.name)[-1]
+    assert (move.kind, move.by) == ("promote", "bob")
+    assert move.reason == "every gate and the resume test passed; approved: looks right"
+
+
+def test_a_refused_approval_names_who_refused_and_moves_nothing(tmp_path, monkeypatch):
+    entry, storage, cfg = approved_through_the_stage(tmp_path, monkeypatch, approve=False, comment="")
+    assert (entry.status, entry.failure_class, entry.cause) == (
+        "failed",
+        "modeling",
+        "approval refused by bob: no comment",
+    )
+    assert present(entry_summary(entry, PromoteSummary).approval).by == "bob"
+    assert registry.read_pointer(storage, cfg.model.name)[0] is None
+
+
+@pytest.mark.parametrize("approve", [True, False])
+def test_the_approval_form_needs_an_approver_whichever_the_answer(approve):
+    """Approval(approve=True, approver="") moved the pointer by nobody. The rule is in the form's JSON schema,
+    so Prefect's server refuses such an answer and the flow stays paused (the integration test below)."""
+    from pydantic import ValidationError
+
+    from flows.approval import Approval
+
+    for blank in ["", "  "]:
+        with pytest.raises(ValidationError, match="approver"):
+            Approval(approve=approve, approver=blank, comment="ok")
+    schema = Approval.model_json_schema()
+    assert "approver" in schema["required"] and schema["properties"]["approver"]["pattern"] == r"\S"
+
+
+def taken_over(storage: Storage, run_id: str) -> None:
+    """Another holder took the run over (this one was presumed dead)."""
+    now = now_iso()
+    successor = LeaseInfo(run_id=run_id, holder="elsewhere", pid=1, command="successor", started=now, renewed=now)
+    storage.write_bytes(successor.model_dump_json().encode(), "runs", run_id, leases.LEASE)
+
+
+def test_a_forced_promotion_whose_lease_was_lost_writes_nothing(tmp_path):
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
+    storage = Storage(str(tmp_path))
+    with_export(storage, "r1")
+    records.save(storage, passed_record(cfg))
+    lease = Lease(storage, "r1", None, "tuneproof promote r1 --force")
+    lease.acquire()
+    taken_over(storage, "r1")
+    with pytest.raises(LeaseLost):
+        forced_promotion(cfg, "r1", "hotfix", "alice", lease)
+    assert records.load(storage, "r1").overrides == []
+    assert registry.read_pointer(storage, cfg.model.name)[0] is None
+
+
+def test_a_rollback_note_whose_lease_was_lost_is_a_warning_and_writes_nothing(tmp_path):
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
+    storage = Storage(str(tmp_path))
+    records.save(storage, passed_record(cfg))
+    lease = Lease(storage, "r1", None, "tuneproof rollback")
+    lease.acquire()
+    taken_over(storage, "r1")
+    move = Move(seq=3, kind="rollback", from_version="v2", to_version="v1", run_id="r0", by="bob", at="t", reason="r")
+    warnings = promote_tasks.noted(storage, lease, cfg.model.name, move)
+    assert len(warnings) == 1 and "does not name rollback #3: LeaseLost" in warnings[0]
+    assert records.load(storage, "r1").rollbacks == []
+
+
+def copy_check_job(sid: str, summary: CopyCheckSummary | None) -> JobEntry:
+    status = "succeeded" if summary else "failed"
+    result = StageResult(
+        stage="promote", status=status, summary=summary.to_json() if summary else None, started_at="t", ended_at="t"
+    )
+    return JobEntry(
+        submission_id=sid,
+        entrypoint="python -m eval.copy_check",
+        job_status="SUCCEEDED" if summary else "STOPPED",
+        attached=False,
+        working_dir_hash="w",
+        runtime_env_additions=RuntimeEnvAdditions(),
+        submitted_at="2026-01-01T00:00:00+00:00",
+        ended_at="2026-01-01T00:01:00+00:00",
+        result=result,
+    )
+
+
+def test_the_copy_check_lists_the_attempt_it_replaced(tmp_path, monkeypatch):
+    # A retried copy check whose first job left no verdict ran again; the first, paid for, was not listed.
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
+    storage = Storage(str(tmp_path))
+    with_export(storage, "r1")
+    rec = with_predictions(storage, passed_record(cfg))
+    checked = CopyCheckSummary(model_path="m", examples=32, evaluate_scores={}, copy_scores={}, passed=True)
+    stale, fresh = copy_check_job("r1-promote-copy-check", None), copy_check_job("r1-promote-copy-check-a2", checked)
+
+    class Runner:
+        superseded: list[JobEntry] = []
+
+        def run(self, spec: object) -> JobEntry:
+            self.superseded = [stale]
+            return fresh
+
+    monkeypatch.setattr(promote_tasks, "runner_for", lambda call: Runner())
+    monkeypatch.setattr(promote_tasks, "create_markdown_artifact", lambda *args, **kwargs: None)
+    entry = promote_tasks.promote.fn(stage_call(cfg, rec))
+    assert entry.ok, entry.cause
+    assert [job.submission_id for job in entry.jobs] == [stale.submission_id, fresh.submission_id]
+    assert present(entry_summary(entry, PromoteSummary).copy_check).passed
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("approve", [True, False])
 def test_approval_pauses_the_flow_before_the_pointer_moves(prefect_harness, tmp_path, approve, monkeypatch):
@@ -353,6 +503,10 @@ def test_approval_pauses_the_flow_before_the_pointer_moves(prefect_harness, tmp_
                     runs = await client.read_flow_runs(flow_run_filter=paused_only)
                     paused = [r for r in runs if r.state and r.state.is_paused()]
                     if paused:
+                        # The server checks the answer against the form's schema: no approver, no answer.
+                        blank = {"approve": approve, "approver": " ", "comment": "anonymous"}
+                        with pytest.raises(RuntimeError, match="Cannot resume this run: .*approver"):
+                            await aresume_flow_run(paused[0].id, run_input=blank)
                         await aresume_flow_run(
                             paused[0].id,
                             run_input={
@@ -378,6 +532,9 @@ def test_approval_pauses_the_flow_before_the_pointer_moves(prefect_harness, tmp_
     if approve:
         assert promotion is not None and pointer is not None
         assert state.is_completed() and pointer.run_id == "r1" and promotion.promoted is True
+        assert (
+            present(promotion.approval).by == "bob" and registry.read_history(storage, cfg.model.name)[-1].by == "bob"
+        )
     else:
         assert state.is_failed() and pointer is None
         assert promotion is not None

@@ -424,7 +424,7 @@ def promote(
     prefect_env_or_exit()
     from tasks.promote import forced_promotion
     from tuneproof.control import record
-    from tuneproof.control.lease import Lease, LeaseHeld
+    from tuneproof.control.lease import Lease, LeaseHeld, LeaseLost
     from tuneproof.core.storage import Storage
 
     storage = Storage.from_config(cfg.resolved().storage)
@@ -434,13 +434,16 @@ def promote(
     try:
         record.load(storage, run_id)
         with lease.held(on_problem=lambda problem: say(err, problem)):
-            result = forced_promotion(cfg, run_id, reason, os.environ.get("USER", "unknown"))
+            result = forced_promotion(cfg, run_id, reason, os.environ.get("USER", "unknown"), lease)
     except (FileNotFoundError, record.RecordUnreadable) as e:  # nothing to promote: a refused request
         say(err, f"promote refused: {e}")
         raise typer.Exit(EXIT_INVALID_CONFIG) from None
     except LeaseHeld as e:
         say(err, f"promote refused, nothing was changed: {e}")
         raise typer.Exit(EXIT_INVALID_CONFIG) from None
+    except LeaseLost as e:  # presumed dead mid-override and taken over: the run is another writer's now
+        say(err, f"promote stopped, its record not written: {e}")
+        raise typer.Exit(EXIT_BY_CLASS[FailureClass.infrastructure]) from None
     print(json.dumps(result.to_json(), indent=2))
     raise typer.Exit(0 if result.promoted else 1)
 

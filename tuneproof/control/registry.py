@@ -44,7 +44,7 @@ from tuneproof.core.config_train import LORA_ADAPTER_DIR
 from tuneproof.core.files import read_stored
 from tuneproof.core.results import Model, first_problem, now_iso, one_line
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries_eval import Forced, SuiteRow
+from tuneproof.core.summaries_eval import ApprovalAnswer, Forced, SuiteRow
 
 __all__ = ["file_lock"]  # re-exported: the lock moved to tuneproof.core.cas
 
@@ -124,6 +124,8 @@ class CardFacts(Model):
     config_hash: str | None = None
     resume: Restored | None = None
     forced: Forced | None = None
+    approval: ApprovalAnswer | None = None
+    """Who approved the promotion, and why, when promote.require_approval asked."""
     content_sha256: str | None = None
 
 
@@ -547,7 +549,10 @@ def _promotion_sentence(card: ModelCard) -> str:
     replaced = f"replacing {card.incumbent_version}" if card.incumbent_version else "the first production model"
     forced = card.forced
     if not forced:
-        return f"Promoted from run `{card.run_id}` after every gate and the resume test passed, {replaced}."
+        approved = (
+            f" and {card.approval.by} approved it ({card.approval.comment or 'no comment'})" if card.approval else ""
+        )
+        return f"Promoted from run `{card.run_id}` after every gate and the resume test passed{approved}, {replaced}."
     bypassed = "; ".join(forced.bypassed) or "nothing (all checks had passed)"
     return (
         f"Promoted by override from run `{card.run_id}`, {replaced}, by {forced.by}: "

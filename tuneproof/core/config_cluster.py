@@ -73,6 +73,25 @@ class KubernetesConfig(Strict):
     """Path to a kubeconfig; None means in-cluster config, then ~/.kube/config."""
 
 
+def check_http_url(field: str, whose: str, v: str) -> str:
+    """`v` if it is an http(s)://host[:port] URL, else ValueError naming `field` and the value; `whose` names the
+    server in the message ("the dashboard's")."""
+    if not v.startswith(("http://", "https://")):
+        raise ValueError(f"{field} must be {whose} http(s) URL, got {v!r}")
+    # Checked here, not found by the first request as requests' InvalidURL or botocore's "Invalid endpoint":
+    # "http://" has no host, "http://h:99999" a port past 65535, "http://host name" a space no URL holds.
+    url = urlsplit(v)
+    if not url.hostname or any(ch.isspace() for ch in v):
+        raise ValueError(f"{field} must name {whose} host, with no space (http://host[:port]), got {v!r}")
+    try:
+        port_ok = url.port is None or url.port > 0
+    except ValueError:  # not a number, or past 65535
+        port_ok = False
+    if not port_ok:
+        raise ValueError(f"{field} must give its port as a number 1..65535, or none (http://host[:port]), got {v!r}")
+    return v
+
+
 class ClusterConfig(Strict):
     backend: Literal["local", "eks"] = "local"
     address: str = "http://127.0.0.1:8265"
@@ -85,29 +104,14 @@ class ClusterConfig(Strict):
     @field_validator("address")
     @classmethod
     def _http(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://")):
-            raise ValueError(f"address must be the dashboard's http(s) URL, got {v!r}")
-        # Checked here, not found by the first request as requests' InvalidURL: "http://" has no host,
-        # "http://h:99999" a port past 65535, "http://host name" a space no URL holds.
-        url = urlsplit(v)
-        if not url.hostname or any(ch.isspace() for ch in v):
-            raise ValueError(f"address must name the dashboard's host, with no space (http://host[:port]), got {v!r}")
-        try:
-            port_ok = url.port is None or url.port > 0
-        except ValueError:  # not a number, or past 65535
-            port_ok = False
-        if not port_ok:
-            raise ValueError(
-                f"address must give its port as a number 1..65535, or none (http://host[:port]), got {v!r}"
-            )
-        return v.rstrip("/")
+        return check_http_url("address", "the dashboard's", v).rstrip("/")
 
 
 class StorageConfig(Strict):
     root: str = ".tuneproof/storage"
     """Local directory or s3://bucket/prefix shared by every node."""
     endpoint_url: str | None = None
-    """S3-compatible endpoint (e.g. a local test server); None for AWS S3."""
+    """S3-compatible endpoint, http(s)://host[:port] (e.g. a local test server); None for AWS S3."""
     shared: bool = True
     """The root is reachable from every node (S3, FSx); a node-local path is only valid on one node."""
 
@@ -115,6 +119,12 @@ class StorageConfig(Strict):
     @classmethod
     def _root(cls, v: str) -> str:
         return check_storage_root("storage root", v)
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        # "localhost:9000" passed here and failed inside botocore, mid-flow, as an internal error.
+        return None if v is None else check_http_url("endpoint_url", "the S3-compatible server's", v)
 
 
 class ModelConfig(Strict):

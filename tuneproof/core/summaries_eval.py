@@ -239,6 +239,16 @@ class Forced(Summary):
     bypassed: list[str]
 
 
+class ApprovalAnswer(Summary):
+    """The approver's answer to the approval form (promote.require_approval): who decided, and why."""
+
+    approve: bool
+    by: str
+    """The approver as they named themselves in the form (required, approving or refusing)."""
+    comment: str = ""
+    at: str
+
+
 class CopyCheckSummary(Summary):
     """The registry copy, loaded from the registry's own bytes, against the evaluate job's answers on a
     fixed slice of the eval split (eval/copy_check.py): the same scores, or the promotion stops."""
@@ -270,5 +280,7 @@ class PromoteSummary(Summary):
     content_sha256: str | None = None
     """The promoted model's content hash (its export manifest's), also in the production pointer."""
     forced: Forced | None = None
+    approval: ApprovalAnswer | None = None
+    """The approver's answer, when promote.require_approval paused for one (approved, or the refusal's)."""
     copy_check: CopyCheckSummary | None = None
     """The registry copy scored before the pointer moved (None when not run: no evaluation to compare with)."""
