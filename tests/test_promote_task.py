@@ -320,6 +320,18 @@ def test_a_rolled_back_promotion_is_never_shown_as_still_in_production(tmp_path)
     assert promotion_line(rec) == "promotion: promoted v0002-r2, since rolled back to v0001-r1 (history #3)"
 
 
+def test_runs_show_names_who_approved_a_promotion(tmp_path):
+    from tuneproof.app.terminal import promotion_verdict
+    from tuneproof.core.summaries_eval import ApprovalAnswer
+
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
+    answer = ApprovalAnswer(approve=True, by="bob", comment="looks right", at="2026-12-07T16:00:00+00:00")
+    promotion = PromoteSummary(promoted=True, name=cfg.model.name, version="v0001-r1", approval=answer)
+    rec = passed_record(cfg, "r1")
+    rec.stages["promote"] = StageEntry.succeeded("promote", promotion, "t")
+    assert promotion_verdict(rec, promotion) == "promoted v0001-r1, approved by bob (looks right)"
+
+
 def test_a_history_artifact_that_cannot_be_published_does_not_fail_a_promotion(tmp_path, monkeypatch):
     # The artifact API raised after the swap: the stage was recorded failed while production served its model.
     cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})

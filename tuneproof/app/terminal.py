@@ -299,6 +299,10 @@ def promotion_verdict(rec: RunRecord, promotion: PromoteSummary) -> str:
     if not promotion.promoted:
         return "refused: " + "; ".join(promotion.reasons)
     verdict = f"promoted {promotion.version}"
+    if promotion.approval is not None:  # who decided it, as the card and the history move say
+        verdict += f", approved by {promotion.approval.by}" + (
+            f" ({promotion.approval.comment})" if promotion.approval.comment else ""
+        )
     away = [r for r in rec.rollbacks if r.from_version == promotion.version and promotion.name in (None, r.model)]
     if away:
         back = away[-1]
