@@ -69,11 +69,15 @@ def test_block_causal_mask_lets_a_token_see_only_earlier_tokens_of_its_own_examp
     assert additive[2, 1] == torch.finfo(torch.float32).min and additive[1, 0] == 0 and additive.dtype == torch.float32
 
 
-def test_forward_inputs_hand_a_flash_attention_model_the_positions_alone():
+@pytest.mark.parametrize("attention", ["flash_attention_2", "flex_attention"])
+def test_packed_rows_are_refused_under_an_attention_that_would_not_keep_them_apart(attention):
+    # flash cut sequences from the position ids only for a batch of one row; flex added the boolean mask to the
+    # scores: a micro-batch of packed rows attended across examples (logits 17 apart from each example alone).
     model = tiny_qwen2(VOCAB, seed=0)
-    batch = collate(packed_rows(), 0)
-    model.config._attn_implementation = "flash_attention_2"
-    assert set(forward_inputs(model, batch)) == {"input_ids", "position_ids"}  # varlen: cu_seqlens from positions
+    model.config._attn_implementation = attention
+    with pytest.raises(StageFailure, match=f"runs {attention} attention") as refused:
+        forward_inputs(model, collate(packed_rows(), 0))
+    assert refused.value.failure_class == FailureClass.modeling
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])

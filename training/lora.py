@@ -72,6 +72,7 @@ def apply_lora(model: PreTrainedModel, settings: LoraSettings, seed: int) -> Pef
             f"train.lora.modules_to_save {unknown} match no module of {type(model).__name__}; "
             f"e.g. embed_tokens, norm, lm_head",
         )
+    refuse_adapters_on_a_tied_head(model, settings)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
@@ -84,6 +85,22 @@ def apply_lora(model: PreTrainedModel, settings: LoraSettings, seed: int) -> Pef
                 f"train.lora.target_modules {settings.target_modules} match no layer of {type(model).__name__}; "
                 f"its linear layers are {sorted(linear_names(model))}: name some of those",
             ) from None
+
+
+def refuse_adapters_on_a_tied_head(model: PreTrainedModel, settings: LoraSettings) -> None:
+    """A model whose input embedding and output head are one tensor (tie_word_embeddings) cannot take a LoRA
+    adapter on either: trained, the adapter changes one side only, and merging it for the export writes the
+    change into the shared tensor, both sides, so the exported model (what evaluation scores and the registry
+    serves) is not the one trained (logits 12 to 57 apart on the tiny model). modules_to_save trains the shared
+    tensor itself, through ensure_weight_tying, and exports it exactly."""
+    named = sorted(TIED_MODULES & {name.rsplit(".", 1)[-1] for name in settings.target_modules})
+    if named and getattr(model.config, "tie_word_embeddings", False):
+        raise StageFailure(
+            FailureClass.modeling,
+            f"train.lora.target_modules names {', '.join(named)}, but {type(model).__name__} ties its input "
+            "embedding and output head (tie_word_embeddings): an adapter there would export a model other than "
+            f"the one trained; list {', '.join(named)} in train.lora.modules_to_save instead",
+        )
 
 
 def linear_names(model: torch.nn.Module) -> set[str]:

@@ -2,10 +2,10 @@
 
 A collated micro-batch (training/train_data.collate) with packed rows carries position_ids that restart
 at every example. `forward_inputs` (training/step.py: the loss uses it) turns them into what the model's attention implementation needs:
-- sdpa / eager (CPU, and GPUs without a flash-attention build): a block-diagonal causal mask, so a token
-  attends only to earlier tokens of its own example;
-- a flash-attention implementation: the position ids alone, from which transformers cuts the
-  variable-length (cu_seqlens) kernel's sequences; no mask is built.
+- sdpa / eager (what `load_model` gives, on CPU and GPU): a block-diagonal causal mask, so a token attends only
+  to earlier tokens of its own example;
+- any other implementation (flash, flex) is refused as a modeling failure: transformers honours neither this
+  mask nor, for more than one row, the position ids' restarts there (training.step.PACKED_ATTENTION).
 
 `probe_packing` runs on the fine-tune's first batch: each example's loss inside its packed row must equal
 its loss alone within PROBE_TOLERANCE (fp32), or the stage fails as infrastructure: a packing that leaks

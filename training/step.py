@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from tuneproof.core.hashing import IGNORE_INDEX
+from tuneproof.core.results import FailureClass, StageFailure
 
 if TYPE_CHECKING:  # annotations only: at run time this module imports torch alone (see above)
     from transformers import PreTrainedModel
@@ -74,16 +75,30 @@ def final_hidden_states(model: PreTrainedModel, batch: Batch) -> torch.Tensor:
     return seen[-1]
 
 
+PACKED_ATTENTION = ("sdpa", "eager")
+"""The attention implementations that honour block_causal_mask. transformers' flash path cuts sequences from the
+position ids only for a batch of one row (`_is_packed_sequence`), so a micro-batch of several packed rows ran
+plainly causal across examples; its flex path adds a boolean mask to the scores (+1 or +0), masking nothing."""
+
+
 def forward_inputs(model: PreTrainedModel, batch: Batch) -> Batch:
-    """Keyword arguments of model(...) for a collated batch (its labels stay out)."""
+    """Keyword arguments of model(...) for a collated batch (its labels stay out). Packed rows need an attention
+    implementation that keeps their examples apart (PACKED_ATTENTION); any other is refused before a step."""
     if "position_ids" not in batch:  # one example per row: the padding mask says everything
         return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     implementation = str(getattr(model.config, "_attn_implementation", None) or "sdpa")
-    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
-    if implementation.startswith("flash"):
-        return inputs  # varlen: sequences start where the position ids restart
-    inputs["attention_mask"] = block_causal_mask(batch["position_ids"], eager=implementation == "eager")
-    return inputs
+    if implementation not in PACKED_ATTENTION:
+        raise StageFailure(
+            FailureClass.modeling,
+            f"data.overflow pack: the model runs {implementation} attention, which would let a packed row's "
+            f"examples attend to each other; packing is kept apart under {' or '.join(PACKED_ATTENTION)} only: "
+            "load the model with one of those, or use data.overflow drop or truncate",
+        )
+    return {
+        "input_ids": batch["input_ids"],
+        "position_ids": batch["position_ids"],
+        "attention_mask": block_causal_mask(batch["position_ids"], eager=implementation == "eager"),
+    }
 
 
 def block_causal_mask(position_ids: torch.Tensor, eager: bool = False) -> torch.Tensor:
