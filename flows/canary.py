@@ -16,7 +16,6 @@ images/current.json by compare-and-swap. A first canary, with no current image, 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import yaml
 from prefect import flow, get_run_logger
@@ -34,6 +33,8 @@ from tuneproof.control.kube_canary import ephemeral_raycluster
 from tuneproof.control.record import RunRecord
 from tuneproof.core.checks import VERSION_FIELDS
 from tuneproof.core.config import PROJECT_ROOT, ConfigError, PipelineConfig
+from tuneproof.core.config_base import MAX_TIMEOUT_S
+from tuneproof.core.files import DuplicateKey, FileRefused, decode_text, parse_yaml_all, read_regular
 from tuneproof.core.names import slug_problem
 from tuneproof.core.results import StageFailure, now_iso
 from tuneproof.core.storage import Storage
@@ -61,8 +62,12 @@ def image_canary(
     """Run the production workload (short) on `candidate_image`; compare with the current image; adopt or reject.
 
     candidate_image: repo@sha256:<64 hex>; required on eks, locally the current environment by default."""
-    cfg = config.resolved()
-    problem = request_problem(cfg, candidate_image, max_steps, repeats, threshold, decision_id)
+    # A deployment's parameters reach here unchecked: a config that fails only once resolved is refused, not raised.
+    try:
+        cfg = config.resolved()
+    except ConfigError as e:
+        return refused(e)
+    problem = request_problem(cfg, candidate_image, max_steps, repeats, threshold, decision_id, ready_timeout_s)
     if problem:
         return refused(problem)
     storage = Storage.from_config(cfg.storage)
@@ -94,6 +99,7 @@ def request_problem(
     repeats: int,
     threshold: float,
     decision_id: str | None,
+    ready_timeout_s: float,
 ) -> str | None:
     """Why the request cannot run, naming the bad value (pure)."""
     if decision_id is not None and (problem := slug_problem(decision_id)):
@@ -102,7 +108,20 @@ def request_problem(
         return "candidate_image is required on eks: give the image to try as repo@sha256:<64 hex>"
     if candidate is not None and (problem := images.image_problem(candidate)):
         return f"candidate image {candidate!r} {problem}"
-    return images.max_steps_problem(max_steps) or images.repeats_problem(repeats) or images.threshold_problem(threshold)
+    return (
+        images.max_steps_problem(max_steps)
+        or images.repeats_problem(repeats)
+        or images.threshold_problem(threshold)
+        or ready_timeout_problem(ready_timeout_s)
+    )
+
+
+def ready_timeout_problem(ready_timeout_s: float) -> str | None:
+    """Why the canary cannot wait `ready_timeout_s` for its RayCluster, or None (pure; NaN fails). NaN or inf
+    waited forever with the cluster up; 0 or less gave up at once and recorded a reject on no evidence."""
+    if not 1 <= ready_timeout_s <= MAX_TIMEOUT_S:
+        return f"ready_timeout_s must be between 1 and {MAX_TIMEOUT_S} seconds (got {ready_timeout_s})"
+    return None
 
 
 def canary_workload(cfg: PipelineConfig, storage: Storage, candidate: str, max_steps: int) -> PipelineConfig:
@@ -152,18 +171,56 @@ def production_config(storage: Storage, model: str) -> dict | None:
     return dict(rec.config) if rec is not None and rec.config else None
 
 
+MANIFESTS = PROJECT_ROOT / "deployments"
+"""Where a canary's manifest may come from: the checkout's manifests, the ones lint checks against the canary's
+admission policy. Any other path would let whoever fills the form probe files on the worker."""
+MAX_MANIFEST_BYTES = 16 << 20
+"""As lint's bound: Kubernetes refuses objects over about 1.5 MB, so a file past this is no manifest."""
+
+
 def read_manifest(manifest: str) -> dict:
-    """The RayCluster manifest the canary copies (relative paths are relative to the project root)."""
-    path = Path(manifest) if Path(manifest).is_absolute() else PROJECT_ROOT / manifest
+    """The RayCluster manifest the canary copies, a file under deployments/ (relative paths are relative to the
+    project root). ValueError names the file and what is wrong with it, never what it holds: the message is
+    published in the Prefect UI."""
     try:
-        body = yaml.safe_load(path.read_text())
+        path = (PROJECT_ROOT / manifest).resolve()  # an absolute `manifest` replaces the root; links are followed
+    except ValueError:  # os.path.realpath's answer to a NUL byte
+        raise ValueError(f"manifest {manifest!r} is not a path: it holds a NUL byte") from None
+    if not path.is_relative_to(MANIFESTS.resolve()):
+        raise ValueError(
+            f"manifest {manifest!r} is not under {MANIFESTS}: the canary copies only a manifest lint checks "
+            "there (deployments/raycluster.yaml by default)"
+        )
+    try:
+        documents = [d for d in parse_yaml_all(decode_text(read_regular(path, MAX_MANIFEST_BYTES))) if d is not None]
+    except FileRefused as e:
+        raise ValueError(f"manifest {path} {e.strerror}") from None
     except OSError as e:
-        raise FileNotFoundError(f"manifest {path}: cannot be read ({e.strerror or e}); pass manifest=") from None
-    except yaml.YAMLError as e:
-        raise ValueError(f"manifest {path}: not YAML ({e})") from None
-    if not isinstance(body, dict) or body.get("kind") != "RayCluster":
-        raise ValueError(f"manifest {path}: expected one RayCluster object, got {str(body)[:80]!r}")
-    return body
+        raise ValueError(f"manifest {path}: cannot be read ({e.strerror or e}); pass manifest=") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"manifest {path}: not UTF-8 text (byte {e.start})") from None
+    except (yaml.YAMLError, RecursionError) as e:
+        raise ValueError(f"manifest {path}: {yaml_problem(e)}") from None
+    if len(documents) != 1 or not isinstance(documents[0], dict) or documents[0].get("kind") != "RayCluster":
+        raise ValueError(f"manifest {path} {manifest_shape(documents)}")
+    return documents[0]
+
+
+def yaml_problem(e: Exception) -> str:
+    """Where the YAML broke, without the parser's message: that quotes the file (a token, a key, a snippet)."""
+    if isinstance(e, DuplicateKey):
+        return "names a key twice in one mapping"
+    mark = e.problem_mark if isinstance(e, yaml.MarkedYAMLError) else None
+    return f"not valid YAML at line {mark.line + 1}, column {mark.column + 1}" if mark else "not valid YAML"
+
+
+def manifest_shape(documents: list) -> str:
+    """What the file holds instead of one RayCluster, by its shape alone (pure)."""
+    if len(documents) != 1:
+        return f"holds {len(documents)} YAML documents, expected one RayCluster object"
+    if isinstance(documents[0], dict):
+        return "holds an object whose kind is not RayCluster"
+    return f"holds a YAML {type(documents[0]).__name__}, expected one RayCluster object"
 
 
 def run_canary(

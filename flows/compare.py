@@ -13,15 +13,16 @@ import time
 from prefect import flow, get_run_logger
 from prefect.states import Completed, Failed, State
 
-from flows.pipeline import StageName, pipeline, refused
+from flows.pipeline import StageName, missing_forwarded_env, missing_local_files, pipeline, refused
 from tasks import compare_artifacts
 from tuneproof.control import comparison as cmp
+from tuneproof.control import images
 from tuneproof.control import record as records
 from tuneproof.control import stages as table
 from tuneproof.control.comparison import ArmIdentity, Comparison, RunOutcome
-from tuneproof.control.images import MAX_REPEATS
 from tuneproof.control.record import RunRecord
-from tuneproof.core.config import PipelineConfig
+from tuneproof.core.config import ConfigError, PipelineConfig
+from tuneproof.core.metric_names import check_eval_config
 from tuneproof.core.names import slug_problem
 from tuneproof.core.results import now_iso
 from tuneproof.core.storage import Storage
@@ -44,9 +45,9 @@ def check_request(config_a: PipelineConfig, config_b: PipelineConfig, stages: li
         raise ComparisonRefused("A and B are the same config: give each arm at least one --a/--b override that differs")
     if repeats < 2:
         raise ComparisonRefused(f"repeats must be at least 2 for an interval (got {repeats})")
-    if repeats > MAX_REPEATS:  # the canary's bound: 10**9 was accepted, a comparison that would never end
+    if repeats > images.MAX_REPEATS:  # the canary's bound: 10**9 was accepted, a comparison that would never end
         raise ComparisonRefused(
-            f"repeats must be at most {MAX_REPEATS} (got {repeats}): each repeat runs the stages once per arm"
+            f"repeats must be at most {images.MAX_REPEATS} (got {repeats}): each repeat runs the stages once per arm"
         )
     if config_a.storage != config_b.storage:
         raise ComparisonRefused("A and B must share the storage root: the comparison lives beside both arms' runs")
@@ -71,10 +72,16 @@ def compare(
         check_request(config_a, config_b, stages, repeats)
     except (ComparisonRefused, table.UnknownStages) as e:
         return refused(e)
+    if problem := images.threshold_problem(threshold):  # the canary's bound, and the stored Comparison's
+        return refused(problem)
     # The id names a storage folder and, with a suffix, every run id of the comparison.
     if comparison_id is not None and (problem := slug_problem(comparison_id)):
         return refused(f"comparison id {comparison_id!r} {problem}")
-    cfg_a, cfg_b = config_a.resolved(), config_b.resolved()
+    # A run the pipeline refuses would end the comparison with nothing measured, after its id was used up.
+    try:
+        cfg_a, cfg_b = checked_arm("A", config_a, stages), checked_arm("B", config_b, stages)
+    except ComparisonRefused as e:
+        return refused(e)
     comparison_id = comparison_id or records.make_run_id()
     storage = Storage.from_config(cfg_a.storage)
     result = Comparison(
@@ -101,7 +108,7 @@ def compare(
     for arm, repeat in cmp.interleaved(repeats):
         run_id = f"{comparison_id}-{arm.lower()}{repeat}"
         started = time.monotonic()
-        pipeline(config=cfg_a if arm == "A" else cfg_b, run_id=run_id, only=list(stages), return_state=True)
+        state = pipeline(config=cfg_a if arm == "A" else cfg_b, run_id=run_id, only=list(stages), return_state=True)
         rec = read_record(storage, run_id)
         outcome = RunOutcome(
             run_id=run_id,
@@ -109,7 +116,8 @@ def compare(
             repeat=repeat,
             status=rec.status if rec else "failed",
             failure_class=rec.failure_class.value if rec and rec.failure_class else None,
-            cause=rec.cause if rec else "the run ended before writing a record",
+            # A run refused before its record was written says why in its state alone.
+            cause=rec.cause if rec else (state.message or "the run ended before writing a record"),
             seconds=round(time.monotonic() - started, 2),
         )
         result.order.append(outcome)
@@ -132,6 +140,21 @@ def compare(
     if result.status == "failed":
         return Failed(message=f"comparison {comparison_id} failed: {result.cause}", data=result.to_json())
     return Completed(message=f"comparison {comparison_id} succeeded", data=result.to_json())
+
+
+def checked_arm(label: str, config: PipelineConfig, stages: list[str]) -> PipelineConfig:
+    """The arm's config resolved and passed through the checks the pipeline runs before its first stage;
+    ComparisonRefused naming the arm otherwise."""
+    try:
+        cfg = config.resolved()
+    except ConfigError as e:
+        raise ComparisonRefused(f"arm {label}: {e}") from None
+    planned = set(table.names(table.plan(stages)))
+    if problems := check_eval_config(cfg.eval):
+        raise ComparisonRefused(f"arm {label}: {ConfigError(problems)}")
+    if missing := missing_forwarded_env(cfg) or missing_local_files(cfg, planned):
+        raise ComparisonRefused(f"arm {label}: {missing}")
+    return cfg
 
 
 def arm_identity(label: str, cfg: PipelineConfig, sets: list[str]) -> ArmIdentity:

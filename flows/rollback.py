@@ -46,6 +46,8 @@ def rollback(
     storage: StorageConfig = StorageConfig(),
 ) -> State:
     """Move `model`'s production pointer back to `to_version` (default: the version production replaced)."""
+    # The form sends a cleared field as "": the field says empty means the version production replaced.
+    to_version = to_version if to_version and to_version.strip() else None
     for label, value in (("model", model), ("to_version", to_version)):
         if value is not None and (problem := slug_problem(value)):
             return Failed(message=f"nothing moved: {label} {value!r} {problem}")

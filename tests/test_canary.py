@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import pytest
 
-from flows.canary import canary_workload, request_problem
+from flows import canary
+from flows.canary import canary_workload, image_canary, read_manifest, request_problem
 from tests.conftest import tuneproof
 from tests.test_images import OLD, decision
 from tuneproof.app import images_cli
 from tuneproof.control import images
 from tuneproof.control import record as records
-from tuneproof.core.config import PROJECT_ROOT, load_config
+from tuneproof.core.config import PROJECT_ROOT, PipelineConfig, load_config
+from tuneproof.core.config_base import MAX_TIMEOUT_S
 from tuneproof.core.storage import Storage
 
 
@@ -28,15 +31,98 @@ def local(tmp_path):
 def test_requests_that_cannot_run_name_the_value(tmp_path):
     cfg = local(tmp_path)
     eks = load_config(PROJECT_ROOT / "configs" / "eks.yaml")
-    assert request_problem(cfg, None, 60, 2, 0.1, None) is None  # locally: this environment
-    assert "candidate_image is required on eks" in (request_problem(eks, None, 60, 2, 0.1, None) or "")
-    assert "'ray:2.58' is not pinned by digest" in (request_problem(cfg, "ray:2.58", 60, 2, 0.1, None) or "")
-    assert "repeats must be between 2 and 20 (got 0)" in (request_problem(cfg, None, 60, 0, 0.1, None) or "")
+    assert request_problem(cfg, None, 60, 2, 0.1, None, 1200.0) is None  # locally: this environment
+    assert "candidate_image is required on eks" in (request_problem(eks, None, 60, 2, 0.1, None, 1200.0) or "")
+    assert "'ray:2.58' is not pinned by digest" in (request_problem(cfg, "ray:2.58", 60, 2, 0.1, None, 1200.0) or "")
+    assert "repeats must be between 2 and 20 (got 0)" in (request_problem(cfg, None, 60, 0, 0.1, None, 1200.0) or "")
     assert "repeats must be at least 2 (got 1): one run gives one value" in (
-        request_problem(cfg, None, 60, 1, 0.1, None) or ""
+        request_problem(cfg, None, 60, 1, 0.1, None, 1200.0) or ""
     )
-    assert "threshold must be between 0 and 1 (got 1.5)" in (request_problem(cfg, None, 60, 2, 1.5, None) or "")
-    assert "decision id 'a/b'" in (request_problem(cfg, None, 60, 2, 0.1, "a/b") or "")
+    assert "threshold must be between 0 and 1 (got 1.5)" in (request_problem(cfg, None, 60, 2, 1.5, None, 1200.0) or "")
+    assert "decision id 'a/b'" in (request_problem(cfg, None, 60, 2, 0.1, "a/b", 1200.0) or "")
+
+
+@pytest.mark.parametrize("seconds", [float("nan"), float("inf"), 0.0, -5.0, 1e9])
+def test_a_ready_timeout_that_could_never_judge_the_image_is_refused(tmp_path, seconds):
+    # NaN or inf waited forever with the RayCluster up; 0 or less gave up at once and recorded a reject.
+    problem = request_problem(local(tmp_path), None, 60, 2, 0.1, None, seconds) or ""
+    assert f"ready_timeout_s must be between 1 and {MAX_TIMEOUT_S} seconds (got {seconds})" in problem
+
+
+def eks_canary(tmp_path, **params):
+    """The canary flow's body as a deployment of it on eks starts it, up to where it would create a RayCluster."""
+    eks = load_config(PROJECT_ROOT / "configs" / "eks.yaml", [f"storage.root={tmp_path}"])
+    return image_canary.fn(config=eks, candidate_image=OLD, decision_id="d1", **params)
+
+
+def test_a_deployments_bad_ready_timeout_is_refused_before_any_raycluster(tmp_path, monkeypatch):
+    monkeypatch.setattr(canary, "ephemeral_raycluster", None)  # reaching it would be the bug
+    state = eks_canary(tmp_path, ready_timeout_s=0.0)
+    assert state.message == f"nothing ran: ready_timeout_s must be between 1 and {MAX_TIMEOUT_S} seconds (got 0.0)"
+    assert not (tmp_path / "images").exists()  # no decision, the id not used up
+
+
+def test_a_config_that_fails_only_once_resolved_is_refused_not_raised(tmp_path):
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}, "model": {"source": "a/b/c"}})
+    state = image_canary.fn(config=cfg, decision_id="d1")
+    assert (state.message or "").startswith("nothing ran: invalid config:") and "model.source: 'a/b/c'" in (
+        state.message or ""
+    )
+    assert not (tmp_path / "images").exists()
+
+
+SECRET = "hunter2-very-secret-value"
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "says"),
+    [
+        ("app.yaml", f"password: {SECRET}\n", "holds an object whose kind is not RayCluster"),
+        ("credentials", f"[default]\naws_access_key_id = {SECRET}\n", "not valid YAML at line 2, column 1"),
+        ("two.yaml", f"kind: RayCluster\n---\nkind: {SECRET}\n", "holds 2 YAML documents, expected one RayCluster"),
+        ("list.yaml", f"- {SECRET}\n", "holds a YAML list, expected one RayCluster object"),
+        ("twice.yaml", f"kind: RayCluster\nkind: {SECRET}\n", "names a key twice in one mapping"),
+        ("bytes.yaml", b"kind: \xff" + SECRET.encode(), "not UTF-8 text (byte 6)"),
+    ],
+    ids=["a-mapping", "an-ini-file", "two-documents", "a-list", "a-key-twice", "not-utf8"],
+)
+def test_a_manifest_that_is_no_raycluster_is_named_never_quoted(tmp_path, monkeypatch, name, content, says):
+    # The refusal is published in the Prefect UI: it quoted the file ("got {'password': ...}", a YAML snippet).
+    monkeypatch.setattr(canary, "MANIFESTS", tmp_path)
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ValueError) as caught:
+        read_manifest(str(path))
+    assert str(caught.value).startswith(f"manifest {path}") and says in str(caught.value)
+    assert SECRET not in str(caught.value) and "hunter2" not in str(caught.value)
+
+
+def test_a_manifest_is_read_from_deployments_only(tmp_path):
+    assert read_manifest("deployments/raycluster.yaml")["kind"] == "RayCluster"
+    (tmp_path / "app.yaml").write_text(f"password: {SECRET}\n")
+    for outside in (str(tmp_path / "app.yaml"), "deployments/../../../../../../" + str(tmp_path / "app.yaml")):
+        with pytest.raises(ValueError, match="is not under .*deployments: the canary copies only a manifest lint"):
+            read_manifest(outside)
+    with pytest.raises(ValueError, match="is not a path: it holds a NUL byte"):
+        read_manifest("deployments/a\0b")
+
+
+@pytest.mark.timeout(30)
+def test_a_fifo_or_a_huge_file_as_the_manifest_is_refused_without_reading_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(canary, "MANIFESTS", tmp_path)
+    os.mkfifo(tmp_path / "fifo")  # open() blocked until a writer came
+    with pytest.raises(ValueError, match=r"fifo is a FIFO \(named pipe\), not a regular file"):
+        read_manifest(str(tmp_path / "fifo"))
+    (tmp_path / "huge.yaml").write_bytes(b"#" * (canary.MAX_MANIFEST_BYTES + 1))
+    with pytest.raises(ValueError, match="huge.yaml is larger than"):
+        read_manifest(str(tmp_path / "huge.yaml"))
+
+
+def test_a_deployments_manifest_outside_deployments_is_refused_before_anything_runs(tmp_path):
+    (tmp_path / "app.yaml").write_text(f"password: {SECRET}\n")
+    state = eks_canary(tmp_path, manifest=str(tmp_path / "app.yaml"))
+    assert (state.message or "").startswith("nothing ran: manifest ") and SECRET not in (state.message or "")
+    assert not (tmp_path / "images").exists()
 
 
 @pytest.mark.parametrize(

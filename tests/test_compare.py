@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import random
 from collections import Counter
 
 import pytest
+from prefect.states import Failed
 
+from flows.compare import compare
 from tests.conftest import tuneproof
 from tests.reading import present
 from tuneproof.control import comparison as cmp
 from tuneproof.control import record as records
+from tuneproof.core.config import PROJECT_ROOT, PipelineConfig
+from tuneproof.core.storage import Storage
 
 # ---- statistics -----------------------------------------------------------------------------------
 
@@ -133,8 +138,6 @@ def test_the_interval_is_students_t_on_the_log_ratio():
 
 
 def test_a_comparison_id_is_taken_once(tmp_path):
-    from tuneproof.core.storage import Storage
-
     storage = Storage(str(tmp_path))
     first = cmp.Comparison(
         comparison_id="c1",
@@ -195,6 +198,64 @@ def test_bad_comparison_requests_are_refused_by_name(args, code, phrase, tmp_pat
     assert result.exit_code == code, result.output
     assert phrase in " ".join(result.output.split()) and "Traceback" not in result.output
     assert not (tmp_path / "runs").exists()
+
+
+def arms(tmp_path, a: dict | None = None, b: dict | None = None) -> tuple[PipelineConfig, PipelineConfig]:
+    """Two arms that differ in the learning rate, as the compare deployment's form gives them, plus settings."""
+    base = {"storage": {"root": str(tmp_path)}}
+    return (
+        PipelineConfig.model_validate({**base, "train": {"lr": 1e-4}, **(a or {})}),
+        PipelineConfig.model_validate({**base, "train": {"lr": 2e-4}, **(b or {})}),
+    )
+
+
+@pytest.mark.parametrize(
+    ("stages", "a", "b", "threshold", "says"),
+    [
+        (["verify"], None, None, 2.0, "threshold must be between 0 and 1 (got 2.0)"),
+        (["verify"], None, None, float("nan"), "threshold must be between 0 and 1 (got nan)"),
+        (["verify"], None, None, 0.0, "threshold must be between 0 and 1 (got 0.0)"),
+        (["verify"], {"model": {"source": "a/b/c"}}, None, 0.05, "arm A: invalid config:\n  model.source: 'a/b/c'"),
+        (
+            ["data"],
+            {"data": {"source": "nope/x.jsonl"}},
+            {"data": {"source": "nope/x.jsonl"}},
+            0.05,
+            f"arm A: data.source: no such file (got '{PROJECT_ROOT}/nope/x.jsonl')",
+        ),
+        (
+            ["verify"],
+            None,
+            {"eval": {"gates": {"exact_match": {"min": 1.01}}}},
+            0.05,
+            "arm B: invalid config:\n  eval.gates.exact_match.min: 1.01 cannot be met",
+        ),
+    ],
+    ids=["threshold-2", "threshold-nan", "threshold-0", "unresolvable-source", "data-missing", "gate-unmeetable"],
+)
+def test_a_deployments_bad_parameters_are_refused_before_the_comparison_exists(tmp_path, stages, a, b, threshold, says):
+    # From the Prefect form: a threshold outside (0, 1) crashed building the Comparison, a bad model source
+    # crashed resolving, and a missing data file stored a failed comparison ("the run ended before writing a
+    # record") under an id now used up.
+    config_a, config_b = arms(tmp_path, a, b)
+    state = compare.fn(config_a, config_b, stages, threshold=threshold, comparison_id="c1")
+    message = state.message or ""
+    assert state.is_failed() and message.startswith("nothing ran: ") and says in message, message
+    assert list(tmp_path.iterdir()) == []  # no comparison, no run, the id still free
+
+
+def test_a_run_refused_before_its_record_names_the_refusal_as_its_cause(tmp_path, monkeypatch):
+    # A refusal only the run can find (another flow holds its lease, images/current.json is unreadable) leaves
+    # no record: the comparison said "the run ended before writing a record" and dropped why.
+    import flows.compare as flow
+
+    monkeypatch.setattr(flow, "pipeline", lambda **_: Failed(message="nothing ran: run c1-a1 is held by flow X"))
+    monkeypatch.setattr(flow, "get_run_logger", lambda: logging.getLogger("test"))
+    monkeypatch.setattr(flow, "publish", lambda result: None)
+    state = compare.fn(*arms(tmp_path), ["verify"], repeats=2, comparison_id="c1")
+    stored = cmp.load(Storage(str(tmp_path)), "c1")
+    assert stored.status == "failed" and stored.cause == "c1-a1: nothing ran: run c1-a1 is held by flow X"
+    assert state.is_failed() and stored.cause in (state.message or "")
 
 
 @pytest.mark.integration
