@@ -12,6 +12,11 @@ def test_words_fold_case_punctuation_and_whitespace():
     assert words("  Jan. 5,\t2024!  ") == ["jan", "5", "2024"] == words("jan 5 2024")
 
 
+def test_words_read_width_and_invisible_variants_as_the_plain_text():
+    assert words("ＪＡＮ ５，２０２４") == ["jan", "5", "2024"]  # full-width letters, digits and comma
+    assert words("Par\u200bis\ufeff, \u00adﬁne") == ["paris", "fine"]  # zero-width space, BOM, soft hyphen, ligature
+
+
 def test_verbatim_and_reformatted_rows_match_exactly():
     train = ["5 Mar 2021 2021-03-05", "December 14, 1999 1999-12-14"]
     found = measure(

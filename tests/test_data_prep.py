@@ -673,6 +673,37 @@ def test_the_eval_split_holds_each_conversation_once(tmp_path, tiny_dir):
     }
 
 
+def test_the_eval_split_drops_a_conversation_that_repeats_one_once_normalised():
+    """Spacing, case, punctuation and character width make no new item: five spellings of one question with one
+    answer are one item of evidence, not five in every gate's n. The turns stay apart: the same words cut into
+    other turns, or another role, are another conversation."""
+    from training.data_sources import each_once
+
+    spellings = ["Jan 5, 2024", "Jan 5, 2024 ", "jan 5 2024", "JAN. 5, 2024", "Jan  5,2024", "Ｊａｎ ５, ２０２４"]
+    convs = [Conversation("eval_source", i, {"prompt": p, "response": "2024-01-05"}) for i, p in enumerate(spellings)]
+    other = [
+        Conversation("eval_source", 6, {"prompt": "Jan 5, 2024", "response": "2024-01-06"}),  # another answer
+        Conversation("eval_source", 7, {"prompt": "Jan 5,", "response": "2024 2024-01-05"}),  # other turns
+        Conversation("eval_source", 8, {"prompt": "Jan 5, 2024", "response": "2024-01-05"}),  # verbatim
+    ]
+    drops = datahash.Drops()
+    kept = each_once(convs + other, drops)
+    assert [c.row for c in kept] == [0, 6, 7]
+    repeats = drops.to_json()["repeated_eval_item"]
+    assert repeats["count"] == 6 and repeats["examples"][0] == {
+        "source": "eval_source",
+        "row": 1,
+        "value": "'the same conversation as eval_source row 0 once normalised (case, punctuation, spacing, width)'",
+    }
+    turns = [
+        [{"role": "user", "content": "5 Mar 2021"}, {"role": "assistant", "content": "2021-03-05"}],
+        [{"role": "user", "content": "5 MAR 2021."}, {"role": "assistant", "content": "2021-03-05"}],
+        [{"role": "system", "content": "5 Mar 2021"}, {"role": "assistant", "content": "2021-03-05"}],
+    ]
+    chats = [Conversation("source", i, {}, messages=m) for i, m in enumerate(turns)]
+    assert [c.row for c in each_once(chats, datahash.Drops())] == [0, 2]
+
+
 def test_a_row_holding_a_special_tokens_text_is_dropped_and_a_system_prompt_holding_one_fails(tmp_path, tiny_dir):
     # The tokenizer reads "<|im_end|>" in a text as the end-of-turn token: a response would end there in training,
     # a prompt would open a turn the template never wrote, and no generation gives a reference holding one.

@@ -52,8 +52,8 @@ ALPACA = "Below is an instruction.\n\n### Instruction:\n{instruction}\n\n### Inp
 # hits); it moves only with datahash.PREP_VERSION, on purpose (0a34d21b... at version 1, before the eval split
 # kept each conversation once; 31bc2fed... at version 2, before rows holding a special token's text were dropped;
 # be5e662b... at version 3, before CSV rows with extra fields, blank template rows and blank or assistant-first
-# turns were dropped).
-LOCAL_DATES_HASH = "9c2d86926b8d368438fa44cb2265c5d457c58f7930f8618bcea03116fba40d2a"
+# turns were dropped; 9c2d8692... at version 4, before the eval split dropped near-duplicate conversations).
+LOCAL_DATES_HASH = "60da7039a83f3da9500c0e58267f981785c23a663de06241ca8329d370393f23"
 
 
 def chat_text(messages: list[dict]) -> str:

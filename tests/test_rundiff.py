@@ -87,3 +87,49 @@ def test_gate_verdicts_show_their_method_p_value_and_split():
         "insufficient evidence [-0.1, 0.9] n=12, Newcombe paired score, p=0.22, split 05433017fd51 (40 items would "
         "resolve it)"
     ) in text
+
+
+def suite_edited_in_place(tmp_path: Path, answers_from: int):
+    """The suite `add` as read from one path with one config, its items as an edit left them."""
+    from eval.suites import read_suite
+    from tuneproof.core.config_eval import SuiteConfig
+
+    path = tmp_path / "add.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"input": f"add {i} and {answers_from}", "output": str(i + answers_from)}) + "\n"
+            for i in range(40)
+        )
+    )
+    return read_suite("add", SuiteConfig(source=str(path), margin=0.25), None)
+
+
+def test_a_suite_edited_in_place_is_a_change(tmp_path):
+    """Same path, same config, other items: the evaluate stage's suite hash (what was scored) is the change, so
+    two numbers on different items never read as 'nothing changed'."""
+    from eval.suites import suite_score
+    from tests.test_suites import scores
+
+    before, after = suite_edited_in_place(tmp_path, 1), suite_edited_in_place(tmp_path, 900)
+    a, b = record("a"), record("b")
+    for rec, suite in ((a, before), (b, after)):
+        scored = suite_score(suite, {"candidate": scores(36, 40), "base": scores(36, 40)}, 0.95)
+        summary_dict(rec, "evaluate")["suites"] = [scored.to_json()]
+    result = diff_records(a, b)
+    assert result["changes"] == [{"field": "suites.add.sha256", "a": before.sha256, "b": after.sha256}]
+    assert "nothing changed" not in render_diff(result)
+    assert diff_records(a, a)["changed"] is False  # the same suite file is no change
+
+
+def test_a_run_not_evaluated_yet_shows_the_data_stages_suite_hash(tmp_path):
+    """Without an evaluate stage, the suite hash the data stage checked for overlap names the suite."""
+    from tuneproof.core.summaries_data import Contamination, SuiteFile
+
+    a, b = record("a"), record("b")
+    clean = Contamination(ngram=13, eval_items=40, exact_matches=0, overlapping=0, fraction=0.0)
+    for rec, answers_from in ((a, 1), (b, 900)):
+        del rec.stages["evaluate"]
+        suite = suite_edited_in_place(tmp_path, answers_from)
+        checked = SuiteFile(name="add", source=suite.source, sha256=suite.sha256, items=40, contamination=clean)
+        summary_dict(rec, "data")["suites"] = [checked.to_json()]
+    assert [c["field"] for c in diff_records(a, b)["changes"]] == ["suites.add.sha256"]

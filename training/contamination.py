@@ -3,7 +3,8 @@
 Called by the data stage (training/data_prep.py) on the conversations of both splits, before anything is
 encoded or trained: an eval set that repeats training rows passes every gate on memorised answers.
 
-Text is normalised (case folded, punctuation to spaces, whitespace collapsed) and cut into words. An eval
+Text is normalised (NFKC, so full-width and compatibility forms read as their plain letters and digits; invisible
+format characters removed; case folded; punctuation to spaces; whitespace collapsed) and cut into words. An eval
 item overlaps when its normalised text equals a training item's, or when any of its word n-grams
 (n = 13, as in GPT-3's and the Pile's decontamination) occurs in a training item; an item shorter than n
 words is compared whole, with training items of any length compared whole. Linear in rows: each side is
@@ -14,6 +15,7 @@ An item with no words (all of it boilerplate the caller left out) says nothing o
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,11 +28,15 @@ IDS_KEPT = 50
 """Overlapping item ids kept in the manifest; the counts are always complete."""
 
 _PUNCTUATION = re.compile(r"[^\w\s]+")
+_INVISIBLE = re.compile("[\u00ad\u061c\u180e\u200b-\u200f\u202a-\u202e\u2060-\u2064\u2066-\u206f\ufeff]")
+"""Format characters that show nothing (soft hyphen, zero-width space and joiners, direction marks, BOM): removed,
+not made spaces, so 'Par\u200bis' reads as 'paris' rather than two words."""
 
 
 def words(text: str) -> list[str]:
-    """Case folded, punctuation to spaces, split on whitespace: 'Jan. 5,  2024' -> ['jan', '5', '2024']."""
-    return _PUNCTUATION.sub(" ", text.casefold()).split()
+    """NFKC, invisible format characters removed, case folded, punctuation to spaces, split on whitespace:
+    'Jan. 5,  2024' -> ['jan', '5', '2024'], 'add ２ and １７' -> ['add', '2', 'and', '17']."""
+    return _PUNCTUATION.sub(" ", unicodedata.normalize("NFKC", _INVISIBLE.sub("", text)).casefold()).split()
 
 
 def ngram_hashes(tokens: list[str], n: int = NGRAM) -> set[int]:

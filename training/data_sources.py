@@ -22,6 +22,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from training.contamination import words
 from training.jobkit import log
 from tuneproof.core import datahash, shapes
 from tuneproof.core.config_data import DataConfig
@@ -344,21 +345,29 @@ def each_once(convs: list[Conversation], drops: datahash.Drops) -> list[Conversa
 
     A gate's items are its independent evidence: an item twice counts twice in n, and the interval it
     states is narrower than the evidence (the bundled alpaca example's eval split held 4 repeats in 300). A
-    repeat in the training split stays: there it weighs the row, which a source may mean."""
-    first: dict[str, Conversation] = {}
+    repeat is a conversation whose turns read the same once normalised as the overlap check reads them
+    ('Jan 5, 2024' and 'JAN. 5 2024 ' ask one question). A repeat in the training split stays: there it weighs
+    the row, which a source may mean."""
+    first: dict[tuple[tuple[str, tuple[str, ...]], ...], Conversation] = {}
     kept = []
     for conv in convs:
-        original = first.setdefault(conv.split_key(), conv)
+        original = first.setdefault(normalised_turns(conv), conv)
         if original is conv:
             kept.append(conv)
         else:
-            drops.add(
-                "repeated_eval_item",
-                conv.where,
-                conv.row,
-                f"the same conversation as {original.where} row {original.row}",
-            )
+            said = f"the same conversation as {original.where} row {original.row}"
+            if conv.split_key() != original.split_key():  # not byte for byte: say what makes it the same
+                said += " once normalised (case, punctuation, spacing, width)"
+            drops.add("repeated_eval_item", conv.where, conv.row, said)
     return kept
+
+
+def normalised_turns(conv: Conversation) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Each turn (or part) by name with its words as the overlap check reads them (contamination.words): a row
+    that differs from another only in case, punctuation, spacing or character width asks and answers the same."""
+    if conv.messages is None:
+        return tuple((name, tuple(words(text))) for name, text in conv.parts.items())
+    return tuple((turn.get("role", ""), tuple(words(turn.get("content", "")))) for turn in conv.messages)
 
 
 def replayed(rows: list[Conversation], task_rows: int, share: float, seed: int) -> list[Conversation]:

@@ -2,7 +2,8 @@
 
 Pure over two run records; each stage's metrics come from the stage table. Choices: image digest, per-node Ray/torch/CUDA/NCCL/Python versions,
 environment digest, cluster configuration, code SHA + dirty flag, working_dir hash, every config
-field (dotted names), runtime_env additions, dataset hash. Results: throughput, final loss, eval
+field (dotted names), runtime_env additions, dataset hash, each regression suite's file hash (a suite edited
+in place keeps its config). Results: throughput, final loss, eval
 metrics, bus bandwidth, each gate's verdict with its interval and item count (a gate that moved from pass
 to insufficient evidence on fewer items is not a worse model), and what each run cost (seconds per stage,
 resource-seconds, money with a price table) — so a team can tell which change explains a different result.
@@ -17,6 +18,7 @@ from tuneproof.control import cost
 from tuneproof.control.record import RunRecord
 from tuneproof.control.stages import diff_metrics
 from tuneproof.core.summaries import NodeFacts
+from tuneproof.core.summaries_data import DataSummary
 from tuneproof.core.summaries_eval import ROLES, EvaluateSummary, SuiteRow
 
 NODE_FIELDS = (
@@ -57,7 +59,19 @@ def identity(record: RunRecord) -> dict[str, Any]:
             facts[f"nodes.{role}.{field}"] = getattr(node, field)
     facts.update(flatten(record.runtime_env_additions.model_dump(), "runtime_env"))
     facts.update(flatten(record.config, "config"))
+    facts.update(suite_hashes(record))
     return facts
+
+
+def suite_hashes(record: RunRecord) -> dict[str, str]:
+    """'suites.<name>.sha256' -> the hash of the suite file's bytes: a suite edited in place keeps its path and
+    config, so only its hash says its items changed. The evaluate stage's, which names what was scored; a run
+    not evaluated yet has the data stage's, which names what was checked for overlap."""
+    evaluated = record.summary("evaluate", EvaluateSummary)
+    if evaluated is not None:
+        return {f"suites.{suite.name}.sha256": suite.sha256 for suite in evaluated.suites}
+    prepared = record.summary("data", DataSummary)
+    return {f"suites.{suite.name}.sha256": suite.sha256 for suite in prepared.suites} if prepared else {}
 
 
 def nodes_by_role(nodes: list[NodeFacts]) -> dict[str, NodeFacts]:

@@ -57,14 +57,18 @@ REMEDIES = {
 EXAMPLES_PER_REASON = 3
 
 # Bump when the shard layout, the meaning of a setting or the rows kept change: old datasets must not be reused.
-PREP_VERSION = 4
+PREP_VERSION = 5
 """2 (2026-12-07): the eval split holds each conversation once, and a JSON row naming a key twice is dropped as
 undecodable; a dataset prepared before may count an eval item twice, or hold the last of two values.
 3 (2026-12-07): a row whose text holds a special token of the tokenizer is dropped (special_token).
 4 (2026-12-07): dropped are a CSV row with more values than its header (extra_fields, was kept cut at the comma), a
 template row whose named columns are all blank (empty), a conversation with a blank user or assistant turn (empty)
 or whose first assistant turn answers no user turn (no_user_turn), and one whose turn tokens cannot be located
-(not_a_prefix, was a stage failure)."""
+(not_a_prefix, was a stage failure).
+5 (2026-12-07): the eval split holds each conversation once as the overlap check reads it (a repeat differing only in
+case, punctuation, spacing or character width is dropped as repeated_eval_item), and the overlap check reads width
+variants and invisible characters as the plain text; a dataset prepared before may count one item in several
+spellings, and its recorded overlap, judged again on a cache hit, missed those."""
 
 
 def content_hash(
