@@ -3,8 +3,9 @@
     TUNEPROOF_JOB=<jobkit.encode_job(...)> python -m eval.evaluate_job   (submitted by tasks/ as a Ray job)
 
 params (EvalParams): candidate "runs/<run>/model" (storage-relative HF export), dataset
-"datasets/<name>/<hash>", and incumbent {version, path}: the production model the submitting task read
-from the registry when it built the job (None before the first promotion).
+"datasets/<name>/<hash>", incumbent {version, path}: the production model the submitting task read
+from the registry when it built the job (None before the first promotion), and suites: the regression suites
+as the data stage measured them (DataSummary.suites: each file's sha256 and its overlap with the training split).
 Each model in turn, one in memory at a time: greedy answers to the eval split's prompts, the
 configured `evaluate` metrics over them, eval loss and perplexity over input_ids/labels.
 Per-example answers go to runs/<run>/stages/<job>/predictions.jsonl, and every item's score per model
@@ -16,13 +17,17 @@ the model.
 
 Beside the task's split, each regression suite of eval.suites (eval/suites.py) is asked of the same loaded
 model, item by item, and decided with the same gates against base and incumbent, one Holm family per suite;
-a suite's failed or unresolved gate fails the stage as a modeling failure whose cause names the suite.
+a suite's failed gate fails the stage as a modeling failure whose cause names the suite (unresolved gates alone, as
+a data failure, like the task's: GateDecision.failure_class). A suite
+whose file no longer hashes as the data stage measured it, or that the data stage never measured (added to
+eval.suites since), fails the stage as a data failure before any model loads, naming the suite, both hashes and
+the remedy (eval/suites.py `unmeasured`): its contamination check stands behind no other bytes.
 
 Before any model verdict the evaluation tests itself, and a failed self-test ends the stage as
 "evaluation invalid: ..." in the infrastructure class (exit 4: the measuring apparatus failed, not the
 model), never as a gate failure: every local metric must score the references, put through the same
 post-processing, at its maximum (1) on every item, and give full credit to no wrong answer (the next item's
-reference on every item; the empty answer and the reference with one character changed on more than
+reference on every item; the empty answer, the reference with one character changed or cut short, on more than
 eval/selftest.py's WRONG_CREDIT_SHARE of them); a local metric must score each item alone, its value the
 mean of its items' (its gates are decided on them; only a hub metric, maybe corpus-level, falls back to
 comparing points); the candidate's and the base's tokenizer must encode the eval prompts to the ids the data stage
@@ -68,7 +73,7 @@ from eval.selftest import (
     score,
     unscored,
 )
-from eval.suites import Suite, chat_prompts, overall, read_suite, suite_score
+from eval.suites import Suite, chat_prompts, overall, read_suite, suite_score, unmeasured
 from training import jobkit
 from training.checkpoint_listing import check_complete
 from training.data_files import read_manifest
@@ -79,6 +84,7 @@ from tuneproof.core import markers
 from tuneproof.core.hashing import chat_template_sha256
 from tuneproof.core.metric_names import LOSS_METRICS, resolve_metric
 from tuneproof.core.results import FailureClass, StageFailure
+from tuneproof.core.summaries_data import SuiteFile
 from tuneproof.core.summaries_eval import ROLES, EvaluateSummary, GateDecision, Generations, ModelScore
 
 if TYPE_CHECKING:
@@ -107,6 +113,9 @@ class EvalParams(BaseModel):
     dataset: str
     """Storage path of the prepared dataset, datasets/<name>/<hash>."""
     incumbent: Incumbent | None = None
+    suites: list[SuiteFile] = []
+    """Each regression suite as the data stage measured it (the data stage's DataSummary.suites); a configured
+    suite missing here was never checked against the training split, and is refused (eval/suites.py unmeasured)."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +171,8 @@ def evaluate_body(ctx: JobContext) -> EvaluateSummary:
         read_suite(name, suite, ctx.config.storage.endpoint_url).with_metrics(load_metric)
         for name, suite in cfg.suites.items()
     ]
+    if problem := unmeasured(suites, params.suites, ctx.run_id):
+        raise StageFailure(FailureClass.data, problem)
     for suite in suites:
         check_references(suite.metrics, suite.references)
     counter = _Progress(total=len(sources) * (len(data.prompts) + sum(len(s.ids) for s in suites)))

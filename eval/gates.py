@@ -14,7 +14,12 @@ at once:
                    (shown as a regression, incumbent - candidate, whose upper bound must stay within it);
   max_regression_vs_base  the same against the base (a regression suite: the fine-tune must not forget).
 Three outcomes: pass; fail (the whole interval is on the wrong side); insufficient evidence (it straddles
-the threshold: promotion is refused, with the number of items that would resolve it). Lines look like
+the threshold: promotion is refused, with the number of items that would resolve it). A metric's gates that a
+candidate scoring the worst on every item (0; 1 when lower is better) would all pass cannot tell a candidate that
+lost what it measures: its comparisons with base and incumbent read insufficient evidence, saying why (a base
+that scores 0.15 on a suite with margin 0.25 passes a candidate that answers nothing right). A floor alone (`min`)
+keeps its verdict: it is the policy's own choice (the canary's gates only ask that a metric was computed).
+Lines look like
     exact_match >= 0.8: 0.98 [0.957, 0.9908] (n=300, Wilson score, 98.33% interval: 95% with Holm over 3, p<0.0001) (pass)
 A metric without per-item scores (eval_loss, perplexity: token-weighted over the split) is compared on its
 point value, and the line says so. A missing or NaN value fails its gate: it proves nothing.
@@ -66,6 +71,15 @@ class Check:
     """The threshold on the tested quantity (candidate, or candidate - other)."""
     settled: tuple[bool, str] | None = None
     """(passed, words) when no interval is involved: a missing value, no incumbent, a point comparison."""
+    worst: float | None = None
+    """The tested quantity a candidate would have that scores the worst on every item (0, or 1 when lower is
+    better: 0 once tested as 1 - score); None without per-item scores. A check it meets cannot show a loss."""
+    blind_words: str = ""
+    """Why a comparison that `meets_worst` is no evidence, with the numbers (`blind_metrics`)."""
+
+    def meets_worst(self) -> bool:
+        """Whether a candidate that scores the worst on every item would meet this threshold too."""
+        return self.worst is not None and self.worst >= self.target - TOLERANCE
 
 
 def decide(
@@ -84,15 +98,26 @@ def decide(
     if not checks:
         return GateDecision(passed=True, lines=["no gates configured: nothing to check"], verdicts=[])
     tested = [c for c in checks if c.evidence is not None]
+    blind = blind_metrics(tested)
     alpha = (1.0 - confidence) / 2  # each bound of a two-sided interval at `confidence`
     p_values = [c.evidence.p_value(c.target) for c in tested if c.evidence is not None]
     levels = dict(zip(map(id, tested), stats.holm_levels(p_values, alpha)))
     family = f"{fmt(100 * confidence)}% with Holm over {len(tested)}" if len(tested) > 1 else None
     verdicts = [
-        _verdict(c, levels.get(id(c), alpha), p, family, split_sha256)
+        _verdict(c, levels.get(id(c), alpha), p, family, split_sha256, c.metric in blind and c.gate != "min")
         for c, p in zip(checks, _p_values_in_order(checks, tested, p_values))
     ]
     return GateDecision(passed=all(v.passed for v in verdicts), lines=[v.line for v in verdicts], verdicts=verdicts)
+
+
+def blind_metrics(tested: Sequence[Check]) -> set[str]:
+    """The metrics with a comparison whose every interval-decided gate a candidate scoring the worst on every item
+    would pass. Such gates cannot show a loss: a base at 0.15 and a margin of 0.25 pass a candidate that forgot all
+    of a skill. Judged per metric, not per gate: a comparison the other model cannot lose to (an incumbent that
+    scores 0) is no evidence, but it is no doubt either while another gate on the metric (vs base, a floor) can
+    tell; only when none can is the comparison insufficient evidence."""
+    metrics = {c.metric for c in tested if c.gate != "min"}
+    return {m for m in metrics if all(c.meets_worst() for c in tested if c.metric == m)}
 
 
 def _p_values_in_order(checks: list[Check], tested: list[Check], p_values: list[float]) -> list[float | None]:
@@ -142,7 +167,8 @@ def _min_check(metric: str, gate: Gate, threshold: float, candidate: Scores) -> 
         words = f"{fmt(value)} (point: no per-item scores)"
         return Check(metric, "min", head, threshold, point=value, settled=(passed, words))
     if sign > 0:
-        return Check(metric, "min", head, threshold, evidence=stats.single(items), point=value, target=threshold)
+        evidence = stats.single(items)
+        return Check(metric, "min", head, threshold, evidence=evidence, point=value, target=threshold, worst=0.0)
     # Lower is better: tested as 1 - score, so 0/1 items keep the score interval (a bootstrap of 58 of 60 claims a
     # certainty that Wilson does not) and the verdict is the one the same items give read the other way round.
     evidence = stats.single([1.0 - x for x in items])
@@ -156,6 +182,7 @@ def _min_check(metric: str, gate: Gate, threshold: float, candidate: Scores) -> 
         shown_sign=-1.0,
         shown_offset=1.0,
         target=1.0 - threshold,
+        worst=0.0,
     )
 
 
@@ -191,13 +218,29 @@ def _paired_check(
     if sign < 0:  # (1 - candidate) - (1 - other) is the gain, with the paired score interval for 0/1 items
         ours, theirs = [1.0 - x for x in ours], [1.0 - y for y in theirs]
     evidence = stats.paired(ours, theirs)
-    return Check(metric, kind, head, threshold, detail, evidence, shown_sign * gain, shown_sign, target=target)
+    worst = -sum(theirs) / len(theirs)  # a candidate at 0 on every tested item, less the other model's mean
+    blind = _blind_words(metric, kind, threshold, (role, ref, -worst), 0.0 if sign > 0 else 1.0)
+    return Check(
+        metric,
+        kind,
+        head,
+        threshold,
+        detail,
+        evidence,
+        shown_sign * gain,
+        shown_sign,
+        target=target,
+        worst=worst,
+        blind_words=blind,
+    )
 
 
 # ---- the verdict -----------------------------------------------------------------------------------------
 
 
-def _verdict(check: Check, alpha: float, p: float | None, family: str | None, split: str | None) -> Verdict:
+def _verdict(
+    check: Check, alpha: float, p: float | None, family: str | None, split: str | None, blind: bool = False
+) -> Verdict:
     common = {"metric": check.metric, "gate": check.gate, "threshold": check.threshold, "split_sha256": split}
     if check.evidence is None:
         passed, words = check.settled or (False, "nothing to decide on")
@@ -208,8 +251,8 @@ def _verdict(check: Check, alpha: float, p: float | None, family: str | None, sp
         return Verdict(**common, value=check.point, passed=passed, outcome=word, line=line, method=method)
     evidence = check.evidence
     lo, hi = evidence.bounds(alpha)
-    result: GateOutcome = stats.outcome(lo, hi, check.target)
-    needed = evidence.items_needed(check.target, alpha) if result == "insufficient" else None
+    result: GateOutcome = "insufficient" if blind else stats.outcome(lo, hi, check.target)
+    needed = evidence.items_needed(check.target, alpha) if result == "insufficient" and not blind else None
     unresolvable = not evidence.resolves(alpha)
     shown = sorted((check.shown_offset + check.shown_sign * lo, check.shown_offset + check.shown_sign * hi))
     interval = (shown[0], shown[1])
@@ -226,6 +269,8 @@ def _verdict(check: Check, alpha: float, p: float | None, family: str | None, sp
             f"insufficient evidence: {stats.RESAMPLES:,} bootstrap resamples cannot give a {100 * (1 - alpha):.6g}% one-sided "
             "bound: lower eval.confidence, or gate fewer metrics at once (Holm divides the level among them)"
         )
+    if blind:  # no number of items helps: the threshold itself lets the worst candidate through
+        words = f"insufficient evidence: {check.blind_words}"
     line = f"{check.head}: {text} ({context}) ({words})"
     return Verdict(
         **common,
@@ -251,6 +296,25 @@ def _outcome_words(result: GateOutcome, needed: int | None, threshold: float, ga
         return f"{head}, and no number of items resolves a value this close to it"
     rates = "score" if gate == "min" else "disagreement"
     return f"{head}; about {needed:,} items at the observed {rates} would resolve it"
+
+
+def _blind_words(metric: str, kind: GateKind, threshold: float, other: tuple[str, float, float], worst: float) -> str:
+    """'the base scores 0.15, so a candidate that scored 0 on every item would pass this gate (0.25) and every other
+    on exact_match: these items cannot show a loss at this margin; lower the margin below 0.15 or use items the base
+    answers'. `other`: the role compared with, its value, and its mean as tested (1 - value when lower is better)."""
+    role, value, tested = other
+    what = "threshold" if kind == "min_improvement" else "margin"
+    if kind == "min_improvement":
+        remedy = f"raise the threshold above {fmt(-tested)} or "
+    elif tested > TOLERANCE:
+        remedy = f"lower the margin below {fmt(tested)} or "
+    else:  # no margin above 0 can show the loss of what the other model never had
+        remedy = ""
+    return (
+        f"the {role} scores {fmt(value)}, so a candidate that scored {fmt(worst)} on every item would pass this gate "
+        f"({fmt(threshold)}) and every other on {metric}: these items cannot show a loss at this {what}; {remedy}"
+        f"use items the {role} answers"
+    )
 
 
 def _read(metrics: Metrics, metric: str, role: str) -> float | str:

@@ -184,10 +184,13 @@ def invalid(cause: str, summary: EvaluateSummary | None = None) -> StageFailure:
 
 
 WRONG_CREDIT_SHARE = 0.1
-"""The share of items on which an answer wrong by construction (empty, or the reference with one character
-changed) may still score 1 before the self-test calls the metric blind. exact_match, accuracy and rouge_l give
-such an answer less than 1 on every item; a user's module may normalise a change away on an odd reference, which
-is no bug. A metric that reads only part of the text (a date's year) or none of it gives it on most items."""
+"""The share of items on which an answer wrong by construction (empty, the reference with one character changed,
+or the reference cut short) may still score 1 before the self-test calls the metric blind. Full credit is what is
+counted: partial credit for a wrong answer is a metric's design (rouge_l gives a cut answer the share of words it
+kept), not blindness. exact_match, accuracy and rouge_l give such an answer less than 1 on (almost) every item; a
+user's module may normalise a change away on an odd reference (rouge_l reads no letter outside a-z: 'café' cut to
+'caf' scores 1), which is no bug. A metric that reads only part of the text (a date's year, any part of the
+reference) or none of it gives it on most items."""
 
 
 def check_references(metrics: dict, references: list[str]) -> None:
@@ -225,9 +228,11 @@ def check_references(metrics: dict, references: list[str]) -> None:
 
 
 def wrong_by_construction(references: list[str]) -> list[tuple[str, list[str]]]:
-    """Answers wrong under any metric that reads the text, by what they are: the empty answer, and the reference
+    """Answers wrong under any metric that reads the text, by what they are: the empty answer, the reference
     with one character changed at each end of its first line (accuracy reads the first line; a metric that
-    compares only a prefix or only a suffix misses one of the two; rouge_l's tokens change with either)."""
+    compares only a prefix or only a suffix misses one of the two; rouge_l's tokens change with either), and the
+    reference cut short: its first line without its last letter or digit, and the first half of that line (a
+    metric that gives credit for any part of the reference, '1' for '19', 'Par' for 'Paris', passed the rest)."""
 
     def appended(reference: str) -> str:
         lines = reference.strip().splitlines() or [""]
@@ -241,7 +246,18 @@ def wrong_by_construction(references: list[str]) -> list[tuple[str, list[str]]]:
         ("the empty answer", [""] * len(references)),
         ("each reference with 'x' appended to its first line", [appended(r) for r in references]),
         ("each reference with its first character changed", [first_changed(r) for r in references]),
+        ("each reference's first line without its last letter or digit", [cut_short(r, 1) for r in references]),
+        ("the first half of each reference's first line", [cut_short(r, 2) for r in references]),
     ]
+
+
+def cut_short(reference: str, part: int) -> str:
+    """The reference's first line up to its last letter or digit (part 1), or to half of that (part 2). Cut at a
+    letter or digit, not at the last character: 'Paris.' less its full stop is the right answer to a metric that
+    drops punctuation, 'Pari' is not. A first line with no letter or digit loses its last character."""
+    line = (reference.strip().splitlines() or [""])[0].strip()
+    end = max((i for i, ch in enumerate(line) if ch.isalnum()), default=len(line) - 1)
+    return line[:end] if part == 1 else line[: (end + 1) // 2]
 
 
 def check_wrong_answers(

@@ -3,7 +3,8 @@
 A suite is a JSONL file of items {"input", "output"} (an "id" optional): the bundled general skills the
 tiny base was pre-trained on (data/skills/suites/), or a user's own file. The data stage reads each one to
 hash it and check it against the training split (training/data_prep.py); the evaluate job reads it again,
-asks every model each item as one user turn, and decides the suite's gates (SuiteConfig.gates: at most
+refuses one whose bytes are not the ones the data stage measured (`unmeasured`), asks every model each item as
+one user turn, and decides the suite's gates (SuiteConfig.gates: at most
 `margin` below the base and below the incumbent) with eval/gates.py, one Holm family per suite. A fine-tune
 that wins its task but forgets a skill fails here, with a line that names the suite.
 """
@@ -12,17 +13,19 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
 from eval.gates import Scores, decide
+from training.contamination import words
 from training.modeling import SPECIAL_TOKEN
 from tuneproof.core.config_eval import SuiteConfig
 from tuneproof.core.datahash import sha256_bytes
 from tuneproof.core.files import DuplicateJSONKey, parse_json
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
+from tuneproof.core.summaries_data import SuiteFile
 from tuneproof.core.summaries_eval import GateDecision, SuiteScore
 
 if TYPE_CHECKING:
@@ -63,9 +66,11 @@ class Suite:
 
 def read_suite(name: str, config: SuiteConfig, endpoint_url: str | None) -> Suite:
     """The suite's items; an unreadable file, bytes that are not UTF-8, a row that is not {"input": str, "output":
-    str}, an empty input or output, an item twice (its input and output, stripped) or an id twice, or an empty
-    file is a data failure naming the suite, the file and the line. (An item twice would count twice in the suite
-    gate's n, its interval narrower than the evidence; an id names one item in the overlap report.)"""
+    str}, an empty input or output, an item twice (`same_item`: its input and output up to case, punctuation and
+    spacing) or an id twice, or an empty file is a data failure naming the suite, the file and both lines. (An item
+    twice would count twice in the suite gate's n, its interval narrower than the evidence: three questions written
+    five ways passed as 15 items where the three alone are insufficient evidence; an id names one item in the
+    overlap report.)"""
     try:
         raw = Storage(config.source, endpoint_url).read_bytes()
     except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
@@ -102,9 +107,9 @@ def read_suite(name: str, config: SuiteConfig, endpoint_url: str | None) -> Suit
                 "something and has an answer",
             )
         item_id = str(row.get("id", f"{name}:{number}"))
-        # Stripped: items that differ only in surrounding whitespace ask and answer the same thing.
-        same = (row["input"].strip(), row["output"].strip())
-        for key, what in ((same, "the same input and output"), (item_id, f"id {item_id!r}")):
+        same = same_item(row["input"], row["output"])
+        what_same = "the same input and output (up to case, punctuation and spacing)"
+        for key, what in ((same, what_same), (item_id, f"id {item_id!r}")):
             if (first := lines.setdefault(key, number)) != number:
                 raise StageFailure(
                     FailureClass.data,
@@ -117,6 +122,45 @@ def read_suite(name: str, config: SuiteConfig, endpoint_url: str | None) -> Suit
     if not ids:
         raise StageFailure(FailureClass.data, f"suite {name}: {config.source} has no items")
     return Suite(name, config.source, sha256_bytes(raw), ids, inputs, outputs, config)
+
+
+def same_item(question: str, answer: str) -> tuple[tuple[str, ...] | str, ...]:
+    """What makes two suite items one: their input and output as the contamination check reads text (its `words`:
+    NFKC, case folded, punctuation to spaces), so 'capital of France' and 'Capital of France?' are one question.
+    The output is part of it: punctuation that changes the answer ('7-2' -> '5', '7+2' -> '9') makes another item.
+    A side with no words at all ('?') is compared as written, stripped, so '+' and '-' stay two."""
+    return tuple(tuple(words(text)) or text.strip() for text in (question, answer))
+
+
+def unmeasured(suites: Sequence[Suite], measured: Sequence[SuiteFile], run_id: str) -> str | None:
+    """Why a suite read now is not the one the data stage of run `run_id` measured against the training split
+    (`measured`, its DataSummary.suites), as a data failure's cause; None when every suite's bytes hash as measured.
+
+    The contamination check is the data stage's, on the bytes it read: a file edited since (replaced by training
+    rows) or a suite added to eval.suites since (`--only evaluate`) would be scored as retention while no one
+    checked it for recall of the training split, and its verdicts would name a hash no check stands behind."""
+    recorded = {s.name: s for s in measured}
+    remedy = (
+        f"re-run data for this run: `tuneproof run --run-id {run_id}` continues it, and a suite file's content is "
+        "part of the data stage's inputs, so data and every stage after it run again (the fine-tune included)"
+    )
+    for suite in suites:
+        seen = recorded.get(suite.name)
+        if seen is None:
+            names = f"suites {', '.join(sorted(recorded))}" if recorded else "no suite"
+            return (
+                f"suite {suite.name}: {suite.source} (sha256 {suite.sha256[:12]}) was never measured against the "
+                f"training split: the data stage of run {run_id} measured {names}; its items could be training "
+                f"rows, so its gates would measure recall, not retention; {remedy}"
+            )
+        if seen.sha256 != suite.sha256:
+            overlap = f"{seen.contamination.overlapping} of {seen.items} items overlapping"
+            return (
+                f"suite {suite.name}: {suite.source} is sha256 {suite.sha256[:12]} now, not the {seen.sha256[:12]} the "
+                f"data stage of run {run_id} measured against the training split ({overlap}): the file changed "
+                f"since, and items no one checked against the training split would be scored; {remedy}"
+            )
+    return None
 
 
 def _item(line: str) -> dict | None:

@@ -264,5 +264,10 @@ def evaluate(call: StageCall) -> StageEntry:
         return StageEntry.failed(call.stage, FailureClass.infrastructure, str(e), started_at=now_iso())
     found = table.incumbent(pointer, call.record)
     incumbent = {"version": found.version, "path": found.path} if found else None
-    params = {"dataset": call.inputs["dataset_path"], "candidate": call.inputs["export_path"], "incumbent": incumbent}
+    params = {
+        "dataset": call.inputs["dataset_path"],
+        "candidate": call.inputs["export_path"],
+        "incumbent": incumbent,
+        "suites": [suite.to_json() for suite in call.inputs["suites"]],  # what the data stage measured: the job checks
+    }
     return run_single_job(call, call.spec("eval.evaluate_job", params))

@@ -516,7 +516,7 @@ def test_the_evaluate_job_is_given_the_incumbent_its_inputs_key_names(tmp_path, 
     Storage(str(tmp_path)).write_json(own.to_json(), "models", cfg.model.name, "production.json")
     submitted = []
     monkeypatch.setattr(jobs, "run_single_job", lambda call, spec: submitted.append(spec.params))
-    inputs = {"dataset_path": "datasets/d/abc", "export_path": "runs/r/model"}
+    inputs = {"dataset_path": "datasets/d/abc", "export_path": "runs/r/model", "suites": []}
     call = StageCall(
         stage="evaluate", cfg=cfg, run_id="r", invocation=2, timeout_s=60, summary=EvaluateSummary, inputs=inputs,
         record=rec,

@@ -22,6 +22,7 @@ from eval.evaluate_job import evaluate_body
 from eval.generation import eval_loss, generate, right_padded
 from eval.metrics_loader import load_metric
 from eval.selftest import check_references, item_scores, score, unscored
+from eval.suites import read_suite
 from tests.conftest import TEST_BUCKET, run_job_module
 from tests.reading import present, production_pointer
 from training import jobkit, modeling
@@ -34,6 +35,7 @@ from tuneproof.core.config import PipelineConfig
 from tuneproof.core.hashing import chat_template_sha256
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
+from tuneproof.core.summaries_data import Contamination, SuiteFile
 from tuneproof.core.summaries_eval import EvaluateSummary
 
 ANSWER = "2024-01-05"
@@ -132,7 +134,21 @@ def make_ctx(world, run_id: str, storage_root: str, endpoint: str | None = None,
             },
         }
     )
-    return JobContext(run_id, "evaluate", cfg, {"candidate": f"runs/{run_id}/model", "dataset": DATASET})
+    params = {"candidate": f"runs/{run_id}/model", "dataset": DATASET, "suites": measured(cfg)}
+    return JobContext(run_id, "evaluate", cfg, params)
+
+
+def measured(cfg: PipelineConfig) -> list[dict]:
+    """Each configured suite as its files read now, as a data stage that found no overlap with the training split
+    passes them to the evaluate job (DataSummary.suites)."""
+    files = []
+    for name, suite_cfg in cfg.eval.suites.items():
+        suite = read_suite(name, suite_cfg, None)
+        clean = Contamination(ngram=13, eval_items=len(suite.ids), exact_matches=0, overlapping=0, fraction=0.0)
+        files.append(
+            SuiteFile(name=name, source=suite.source, sha256=suite.sha256, items=len(suite.ids), contamination=clean)
+        )
+    return [f.to_json() for f in files]
 
 
 def upload_export(storage: Storage, local_dir: Path, run_id: str) -> None:
@@ -446,9 +462,19 @@ class Constant(OffByOne):
         return {"exact_match": 1.0}
 
 
+class PartOfReference(OffByOne):
+    """A lenient scorer: 1 when the stripped answer is non-empty and occurs in the reference, so a cut answer ('1'
+    for '19', 'Par' for 'Paris') gets full credit."""
+
+    def _compute(self, predictions, references):
+        hits = sum(bool(p.strip()) and p.strip() in r for p, r in zip(predictions, references))
+        return {"exact_match": hits / len(predictions)}
+
+
 def test_wrong_answers_by_construction_find_a_metric_the_rotation_misses():
-    """Empty answers and references with one character changed are wrong under any metric that reads the text;
-    before, the year-only metric (rotation: 4 of 5 items full credit) and a constant on one-text references passed."""
+    """Empty answers, references with one character changed and references cut short are wrong under any metric
+    that reads the text; before, the year-only metric (rotation: 4 of 5 items full credit), a constant on one-text
+    references and a metric that credits any part of the reference passed."""
     dates = ["2024-01-05", "2024-03-17", "2024-07-30", "2024-11-02", "2023-12-31"]
     with pytest.raises(StageFailure) as info:
         check_references({"exact_match": YearOnly()}, dates)
@@ -460,16 +486,25 @@ def test_wrong_answers_by_construction_find_a_metric_the_rotation_misses():
     )
     with pytest.raises(StageFailure, match="the empty answer scores 1 on 30 of 30 items"):
         check_references({"exact_match": Constant()}, [ANSWER] * 30)
+    with pytest.raises(StageFailure) as lenient:
+        check_references({"exact_match": PartOfReference()}, ["19", "Paris", "Madrid", "d n a b", "42", "Rome"])
+    assert lenient.value.cause == (
+        "evaluation invalid: exact_match gives full credit to wrong answers: each reference's first line without "
+        "its last letter or digit scores 1 on 6 of 6 items, more than WRONG_CREDIT_SHARE=0.1 of them (first: item 0, "
+        "reference '19', answer '1'): the metric cannot tell a right answer from a wrong one"
+    )
 
 
 def test_the_shipped_metrics_give_no_wrong_answer_full_credit():
-    """rouge_l is an F1 over tokens: one character changed in one token of several scores high but below 1, which
-    is not full credit; accuracy reads an answer's first line, which both one-character changes alter."""
+    """rouge_l is an F1 over tokens: one character changed in one token of several, or the reference cut short,
+    scores high but below 1, which is not full credit; accuracy reads an answer's first line, which both
+    one-character changes and each cut alter."""
     metrics = {name: load_metric(name) for name in ("exact_match", "rouge_l", "accuracy")}
-    references = [ANSWER, "a b", "Paris is the capital", "Yes\nbecause it is", "x marks", "(a) first", "- 5"]
+    references = [ANSWER, "a b", "Paris is the capital", "Yes\nbecause it is", "x marks", "(a) first", "- 5", "Paris."]
     check_references(metrics, references)
     rouge = metrics["rouge_l"]
     assert 0.5 < rouge.compute(predictions=["Paris is the capitalx"], references=[references[2]])["rouge_l"] < 1.0
+    assert 0.5 < rouge.compute(predictions=["Paris is the capita"], references=[references[2]])["rouge_l"] < 1.0
     for suite in sorted(Path("data/skills/suites").glob("*.jsonl")):  # the bundled suites, scored by exact_match
         outputs = [json.loads(line)["output"] for line in suite.read_text().splitlines() if line.strip()]
         check_references({"exact_match": metrics["exact_match"]}, outputs)
@@ -780,7 +815,9 @@ def test_the_base_reproduces_its_answers_and_planted_sampling_is_not_reproducibl
 
 def test_a_users_own_suite_file_is_scored_for_every_model_and_gated(world, store, tmp_path):
     """eval.suites names a JSONL file of the user's: every model answers its items, and its gates (at most
-    `margin` below the base; no incumbent yet) decide on them, paired by item, naming the file's hash."""
+    `margin` below the base; no incumbent yet) decide on them, paired by item, naming the file's hash. The tests'
+    random base answers none of them, so the suite cannot show forgetting: insufficient evidence, a data failure
+    whose summary still carries every number (a candidate that answered nothing would have passed)."""
     import hashlib
 
     mine = tmp_path / "must-not-regress.jsonl"
@@ -790,7 +827,11 @@ def test_a_users_own_suite_file_is_scored_for_every_model_and_gated(world, store
     # the cap would hold that against the evaluation, so it is lifted here.
     suites = {"mine": {"source": str(mine), "margin": 0.2}}
     ctx = make_ctx(world, "suite", store.root, suites=suites, max_truncated_fraction=1.0)
-    summary = evaluate_body(ctx)
+    with pytest.raises(StageFailure) as unsure:
+        evaluate_body(ctx)
+    assert unsure.value.failure_class is FailureClass.data
+    summary = unsure.value.summary
+    assert isinstance(summary, EvaluateSummary) and summary.gates.passed  # the task's own gates passed
 
     [suite] = summary.suites
     assert (suite.name, suite.items, suite.sha256) == ("mine", 12, hashlib.sha256(mine.read_bytes()).hexdigest())
@@ -803,11 +844,13 @@ def test_a_users_own_suite_file_is_scored_for_every_model_and_gated(world, store
         "empty": 0,
     }
     vs_base = suite.gates.verdicts[0]
-    assert vs_base.gate == "max_regression_vs_base" and vs_base.passed and vs_base.n == 12
+    assert vs_base.gate == "max_regression_vs_base" and vs_base.outcome == "insufficient" and vs_base.n == 12
     assert vs_base.split_sha256 == suite.sha256
     assert vs_base.line.startswith(
         "suite mine: exact_match regression vs base <= 0.2: -1 [-1, -0.6571] (candidate 1, base 0; n=12"
     )
+    assert vs_base.line.endswith("cannot show a loss at this margin; use items the base answers)")
+    assert unsure.value.cause == vs_base.line
     scored = json.loads(store.read_text("runs/suite/stages/evaluate/item_scores.json"))
     assert scored["suites"]["mine"]["candidate"]["exact_match"] == [1.0] * 12
     assert [row.suite for row in summary.suite_rows()] == ["task", "mine"]
@@ -821,4 +864,34 @@ def test_a_users_own_suite_file_is_scored_for_every_model_and_gated(world, store
     assert info.value.cause == (
         "suite mine: item mine:1's output holds '<|im_end|>', one of the tokenizer's special tokens, which it reads "
         "as that control token and not as text"
+    )
+
+
+def test_a_suite_the_data_stage_did_not_measure_is_a_data_failure_before_any_model_loads(world, store, tmp_path):
+    """The data stage checked the suite's bytes against the training split; replaced since (by training rows, say),
+    or added to eval.suites since, its items are unchecked: refused naming the suite, both hashes and the remedy,
+    not scored under a hash no contamination check stands behind."""
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("".join(json.dumps({"input": f"capital {i}", "output": f"city {i}"}) + "\n" for i in range(40)))
+    upload_export(store, world["trained"], "edited-suite")
+    suites = {"mine": {"source": str(mine), "margin": 0.2}}
+    ctx = make_ctx(world, "edited-suite", store.root, suites=suites)
+    before = read_suite("mine", ctx.config.eval.suites["mine"], None).sha256
+    mine.write_text("".join(json.dumps({"input": f"date q {i}", "output": ANSWER}) + "\n" for i in range(40)))
+    after = read_suite("mine", ctx.config.eval.suites["mine"], None).sha256
+    with pytest.raises(StageFailure) as edited:
+        evaluate_body(ctx)
+    assert edited.value.failure_class is FailureClass.data and edited.value.summary is None
+    assert edited.value.cause.startswith(
+        f"suite mine: {mine} is sha256 {after[:12]} now, not the {before[:12]} the data stage of run edited-suite "
+        "measured against the training split (0 of 40 items overlapping): the file changed since"
+    )
+    assert "re-run data for this run: `tuneproof run --run-id edited-suite`" in edited.value.cause
+    never = JobContext("edited-suite", "evaluate", ctx.config, {**ctx.params, "suites": []})
+    with pytest.raises(StageFailure) as added:
+        evaluate_body(never)
+    assert added.value.failure_class is FailureClass.data
+    assert added.value.cause.startswith(
+        f"suite mine: {mine} (sha256 {after[:12]}) was never measured against the training split: the data stage "
+        "of run edited-suite measured no suite"
     )

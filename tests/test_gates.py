@@ -260,3 +260,65 @@ def test_a_level_the_bootstrap_cannot_reach_says_so():
         "(insufficient evidence: 10,000 bootstrap resamples cannot give a 99.9995% one-sided bound: lower eval.confidence, or gate "
         "fewer metrics at once (Holm divides the level among them))"
     )
+
+
+FORGETTING = {"exact_match": Gate(max_regression_vs_base=0.25, max_regression=0.25)}
+"""A regression suite's gates (SuiteConfig.gates) at margin 0.25."""
+
+
+def test_gates_a_candidate_that_answers_nothing_right_would_pass_are_insufficient_evidence():
+    # Base and incumbent answer 30 of 200 (0.15): within the margin of 0, so losing all 30 passed both gates.
+    known = [1.0] * 30 + [0.0] * 170
+    d = decide(scores([0.0] * 200), scores(known), scores(known), FORGETTING)
+    assert [v.outcome for v in d.verdicts] == ["insufficient", "insufficient"] and not d.passed
+    assert all(v.items_needed is None for v in d.verdicts)  # more items would not help: the margin is the problem
+    assert d.lines[0].endswith(
+        "(candidate 0, base 0.15; n=200, Newcombe paired score, 97.5% interval: 95% with Holm over 2, p=0.00055) "
+        "(insufficient evidence: the base scores 0.15, so a candidate that scored 0 on every item would pass this "
+        "gate (0.25) and every other on exact_match: these items cannot show a loss at this margin; lower the margin "
+        "below 0.15 or use items the base answers)"
+    )
+    assert d.failure_class() is FailureClass.data  # no verdict on the model either way
+    # A base that knows nothing: no margin above 0 can show a loss, so only other items are offered.
+    nothing = decide(scores([0.0] * 200), scores([0.0] * 200), None, FORGETTING)
+    assert nothing.verdicts[0].outcome == "insufficient"
+    assert nothing.lines[0].endswith("cannot show a loss at this margin; use items the base answers)")
+    assert nothing.verdicts[1].line.endswith("no incumbent: first model, regression gate not applicable")
+
+
+def test_a_margin_below_what_the_base_scores_still_decides():
+    known = [1.0] * 60 + [0.0] * 140  # 0.3: losing it all is more than the margin, and these items can show it
+    d = decide(scores([0.0] * 200), scores(known), None, FORGETTING)
+    assert d.verdicts[0].outcome == "insufficient" and "would resolve it" in d.lines[0]  # 200 items: not yet
+    d = decide(scores([0.0] * 400), scores(known * 2), None, FORGETTING)
+    assert d.verdicts[0].outcome == "fail" and d.failure_class() is FailureClass.modeling
+    kept = decide(scores(known), scores(known), None, FORGETTING)
+    assert kept.verdicts[0].outcome == "pass"
+
+
+def test_one_gate_that_can_tell_keeps_the_others_verdicts():
+    # An incumbent that lost the skill cannot be regressed from, but the base still shows a loss: the suite judges.
+    base, lost = [1.0] * 180 + [0.0] * 20, [0.0] * 200
+    kept = decide(scores(base), scores(base), scores(lost), FORGETTING)
+    assert [v.outcome for v in kept.verdicts] == ["pass", "pass"]
+    forgot = decide(scores(lost), scores(base), scores(lost), FORGETTING)
+    assert [v.outcome for v in forgot.verdicts] == ["fail", "pass"]
+    # A floor the worst candidate fails is evidence too: the regression keeps its verdict.
+    floor = {"exact_match": Gate(min=0.5, max_regression=0.25)}
+    incumbent = [1.0] * 10 + [0.0] * 190
+    assert [v.outcome for v in decide(scores(base), scores(base), scores(incumbent), floor).verdicts] == ["pass"] * 2
+
+
+def test_a_floor_any_value_passes_keeps_its_verdict():
+    # The canary's gates only ask that a metric was computed (flows/canary.py computed_gate): no comparison, no doubt.
+    d = decide(scores([0.0] * 50), scores([0.0] * 50), None, {"exact_match": Gate(min=-1e300)})
+    assert d.passed and d.verdicts[0].outcome == "pass"
+
+
+def test_the_worst_candidate_of_a_lower_is_better_metric_scores_1_on_every_item():
+    errors = [0.0] * 20 + [1.0] * 180  # the base is wrong on 0.9 of the items: right on 0.1, within 0.25
+    policy = {"err": Gate(max_regression_vs_base=0.25, higher_is_better=False)}
+    d = decide(scores([1.0] * 200, "err"), scores(errors, "err"), None, policy)
+    assert d.verdicts[0].outcome == "insufficient"
+    assert "the base scores 0.9, so a candidate that scored 1 on every item would pass" in d.lines[0]
+    assert "lower the margin below 0.1 or use items the base answers" in d.lines[0]

@@ -1,8 +1,9 @@
-"""eval/selftest.py: cut-off and empty answers per model and split, and who the cap holds (pure)."""
+"""eval/selftest.py: cut-off and empty answers per model and split, and who the cap holds (pure); how a reference
+is cut short into a wrong answer (the metrics' self-test itself: tests/test_evaluate_job.py)."""
 
 from __future__ import annotations
 
-from eval.selftest import TASK, count_lines, generation_problem, generations
+from eval.selftest import TASK, count_lines, cut_short, generation_problem, generations
 from tuneproof.core.summaries_eval import Generations
 
 
@@ -39,3 +40,15 @@ def test_the_base_is_not_held_to_the_cap_on_the_task_but_is_on_the_suites():
         "base on suite add 80/80 answers cut off at eval.max_new_tokens=4"
     )
     assert generation_problem({"candidate": {"add": seen(0)}}, 16, 0.0) is None  # nothing answered, nothing to say
+
+
+def test_a_reference_is_cut_at_a_letter_or_digit_on_its_first_line():
+    assert [cut_short(r, 1) for r in ("19", "Paris.", "d n a b", "Yes\nbecause", "x", "---")] == [
+        "1",
+        "Pari",  # not 'Paris': the right answer to a metric that drops punctuation
+        "d n a ",
+        "Ye",
+        "",
+        "--",
+    ]
+    assert [cut_short(r, 2) for r in ("19", "Paris.", "2024-01-05", "Yes\nbecause")] == ["1", "Pa", "2024-", "Y"]

@@ -4,14 +4,16 @@ and `runs diff`, and reading a suite file. Pure but for the files written here."
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from eval.gates import Scores, decide
-from eval.suites import overall, read_suite, suite_score
+from eval.suites import overall, read_suite, suite_score, unmeasured
 from tuneproof.control.registry import suite_table
 from tuneproof.core.config_eval import EvalConfig, Gate, SuiteConfig
 from tuneproof.core.results import FailureClass, StageFailure
+from tuneproof.core.summaries_data import Contamination, SuiteFile
 from tuneproof.core.summaries_eval import EvaluateSummary, ModelScore
 
 
@@ -135,13 +137,19 @@ def test_a_suite_item_holding_a_unicode_line_separator_is_one_item(tmp_path, sep
     assert suite.inputs == [f"Copy:{separator}second line", "Say hi"] and suite.ids == ["mine:1", "mine:2"]
 
 
+SAME = "the same input and output (up to case, punctuation and spacing)"
+
+
 @pytest.mark.parametrize(
     "second, says",
     [
-        ('{"input": "a", "output": "b", "id": "x2"}', "line 3 has the same input and output as line 1"),
+        ('{"input": "a", "output": "b", "id": "x2"}', f"line 3 has {SAME} as line 1"),
         ('{"input": "c", "output": "d", "id": "x1"}', "line 3 has id 'x1' as line 1"),
         # Only surrounding whitespace differs: the same item, counted twice in n.
-        ('{"input": " a\\n", "output": "b ", "id": "x2"}', "line 3 has the same input and output as line 1"),
+        ('{"input": " a\\n", "output": "b ", "id": "x2"}', f"line 3 has {SAME} as line 1"),
+        # The same question written another way (case, inner spacing, punctuation, full-width forms), same answer.
+        ('{"input": "A?", "output": "b.", "id": "x2"}', f"line 3 has {SAME} as line 1"),
+        ('{"input": "\uff21", "output": "  B", "id": "x2"}', f"line 3 has {SAME} as line 1"),
     ],
 )
 def test_a_suite_item_or_id_twice_is_a_data_failure_naming_both_lines(tmp_path, second, says):
@@ -158,5 +166,52 @@ def test_a_suite_item_or_id_twice_is_a_data_failure_naming_both_lines(tmp_path, 
     assert read_suite("mine", SuiteConfig(source=str(path)), None).ids == ["mine:1", "mine:2", "mine:3"]
 
 
+def test_one_question_written_five_ways_counts_once(tmp_path):
+    # Three questions written five ways each passed a suite gate as n=15; the three alone are insufficient evidence.
+    path = tmp_path / "cap.jsonl"
+    variants = ["capital of France", "CAPITAL OF FRANCE", "capital  of France", "capital of France?"]
+    path.write_text("".join(json.dumps({"input": v, "output": "Paris"}) + "\n" for v in variants))
+    with pytest.raises(StageFailure, match=re.escape(f"line 2 has {SAME} as line 1")):
+        read_suite("cap", SuiteConfig(source=str(path)), None)
+    # Punctuation that changes the answer makes another item; so do inputs with no words that differ as written.
+    items = [("7-2", "5"), ("7+2", "9"), ("+", "a sign"), ("-", "a sign"), ("capital of France", "Paris")]
+    path.write_text("".join(json.dumps({"input": x, "output": y}) + "\n" for x, y in items))
+    assert len(read_suite("cap", SuiteConfig(source=str(path)), None).ids) == 5
+
+
 def test_a_gate_with_only_a_base_margin_is_a_gate():
     assert Gate(max_regression_vs_base=0.1).max_regression_vs_base == 0.1
+
+
+def as_measured(name: str, config: SuiteConfig, overlapping: int = 0) -> SuiteFile:
+    """The suite as the data stage leaves it in DataSummary.suites, from its file as it reads now."""
+    suite = read_suite(name, config, None)
+    n = len(suite.ids)
+    found = Contamination(ngram=13, eval_items=n, exact_matches=0, overlapping=overlapping, fraction=overlapping / n)
+    return SuiteFile(name=name, source=suite.source, sha256=suite.sha256, items=n, contamination=found)
+
+
+def test_a_suite_is_scored_only_on_the_bytes_the_data_stage_measured(tmp_path):
+    config = suite_file(tmp_path, "mine", 40)
+    recorded = [as_measured("mine", config)]
+    assert unmeasured([read_suite("mine", config, None)], recorded, "r1") is None
+    # Replaced after the data stage by rows it would have refused (the training rows themselves).
+    before = recorded[0].sha256
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(json.dumps({"input": f"add {i} and 1", "output": str(i + 1)}) + "\n" for i in range(40)))
+    now = read_suite("mine", config, None)
+    assert unmeasured([now], recorded, "r1") == (
+        f"suite mine: {path} is sha256 {now.sha256[:12]} now, not the {before[:12]} the data stage of run r1 measured "
+        "against the training split (0 of 40 items overlapping): the file changed since, and items no one checked "
+        "against the training split would be scored; re-run data for this run: `tuneproof run --run-id r1` continues "
+        "it, and a suite file's content is part of the data stage's inputs, so data and every stage after it run "
+        "again (the fine-tune included)"
+    )
+    # Added to eval.suites after the data stage ran (`--only evaluate`): never checked at all.
+    other = suite_file(tmp_path, "other", 5)
+    cause = unmeasured([read_suite("other", other, None)], recorded, "r1")
+    assert cause is not None and cause.startswith(
+        f"suite other: {other.source} (sha256 {read_suite('other', other, None).sha256[:12]}) was never measured "
+        "against the training split: the data stage of run r1 measured suites mine; its items could be training rows"
+    )
+    assert "`tuneproof run --run-id r1`" in cause

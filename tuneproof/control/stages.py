@@ -365,7 +365,13 @@ STAGES: tuple[Stage, ...] = (
         fails_as=(MODELING, INFRA, DATA),
         timeout="evaluate",
         external=production_version,
-        needs=(Need("data", "dataset_path"), Need("finetune", "export_path", identity=FINETUNED)),
+        # data.suites: each suite file's hash as the data stage checked it against the training split; the job
+        # scores no other bytes (eval/suites.py unmeasured).
+        needs=(
+            Need("data", "dataset_path"),
+            Need("data", "suites"),
+            Need("finetune", "export_path", identity=FINETUNED),
+        ),
         metrics=evaluate_metrics,
     ),
     Stage(
