@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from tuneproof.core.hashing import IGNORE_INDEX
-from tuneproof.core.results import FailureClass, StageFailure
 
 if TYPE_CHECKING:  # annotations only: at run time this module imports torch alone (see above)
     from transformers import PreTrainedModel
@@ -88,6 +87,9 @@ def forward_inputs(model: PreTrainedModel, batch: Batch) -> Batch:
         return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     implementation = str(getattr(model.config, "_attn_implementation", None) or "sdpa")
     if implementation not in PACKED_ATTENTION:
+        # Imported here: the step runs where pydantic, which the results module needs, may be absent (the GPU check).
+        from tuneproof.core.results import FailureClass, StageFailure
+
         raise StageFailure(
             FailureClass.modeling,
             f"data.overflow pack: the model runs {implementation} attention, which would let a packed row's "
