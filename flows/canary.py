@@ -34,7 +34,14 @@ from tuneproof.control.record import RunRecord
 from tuneproof.core.checks import VERSION_FIELDS
 from tuneproof.core.config import PROJECT_ROOT, ConfigError, PipelineConfig
 from tuneproof.core.config_base import MAX_TIMEOUT_S
-from tuneproof.core.files import DuplicateKey, FileRefused, decode_text, parse_yaml_all, read_regular
+from tuneproof.core.files import (
+    MAX_MANIFEST_BYTES,
+    DuplicateKey,
+    FileRefused,
+    decode_text,
+    parse_yaml_all,
+    read_regular,
+)
 from tuneproof.core.names import slug_problem
 from tuneproof.core.results import StageFailure, now_iso
 from tuneproof.core.storage import Storage
@@ -174,8 +181,6 @@ def production_config(storage: Storage, model: str) -> dict | None:
 MANIFESTS = PROJECT_ROOT / "deployments"
 """Where a canary's manifest may come from: the checkout's manifests, the ones lint checks against the canary's
 admission policy. Any other path would let whoever fills the form probe files on the worker."""
-MAX_MANIFEST_BYTES = 16 << 20
-"""As lint's bound: Kubernetes refuses objects over about 1.5 MB, so a file past this is no manifest."""
 
 
 def read_manifest(manifest: str) -> dict:

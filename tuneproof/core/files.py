@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 
     from tuneproof.core.storage import Storage
 
+MAX_MANIFEST_BYTES = 16 << 20
+"""Kubernetes refuses objects over about 1.5 MB; a file past this (or a device, a FIFO) is no manifest. Lint and
+the image canary read manifests under it."""
+
 KINDS = {
     stat.S_IFIFO: "a FIFO (named pipe)",
     stat.S_IFCHR: "a character device",

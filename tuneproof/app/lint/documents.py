@@ -21,7 +21,7 @@ import jsonschema
 import yaml
 
 from tuneproof.control.kube_checks import worker_groups
-from tuneproof.core.files import parse_yaml_all, read_regular
+from tuneproof.core.files import MAX_MANIFEST_BYTES, parse_yaml_all, read_regular
 from tuneproof.core.findings import Finding
 
 SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schemas"
@@ -132,10 +132,6 @@ def manifest_files(paths: list[str]) -> list[Path]:
 
 def is_linted(path: Path) -> bool:
     return path.suffix in MANIFEST_SUFFIXES or (path.name.startswith("requirements") and path.suffix == ".txt")
-
-
-MAX_MANIFEST_BYTES = 16 << 20
-"""Kubernetes refuses objects over about 1.5 MB; a file past this (or a device, a FIFO) is no manifest."""
 
 
 def _parse(file: Path) -> list:
