@@ -563,7 +563,7 @@ def test_a_csv_with_another_delimiter_fails_showing_the_columns_it_read(tmp_path
     (tmp_path / "d.csv").write_text("input;output\n" + "".join(f"{r['input']};{r['output']}\n" for r in DATES[:60]))
     failure = data_failure(config(tmp_path / "store", tiny_dir, tmp_path / "d.csv"))
     assert (
-        "missing_field=41, extra_fields=19 of 60 rows; the first missing_field is source row 0: {'input;output': "
+        "missing_field=37, extra_fields=23 of 60 rows; the first missing_field is source row 0: {'input;output': "
         in failure.cause
     )
 
@@ -871,7 +871,8 @@ def test_an_eval_file_that_repeats_training_rows_is_refused_naming_the_overlap(t
     failure = data_failure(cfg)
     assert failure.cause == (
         "eval split overlaps the training split: 3 of 10 eval items (30.0%; 3 normalised exact matches, the rest a "
-        "shared 13-word n-gram) > data.max_contamination 0: eval_source:7, eval_source:8, eval_source:9"
+        "shared 13-word n-gram or a short item whole inside a training row) > data.max_contamination 0: eval_source:7, "
+        "eval_source:8, eval_source:9"
     )
     assert isinstance(failure.summary, DataSummary)
     found = present(failure.summary.contamination)

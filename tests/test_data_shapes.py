@@ -53,7 +53,7 @@ ALPACA = "Below is an instruction.\n\n### Instruction:\n{instruction}\n\n### Inp
 # kept each conversation once; 31bc2fed... at version 2, before rows holding a special token's text were dropped;
 # be5e662b... at version 3, before CSV rows with extra fields, blank template rows and blank or assistant-first
 # turns were dropped; 9c2d8692... at version 4, before the eval split dropped near-duplicate conversations).
-LOCAL_DATES_HASH = "60da7039a83f3da9500c0e58267f981785c23a663de06241ca8329d370393f23"
+LOCAL_DATES_HASH = "df9e69b0d085b79be5519a69f5ed14d9ea4e6d65b3c36700e3d2e30d34bd3b0b"
 
 
 def chat_text(messages: list[dict]) -> str:

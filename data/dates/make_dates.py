@@ -5,7 +5,9 @@ Regenerate the committed file (the output is byte-for-byte deterministic; a test
     python data/dates/make_dates.py > data/dates/dates.jsonl
 
 Every format is unambiguous (month by name, or year first, or a four-digit year in a fixed
-position), so the answer is a function of the input. Years run 1950-2049.
+position), so the answer is a function of the input. Years run 1950-2049, and each day is drawn once: a day
+drawn twice in two formats ("June 19, 2022", "Sunday, June 19, 2022") put an eval item, its question and answer,
+inside a training row, which the data stage's contamination check refuses.
 """
 
 from __future__ import annotations
@@ -60,12 +62,10 @@ def random_day(rng: random.Random) -> dt.date:
 
 
 def make_rows(n: int = ROWS, seed: int = SEED) -> list[dict[str, str]]:
-    """n rows, the formats in equal turns, dates drawn uniformly from the range."""
+    """n rows, the formats in equal turns, n distinct dates drawn uniformly from the range."""
     rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        day = random_day(rng)
-        rows.append({"input": FORMATS[i % len(FORMATS)](day), "output": day.isoformat()})
+    days = [FIRST_DAY + dt.timedelta(days=k) for k in rng.sample(range((LAST_DAY - FIRST_DAY).days + 1), n)]
+    rows = [{"input": FORMATS[i % len(FORMATS)](day), "output": day.isoformat()} for i, day in enumerate(days)]
     rng.shuffle(rows)
     return rows
 
