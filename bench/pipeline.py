@@ -58,7 +58,14 @@ JOBS = {
 PASSING_GATES = ("eval.gates={exact_match: {min: 0.0}}", "eval.max_truncated_fraction=1.0")
 SUITES_PASS = ("eval.suites.add.margin=0.99", "eval.suites.reverse.margin=0.99")
 WORKLOAD = ("train.max_steps=40", "train.checkpoint_every=20", "eval.max_examples=50", *PASSING_GATES, *SUITES_PASS)
-QUICK = ("train.max_steps=20", "train.checkpoint_every=10", "eval.max_examples=20", *PASSING_GATES, *SUITES_PASS)
+QUICK = (
+    "train.max_steps=20",
+    "train.warmup_steps=4",
+    "train.checkpoint_every=10",
+    "eval.max_examples=20",
+    *PASSING_GATES,
+    *SUITES_PASS,
+)
 ROUNDS_WHY = "3 rounds, not 5: a round of six stages on both sides is about 4 min on 2 cores (the row 11.4)"
 
 

@@ -318,6 +318,8 @@ def move_pointer(
         logging.getLogger("tuneproof.promote").info(f"{cfg.model.name} {current} is already this run's model")
         summary = promoted_summary(pointer, forced, approval)
         return StageEntry.succeeded("promote", summary, started)
+    if registry.serves_content(pointer, content):  # before the rollback and incumbent checks: nothing would move
+        return already_served(started, registry.AlreadyServing(pointer))
     rolled_back = rollback_reasons(storage, cfg.model.name, record, content, moves)
     if forced is None and rolled_back:  # a judgement on the model, like a failed gate: only the override undoes it
         return refused(started, rolled_back, FailureClass.modeling)
@@ -350,6 +352,8 @@ def move_pointer(
             )
     except (CopyCheckFailed, CostUnknown, history.HistoryUnreadable) as e:
         return refused(started, [str(e)], FailureClass.infrastructure)
+    except registry.AlreadyServing as e:  # a promotion of the same bytes landed since the pointer was read above
+        return already_served(started, e)
     except (registry.PromotionConflict, rollbacks.PointerHeld) as e:
         return refused(started, [f"lost a concurrent promotion: {e}"], FailureClass.infrastructure)
     except markers.ExportUnverified as e:
@@ -554,6 +558,15 @@ def approval_refused(started: str, answer: ApprovalAnswer) -> StageEntry:
     reason = f"approval refused by {answer.by}: {answer.comment or 'no comment'}"
     summary = PromoteSummary(promoted=False, reasons=[reason], approval=answer)
     return StageEntry.failed("promote", FailureClass.modeling, reason, started, summary=summary)
+
+
+def already_served(started: str, serving: registry.AlreadyServing) -> StageEntry:
+    """Production already serves the candidate's bytes under another run's version: a skipped stage, not a
+    failure (the candidate is what serves), whose summary says which version serves them and that none was minted."""
+    reason = str(serving)
+    summary = PromoteSummary(promoted=False, reasons=[reason], content_sha256=serving.pointer.content_sha256)
+    entry = StageEntry.skipped("promote", reason)
+    return entry.model_copy(update={"started_at": started, "summary": summary.to_json()})
 
 
 def refused(started: str, reasons: list[str], failure_class: FailureClass) -> StageEntry:

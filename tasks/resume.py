@@ -97,19 +97,34 @@ def resume_test(call: StageCall) -> StageEntry:
     if not ran.result.ok or job is None or job.resumed is None:
         killed_at = job.interrupted_at_step if job else None
         summary = ResumeSummary(**lineage, interrupted=killed_at is not None, interrupted_at_step=killed_at)
-        return entry_from_jobs(call, jobs, started, summary)
+        return without_continue_evidence(entry_from_jobs(call, jobs, started, summary), job)
 
     evidence = judge(call, job, seed, interrupt_at, loss_curve).model_copy(update=lineage)
     outcome = entry_from_jobs(call, jobs, started, evidence)
-    if evidence.problems:
-        outcome = outcome.model_copy(
-            update={
-                "status": "failed",
-                "failure_class": FailureClass.infrastructure,
-                "cause": "; ".join(evidence.problems),
-            }
-        )
-    return outcome
+    return unproven(outcome, "; ".join(evidence.problems)) if evidence.problems else outcome
+
+
+def without_continue_evidence(entry: StageEntry, job: ResumeJobSummary | None) -> StageEntry:
+    """The entry of a resume job that left no continue phase to judge: its own failure when it failed; when it
+    ended well, an infrastructure failure naming the missing evidence, never a pass. Pure.
+
+    A job that exits cleanly without the continue phase's summary (a harness that lost it, another release's
+    job) has proved nothing about the checkpoint; a succeeded entry would be refused only later, at promotion."""
+    if not entry.ok:
+        return entry
+    if job is None:
+        missing = "no summary (ResumeJobSummary)"
+    else:
+        missing = f"no continue phase (resumed is None; its stage folder {job.continue_job})"
+    return unproven(
+        entry,
+        f"the resume job succeeded but left {missing}: no evidence that a new run continued from the checkpoint",
+    )
+
+
+def unproven(entry: StageEntry, cause: str) -> StageEntry:
+    """`entry` failed as infrastructure with `cause`: the checkpoint was not shown to restore. Pure."""
+    return entry.model_copy(update={"status": "failed", "failure_class": FailureClass.infrastructure, "cause": cause})
 
 
 def attempt_run_name(call: StageCall, tag: str) -> str:

@@ -198,6 +198,29 @@ def test_env_vars_are_environment_variable_names_the_pipeline_does_not_set():
         load_config(overrides=['runtime_env.forward_env=["A\\n"]'])  # re's $ matched before a final newline
 
 
+def test_warmup_that_takes_every_step_is_refused_naming_both_values():
+    # The schedule would climb to the last step and never decay: refused at validation, not found in a loss curve.
+    for warmup in (50, 40):
+        with pytest.raises(ConfigError) as e:
+            load_config(overrides=[f"train.warmup_steps={warmup}", "train.max_steps=40", "resume.enabled=false"])
+        assert e.value.problems == [
+            f"train.warmup_steps {warmup} must be below train.max_steps 40: warmup would take every step and "
+            "leave none for the decay; lower train.warmup_steps or raise train.max_steps"
+        ]
+    assert load_config(overrides=["train.warmup_steps=39", "train.max_steps=40", "resume.enabled=false"])
+    cfg = PipelineConfig()
+    with pytest.raises(ValueError, match="train.warmup_steps 20 must be below train.max_steps 20"):
+        cfg.train.max_steps = 20  # an assignment is checked as a load is
+
+
+def test_every_bundled_profile_validates():
+    profiles = sorted((PROJECT_ROOT / "configs").glob("*.yaml"))
+    assert profiles
+    for profile in profiles:
+        cfg = load_config(profile)
+        assert cfg.train.warmup_steps < cfg.train.max_steps, profile
+
+
 def test_eks_requires_a_digest_pinned_image():
     with pytest.raises(ConfigError) as e:
         load_config(

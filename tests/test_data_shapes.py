@@ -575,6 +575,7 @@ def short_run_config(profile: str, rows: list[dict], tmp_path: Path, steps: int,
             f"model.source={model}",
             f"data.source={write_jsonl(tmp_path / 'rows.jsonl', rows)}",
             f"train.max_steps={steps}",
+            "train.warmup_steps=2",  # the profile's 20 would take every step (refused)
             f"train.checkpoint_every={steps // 2}",
             "train.micro_batch_size=8",
             "train.log_every=4",

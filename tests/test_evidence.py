@@ -18,7 +18,7 @@ from tasks import promote as promote_tasks
 from tasks.jobs import finetune_run_name
 from tests.conftest import TEST_BUCKET, tuneproof
 from tests.reading import entry_summary, present, production_pointer, summary_dict, summary_of
-from tests.test_promote_task import EXPORT_SHA256, passed_record, with_export
+from tests.test_promote_task import EXPORT_FILES, EXPORT_SHA256, passed_record, with_export
 from training.checkpoint_listing import check_complete
 from tuneproof.control import record as records
 from tuneproof.control import registry
@@ -73,7 +73,7 @@ def test_an_export_edited_after_its_manifest_is_named_file_by_file(tmp_path):
     storage = Storage(str(tmp_path))
     with_export(storage, "r1")
     assert markers.verify_export(storage, "runs/r1/model").content_sha256 == EXPORT_SHA256
-    storage.write_bytes(b"weightz", "runs", "r1", "model", "model.safetensors")
+    storage.write_bytes(EXPORT_FILES["model.safetensors"][:-1] + b"!", "runs", "r1", "model", "model.safetensors")
     with pytest.raises(markers.ExportUnverified, match=r"model\.safetensors \(sha256 "):
         markers.verify_export(storage, "runs/r1/model")
     storage.remove("runs", "r1", "model", markers.EXPORT_MANIFEST)

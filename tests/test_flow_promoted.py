@@ -164,8 +164,8 @@ def test_a_failed_re_evaluation_of_a_run_in_production_never_says_it_was_not_pro
     with screen.capture() as shown:
         print_summary(rec, screen)
     assert (
-        "promotion: promoted v0001-x earlier in this run and still in production, though the evidence it was "
-        "promoted on is superseded" in shown.get()
+        "promotion: promoted v0001-x earlier in this run and in production when the run last ended, though the "
+        "evidence it was promoted on is superseded" in shown.get()
     )
 
 

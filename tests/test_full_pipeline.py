@@ -188,7 +188,7 @@ def test_a_gate_the_candidate_misses_is_a_modeling_failure_and_nothing_moves(dem
     # promotion, which production still serves (it never denies what the registry serves), and says so.
     assert "promote" not in rec.stages
     assert rec.promotion is not None and rec.promotion.version == "v0001-demo"
-    assert "earlier in this run and still in production" in result.output
+    assert "earlier in this run and in production when the run last ended" in result.output
     assert pointer_bytes(storage) == before
     assert storage.listdir("models", "dates-qwen2-tiny") == versions
 

@@ -41,9 +41,22 @@ from tuneproof.core.summaries_data import DataSummary
 from tuneproof.core.summaries_eval import CopyCheckSummary, EvaluateSummary, GateDecision, ModelScore, PromoteSummary
 from tuneproof.core.summaries_training import FinetuneSummary, ResumeSummary
 
-EXPORT_FILES = {"config.json": b'{"model_type": "qwen2"}', "model.safetensors": b"weights"}
-EXPORT_DIGESTS = {n: FileDigest(size=len(d), sha256=hashlib.sha256(d).hexdigest()) for n, d in EXPORT_FILES.items()}
-EXPORT_SHA256 = content_sha256(EXPORT_DIGESTS)
+
+def export_files(run_id: str) -> dict[str, bytes]:
+    """A run's export: weights of its own, so two runs' models are different content (the registry mints no
+    duplicate version of the bytes production serves)."""
+    return {"config.json": b'{"model_type": "qwen2"}', "model.safetensors": f"weights of {run_id}".encode()}
+
+
+def export_digests(run_id: str) -> dict[str, FileDigest]:
+    return {n: FileDigest(size=len(d), sha256=hashlib.sha256(d).hexdigest()) for n, d in export_files(run_id).items()}
+
+
+def export_sha256(run_id: str) -> str:
+    return content_sha256(export_digests(run_id))
+
+
+EXPORT_FILES, EXPORT_SHA256 = export_files("r1"), export_sha256("r1")
 
 
 def passed_record(cfg: PipelineConfig, run_id: str = "r1") -> RunRecord:
@@ -59,7 +72,7 @@ def passed_record(cfg: PipelineConfig, run_id: str = "r1") -> RunRecord:
             steps=400,
             seconds=1.0,
             export_path=f"runs/{run_id}/model",
-            export_sha256=EXPORT_SHA256,
+            export_sha256=export_sha256(run_id),
         ),
         "a",
     )
@@ -73,7 +86,7 @@ def passed_record(cfg: PipelineConfig, run_id: str = "r1") -> RunRecord:
     gates = GateDecision(passed=True, lines=["exact_match >= 0.8: 1 (pass)"], verdicts=[])
     models = {
         "candidate": ModelScore(
-            path=f"runs/{run_id}/model", metrics={"exact_match": 1.0}, seconds=1.0, content_sha256=EXPORT_SHA256
+            path=f"runs/{run_id}/model", metrics={"exact_match": 1.0}, seconds=1.0, content_sha256=export_sha256(run_id)
         ),
         "base": ModelScore(path="base", metrics={"exact_match": 0.0}, seconds=1.0),
         "incumbent": None,
@@ -86,10 +99,15 @@ def passed_record(cfg: PipelineConfig, run_id: str = "r1") -> RunRecord:
 
 def with_export(storage: Storage, run_id: str) -> None:
     """An export as the fine-tune leaves it: its files and a manifest with their hashes."""
-    for name, data in EXPORT_FILES.items():
+    for name, data in export_files(run_id).items():
         storage.write_bytes(data, "runs", run_id, "model", name)
     manifest = ExportManifest(
-        content_sha256=EXPORT_SHA256, files=EXPORT_DIGESTS, run_id=run_id, run_name=run_id, step=400, written_at="t"
+        content_sha256=export_sha256(run_id),
+        files=export_digests(run_id),
+        run_id=run_id,
+        run_name=run_id,
+        step=400,
+        written_at="t",
     )
     storage.write_bytes(manifest.model_dump_json().encode(), "runs", run_id, "model", EXPORT_MANIFEST)
 
@@ -191,6 +209,38 @@ def test_promoting_again_a_run_that_is_already_production_keeps_its_version_and_
     assert storage.listdir("models", cfg.model.name) == sorted(["v0001-r1", "v0002-r2", registry.POINTER, "history"])
 
 
+def test_a_candidate_with_the_bytes_production_serves_mints_no_duplicate_version_and_fails_nothing(tmp_path):
+    # Two runs that trained the same bytes (a deterministic rerun): the second promotion minted v0002-r2, a copy of
+    # v0001-r1 whose rollback would change nothing that serves.
+    import shutil
+
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
+    storage = Storage(str(tmp_path))
+    promoted_on_evidence(cfg, "r1", None)
+    shutil.copytree(tmp_path / "runs" / "r1" / "model", tmp_path / "runs" / "r2" / "model")
+    rec = with_predictions(storage, passed_record(cfg, "r2"))
+    summary_dict(rec, "finetune")["export_sha256"] = EXPORT_SHA256
+    summary_dict(rec, "evaluate")["models"]["candidate"]["content_sha256"] = EXPORT_SHA256
+    summary_dict(rec, "evaluate")["incumbent_version"] = "v0001-r1"
+    entry = move_pointer(cfg, rec, "t", forced=None)
+    why = f"{cfg.model.name} v0001-r1 (run r1) already serves this content ({EXPORT_SHA256[:12]}): no duplicate version minted"
+    assert (entry.status, entry.failure_class, entry.cause) == ("skipped", None, why)
+    assert entry_summary(entry, PromoteSummary) == PromoteSummary(
+        promoted=False, reasons=[why], content_sha256=EXPORT_SHA256
+    )
+    assert storage.listdir("models", cfg.model.name) == ["history", registry.POINTER, "v0001-r1"]
+    assert production_pointer(storage, cfg.model.name).run_id == "r1"
+    # The stage itself, evaluated before r1 was promoted (the pointer moved since): those bytes serve now, so it
+    # neither copies (nor runs the copy check) nor refuses as "changed since evaluation".
+    summary_dict(rec, "evaluate")["incumbent_version"] = None
+    staged = promote_tasks.promote.fn(stage_call(cfg, rec))
+    assert (staged.status, staged.cause, staged.jobs) == ("skipped", why, [])
+    assert storage.listdir("models", cfg.model.name) == ["history", registry.POINTER, "v0001-r1"]
+    rec.stages["promote"] = staged  # `runs show` says it was not needed, not that it was refused
+    shown = rec.model_copy(update={"promotion": entry_summary(staged, PromoteSummary)})
+    assert promotion_line(shown) == f"promotion: not needed: {why}"
+
+
 def test_an_unreadable_pointer_refuses_the_promotion_and_is_left_as_it_was(tmp_path):
     cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
     storage = Storage(str(tmp_path))
@@ -283,7 +333,9 @@ def test_a_rolled_back_model_is_promoted_again_only_by_the_override(tmp_path):
     rec = records.load(storage, "r2")
     again = move_pointer(cfg, rec, "t2", forced=None)
     assert (again.status, again.failure_class) == ("failed", "modeling")
-    assert f"v0002-r2, this content ({EXPORT_SHA256[:12]}), was rolled back by bob (history #3)" in (again.cause or "")
+    assert f"v0002-r2, this content ({export_sha256('r2')[:12]}), was rolled back by bob (history #3)" in (
+        again.cause or ""
+    )
     assert "v2 answers in the wrong format; only `tuneproof promote r2 --force --reason ...`" in (again.cause or "")
     rec.rollbacks = []  # the record's note was lost: the history alone says so
     assert "was rolled back by bob" in (move_pointer(cfg, rec, "t3", forced=None).cause or "")
@@ -312,7 +364,9 @@ def test_a_rolled_back_promotion_is_never_shown_as_still_in_production(tmp_path)
     promoted_on_evidence(cfg, "r2", "v0001-r1")
     promotion = PromoteSummary(promoted=True, name=cfg.model.name, version="v0002-r2")  # as live_promotion keeps it
     rec = records.load(storage, "r2").model_copy(update={"promotion": promotion})  # its promote entry superseded
-    assert promotion_line(rec).startswith("promotion: promoted v0002-r2 earlier in this run and still in production")
+    assert promotion_line(rec).startswith(
+        "promotion: promoted v0002-r2 earlier in this run and in production when the run last ended"
+    )
     assert roll_back(cfg, cfg.model.name, "v2 answers in the wrong format", "bob", None).rolled_back
     rec = records.load(storage, "r2").model_copy(update={"promotion": promotion})
     assert promotion_line(rec) == "promotion: promoted v0002-r2, since rolled back to v0001-r1 (history #3)"

@@ -153,11 +153,10 @@ def test_a_lora_version_is_copied_and_verified_with_its_adapter(local, tmp_path)
     assert markers.verify_export(local, MODELS_DIR, NAME, version).content_sha256 == content
 
     local.write_bytes(b"other adapter", "runs/lora/model", "adapter", "adapter_model.safetensors")
+    other = "other-model"  # under NAME production already serves `content`: no copy would be made to check
     with pytest.raises(markers.ExportUnverified, match=r"adapter/adapter_model\.safetensors \(size"):
-        promote(
-            local, NAME, "lora2", "runs/lora/model", card("lora2"), read_pointer(local, NAME)[1], content_sha256=content
-        )
-    assert not any(v.endswith("-lora2") for v in local.listdir(MODELS_DIR, NAME))
+        promote(local, other, "lora2", "runs/lora/model", card("lora2", name=other), None, content_sha256=content)
+    assert not any(v.endswith("-lora2") for v in local.listdir(MODELS_DIR, other))
 
 
 def test_stale_token_is_refused_before_copying(local):
@@ -172,6 +171,33 @@ def test_a_retry_of_the_promoted_run_changes_nothing(local):
     again = promote(local, NAME, "runA", export(local, "runA"), card("runA"), None)
     assert again == first and registry.show_model(local, NAME)["versions"][0]["version"] == "v0001-runA"
     assert len(registry.show_model(local, NAME)["versions"]) == 1
+
+
+def test_the_bytes_production_serves_are_never_copied_to_a_second_version(local, tmp_path):
+    """Another run's model with production's content hash raises AlreadyServing naming that version, before the
+    token check and the copy: no v0002 duplicate, the pointer and history as they were."""
+    from training.hf_export import publish_export
+
+    built = tmp_path / "export"
+    built.mkdir()
+    (built / "config.json").write_text('{"model_type": "qwen2"}')
+    (built / "model.safetensors").write_bytes(b"the same weights")
+    made_by = {"invocation": 1}
+    content = publish_export(
+        local, built, "runs/a/model", 12, {**made_by, "run_id": "a", "run_name": "a"}
+    ).content_sha256
+    assert (
+        publish_export(local, built, "runs/b/model", 12, {**made_by, "run_id": "b", "run_name": "b"}).content_sha256
+        == content
+    )
+    first = promote(local, NAME, "a", "runs/a/model", card("a"), None, content_sha256=content)
+    for token in (read_pointer(local, NAME)[1], None):  # evaluated against v0001-a, or before it was promoted
+        with pytest.raises(
+            registry.AlreadyServing, match=f"v0001-a \\(run a\\) already serves this content \\({content[:12]}\\)"
+        ):
+            promote(local, NAME, "b", "runs/b/model", card("b"), token, content_sha256=content)
+    assert local.listdir(MODELS_DIR, NAME) == ["history", "production.json", "v0001-a"]
+    assert read_pointer(local, NAME)[0] == first and len(registry.read_history(local, NAME)) == 1
 
 
 def test_missing_export_is_named(local):

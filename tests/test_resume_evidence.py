@@ -220,3 +220,30 @@ def test_a_long_runs_thinned_summary_is_judged_on_every_logged_step_and_a_change
     append_rows(storage, [{"step": 7, "loss": 0.5, "samples": "s7", "ledger": "r7"}], *log)  # a replay, after
     with pytest.raises(StageFailure, match=f"changed since .*expected {fields['metrics_sha256']}"):
         every_point(storage, summary, summary.loss_curve)
+
+
+def test_a_resume_job_that_succeeded_without_a_continue_phase_is_an_infrastructure_failure_not_a_pass():
+    """The job's own SUCCEEDED is not evidence: without the continue phase's summary nothing showed a new run
+    continuing from the checkpoint, so the entry fails (infrastructure) naming what is missing."""
+    from tasks.resume import without_continue_evidence
+    from tuneproof.control.record import StageEntry
+    from tuneproof.core.results import FailureClass, StageResult
+    from tuneproof.core.summaries_training import ResumeJobSummary, ResumeSummary
+
+    passed = StageResult(stage="resume-t1", status="succeeded", started_at="t0", ended_at="t1")
+    summary = ResumeSummary(interrupted=True, interrupted_at_step=304)
+    entry = StageEntry.from_jobs("resume", passed, [], "t0", summary)
+    job = ResumeJobSummary(
+        interrupt_job="resume-t1-interrupt", continue_job="resume-t1-continue", interrupted_at_step=304
+    )
+    for left, missing in ((job, "no continue phase (resumed is None; its stage folder resume-t1-continue)"),
+                          (None, "no summary (ResumeJobSummary)")):  # fmt: skip
+        judged = without_continue_evidence(entry, left)
+        assert (judged.status, judged.failure_class) == ("failed", FailureClass.infrastructure)
+        assert judged.cause == (
+            f"the resume job succeeded but left {missing}: no evidence that a new run continued from the checkpoint"
+        )
+        assert judged.summary == entry.summary  # the evidence it did leave stays on the entry
+
+    failed = StageEntry.failed("resume", FailureClass.modeling, "the restarted run failed: loss 62 > 50")
+    assert without_continue_evidence(failed, job) == failed  # a job's own failure stands as it was classed

@@ -231,3 +231,20 @@ def test_a_retried_resume_test_reads_its_earlier_attempt_or_starts_a_fresh_one(t
     assert [job.submission_id for job in entry.jobs] == [f"{RUN}-{job}" for job in attempts[-1:]]
     if first[1] is INFRA:
         assert (entry.status, entry.cause) == ("failed", INFRA.cause)
+
+
+def test_a_resume_job_that_succeeded_without_its_continue_phase_fails_the_stage(tmp_path, monkeypatch):
+    """The task, not only its helper: a SUCCEEDED job whose summary has no continue phase gives a failed entry."""
+    import tasks.resume as resume
+    from tuneproof.core.summaries_training import ResumeJobSummary
+
+    call = resume_call(tmp_path)
+    storage = Storage.from_config(call.cfg.storage)
+    left = ResumeJobSummary(interrupt_job="resume-t1-interrupt", continue_job="resume-t1-continue")
+    succeeded = PASSED.model_copy(update={"summary": left.to_json()})
+    client = FakeRay(storage, [(JobStatus.SUCCEEDED, succeeded)])
+    runner = RayJobRunner(call.cfg, RUN, on_line=lambda line: None, poll_s=0.01, client=client)  # type: ignore[arg-type]
+    monkeypatch.setattr(resume, "runner_for", lambda call: runner)
+    entry = resume.resume_test.fn(call)
+    assert (entry.status, entry.failure_class) == ("failed", FailureClass.infrastructure)
+    assert "left no continue phase" in (entry.cause or "") and entry.jobs[-1].job_status == "SUCCEEDED"

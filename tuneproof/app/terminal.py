@@ -295,9 +295,12 @@ def promotion_verdict(rec: RunRecord, promotion: PromoteSummary) -> str:
     """The record's promotion in words (pure): refused and why; promoted, and since rolled back when a rollback
     moved production away from that version (the record names it); or promoted on superseded evidence, which
     production kept serving. The record never denies what production serves, nor claims it serves a version a
-    rollback took out."""
+    rollback took out; what it says of production is as of the run's last end (a later run may have replaced it),
+    and a promotion skipped because production already serves the candidate's bytes is not a refusal."""
     if not promotion.promoted:
-        return "refused: " + "; ".join(promotion.reasons)
+        entry = rec.stages.get("promote")
+        said = "not needed: " if entry is not None and entry.status == "skipped" else "refused: "
+        return said + "; ".join(promotion.reasons)
     verdict = f"promoted {promotion.version}"
     if promotion.approval is not None:  # who decided it, as the card and the history move say
         verdict += f", approved by {promotion.approval.by}" + (
@@ -309,7 +312,8 @@ def promotion_verdict(rec: RunRecord, promotion: PromoteSummary) -> str:
         return f"{verdict}, since rolled back to {back.to_version} (history #{back.seq})"
     if not rec.passed("promote"):
         verdict += (
-            " earlier in this run and still in production, though the evidence it was promoted on is superseded "
+            " earlier in this run and in production when the run last ended, though the evidence it was promoted on is "
+            "superseded "
             f"(`tuneproof rollback {promotion.name or 'MODEL'} --reason ...` takes it out)"
         )
     return verdict

@@ -143,6 +143,18 @@ class RegistryUnreadable(ValueError):
     """A registry file (pointer or card) that exists but cannot be read as one: corrupt, truncated, wrong shape."""
 
 
+class AlreadyServing(RuntimeError):
+    """Production already serves the candidate's bytes (its content hash) as another run's version: a promotion
+    would mint a duplicate version, whose rollback would change nothing that serves. Nothing was copied or moved."""
+
+    def __init__(self, pointer: ProductionPointer):
+        self.pointer = pointer
+        super().__init__(
+            f"{pointer.name} {pointer.version} (run {pointer.run_id}) already serves this content "
+            f"({str(pointer.content_sha256)[:12]}): no duplicate version minted"
+        )
+
+
 class PromotionConflict(RuntimeError):
     """The production pointer moved since the candidate was evaluated; nothing was pointed at the candidate."""
 
@@ -336,13 +348,17 @@ def promote(
     expected_token is read_pointer's token for the incumbent the candidate was evaluated against
     (None: there was none). If the pointer has moved since, PromotionConflict is raised, before
     copying when it is already visible, else at the swap; the loser's version copy is removed.
-    A retry of a run that is already production returns the current pointer unchanged. Once the pointer names
+    A retry of a run that is already production returns the current pointer unchanged; another run's model with
+    the content production already serves raises AlreadyServing, before the token check (whatever the candidate
+    was evaluated against, those bytes serve now) and before copying. Once the pointer names
     the new version, this run's earlier copies that production never served are removed (_remove_leftovers).
     Returns the new pointer.
     """
     pointer, token = read_pointer(storage, name)
     if is_promotion_of(pointer, run_id, content_sha256):
         return pointer
+    if serves_content(pointer, content_sha256):
+        raise AlreadyServing(pointer)
     if token != expected_token:
         raise PromotionConflict(name, expected_token, token, _version_of(pointer))
     last = pointer.move if pointer else None
@@ -417,6 +433,12 @@ def is_promotion_of(
     """The pointer already names this run's model with this content (a retry's or a continuation's
     second promotion is then the first one, unchanged). Pure."""
     return pointer is not None and pointer.run_id == run_id and pointer.content_sha256 == content_sha256
+
+
+def serves_content(pointer: ProductionPointer | None, content_sha256: str | None) -> TypeGuard[ProductionPointer]:
+    """Production serves exactly `content_sha256`, whichever run promoted it (a pointer or a promotion without a
+    content hash says nothing). Pure."""
+    return pointer is not None and content_sha256 is not None and pointer.content_sha256 == content_sha256
 
 
 def _copy_model(storage: Storage, source_path: str, dest_parts: tuple[str, ...]) -> None:

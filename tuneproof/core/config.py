@@ -245,7 +245,9 @@ def format_errors(e: ValidationError) -> list[str]:
             msg = f"expected text, got a YAML {kind}; quote it (e.g. --set '{loc}=\"...\"')"
         if err["type"] == "string_too_short":  # Strict's str_min_length=1
             msg = "must not be empty (leave it out, or null where it may be unset)"
-        if not loc:  # cross-field checks name their fields in the message itself
+        # Cross-field checks name their fields in the message itself: the pipeline's (no loc), and a section's
+        # that spells them in full ("train.warmup_steps 50 must ..."), whose input would be the whole section.
+        if not loc or msg.startswith(f"{loc}."):
             problems.append(msg)
             continue
         got = _short_repr(value)

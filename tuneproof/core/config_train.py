@@ -112,6 +112,7 @@ class TrainConfig(Strict):
     lr: float = Field(2e-3, gt=0.0, le=10.0)
     """Peak learning rate, finite, in (0, 10]."""
     warmup_steps: int = Field(20, ge=0, le=MAX_STEPS)
+    """Steps of linear warmup to lr, 0..max_steps - 1; the cosine decay to min_lr_ratio spans the steps after."""
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
     weight_decay: float = Field(0.0, ge=0.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
@@ -145,6 +146,19 @@ class TrainConfig(Strict):
     """A fine-tune rerun (`--only finetune` on an existing run) trains a fresh Ray Train run named
     <run>-r<invocation> from the base model. true: continue the latest fine-tune's Ray Train run instead
     (resume its last checkpoint and train on to max_steps); refused when it is already at max_steps."""
+
+    @model_validator(mode="after")
+    def _warmup_ends_before_the_last_step(self) -> TrainConfig:
+        # At warmup_steps >= max_steps the rate climbs to the end and never decays: min_lr_ratio is never
+        # reached and the schedule the record names is not the one that ran. Named in full (train.x): the
+        # error reader prints a message that names its section's fields as it is.
+        if self.warmup_steps >= self.max_steps:
+            raise ValueError(
+                f"train.warmup_steps {self.warmup_steps} must be below train.max_steps {self.max_steps}: "
+                "warmup would take every step and leave none for the decay; lower train.warmup_steps "
+                "or raise train.max_steps"
+            )
+        return self
 
     @model_validator(mode="after")
     def _shard_groups_tile_the_workers(self) -> TrainConfig:
