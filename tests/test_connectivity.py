@@ -91,7 +91,59 @@ def test_efa_channels_on_two_nodes_pass_expect_efa():
     check_transport(with_transport(verdict), "efa")
     one_node = transport_verdict("nccl", {"rank-0": [line], "rank-1": [line]}, {"10.0.2.20"})
     assert one_node["kind"] == "inconclusive"
-    assert one_node["evidence"][0] == "every rank ran on one node (10.0.2.20): no traffic crossed the network"
+    assert one_node["evidence"][0] == (
+        "every rank ran on one node (10.0.2.20; by Ray node IP, NODE_NAME unset: two pods on one instance would "
+        "count as two nodes): no traffic crossed the network"
+    )
+    assert verdict["evidence"][1].startswith("ranks ran on 2 nodes (10.0.2.20, 10.0.2.21; by Ray node IP")
+
+
+def ring_report(rank: int, node_name: str | None, node_ip: str) -> dict:
+    """A finished rank of 8 on two g6.12xlarge nodes (4 GPUs, one EFA NIC each): a ring's middle ranks (local 1, 2)
+    log efa selected, nNodes 2 and only SHM channels; the edge ranks a NET/Libfabric channel."""
+    node, local = rank // 4, rank % 4
+    host = f"ip-10-0-2-{20 + node}:{4100 + rank}:{4180 + rank} [{local}] NCCL INFO"
+    nxt, prv = (rank + 1) % 8, (rank - 1) % 8
+    lines = [
+        f"{host} NET/OFI Selected provider is efa, fabric is efa (found 1 nics)",
+        f"{host} comm 0x55d1 rank {rank} nRanks 8 nNodes 2 localRanks 4 localRank {local} MNNVL 0",
+        f"{host} Channel 00/0 : {rank}[{local}] -> {nxt}[{nxt % 4}] "
+        + ("[send] via NET/Libfabric/0" if nxt // 4 != node else "via SHM/direct/direct"),
+    ]
+    if prv // 4 != node:
+        lines.append(f"{host} Channel 00/0 : {prv}[{prv % 4}] -> {rank}[{local}] [receive] via NET/Libfabric/0")
+    return {
+        **{"rank": rank, "node_ip": node_ip, "node_name": node_name, "pid": 4100 + rank},
+        **{"started": "t", "joined": "t", "finished": "t", "fsdp_losses": [11.9], "nccl_lines": lines},
+        "allreduce": [{"size_bytes": 1 << 20, "time_ms": 0.1}],
+    }
+
+
+def test_eight_ranks_on_two_efa_nodes_pass_expect_efa():
+    # Ranks 1, 2, 5, 6 have no NET channel of their own: each was inconclusive, and a healthy run failed.
+    reports: dict[int, dict | None] = {
+        r: ring_report(r, f"ip-10-0-2-{20 + r // 4}.ec2.internal", f"10.0.2.{20 + r // 4}") for r in range(8)
+    }
+    summary = summarize("nccl", 8, reports)
+    assert summary.transport.kind == "efa"
+    assert "by Kubernetes node name" in summary.transport.evidence[1]
+    check_transport(summary, "efa")
+
+
+def test_nodes_are_counted_by_kubernetes_node_name_when_every_rank_has_one():
+    # Two pods on one instance: two pod IPs, one node name. By IP it read as two nodes and passed expect efa.
+    reports: dict[int, dict | None] = {
+        r: ring_report(r, "ip-10-0-2-20.ec2.internal", f"10.0.2.{31 + r // 4}") for r in range(8)
+    }
+    summary = summarize("nccl", 8, reports)
+    assert summary.transport.kind == "inconclusive"
+    assert summary.transport.evidence[0].startswith(
+        "every rank ran on one node (ip-10-0-2-20.ec2.internal; by Kubernetes node name)"
+    )
+    # One rank without NODE_NAME: the count falls back to IPs, and the evidence says so.
+    reports[3] = {**(reports[3] or {}), "node_name": None}
+    fallback = summarize("nccl", 8, reports)
+    assert fallback.transport.kind == "efa" and "by Ray node IP, NODE_NAME unset" in fallback.transport.evidence[1]
 
 
 def with_transport(verdict: dict) -> ConnectivitySummary:

@@ -380,3 +380,91 @@ def test_a_pod_being_deleted_fails_though_it_still_runs_and_is_ready(saved):
     assert (going.field, going.seen) == ("metadata.deletionTimestamp", "2026-12-07T15:00:00Z")
     short = only(findings, field="running pods")
     assert (short.seen, short.expected) == (1, 2)
+
+
+def worker_containers(pods: dict) -> list[dict]:
+    return [
+        p["spec"]["containers"][0] for p in pods["items"] if p["metadata"]["labels"]["ray.io/node-type"] == "worker"
+    ]
+
+
+def test_worker_pods_given_no_efa_fail_though_their_nodes_have_it(saved):
+    # The nodes offered EFA, the pods asked none: verify passed and NCCL could only use sockets.
+    def no_efa(pods):
+        for container in worker_containers(pods):
+            for kind in ("limits", "requests"):
+                container["resources"][kind].pop("vpc.amazonaws.com/efa")
+                container["resources"][kind].pop("hugepages-2Mi")
+
+    edit(saved / "pods.json", no_efa)
+    findings = check(saved)
+    finding = only(findings, subject="pod tuneproof-gpu-worker-9tlwz", field="vpc.amazonaws.com/efa")
+    assert finding.field == "spec.containers[ray-worker].resources[vpc.amazonaws.com/efa] or .resources.claims"
+    assert "no EFA device" in finding.message
+    assert len(errors(findings)) == 2  # one per worker pod; the head needs none
+    hugepages = [f for f in findings if f.severity == "warning" and "hugepages" in f.field]
+    assert {f.subject for f in hugepages} == {"pod tuneproof-gpu-worker-4qj8n", "pod tuneproof-gpu-worker-9tlwz"}
+    assert errors(check(saved, "cluster.expect.efa=false")) == []
+
+
+def test_an_efa_resource_claim_counts_as_efa(saved):
+    def claim(pods):
+        for p in pods["items"]:
+            if p["metadata"]["labels"]["ray.io/node-type"] == "worker":
+                container = p["spec"]["containers"][0]
+                for kind in ("limits", "requests"):
+                    container["resources"][kind].pop("vpc.amazonaws.com/efa")
+                container["resources"]["claims"] = [{"name": "efa"}]
+                p["spec"]["resourceClaims"] = [{"name": "efa", "resourceClaimTemplateName": "efa"}]
+
+    edit(saved / "pods.json", claim)
+    assert errors(check(saved)) == []
+    # A claim the pod does not declare gives the container nothing.
+    edit(saved / "pods.json", lambda pods: pod(pods, "tuneproof-gpu-worker-4qj8n")["spec"].pop("resourceClaims"))
+    assert len(errors(check(saved))) == 1
+
+
+def test_nccl_and_libfabric_env_pointing_away_from_efa(saved):
+    def env(pods):
+        for container in worker_containers(pods):
+            values = {e["name"]: e for e in container["env"]}
+            values["NCCL_NET"]["value"] = "Socket"
+            container["env"].remove(values["FI_PROVIDER"])
+
+    edit(saved / "pods.json", env)
+    findings = check(saved)
+    net = only(findings, subject="pod tuneproof-gpu-worker-4qj8n", field="env[NCCL_NET]")
+    assert (net.seen, net.expected) == ("Socket", "Libfabric")
+    unset = [f for f in findings if f.field.endswith("env[FI_PROVIDER]")]
+    assert len(unset) == 2 and all(f.severity == "warning" and "unset in the pod spec" in f.message for f in unset)
+    assert len(errors(findings)) == 2
+
+
+def test_a_dra_net_device_without_rdma_is_not_efa(saved):
+    # DRANET publishes plain ENIs too (dra.net/rdma false): a node without EFA passed on them.
+    edit(
+        saved / "nodes.json",
+        lambda nodes: [n["status"]["allocatable"].pop("vpc.amazonaws.com/efa", None) for n in nodes["items"]],
+    )
+    slices = [
+        efa_slice(n) for n in ("ip-10-0-2-20.us-west-2.compute.internal", "ip-10-0-2-21.us-west-2.compute.internal")
+    ]
+    for s in slices:
+        s["spec"]["devices"] = [{"name": "eth1", "attributes": {"dra.net/rdma": {"bool": False}}}, {"name": "eth2"}]
+    edit(saved / "resourceslices.json", lambda data: data.update({"items": slices}))
+    finding = only(check(saved), subject="node ip-10-0-2-20.us-west-2.compute.internal")
+    assert "dra.net/rdma true" in finding.message
+    assert summarize(load_objects_from_dir(saved))["nodes"][0]["efa_dra_slices"] == 0
+
+
+def test_a_bare_image_id_cannot_confirm_the_digest(saved):
+    # 'sha256:<hex>' alone is the local image ID (a preloaded image): it was reported as "a different image".
+    edit(
+        saved / "pods.json",
+        lambda pods: pod(pods, "tuneproof-gpu-worker-9tlwz")["status"]["containerStatuses"][0].update(
+            {"imageID": OTHER_DIGEST}
+        ),
+    )
+    finding = only(check(saved), subject="pod tuneproof-gpu-worker-9tlwz")
+    assert "cannot be confirmed" in finding.message and "different image" not in finding.message
+    assert len(errors(check(saved))) == 1

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from tuneproof.core.transport import GLOO_EVIDENCE, classify, classify_text, combine, meets, verdict_for_files
+from tuneproof.core.transport import (
+    GLOO_EVIDENCE,
+    classify,
+    classify_sources,
+    classify_text,
+    combine,
+    meets,
+    verdict_for_files,
+)
 
 BANNER = """\
 ip-10-0-1-5:4121:4121 [0] NCCL INFO Bootstrap : Using eth0:10.0.1.5<0>
@@ -218,3 +226,73 @@ def test_the_size_limit_counts_every_member(monkeypatch):
     assert len(transport.decode_log(member)) == 600
     with pytest.raises(ValueError, match="expands past 1,000 bytes"):
         transport.decode_log(member + member)
+
+
+def ring_rank_log(rank: int, nodes: int = 2, nnodes: int = 2, middle_channel: str = "SHM/direct/direct") -> list[str]:
+    """Rank `rank` of a ring over `nodes` g6.12xlarge nodes (4 GPUs, one EFA NIC each): as NCCL logs it, only its
+    own connections, so only the ranks at a node's edge have a NET/Libfabric channel."""
+    node, local, world = rank // 4, rank % 4, 4 * nodes
+    host = f"ip-10-0-2-{20 + node}:{4100 + rank}:{4180 + rank} [{local}] NCCL INFO"
+    lines = [
+        f"{host} Bootstrap : Using eth0:10.0.2.{20 + node}<0>",
+        f"{host} NET/OFI Selected provider is efa, fabric is efa (found 1 nics)",
+        f"{host} Using network Libfabric",
+        f"{host} comm 0x55d1 rank {rank} nRanks {world} nNodes {nnodes} localRanks 4 localRank {local} MNNVL 0",
+    ]
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    if nxt // 4 != node:
+        lines.append(f"{host} Channel 00/0 : {rank}[{local}] -> {nxt}[{nxt % 4}] [send] via NET/Libfabric/0")
+    else:
+        lines.append(f"{host} Channel 00/0 : {rank}[{local}] -> {nxt}[{nxt % 4}] via {middle_channel}")
+    if prv // 4 != node:
+        lines.append(f"{host} Channel 00/0 : {prv}[{prv % 4}] -> {rank}[{local}] [receive] via NET/Libfabric/0")
+    return lines
+
+
+def test_a_ring_s_middle_ranks_support_the_efa_of_its_edge_ranks():
+    # 8 ranks on 2 nodes: ranks 1, 2, 5, 6 log efa selected, nNodes 2 and SHM only; they made the run inconclusive.
+    ranks = {f"rank-{r}": ring_rank_log(r) for r in range(8)}
+    assert classify(ranks["rank-1"])["kind"] == "inconclusive"  # alone, a middle rank proves nothing
+    verdict = classify_sources(ranks)
+    assert verdict["kind"] == "efa"
+    assert "via NET/Libfabric" in verdict["evidence"][0]
+    assert any(line.startswith("rank-5: no NET channel of its own") for line in verdict["evidence"])
+    files = {f"nccl.{name}.log": "\n".join(lines) for name, lines in ranks.items()}
+    doc = verdict_for_files(files, expect="efa")
+    assert doc["verdict"] == "efa" and doc["ok"] is True
+    assert {f["kind"] for f in doc["files"]} == {"efa", "inconclusive"}  # each file's own verdict stays
+
+
+def test_only_middle_ranks_are_not_efa():
+    ranks = {f"rank-{r}": ring_rank_log(r) for r in (1, 2, 5, 6)}
+    assert classify_sources(ranks)["kind"] == "inconclusive"
+
+
+@pytest.mark.parametrize(
+    ("change", "kind"),
+    [
+        (lambda lines: [], "inconclusive"),  # a rank with no NCCL line is missing evidence, never a pass
+        (lambda lines: [line.replace("nNodes 2", "nNodes 1") for line in lines], "inconclusive"),
+        (lambda lines: [line for line in lines if "comm 0x" not in line], "inconclusive"),  # nNodes unknown
+        (lambda lines: [*lines, "h:1:1 [1] NCCL INFO Channel 01/0 : 1[1] -> 5[1] [send] via NET/IB/0"], "inconclusive"),
+        (
+            lambda lines: [line for line in lines if "Selected provider" not in line and "Using network" not in line],
+            "inconclusive",
+        ),
+        (lambda lines: [*lines, "h:1:1 [1] NCCL INFO Using network Socket"], "socket-fallback"),
+        (lambda lines: [line.replace("provider is efa", "provider is tcp") for line in lines], "socket-fallback"),
+    ],
+)
+def test_a_middle_rank_supports_efa_only_when_it_chose_efa_across_nodes(change, kind):
+    ranks = {f"rank-{r}": ring_rank_log(r) for r in range(8)}
+    ranks["rank-1"] = change(ranks["rank-1"])
+    verdict = classify_sources(ranks)
+    assert verdict["kind"] == kind
+    if kind == "inconclusive":  # the rank that blocks it first, not the ring members beside it
+        assert verdict["evidence"][0].startswith("rank-1: ")
+        assert not any(line.startswith("rank-2: aws-ofi-nccl") for line in verdict["evidence"])
+
+
+def test_bootstrap_lines_stay_ignored_in_a_job():
+    ranks = {f"rank-{r}": ring_rank_log(r) for r in range(8)}
+    assert all("Bootstrap" not in line for line in classify_sources(ranks)["evidence"])

@@ -33,6 +33,10 @@ if TYPE_CHECKING:  # torch is imported inside the functions the ranks run, as be
 
 MAX_NCCL_LINES = 2000
 """NCCL lines a rank keeps: the transport is decided during the first communicator's init."""
+NODE_NAME_ENV = "NODE_NAME"
+"""The Kubernetes node a rank's pod runs on: deployments/raycluster.yaml sets it from spec.nodeName."""
+BY_NODE_NAME = "Kubernetes node name"
+BY_NODE_IP = "Ray node IP, NODE_NAME unset: two pods on one instance would count as two nodes"
 FSDP_BATCH, FSDP_SEQ_LEN = 4, 32
 
 
@@ -116,6 +120,7 @@ def rank_story(ctx: JobContext, rank: int, world: int) -> None:
         rank=rank,
         world_size=world,
         node_ip=ray.util.get_node_ip_address(),
+        node_name=os.environ.get(NODE_NAME_ENV) or None,  # Ray's node IP is the pod's: it cannot tell instances apart
         pid=os.getpid(),
         started=now_iso(),
         joined=None,
@@ -241,6 +246,7 @@ def summarize(backend: str, world_size: int, reports: dict[int, dict | None]) ->
     finished = [r for r in reports.values() if r and r.get("finished")]
     first = min(finished, key=lambda r: r["rank"]) if finished else {}
     losses = first.get("fsdp_losses", [])
+    nodes, counted_by = rank_nodes(finished)
     return ConnectivitySummary(
         backend=backend,
         world_size=world_size,
@@ -252,9 +258,7 @@ def summarize(backend: str, world_size: int, reports: dict[int, dict | None]) ->
         fsdp=FsdpProbe(steps=len(losses), losses=losses),
         transport=TransportVerdict.model_validate(
             transport_verdict(
-                backend,
-                {f"rank-{r['rank']}": r.get("nccl_lines", []) for r in finished},
-                {r.get("node_ip") or "unknown" for r in finished},
+                backend, {f"rank-{r['rank']}": r.get("nccl_lines", []) for r in finished}, nodes, counted_by
             )
         ),
     )
@@ -279,17 +283,32 @@ def bandwidth(rows_by_rank: list[list[dict]], world_size: int) -> list[dict]:
     return table
 
 
-def transport_verdict(backend: str, lines_by_rank: dict[str, list[str]], node_ips: set[str]) -> dict:
-    """The ranks' combined verdict; efa only when the ranks ran on two nodes or more, since on one node no
-    traffic crossed the network whatever the NCCL lines say."""
+def rank_nodes(reports: list[dict]) -> tuple[set[str], str]:
+    """The nodes the ranks ran on and what names them: Kubernetes node names when every rank's report has one,
+    else Ray's node IPs (outside Kubernetes a host's IP; on it a pod's, so two pods on one instance read as two)."""
+    names = {r.get("node_name") for r in reports}
+    if reports and None not in names and "" not in names:
+        return {str(name) for name in names}, BY_NODE_NAME
+    return {r.get("node_ip") or "unknown" for r in reports}, BY_NODE_IP
+
+
+def transport_verdict(
+    backend: str, lines_by_rank: dict[str, list[str]], nodes: set[str], counted_by: str = BY_NODE_IP
+) -> dict:
+    """The job's verdict over its ranks; efa only when the ranks ran on two nodes or more, since on one node no
+    traffic crossed the network whatever the NCCL lines say. The evidence says how the nodes were counted."""
     if backend == "gloo":
         return {"kind": "gloo", "evidence": [transport.GLOO_EVIDENCE]}
-    verdict = transport.combine({name: transport.classify(lines) for name, lines in lines_by_rank.items()})
-    if verdict["kind"] == "efa" and len(node_ips) < 2:
-        where = ", ".join(sorted(node_ips)) or "no node"
-        one_node = f"every rank ran on one node ({where}): no traffic crossed the network"
+    verdict = transport.classify_sources(lines_by_rank)
+    if verdict["kind"] != "efa":
+        return verdict
+    where = ", ".join(sorted(nodes)) or "no node"
+    if len(nodes) < 2:
+        one_node = f"every rank ran on one node ({where}; by {counted_by}): no traffic crossed the network"
         return {"kind": "inconclusive", "evidence": [one_node, *verdict["evidence"]][: transport.MAX_EVIDENCE]}
-    return verdict
+    spread = f"ranks ran on {len(nodes)} nodes ({where}; by {counted_by})"
+    evidence = [verdict["evidence"][0], spread, *verdict["evidence"][1:]]
+    return {"kind": "efa", "evidence": evidence[: transport.MAX_EVIDENCE]}
 
 
 def check_ranks(summary: ConnectivitySummary, reports: dict[int, dict | None], fit_error: str | None) -> None:

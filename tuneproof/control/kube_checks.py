@@ -16,8 +16,11 @@ What must hold: the RayCluster is ready; every head and worker pod runs the pinn
 (status.containerStatuses[].imageID); per worker group rayStartParams num-gpus == the pod's
 nvidia.com/gpu limit == the GPUs Ray advertises on that pod (Ray node matched by pod IP); every GPU
 pod's node has that many allocatable GPUs and, when EFA is expected, an EFA device, either the
-device plugin's vpc.amazonaws.com/efa or a ResourceSlice from the EFA DRA driver. The KubeRay
-operator version is noted. The manifest helpers here are shared with `tuneproof lint`.
+device plugin's vpc.amazonaws.com/efa or a dra.net ResourceSlice device with dra.net/rdma true; and,
+when EFA is expected, each GPU worker pod's Ray container is given EFA (the device plugin's resource
+or a DRA claim), asks for huge pages and does not point NCCL or libfabric away from it: a node with
+EFA says nothing about the pods on it. The KubeRay operator version is noted. The manifest helpers
+here are shared with `tuneproof lint`.
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ GPU_RESOURCE = "nvidia.com/gpu"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
 EFA_DRA_DRIVERS = ("dra.net",)
 """ResourceSlice drivers that publish EFA devices: DRANET, which carries AWS's EFA DRA driver."""
+DRA_RDMA_ATTRIBUTE = "dra.net/rdma"
+"""DRANET publishes every network interface, plain ENIs too; only a device with this attribute true is RDMA
+(on AWS, EFA)."""
+HUGEPAGES_RESOURCES = ("hugepages-2Mi", "hugepages-1Gi")
+OFI_NET_NAMES = ("libfabric", "aws libfabric", "ofi")
+"""NCCL_NET values naming the aws-ofi-nccl plugin (as tuneproof.app.lint.raycluster.OFI_NET_NAMES)."""
 KUBERAY_VERSION_ANNOTATION = "ray.io/kuberay-version"
 CLUSTER_LABEL, NODE_TYPE_LABEL, GROUP_LABEL = "ray.io/cluster", "ray.io/node-type", "ray.io/group"
 HEAD_GROUP = "headgroup"
@@ -165,6 +174,7 @@ def check_cluster(objects: dict, cfg: PipelineConfig) -> list[Finding]:
         *image_digests(raycluster, pods, cfg.cluster.expect.image),
         *gpu_agreement(raycluster, pods, objects.get("ray_nodes"), cfg.cluster.expect.gpus_per_worker),
         *node_devices(pods, objects.get("nodes") or [], objects.get("resourceslices"), cfg.cluster.expect.efa),
+        *(pod_efa(pods) if cfg.cluster.expect.efa else []),
         *capacity(objects.get("ray_nodes"), cfg),
         operator_finding(raycluster, pods, objects.get("operator")),
     ]
@@ -336,15 +346,15 @@ def image_digests(raycluster: dict, pods: list[dict], expected_image: str | None
         elif status is None or not status.get("imageID"):
             findings.append(Finding(f"pod {_name(pod)}", field, None, expected, "the Ray container has not started"))
         elif image_digest(status["imageID"]) != expected:
-            findings.append(
-                Finding(
-                    f"pod {_name(pod)}",
-                    field,
-                    status["imageID"],
-                    expected,
-                    "the pod runs a different image than the pinned digest",
-                )
+            # 'sha256:<hex>' alone is the local image's own ID (its config digest), which the runtime reports
+            # for an image it holds without a repository digest (preloaded, imported): no registry digest to compare.
+            why = (
+                "the pod runs a different image than the pinned digest"
+                if "@" in status["imageID"]
+                else "the runtime reports a bare image ID, not a repository digest (repo@sha256:...): the pinned "
+                "digest cannot be confirmed; pull the image by its digest instead of preloading it"
             )
+            findings.append(Finding(f"pod {_name(pod)}", field, status["imageID"], expected, why))
     return findings
 
 
@@ -459,20 +469,93 @@ def _node_efa(node: dict, resourceslices: list[dict] | None) -> list[Finding]:
             f"status.allocatable[{EFA_RESOURCE}] or an EFA ResourceSlice",
             0,
             ">= 1",
-            "cluster.expect.efa: no EFA device on this GPU node" + unread,
+            f"cluster.expect.efa: no EFA device on this GPU node (a dra.net device counts only with "
+            f"{DRA_RDMA_ATTRIBUTE} true)" + unread,
         )
     ]
 
 
 def efa_dra_slices(resourceslices: list[dict], node_name: str) -> list[dict]:
-    """ResourceSlices the EFA DRA driver published for the node, with at least one device."""
+    """ResourceSlices the EFA DRA driver published for the node with at least one RDMA device."""
     return [
         s
         for s in resourceslices
         if (s.get("spec") or {}).get("nodeName") == node_name
         and (s.get("spec") or {}).get("driver") in EFA_DRA_DRIVERS
-        and (s.get("spec") or {}).get("devices")
+        and any(_is_rdma(device) for device in (s.get("spec") or {}).get("devices") or [])
     ]
+
+
+def _is_rdma(device: dict) -> bool:
+    return ((device.get("attributes") or {}).get(DRA_RDMA_ATTRIBUTE) or {}).get("bool") is True
+
+
+def pod_efa(pods: list[dict]) -> list[Finding]:
+    """Each GPU worker pod uses the node's EFA (cluster.expect.efa): its Ray container is given an EFA device
+    and huge pages, and its env does not send NCCL or libfabric elsewhere. Missing EFA or a wrong setting is an
+    error; an unset setting a warning, since the image or an envFrom Secret may set it (connectivity decides)."""
+    findings = []
+    for pod in pods:
+        container = ray_container(pod.get("spec") or {})
+        if _labels(pod).get(NODE_TYPE_LABEL) != "worker" or not resource_count(container, GPU_RESOURCE):
+            continue
+        subject, where = f"pod {_name(pod)}", f"spec.containers[{container.get('name')}]"
+        if not resource_count(container, EFA_RESOURCE) and not _claims(pod, container):
+            findings.append(
+                Finding(
+                    subject,
+                    f"{where}.resources[{EFA_RESOURCE}] or .resources.claims",
+                    0,
+                    ">= 1 (or a DRA resource claim the pod declares)",
+                    "cluster.expect.efa: the pod was given no EFA device, so NCCL can only use sockets "
+                    "(deployments/raycluster.yaml asks vpc.amazonaws.com/efa)",
+                )
+            )
+        if not any(resource_count(container, r) for r in HUGEPAGES_RESOURCES):
+            findings.append(
+                Finding(
+                    subject,
+                    f"{where}.resources[hugepages-2Mi]",
+                    0,
+                    "> 0",
+                    "cluster.expect.efa: libfabric's EFA provider wants huge pages for its buffers (EKS's EFA guide)",
+                    "warning",
+                )
+            )
+        findings += _efa_env(subject, where, container)
+    return findings
+
+
+def _claims(pod: dict, container: dict) -> list[str]:
+    """The DRA claims the container uses that its pod declares (a claim's device class is not read here)."""
+    declared = {c.get("name") for c in (pod.get("spec") or {}).get("resourceClaims") or []}
+    used = [c.get("name") for c in (container.get("resources") or {}).get("claims") or []]
+    return [name for name in used if name in declared]
+
+
+def _efa_env(subject: str, where: str, container: dict) -> list[Finding]:
+    env = {e.get("name"): e.get("value") for e in container.get("env") or [] if "value" in e}
+    wanted = [
+        ("NCCL_NET", "Libfabric", OFI_NET_NAMES, "NCCL uses another network, or falls back to sockets unseen"),
+        ("FI_PROVIDER", "efa", ("efa",), "libfabric picks another provider (tcp, shm) and leaves EFA unused"),
+    ]
+    findings = []
+    for name, expected, accepted, why in wanted:
+        value = env.get(name)
+        if value is not None and value.strip().lower() in accepted:
+            continue
+        unset = value is None
+        findings.append(
+            Finding(
+                subject,
+                f"{where}.env[{name}]",
+                value,
+                expected,
+                f"cluster.expect.efa: {'unset in the pod spec (the image or an envFrom Secret may set it)' if unset else why}",
+                "warning" if unset else "error",
+            )
+        )
+    return findings
 
 
 def operator_finding(raycluster: dict, pods: list[dict], operator: dict | None) -> Finding:

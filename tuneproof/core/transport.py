@@ -17,14 +17,21 @@ A socket line wins over efa lines: some process fell back, and that is what one 
 "Bootstrap : Using eth0:..." names the out-of-band bootstrap interface, which NCCL always uses
 for rendezvous; it says nothing about the data transport and is ignored.
 
-Used by the connectivity stage (per rank, then `combine`) and by `tuneproof transport LOG...`.
+A job is judged over all its ranks (`classify_sources`), not rank by rank: each NCCL rank logs only
+its own connections, and in a ring over nodes with one NIC each only the ranks at a node's edge
+have a NET channel; the middle ranks (on g6.12xlarge local ranks 1 and 2) log the plugin choosing
+efa, nNodes 2 and P2P/SHM channels only. Such a rank supports an efa verdict that another rank's
+NET/Libfabric channels decide; alone it stays inconclusive, and a rank with no NCCL line fails it.
+
+Used by the connectivity stage (per rank) and by `tuneproof transport LOG...` (per file).
 """
 
 from __future__ import annotations
 
 import re
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 from tuneproof.core.files import UTF16_BOMS, decode_text
 
@@ -58,6 +65,8 @@ _EFA_SELECTED = [
     re.compile(r"Using network (AWS )?Libfabric\b"),
 ]
 """The plugin chose efa: logged on a single node too, so evidence only beside an _EFA_CHANNEL line."""
+_NET_CHANNEL = re.compile(r"via NET/")
+"""Any channel over a network plugin; one not matched above (NET/IB, ...) is not aws-ofi-nccl's."""
 _NODES = re.compile(r"\bnNodes (\d+)\b")
 """A communicator's init line: 'comm 0x.. rank 0 nRanks 16 nNodes 2 localRanks 8 ...'."""
 
@@ -71,38 +80,79 @@ def nccl_env(submission_id: str) -> dict[str, str]:
     }
 
 
-def classify(lines: Iterable[str]) -> dict:
-    """{"kind": one of KINDS, "evidence": [the lines that decided it]} for one log's lines."""
-    socket, channels, selected, gloo, nodes, seen = [], [], [], [], [], 0
+@dataclass
+class LogFacts:
+    """The transport lines of one source (a rank's or a file's log), sorted by what they say."""
+
+    socket: list[str] = field(default_factory=list)
+    channels: list[str] = field(default_factory=list)
+    """Channels over aws-ofi-nccl (_EFA_CHANNEL)."""
+    other_net: list[str] = field(default_factory=list)
+    """Channels over another network plugin (NET/IB, ...)."""
+    selected: list[str] = field(default_factory=list)
+    gloo: list[str] = field(default_factory=list)
+    nodes: list[int] = field(default_factory=list)
+    """nNodes of every communicator this source initialised."""
+    seen: int = 0
+
+
+def read_facts(lines: Iterable[str]) -> LogFacts:
+    facts = LogFacts()
     for raw in lines:
         line = raw.strip()
-        seen += 1
+        facts.seen += 1
         if _matches(_SOCKET, line):
-            socket.append(line)
+            facts.socket.append(line)
         elif _matches(_EFA_CHANNEL, line):
-            channels.append(line)
+            facts.channels.append(line)
+        elif _NET_CHANNEL.search(line):
+            facts.other_net.append(line)
         elif _matches(_EFA_SELECTED, line):
-            selected.append(line)
+            facts.selected.append(line)
         elif GLOO_EVIDENCE in line:
-            gloo.append(line)
+            facts.gloo.append(line)
         if match := _NODES.search(line):
-            nodes.append(int(match.group(1)))
-    if socket:
-        return _verdict("socket-fallback", socket)
+            facts.nodes.append(int(match.group(1)))
+    return facts
+
+
+def classify(lines: Iterable[str]) -> dict:
+    """{"kind": one of KINDS, "evidence": [the lines that decided it]} for one log's lines."""
+    return _decide(read_facts(lines))
+
+
+def _decide(facts: LogFacts) -> dict:
+    if facts.socket:
+        return _verdict("socket-fallback", facts.socket)
+    channels = facts.channels
     # The deciding channel line first, then the plugin's choice: channel lines repeat past the evidence cap.
-    efa = [*channels[:1], *selected, *channels[1:]]
-    if channels and nodes and max(nodes) == 1:
+    efa = [*channels[:1], *facts.selected, *channels[1:]]
+    if channels and facts.nodes and max(facts.nodes) == 1:
         return _verdict(
             "inconclusive", ["NET channels, but every communicator has nNodes 1: nothing left the node", *efa]
         )
     if channels:
         return _verdict("efa", efa)
-    if selected:
+    if facts.selected:
         why = "aws-ofi-nccl selected efa, but no channel ran over NET/Libfabric or NET/OFI (a single node uses P2P/SHM)"
-        return _verdict("inconclusive", [why, *selected])
-    if gloo:
-        return _verdict("gloo", gloo)
-    return {"kind": "inconclusive", "evidence": [f"no NCCL transport line among {seen} lines"]}
+        return _verdict("inconclusive", [why, *facts.selected])
+    if facts.gloo:
+        return _verdict("gloo", facts.gloo)
+    return {"kind": "inconclusive", "evidence": [f"no NCCL transport line among {facts.seen} lines"]}
+
+
+def _ring_member(facts: LogFacts) -> str | None:
+    """Why a rank without a NET channel of its own still supports efa, or None when it does not.
+
+    It does when its plugin chose efa inside a communicator that spans nodes, and it logged no socket line and
+    no NET channel at all: its traffic left the node through a neighbour rank's NET/Libfabric channel. A rank
+    with a NET channel of another kind (NET/IB) or none of these lines does not."""
+    if facts.socket or facts.channels or facts.other_net or not facts.selected or max(facts.nodes, default=0) < 2:
+        return None
+    return (
+        f"no NET channel of its own (P2P/SHM to ranks on its node); aws-ofi-nccl selected efa in a communicator "
+        f"of nNodes {max(facts.nodes)}: {facts.selected[0]}"
+    )
 
 
 def decode_log(data: bytes) -> str:
@@ -160,7 +210,8 @@ def combine(verdicts: dict[str, dict]) -> dict:
     """One verdict for several sources (ranks, files), worst wins: socket-fallback > inconclusive > efa.
 
     Sources that disagree without a socket fallback (efa beside inconclusive, gloo beside efa)
-    are inconclusive. Evidence lines are prefixed with their source's name.
+    are inconclusive. Evidence lines are prefixed with their source's name. A job's ranks are judged
+    with `classify_sources`, which knows that a ring's middle ranks log no NET channel.
     """
     kinds = {v["kind"] for v in verdicts.values()}
     if "socket-fallback" in kinds:
@@ -181,10 +232,39 @@ def combine(verdicts: dict[str, dict]) -> dict:
     return _verdict(kind, deciding + others)
 
 
+def classify_sources(lines_by_source: Mapping[str, Iterable[str]]) -> dict:
+    """One verdict for a job's sources (one log per rank or per file), as `combine`, except that efa beside
+    inconclusive is efa when every inconclusive source is a ring member (`_ring_member`): the ranks at a node's
+    edge carry its traffic over NET/Libfabric, the others only reach them over P2P/SHM."""
+    return _judge({name: read_facts(lines) for name, lines in lines_by_source.items()})[0]
+
+
+def _judge(facts_by_source: dict[str, LogFacts]) -> tuple[dict, dict[str, dict]]:
+    """(the job's verdict, each source's own verdict)."""
+    per_source = {name: _decide(facts) for name, facts in facts_by_source.items()}
+    overall = combine(per_source)
+    deciding = [name for name, verdict in per_source.items() if verdict["kind"] == "efa"]
+    if overall["kind"] != "inconclusive" or not deciding:
+        return overall, per_source
+    members = {
+        name: _ring_member(facts_by_source[name]) for name, verdict in per_source.items() if verdict["kind"] != "efa"
+    }
+    blocking = [name for name, why in members.items() if why is None]
+    if blocking:
+        # Inconclusive because of these sources alone: their lines first, the ring members are not the cause.
+        lines = [f"{name}: {line}" for name in blocking for line in per_source[name]["evidence"]]
+        others = [f"{name}: {per_source[name]['kind']}" for name in per_source if name not in blocking]
+        return _verdict("inconclusive", [*lines, *others]), per_source
+    # The first deciding channel line, then why each other rank counts, then the rest of the efa lines.
+    efa_lines = [f"{name}: {line}" for name in deciding for line in per_source[name]["evidence"]]
+    notes = [f"{name}: {why}" for name, why in members.items()]
+    return _verdict("efa", [*efa_lines[:1], *notes, *efa_lines[1:]]), per_source
+
+
 def verdict_for_files(texts: dict[str, str], expect: str = "any") -> dict:
-    """The `tuneproof transport` document for log files given as name -> text."""
-    per_file = {name: classify_text(text) for name, text in texts.items()}
-    overall = combine(per_file)
+    """The `tuneproof transport` document for log files given as name -> text (one file per rank/process, as
+    NCCL_DEBUG_FILE writes them, or one job log): each file's own verdict and the job's (`classify_sources`)."""
+    overall, per_file = _judge({name: read_facts(text.splitlines()) for name, text in texts.items()})
     return {
         "verdict": overall["kind"],
         "evidence": overall["evidence"],
