@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import secrets
 import shutil
 import subprocess
@@ -231,14 +232,18 @@ def write_corpus(path: Path, rows: int) -> Path:
     six formats), and the data stage tokenizes each distinct text once where a bare encoder does every
     row: a larger corpus of it would measure the repetition. So each prompt carries its row number
     ("Entry 123456: March 5, 2021"); the answers repeat as dates do, as a real corpus's short answers would.
+    Days are drawn with replacement (the bundled file draws each day once, which caps it at 36,524 rows).
     """
     sys.path.insert(0, str(PROJECT_ROOT / "data" / "dates"))
-    from make_dates import make_rows
+    from make_dates import FORMATS, random_day
 
+    rng = random.Random(7)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
-        for i, row in enumerate(make_rows(rows, seed=7)):
-            f.write(json.dumps({"input": f"Entry {i}: {row['input']}", "output": row["output"]}) + "\n")
+        for i in range(rows):
+            day = random_day(rng)
+            row = {"input": f"Entry {i}: {FORMATS[i % len(FORMATS)](day)}", "output": day.isoformat()}
+            f.write(json.dumps(row) + "\n")
     return path
 
 

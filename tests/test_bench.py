@@ -277,3 +277,12 @@ def test_the_bare_resume_starts_where_the_resume_test_would():
     assert resume_steps(cfg, {10: Path("a"), 20: Path("b"), 31: Path("c")}) == (31, 35, 40)
     with pytest.raises(ValueError, match=r"no checkpoint in \[40\] leaves 4\+5 steps before 40"):
         resume_steps(cfg, {40: Path("b")})
+
+
+def test_the_bench_corpus_grows_past_the_days_the_bundled_file_draws_once(tmp_path):
+    # The bundled dates file draws each of 36,524 days once; the data_prep and scaling rows need up to 800,000.
+    from bench.harness import write_corpus
+
+    rows = write_corpus(tmp_path / "c.jsonl", 40_000).read_text().splitlines()
+    assert len(rows) == 40_000 and len(set(rows)) == 40_000  # every prompt distinct by its entry number
+    assert json.loads(rows[39_999])["input"].startswith("Entry 39999: ")
