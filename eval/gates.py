@@ -5,8 +5,9 @@ evaluate job calls `decide` on what it scored; the promote task only reads the d
 
 Each threshold is decided on an interval over the items (tuneproof/core/stats.py), paired by item when
 two models are compared: a two-sided interval at `eval.confidence` (so a model exactly at a threshold
-passes at most (1 - confidence) / 2 of the time), widened by Holm's step-down across the gates decided
-at once:
+passes approximately (1 - confidence) / 2 of the time: score intervals, exceeded at very small n, so no gate passes
+on fewer than stats.MIN_PASS_ITEMS items, nor a bootstrap on fewer than stats.MIN_BOOTSTRAP_ITEMS), widened by Holm's
+step-down across the gates decided at once:
   min              the candidate's own lower bound must reach the threshold (a lower bound, not the point:
                    an absolute floor is met only when the items show it);
   min_improvement  the lower bound of candidate - base must reach the threshold;
@@ -21,8 +22,11 @@ that scores 0.15 on a suite with margin 0.25 passes a candidate that answers not
 keeps its verdict: it is the policy's own choice (the canary's gates only ask that a metric was computed).
 Lines look like
     exact_match >= 0.8: 0.98 [0.957, 0.9908] (n=300, Wilson score, 98.33% interval: 95% with Holm over 3, p<0.0001) (pass)
-A metric without per-item scores (eval_loss, perplexity: token-weighted over the split) is compared on its
-point value, and the line says so. A missing or NaN value fails its gate: it proves nothing.
+A metric without per-item scores for every model compared (eval_loss, perplexity: token-weighted over the split;
+a hub metric that is corpus-level) is compared on its point value, and the line says so. A missing, NaN or infinite
+value fails its gate: it proves nothing (a diverged model's loss is its own). Per-item scores that one model has and
+another lacks, an empty list, or an item score that is NaN or infinite make the gate insufficient evidence, naming
+the model: half the evidence is no reason to fall back to the points.
 """
 
 from __future__ import annotations
@@ -69,8 +73,9 @@ class Check:
     """1 for a lower-is-better score, tested as 1 - score: shown value = shown_offset + shown_sign * tested."""
     target: float = 0.0
     """The threshold on the tested quantity (candidate, or candidate - other)."""
-    settled: tuple[bool, str] | None = None
-    """(passed, words) when no interval is involved: a missing value, no incumbent, a point comparison."""
+    settled: tuple[GateOutcome, str] | None = None
+    """(outcome, words) when no interval is involved: a missing value, no incumbent, a point comparison, or per-item
+    scores that cannot carry one (insufficient: the words end with why)."""
     worst: float | None = None
     """The tested quantity a candidate would have that scores the worst on every item (0, or 1 when lower is
     better: 0 once tested as 1 - score); None without per-item scores. A check it meets cannot show a loss."""
@@ -144,7 +149,7 @@ def _checks(metric: str, gate: Gate, candidate: Scores, base: Scores, incumbent:
     if gate.max_regression is not None:
         head = f"{metric} regression vs incumbent <= {fmt(gate.max_regression)}"
         if incumbent is None:
-            settled = (True, "no incumbent: first model, regression gate not applicable")
+            settled: tuple[GateOutcome, str] = ("pass", "no incumbent: first model, regression gate not applicable")
             checks.append(Check(metric, "max_regression", head, gate.max_regression, settled=settled))
         else:
             checks.append(
@@ -159,13 +164,16 @@ def _min_check(metric: str, gate: Gate, threshold: float, candidate: Scores) -> 
     head = f"{metric} {'>=' if gate.higher_is_better else '<='} {fmt(threshold)}"
     value = _read(candidate.metrics, metric, "candidate")
     if isinstance(value, str):
-        return Check(metric, "min", head, threshold, settled=(False, value))
+        return Check(metric, "min", head, threshold, settled=("fail", value))
     sign = 1.0 if gate.higher_is_better else -1.0
     items = candidate.items.get(metric)
-    if not items:
+    if items is None:
         passed = sign * value >= sign * threshold - TOLERANCE
         words = f"{fmt(value)} (point: no per-item scores)"
-        return Check(metric, "min", head, threshold, point=value, settled=(passed, words))
+        return Check(metric, "min", head, threshold, point=value, settled=(_word(passed), words))
+    if problem := _items_problem(metric, [("candidate", items)]):
+        words = f"{fmt(value)} (insufficient evidence: {problem})"
+        return Check(metric, "min", head, threshold, point=value, settled=("insufficient", words))
     if sign > 0:
         evidence = stats.single(items)
         return Check(metric, "min", head, threshold, evidence=evidence, point=value, target=threshold, worst=0.0)
@@ -200,17 +208,21 @@ def _paired_check(
     regression shows its negative. The tested quantity is always the gain."""
     cand, ref = _read(candidate.metrics, metric, "candidate"), _read(other.metrics, metric, role)
     if isinstance(cand, str) or isinstance(ref, str):
-        return Check(metric, kind, head, threshold, settled=(False, cand if isinstance(cand, str) else str(ref)))
+        return Check(metric, kind, head, threshold, settled=("fail", cand if isinstance(cand, str) else str(ref)))
     sign = 1.0 if gate.higher_is_better else -1.0
     gain = sign * (cand - ref)
     shown_sign = 1.0 if kind == "min_improvement" else -1.0
     target = threshold if kind == "min_improvement" else -threshold
     detail = f"candidate {fmt(cand)}, {role} {fmt(ref)}"
     ours, theirs = candidate.items.get(metric), other.items.get(metric)
-    if not ours or not theirs:
+    if ours is None and theirs is None:  # a metric no model scores item by item (eval_loss): only points exist
         passed = gain >= target - TOLERANCE
         words = f"{fmt(shown_sign * gain, signed=True)} ({detail}; point: no per-item scores)"
-        return Check(metric, kind, head, threshold, point=shown_sign * gain, settled=(passed, words))
+        return Check(metric, kind, head, threshold, point=shown_sign * gain, settled=(_word(passed), words))
+    if problem := _items_problem(metric, [("candidate", ours), (role, theirs)]):
+        words = f"{fmt(shown_sign * gain, signed=True)} ({detail}) (insufficient evidence: {problem})"
+        return Check(metric, kind, head, threshold, point=shown_sign * gain, settled=("insufficient", words))
+    assert ours is not None and theirs is not None  # _items_problem names a missing list
     if len(ours) != len(theirs):
         raise ValueError(
             f"{metric}: candidate has {len(ours)} item scores, {role} {len(theirs)}; a paired gate needs the same items"
@@ -243,16 +255,21 @@ def _verdict(
 ) -> Verdict:
     common = {"metric": check.metric, "gate": check.gate, "threshold": check.threshold, "split_sha256": split}
     if check.evidence is None:
-        passed, words = check.settled or (False, "nothing to decide on")
-        word = "pass" if passed else "fail"
-        line = f"{check.head}: {words}" + ("" if "not applicable" in words else f" ({word})")
+        word, words = check.settled or ("fail", "nothing to decide on")
+        # Insufficient words already end with why; "not applicable" is neither a pass nor a fail to show.
+        said = word == "insufficient" or "not applicable" in words
+        line = f"{check.head}: {words}" + ("" if said else f" ({word})")
         # A point comparison names its method, so that no table reads its verdict as "n/a (no incumbent)".
-        method = POINT if check.point is not None else None
+        method = POINT if check.point is not None and word != "insufficient" else None
+        passed = word == "pass"
         return Verdict(**common, value=check.point, passed=passed, outcome=word, line=line, method=method)
     evidence = check.evidence
     lo, hi = evidence.bounds(alpha)
     result: GateOutcome = "insufficient" if blind else stats.outcome(lo, hi, check.target)
+    too_few = result == "pass" and evidence.n < stats.MIN_PASS_ITEMS  # the interval errs well above its level there
+    result = "insufficient" if too_few else result
     needed = evidence.items_needed(check.target, alpha) if result == "insufficient" and not blind else None
+    needed = max(needed or 0, stats.MIN_PASS_ITEMS) if too_few else needed
     unresolvable = not evidence.resolves(alpha)
     shown = sorted((check.shown_offset + check.shown_sign * lo, check.shown_offset + check.shown_sign * hi))
     interval = (shown[0], shown[1])
@@ -268,6 +285,12 @@ def _verdict(
         words = (
             f"insufficient evidence: {stats.RESAMPLES:,} bootstrap resamples cannot give a {100 * (1 - alpha):.6g}% one-sided "
             "bound: lower eval.confidence, or gate fewer metrics at once (Holm divides the level among them)"
+        )
+    if too_few:
+        words = (
+            f"insufficient evidence: {evidence.n} items are too few for a pass, whatever the interval: on fewer than "
+            f"{stats.MIN_PASS_ITEMS} a score interval passes a model on the threshold several times more often "
+            "than its level"
         )
     if blind:  # no number of items helps: the threshold itself lets the worst candidate through
         words = f"insufficient evidence: {check.blind_words}"
@@ -317,8 +340,32 @@ def _blind_words(metric: str, kind: GateKind, threshold: float, other: tuple[str
     )
 
 
+def _word(passed: bool) -> GateOutcome:
+    return "pass" if passed else "fail"
+
+
+def _items_problem(metric: str, sides: Sequence[tuple[str, Sequence[float] | None]]) -> str | None:
+    """Why these models' per-item scores cannot carry an interval, naming the model and the value: one model has
+    none while another has some, an empty list (n=0), or a score that is NaN or infinite (its bounds would be too,
+    and a NaN bound compares as a pass). None when every list can be used."""
+    for role, items in sides:
+        if items is None:
+            have = ", ".join(f"the {r} has {len(i)}" for r, i in sides if i is not None)
+            return f"the {role} has no per-item scores on {metric} ({have}): an interval needs every model's items"
+        if not items:
+            return f"the {role}'s per-item scores on {metric} are an empty list: n=0"
+        bad = [(i, x) for i, x in enumerate(items) if not math.isfinite(x)]
+        if bad:
+            i, x = bad[0]
+            return (
+                f"the {role}'s item {i} on {metric} scores {x} ({len(bad)} of {len(items)} items not a finite number): "
+                "no interval stands on it"
+            )
+    return None
+
+
 def _read(metrics: Metrics, metric: str, role: str) -> float | str:
-    """The value, or why it cannot be compared."""
+    """The value, or why it cannot be compared: missing, not a number, NaN or infinite."""
     raw = metrics.get(metric)
     if raw is None:
         return f"{role} value missing (have: {', '.join(sorted(metrics)) or 'none'})"
@@ -328,6 +375,8 @@ def _read(metrics: Metrics, metric: str, role: str) -> float | str:
         return f"{role} value is not a number ({raw!r})"
     if math.isnan(value):
         return f"{role} value is NaN"
+    if math.isinf(value):  # an infinite base loss made "improvement over base ... +inf (pass)"
+        return f"{role} value is {fmt(value)}: not a finite number"
     return value
 
 

@@ -322,3 +322,89 @@ def test_the_worst_candidate_of_a_lower_is_better_metric_scores_1_on_every_item(
     assert d.verdicts[0].outcome == "insufficient"
     assert "the base scores 0.9, so a candidate that scored 1 on every item would pass" in d.lines[0]
     assert "lower the margin below 0.1 or use items the base answers" in d.lines[0]
+
+
+def test_one_continuous_item_off_on_20_is_insufficient_evidence():
+    # Identical rouge_l on 20 items is insufficient for a 0.02 margin; one item 0.01 lower passed with [+0, +0.0015].
+    policy = {"rouge_l": Gate(max_regression=0.02)}
+    same = decide(scores([0.5] * 20, "rouge_l"), scores([0.1] * 20, "rouge_l"), scores([0.5] * 20, "rouge_l"), policy)
+    lower = [0.5] * 19 + [0.49]
+    off = decide(scores(lower, "rouge_l"), scores([0.1] * 20, "rouge_l"), scores([0.5] * 20, "rouge_l"), policy)
+    assert same.verdicts[0].outcome == off.verdicts[0].outcome == "insufficient" and not off.passed
+    assert "n=20, paired bootstrap floored at the no-spread bound (1 of 20 items vary)" in off.lines[0]
+    assert present(off.verdicts[0].interval)[1] > 0.15
+
+
+def test_a_min_gate_on_one_models_bootstrap_says_bootstrap():
+    rng = random.Random(4)
+    d = decide(
+        scores([0.6 + 0.3 * rng.random() for _ in range(100)], "rouge_l"), points(), None, {"rouge_l": Gate(min=0.5)}
+    )
+    assert d.verdicts[0].method == "bootstrap" and "n=100, bootstrap, 95% interval" in d.lines[0]
+
+
+@pytest.mark.parametrize(
+    "candidate, base, words",
+    [
+        (points(eval_loss=3.0), points(eval_loss=math.inf), "base value is inf: not a finite number (fail)"),
+        (points(eval_loss=math.inf), points(eval_loss=3.0), "candidate value is inf: not a finite number (fail)"),
+    ],
+    ids=["base inf", "candidate inf"],
+)
+def test_an_infinite_value_fails_its_gate(candidate, base, words):
+    # An infinite base loss read "improvement over base >= 0.5: +inf (pass)".
+    policy = {"eval_loss": Gate(min_improvement=0.5, higher_is_better=False)}
+    d = decide(candidate, base, None, policy)
+    assert not d.passed and d.lines == [f"eval_loss improvement over base >= 0.5: {words}"]
+    floor = decide(points(rouge_l=math.inf), points(), None, {"rouge_l": Gate(min=0.85)})
+    assert floor.lines == ["rouge_l >= 0.85: candidate value is inf: not a finite number (fail)"]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf], ids=["nan", "inf"])
+def test_a_non_finite_item_score_is_insufficient_evidence(bad):
+    items = [0.9] * 50 + [0.95] * 49 + [bad]
+    cand = Scores({"rouge_l": 0.925}, {"rouge_l": items})
+    floor = decide(cand, points(), None, {"rouge_l": Gate(min=0.85)})
+    assert [v.outcome for v in floor.verdicts] == ["insufficient"] and not floor.passed
+    assert floor.lines[0] == (
+        f"rouge_l >= 0.85: 0.925 (insufficient evidence: the candidate's item 99 on rouge_l scores {bad} (1 of 100 "
+        "items not a finite number): no interval stands on it)"
+    )
+    gain = decide(scores([0.9] * 100, "rouge_l"), cand, None, {"rouge_l": Gate(min_improvement=0.0)})
+    assert gain.verdicts[0].outcome == "insufficient" and "the base's item 99 on rouge_l scores" in gain.lines[0]
+
+
+def test_per_item_scores_on_one_side_only_are_insufficient_evidence():
+    # The candidate's 5 items against a base without any were compared on points and passed.
+    policy = {"rouge_l": Gate(min_improvement=0.05)}
+    d = decide(scores([0.6] * 5, "rouge_l"), points(rouge_l=0.5), None, policy)
+    assert d.verdicts[0].outcome == "insufficient" and d.verdicts[0].method is None and not d.passed
+    assert d.lines[0] == (
+        "rouge_l improvement over base >= 0.05: +0.1 (candidate 0.6, base 0.5) (insufficient evidence: the base has no "
+        "per-item scores on rouge_l (the candidate has 5): an interval needs every model's items)"
+    )
+    reverse = decide(points(rouge_l=0.6), scores([0.5] * 30, "rouge_l"), None, policy)
+    assert "the candidate has no per-item scores on rouge_l (the base has 30)" in reverse.lines[0]
+    empty = Scores({"rouge_l": 0.9}, {"rouge_l": []})
+    both_empty = decide(
+        empty, Scores({"rouge_l": 0.5}, {"rouge_l": []}), None, {"rouge_l": Gate(min=0.85, min_improvement=0.3)}
+    )
+    assert [v.outcome for v in both_empty.verdicts] == ["insufficient", "insufficient"]
+    assert both_empty.lines[0] == (
+        "rouge_l >= 0.85: 0.9 (insufficient evidence: the candidate's per-item scores on rouge_l are an empty list: n=0)"
+    )
+    assert both_empty.failure_class() is FailureClass.data
+
+
+def test_fewer_than_five_items_never_pass():
+    # 3 of 3 against 0 of 3 passed a 0.2 gain; at the threshold that happens 21.6 % of the time, not 2.5 %.
+    d = decide(scores([1, 1, 1]), scores([0, 0, 0]), None, {"exact_match": Gate(min_improvement=0.2)})
+    verdict = d.verdicts[0]
+    assert verdict.outcome == "insufficient" and verdict.n == 3 and verdict.items_needed == 5
+    assert d.lines[0].endswith(
+        "(insufficient evidence: 3 items are too few for a pass, whatever the interval: on fewer than 5 a score "
+        "interval passes a model on the threshold several times more often than its level)"
+    )
+    assert decide(scores([1] * 4), points(), None, {"exact_match": Gate(min=0.5)}).verdicts[0].outcome == "insufficient"
+    assert decide(scores([1] * 5), points(), None, {"exact_match": Gate(min=0.3)}).passed
+    assert decide(scores([0] * 3), points(), None, {"exact_match": Gate(min=0.8)}).verdicts[0].outcome == "fail"

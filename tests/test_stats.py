@@ -135,3 +135,40 @@ def test_a_bootstrap_bound_finer_than_its_resamples_is_insufficient_not_the_smal
         p = boot.p_value(threshold)
         for alpha in (0.001, 0.01, 0.025):
             assert (boot.bounds(alpha)[0] >= threshold - stats.TOLERANCE) == (p <= alpha)
+
+
+def test_a_few_varying_items_do_not_narrow_the_bootstrap_below_no_spread():
+    # 19 equal rouge_l differences and one 0.01 lower bootstrapped to [-0.0015, 0] and passed a 0.02 margin on 20 items.
+    flat = stats.paired([0.5] * 20, [0.5] * 20)
+    one_off = stats.paired([0.5] * 19 + [0.49], [0.5] * 20)
+    assert one_off.method == "paired bootstrap floored at the no-spread bound (1 of 20 items vary)"
+    flat_lo, flat_hi = flat.bounds(0.025)
+    lo, hi = one_off.bounds(0.025)
+    assert lo <= flat_lo + 0.001 and hi >= flat_hi - 0.001 and stats.outcome(lo, hi, -0.02) == "insufficient"
+    p = one_off.p_value(-0.02)
+    assert p >= flat.p_value(-0.02) and (lo >= -0.02) == (p <= 0.025)
+    assert present(one_off.items_needed(-0.02, 0.025)) > 20
+    # Many small differences resolve as before: the plain bootstrap, its figures unchanged.
+    rng = random.Random(3)
+    many = stats.paired([0.5 + rng.gauss(0.01, 0.005) for _ in range(300)], [0.5] * 300)
+    assert many.method == "paired bootstrap" and stats.outcome(*many.bounds(0.025), -0.02) == "pass"
+
+
+def test_float_noise_is_no_spread():
+    noise = [0.7 - 0.4] * 10 + [0.6 - 0.3] * 10  # 0.29999999999999993 and 0.3
+    boot = stats.Bootstrap(noise, span=(-1.0, 1.0))
+    assert boot.method == "no-spread Wilson bound"
+    assert boot.bounds(0.025) == pytest.approx(stats.Bootstrap([0.3] * 20, span=(-1.0, 1.0)).bounds(0.025))
+
+
+def test_one_models_bootstrap_is_not_called_paired():
+    rng = random.Random(5)
+    assert stats.single([rng.random() for _ in range(50)]).method == "bootstrap"
+    assert stats.paired([rng.random() for _ in range(50)], [0.5] * 50).method == "paired bootstrap"
+
+
+def test_non_finite_scores_are_refused():
+    with pytest.raises(ValueError, match=r"candidate has 1 non-finite item scores \(first: item 2, nan\)"):
+        stats.paired([0.5, 0.4, float("nan")], [0.5, 0.5, 0.5])
+    with pytest.raises(ValueError, match="scores has 1 non-finite"):
+        stats.single([0.5, float("inf")])

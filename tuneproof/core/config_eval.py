@@ -105,8 +105,9 @@ class EvalConfig(Strict):
     can flip on near-ties."""
     confidence: float = Field(0.95, ge=0.5, lt=1.0)
     """Confidence of each gate's two-sided interval, 0.5..<1 (Holm-adjusted across the gates): a gate passes
-    when the interval's lower bound reaches its threshold, so a model exactly at the threshold passes at
-    most (1 - confidence) / 2 of the time."""
+    when the interval's lower bound reaches its threshold, so a model exactly at the threshold passes
+    approximately (1 - confidence) / 2 of the time (score intervals; exceeded at very small n: no gate passes on
+    fewer than 5 items, nor a bootstrap on fewer than 20)."""
     suites: dict[str, SuiteConfig] = {}
     """Regression suites by name (a slug), scored beside the task's own eval split: each is its own gate
     family (Holm within the suite), and any suite's failed or unresolved gate refuses the candidate."""
