@@ -66,7 +66,7 @@ class Suite:
 
 def read_suite(name: str, config: SuiteConfig, endpoint_url: str | None) -> Suite:
     """The suite's items; an unreadable file, bytes that are not UTF-8, a row that is not {"input": str, "output":
-    str}, an empty input or output, an item twice (`same_item`: its input and output up to case, punctuation and
+    str}, a text holding a lone surrogate or longer than MAX_ITEM_CHARS (20,000 characters), an empty input or output, an item twice (`same_item`: its input and output up to case, punctuation and
     spacing) or an id twice, or an empty file is a data failure naming the suite, the file and both lines. (An item
     twice would count twice in the suite gate's n, its interval narrower than the evidence: three questions written
     five ways passed as 15 items where the three alone are insufficient evidence; an id names one item in the
@@ -99,6 +99,8 @@ def read_suite(name: str, config: SuiteConfig, endpoint_url: str | None) -> Suit
                 FailureClass.data,
                 f'suite {name}: {config.source} line {number} is not an item {{"input": text, "output": text}}: {line[:80]!r}',
             )
+        if problem := _text_problem(row):
+            raise StageFailure(FailureClass.data, f"suite {name}: {config.source} line {number} {problem}")
         if empty := [key for key in ("input", "output") if not row[key].strip()]:
             # An empty answer matches an empty output: the item would pass a model that says nothing.
             raise StageFailure(
@@ -159,6 +161,33 @@ def unmeasured(suites: Sequence[Suite], measured: Sequence[SuiteFile], run_id: s
                 f"suite {suite.name}: {suite.source} is sha256 {suite.sha256[:12]} now, not the {seen.sha256[:12]} the "
                 f"data stage of run {run_id} measured against the training split ({overlap}): the file changed "
                 f"since, and items no one checked against the training split would be scored; {remedy}"
+            )
+    return None
+
+
+MAX_ITEM_CHARS = 20_000
+"""An item's input or output, in characters: about 5,000 tokens, 100 times the bundled suites' longest item and
+past any question a regression suite asks. Task rows past data.max_seq_len are dropped, but suite items are never
+tokenized before the evaluate job, which left-pads a whole generation batch to its longest prompt: a 4 MB item
+(a million tokens) reached it, after the fine-tune."""
+
+
+def _text_problem(row: dict) -> str | None:
+    """Why an item's input, output or id is no text a tokenizer can take, or None: a lone UTF-16 surrogate
+    ("\\ud800" is valid JSON, as data rows' undecodable check says) crashed the evaluate job's tokenizer as
+    infrastructure; a text over MAX_ITEM_CHARS is refused by its length."""
+    for key in ("input", "output", "id"):
+        text = row.get(key)
+        if not isinstance(text, str):
+            continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return f"is not text: its {key} holds a lone UTF-16 surrogate ({text[e.start]!r} at character {e.start})"
+        if key != "id" and len(text) > MAX_ITEM_CHARS:
+            return (
+                f"has an {key} of {len(text):,} characters, more than the {MAX_ITEM_CHARS:,} a suite item may hold: "
+                "an item asks a question and has a short answer"
             )
     return None
 

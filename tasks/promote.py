@@ -409,7 +409,8 @@ def promotion_cost(
     again). Records that cannot be read are named on the cost, never dropped in silence. The card states it;
     `models show` shows the card's."""
     stored, unreadable = records.list_records(storage)
-    runs = [r for r in cost.records_of(stored, cfg.model.name) if r.run_id != record.run_id] + [record]
+    of_model, unknown = cost.records_of(stored, cfg.model.name)  # unknown: named on the card, never charged
+    runs = [r for r in of_model if r.run_id != record.run_id] + [record]
     moves = [*registry.read_history(storage, cfg.model.name), move]
     side = cost.side_runs(storage, [r.run_id for r in runs])
     since = pointer.promoted_at if pointer is not None and pointer.move is None else None
@@ -421,7 +422,7 @@ def promotion_cost(
             f"({', '.join(r.run_id for r in runs)}) holds a summary this release cannot read: "
             f"{e.title}: {first_problem(e)}"
         ) from None
-    lost = sorted(row.run_id for row in unreadable if row.run_id != record.run_id)
+    lost = sorted(({row.run_id for row in unreadable} | set(unknown)) - {record.run_id})
     return version.model_copy(update={"unreadable": lost})
 
 

@@ -160,6 +160,17 @@ CONFIG_CASES = [
         3,
         "cost.prices.CPU: Input should be greater than or equal to 0 (got -1)",
     ),
+    # Accepted: the cost read "inf".
+    Case("set-price-absurd", with_set("cost.prices={CPU: 1e308}"), 3, "cost.prices.CPU: Input should be less than"),
+    # Accepted: the data stage asked for ~27 billion replayed rows (task_rows * share / (1 - share)).
+    Case(
+        "set-replay-share-near-one",
+        with_set("data.replay={source: data/skills/replay.jsonl, share: 0.9999999}"),
+        3,
+        "data.replay.share: Input should be less than or equal to 0.9",
+    ),
+    # A RecursionError traceback: the file's depth check never saw overrides.
+    Case("set-nested-deep", with_set("runtime_env.pip=" + "[" * 2000 + "]" * 2000), 3, "nested too deeply"),
 ]
 
 
@@ -179,6 +190,17 @@ STORAGE_URI_CASES = [
     Case("root-a-file-runs", lambda tmp: ["runs", "list", *root_file(tmp)], 4, "is not a directory"),
     Case("root-a-file-models", lambda tmp: ["models", "list", *root_file(tmp)], 4, "is not a directory"),
     Case("root-a-file-show", lambda tmp: ["models", "show", MODEL, *root_file(tmp)], 4, "is not a directory"),
+    # A file no reader can read passed every config check and failed the data stage late, as infrastructure.
+    Case("suite-source-gs", with_set("eval.suites={s: {source: 'gs://b/x.jsonl'}}"), 3, "eval.suites.s.source: scheme"),
+    Case("suite-source-s3-no-bucket", with_set("eval.suites={s: {source: 's3://'}}"), 3, "s.source: names no bucket"),
+    Case("data-source-gs", with_set("data.source=gs://b/x.jsonl"), 3, "data.source: scheme 'gs://' is not supported"),
+    Case("eval-source-http", with_set("data.eval_source=http://x/y.jsonl"), 3, "data.eval_source: scheme 'http://'"),
+    Case(
+        "replay-source-s3-no-bucket",
+        with_set("data.replay={source: 's3://', share: 0.3}"),
+        3,
+        "data.replay.source: names no bucket",
+    ),
 ]
 
 # ---- identifiers on the command line ---------------------------------------------------------------------
@@ -312,6 +334,75 @@ def pointer_dir(tmp: Path) -> list[str]:
     return ["models", "list", *root_args(tmp)]
 
 
+def pointer_with(**changes: str) -> str:
+    """A promotion's pointer to this model's v0001, with `changes` made by hand."""
+    return json.dumps({**json.loads(pointer_to(f"v0001-{GOOD_RUN}")), **changes})
+
+
+def rollback_to_foreign_card(tmp: Path) -> list[str]:
+    """Production v0002; v0001's folder holds another model's card (a copied folder)."""
+    foreign = ModelCard(name="other", version="v0001-o1", run_id="o1", source_path="runs/o1/model")
+    models = registry(tmp, pointer_to("v0002-later"), foreign.model_dump_json())
+    write(models / MODEL / "v0002-later" / "card.json", card_of("v0002-later"))
+    return ["rollback", MODEL, "--reason", "bad-input test", *root_args(tmp)]
+
+
+def record_config(edit: Callable[[dict], object], command: str = "show") -> Callable[[Path], list[str]]:
+    """Run 'bad', with a fine-tune job of an hour, whose record.json's recorded config was edited by `edit`
+    (the record keeps it as raw JSON); `runs show bad` or `runs diff <good> bad`."""
+
+    def build(tmp: Path) -> list[str]:
+        from tuneproof.control.record import JobEntry, RuntimeEnvAdditions, StageEntry
+        from tuneproof.core.results import StageResult
+
+        storage = good_record(tmp)
+        rec = records.new_record("bad", PipelineConfig(), CodeIdentity(), None)
+        job = JobEntry(
+            submission_id="bad-finetune",
+            entrypoint="python -m training.finetune",
+            job_status="SUCCEEDED",
+            attached=False,
+            working_dir_hash="w",
+            runtime_env_additions=RuntimeEnvAdditions(),
+            submitted_at="2026-12-01T00:00:00+00:00",
+            ended_at="2026-12-01T01:00:00+00:00",
+            result=StageResult(stage="finetune", status="succeeded", started_at="a", ended_at="b"),
+        )
+        rec.stages["finetune"] = StageEntry(
+            stage="finetune", status="succeeded", started_at="a", ended_at="b", jobs=[job]
+        )
+        records.save(storage, rec)
+        doc = storage.read_json("runs", "bad", "record.json")
+        edit(doc["config"])
+        storage.write_json(doc, "runs", "bad", "record.json")
+        shown = ["show", "bad"] if command == "show" else ["diff", GOOD_RUN, "bad"]
+        return ["runs", *shown, *root_args(tmp)]
+
+    return build
+
+
+def move_doc(**changes: object) -> str:
+    """A production-history entry #1 (promoting v0001), with `changes` made by hand."""
+    move = {
+        "seq": 1,
+        "kind": "promote",
+        "from_version": None,
+        "to_version": f"v0001-{GOOD_RUN}",
+        "run_id": GOOD_RUN,
+        "by": "ana",
+        "at": "2026-12-01T10:00:00+00:00",
+        "reason": "gates passed",
+    }
+    return json.dumps({**move, **changes})
+
+
+def rollback_over_bad_history(tmp: Path) -> list[str]:
+    models = registry(tmp, pointer_to("v0002-later"))
+    write(models / MODEL / "v0002-later" / "card.json", card_of("v0002-later"))
+    write(models / MODEL / "history" / "000001.json", move_doc(at="yesterday"))
+    return ["rollback", MODEL, "--reason", "bad-input test", *root_args(tmp)]
+
+
 STORAGE_FILE_CASES = [
     Case("record-truncated-listed", record_file('{"schema_version": 2, "run_id": "ba', "list"), 0, "unreadable"),
     Case("record-truncated-show", record_file('{"schema_version": 2, "run_id": "ba'), 1, "not a readable run record"),
@@ -335,6 +426,52 @@ STORAGE_FILE_CASES = [
     Case("record-truncated-json-list", record_file("{", "list --json"), 0, '"status": "unreadable"'),
     Case("card-corrupt", models_cmd("show", card="{"), 0, "card.json is unreadable: not a model card (Invalid JSON"),
     Case("card-no-version", models_cmd("show", card='{"name": "m"}'), 0, "not a model card (run_id: Field required"),
+    # Accepted: evaluate would have scored another model as this one's incumbent (the pointer's path).
+    Case(
+        "pointer-names-another-model",
+        models_cmd("show", pointer=pointer_with(name="other")),
+        1,
+        "not a usable production pointer (name is 'other', expected 'dates-qwen2-tiny')",
+    ),
+    Case(
+        "pointer-path-of-another-model",
+        models_cmd("show", pointer=pointer_with(path="models/other/v0001-o1")),
+        1,
+        "path is 'models/other/v0001-o1', expected 'models/dates-qwen2-tiny/v0001-",
+    ),
+    Case(
+        "pointer-version-escapes",
+        models_cmd("list", pointer=pointer_with(version="../other/v0001-o1", path="models/other/v0001-o1")),
+        0,
+        "version is '../other/v0001-o1', expected v<NNNN>-<run id>",
+    ),
+    # Rolled back (exit 0): the pointer named this model and served another's files.
+    Case("rollback-foreign-card", rollback_to_foreign_card, 3, "is the card of other v0001-o1, expected"),
+    # A traceback in disguise ("error: AttributeError ... (please report)"), a negative cost or an infinite one.
+    Case(
+        "record-train-a-number",
+        record_config(lambda c: c.update(train=5)),
+        1,
+        "its recorded config in record.json is not readable: config.train: Input should be",
+    ),
+    Case(
+        "record-workers-a-word",
+        record_config(lambda c: c["train"].update(num_workers="lots"), "diff"),
+        1,
+        "config.train.num_workers: Input should be a valid integer",
+    ),
+    Case(
+        "record-price-negative",
+        record_config(lambda c: c.update(cost={"prices": {"CPU": -5}})),
+        1,
+        "config.cost.prices.CPU: Input should be greater than or equal to 0",
+    ),
+    Case(
+        "record-price-absurd",
+        record_config(lambda c: c.update(cost={"prices": {"CPU": 1e308}}), "diff"),
+        1,
+        "config.cost.prices.CPU: Input should be less than or equal to 1000000",
+    ),
 ]
 
 # ---- saved kubectl / ray JSON for verify --from-files --------------------------------------------------------
@@ -839,6 +976,20 @@ READ_CASES = [
         0,
         "by \\x1b[2J\\x1b[31mmallory: ALL GATES PASSED\\x1b[0m\\u202e\\x0d\\x0a",
     ),
+    # Listed as is, then `--at` ended in "error: ValueError ... (please report)".
+    Case(
+        "history-entry-at-not-a-time",
+        history_entry(lambda path: write(path, move_doc(at="yesterday"))),
+        1,
+        "000001.json: not a production-history entry (at: time 'yesterday' is not ISO 8601",
+    ),
+    Case(
+        "history-entry-seq-not-its-file",
+        history_entry(lambda path: write(path, move_doc(seq=10**30))),
+        1,
+        "not a production-history entry (seq is 1000000000000000000000000000000, expected 1)",
+    ),
+    Case("rollback-history-unreadable", rollback_over_bad_history, 3, "the production history cannot be read"),
 ]
 
 CLI_CASES = (

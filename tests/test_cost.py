@@ -13,6 +13,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from tests.conftest import tuneproof
 from tests.reading import present, production_pointer
@@ -314,7 +315,7 @@ def test_the_card_states_the_cost_with_the_copy_check_and_models_show_shows_that
     shown = tuneproof("models", "show", cfg.model.name, "--set", f"storage.root={tmp_path}")
     assert card["version"] == version and json.loads(shown.stdout)["cost"] == [card]
     # The card is the one computation: the same one over the records as they are stored now agrees with it.
-    stored = cost.records_of(records.list_records(storage)[0], cfg.model.name)
+    stored, _ = cost.records_of(records.list_records(storage)[0], cfg.model.name)
     again = cost.version_costs(stored, registry.read_history(storage, cfg.model.name), cfg.cost.prices)
     assert [v.to_json() for v in again] == [card]
 
@@ -508,3 +509,34 @@ def test_runs_show_prices_a_run_with_its_own_price_table_unless_told_otherwise(t
     cheaper = " ".join(cheaper.split())
     assert "prices per resource-hour: CPU 0.05 (--set cost.prices)" in cheaper
     assert "cost: CPU 250.0 s, GPU 240.0 s (cost 0.0035, GPU unpriced)" in cheaper
+
+
+def test_a_record_whose_config_the_cost_cannot_read_is_named_not_charged_and_stops_nothing():
+    # `model: "x"` raised AttributeError before the promotion's try, and stopped every later promotion of the model.
+    good, no_model, bad_train, other = run("r1", 0), run("r2", 100), run("r3", 200), run("r4", 300)
+    no_model.config["model"] = "x"
+    bad_train.config["train"] = {"num_workers": "lots"}
+    other.config["model"] = {"name": "another"}
+    other.config["train"] = 5  # another model's record: not this cost's business
+    assert cost.records_of([good, no_model, bad_train, other], GPU_CFG.model.name) == ([good], ["r2", "r3"])
+    assert cost.config_problem(bad_train) is not None and cost.config_problem(good) is None
+
+
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [
+        ({"train": 5}, "config.train: Input should be a valid dictionary"),
+        ({"train": {"num_workers": 1e308}}, "config.train.num_workers: "),
+        ({"cost": {"prices": {"CPU": -5}}}, "config.cost.prices.CPU: Input should be greater than or equal to 0"),
+        ({"cost": {"prices": ["CPU"]}}, "config.cost.prices: Input should be a valid dictionary"),
+    ],
+)
+def test_a_hand_edited_recorded_config_is_a_validation_error_naming_the_field(config, says):
+    # `runs show` and `runs diff` name it (exit 1); they printed an AttributeError, a negative or an infinite cost.
+    rec = run("r1", 0)
+    rec.config.update(config)
+    with pytest.raises(ValidationError) as info:
+        cost.record_prices(rec) if "cost" in config else cost.run_cost(rec, {})
+    first = info.value.errors()[0]
+    shown = f"{info.value.title}.{'.'.join(map(str, first['loc']))}: {first['msg']}"  # as cli_common shows it
+    assert shown.startswith(says), shown

@@ -997,6 +997,25 @@ def test_replayed_rows_join_the_training_split_at_their_share_and_are_checked_li
         prepare(cfg)
 
 
+@pytest.mark.parametrize(
+    ("share", "says"),
+    [
+        # Replay configured, nothing replayed, and the run said nothing.
+        (1e-300, "data.replay.share 1e-300 asks for no replayed row beside 90 training rows, expected 1 to 810: raise"),
+        # Past the config's bound (a caller that skipped it): 0.9999999 asked for ~27 billion rows, out of memory.
+        (0.95, "asks for 1,710 replayed rows beside 90 training rows, expected 1 to 810: lower it to at most 0.9"),
+    ],
+)
+def test_a_replay_share_that_asks_for_no_row_or_too_many_is_a_data_failure(share: float, says: str):
+    from training.data_sources import replayed
+
+    rows = [Conversation("replay", 0, {"input": "add 1 and 2", "output": "3"})]
+    with pytest.raises(StageFailure) as info:
+        replayed(rows, 90, share, 0)
+    assert info.value.failure_class is FailureClass.data and says in info.value.cause, info.value.cause
+    assert len(replayed(rows, 90, 0.9, 0)) == 810  # the bound itself: 9 replayed rows per task row
+
+
 def test_a_replayed_row_too_long_is_one_dropped_row_not_one_per_copy(tmp_path, tiny_dir):
     # The demo at data.max_seq_len=8 failed as "116.3% of rows malformed: too_long=4157 of 3574 rows": each
     # replayed copy of a too-long row was counted against a total that counts the row once.

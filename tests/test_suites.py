@@ -126,6 +126,29 @@ def test_a_suite_file_that_is_not_items_is_a_data_failure_naming_the_line(tmp_pa
     assert read_suite("mine", SuiteConfig(source=str(path)), None).inputs == ["a"]
 
 
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        # Valid JSON, no text: it passed, and the evaluate job's tokenizer crashed on it as infrastructure.
+        ('{"input": "1 Jan \\ud800", "output": "b"}', "line 2 is not text: its input holds a lone UTF-16 surrogate"),
+        ('{"input": "c", "output": "d", "id": "\\udfff"}', "line 2 is not text: its id holds a lone UTF-16 surrogate"),
+        # Never tokenized before evaluate, which left-pads a whole batch to it: 4 MB reached the job.
+        (json.dumps({"input": "x" * 20_001, "output": "d"}), "line 2 has an input of 20,001 characters, more than"),
+    ],
+    ids=["surrogate-input", "surrogate-id", "item-too-long"],
+)
+def test_a_suite_item_no_tokenizer_should_get_is_a_data_failure_naming_the_line(tmp_path, line, says):
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"input": "a", "output": "b"}\n' + line + "\n")
+    with pytest.raises(StageFailure) as info:
+        read_suite("mine", SuiteConfig(source=str(path)), None)
+    assert info.value.failure_class is FailureClass.data
+    assert info.value.cause.startswith(f"suite mine: {path} {says}"), info.value.cause
+    # A pair (an emoji) is text, and an item at the bound is an item.
+    path.write_text(json.dumps({"input": "\U0001f600 " + "x" * 19_998, "output": "b"}) + "\n")
+    assert len(read_suite("mine", SuiteConfig(source=str(path)), None).inputs[0]) == 20_000
+
+
 @pytest.mark.parametrize("separator", ["\u2028", "\u2029", "\u0085"])
 def test_a_suite_item_holding_a_unicode_line_separator_is_one_item(tmp_path, separator):
     # JSON allows these raw inside a string (json.dumps(ensure_ascii=False) writes them so); splitlines() cut the

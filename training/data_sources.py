@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from training.contamination import words
 from training.jobkit import log
 from tuneproof.core import datahash, shapes
-from tuneproof.core.config_data import DataConfig
+from tuneproof.core.config_data import MAX_REPLAY_SHARE, DataConfig
 from tuneproof.core.files import DuplicateJSONKey, parse_json
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
@@ -372,8 +372,19 @@ def normalised_turns(conv: Conversation) -> tuple[tuple[str, tuple[str, ...]], .
 
 def replayed(rows: list[Conversation], task_rows: int, share: float, seed: int) -> list[Conversation]:
     """`rows` repeated to be `share` of a training split beside `task_rows` task rows: whole copies of the file,
-    then a seeded sample of it for the rest (training shuffles them in). Pure."""
-    want = round(task_rows * share / (1.0 - share))
+    then a seeded sample of it for the rest (training shuffles them in). Pure. A data failure when the share
+    asks for no row (replay configured, nothing replayed) or for more than MAX_REPLAY_SHARE allows (at most
+    9 per task row: the config refuses such a share, a caller past it gets this)."""
+    want = round(task_rows * share / (1.0 - share)) if 0.0 < share < 1.0 else -1
+    cap = round(task_rows * MAX_REPLAY_SHARE / (1.0 - MAX_REPLAY_SHARE))
+    if want <= 0 or want > cap:
+        asked = "no replayed row" if want == 0 else f"{want:,} replayed rows" if want > 0 else "a share outside 0..1"
+        fix = "raise it" if want == 0 else f"lower it to at most {MAX_REPLAY_SHARE}"
+        raise StageFailure(
+            FailureClass.data,
+            f"data.replay.share {share!r} asks for {asked} beside {task_rows:,} training rows, expected 1 to "
+            f"{cap:,}: {fix}",
+        )
     copies, rest = divmod(want, len(rows))
     sample = datahash.rank_for_split([c.split_key() for c in rows], seed)[:rest]
     return rows * copies + [rows[i] for i in sample]

@@ -97,8 +97,10 @@ def storage_for(config: Path | None, sets: list[str]):
 
 
 def summary_unreadable(run: str, e: Any) -> int:
-    """A record that parsed but holds a stage summary its model refuses (hand-edited, another release's)."""
+    """A record that parsed but holds a stage summary, or a recorded config the cost reads, that its model refuses
+    (hand-edited, another release's)."""
     first = e.errors()[0]
     where = ".".join(str(p) for p in first["loc"])
-    say(err, f"run {run}: a stage summary in record.json is not readable: {e.title}.{where}: {first['msg']}")
+    part = "its recorded config" if e.title == "config" else "a stage summary"
+    say(err, f"run {run}: {part} in record.json is not readable: {e.title}.{where}: {first['msg']}")
     return 1

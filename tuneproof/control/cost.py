@@ -29,10 +29,12 @@ import re
 from collections.abc import Callable, Iterable
 from datetime import datetime
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tuneproof.control.history import Move
 from tuneproof.control.record import JobEntry, RunRecord, StageEntry
+from tuneproof.core.config_base import MAX_WORKERS
+from tuneproof.core.config_cluster import Price
 from tuneproof.core.results import Model
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries_training import FinetuneSummary
@@ -96,13 +98,49 @@ class VersionCost(Model):
     """(promoted_steps - earlier_steps) / steps_paid (None when no step was paid for); never above 1."""
 
 
+class RecordedTrain(BaseModel):
+    """What the cost reads of a recorded config.train: the record keeps the config as raw JSON, which a hand edit
+    or another release may have left in any shape (`train: 5` ended `runs show` in an AttributeError)."""
+
+    model_config = ConfigDict(extra="ignore")
+    num_workers: int | None = Field(None, ge=1, le=MAX_WORKERS)
+    use_gpu: bool | None = None
+
+
+class RecordedModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+
+
+class RecordedCost(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    prices: dict[str, Price] | None = None
+    """As CostConfig bounds them: a negative price made a negative cost, 1e308 an infinite one."""
+
+
+class RecordedConfig(BaseModel):
+    """The sections of a run's recorded config (RunRecord.config, an invocation's) the cost reads, checked: a
+    ValidationError names the field ('config.train.num_workers'), as a stage summary's does."""
+
+    model_config = ConfigDict(extra="ignore", title="config")
+    train: RecordedTrain | None = None
+    model: RecordedModel | None = None
+    cost: RecordedCost | None = None
+
+
+def recorded(config: dict, *sections: str) -> RecordedConfig:
+    """The named sections of a recorded config, checked (the others are not read): ValidationError naming the field."""
+    return RecordedConfig.model_validate({key: config.get(key) for key in sections})
+
+
 def job_resources(job: JobEntry, config: dict) -> dict[str, float]:
-    """What the job asked Ray for, from the config it ran with (pure)."""
+    """What the job asked Ray for, from the config it ran with (pure); ValidationError when its train section
+    cannot be read (`recorded`)."""
     module = _module(job)
-    train = config.get("train") or {}
-    use_gpu = bool(train.get("use_gpu"))
+    train = recorded(config, "train").train or RecordedTrain()
+    use_gpu = bool(train.use_gpu)
     if module in TRAIN_MODULES:
-        workers = float(train.get("num_workers") or 1)
+        workers = float(train.num_workers or 1)
         return {"CPU": workers, **({"GPU": workers} if use_gpu else {})}
     return {"CPU": 1.0, **({"GPU": 1.0} if use_gpu and module in GPU_EVAL_MODULES else {})}
 
@@ -367,9 +405,35 @@ def _export_step(record: RunRecord | None) -> int:
     return int(summary.get("steps") or 0)
 
 
-def records_of(records: list[RunRecord], model: str) -> list[RunRecord]:
-    """The runs that trained `model` (config.model.name)."""
-    return [r for r in records if (r.config.get("model") or {}).get("name") == model]
+def records_of(records: list[RunRecord], model: str) -> tuple[list[RunRecord], list[str]]:
+    """(the runs that trained `model` (config.model.name), the run ids the cost cannot read): a record whose model
+    cannot be read (its model unknown), or one of `model` whose configs the cost cannot read (`config_problem`), is
+    named, for VersionCost.unreadable, never charged on a guess nor allowed to stop the promotion (an
+    AttributeError here stopped every later promotion of the model)."""
+    runs, unreadable = [], []
+    for record in records:
+        try:
+            named = recorded(record.config, "model").model
+        except ValidationError:
+            unreadable.append(record.run_id)
+            continue
+        if named is None or named.name != model:
+            continue
+        if config_problem(record) is None:
+            runs.append(record)
+        else:
+            unreadable.append(record.run_id)
+    return runs, unreadable
+
+
+def config_problem(record: RunRecord) -> str | None:
+    """Why the cost cannot read the record's configs (its own and each invocation's train section), or None."""
+    for config in [record.config, *(inv.config for inv in record.invocations if inv.config)]:
+        try:
+            recorded(config, "train")
+        except ValidationError as e:
+            return str(e)
+    return None
 
 
 def side_runs(storage: Storage, run_ids: Iterable[str]) -> frozenset[str]:
@@ -415,8 +479,10 @@ def card_notes(version: VersionCost) -> list[str]:
 
 
 def record_prices(record: RunRecord) -> dict[str, float]:
-    """The price table the run was configured with (empty in records written before it existed)."""
-    return dict((record.config.get("cost") or {}).get("prices") or {})
+    """The price table the run was configured with (empty in records written before it existed); ValidationError
+    naming the field when it is not one (a hand edit: a negative, absurd or non-numeric price)."""
+    cost = recorded(record.config, "cost").cost
+    return dict(cost.prices or {}) if cost else {}
 
 
 def diff_numbers(record: RunRecord) -> dict[str, float | None]:

@@ -119,6 +119,10 @@ def read(storage: Storage, name: str, current: Move | None) -> list[Move]:
             seq = int(file[:-5])
             moves[seq] = read_entry(storage, name, seq)
     if current is not None:
+        if problem := _time_problem(current):
+            raise HistoryUnreadable(
+                f"{storage.uri(MODELS, name, 'production.json')}: its move #{current.seq} {problem}"
+            )
         moves.setdefault(current.seq, current)
     return [moves[s] for s in sorted(moves)]
 
@@ -135,9 +139,25 @@ def read_entry(storage: Storage, name: str, seq: int) -> Move:
     if data is None:
         raise HistoryUnreadable(f"{where}: listed, then gone: an entry is never removed")
     try:
-        return Move.model_validate(json.loads(data))
+        move = Move.model_validate(json.loads(data))
     except (ValueError, ValidationError, RecursionError) as e:
         raise HistoryUnreadable(f"{where}: not a production-history entry ({str(e)[:200]})") from None
+    # A hand edit can make a valid Move that is not this entry: listed as it was, `--at` then crashed on its time,
+    # and a seq other than the file's would order the log by a number no mover wrote.
+    if move.seq != seq:
+        raise HistoryUnreadable(f"{where}: not a production-history entry (seq is {move.seq}, expected {seq})")
+    if problem := _time_problem(move):
+        raise HistoryUnreadable(f"{where}: not a production-history entry ({problem})")
+    return move
+
+
+def _time_problem(move: Move) -> str | None:
+    """Why a move's `at` is not the ISO 8601 time production_at compares, or None."""
+    try:
+        parse_time(move.at)
+    except ValueError as e:
+        return f"at: {e}"
+    return None
 
 
 def parse_time(value: str) -> datetime:

@@ -189,16 +189,40 @@ def read_pointer(storage: Storage, name: str) -> tuple[ProductionPointer | None,
         return None, None
     except OSError as e:
         raise RegistryUnreadable(f"{where}: cannot be read as the production pointer: {e.strerror or e}") from None
-    return (_parse_pointer(where, data), token) if data is not None else (None, None)
+    return (_parse_pointer(where, name, data), token) if data is not None else (None, None)
 
 
-def _parse_pointer(where: str, data: bytes) -> ProductionPointer:
-    """The pointer document, or RegistryUnreadable naming the file: a promotion must never act on a guess."""
+def _parse_pointer(where: str, name: str, data: bytes) -> ProductionPointer:
+    """The pointer document of model `name`, or RegistryUnreadable naming the file: a promotion must never act on a
+    guess. A pointer naming another model, or whose path is not models/<name>/<version>, is refused too: evaluate
+    loads `path` as the incumbent, so a foreign one would score another model while the record names this one."""
     try:
-        return ProductionPointer.model_validate_json(data)
+        pointer = ProductionPointer.model_validate_json(data)
     except ValidationError as e:
         kind = "JSON production pointer" if e.errors()[0]["type"] == "json_invalid" else "production pointer"
         raise RegistryUnreadable(f"{where}: not a {kind} ({first_problem(e)})") from None
+    problem = _pointer_problem(pointer, name)
+    if problem is not None:
+        raise RegistryUnreadable(f"{where}: not a usable production pointer ({problem})")
+    return pointer
+
+
+def _pointer_problem(pointer: ProductionPointer, name: str) -> str | None:
+    """Why a well-formed pointer document cannot be model `name`'s pointer, or None (pure). Its versions must be
+    one folder each (a '/' or '..' in one would make a matching path lead out of models/<name>/)."""
+    if pointer.name != name:
+        return f"name is {pointer.name!r}, expected {name!r}"
+    for field, version in (("version", pointer.version), ("previous_version", pointer.previous_version)):
+        if version is not None and not _is_version_name(version):
+            return f"{field} is {version!r}, expected v<NNNN>-<run id>"
+    expected_path = posixpath.join(MODELS, name, pointer.version)
+    if pointer.path != expected_path:
+        return f"path is {pointer.path!r}, expected {expected_path!r} for version {pointer.version!r}"
+    return None
+
+
+def _is_version_name(version: str) -> bool:
+    return _VERSION.match(version) is not None and "/" not in version and "\\" not in version
 
 
 def list_models(storage: Storage) -> list[dict]:

@@ -98,8 +98,9 @@ def rollback(
     from_version and expected_token are the pointer the caller read and decided on (read_pointer's version
     and token): when given, a pointer that is not that one under the hold is PromotionConflict, so a
     promotion that landed meanwhile is never the one rolled back. RollbackRefused when there is no
-    production model, the target is not an earlier complete version that production served, or its files
-    do not match its manifest (and its card's content hash); PointerHeld when another flow holds the
+    production model, the production history cannot be read, the target is not an earlier complete version that
+    production served, its card is another model's or version's, or its files do not match its manifest (and its
+    card's content hash); PointerHeld when another flow holds the
     pointer. The pointer stays on refusal. Once it has moved, a history entry that cannot be appended goes
     to on_problem: the move is in the pointer, and readers and the next mover take it from there
     (history.backfill)."""
@@ -114,7 +115,10 @@ def rollback(
             raise registry.PromotionConflict(name, expected_token, token, pointer.version)
         names = registry.versions(storage, name)
         versions = [v for v in names if storage.exists(MODELS, name, v, CARD_JSON)]
-        moves = history.read(storage, name, pointer.move)
+        try:
+            moves = history.read(storage, name, pointer.move)
+        except history.HistoryUnreadable as e:  # which versions served is unknown: no target can be trusted
+            raise RollbackRefused(f"{name}: the production history cannot be read: {e}") from None
         served = history.served(moves, names, registry.unrecorded_version(pointer))
         target, card = _rollback_target(
             storage, name, versions, served, pointer, to_version or default_target(pointer, versions)
@@ -163,8 +167,8 @@ def _rollback_target(
     target: str | None,
 ) -> tuple[str, registry.ModelCard]:
     """(target, its card), once the target is an earlier complete version that production served (history.served:
-    a complete copy whose promotion died before the swap has a card, but never served) and whose files match its
-    manifest."""
+    a complete copy whose promotion died before the swap has a card, but never served), whose card names this
+    model and version, and whose files match its manifest."""
     current = pointer.version
     if target is None:
         move = pointer.move
@@ -189,6 +193,13 @@ def _rollback_target(
     except (ValueError, OSError, RecursionError) as e:
         where = storage.uri(MODELS, name, target, CARD_JSON)
         raise RollbackRefused(f"{name} {target}: {where} cannot be read: {one_line(str(e), 200)}") from None
+    if (card.name, card.version) != (name, target):
+        # A folder copied from another model (or version): the pointer would name this one and serve that one.
+        where = storage.uri(MODELS, name, target, CARD_JSON)
+        raise RollbackRefused(
+            f"{name} {target}: {where} is the card of {card.name} {card.version}, expected {name} {target}: "
+            "nothing was rolled back"
+        )
     try:
         content = markers.verify_export(storage, MODELS, name, target).content_sha256
     except markers.ExportUnverified as e:

@@ -283,7 +283,8 @@ def incumbent(pointer: registry.ProductionPointer | None, record: RunRecord) -> 
     """What this run's current fine-tune is compared against: the production model, or, when production already
     is this fine-tune's model (this run promoted it, and a continuation or `--only evaluate,promote` evaluates it
     again), the version that promotion replaced, so the candidate is never scored against itself. Decided from the
-    pointer, not from record.promotion, which a rerun of evaluate supersedes before evaluate runs. Pure."""
+    pointer, not from record.promotion, which a rerun of evaluate supersedes before evaluate runs. `pointer` is
+    registry.read_pointer's: its name, versions and path are checked to be this model's there. Pure."""
     finetune = record.summary("finetune", FinetuneSummary) if record.passed("finetune") else None
     content = finetune.export_sha256 if finetune else None
     if content is not None and registry.is_promotion_of(pointer, record.run_id, content):

@@ -191,19 +191,26 @@ def _names_a_local_model(value: str, base: Path) -> bool:
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
-    """'a.b.c=value' -> (['a','b','c'], value parsed as a YAML scalar/collection)."""
+    """'a.b.c=value' -> (['a','b','c'], value parsed as a YAML scalar/collection); ConfigError for a value that
+    nests past MAX_CONFIG_DEPTH with its key."""
     if "=" not in item:
         raise ConfigError([f"--set {item!r}: expected dotted.key=value"])
     key, raw = item.split("=", 1)
     parts = key.strip().split(".")
     if not all(parts):
         raise ConfigError([f"--set {item!r}: empty key segment in {key!r}"])
+    deep = f"--set {key.strip()}=...: nested too deeply to be a config (over {MAX_CONFIG_DEPTH} levels)"
     try:
         value = parse_yaml(raw) if raw != "" else ""
     except DuplicateKey as e:
         raise ConfigError([f"--set {item!r}: {e}"]) from None
     except yaml.YAMLError:
         value = raw
+    except RecursionError:  # the YAML parser's own, past a few hundred levels
+        raise ConfigError([deep]) from None
+    # As a file's: a value is checked by depth too, not left to a RecursionError wherever it is next walked.
+    if _nesting(value, MAX_CONFIG_DEPTH, {}) + len(parts) > MAX_CONFIG_DEPTH:
+        raise ConfigError([deep])
     return parts, value
 
 

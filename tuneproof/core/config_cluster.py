@@ -149,11 +149,20 @@ class ModelConfig(Strict):
         return v
 
 
+MAX_PRICE = 1_000_000.0
+"""Per resource-hour: a GPU-hour is a few dollars, and under a million still prices it in any currency people use
+(rupiah included); 1e308 was accepted and made the cost 'inf'."""
+
+Price = Annotated[float, Field(ge=0, le=MAX_PRICE)]
+"""A price per resource-hour, 0..1,000,000 (finite: Strict refuses inf and NaN)."""
+
+
 class CostConfig(Strict):
     """What compute costs, for the cost and goodput reports (tuneproof.control.cost)."""
 
-    prices: dict[str, Annotated[float, Field(ge=0)]] = {}
-    """Price per resource-hour by Ray resource name ({"CPU": 0.04, "GPU": 2.5}), each 0 or more; empty: seconds only."""
+    prices: dict[str, Price] = {}
+    """Price per resource-hour by Ray resource name ({"CPU": 0.04, "GPU": 2.5}), each 0..1,000,000; empty: seconds
+    only."""
 
     @field_validator("prices")
     @classmethod

@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from tuneproof.core.config_base import MAX_EXAMPLES, MAX_SEED, MAX_SEQ_LEN, Strict
-from tuneproof.core.names import check_slug
+from tuneproof.core.names import check_slug, storage_root_problem
 from tuneproof.core.shapes import template_columns
 
 
@@ -71,15 +71,21 @@ class PromptTemplate(Strict):
         return self
 
 
+MAX_REPLAY_SHARE = 0.9
+"""At most 9 replayed rows per task row: past that the task is the minority of its own training split, and a share
+just under 1 asked for task_rows * share / (1 - share) rows (0.9999999: ~27 billion for the demo, out of memory)."""
+
+
 class ReplayConfig(Strict):
     """Rows of what the base already knows, mixed into the training split so a full fine-tune keeps it."""
 
     source: str
     """A file of the task's format, shape and fields (local or s3://): its rows join the training split only,
     never the eval split, and it is hashed into the dataset's identity."""
-    share: float = Field(gt=0.0, lt=1.0)
-    """Fraction of the training split's rows that are replayed rows, >0..<1: the file's rows are repeated
-    (whole, then a seeded sample) to reach it, and training shuffles them in with the task's."""
+    share: float = Field(gt=0.0, le=MAX_REPLAY_SHARE)
+    """Fraction of the training split's rows that are replayed rows, >0..0.9: the file's rows are repeated
+    (whole, then a seeded sample) to reach it, and training shuffles them in with the task's. A share so small
+    that it adds no row is refused by the data stage (it knows the task's row count)."""
 
 
 class DataConfig(Strict):
@@ -121,6 +127,23 @@ class DataConfig(Strict):
     @classmethod
     def _slug(cls, v: str) -> str:
         return check_slug("dataset name", v)
+
+    @model_validator(mode="after")
+    def _sources_are_readable_forms(self) -> DataConfig:
+        """Each file is read through Storage (a local path or s3://bucket[/prefix]) unless it is a hub dataset: a
+        gs://, http:// or bare s3:// source passed every check and failed the data stage, after verify and the
+        network measurements, as an infrastructure "storage root" error."""
+        replay = self.replay.source if self.replay else None
+        named = (("data.source", self.source), ("data.eval_source", self.eval_source), ("data.replay.source", replay))
+        problems = [
+            f"{field}: {problem}, or hf://<dataset>[:split] (got {value!r})"
+            for field, value in named
+            if value is not None and self.format != "hf" and not value.startswith("hf://")
+            if (problem := storage_root_problem(value))
+        ]
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
     @model_validator(mode="after")
     def _template_matches_shape(self) -> DataConfig:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from tuneproof.core.config import PROJECT_ROOT
 from tuneproof.core.files import not_a_file
+from tuneproof.core.names import storage_root_problem
 
 if TYPE_CHECKING:
     from tuneproof.core.config_eval import EvalConfig, Gate, SuiteConfig
@@ -146,11 +147,14 @@ def check_eval_config(eval_cfg: EvalConfig) -> list[str]:
 
 
 def check_suites(suites: dict[str, SuiteConfig]) -> list[str]:
-    """'eval.suites.<name>.<field>: ...' per suite whose local file is not a file, or whose metric is not a
-    local module (a suite is scored item by item: a hub metric may not score one item alone)."""
+    """'eval.suites.<name>.<field>: ...' per suite whose source is no form Storage reads, whose local file is not
+    a file, or whose metric is not a local module (a suite is scored item by item: a hub metric may not score one item alone)."""
     problems = []
     for name, suite in suites.items():
-        if "://" not in suite.source and (what := not_a_file(suite.source)):
+        # Read through Storage: a scheme it cannot read (gs://, http://, a bare s3://) failed the data stage late.
+        if scheme := storage_root_problem(suite.source):
+            problems.append(f"eval.suites.{name}.source: {scheme} (got {suite.source!r})")
+        elif "://" not in suite.source and (what := not_a_file(suite.source)):
             problems.append(f"eval.suites.{name}.source: {what} (got {suite.source!r}); give a JSONL file of items")
         problems += [f"eval.suites.{name}.metrics: {p}" for p in check_metric_names(suite.metrics, allow_hub=False)]
     return problems
