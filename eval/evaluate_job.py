@@ -25,12 +25,14 @@ the remedy (eval/suites.py `unmeasured`): its contamination check stands behind 
 
 Before any model verdict the evaluation tests itself, and a failed self-test ends the stage as
 "evaluation invalid: ..." in the infrastructure class (exit 4: the measuring apparatus failed, not the
-model), never as a gate failure: every local metric must score the references, put through the same
-post-processing, at its maximum (1) on every item, and give full credit to no wrong answer (the next item's
-reference on every item; the empty answer, the reference with one character changed or cut short, on more than
-eval/selftest.py's WRONG_CREDIT_SHARE of them); a local metric must score each item alone, its value the
-mean of its items' (its gates are decided on them; only a hub metric, maybe corpus-level, falls back to
-comparing points); the candidate's and the base's tokenizer must encode the eval prompts to the ids the data stage
+model), never as a gate failure: every metric that scores items one at a time, local or hub, must score the
+references, put through the same post-processing, at its maximum (1) on every item, score an answer that shares
+nothing with the reference (the empty answer; every character replaced) at most eval/selftest.py's WRONG_FLOOR on
+every item (the gates read 0 as the worst), and give full credit to no wrong answer (the next item's reference on
+every item; the reference with one character changed, cut short, its words reversed, followed by another item's
+reference, or in swapped case where the metric does not declare case meaningless, on more than WRONG_CREDIT_SHARE
+of them); a local metric must score each item alone, its value the mean of its items' (its gates are decided on
+them; only a hub metric, maybe corpus-level, falls back to comparing points, and is then not self-tested); the candidate's and the base's tokenizer must encode the eval prompts to the ids the data stage
 wrote (checked on the split's own prompts) and carry the chat template it rendered the eval prompts with (its
 chat_template_sha256); every gated value the metric modules report must be a number (not
 missing, NaN or infinite), each item's in [0, 1] and a fraction's (exact_match, accuracy, rouge_l) too, for
@@ -42,8 +44,10 @@ those of its latest earlier evaluation on the same split (eval/reproduce.py), el
 reproducible: ...", also infrastructure.
 
 Every verdict names what it judged: each model's content hash (candidate and incumbent checked
-against their export manifest on the copy that is loaded; the base hashed when it is a directory),
-the eval split's hash (over its shards' sha256) and each metric module's hash.
+against their export manifest on the copy that is loaded; the base hashed when it is a directory, and named by the
+hub commit it resolved to when it is a hub id), the eval split's hash (over its shards' sha256) and each metric
+module's hash (a local module's folder; for a hub metric, the files evaluate.load imported it from). The answers are
+greedy under the evaluation's own settings: a model's generation_config.json is ignored (eval/generation.py).
 """
 
 from __future__ import annotations
@@ -60,8 +64,8 @@ from pydantic import BaseModel, ConfigDict
 
 from eval.gates import Scores, decide
 from eval.generation import eval_loss, generate_checked, pad_token_id, pick_device
-from eval.metrics_loader import load_metric
-from eval.reproduce import base_reproduction
+from eval.metrics_loader import load_metric, loaded_module_files
+from eval.reproduce import HUB_COMMIT, base_reproduction
 from eval.selftest import (
     TASK,
     check_references,
@@ -148,6 +152,8 @@ class ModelEval:
     """Each item's score, for the metrics whose value is the mean of its items' scores."""
     seconds: float
     content_sha256: str | None
+    hub_commit: str | None
+    """The hub commit a model named by hub id loaded at (it has no local files to hash); None otherwise."""
     chat_template_sha256: str | None
     suites: dict[str, Scores]
     """Each regression suite's metrics and item scores (eval.suites), by suite name."""
@@ -166,7 +172,8 @@ def evaluate_body(ctx: JobContext) -> EvaluateSummary:
     require_complete_export(ctx, params.candidate)
     sources = model_sources(ctx, params)
     metrics = {name: load_metric(name, cfg.hub_metrics) for name in cfg.metrics}
-    check_references({n: m for n, m in metrics.items() if is_local(n, cfg.hub_metrics)}, data.references)
+    hub = [name for name in metrics if not is_local(name, cfg.hub_metrics)]
+    check_references(metrics, data.references, hub)
     suites = [
         read_suite(name, suite, ctx.config.storage.endpoint_url).with_metrics(load_metric)
         for name, suite in cfg.suites.items()
@@ -188,11 +195,12 @@ def evaluate_body(ctx: JobContext) -> EvaluateSummary:
         "examples": len(data.prompts),
         "device": str(pick_device()[0]),
         "eval_split_sha256": split,
-        "metric_sha256": {name: metric_module_hash(name, cfg.hub_metrics) for name in cfg.metrics},
+        "metric_sha256": {name: metric_module_hash(name, cfg.hub_metrics, metrics[name]) for name in cfg.metrics},
         "chat_template_sha256": data.chat_template_sha256,
     }
     base = results["base"]  # first: a scorer that does not repeat itself (sampling on) also runs answers long
-    reproduction = base_reproduction(ctx.storage, ctx.run_id, split, base.content_sha256, base.answers, cfg)
+    identity = base.content_sha256 or (f"{HUB_COMMIT}{base.hub_commit}" if base.hub_commit else None)
+    reproduction = base_reproduction(ctx.storage, ctx.run_id, split, identity, base.answers, cfg)
     counts = {role: r.generations for role, r in results.items()}
     for line in count_lines(counts):
         jobkit.log(line)
@@ -253,11 +261,17 @@ def eval_split_hash(ctx: JobContext, dataset: str) -> str:
     return markers.hash_of_hashes({shard.path: shard.sha256 for shard in shards})
 
 
-def metric_module_hash(name: str, allow_hub: bool) -> str | None:
-    """The content hash of a local metric module's files; None for a hub metric (its script is not ours)."""
-    if not is_local(name, allow_hub):
+def metric_module_hash(name: str, allow_hub: bool, metric: Any) -> str | None:
+    """The content hash of the files that scored: a local module's folder (eval/metrics/<name>); for a hub metric
+    (whose script moves with the hub), the Python files evaluate.load imported `metric` from; None where its class
+    has no source file."""
+    if is_local(name, allow_hub):
+        return markers.content_sha256(markers.local_digests(Path(resolve_metric(name, allow_hub))))
+    loaded = loaded_module_files(metric)
+    if loaded is None:
         return None
-    return markers.content_sha256(markers.local_digests(Path(resolve_metric(name, allow_hub))))
+    folder, names = loaded
+    return markers.content_sha256(markers.local_digests(folder, names))
 
 
 def is_local(name: str, allow_hub: bool) -> bool:
@@ -306,11 +320,12 @@ def evaluate_model(
     cfg = ctx.config.eval
     started = time.monotonic()
     model, tokenizer, content = load_for_eval(ctx, source)
+    commit = None if content else hub_commit(model)
     template = check_template(source.role, tokenizer, data.chat_template_sha256)
     same_ids = check_tokenizer(source.role, tokenizer, data, cfg.gates)
+    named = f"content {content[:12]}" if content else f"hub commit {str(commit)[:12]}"
     jobkit.log(
-        f"{source.role}: {source.path} (content {str(content)[:12]}, chat template {str(template)[:12]}) "
-        f"on {model.device} ({model.dtype})"
+        f"{source.role}: {source.path} ({named}, chat template {str(template)[:12]}) on {model.device} ({model.dtype})"
     )
     answers, cut = generate_checked(
         model,
@@ -335,7 +350,7 @@ def evaluate_model(
     counts = {TASK: generations(answers, cut), **{name: seen for name, (_, seen) in answered.items()}}
     seconds = round(time.monotonic() - started, 2)
     suite_scores = {name: scores for name, (scores, _) in answered.items()}
-    return ModelEval(answers, values, items, seconds, content, template, suite_scores, counts)
+    return ModelEval(answers, values, items, seconds, content, commit, template, suite_scores, counts)
 
 
 def answer_suite(
@@ -387,6 +402,13 @@ def load_for_eval(ctx: JobContext, source: ModelSource) -> tuple[PreTrainedModel
         else load_tokenizer(base.source, base.revision, endpoint)
     )
     return model, tokenizer, content
+
+
+def hub_commit(model: PreTrainedModel) -> str | None:
+    """The hub commit a model named by hub id was loaded at: from_pretrained records the revision it resolved to
+    (a branch such as 'main' moves) in the model's config. None for a model loaded from local files."""
+    commit = getattr(model.config, "_commit_hash", None)
+    return commit if isinstance(commit, str) and commit else None
 
 
 def check_template(role: str, tokenizer: PreTrainedTokenizerBase, rendered_with: str | None) -> str | None:
@@ -491,6 +513,7 @@ def _model_summary(sources: list[ModelSource], results: dict[str, ModelEval], ro
         metrics=result.metrics,
         seconds=result.seconds,
         content_sha256=result.content_sha256,
+        hub_commit=result.hub_commit,
         chat_template_sha256=result.chat_template_sha256,
         generations=result.generations,
     )

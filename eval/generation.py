@@ -4,12 +4,18 @@ CPU in fp32 here, one GPU in bf16 on EKS (`pick_device`). The prompts are the da
 column: chat-templated text that already ends with the assistant turn's opening, so they are
 tokenized without adding special tokens again. Generation pads on the left (every row's prompt ends
 where its answer starts); the loss batches pad on the right with labels -100, which the loss skips.
+
+Answers are greedy under the evaluation's own settings alone: the model's own generation settings
+(generation_config.json: sampling, repetition_penalty, no_repeat_ngram_size, suppress_tokens, bad_words_ids,
+min_new_tokens, ...) are ignored for scoring. Each would change a greedy answer (suppress_tokens=['5'] turns
+'2024-01-05' into '2024-01-0') and the change would read as the model's.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,7 +24,7 @@ import torch.nn.functional as F
 from tuneproof.core.hashing import IGNORE_INDEX
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 IM_END = "<|im_end|>"
 
@@ -90,17 +96,9 @@ def _generate_batch(
         model.device
     )
     stops = stop_token_ids(tokenizer)
-    # Explicit greedy settings: a model's generation_config (Qwen instruct ships sampling and
-    # repetition_penalty=1.05) would otherwise fill them in and change the answers.
-    out = model.generate(
-        **enc,
-        do_sample=False,
-        num_beams=1,
-        repetition_penalty=1.0,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=pad_token_id(tokenizer),
-        eos_token_id=stops,
-    )
+    greedy = greedy_config(max_new_tokens, pad_token_id(tokenizer), stops)
+    with only_settings(model, greedy):
+        out = model.generate(**enc, generation_config=greedy)
     new = out[:, enc["input_ids"].shape[1] :]
     answers = tokenizer.batch_decode(new, skip_special_tokens=True)
     # A row that never produced a stop token within max_new_tokens was cut off, whatever it decoded to.
@@ -108,6 +106,28 @@ def _generate_batch(
     full = new.shape[1] >= max_new_tokens
     stopped = torch.isin(new, torch.tensor(stops, device=new.device)).any(dim=1).tolist()
     return [a.strip() for a in answers], [full and not s for s in stopped]
+
+
+def greedy_config(max_new_tokens: int, pad_id: int, stops: list[int]) -> GenerationConfig:
+    """Greedy decoding, the answer's length bound and its stop and pad ids: every setting scoring decodes with."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=stops
+    )
+
+
+@contextmanager
+def only_settings(model: PreTrainedModel, config: GenerationConfig) -> Iterator[None]:
+    """`config` as the model's generation settings for the block. generate() fills every setting a passed config
+    leaves unset from model.generation_config (a Qwen instruct's sampling and repetition_penalty=1.05, a
+    checkpoint's suppress_tokens): with the model's own swapped out, nothing of it applies."""
+    own = model.generation_config
+    model.generation_config = config
+    try:
+        yield
+    finally:
+        model.generation_config = own
 
 
 @torch.no_grad()

@@ -6,18 +6,19 @@ apparatus is not deterministic (sampling left on, a nondeterministic kernel, a c
 setting), so no gate it decides can be replayed: the evaluation ends "evaluation not reproducible: ..."
 in the infrastructure class, like the rest of the self-test, never as a gate failure.
 
-The reference is the latest earlier evaluation of the same base (its content hash) on the same eval
-split (its hash) with the same eval.max_new_tokens (which bounds the answers), kept at one
-content-addressed path, so the lookup is one read whatever the number of runs:
+The reference is the latest earlier evaluation of the same base (its content hash, or for a base named by
+hub id the commit it resolved to, as "hub-commit-<sha>") on the same eval split (its hash) with the same
+eval.max_new_tokens (which bounds the answers), kept at one content-addressed path, so the lookup is one read
+whatever the number of runs:
 
-    evaluations/<split sha256>/base-<base content sha256>-tokens<max_new_tokens>.json
+    evaluations/<split sha256>/base-<base content sha256 | hub-commit-<sha>>-tokens<max_new_tokens>.json
 
 It holds a short digest of each of the base's answers, in split order, with the run, batch size and
 device that produced them. Answers are compared, not scores: a changed answer that scores the same is
 still a scorer that does not repeat itself. Up to eval.max_irreproducible_fraction of the items compared
 (the first min(now, then) items: the split order is fixed) may differ, since across batch sizes and
-devices greedy answers can flip on near-ties (lm-evaluation-harness#3357). A base without a content
-hash (a hub id) is not checked. A reproduced (or first) evaluation becomes the reference; a failed one
+devices greedy answers can flip on near-ties (lm-evaluation-harness#3357). A base with neither a content
+hash nor a hub commit is not checked. A reproduced (or first) evaluation becomes the reference; a failed one
 leaves the earlier reference in place.
 """
 
@@ -33,6 +34,9 @@ from tuneproof.core.results import FailureClass, StageFailure, now_iso
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries_eval import Reproduction
 
+HUB_COMMIT = "hub-commit-"
+"""How a base's identity reads when it is the hub commit it was loaded at, not a hash of local files."""
+
 DIGEST_CHARS = 16
 """Hex characters kept of each answer's sha256: 64 bits, enough to tell two answers apart, a few bytes an item."""
 
@@ -46,6 +50,7 @@ class BaseAnswers(BaseModel):
     written_at: str
     split_sha256: str
     base_sha256: str
+    """The base's content hash, or HUB_COMMIT and the commit a base named by hub id loaded at."""
     max_new_tokens: int
     batch_size: int
     device: str
@@ -64,9 +69,12 @@ def reference_parts(split: str, base: str, max_new_tokens: int) -> tuple[str, ..
 def base_reproduction(
     storage: Storage, run_id: str, split: str, base_sha256: str | None, answers: list[str], cfg: EvalConfig
 ) -> Reproduction | None:
-    """The check for this evaluation's base answers; None (logged) for a base without a content hash."""
+    """The check for this evaluation's base answers; None (logged) for a base with no identity: `base_sha256` is
+    its content hash, or HUB_COMMIT and the hub commit it loaded at."""
     if base_sha256 is None:
-        jobkit.log("self-test: the base has no content hash (a hub id): its reproducibility is not checked")
+        jobkit.log(
+            "self-test: the base has neither a content hash nor a hub commit: its reproducibility is not checked"
+        )
         return None
     now = BaseAnswers(
         run_id=run_id,
@@ -134,10 +142,17 @@ def irreproducible_cause(
         return None
     first = next(i for i, (a, b) in enumerate(zip(earlier.answers, now.answers)) if a != b)
     return (
-        f"the base (content {now.base_sha256[:12]}) answered {result.differing} of {result.items} items "
+        f"the base ({identity_words(now.base_sha256)}) answered {result.differing} of {result.items} items "
         f"differently than in run {earlier.run_id!r} on the same split ({now.split_sha256[:12]}) with "
         f"max_new_tokens={now.max_new_tokens} (then batch {earlier.batch_size} on {earlier.device}, now batch "
         f"{now.batch_size} on {now.device}), over eval.max_irreproducible_fraction={cap:g}; first: item {first}, "
         f"now {answers[first][:60]!r}; greedy decoding should repeat its answers, so the scorer is not "
         "deterministic (sampling on, or a nondeterministic kernel)"
     )
+
+
+def identity_words(base: str) -> str:
+    """'content 0123456789ab' or 'hub commit 0123456789ab': a base's identity as a cause names it."""
+    if base.startswith(HUB_COMMIT):
+        return f"hub commit {base.removeprefix(HUB_COMMIT)[:12]}"
+    return f"content {base[:12]}"

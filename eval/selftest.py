@@ -4,8 +4,9 @@ and its answers (cut-off and empty generations, per model and split).
 A broken scorer must never read as a model verdict. Each failed check is `invalid(...)`: the evaluate job ends
 "evaluation invalid: ..." in the infrastructure class. `score` and `item_scores` are how every model is scored
 (each item alone, under the module's own computation), and they refuse a local metric's item scores that
-cannot be the ones its gates decide on; `check_references` asks each local metric, before any model answers,
-to give the references full credit and wrong answers none; `unscored` asks each model's gated values for a
+cannot be the ones its gates decide on; `check_references` asks each metric that scores items one at a time
+(local or hub), before any model answers, to give the references full credit, an answer with nothing right about
+0, and wrong answers none; `unscored` asks each model's gated values for a
 usable number.
 
 An answer that stopped at eval.max_new_tokens without a stop token, or came back empty, is not the model's
@@ -26,8 +27,10 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
+from eval.metrics_loader import case_insensitive
 from training import jobkit
 from tuneproof.core.metric_names import FRACTIONS, LOSS_METRICS
 from tuneproof.core.results import FailureClass, StageFailure
@@ -184,30 +187,45 @@ def invalid(cause: str, summary: EvaluateSummary | None = None) -> StageFailure:
 
 
 WRONG_CREDIT_SHARE = 0.1
-"""The share of items on which an answer wrong by construction (empty, the reference with one character changed,
-or the reference cut short) may still score 1 before the self-test calls the metric blind. Full credit is what is
-counted: partial credit for a wrong answer is a metric's design (rouge_l gives a cut answer the share of words it
-kept), not blindness. exact_match, accuracy and rouge_l give such an answer less than 1 on (almost) every item; a
-user's module may normalise a change away on an odd reference (rouge_l reads no letter outside a-z: 'café' cut to
-'caf' scores 1), which is no bug. A metric that reads only part of the text (a date's year, any part of the
-reference) or none of it gives it on most items."""
+"""The share of items on which an answer wrong by construction (the reference with one character changed, cut
+short, its words in reverse order, followed by another item's reference, or in swapped case) may still score 1
+before the self-test calls the metric blind. Full credit is what is counted: partial credit for a wrong answer is
+a metric's design (rouge_l gives a cut answer the share of words it kept, a reversed one the share its longest
+common subsequence keeps), not blindness. exact_match, accuracy and rouge_l give such an answer less than 1 on
+(almost) every item; a user's module may normalise a change away on an odd reference (rouge_l reads no letter
+outside a-z: 'café' cut to 'caf' scores 1; 'a a' reversed is 'a a'), which is no bug. A metric that reads only
+part of the text (a date's year, any part of the reference), reads its words as a set (a date's day and month
+swapped), looks for the reference anywhere in the answer (a hedge that lists three dates) or reads none of it,
+gives it on most items."""
+
+WRONG_FLOOR = 0.05
+"""The most an answer that shares nothing with the reference (the empty answer; the reference with every character
+replaced by one it does not contain) may score on any item. Partial credit is allowed for a partly right answer,
+not for one with nothing right: the gates read 0 as the worst answer, so a metric whose floor is far above it
+(1 - edit distance / 100 scores the empty answer 0.9) passes a candidate that answers every item wrong at
+`min: 0.8`. exact_match, accuracy and rouge_l score such an answer 0."""
 
 
-def check_references(metrics: dict, references: list[str]) -> None:
-    """Each local metric (scores in [0, 1]) must tell a right answer from a wrong one, or its scores judge no model.
+def check_references(metrics: dict, references: list[str], hub: Collection[str] = ()) -> None:
+    """Each metric that scores items one at a time (scores in [0, 1]) must tell a right answer from a wrong one,
+    or its scores judge no model. A metric in `hub` that cannot score an item alone (corpus-level, BLEU-like), or
+    whose items do not average to its value, is not checked here: its gates compare points (item_scores).
 
     Right: the references, as answers, score 1 on every item; a post-processing or extraction step that
     changes a correct answer would score correct models down, and a score above 1 is another scale than the
-    [0, 1] the gates' intervals assume. Wrong: a metric that gives full credit to wrong answers (an extraction
-    that finds nothing in either text and compares two empty strings; one that compares a date's year; a
-    constant) would pass every model. Each item answered with the next item's reference (the references
-    rotated by one) must score below 1 wherever that is another text, on at least one item (labels that differ
-    in case alone may be one class); the empty answer and the reference with one character changed, wrong on
-    every item, may score 1 on no more than WRONG_CREDIT_SHARE of the items (checked even where every reference
-    is one text, which the rotation cannot test).
+    [0, 1] the gates' intervals assume. Nothing right: an answer that shares nothing with the reference scores at
+    most WRONG_FLOOR on every item (the gates read 0 as the worst). Wrong: a metric that gives full credit to
+    wrong answers (an extraction that finds nothing in either text and compares two empty strings; one that
+    compares a date's year; a constant) would pass every model. Each item answered with the next item's reference
+    (the references rotated by one) must score below 1 wherever that is another text, on at least one item (labels
+    that differ in case alone may be one class); the answers of wrong_by_construction may score 1 on no more than
+    WRONG_CREDIT_SHARE of the items (checked even where every reference is one text, which the rotation cannot
+    test), and so may the references in swapped case, under each metric that does not declare case meaningless
+    (eval/metrics_loader.py case_insensitive).
     """
     totals = score(metrics, references, references)
-    for key, values in item_scores(metrics, references, references, totals, "the references as answers").items():
+    where = "the references as answers"
+    for key, values in item_scores(metrics, references, references, totals, where, hub).items():
         if above := [i for i, v in enumerate(values) if v > 1.0 + 1e-9]:
             raise invalid(
                 f"{key} scores the references as answers {totals[key]:.4g}, above 1 on {len(above)} of {len(values)} "
@@ -222,17 +240,44 @@ def check_references(metrics: dict, references: list[str]) -> None:
                 f"{values[first]:.4g}): the metric's post-processing changes a correct answer"
             )
     rotated = references[1:] + references[:1]
-    check_wrong_answers(metrics, references, rotated, "each item answered with the next item's reference", None)
+    check_wrong_answers(metrics, references, rotated, "each item answered with the next item's reference", None, hub)
+    for what, answers in sharing_nothing(references):
+        check_floor(metrics, references, answers, what, hub)
     for what, answers in wrong_by_construction(references):
-        check_wrong_answers(metrics, references, answers, what, WRONG_CREDIT_SHARE)
+        check_wrong_answers(metrics, references, answers, what, WRONG_CREDIT_SHARE, hub)
+    case_sensitive = {name: metric for name, metric in metrics.items() if not case_insensitive(name, metric)}
+    swapped = [r.swapcase() for r in references]
+    check_wrong_answers(case_sensitive, references, swapped, "each reference in swapped case", WRONG_CREDIT_SHARE, hub)
+
+
+def sharing_nothing(references: list[str]) -> list[tuple[str, list[str]]]:
+    """Answers with nothing of the reference in them: the empty answer, and the reference with every character
+    replaced by one it does not contain (as long as the reference: a metric that reads only the answer's length or
+    shape gives it credit)."""
+    return [
+        ("the empty answer", [""] * len(references)),
+        (
+            "each reference with every character replaced by one it does not contain",
+            [absent_character(r) * max(len(r.strip()), 1) for r in references],
+        ),
+    ]
+
+
+def absent_character(reference: str) -> str:
+    """A letter (else a digit, else a sign) that the reference does not contain in either case."""
+    seen = set(reference.casefold())
+    return next((ch for ch in "xqzjkvwbfghmpy0123456789#~^" if ch not in seen), "\u00a4")
 
 
 def wrong_by_construction(references: list[str]) -> list[tuple[str, list[str]]]:
-    """Answers wrong under any metric that reads the text, by what they are: the empty answer, the reference
-    with one character changed at each end of its first line (accuracy reads the first line; a metric that
-    compares only a prefix or only a suffix misses one of the two; rouge_l's tokens change with either), and the
-    reference cut short: its first line without its last letter or digit, and the first half of that line (a
-    metric that gives credit for any part of the reference, '1' for '19', 'Par' for 'Paris', passed the rest)."""
+    """Answers wrong under any metric that reads the text, by what they are: the reference with one character
+    changed at each end of its first line (accuracy reads the first line; a metric that compares only a prefix or
+    only a suffix misses one of the two; rouge_l's tokens change with either), the reference cut short (its first
+    line without its last letter or digit, and the first half of that line: a metric that gives credit for any part
+    of the reference, '1' for '19', 'Par' for 'Paris', passed the rest), its first line's words in reverse order (a
+    metric that reads words as a set gives '2024-13-01' for '2024-01-13' full credit) and its first line followed by
+    another item's reference (a metric that finds the reference anywhere in the answer credits a hedge). Where such
+    an answer is the reference again ('a a' reversed), check_wrong_answers skips the item."""
 
     def appended(reference: str) -> str:
         lines = reference.strip().splitlines() or [""]
@@ -243,12 +288,43 @@ def wrong_by_construction(references: list[str]) -> list[tuple[str, list[str]]]:
         return ("y" if text[:1].casefold() == "x" else "x") + text[1:]  # not its case alone: accuracy casefolds
 
     return [
-        ("the empty answer", [""] * len(references)),
         ("each reference with 'x' appended to its first line", [appended(r) for r in references]),
         ("each reference with its first character changed", [first_changed(r) for r in references]),
         ("each reference's first line without its last letter or digit", [cut_short(r, 1) for r in references]),
         ("the first half of each reference's first line", [cut_short(r, 2) for r in references]),
+        ("each reference with its first line's words in reverse order", [reversed_words(r) for r in references]),
+        ("each reference with another item's reference after it on its first line", followed(references)),
     ]
+
+
+_WORD = re.compile(r"[^\W_]+")
+"""A run of letters or digits: a word, or a date's digit group."""
+
+
+def reversed_words(reference: str) -> str:
+    """The reference with its first line's words in reverse order, the separators left in place ('2024-01-13' ->
+    '13-01-2024'); a first line of one word has its characters reversed ('Paris' -> 'siraP')."""
+    lines = reference.strip().splitlines() or [""]
+    words = _WORD.findall(lines[0])
+    if len(words) == 1:
+        first = _WORD.sub(lambda m: m.group()[::-1], lines[0])
+    else:
+        backwards = iter(reversed(words))
+        first = _WORD.sub(lambda m: next(backwards), lines[0])
+    return "\n".join([first, *lines[1:]])
+
+
+def followed(references: list[str]) -> list[str]:
+    """Each reference's first line followed, on that line, by the next item's reference that is another text (the
+    reference itself where every reference is one text): right, then wrong. On the first line, since accuracy reads
+    only that one."""
+    answers = []
+    for i, reference in enumerate(references):
+        others = [r for r in references[i + 1 :] + references[:i] if r.strip() != reference.strip()]
+        other = (others[0] if others else reference).strip().splitlines() or [""]
+        lines = reference.strip().splitlines() or [""]
+        answers.append("\n".join([f"{lines[0]} {other[0]}", *lines[1:]]))
+    return answers
 
 
 def cut_short(reference: str, part: int) -> str:
@@ -261,16 +337,16 @@ def cut_short(reference: str, part: int) -> str:
 
 
 def check_wrong_answers(
-    metrics: dict, references: list[str], answers: list[str], what: str, share: float | None
+    metrics: dict, references: list[str], answers: list[str], what: str, share: float | None, hub: Collection[str] = ()
 ) -> None:
     """Invalid if a metric gives `answers` (wrong wherever they are another text than the reference) full credit
     on all those items (`share` None) or on more than `share` of them."""
-    differ = [i for i, (answer, own) in enumerate(zip(answers, references)) if answer.strip() != own.strip()]
-    if not differ:
+    differ = differing(answers, references)
+    if not differ or not metrics:
         return
     totals = score(metrics, answers, references)
     where = f"the self-test's wrong answers ({what})"
-    for key, values in item_scores(metrics, answers, references, totals, where).items():
+    for key, values in item_scores(metrics, answers, references, totals, where, hub).items():
         full = [i for i in differ if values[i] >= 1.0 - 1e-9]
         fooled = len(full) == len(differ) if share is None else len(full) > share * len(differ)
         if not fooled:
@@ -286,3 +362,29 @@ def check_wrong_answers(
             f"{references[first][:80]!r}, answer {answers[first][:80]!r}): the metric cannot tell a right answer "
             "from a wrong one"
         )
+
+
+def check_floor(metrics: dict, references: list[str], answers: list[str], what: str, hub: Collection[str] = ()) -> None:
+    """Invalid if a metric scores `answers`, which share nothing with their references, above WRONG_FLOOR on any
+    item where they are another text."""
+    differ = differing(answers, references)
+    if not differ:
+        return
+    totals = score(metrics, answers, references)
+    where = f"the self-test's wrong answers ({what})"
+    for key, values in item_scores(metrics, answers, references, totals, where, hub).items():
+        if not (above := [i for i in differ if values[i] > WRONG_FLOOR]):
+            continue
+        first = above[0]
+        raise invalid(
+            f"{key} gives credit to answers with nothing right: {what} scores above WRONG_FLOOR={WRONG_FLOOR:g} on "
+            f"{len(above)} of {len(differ)} items (first: item {first}, reference {references[first][:80]!r}, "
+            f"answer {answers[first][:80]!r}, score {values[first]:.4g}): the gates read 0 as the worst answer, so "
+            "a model that answers every item wrong would score near this floor; rescale the metric so that such "
+            "an answer scores 0"
+        )
+
+
+def differing(answers: list[str], references: list[str]) -> list[int]:
+    """The items whose answer is another text than the reference (surrounding whitespace aside)."""
+    return [i for i, (answer, own) in enumerate(zip(answers, references)) if answer.strip() != own.strip()]

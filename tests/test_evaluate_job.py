@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 from eval import evaluate_job
 from eval.evaluate_job import evaluate_body
 from eval.generation import eval_loss, generate, right_padded
-from eval.metrics_loader import load_metric
+from eval.metrics_loader import case_insensitive, load_metric
 from eval.selftest import check_references, item_scores, score, unscored
 from eval.suites import read_suite
 from tests.conftest import TEST_BUCKET, run_job_module
@@ -31,6 +32,7 @@ from training.hf_export import publish_export
 from training.jobkit import JobContext
 from tuneproof.app.tiny_model import CHAT_TEMPLATE, build_tiny_model, conversation_text
 from tuneproof.control import registry
+from tuneproof.core import markers
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.hashing import chat_template_sha256
 from tuneproof.core.results import FailureClass, StageFailure
@@ -341,6 +343,24 @@ def test_batched_left_padded_generation_equals_one_at_a_time(world, base_model):
     assert done == [3, 1]
 
 
+def test_the_models_own_generation_settings_are_ignored_for_scoring(world):
+    """Before, only sampling, beams and repetition_penalty were pinned: a checkpoint's suppress_tokens turned
+    '2024-01-05' into '2024-01-0', read as the model's answer (a modeling failure)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(world["trained"]).eval()
+    tokenizer = world["tokenizer"]
+    prompts = [r["prompt"] for r in world["rows"][:5]]
+    assert generate(model, tokenizer, prompts, max_new_tokens=16, batch_size=5) == [ANSWER] * 5
+    own = model.generation_config
+    own.suppress_tokens = [tokenizer.convert_tokens_to_ids("5")]
+    own.no_repeat_ngram_size = 1
+    own.min_new_tokens = 14  # past the stop token
+    own.do_sample, own.temperature, own.top_k = True, 2.0, 0
+    assert generate(model, tokenizer, prompts, max_new_tokens=16, batch_size=5) == [ANSWER] * 5
+    assert model.generation_config is own  # the model's own settings are back after scoring
+
+
 def test_eval_loss_matches_the_models_own_loss(world, base_model):
     rows = world["rows"][:3]
     tokenizer = world["tokenizer"]
@@ -436,10 +456,10 @@ def test_a_metric_that_gives_full_credit_to_wrong_answers_fails_the_self_test():
     # construction (empty, one character changed) still show it; before, the self-test passed it.
     with pytest.raises(StageFailure) as one_text:
         check_references({"exact_match": FindsNothing()}, [ANSWER, ANSWER])
-    assert one_text.value.cause == (
-        "evaluation invalid: exact_match gives full credit to wrong answers: the empty answer scores 1 on 2 of 2 "
-        "items, more than WRONG_CREDIT_SHARE=0.1 of them (first: item 0, reference '2024-01-05', answer ''): the "
-        "metric cannot tell a right answer from a wrong one"
+    assert one_text.value.cause.startswith(
+        "evaluation invalid: exact_match gives credit to answers with nothing right: the empty answer scores above "
+        "WRONG_FLOOR=0.05 on 2 of 2 items (first: item 0, reference '2024-01-05', answer '', score 1): the gates "
+        "read 0 as the worst answer"
     )
     # Labels that differ only in case, under accuracy's casefold: full credit where the texts differ, but not
     # on every item (the third label is another class), so the metric still tells answers apart.
@@ -484,7 +504,7 @@ def test_wrong_answers_by_construction_find_a_metric_the_rotation_misses():
         "first line scores 1 on 5 of 5 items, more than WRONG_CREDIT_SHARE=0.1 of them (first: item 0, reference "
         "'2024-01-05', answer '2024-01-05x'): the metric cannot tell a right answer from a wrong one"
     )
-    with pytest.raises(StageFailure, match="the empty answer scores 1 on 30 of 30 items"):
+    with pytest.raises(StageFailure, match="the empty answer scores above WRONG_FLOOR=0.05 on 30 of 30 items"):
         check_references({"exact_match": Constant()}, [ANSWER] * 30)
     with pytest.raises(StageFailure) as lenient:
         check_references({"exact_match": PartOfReference()}, ["19", "Paris", "Madrid", "d n a b", "42", "Rome"])
@@ -508,6 +528,132 @@ def test_the_shipped_metrics_give_no_wrong_answer_full_credit():
     for suite in sorted(Path("data/skills/suites").glob("*.jsonl")):  # the bundled suites, scored by exact_match
         outputs = [json.loads(line)["output"] for line in suite.read_text().splitlines() if line.strip()]
         check_references({"exact_match": metrics["exact_match"]}, outputs)
+
+
+def edit_distance(a: str, b: str) -> int:
+    previous = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        current = [i]
+        for j, y in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (x != y)))
+        previous = current
+    return previous[-1]
+
+
+class EditOverHundred(OffByOne):
+    """A similarity with a wrong denominator, 1 - edit distance / 100: the empty answer to a date scores 0.9, so a
+    candidate that answers every item wrong passes `min: 0.8`."""
+
+    def _compute(self, predictions, references):
+        scores = [1 - edit_distance(p.strip(), r.strip()) / 100 for p, r in zip(predictions, references)]
+        return {"exact_match": sum(scores) / len(scores) if scores else 0.0}
+
+
+class SameLength(OffByOne):
+    """Reads only the answer's length: 1 for an answer as long as the reference, less the longer it is off. It gives
+    the empty answer 0, but an answer of as many wrong characters full credit."""
+
+    def _compute(self, predictions, references):
+        scores = [1 - abs(len(p) - len(r)) / max(len(p), len(r), 1) for p, r in zip(predictions, references)]
+        return {"exact_match": sum(scores) / len(scores) if scores else 0.0}
+
+
+def test_a_metric_whose_floor_is_above_zero_fails_the_self_test():
+    """The gates read 0 as the worst answer. Before, a floor of 0.9 passed (wrong answers never scored exactly 1)
+    and an all-wrong candidate passed `min: 0.8`; partial credit for a partly right answer is still allowed
+    (rouge_l: test_the_shipped_metrics_give_no_wrong_answer_full_credit)."""
+    dates = ["2024-01-05", "2024-03-17", "2024-07-30", "2024-11-02", "2023-12-31"]
+    with pytest.raises(StageFailure) as info:
+        check_references({"exact_match": EditOverHundred()}, dates)
+    assert info.value.failure_class is FailureClass.infrastructure
+    assert info.value.cause == (
+        "evaluation invalid: exact_match gives credit to answers with nothing right: the empty answer scores above "
+        "WRONG_FLOOR=0.05 on 5 of 5 items (first: item 0, reference '2024-01-05', answer '', score 0.9): the gates "
+        "read 0 as the worst answer, so a model that answers every item wrong would score near this floor; rescale "
+        "the metric so that such an answer scores 0"
+    )
+    with pytest.raises(StageFailure) as shape:
+        check_references({"exact_match": SameLength()}, ["19", "Paris", "Madrid", "New Delhi"])  # lengths differ
+    assert shape.value.cause.startswith(
+        "evaluation invalid: exact_match gives credit to answers with nothing right: each reference with every "
+        "character replaced by one it does not contain scores above WRONG_FLOOR=0.05 on 4 of 4 items (first: item 0, "
+        "reference '19', answer 'xx', score 1)"
+    )
+
+
+class SortedWords(OffByOne):
+    """'Order does not matter' normalisation (for list answers), applied to dates: 2024-13-01 for 2024-01-13."""
+
+    def _compute(self, predictions, references):
+        def words(text):
+            return sorted(re.findall(r"\w+", text.lower()))
+
+        return {"exact_match": sum(words(p) == words(r) for p, r in zip(predictions, references)) / len(predictions)}
+
+
+class Casefolded(OffByOne):
+    """exact_match that casefolds without declaring it: 'paris' for 'Paris', 'NO' for 'no'."""
+
+    def _compute(self, predictions, references):
+        hits = sum(p.strip().casefold() == r.strip().casefold() for p, r in zip(predictions, references))
+        return {"exact_match": hits / len(predictions)}
+
+
+class DeclaredCasefolded(Casefolded):
+    """The same, declared: case carries no meaning to its labels."""
+
+    CASE_INSENSITIVE = True
+
+
+class Contains(OffByOne):
+    """'The reference appears in the answer as a whole word' (TriviaQA-style), used as exact match: a hedge that
+    lists several dates gets full credit."""
+
+    def _compute(self, predictions, references):
+        def found(p, r):
+            return re.search(r"(?<!\w)" + re.escape(r.strip()) + r"(?!\w)", p) is not None
+
+        return {"exact_match": sum(found(p, r) for p, r in zip(predictions, references)) / len(predictions)}
+
+
+@pytest.mark.parametrize(
+    "metric, references, says",
+    [
+        (
+            SortedWords(),
+            ["2024-01-13", "2024-02-14", "2024-03-15"],
+            "each reference with its first line's words in reverse order scores 1 on 3 of 3 items, more than "
+            "WRONG_CREDIT_SHARE=0.1 of them (first: item 0, reference '2024-01-13', answer '13-01-2024')",
+        ),
+        (
+            Casefolded(),
+            ["Paris", "Berlin", "Tokyo"],
+            "each reference in swapped case scores 1 on 3 of 3 items, more than WRONG_CREDIT_SHARE=0.1 of them "
+            "(first: item 0, reference 'Paris', answer 'pARIS')",
+        ),
+        (
+            Contains(),
+            ["2024-01-13", "2024-02-14", "2024-03-15"],
+            "each reference with another item's reference after it on its first line scores 1 on 3 of 3 items, more "
+            "than WRONG_CREDIT_SHARE=0.1 of them (first: item 0, reference '2024-01-13', answer '2024-01-13 "
+            "2024-02-14')",
+        ),
+    ],
+)
+def test_a_metric_blind_to_order_case_or_extra_text_fails_the_self_test(metric, references, says):
+    """Before, each passed: the wrong answers by construction changed only the ends of the first line or cut it."""
+    with pytest.raises(StageFailure) as info:
+        check_references({"exact_match": metric}, references)
+    assert info.value.failure_class is FailureClass.infrastructure
+    assert info.value.cause.startswith(f"evaluation invalid: exact_match gives full credit to wrong answers: {says}")
+
+
+def test_a_metric_that_declares_case_meaningless_is_not_held_to_the_case_swap():
+    check_references({"exact_match": DeclaredCasefolded()}, ["Paris", "Berlin", "Tokyo"])
+    # the shipped accuracy and rouge_l declare it; exact_match does not, and tells 'Paris' from 'pARIS'
+    metrics = {name: load_metric(name) for name in ("exact_match", "rouge_l", "accuracy")}
+    assert [case_insensitive(name, m) for name, m in metrics.items()] == [False, True, True]
+    check_references(metrics, ["Paris", "Berlin", "Tokyo", "Yes", "no"])
 
 
 class PercentCorpus(OffByOne):
@@ -590,7 +736,16 @@ def test_a_numpy_scalar_is_a_number():
     "metric, says",
     [
         (PercentCorpus(), "the references as answers: exact_match cannot score an item alone (ValueError: "),
-        (Constant(), "exact_match gives full credit to wrong answers: the empty answer scores 1 on 30 of 30 items"),
+        (
+            Constant(),
+            "exact_match gives credit to answers with nothing right: the empty answer scores above WRONG_FLOOR=0.05 "
+            "on 30 of 30 items",
+        ),
+        (
+            EditOverHundred(),
+            "exact_match gives credit to answers with nothing right: the empty answer scores above WRONG_FLOOR=0.05 "
+            "on 30 of 30 items",
+        ),
     ],
 )
 def test_a_broken_scorer_ends_evaluate_as_invalid_not_as_a_verdict(world, store, monkeypatch, metric, says):
@@ -603,6 +758,64 @@ def test_a_broken_scorer_ends_evaluate_as_invalid_not_as_a_verdict(world, store,
     assert info.value.failure_class is FailureClass.infrastructure
     assert info.value.cause.startswith(f"evaluation invalid: {says}")
     assert not store.exists("runs/broken/stages/evaluate/predictions.jsonl")  # no model answered
+
+
+class HubConstant(OffByOne):
+    """A hub metric (eval.hub_metrics: true, 'myorg/date_match') whose extraction finds nothing: 1 for any answer."""
+
+    def _compute(self, predictions, references):
+        return {"exact_match": 1.0}
+
+
+class HubDateMatch(OffByOne):
+    """A working hub metric: exact match of the stripped texts."""
+
+    def _compute(self, predictions, references):
+        return {"exact_match": sum(p.strip() == r.strip() for p, r in zip(predictions, references)) / len(predictions)}
+
+
+HUB_COMMIT = "c0ffee" * 6 + "c0ff"
+"""A 40-hex commit, as from_pretrained records the revision a hub id resolved to in config._commit_hash."""
+
+
+def test_a_hub_metric_is_self_tested_and_what_scored_is_named_by_hash_or_hub_commit(world, store, monkeypatch, capsys):
+    """Before, a hub metric was never self-tested: a constant 1 failed a correctly trained candidate as a modeling
+    failure (+0 over a base that 'scored' 1). A hub metric's module files and a base named by hub id (no files to
+    hash) had no identity in the summary either."""
+    upload_export(store, world["trained"], "hubconst")
+    monkeypatch.setattr(evaluate_job, "load_metric", lambda name, hub: HubConstant())
+    with pytest.raises(StageFailure) as info:
+        evaluate_body(make_ctx(world, "hubconst", store.root, metrics=["myorg/date_match"], hub_metrics=True))
+    assert info.value.failure_class is FailureClass.infrastructure
+    assert info.value.cause.startswith(
+        "evaluation invalid: exact_match gives credit to answers with nothing right: the empty answer scores above "
+        "WRONG_FLOOR=0.05 on 30 of 30 items"
+    )
+    assert not store.exists("runs/hubconst/stages/evaluate/predictions.jsonl")  # no model answered
+
+    real_load = evaluate_job.load_for_eval
+
+    def base_from_hub(ctx, source):  # the base as a hub id loads it: a commit in its config, no files to hash
+        model, tokenizer, content = real_load(ctx, source)
+        if source.role != "base":
+            return model, tokenizer, content
+        model.config._commit_hash = HUB_COMMIT
+        return model, tokenizer, None
+
+    monkeypatch.setattr(evaluate_job, "load_metric", lambda name, hub: HubDateMatch())
+    monkeypatch.setattr(evaluate_job, "load_for_eval", base_from_hub)
+    upload_export(store, world["trained"], "hub")
+    summary = evaluate_body(make_ctx(world, "hub", store.root, metrics=["myorg/date_match"], hub_metrics=True))
+    here = Path(__file__).parent
+    module_files = markers.local_digests(here, sorted(p.name for p in here.glob("*.py")))
+    assert summary.metric_sha256 == {"myorg/date_match": markers.content_sha256(module_files)}
+    base, candidate = summary.models["base"], summary.models["candidate"]
+    assert base is not None and candidate is not None
+    assert (base.content_sha256, base.hub_commit) == (None, HUB_COMMIT)
+    assert candidate.content_sha256 is not None and candidate.hub_commit is None
+    assert summary.base_reproduction is not None  # keyed by the commit: a moved 'main' is another base
+    assert summary.base_reproduction.reference_uri.endswith(f"base-hub-commit-{HUB_COMMIT}-tokens16.json")
+    assert f"base: {world['base']} (hub commit {HUB_COMMIT[:12]}, chat template" in capsys.readouterr().out
 
 
 def test_too_small_max_new_tokens_is_an_invalid_evaluation_not_a_gate_failure(world, store):
@@ -651,7 +864,7 @@ class NoNumber:
             }
         if predictions == references:
             return {"exact_match": 1.0}
-        return {"exact_match": float("nan")} if self.key == "exact_match" else {self.key: 0.5}
+        return {"exact_match": float("nan")} if self.key == "exact_match" else {self.key: 0.0}
 
     def compute(self, predictions, references):
         return self._compute(predictions, references)

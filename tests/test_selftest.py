@@ -1,9 +1,20 @@
 """eval/selftest.py: cut-off and empty answers per model and split, and who the cap holds (pure); how a reference
-is cut short into a wrong answer (the metrics' self-test itself: tests/test_evaluate_job.py)."""
+is cut short, reversed, followed by another reference or replaced into a wrong answer (the metrics' self-test
+itself: tests/test_evaluate_job.py)."""
 
 from __future__ import annotations
 
-from eval.selftest import TASK, count_lines, cut_short, generation_problem, generations
+from eval.selftest import (
+    TASK,
+    absent_character,
+    count_lines,
+    cut_short,
+    followed,
+    generation_problem,
+    generations,
+    reversed_words,
+    sharing_nothing,
+)
 from tuneproof.core.summaries_eval import Generations
 
 
@@ -52,3 +63,29 @@ def test_a_reference_is_cut_at_a_letter_or_digit_on_its_first_line():
         "--",
     ]
     assert [cut_short(r, 2) for r in ("19", "Paris.", "2024-01-05", "Yes\nbecause")] == ["1", "Pa", "2024-", "Y"]
+
+
+def test_wrong_answers_by_construction_reverse_words_and_append_another_reference():
+    """Words reversed in place (a date's digit groups; one word's characters), and another item's reference after
+    the reference on its first line (the reference again where every reference is one text)."""
+    assert [reversed_words(r) for r in ("2024-01-13", "Paris", "a b\nmore", "- 5", "")] == [
+        "13-01-2024",
+        "siraP",
+        "b a\nmore",
+        "- 5",  # the reference again: check_wrong_answers skips such an item
+        "",
+    ]
+    assert followed(["2024-01-13", "2024-01-13", "Yes\nbecause"]) == [
+        "2024-01-13 Yes",
+        "2024-01-13 Yes",
+        "Yes 2024-01-13\nbecause",  # on the first line: accuracy reads only that one
+    ]
+    assert followed(["same", "same"]) == ["same same", "same same"]
+
+
+def test_an_answer_sharing_nothing_uses_no_character_of_the_reference():
+    assert absent_character("2024-01-05") == "x"
+    assert absent_character("Xavier") == "q"  # not 'x' in another case
+    answers = dict(sharing_nothing(["2024-01-05", ""]))
+    assert answers["the empty answer"] == ["", ""]
+    assert answers["each reference with every character replaced by one it does not contain"] == ["x" * 10, "x"]

@@ -36,7 +36,10 @@ class ModelScore(Summary):
     seconds: float
     content_sha256: str | None = None
     """What was scored: an export's manifest hash (checked on the loaded copy), a directory's file hash,
-    None for a hub id (its revision is in the config)."""
+    None for a hub id (see hub_commit)."""
+    hub_commit: str | None = None
+    """For a model named by hub id (no local files to hash): the hub commit it was loaded at, which
+    model.revision (a branch such as 'main' moves) resolved to; None for local files and in older records."""
     chat_template_sha256: str | None = None
     """The chat template of the tokenizer the model was prompted with (the self-test holds the candidate's
     and the base's to the data stage's; an incumbent's that differs is logged)."""
@@ -199,12 +202,14 @@ class EvaluateSummary(Summary):
     eval_split_sha256: str | None = None
     """Hash over the eval split's shards (path and sha256 from the dataset manifest)."""
     metric_sha256: dict[str, str | None] = {}
-    """Each metric's module hash (None for a hub metric)."""
+    """Each metric's module hash: a local module's folder, or the files a hub metric was imported from (None where
+    its class has no source file, and for a hub metric in records before this was recorded)."""
     chat_template_sha256: str | None = None
     """The chat template the data stage rendered the eval prompts with (its manifest's); None for a dataset
     prepared before manifests recorded it."""
     base_reproduction: Reproduction | None = None
-    """The base's answers against its earlier evaluation; None for a base without a content hash (a hub id)."""
+    """The base's answers against its earlier evaluation; None for a base with neither a content hash nor a hub
+    commit."""
     memory: list[RankMemory] = []
     """Peak memory of the evaluating process (one rank)."""
     suites: list[SuiteScore] = []

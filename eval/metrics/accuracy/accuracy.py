@@ -33,6 +33,10 @@ def _label(text: str) -> str:
 
 
 class Accuracy(evaluate.Metric):
+    CASE_INSENSITIVE = True
+    """Labels are compared case-folded on purpose ('Positive' is 'positive'): the evaluation's self-test does not
+    count a case-swapped answer's full credit as blindness (eval/metrics_loader.py case_insensitive)."""
+
     def _info(self) -> evaluate.MetricInfo:
         return evaluate.MetricInfo(
             description=_DESCRIPTION,

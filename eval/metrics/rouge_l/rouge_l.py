@@ -53,6 +53,10 @@ def f1(prediction: str, reference: str) -> float:
 
 
 class RougeL(evaluate.Metric):
+    CASE_INSENSITIVE = True
+    """Both texts are lower-cased on purpose, as rouge_score does: the evaluation's self-test does not count a
+    case-swapped answer's full credit as blindness (eval/metrics_loader.py case_insensitive)."""
+
     def _info(self) -> evaluate.MetricInfo:
         return evaluate.MetricInfo(
             description=_DESCRIPTION,
