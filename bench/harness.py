@@ -27,7 +27,6 @@ from bench.common import say
 from tuneproof.app.servers import OFFLINE_ENV
 from tuneproof.core.config import PROJECT_ROOT, PipelineConfig, load_config
 
-BIN = Path(sys.executable).parent
 QUIET_ENV = {**OFFLINE_ENV, "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
 S3_BUCKET = "tuneproof-bench"
 

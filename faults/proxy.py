@@ -58,15 +58,6 @@ class FlakyProxy:
         with self._lock:
             self._armed.append((pattern, seconds))
 
-    def wait_outages(self, count: int, timeout: float) -> bool:
-        """True once `count` outages have ended."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if sum(o.ended is not None for o in self.outages) >= count:
-                return True
-            time.sleep(0.2)
-        return False
-
     # ---- the server side
 
     def _listen(self) -> None:

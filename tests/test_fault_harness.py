@@ -170,6 +170,7 @@ def test_the_proxy_goes_down_at_the_armed_request_and_comes_back_on_the_same_por
     import http.client
     import re
     import threading
+    import time
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from faults.proxy import FlakyProxy
@@ -194,6 +195,15 @@ def test_the_proxy_goes_down_at_the_armed_request_and_comes_back_on_the_same_por
         finally:
             conn.close()
 
+    def wait_outages(proxy: FlakyProxy, count: int, timeout: float) -> bool:
+        """True once `count` outages have ended."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if sum(o.ended is not None for o in proxy.outages) >= count:
+                return True
+            time.sleep(0.2)
+        return False
+
     server = ThreadingHTTPServer(("127.0.0.1", 0), Ok)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
@@ -204,7 +214,7 @@ def test_the_proxy_goes_down_at_the_armed_request_and_comes_back_on_the_same_por
                 request(proxy.port, "PUT", "/bucket/datasets/x")
             with pytest.raises(ConnectionRefusedError):
                 request(proxy.port, "GET", "/during-the-outage")
-            assert proxy.wait_outages(1, timeout=10)
+            assert wait_outages(proxy, 1, timeout=10)
             assert request(proxy.port, "PUT", "/bucket/datasets/x") == 200  # fired once: back, same port
             assert [o.trigger for o in proxy.outages] == ["PUT /bucket/datasets/x HTTP/1.1"]
     finally:

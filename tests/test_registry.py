@@ -24,6 +24,8 @@ from tuneproof.core.storage import Storage
 
 NAME = "dates-qwen2-tiny"
 MODELS_DIR = registry.MODELS
+LOCK = ".production.json.lock"
+"""The pointer's lock file (tuneproof.core.cas names it after the object it guards)."""
 
 
 def card(run_id: str = "r1", **extra: Any) -> registry.CardFacts:
@@ -275,7 +277,7 @@ def test_concurrent_promotions_one_winner_local(local):
     promote(local, NAME, "first", export(local, "first"), card("first"), None)
     outcomes, _ = race(local, 4)
     assert_one_winner(local, outcomes)
-    assert not (os.path.exists(local.path("models", NAME, registry.LOCK)))
+    assert not (os.path.exists(local.path("models", NAME, LOCK)))
 
 
 def overtaken_during_copy(storage: Storage, monkeypatch) -> None:
@@ -303,7 +305,7 @@ def test_a_promotion_landing_during_the_copy_wins_local(local, monkeypatch):
 
 def test_a_crashed_holders_lock_is_broken(local):
     promote(local, NAME, "runA", export(local, "runA"), card("runA"), None)
-    lock = local.path("models", NAME, registry.LOCK)
+    lock = local.path("models", NAME, LOCK)
     with open(lock, "w") as f:
         json.dump({"nonce": "dead", "pid": 999999, "host": "gone"}, f)
     old = time.time() - 120
@@ -318,7 +320,7 @@ def test_a_crashed_holders_lock_is_broken(local):
 
 def test_a_live_lock_times_out_and_the_copy_is_kept_unpointed_until_the_runs_next_promotion(local):
     promote(local, NAME, "runA", export(local, "runA"), card("runA"), None)
-    lock = local.path("models", NAME, registry.LOCK)
+    lock = local.path("models", NAME, LOCK)
     with open(lock, "w") as f:
         json.dump({"nonce": "alive", "pid": os.getpid(), "host": "here"}, f)
     _, token = read_pointer(local, NAME)

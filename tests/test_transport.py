@@ -8,11 +8,15 @@ from tuneproof.core.transport import (
     GLOO_EVIDENCE,
     classify,
     classify_sources,
-    classify_text,
     combine,
     meets,
     verdict_for_files,
 )
+
+
+def classify_text(text: str) -> dict:
+    return classify(text.splitlines())
+
 
 BANNER = """\
 ip-10-0-1-5:4121:4121 [0] NCCL INFO Bootstrap : Using eth0:10.0.1.5<0>

@@ -21,7 +21,6 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-SKILLS_DIR = Path(__file__).resolve().parents[2] / "data" / "skills"
 IGNORE_INDEX = -100
 RECIPE_VERSION = 2
 """Bumped when the training code below changes what a recipe produces (2: rows of unseen tokens stay at init)."""

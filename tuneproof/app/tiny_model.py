@@ -51,7 +51,6 @@ CHAT_TEMPLATE = (
 
 PROJECT = Path(__file__).resolve().parents[2]
 DEFAULT_DATA = PROJECT / "data" / "dates" / "dates.jsonl"
-ROLES = ("system", "user", "assistant")
 BASE_CACHE = PROJECT / ".tuneproof" / "base-models" / "cache"
 """Built bases by content hash: a second `local up` (or a test session) copies one instead of training."""
 BASE_FACTS = "base.json"

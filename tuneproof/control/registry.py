@@ -39,20 +39,16 @@ from tuneproof.control import history
 from tuneproof.control.cost import VersionCost, card_notes
 from tuneproof.control.history import Move, MoveIntent
 from tuneproof.core import cas, markers
-from tuneproof.core.cas import file_lock
 from tuneproof.core.config_train import LORA_ADAPTER_DIR
 from tuneproof.core.files import read_stored
 from tuneproof.core.results import Model, first_problem, now_iso, one_line
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries_eval import ApprovalAnswer, Forced, SuiteRow
 
-__all__ = ["file_lock"]  # re-exported: the lock moved to tuneproof.core.cas
-
 MODELS = "models"
 POINTER = "production.json"
 CARD_JSON = "card.json"
 CARD_MD = "MODEL_CARD.md"
-LOCK = ".production.json.lock"
 MAX_CARD_BYTES = 16 << 20
 """A card is kilobytes (metrics, gate lines, provenance, history); a bigger one, or a FIFO in its place, is refused
 by name (tuneproof.core.files.FileRefused) instead of read until memory runs out."""

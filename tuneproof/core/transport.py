@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 
 from tuneproof.core.files import UTF16_BOMS, decode_text
 
-KINDS = ("efa", "socket-fallback", "inconclusive", "gloo")
 EXPECTATIONS = ("any", "gloo", "efa")
 GLOO_EVIDENCE = "backend gloo (CPU)"
 NCCL_LOG_ROOT = "/tmp/tuneproof-nccl"
@@ -117,7 +116,7 @@ def read_facts(lines: Iterable[str]) -> LogFacts:
 
 
 def classify(lines: Iterable[str]) -> dict:
-    """{"kind": one of KINDS, "evidence": [the lines that decided it]} for one log's lines."""
+    """{"kind": efa, socket-fallback, inconclusive or gloo, "evidence": [the lines that decided it]} for one log's lines."""
     return _decide(read_facts(lines))
 
 
@@ -193,10 +192,6 @@ def _gunzip(data: bytes) -> bytes:
         # gzip pads some files with zeros after the last member; zcat ignores them too.
         rest = gunzip.unused_data.lstrip(b"\x00")
     return b"".join(members)
-
-
-def classify_text(text: str) -> dict:
-    return classify(text.splitlines())
 
 
 def meets(kind: str, expect: str) -> bool:
