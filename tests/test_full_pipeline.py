@@ -173,17 +173,17 @@ def test_unchanged_inputs_reuse_the_prepared_dataset(demo, base_args, storage):
 
 
 def test_a_gate_the_candidate_misses_is_a_modeling_failure_and_nothing_moves(demo, base_args, storage):
-    # 0.999: the demo's candidate answers about 99 % of its 300 items, so the whole interval lies below it.
-    # (1 and 1.01, which no interval over items can reach, are config errors, exit 3: tests/test_bad_input.py.)
+    # The demo's candidate answers all 300 items, so no exact-match gate can be missed on them (0.999 is
+    # insufficient evidence; 1 and 1.01, which no interval over items reaches, are config errors, exit 3:
+    # tests/test_bad_input.py). Its eval loss, a point the model gives, misses a floor of 1e-6 for certain.
     before = pointer_bytes(storage)
     versions = storage.listdir("models", "dates-qwen2-tiny")
-    result = tuneproof(
-        "run", "--only", "evaluate,promote", "--run-id", "demo", *base_args, "--set", "eval.gates.exact_match.min=0.999"
-    )
+    loss_gate = ("--set", "eval.gates.eval_loss={min: 0.000001, higher_is_better: false}")
+    result = tuneproof("run", "--only", "evaluate,promote", "--run-id", "demo", *base_args, *loss_gate)
     assert result.exit_code == 6, result.output
     rec = records.load(storage, "demo")
     assert rec.failure_class == "modeling"
-    assert "exact_match >= 0.999" in (rec.stages["evaluate"].cause or "")
+    assert "eval_loss <= 1e-06" in (rec.stages["evaluate"].cause or "")
     # Nothing moved, and no promotion stands on this invocation's evidence; the record keeps the demo's earlier
     # promotion, which production still serves (it never denies what the registry serves), and says so.
     assert "promote" not in rec.stages
