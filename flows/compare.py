@@ -124,7 +124,8 @@ def compare(
         result.arms[arm].runs.append(run_id)
         if rec is not None:
             fill_identity(result.arms[arm], rec)
-            metrics[arm].append(table.diff_metrics(rec))
+            if outcome.status == "succeeded":  # a failed run's numbers measured something that did not work
+                metrics[arm].append(table.diff_metrics(rec))
             if ft := rec.summary("finetune", FinetuneSummary):
                 result.loss_curves[run_id] = [(p[0], p[1]) for p in ft.loss_curve]
         if outcome.status != "succeeded":

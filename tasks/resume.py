@@ -28,7 +28,15 @@ from tasks import events
 from tasks.jobs import RETRY, StageCall, entry_from_jobs, runner_for
 from tasks.rayjob import JobSpec, RayJobRunner
 from tuneproof.control.record import StageEntry
-from tuneproof.control.resume_evidence import as_ledger, check_restart, compare_ledgers, compare_losses
+from tuneproof.control.resume_evidence import (
+    Ledger,
+    as_ledger,
+    check_first_step,
+    check_phase_steps,
+    check_restart,
+    compare_ledgers,
+    compare_losses,
+)
 from tuneproof.core.results import FailureClass, StageFailure, now_iso
 from tuneproof.core.rowlog import read_rows, rows_sha256
 from tuneproof.core.storage import Storage
@@ -162,7 +170,8 @@ def first_unused_attempt(storage: Storage, call: StageCall) -> int:
 def judge(
     call: StageCall, job: ResumeJobSummary, seed: CheckpointRef, interrupt_at: int, main_curve: list[LossPoint]
 ) -> ResumeSummary:
-    """Compare the restarted trajectory with the main run: the step it restored, and losses step for step."""
+    """Compare the restarted trajectory with the main run: the step it restored, and losses and data order step for
+    step over every step each phase had to train (phase_steps), no fewer and no others."""
     cfg = call.cfg
     resumed = job.resumed
     assert resumed is not None  # the caller returns early without a continue phase
@@ -176,24 +185,28 @@ def judge(
         return ResumeSummary(
             seed_checkpoint=seed, interrupted=True, interrupted_at_step=job.interrupted_at_step, problems=[e.cause]
         )
-    replayed = as_losses([(r["step"], r["loss"]) for r in interrupted if "loss" in r]) | as_losses(resumed_curve)
-    comparison = LossComparison.model_validate(compare_losses(as_losses(main_curve), replayed, cfg.resume.loss_rtol))
-    ledger = LedgerComparison.model_validate(
-        compare_ledgers(as_ledger(main_ledger), as_ledger(ledger_points(interrupted)) | as_ledger(resumed_ledger))
-    )
+    main_logged = (as_losses(main_curve), as_ledger(main_ledger))
+    interrupt_losses = as_losses([(r["step"], r["loss"]) for r in interrupted if "loss" in r])
+    logged = {
+        "interrupt": (interrupt_losses, as_ledger(ledger_points(interrupted))),
+        "continue": (as_losses(resumed_curve), as_ledger(resumed_ledger)),
+    }
+    replayed_losses = logged["interrupt"][0] | logged["continue"][0]
+    replayed_ledger = logged["interrupt"][1] | logged["continue"][1]
+    comparison = LossComparison.model_validate(compare_losses(main_logged[0], replayed_losses, cfg.resume.loss_rtol))
+    ledger = LedgerComparison.model_validate(compare_ledgers(main_logged[1], replayed_ledger))
     problems = []
     if job.interrupted_at_step != interrupt_at:
         problems.append(f"the interrupt phase was killed after step {job.interrupted_at_step}, not {interrupt_at}")
     if restart := check_restart(interrupt_at, resumed.restored_step):
         problems.append(restart.line())
     if not comparison.ok:
-        problems.append(
-            f"replayed losses differ from the main run: max relative difference "
-            f"{comparison.max_rel_diff:.3g} > tolerance {cfg.resume.loss_rtol}"
-        )
+        problems.append(loss_problem(comparison, cfg.resume.loss_rtol))
     if not ledger.ok:
         what = "differs from the main run's" if ledger.steps_compared else "cannot be checked"
         problems.append(f"the data order {what}: {ledger.reason}")
+    expected = phase_steps(seed.step, interrupt_at, cfg.resume.replay_steps)
+    problems += step_problems(expected, resumed.restored_step, logged, main_logged)
     first_at, killed_at = resumed.first_step_completed_at, job.interrupted_at
     return ResumeSummary(
         seed_checkpoint=seed,
@@ -207,6 +220,45 @@ def judge(
         loss_rtol=cfg.resume.loss_rtol,
         ledger_comparison=ledger,
         problems=problems,
+    )
+
+
+def phase_steps(seed_step: int, interrupt_at: int, replay: int) -> dict[str, range]:
+    """The steps each phase must train and log, all replayed against the main run: the interrupt phase's, from
+    the seed checkpoint to the kill, and the continue phase's, from the restored step to max_steps. Pure."""
+    return {
+        "interrupt": range(seed_step + 1, interrupt_at + 1),
+        "continue": range(interrupt_at + 1, interrupt_at + replay + 1),
+    }
+
+
+def step_problems(
+    expected: dict[str, range],
+    restored_step: int | None,
+    logged: dict[str, tuple[dict[int, float], Ledger]],
+    main: tuple[dict[int, float], Ledger],
+) -> list[str]:
+    """Problem lines when the replay was not compared on every step it had to train: the restarted run's first
+    logged step is not the one after its restore, or a phase's losses or data order were not compared with the
+    main run's on exactly its `expected` steps (phase_steps). Pure.
+
+    The comparisons judge only the steps both runs logged; without these checks a continue phase whose metrics
+    were lost would pass on the interrupt phase's steps alone."""
+    continued_losses, continued_ledger = logged["continue"]
+    problems = [check_first_step(restored_step, [*continued_losses, *continued_ledger])]
+    for phase, (losses, ledger) in logged.items():
+        problems.append(check_phase_steps(phase, "losses", expected[phase], losses, main[0]))
+        problems.append(check_phase_steps(phase, "data order", expected[phase], ledger, main[1]))
+    return [problem for problem in problems if problem]
+
+
+def loss_problem(comparison: LossComparison, rtol: float) -> str:
+    """The problem line of a failed loss comparison; one with no step compared says so, with its reason. Pure."""
+    if comparison.max_rel_diff is None:
+        return f"the replayed losses cannot be checked, 0 steps compared: {comparison.reason}"
+    return (
+        f"replayed losses differ from the main run: max relative difference "
+        f"{comparison.max_rel_diff:.3g} > tolerance {rtol}"
     )
 
 

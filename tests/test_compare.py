@@ -258,6 +258,24 @@ def test_a_run_refused_before_its_record_names_the_refusal_as_its_cause(tmp_path
     assert state.is_failed() and stored.cause in (state.message or "")
 
 
+def test_a_failed_runs_metrics_add_nothing_to_its_arm(tmp_path, monkeypatch):
+    # The demo record, its run failed at a later stage: the stages that ran still summarised numbers.
+    import flows.compare as flow
+    from tests.test_rundiff import FIXTURE
+
+    failed = records.parse(json.loads(FIXTURE.read_text())).model_copy(
+        update={"status": "failed", "cause": "evaluate: the gate refused"}
+    )
+    monkeypatch.setattr(flow, "pipeline", lambda **_: Failed(message="failed"))
+    monkeypatch.setattr(flow, "read_record", lambda storage, run_id: failed)
+    monkeypatch.setattr(flow, "get_run_logger", lambda: logging.getLogger("test"))
+    monkeypatch.setattr(flow, "publish", lambda result: None)
+    compare.fn(*arms(tmp_path), ["verify"], repeats=2, comparison_id="c1")
+    stored = cmp.load(Storage(str(tmp_path)), "c1")
+    assert stored.status == "failed" and stored.cause == "c1-a1: evaluate: the gate refused"
+    assert stored.metrics == []
+
+
 @pytest.mark.integration
 def test_connectivity_under_two_settings_interleaved(prefect_server, demo_env, tmp_path):
     # Two repeats an arm, the fewest compare accepts: A1 B1 A2 B2 proves the interleaving, the records and the

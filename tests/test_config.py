@@ -213,6 +213,16 @@ def test_warmup_that_takes_every_step_is_refused_naming_both_values():
         cfg.train.max_steps = 20  # an assignment is checked as a load is
 
 
+def test_an_all_reduce_size_that_is_not_whole_float32_elements_is_refused_naming_it():
+    # size // 4 elements are reduced: size 6 reduced 4 bytes and its bandwidth was reported for 6.
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=["connectivity.sizes_bytes=[1024,6,1023]"])
+    assert len(e.value.problems) == 1
+    assert "connectivity.sizes_bytes" in e.value.problems[0]
+    assert "multiples of 4 bytes (float32 elements), got [6, 1023] in [1024, 6, 1023]" in e.value.problems[0]
+    assert load_config(overrides=["connectivity.sizes_bytes=[1024,8,4]"]).connectivity.sizes_bytes == [4, 8, 1024]
+
+
 def test_every_bundled_profile_validates():
     profiles = sorted((PROJECT_ROOT / "configs").glob("*.yaml"))
     assert profiles

@@ -8,6 +8,8 @@ import os
 import pytest
 
 from training.connectivity import (
+    AllreduceWrong,
+    allreduce_sweep,
     bandwidth,
     check_ranks,
     check_transport,
@@ -27,6 +29,71 @@ def test_bandwidth_takes_slowest_rank_and_ring_factor():
     assert small["time_ms"] == 2.0 and small["algbw_GBps"] == pytest.approx(0.5)
     assert small["busbw_GBps"] == pytest.approx(0.5 * 1.5)
     assert large["algbw_GBps"] == pytest.approx(2.0)
+
+
+class FakeCollective:
+    """torch.distributed for one rank of a world of 2 whose peer holds the same tensor: a right all-reduce
+    doubles it. `honest_calls` lists the calls (from 1) that reduce; the others return at once, unreduced."""
+
+    def __init__(self, monkeypatch, honest_calls):
+        import torch.distributed as dist
+
+        self.calls, self.honest = 0, honest_calls
+        monkeypatch.setattr(dist, "all_reduce", self.all_reduce)
+        monkeypatch.setattr(dist, "barrier", lambda: None)
+        monkeypatch.setattr(dist, "get_rank", lambda: 1)
+
+    def all_reduce(self, tensor):
+        self.calls += 1
+        if self.honest(self.calls):
+            tensor.mul_(2)
+
+
+def test_the_sweep_times_every_size_of_a_collective_that_sums_right(monkeypatch):
+    import torch
+
+    FakeCollective(monkeypatch, honest_calls=lambda n: True)
+    rows = allreduce_sweep([16, 1024], 2, 5, torch.device("cpu"), world=2)
+    assert [r["size_bytes"] for r in rows] == [16, 1024]
+
+
+@pytest.mark.parametrize(
+    ("iters", "when"),
+    [
+        (5, r"after the warmup and timed calls \(8 in all\)"),  # 2**8 is exact in float32: the timed sums are checked
+        (40, "a call on fresh ones after the timed calls"),  # 2**43 is not: the call after them is
+    ],
+)
+def test_a_collective_that_sums_right_once_then_returns_at_once_fails_naming_size_and_rank(monkeypatch, iters, when):
+    # The first (checked) call right, the rest unreduced and fast: the sweep recorded 17..112 GB/s.
+    import torch
+
+    FakeCollective(monkeypatch, honest_calls=lambda n: n == 1)
+    with pytest.raises(AllreduceWrong, match=f"at 1048576 bytes over 2 ranks gave a wrong sum on rank 1 \\({when}"):
+        allreduce_sweep([1 << 20], 2, iters, torch.device("cpu"), world=2)
+
+
+def test_a_wrong_sum_is_the_ranks_cause_in_the_stage_failure():
+    wrong = "all-reduce of ones at 1024 bytes over 2 ranks gave a wrong sum on rank 1 (...)"
+    reports: dict[int, dict | None] = {0: {"rank": 0, "finished": "t"}, 1: {"rank": 1, "joined": "t", "error": wrong}}
+    with pytest.raises(StageFailure) as info:
+        check_ranks(with_losses([4.8]), reports, None)
+    assert info.value.failure_class == "infrastructure"
+    assert info.value.cause == f"1 of 2 ranks did not finish: rank 1 ({wrong})"
+
+
+def test_no_bandwidth_is_reported_unless_every_rank_finished():
+    # busbw's factor is the world's: one rank's times would be reported as the whole world's bandwidth.
+    done: dict = {
+        "finished": "t",
+        "joined": "t",
+        "allreduce": [{"size_bytes": 1024, "time_ms": 0.001}],
+        "nccl_lines": [],
+    }
+    reports: dict[int, dict | None] = {0: {"rank": 0, **done, "fsdp_losses": [1.0]}, 1: {"rank": 1, "joined": "t"}}
+    assert summarize("gloo", 2, reports).allreduce == []
+    reports[1] = {"rank": 1, **done, "fsdp_losses": [1.0]}
+    assert [row.size_bytes for row in summarize("gloo", 2, reports).allreduce] == [1024]
 
 
 def test_nccl_env_is_per_submission_and_per_process():

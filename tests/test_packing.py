@@ -80,6 +80,26 @@ def test_packed_rows_are_refused_under_an_attention_that_would_not_keep_them_apa
     assert refused.value.failure_class == FailureClass.modeling
 
 
+@pytest.mark.parametrize(
+    ("overrides", "setting"),
+    [
+        ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0}, "use_sliding_window true"),
+        ({"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 4}, "layer_types"),
+    ],
+)
+def test_packed_rows_are_refused_for_a_model_with_sliding_window_attention(overrides, setting):
+    # The block-diagonal mask replaces the model's own, window included: packed per-example losses were 4e-3 off.
+    from transformers import Qwen2ForCausalLM
+
+    from tests.tiny import tiny_qwen2_config
+
+    model = Qwen2ForCausalLM(tiny_qwen2_config(VOCAB, **overrides))
+    with pytest.raises(StageFailure, match=f"sliding-window attention \\({setting}") as refused:
+        forward_inputs(model, collate(packed_rows(), 0))
+    assert refused.value.failure_class == FailureClass.modeling
+    assert "input_ids" in forward_inputs(model, collate([r.unpacked()[0] for r in packed_rows()], 0))  # unpacked: runs
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_flat_packing_fails_the_probe_and_packing_with_boundaries_passes(attention):
     model = tiny_qwen2(VOCAB, seed=3).eval()

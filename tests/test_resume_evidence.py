@@ -90,10 +90,13 @@ def judged(
     restored: int | None = 304,
     replay_loss_at_307: float = 0.7,
     samples_at_306: str = "s306",
+    continued: range | list[int] = range(305, 310),
+    main_steps: range = range(1, 401),
 ):
     """The judge's verdict on a resume job whose interrupt phase logged steps 301..304 and whose continue
     phase logged 305..309, against a main run whose loss at step s is 1/s (0.7 at 307 matches nothing) and
-    whose step s trained on samples "s<s>" (a running ledger "r<s>"), as the replay's did but at 306."""
+    whose step s trained on samples "s<s>" (a running ledger "r<s>"), as the replay's did but at 306.
+    `continued` and `main_steps` change which steps the continue phase and the main run logged."""
     import json
 
     from tasks.jobs import StageCall
@@ -104,13 +107,13 @@ def judged(
     from tuneproof.core.summaries_training import FinetuneSummary, ResumeJobSummary, ResumeSummary
 
     cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}, "resume": {"loss_rtol": 0.0}})
-    main: list[LossPoint] = [(s, 1 / s) for s in range(1, 401)]
+    main: list[LossPoint] = [(s, 1 / s) for s in main_steps]
     metrics = tmp_path / "runs" / "r1" / "stages" / "resume-t1-interrupt" / "metrics.jsonl"
     metrics.parent.mkdir(parents=True)
     rows = [{"step": s, "loss": 1 / s, "samples": f"s{s}", "ledger": f"r{s}"} for s in range(301, 305)]
     metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    replayed = [(s, replay_loss_at_307 if s == 307 else 1 / s) for s in range(305, 310)]
-    ledger = [(s, samples_at_306 if s == 306 else f"s{s}", None if s >= 306 else f"r{s}") for s in range(305, 310)]
+    replayed = [(s, replay_loss_at_307 if s == 307 else 1 / s) for s in continued]
+    ledger = [(s, samples_at_306 if s == 306 else f"s{s}", None if s >= 306 else f"r{s}") for s in continued]
     resumed = FinetuneSummary(
         run_name="r1-resume-t1",
         train_storage_uri="x",
@@ -133,7 +136,7 @@ def judged(
     record = new_record("r1", cfg, CodeIdentity(), None)
     tuned = FinetuneSummary(
         run_name="r1", train_storage_uri="x", checkpoints=[], start_step=0, steps=400, seconds=1.0,
-        ledger=[(s, f"s{s}", f"r{s}") for s in range(1, 401)],
+        ledger=[(s, f"s{s}", f"r{s}") for s in main_steps],
     )  # fmt: skip
     record.stages["finetune"] = StageEntry.succeeded("finetune", tuned, "t0")
     call = StageCall("resume", cfg, "r1", 1, 60, ResumeSummary, {}, record)
@@ -162,6 +165,78 @@ def test_the_judge_names_a_wrong_restore_a_wrong_kill_step_and_a_differing_loss(
     assert problems[0] == "the interrupt phase was killed after step 308, not 304"
     assert "restored_step" in problems[1] and "300" in problems[1] and "304" in problems[1]
     assert problems[2].startswith("replayed losses differ from the main run")
+
+
+@pytest.mark.parametrize(
+    ("continued", "problems"),
+    [
+        (  # its metrics lost: the interrupt phase's four steps alone once passed
+            [],
+            [
+                "the restarted run logged no step, expected step 305 first (the one after its restored step 304)",
+                "the continue phase's losses compared with the main run's on no steps instead of steps 305..309: "
+                "steps 305..309 not logged by it",
+                "the continue phase's data order compared with the main run's on no steps instead of steps 305..309: "
+                "steps 305..309 not logged by it",
+            ],
+        ),
+        (
+            [305],
+            [
+                "the continue phase's losses compared with the main run's on step 305 instead of steps 305..309: "
+                "steps 306..309 not logged by it",
+                "the continue phase's data order compared with the main run's on step 305 instead of steps 305..309: "
+                "steps 306..309 not logged by it",
+            ],
+        ),
+        (  # claims to restore 304, yet trained from 301: it restored an earlier step
+            range(301, 310),
+            [
+                "the restarted run first logged step 301, expected step 305 first (the one after its restored step "
+                "304)",
+                "the continue phase's losses compared with the main run's on steps 301..309 instead of steps "
+                "305..309: steps 301..304 logged by it but outside its range",
+                "the continue phase's data order compared with the main run's on steps 301..309 instead of steps "
+                "305..309: steps 301..304 logged by it but outside its range",
+            ],
+        ),
+    ],
+)
+def test_the_judge_fails_a_continue_phase_that_did_not_log_exactly_the_steps_after_its_restore(
+    tmp_path, continued, problems
+):
+    """Every step k+1 .. k+extra+replay must be compared; the comparisons alone judge the steps both runs logged."""
+    verdict = judged(tmp_path, replay_loss_at_307=1 / 307, continued=continued)
+    assert verdict.loss_comparison.ok and verdict.ledger_comparison.ok
+    assert verdict.problems == problems
+
+
+def test_the_judge_fails_with_no_step_compared_instead_of_crashing(tmp_path):
+    verdict = judged(tmp_path, replay_loss_at_307=1 / 307, main_steps=range(1, 301))
+    assert verdict.loss_comparison.steps_compared == 0
+    assert verdict.problems[0] == (
+        "the replayed losses cannot be checked, 0 steps compared: no common steps: reference logged steps 1..300, "
+        "replay logged steps 301..309"
+    )
+    assert (
+        "the continue phase's losses compared with the main run's on no steps instead of steps 305..309: "
+        "steps 305..309 not logged by the main run"
+    ) in verdict.problems
+
+
+def test_the_judge_names_the_steps_the_main_run_lacks():
+    from tasks.resume import phase_steps, step_problems
+
+    def steps(first: int, last: int) -> tuple[dict[int, float], Ledger]:
+        return {s: 1.0 for s in range(first, last + 1)}, {s: (f"s{s}", None) for s in range(first, last + 1)}
+
+    logged = {"interrupt": steps(301, 304), "continue": steps(305, 309)}
+    main = (steps(1, 307)[0], steps(1, 309)[1])
+    assert step_problems(phase_steps(300, 304, 5), 304, logged, main) == [
+        "the continue phase's losses compared with the main run's on steps 305..307 instead of steps 305..309: "
+        "steps 308..309 not logged by the main run"
+    ]
+    assert step_problems(phase_steps(300, 304, 5), 304, logged, steps(1, 309)) == []
 
 
 def test_identical_ledgers_pass_over_every_common_step():

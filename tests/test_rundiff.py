@@ -58,6 +58,16 @@ def test_an_image_update_shows_digest_and_per_node_versions():
     assert bw["connectivity.busbw_GBps@1024B"]["delta"] == 0.0
 
 
+def test_a_failed_stages_numbers_are_no_metric():
+    # A connectivity stage whose ranks did not all finish kept its summary as evidence: its bandwidth was diffed.
+    a, b = record("a"), record("b")
+    b.stages["connectivity"].status = "failed"
+    metrics = {m["metric"]: m for m in diff_records(a, b)["metrics"]}
+    busbw = [m for name, m in metrics.items() if name.startswith("connectivity.busbw")]
+    assert busbw and all(m["b"] is None for m in busbw)
+    assert metrics["finetune.final_loss"]["b"] is not None  # the stages that succeeded still count
+
+
 def test_gate_verdicts_show_their_interval_and_items():
     a, b = record("a"), record("b")
     verdict = summary_dict(b, "evaluate")["gates"]["verdicts"][0]

@@ -131,7 +131,12 @@ def rank_story(ctx: JobContext, rank: int, world: int) -> None:
     dist.barrier()
     report.update(joined=now_iso())
     conn = cfg.connectivity
-    report.update(allreduce=allreduce_sweep(conn.sizes_bytes, conn.warmup_iters, conn.iters, device, world))
+    try:
+        sweep = allreduce_sweep(conn.sizes_bytes, conn.warmup_iters, conn.iters, device, world)
+    except AllreduceWrong as e:
+        report.update(error=str(e))  # the driver names it: the trainer's error may be another rank's
+        raise
+    report.update(allreduce=sweep)
     report.update(fsdp_losses=fsdp_losses(cfg, device, conn.fsdp_steps, rank))
     report.update(nccl_lines=own_nccl_lines(), finished=now_iso())
 
@@ -167,8 +172,19 @@ def own_nccl_lines() -> list[str]:
     return lines[:MAX_NCCL_LINES]
 
 
+class AllreduceWrong(RuntimeError):
+    """An all-reduce of known inputs did not give their sum: its timing measured something else."""
+
+
+EXACT_FLOAT32 = 2**24
+"""Integers up to this are exact in float32: ones summed again and again stay exact while the total is below it."""
+
+
 def allreduce_sweep(sizes_bytes: list[int], warmup: int, iters: int, device: torch.device, world: int) -> list[dict]:
-    """Mean time of one float32 all-reduce per size; the first call also checks the sum is right."""
+    """Mean time of one float32 all-reduce per size. Each size's sums are checked: the first call's (ones sum to
+    world); the timed calls' (the tensor then holds world**calls, checked while float32 holds that exactly); and,
+    after the timing, one more call on fresh ones. A collective that returned early or wrong while it was timed
+    raises AllreduceWrong instead of recording its speed."""
     import torch
     import torch.distributed as dist
 
@@ -176,8 +192,7 @@ def allreduce_sweep(sizes_bytes: list[int], warmup: int, iters: int, device: tor
     for size in sizes_bytes:
         tensor = torch.ones(size // 4, dtype=torch.float32, device=device)
         dist.all_reduce(tensor)
-        if not bool(torch.all(tensor == world)):
-            raise RuntimeError(f"all-reduce of ones over {world} ranks at {size} bytes did not sum to {world}")
+        check_sum(tensor, world, size, world, "the first call")
         for _ in range(warmup):
             dist.all_reduce(tensor)
         _synchronize(device)
@@ -186,9 +201,29 @@ def allreduce_sweep(sizes_bytes: list[int], warmup: int, iters: int, device: tor
         for _ in range(iters):
             dist.all_reduce(tensor)
         _synchronize(device)
-        rows.append({"size_bytes": size, "time_ms": (time.perf_counter() - start) / iters * 1e3})
+        time_ms = (time.perf_counter() - start) / iters * 1e3
+        calls = 1 + warmup + iters
+        if world**calls <= EXACT_FLOAT32:
+            check_sum(tensor, world**calls, size, world, f"after the warmup and timed calls ({calls} in all)")
+        tensor.fill_(1)
+        dist.all_reduce(tensor)
+        check_sum(tensor, world, size, world, "a call on fresh ones after the timed calls")
+        rows.append({"size_bytes": size, "time_ms": time_ms})
         dist.barrier()
     return rows
+
+
+def check_sum(tensor: torch.Tensor, expected: int, size: int, world: int, when: str) -> None:
+    """AllreduceWrong naming the size, this rank, the first wrong value and the expected one."""
+    import torch.distributed as dist
+
+    wrong = tensor != expected
+    if bool(wrong.any()):
+        seen = float(tensor[wrong][0])
+        raise AllreduceWrong(
+            f"all-reduce of ones at {size} bytes over {world} ranks gave a wrong sum on rank {dist.get_rank()} "
+            f"({when}): {int(wrong.sum())} of {tensor.numel()} elements wrong, e.g. {seen}, expected {expected}"
+        )
 
 
 def fsdp_losses(cfg: PipelineConfig, device: torch.device, steps: int, rank: int) -> list[float]:
@@ -254,7 +289,10 @@ def summarize(backend: str, world_size: int, reports: dict[int, dict | None]) ->
             RankStatus(rank=rank, **{k: (r or {}).get(k) for k in ("node_ip", "pid", "started", "joined", "finished")})
             for rank, r in reports.items()
         ],
-        allreduce=[AllreduceRow(**row) for row in bandwidth([r["allreduce"] for r in finished], world_size)],
+        # busbw's ring factor is the whole world's: a rank that did not finish leaves no bandwidth to report.
+        allreduce=[AllreduceRow(**row) for row in bandwidth([r["allreduce"] for r in finished], world_size)]
+        if len(finished) == world_size
+        else [],
         fsdp=FsdpProbe(steps=len(losses), losses=losses),
         transport=TransportVerdict.model_validate(
             transport_verdict(
@@ -336,6 +374,8 @@ def check_transport(summary: ConnectivitySummary, expect: str) -> None:
 def _how_far(report: dict | None) -> str:
     if report is None:
         return "no rank report"
+    if report.get("error"):
+        return str(report["error"])
     return "joined, not finished" if report.get("joined") else "started, never joined the first barrier"
 
 

@@ -176,7 +176,10 @@ def build_splits(
     train split, each regression suite's); dropped rows go to drops. Fails before encoding when an overlap is
     over the limit."""
     data = cfg.data
-    render = ChatRenderer(tokenizer)  # one per run: a mismatch found in the train split holds for the eval split
+    # In one process a mismatch this renderer finds sends the rest of the run to jinja; pooled on Ray actors, each
+    # actor holds its own pickled copy, so a mismatch switches only that actor's later chunks and every chunk
+    # checks its own sample (ChatRenderer.fast).
+    render = ChatRenderer(tokenizer)
     train_convs, eval_convs, total = split_conversations(data, shape, parsed, drops)
     seen = TrainingSplit(train_convs, template_literals(data))  # hashed once for the eval split and every suite
     contamination = seen.overlap(eval_convs)

@@ -82,7 +82,8 @@ plainly causal across examples; its flex path adds a boolean mask to the scores 
 
 def forward_inputs(model: PreTrainedModel, batch: Batch) -> Batch:
     """Keyword arguments of model(...) for a collated batch (its labels stay out). Packed rows need an attention
-    implementation that keeps their examples apart (PACKED_ATTENTION); any other is refused before a step."""
+    implementation that keeps their examples apart (PACKED_ATTENTION) and a model without sliding-window attention;
+    anything else is refused before a step (the first-batch probe runs this first)."""
     if "position_ids" not in batch:  # one example per row: the padding mask says everything
         return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     implementation = str(getattr(model.config, "_attn_implementation", None) or "sdpa")
@@ -96,11 +97,36 @@ def forward_inputs(model: PreTrainedModel, batch: Batch) -> Batch:
             f"examples attend to each other; packing is kept apart under {' or '.join(PACKED_ATTENTION)} only: "
             "load the model with one of those, or use data.overflow drop or truncate",
         )
+    if window := sliding_window_setting(model.config):
+        from tuneproof.core.results import FailureClass, StageFailure
+
+        raise StageFailure(
+            FailureClass.modeling,
+            f"data.overflow pack: the model uses sliding-window attention ({window}), which block_causal_mask "
+            "does not apply, so a packed row's tokens would see further back than the same example alone: "
+            "use data.overflow drop or truncate, or a model config without sliding-window attention",
+        )
     return {
         "input_ids": batch["input_ids"],
         "position_ids": batch["position_ids"],
         "attention_mask": block_causal_mask(batch["position_ids"], eager=implementation == "eager"),
     }
+
+
+def sliding_window_setting(config: object) -> str | None:
+    """The setting that turns on sliding-window attention in a model config, or None when every layer attends in
+    full. A 4D mask passed to the model replaces its own, window included, so packed rows cannot keep the window.
+    Qwen2-style configs say it with use_sliding_window and layer_types; Mistral-style ones (neither field) slide
+    whenever sliding_window is set."""
+    if getattr(config, "use_sliding_window", False) is True:
+        return f"use_sliding_window true, sliding_window {getattr(config, 'sliding_window', None)}"
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and "sliding_attention" in layer_types:
+        return f"layer_types has sliding_attention, sliding_window {getattr(config, 'sliding_window', None)}"
+    window = getattr(config, "sliding_window", None)
+    if layer_types is None and not hasattr(config, "use_sliding_window") and window is not None:
+        return f"sliding_window {window}"
+    return None
 
 
 def block_causal_mask(position_ids: torch.Tensor, eager: bool = False) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """Resume evidence: did a restarted run pick up where it stopped, and do replayed steps match? Pure.
 
 Two comparisons: the losses of replayed steps, and the data-order ledger (which samples each step trained
-on, and a running hash over every step before it) on every step both runs trained.
+on, and a running hash over every step before it) on every step both runs trained. Both judge only the steps
+both runs logged, so `check_phase_steps` and `check_first_step` require those to be every step each phase
+had to train: a phase whose metrics were lost, or that logged another phase's steps, is no evidence.
 
 The resume test (the resume stage) stops a run after a checkpoint, restarts it under the same name, and
 hands these functions what the runs logged: the restored step, and per-step losses of the
@@ -12,6 +14,7 @@ bit-identical (rtol 0); bf16 on GPU needs a small tolerance.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 from tuneproof.core.findings import Finding
@@ -94,6 +97,56 @@ def check_restart(expected_step: int, restored_step: int | None, subject: str = 
         else "it restored a different checkpoint than the one saved before the stop"
     )
     return Finding(subject=subject, field="restored_step", seen=restored_step, expected=expected_step, message=message)
+
+
+def check_phase_steps(
+    phase: str, kind: str, expected: range, logged: Iterable[int], reference: Iterable[int]
+) -> str | None:
+    """A problem line when a phase's `kind` (losses, data order) were not compared with the main run's on exactly
+    the `expected` steps: the phase logged other steps, or the main run lacks some. None when they were. Pure."""
+    want, seen, main = set(expected), set(logged), set(reference)
+    compared = seen & main
+    if compared == want and seen == want:
+        return None
+    gaps = [
+        f"{_steps(steps)} {why}"
+        for steps, why in (
+            (want - seen, "not logged by it"),
+            ((want & seen) - main, "not logged by the main run"),
+            (seen - want, "logged by it but outside its range"),
+        )
+        if steps
+    ]
+    return (
+        f"the {phase} phase's {kind} compared with the main run's on {_steps(compared)} instead of "
+        f"{_steps(want)}: {'; '.join(gaps)}"
+    )
+
+
+def check_first_step(restored_step: int | None, logged: Iterable[int]) -> str | None:
+    """A problem line when the restarted run's first logged step is not the one after the step it restored (step 1
+    when it restored none): its curve then did not start where it claims it did. None when it is. Pure."""
+    expected = (restored_step or 0) + 1
+    first = min(logged, default=None)
+    if first == expected:
+        return None
+    found = "logged no step" if first is None else f"first logged step {first}"
+    why = f"the one after its restored step {restored_step}" if restored_step is not None else "it restored no step"
+    return f"the restarted run {found}, expected step {expected} first ({why})"
+
+
+def _steps(steps: Iterable[int]) -> str:
+    """'steps 301..304, 309' of a set of steps: consecutive ones as a range; 'no steps' when empty. Pure."""
+    runs: list[list[int]] = []
+    for step in sorted(set(steps)):
+        if runs and step == runs[-1][1] + 1:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step])
+    if not runs:
+        return "no steps"
+    spans = ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in runs)
+    return f"step {spans}" if len(runs) == 1 and runs[0][0] == runs[0][1] else f"steps {spans}"
 
 
 def _diff(step: int, reference: float, replay: float) -> dict[str, Any]:

@@ -652,11 +652,13 @@ def evidence_line(entry: StageEntry) -> str:
 
 
 def diff_metrics(record: RunRecord) -> Metrics:
-    """Every stage's diff metrics, from the stages of the record that have a summary."""
+    """Every stage's diff metrics, from the stages of the record that succeeded with a summary: a failed stage's
+    summary is kept as evidence, but its numbers measured a stage that did not work (a connectivity stage whose
+    ranks did not all finish), so they are nobody's metric."""
     out: Metrics = {}
     for stage in STAGES:
         entry = record.stages.get(stage.name)
-        summary = entry.summary_as(stage.summary) if entry and stage.metrics else None
+        summary = entry.summary_as(stage.summary) if entry and entry.ok and stage.metrics else None
         if summary is not None and stage.metrics is not None:
             out.update(stage.metrics(summary))
     return out

@@ -173,7 +173,7 @@ class TrainConfig(Strict):
 
 class ConnectivityConfig(Strict):
     sizes_bytes: list[int] = [1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22]
-    """All-reduce message sizes, each 4 bytes..16 GiB."""
+    """All-reduce message sizes, each 4 bytes..16 GiB and a multiple of 4: the all-reduce is of float32 elements."""
     iters: int = Field(5, ge=1, le=MAX_ITERS)
     warmup_iters: int = Field(2, ge=0, le=MAX_ITERS)
     fsdp_steps: int = Field(3, ge=1, le=MAX_ITERS)
@@ -185,6 +185,9 @@ class ConnectivityConfig(Strict):
     def _positive(cls, v: list[int]) -> list[int]:
         if not v or any(s < 4 or s > 1 << 34 for s in v):
             raise ValueError(f"sizes_bytes must be non-empty, each 4 bytes..16 GiB (17179869184), got {v!r}")
+        if odd := [s for s in v if s % 4]:
+            # size // 4 float32 elements are reduced: 6 would reduce 4 bytes and report bandwidth for 6.
+            raise ValueError(f"sizes_bytes must be multiples of 4 bytes (float32 elements), got {odd!r} in {v!r}")
         return sorted(v)
 
 
