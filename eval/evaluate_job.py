@@ -37,9 +37,13 @@ wrote (checked on the split's own prompts) and carry the chat template it render
 chat_template_sha256); every gated value the metric modules report must be a number (not
 missing, NaN or infinite), each item's in [0, 1] and a fraction's (exact_match, accuracy, rouge_l) too, for
 every model;
-no more than eval.max_truncated_fraction of a model's answers on a split may stop at eval.max_new_tokens
-without a stop token, nor come back empty (eval/selftest.py: counted per model and split, kept in the
-summary; the base is not held to it on the task it has not learned); and the base's answers must repeat
+before any model answers, no more than eval.max_truncated_fraction of a split's references (the task's, each
+suite's) may need more than eval.max_new_tokens tokens with the stop token (the budget, not a model, would cut
+right answers off); after, a split on which a model is cut off at eval.max_new_tokens over that fraction is
+invalid only when no model stopped within it there (the stop tokens end no answer; where one did, the others'
+cut-off answers are their own, scored as answered and judged by the gates), and no more than that fraction of a
+model's answers on a split may come back empty (eval/selftest.py: counted per model and split, kept in the
+summary; the base is not held to either on the task it has not learned); and the base's answers must repeat
 those of its latest earlier evaluation on the same split (eval/reproduce.py), else "evaluation not
 reproducible: ...", also infrastructure.
 
@@ -75,6 +79,7 @@ from eval.selftest import (
     invalid,
     item_scores,
     score,
+    unfitting_references,
     unscored,
 )
 from eval.suites import Suite, chat_prompts, overall, read_suite, suite_score, unmeasured
@@ -182,6 +187,7 @@ def evaluate_body(ctx: JobContext) -> EvaluateSummary:
         raise StageFailure(FailureClass.data, problem)
     for suite in suites:
         check_references(suite.metrics, suite.references)
+    check_references_fit(ctx, data, suites)
     counter = _Progress(total=len(sources) * (len(data.prompts) + sum(len(s.ids) for s in suites)))
     results = {s.role: evaluate_model(ctx, s, data, metrics, counter, suites) for s in sources}
     split = eval_split_hash(ctx, params.dataset)
@@ -202,7 +208,7 @@ def evaluate_body(ctx: JobContext) -> EvaluateSummary:
     identity = base.content_sha256 or (f"{HUB_COMMIT}{base.hub_commit}" if base.hub_commit else None)
     reproduction = base_reproduction(ctx.storage, ctx.run_id, split, identity, base.answers, cfg)
     counts = {role: r.generations for role, r in results.items()}
-    for line in count_lines(counts):
+    for line in count_lines(counts, cfg.max_truncated_fraction):
         jobkit.log(line)
     if problem := generation_problem(counts, cfg.max_new_tokens, cfg.max_truncated_fraction):
         undecided = GateDecision(passed=False, lines=[f"not decided: evaluation invalid: {problem}"], verdicts=[])
@@ -227,6 +233,21 @@ def evaluate_body(ctx: JobContext) -> EvaluateSummary:
     if not verdict.passed:
         raise StageFailure(verdict.failure_class(), verdict.failure_cause(), summary)
     return summary
+
+
+def check_references_fit(ctx: JobContext, data: EvalSet, suites: list[Suite]) -> None:
+    """Before any model answers: invalid when over eval.max_truncated_fraction of a split's references cannot be
+    answered within eval.max_new_tokens with the stop token (eval/selftest.py unfitting_references). Counted with
+    the base's tokenizer, which the data stage tokenized with and the candidate's must equal (check_tokenizer)."""
+    cfg, model = ctx.config.eval, ctx.config.model
+    tokenizer = load_tokenizer(model.source, model.revision, ctx.config.storage.endpoint_url)
+
+    def lengths(references: list[str]) -> list[int]:
+        return [len(ids) for ids in tokenizer(references, add_special_tokens=False)["input_ids"]]
+
+    splits = {TASK: lengths(data.references), **{s.name: lengths(s.references) for s in suites}}
+    if problem := unfitting_references(splits, cfg.max_new_tokens, cfg.max_truncated_fraction):
+        raise invalid(problem)
 
 
 def read_eval_set(ctx: JobContext, dataset: str) -> EvalSet:

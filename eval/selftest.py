@@ -1,5 +1,5 @@
 """The evaluation's checks of itself: its metrics (scored item by item, right and wrong answers told apart)
-and its answers (cut-off and empty generations, per model and split).
+and its answers (references that fit the generation budget; cut-off and empty generations, per model and split).
 
 A broken scorer must never read as a model verdict. Each failed check is `invalid(...)`: the evaluate job ends
 "evaluation invalid: ..." in the infrastructure class. `score` and `item_scores` are how every model is scored
@@ -9,18 +9,27 @@ cannot be the ones its gates decide on; `check_references` asks each metric that
 0, and wrong answers none; `unscored` asks each model's gated values for a
 usable number.
 
-An answer that stopped at eval.max_new_tokens without a stop token, or came back empty, is not the model's
-answer as the metric needs it: cut off, a correct answer scores wrong, and a gate would judge the setting
-instead of the model. So each model's answers on each split are counted (generate_checked says which were
-cut), and over eval.max_truncated_fraction (default 2 %) of either the evaluation is invalid, naming the
-model, the count and the setting; the evaluate job ends it in the self-test's class, never as a gate verdict.
+An answer that stopped at eval.max_new_tokens without a stop token is cut off: a correct answer cut off scores
+wrong. Two faults of the apparatus cut answers off, and each is caught where it shows, not in one model's count:
+(a) a budget too small for the answers: before any model answers, `unfitting_references` counts, per split (the
+task's and each suite), the references whose tokens plus the stop exceed eval.max_new_tokens; over
+eval.max_truncated_fraction (default 2 %) of a split's the evaluation is invalid, naming the split, the count and
+the setting the longest needs. (b) stop tokens that do not end answers: then no model stops, so after generating
+(`generation_problem`) a split on which a capped model is cut off over the cap is invalid only when no model, of
+any role (the base on the task too), stopped within the cap there. When one did, the apparatus can end an answer
+on that split, and the others' cut-off answers are their own: a fine-tuned candidate that forgot `add` and answers
+'add 3 and 4' with '2024-05---------' is cut off at 16 tokens where the base stops on the same suite with the same
+tokenizer, chat template and stop tokens; that is the verdict "forgot add" for the gates to give, scored as it
+answered (wrong under exact match) and counted and logged (`count_lines`), not an evaluation to re-run with a
+larger budget. The empty-answer cap is not excused by another model: over the cap of a model's answers on a split
+empty (cut off or not: 16 special tokens decode to nothing), the evaluation is invalid (check the stop tokens and
+the chat template).
 
-Who is held to the cap: the candidate and the incumbent on every split, and the base on the regression
+Who is held to the caps: the candidate and the incumbent on every split, and the base on the regression
 suites (what it was pre-trained to answer). Not the base on the task: a base that has not learned the task
 rambles or falls silent on it (the demo's pre-trained base leaves 20 of 300 date answers empty; the tests'
 random base runs every answer to max_new_tokens), and that is what its score of 0 says; its counts are
-still recorded and shown. A too small max_new_tokens still shows, in the candidate's count: a candidate
-that answers like the references is cut off with them.
+still recorded and shown, and where it stopped it still shows that the apparatus can end an answer.
 """
 
 from __future__ import annotations
@@ -49,38 +58,98 @@ def capped(role: str, split: str) -> bool:
     return not (role == "base" and split == TASK)
 
 
+def where_on(split: str) -> str:
+    """'the task' or 'suite add': a split as the self-test's causes name it."""
+    return "the task" if split == TASK else f"suite {split}"
+
+
+def unfitting_references(lengths: Mapping[str, Sequence[int]], max_new_tokens: int, cap: float) -> str | None:
+    """The first split over the cap whose references cannot fit eval.max_new_tokens, in words, or None.
+
+    `lengths`: split -> each reference's token count as the answer would be generated (the job's tokenizer, no
+    special tokens). A reference fits when its tokens and the stop token do: a model that answers it right within
+    the budget ends its turn. Over the cap of a split's that do not, right answers are cut off and score wrong, so
+    the setting, not a model, would decide. Counted on the references, before any model answers, a too small
+    setting never reads as a model's verdict, nor a model's rambling as a too small setting."""
+    for split, counts in lengths.items():
+        over = [n for n in counts if n + 1 > max_new_tokens]
+        if counts and len(over) / len(counts) > cap:
+            longest = max(counts)
+            return (
+                f"{where_on(split)}: {len(over)} of {len(counts)} references need more than "
+                f"eval.max_new_tokens={max_new_tokens} tokens with the stop token (cap {cap:g}, "
+                "eval.max_truncated_fraction): a model that answers them right is cut off and scores wrong; the "
+                f"longest is {longest} tokens: raise eval.max_new_tokens to at least {longest + 1}"
+            )
+    return None
+
+
+def within_cap(seen: Generations, cap: float) -> bool:
+    """Whether a model stopped on all but at most `cap` of its answers on a split (and answered it at all)."""
+    return bool(seen.answers) and seen.cut_off / seen.answers <= cap
+
+
+def stopped(counts: Mapping[str, Mapping[str, Generations]], split: str, cap: float) -> list[str]:
+    """The models, of any role (the base on the task too), that stopped within the cap on `split`: each shows that
+    the stop tokens end an answer there, so another model's cut-off answers are that model's own."""
+    return [role for role, splits in counts.items() if split in splits and within_cap(splits[split], cap)]
+
+
 def generation_problem(counts: Mapping[str, Mapping[str, Generations]], max_new_tokens: int, cap: float) -> str | None:
-    """The first model and split over the cap, in words ('candidate 30/30 answers cut off at
-    eval.max_new_tokens=2 (cap 0.02) ...'), or None. `counts`: role -> split -> its Generations."""
-    for role, splits in counts.items():
-        for split, seen in splits.items():
-            if not capped(role, split) or not seen.answers:
-                continue
-            who = role if split == TASK else f"{role} on suite {split}"
-            if seen.cut_off / seen.answers > cap:
+    """Where the answers show a fault of the apparatus, in words ('candidate 30/30 answers cut off at
+    eval.max_new_tokens=16 (cap 0.02, ...) and no model stopped within the cap on the task ...'), or None.
+    `counts`: role -> split -> its Generations.
+
+    Cut off: a split on which a capped model is over the cap and no model stopped within it (the stop tokens end
+    no answer there). Empty: a capped model over the cap of empty answers on a split. See the module docstring."""
+    splits = list(dict.fromkeys(split for by_split in counts.values() for split in by_split))
+    for split in splits:
+        answered = {role: seen[split] for role, seen in counts.items() if split in seen and seen[split].answers}
+        over = [role for role, seen in answered.items() if capped(role, split) and not within_cap(seen, cap)]
+        if not over or stopped(counts, split, cap):
+            continue
+        first, seen = over[0], answered[over[0]]
+        others = ", ".join(f"{role} {s.cut_off}/{s.answers}" for role, s in answered.items() if role != first)
+        return (
+            f"{_who(first, split)} {seen.cut_off}/{seen.answers} answers cut off at eval.max_new_tokens={max_new_tokens} "
+            f"(cap {cap:g}, eval.max_truncated_fraction), and no model stopped within the cap on {where_on(split)}"
+            f"{f' ({others} cut off)' if others else ''}: the references fit, so the stop tokens end no answer there; check "
+            "the stop tokens and the chat template"
+        )
+    for role, by_split in counts.items():
+        for split, seen in by_split.items():
+            if capped(role, split) and seen.answers and seen.empty / seen.answers > cap:
                 return (
-                    f"{who} {seen.cut_off}/{seen.answers} answers cut off at eval.max_new_tokens={max_new_tokens} "
-                    f"(cap {cap:g}, eval.max_truncated_fraction): a cut-off answer scores wrong whatever the model "
-                    "knows; raise eval.max_new_tokens (a model that never ends its turn is cut off at any setting)"
-                )
-            if seen.empty / seen.answers > cap:
-                return (
-                    f"{who} {seen.empty}/{seen.answers} answers empty (cap {cap:g}, eval.max_truncated_fraction): an "
-                    "empty answer scores wrong whatever the model knows; check the stop tokens and the chat template"
+                    f"{_who(role, split)} {seen.empty}/{seen.answers} answers empty (cap {cap:g}, "
+                    "eval.max_truncated_fraction): an empty answer scores wrong whatever the model knows; check the "
+                    "stop tokens and the chat template"
                 )
     return None
 
 
-def count_lines(counts: Mapping[str, Mapping[str, Generations]]) -> list[str]:
-    """One log line per model and split with cut-off or empty answers, saying whether the cap holds it."""
+def _who(role: str, split: str) -> str:
+    return role if split == TASK else f"{role} on suite {split}"
+
+
+def count_lines(counts: Mapping[str, Mapping[str, Generations]], cap: float) -> list[str]:
+    """One log line per model and split with cut-off or empty answers, saying how the self-test reads them."""
     return [
-        f"{role}{'' if split == TASK else f' on suite {split}'}: {seen.cut_off} of {seen.answers} answers end at "
-        f"max_new_tokens without a stop, {seen.empty} empty"
-        + ("" if capped(role, split) else " (not capped: the base has not learned the task)")
-        for role, splits in counts.items()
-        for split, seen in splits.items()
+        f"{_who(role, split)}: {seen.cut_off} of {seen.answers} answers end at max_new_tokens without a stop, "
+        f"{seen.empty} empty{_reading(counts, role, split, cap)}"
+        for role, by_split in counts.items()
+        for split, seen in by_split.items()
         if seen.cut_off or seen.empty
     ]
+
+
+def _reading(counts: Mapping[str, Mapping[str, Generations]], role: str, split: str, cap: float) -> str:
+    if not capped(role, split):
+        return " (not capped: the base has not learned the task)"
+    seen = counts[role][split]
+    witnesses = [r for r in stopped(counts, split, cap) if r != role]
+    if not within_cap(seen, cap) and witnesses:
+        return f" (the model's own: {' and '.join(witnesses)} stopped within the cap here; scored as answered)"
+    return ""
 
 
 # ---- the metrics -------------------------------------------------------------------------------

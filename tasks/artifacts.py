@@ -243,7 +243,7 @@ def generation_rows(summary: EvaluateSummary) -> list[dict[str, Any]]:
         {
             "metric": f"answers cut off / empty ({split})",
             **{role: _generations_cell(model, split) for role, model in models.items()},
-            "gates": "self-test: at most eval.max_truncated_fraction each"
+            "gates": "self-test: empty at most eval.max_truncated_fraction; cut off too, unless another model stopped"
             + (" (the base is not held to it on the task)" if split == "task" else ""),
         }
         for split in splits

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from eval import evaluate_job
+from eval import evaluate_job, generation
 from eval.evaluate_job import evaluate_body
 from eval.generation import eval_loss, generate, right_padded
 from eval.metrics_loader import case_insensitive, load_metric
@@ -99,6 +99,23 @@ def train_constant_answer(base: Path, rows: list[dict], out: Path, steps: int = 
     return out
 
 
+RAMBLE = "2024-05" + "-" * 24
+"""What the rambler answers, never ending its turn: like the forgetting demo's candidate on `add 3 and 4`
+('2024-05---------'), longer than max_new_tokens=16, so it is cut off with text (not an empty answer)."""
+
+
+@pytest.fixture(scope="module")
+def rambler(world) -> Path:
+    """The base trained to answer RAMBLE with no stop token after it (its labels end before the eos)."""
+    tokenizer = world["tokenizer"]
+    rows = []
+    for text in PROMPTS:
+        prompt_ids = tokenizer(chat_prompt(tokenizer, text), add_special_tokens=False)["input_ids"]
+        answer_ids = tokenizer(RAMBLE, add_special_tokens=False)["input_ids"]
+        rows.append({"input_ids": prompt_ids + answer_ids, "labels": [-100] * len(prompt_ids) + answer_ids})
+    return train_constant_answer(world["base"], rows, world["root"] / "rambler")
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     from transformers import AutoTokenizer
@@ -120,11 +137,14 @@ def world(tmp_path_factory):
     }
 
 
-def make_ctx(world, run_id: str, storage_root: str, endpoint: str | None = None, **eval_overrides) -> JobContext:
+def make_ctx(
+    world, run_id: str, storage_root: str, endpoint: str | None = None, base: Path | None = None, **eval_overrides
+) -> JobContext:
+    """The job as tasks/ submits it; `base` replaces the tiny random base (config.model.source)."""
     cfg = PipelineConfig.model_validate(
         {
             "storage": {"root": storage_root, "endpoint_url": endpoint},
-            "model": {"name": "dates-qwen2-tiny", "source": str(world["base"])},
+            "model": {"name": "dates-qwen2-tiny", "source": str(base or world["base"])},
             "eval": {
                 "metrics": ["exact_match", "rouge_l"],
                 "max_new_tokens": 16,
@@ -213,9 +233,14 @@ def test_trained_candidate_passes_as_the_first_model(world, store, capsys):
     assert progress[-1] == {"stage": "evaluate", "done": 60, "total": 60, "model": "base"}
 
 
-def test_a_candidate_that_never_stops_makes_the_evaluation_invalid_naming_the_count(world, store):
-    """The untrained (random) model as candidate runs every answer to max_new_tokens: cut off, an answer cannot
-    be scored as the model's, so no gate decides; the summary keeps every model's counts."""
+def test_a_candidate_that_never_stops_is_invalid_where_no_model_stops_and_its_own_verdict_where_one_does(
+    world, store, rambler
+):
+    """The untrained (random) model as candidate runs every answer to max_new_tokens. Beside the random base, which
+    never stops either, no model shows that the stop tokens end an answer: the evaluation is invalid, no gate
+    decides, and the summary keeps every model's counts. A candidate that rambles beside a base that stops (the
+    trained model as base: same tokenizer, template and stop tokens) is cut off on its own: scored wrong, a
+    modeling failure."""
     upload_export(store, world["base"], "raw")
     with pytest.raises(StageFailure) as info:
         evaluate_body(make_ctx(world, "raw", store.root))
@@ -223,13 +248,42 @@ def test_a_candidate_that_never_stops_makes_the_evaluation_invalid_naming_the_co
     assert failure.failure_class is FailureClass.infrastructure
     assert failure.cause == (
         "evaluation invalid: candidate 30/30 answers cut off at eval.max_new_tokens=16 (cap 0.02, "
-        "eval.max_truncated_fraction): a cut-off answer scores wrong whatever the model knows; raise "
-        "eval.max_new_tokens (a model that never ends its turn is cut off at any setting)"
+        "eval.max_truncated_fraction), and no model stopped within the cap on the task (base 30/30 cut off): the "
+        "references fit, so the stop tokens end no answer there; check the stop tokens and the chat template"
     )
     assert isinstance(failure.summary, EvaluateSummary)
     assert failure.summary.gates.verdicts == [] and not failure.summary.gates.passed  # not a gate verdict
     counted = {role: m.generations["task"].cut_off for role, m in failure.summary.models.items() if m}
     assert counted == {"candidate": 30, "base": 30}
+
+    upload_export(store, rambler, "rambles")
+    with pytest.raises(StageFailure) as own:
+        evaluate_body(make_ctx(world, "rambles", store.root, base=world["trained"]))
+    assert own.value.failure_class is FailureClass.modeling
+    assert own.value.cause.startswith("exact_match >= 0.8: 0 [0, 0.1434] (n=30, Wilson score")
+    assert isinstance(own.value.summary, EvaluateSummary)
+    counted = {role: m.generations["task"].cut_off for role, m in own.value.summary.models.items() if m}
+    assert counted == {"candidate": 30, "base": 0}
+    candidate = present(own.value.summary.models["candidate"])
+    assert candidate.metrics["exact_match"] == 0.0 and candidate.generations["task"].empty == 0
+    first = json.loads(store.read_text("runs/rambles/stages/evaluate/predictions.jsonl").splitlines()[0])
+    assert first["candidate"].endswith("-05---------") and first["base"] == ANSWER  # scored as it answered
+
+
+def test_stop_tokens_that_end_no_answer_make_the_evaluation_invalid_even_for_a_good_candidate(
+    world, store, monkeypatch
+):
+    """A planted apparatus fault: generation stops at an id no model emits, so every model runs to max_new_tokens
+    on every split. The trained candidate would pass; with no model stopping, no verdict is given."""
+    upload_export(store, world["trained"], "nostop")
+    monkeypatch.setattr(generation, "stop_token_ids", lambda tokenizer: [len(tokenizer) + 7])
+    with pytest.raises(StageFailure) as info:
+        evaluate_body(make_ctx(world, "nostop", store.root))
+    assert info.value.failure_class is FailureClass.infrastructure
+    assert info.value.cause.startswith(
+        "evaluation invalid: candidate 30/30 answers cut off at eval.max_new_tokens=16 (cap 0.02, "
+        "eval.max_truncated_fraction), and no model stopped within the cap on the task (base 30/30 cut off)"
+    )
 
 
 def test_within_the_cap_the_gates_judge_the_candidate_with_the_evidence(world, store):
@@ -818,19 +872,29 @@ def test_a_hub_metric_is_self_tested_and_what_scored_is_named_by_hash_or_hub_com
     assert f"base: {world['base']} (hub commit {HUB_COMMIT[:12]}, chat template" in capsys.readouterr().out
 
 
-def test_too_small_max_new_tokens_is_an_invalid_evaluation_not_a_gate_failure(world, store):
-    """The trained candidate's answer needs 11 tokens with its stop token: at 2 every answer is cut off."""
+def test_too_small_max_new_tokens_is_an_invalid_evaluation_not_a_gate_failure(world, store, tmp_path):
+    """The references need 11 tokens with the stop token: at 2 none fits, which the references show before any model
+    answers (a model's cut-off answers are not what tells). Per split: a suite's long references too."""
     upload_export(store, world["trained"], "short")
     with pytest.raises(StageFailure) as info:
         evaluate_body(make_ctx(world, "short", store.root, max_new_tokens=2))
     assert info.value.failure_class is FailureClass.infrastructure
-    assert info.value.cause.startswith(
-        "evaluation invalid: candidate 30/30 answers cut off at eval.max_new_tokens=2 (cap 0.02, "
-        "eval.max_truncated_fraction)"
+    assert info.value.cause == (
+        "evaluation invalid: the task: 30 of 30 references need more than eval.max_new_tokens=2 tokens with the "
+        "stop token (cap 0.02, eval.max_truncated_fraction): a model that answers them right is cut off and scores "
+        "wrong; the longest is 10 tokens: raise eval.max_new_tokens to at least 11"
     )
-    assert isinstance(info.value.summary, EvaluateSummary)
-    assert info.value.summary.gates.lines == [f"not decided: {info.value.cause}"]
+    assert info.value.summary is None and not store.exists("runs/short/stages/evaluate/predictions.jsonl")
     print(info.value.cause)
+
+    long = tmp_path / "long.jsonl"
+    long.write_text("".join(json.dumps({"input": f"q {i}", "output": f"{ANSWER} " * 3}) + "\n" for i in range(10)))
+    with pytest.raises(StageFailure) as suite:
+        evaluate_body(make_ctx(world, "short", store.root, suites={"long": {"source": str(long), "margin": 0.2}}))
+    assert suite.value.failure_class is FailureClass.infrastructure
+    assert suite.value.cause.startswith(
+        "evaluation invalid: suite long: 10 of 10 references need more than eval.max_new_tokens=16 tokens"
+    )
 
 
 def test_a_planted_extraction_bug_ends_evaluate_before_any_model_is_scored(world, store, monkeypatch):
@@ -1036,8 +1100,9 @@ def test_a_users_own_suite_file_is_scored_for_every_model_and_gated(world, store
     mine = tmp_path / "must-not-regress.jsonl"
     mine.write_text("".join(json.dumps({"input": f"date q {i}", "output": ANSWER}) + "\n" for i in range(12)))
     upload_export(store, world["trained"], "suite")
-    # The tests' random base runs its suite answers to max_new_tokens (a pre-trained base answers its skills):
-    # the cap would hold that against the evaluation, so it is lifted here.
+    # The tests' random base runs its suite answers to max_new_tokens, and they decode to nothing (a pre-trained
+    # base answers its skills): the candidate stops there, so the cut-offs are the base's own, but the empty-answer
+    # cap would hold the empty answers against the evaluation, so it is lifted here.
     suites = {"mine": {"source": str(mine), "margin": 0.2}}
     ctx = make_ctx(world, "suite", store.root, suites=suites, max_truncated_fraction=1.0)
     with pytest.raises(StageFailure) as unsure:
@@ -1078,6 +1143,32 @@ def test_a_users_own_suite_file_is_scored_for_every_model_and_gated(world, store
         "suite mine: item mine:1's output holds '<|im_end|>', one of the tokenizer's special tokens, which it reads "
         "as that control token and not as text"
     )
+
+
+def test_a_candidate_cut_off_on_a_suite_where_the_base_stops_is_scored_and_gated_as_forgetting(
+    world, store, tmp_path, rambler
+):
+    """The forgetting demo's shape: the base answers a suite and stops; the candidate (the rambler) runs its
+    answers to max_new_tokens there. The base shows the stop tokens end an answer on that suite, so the
+    candidate's cut-off answers are its own: scored wrong, counted, and the suite's gate fails it as a modeling
+    failure ("forgot"), not as an evaluation to re-run with a larger max_new_tokens."""
+    mine = tmp_path / "skill.jsonl"
+    mine.write_text("".join(json.dumps({"input": f"date q {i}", "output": ANSWER}) + "\n" for i in range(12)))
+    upload_export(store, rambler, "forgot")
+    suites = {"skill": {"source": str(mine), "margin": 0.2}}
+    with pytest.raises(StageFailure) as info:
+        evaluate_body(make_ctx(world, "forgot", store.root, base=world["trained"], suites=suites))
+    assert info.value.failure_class is FailureClass.modeling
+    summary = info.value.summary
+    assert isinstance(summary, EvaluateSummary)
+    candidate, base = present(summary.models["candidate"]), present(summary.models["base"])
+    assert candidate.generations["skill"].model_dump() == {"answers": 12, "cut_off": 12, "empty": 0}
+    assert base.generations["skill"].cut_off == 0
+    [suite] = summary.suites
+    assert suite.metrics["candidate"] == {"exact_match": 0.0} and suite.metrics["base"] == {"exact_match": 1.0}
+    vs_base = suite.gates.verdicts[0]
+    assert vs_base.gate == "max_regression_vs_base" and vs_base.outcome == "fail"
+    assert vs_base.line.startswith("suite skill: exact_match regression vs base <= 0.2: +1 [")
 
 
 def test_a_suite_the_data_stage_did_not_measure_is_a_data_failure_before_any_model_loads(world, store, tmp_path):

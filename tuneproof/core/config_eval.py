@@ -94,10 +94,12 @@ class EvalConfig(Strict):
     gates: dict[str, Gate] = {"exact_match": Gate(min=0.8, min_improvement=0.5, max_regression=0.02)}
     """At least one gate: with none, every candidate would pass and promotion would judge nothing."""
     max_truncated_fraction: float = Field(0.02, ge=0.0, le=1.0)
-    """Largest share of a model's answers on a split that may stop at max_new_tokens without a stop token, and
-    (separately) that may come back empty; above it the answers cannot be scored as the model's, and the
-    evaluation is invalid (infrastructure), not a gate failure. Holds the candidate and the incumbent on every
-    split and the base on the suites, not the base on the task it has not learned (eval/selftest.py)."""
+    """Largest share of a split's references that may not fit in max_new_tokens with the stop token (checked before
+    any model answers), of a model's answers that may come back empty, and of its answers that may stop at
+    max_new_tokens without a stop token where no model on the split stopped within it; above it the evaluation is
+    invalid (infrastructure), not a gate failure. Cut-off answers on a split where another model stopped are the
+    model's own and scored as given. Holds the candidate and the incumbent on every split and the base on the
+    suites, not the base on the task it has not learned (eval/selftest.py)."""
     max_irreproducible_fraction: float = Field(0.02, ge=0.0, le=1.0)
     """Largest share of the items a base model evaluated before on the same split (same content, same
     max_new_tokens) may answer differently now; above it greedy decoding did not repeat itself and the

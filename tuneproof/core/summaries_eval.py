@@ -44,9 +44,14 @@ class ModelScore(Summary):
     """The chat template of the tokenizer the model was prompted with (the self-test holds the candidate's
     and the base's to the data stage's; an incumbent's that differs is logged)."""
     generations: dict[str, Generations] = {}
-    """Per split, "task" first, then each suite by name: its cut-off and empty answers. Over
-    eval.max_truncated_fraction the evaluation is invalid (eval/selftest.py: every model but the base on the
-    task); empty in records made before they were counted."""
+    """Per split, "task" first, then each suite by name: its cut-off and empty answers; empty in records made
+    before they were counted. Empty answers over eval.max_truncated_fraction make the evaluation invalid. Cut-off
+    ones do only when no model, of any role, stopped within that fraction on the split: then the stop tokens end
+    no answer there, a fault of the apparatus. Where one did, they are this model's own (a candidate that forgot
+    a suite's skill rambles where the base, with the same tokenizer and stop tokens, stops), scored as answered
+    and judged by the gates. A budget too small for the answers is caught before any model answers, on the
+    references' token lengths (eval/selftest.py; the base is held to neither cap on the task it has not
+    learned)."""
 
 
 GateKind = Literal["min", "min_improvement", "max_regression", "max_regression_vs_base"]
