@@ -21,9 +21,10 @@ on that split, and the others' cut-off answers are their own: a fine-tuned candi
 'add 3 and 4' with '2024-05---------' is cut off at 16 tokens where the base stops on the same suite with the same
 tokenizer, chat template and stop tokens; that is the verdict "forgot add" for the gates to give, scored as it
 answered (wrong under exact match) and counted and logged (`count_lines`), not an evaluation to re-run with a
-larger budget. The empty-answer cap is not excused by another model: over the cap of a model's answers on a split
-empty (cut off or not: 16 special tokens decode to nothing), the evaluation is invalid (check the stop tokens and
-the chat template).
+larger budget. Empty answers are read the same way: over the cap of a capped model's answers on a split empty, the
+evaluation is invalid only when no model gave non-empty answers within the cap there (the template or the stop
+tokens leave nothing to answer: the tests' random models, whose 16 special tokens decode to nothing); where the
+base answers the suite, a candidate that ends its turn at once on one reverse item in 40 has answered wrong.
 
 Who is held to the caps: the candidate and the incumbent on every split, and the base on the regression
 suites (what it was pre-trained to answer). Not the base on the task: a base that has not learned the task
@@ -38,6 +39,7 @@ import math
 import numbers
 import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Literal
 
 from eval.metrics_loader import case_insensitive
 from training import jobkit
@@ -84,15 +86,21 @@ def unfitting_references(lengths: Mapping[str, Sequence[int]], max_new_tokens: i
     return None
 
 
-def within_cap(seen: Generations, cap: float) -> bool:
-    """Whether a model stopped on all but at most `cap` of its answers on a split (and answered it at all)."""
-    return bool(seen.answers) and seen.cut_off / seen.answers <= cap
+Fault = Literal["cut_off", "empty"]
 
 
-def stopped(counts: Mapping[str, Mapping[str, Generations]], split: str, cap: float) -> list[str]:
-    """The models, of any role (the base on the task too), that stopped within the cap on `split`: each shows that
-    the stop tokens end an answer there, so another model's cut-off answers are that model's own."""
-    return [role for role, splits in counts.items() if split in splits and within_cap(splits[split], cap)]
+def within_cap(seen: Generations, cap: float, fault: Fault = "cut_off") -> bool:
+    """Whether a model's answers on a split were cut off (or empty) at most `cap` of the time (and it answered)."""
+    return bool(seen.answers) and getattr(seen, fault) / seen.answers <= cap
+
+
+def stopped(
+    counts: Mapping[str, Mapping[str, Generations]], split: str, cap: float, fault: Fault = "cut_off"
+) -> list[str]:
+    """The models, of any role (the base on the task too), within the cap on `split` for `fault`: each shows that
+    the apparatus (tokenizer, chat template, stop tokens, all shared) ends an answer there, and gives one, so another
+    model's cut-off or empty answers are that model's own."""
+    return [role for role, splits in counts.items() if split in splits and within_cap(splits[split], cap, fault)]
 
 
 def generation_problem(counts: Mapping[str, Mapping[str, Generations]], max_new_tokens: int, cap: float) -> str | None:
@@ -100,30 +108,31 @@ def generation_problem(counts: Mapping[str, Mapping[str, Generations]], max_new_
     eval.max_new_tokens=16 (cap 0.02, ...) and no model stopped within the cap on the task ...'), or None.
     `counts`: role -> split -> its Generations.
 
-    Cut off: a split on which a capped model is over the cap and no model stopped within it (the stop tokens end
-    no answer there). Empty: a capped model over the cap of empty answers on a split. See the module docstring."""
+    A split on which a capped model is over the cap of cut-off (or empty) answers and no model stayed within it:
+    the stop tokens end no answer there (or the template leaves nothing to answer). See the module docstring."""
     splits = list(dict.fromkeys(split for by_split in counts.values() for split in by_split))
-    for split in splits:
-        answered = {role: seen[split] for role, seen in counts.items() if split in seen and seen[split].answers}
-        over = [role for role, seen in answered.items() if capped(role, split) and not within_cap(seen, cap)]
-        if not over or stopped(counts, split, cap):
-            continue
-        first, seen = over[0], answered[over[0]]
-        others = ", ".join(f"{role} {s.cut_off}/{s.answers}" for role, s in answered.items() if role != first)
-        return (
-            f"{_who(first, split)} {seen.cut_off}/{seen.answers} answers cut off at eval.max_new_tokens={max_new_tokens} "
-            f"(cap {cap:g}, eval.max_truncated_fraction), and no model stopped within the cap on {where_on(split)}"
-            f"{f' ({others} cut off)' if others else ''}: the references fit, so the stop tokens end no answer there; check "
-            "the stop tokens and the chat template"
-        )
-    for role, by_split in counts.items():
-        for split, seen in by_split.items():
-            if capped(role, split) and seen.answers and seen.empty / seen.answers > cap:
+    faults: tuple[Fault, ...] = ("cut_off", "empty")
+    for fault in faults:
+        for split in splits:
+            answered = {role: seen[split] for role, seen in counts.items() if split in seen and seen[split].answers}
+            over = [r for r, seen in answered.items() if capped(r, split) and not within_cap(seen, cap, fault)]
+            if not over or stopped(counts, split, cap, fault):
+                continue
+            first, seen = over[0], answered[over[0]]
+            others = ", ".join(f"{r} {getattr(s, fault)}/{s.answers}" for r, s in answered.items() if r != first)
+            if fault == "cut_off":
                 return (
-                    f"{_who(role, split)} {seen.empty}/{seen.answers} answers empty (cap {cap:g}, "
-                    "eval.max_truncated_fraction): an empty answer scores wrong whatever the model knows; check the "
-                    "stop tokens and the chat template"
+                    f"{_who(first, split)} {seen.cut_off}/{seen.answers} answers cut off at eval.max_new_tokens="
+                    f"{max_new_tokens} (cap {cap:g}, eval.max_truncated_fraction), and no model stopped within the cap "
+                    f"on {where_on(split)}{f' ({others} cut off)' if others else ''}: the references fit, so the stop "
+                    "tokens end no answer there; check the stop tokens and the chat template"
                 )
+            return (
+                f"{_who(first, split)} {seen.empty}/{seen.answers} answers empty (cap {cap:g}, "
+                f"eval.max_truncated_fraction), and no model answered within the cap on {where_on(split)}"
+                f"{f' ({others} empty)' if others else ''}: an empty answer scores wrong whatever the model knows; "
+                "check the stop tokens and the chat template"
+            )
     return None
 
 
@@ -146,9 +155,11 @@ def _reading(counts: Mapping[str, Mapping[str, Generations]], role: str, split: 
     if not capped(role, split):
         return " (not capped: the base has not learned the task)"
     seen = counts[role][split]
-    witnesses = [r for r in stopped(counts, split, cap) if r != role]
-    if not within_cap(seen, cap) and witnesses:
-        return f" (the model's own: {' and '.join(witnesses)} stopped within the cap here; scored as answered)"
+    readings: tuple[tuple[Fault, str], ...] = (("cut_off", "stopped"), ("empty", "answered"))
+    for fault, did in readings:
+        witnesses = [r for r in stopped(counts, split, cap, fault) if r != role]
+        if not within_cap(seen, cap, fault) and witnesses:
+            return f" (the model's own: {' and '.join(witnesses)} {did} within the cap here; scored as answered)"
     return ""
 
 

@@ -78,13 +78,25 @@ def test_a_candidate_cut_off_where_the_base_stops_is_its_own_verdict_not_the_app
     # The base on the task is not held to the cap, but where it stops it shows the stop tokens work there.
     rambles = {"candidate": {TASK: seen(30, cut_off=30)}, "base": {TASK: seen(30)}}
     assert generation_problem(rambles, 16, 0.02) is None
-    # An incumbent that stops vouches for the apparatus as well; the empty cap holds whoever else stopped.
+    # An incumbent that stops vouches for the apparatus as well; so does a model that answers, for empty answers:
+    # the forgetting demo's candidate ended its turn at once on 1 reverse item in 40 where the base answered all.
     assert (
         generation_problem({"candidate": {"add": seen(80, cut_off=80)}, "incumbent": {"add": seen(80)}}, 16, 0.02)
         is None
     )
-    empty = generation_problem({"candidate": {"add": seen(80, empty=40)}, "base": {"add": seen(80)}}, 16, 0.02)
-    assert empty is not None and empty.startswith("candidate on suite add 40/80 answers empty")
+    silent = {"candidate": {"reverse": seen(40, empty=1)}, "base": {"reverse": seen(40)}}
+    assert generation_problem(silent, 16, 0.02) is None
+    assert count_lines(silent, 0.02) == [
+        "candidate on suite reverse: 0 of 40 answers end at max_new_tokens without a stop, 1 empty (the model's own: "
+        "base answered within the cap here; scored as answered)"
+    ]
+    both = {"candidate": {"add": seen(80, empty=40)}, "base": {"add": seen(80, empty=80)}}
+    empty = generation_problem(both, 16, 0.02)
+    assert empty == (
+        "candidate on suite add 40/80 answers empty (cap 0.02, eval.max_truncated_fraction), and no model answered "
+        "within the cap on suite add (base 80/80 empty): an empty answer scores wrong whatever the model knows; check "
+        "the stop tokens and the chat template"
+    )
 
 
 def test_the_base_is_not_held_to_the_cap_on_the_task_but_is_on_the_suites():
