@@ -457,13 +457,22 @@ def test_evaluate_depends_on_the_production_model_but_not_on_its_own_promotion(t
     assert evaluate.external is not None
     assert evaluate.external(cfg, storage, rec) == {"registry.production": "none"}
     other = ProductionPointer(
-        name=cfg.model.name, version="v0002-other", path="models/x", run_id="other", promoted_at="t"
+        name=cfg.model.name,
+        version="v0002-other",
+        path=f"models/{cfg.model.name}/v0002-other",
+        run_id="other",
+        promoted_at="t",
     )
     storage.write_json(other.to_json(), "models", cfg.model.name, "production.json")
     assert evaluate.external(cfg, storage, rec) == {"registry.production": "v0002-other"}
     # This run promoted its fine-tune over v0002; a rerun of evaluate superseded record.promotion before it ran.
     own = other.model_copy(
-        update={"version": "v0003-r", "path": "models/x/v0003-r", "run_id": "r", "previous_version": "v0002-other"}
+        update={
+            "version": "v0003-r",
+            "path": f"models/{cfg.model.name}/v0003-r",
+            "run_id": "r",
+            "previous_version": "v0002-other",
+        }
     )
     storage.write_json(
         own.model_copy(update={"content_sha256": "e1"}).to_json(), "models", cfg.model.name, "production.json"
