@@ -96,6 +96,21 @@ def test_no_bandwidth_is_reported_unless_every_rank_finished():
     assert [row.size_bytes for row in summarize("gloo", 2, reports).allreduce] == [1024]
 
 
+def test_ranks_that_swept_different_sizes_fail_naming_them_and_report_no_table():
+    # zip() over the ranks' rows kept the shortest sweep and labelled each row with rank 0's size.
+    def done(rank: int, sizes: list[int]) -> dict:
+        rows = [{"size_bytes": size, "time_ms": 0.001} for size in sizes]
+        return {"rank": rank, "finished": "t", "joined": "t", "allreduce": rows, "nccl_lines": [], "fsdp_losses": [1.0]}
+
+    reports: dict[int, dict | None] = {0: done(0, [1024, 4096]), 1: done(1, [4096])}
+    summary = summarize("gloo", 2, reports)
+    assert summary.allreduce == []
+    with pytest.raises(StageFailure) as info:
+        check_ranks(summary, reports, None)
+    assert info.value.failure_class == "infrastructure"
+    assert info.value.cause == "the ranks swept different all-reduce sizes (rank 0: [1024, 4096]; rank 1: [4096])"
+
+
 def test_nccl_env_is_per_submission_and_per_process():
     env = nccl_env("run-1-connectivity")
     assert env["NCCL_DEBUG"] == "INFO" and env["NCCL_DEBUG_SUBSYS"] == "INIT,NET"

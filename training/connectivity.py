@@ -308,8 +308,8 @@ def bandwidth(rows_by_rank: list[list[dict]], world_size: int) -> list[dict]:
     algbw = bytes / time; busbw = algbw * 2(n-1)/n, the ring all-reduce's traffic per link
     (nccl-tests' definition), comparable across world sizes.
     """
-    if not rows_by_rank:
-        return []
+    if not rows_by_rank or len({tuple(swept_sizes(rows)) for rows in rows_by_rank}) > 1:
+        return []  # ranks that swept different sizes have no common table; check_ranks names them
     factor = 2 * (world_size - 1) / world_size
     table = []
     for rows in zip(*rows_by_rank):
@@ -319,6 +319,10 @@ def bandwidth(rows_by_rank: list[list[dict]], world_size: int) -> list[dict]:
             {"size_bytes": size, "time_ms": round(time_ms, 4), "algbw_GBps": algbw, "busbw_GBps": algbw * factor}
         )
     return table
+
+
+def swept_sizes(rows: list[dict]) -> list[int]:
+    return [row["size_bytes"] for row in rows]
 
 
 def rank_nodes(reports: list[dict]) -> tuple[set[str], str]:
@@ -358,6 +362,11 @@ def check_ranks(summary: ConnectivitySummary, reports: dict[int, dict | None], f
         raise StageFailure("infrastructure", cause, summary)
     if fit_error:
         raise StageFailure("infrastructure", f"every rank finished but the trainer failed{trainer}", summary)
+    sweeps = {rank: swept_sizes(r.get("allreduce", [])) for rank, r in reports.items() if r}
+    if len({tuple(sizes) for sizes in sweeps.values()}) > 1:
+        # Each rank runs the same sweep: a rank with other sizes (or fewer) ran other collectives than its peers.
+        seen = "; ".join(f"rank {rank}: {sizes}" for rank, sizes in sweeps.items())
+        raise StageFailure("infrastructure", f"the ranks swept different all-reduce sizes ({seen})", summary)
     losses = summary.fsdp.losses
     if not all(math.isfinite(x) for x in losses):
         # A randomly initialised model's loss is ~ln(vocab): anything else means broken collectives.
