@@ -283,6 +283,11 @@ class RayJobRunner:
                 started_at=submitted_at,
                 ended_at=now_iso(),
             )
+        # The job's own times (an attached job ran before this flow watched), read as its status was: a dashboard
+        # that blinks now must not turn a finished job into an exception.
+        info = while_unreachable(
+            functools.partial(self.client.get_job_info, sid), self.cfg.cluster.address, self.on_wait, UNREACHABLE_WAIT_S
+        )
         return JobEntry(
             submission_id=sid,
             entrypoint=entrypoint,
@@ -294,6 +299,8 @@ class RayJobRunner:
             submitted_at=submitted_at,
             ended_at=now_iso(),
             result=result,
+            ray_started_at=ray_time(info.start_time),
+            ray_ended_at=ray_time(info.end_time),
         )
 
     def submit_or_attach(self, spec: JobSpec, attach_only: bool = False) -> tuple[str, bool, str, str]:
@@ -367,6 +374,8 @@ class RayJobRunner:
             submitted_at=iso_from_ms(info.start_time),
             ended_at=iso_from_ms(info.end_time),
             result=self.read_result(spec, latest.sid, latest.status),
+            ray_started_at=ray_time(info.start_time),
+            ray_ended_at=ray_time(info.end_time),
         )
 
     def owner(self, spec: JobSpec) -> dict[str, str]:
@@ -536,7 +545,12 @@ def result_path(run_id: str, job: str) -> tuple[str, ...]:
 
 def iso_from_ms(ms: int | None) -> str:
     """Ray's job times (ms since the epoch) as the record's ISO times; now when Ray has none."""
-    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds") if ms else now_iso()
+    return ray_time(ms) or now_iso()
+
+
+def ray_time(ms: int | None) -> str | None:
+    """One of Ray's job times (ms since the epoch) as an ISO time; None when Ray has none (a job not ended)."""
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds") if ms else None
 
 
 def validation_problem(e: ValidationError) -> str:

@@ -265,6 +265,39 @@ def test_runs_diff_shows_cost_rows():
     assert (metrics["cost.CPU_seconds"]["a"], metrics["cost.CPU_seconds"]["b"]) == (250.0, 130.0)  # 2 CPU workers
 
 
+def test_runs_diff_names_the_resources_cost_money_leaves_out(tmp_path):
+    # It showed cost.money for two GPU runs priced with a CPU-only table as if it were their whole cost.
+    cpu_only = PipelineConfig.model_validate(
+        {"train": {"num_workers": 4, "use_gpu": True}, "cost": {"prices": {"CPU": 3.6}}}
+    )
+    records.save(Storage(str(tmp_path)), run("a", 0, cfg=cpu_only))
+    records.save(Storage(str(tmp_path)), run("b", 0))  # no price table: seconds only, nothing left out
+    where = ["--set", f"storage.root={tmp_path}"]
+    lines = [line.strip() for line in tuneproof("runs", "diff", "a", "b", *where).output.splitlines()]
+    money = next(i for i, line in enumerate(lines) if line.startswith("cost.money:"))
+    assert lines[money + 1] == "a: GPU unpriced (cost.prices has no price for it: cost.money leaves it out)"
+    shown = json.loads(tuneproof("runs", "diff", "a", "b", "--json", *where).stdout)
+    assert shown["cost_unpriced"] == {"a": ["GPU"], "b": []}
+
+
+def test_a_job_is_timed_by_ray_and_an_attach_without_rays_times_is_named():
+    # Timed from when the flow watched it, a job a restarted flow found ended cost about 0 s.
+    rec = run("r1", 0)  # the fine-tune ran 10-70 s
+    ft = rec.stages["finetune"].jobs[0]
+    found = ft.model_copy(update={"attached": True, "submitted_at": at(300), "ended_at": at(301)})
+    rec.stages["finetune"].jobs = [found.model_copy(update={"ray_started_at": at(10), "ray_ended_at": at(70)})]
+    assert cost.run_cost(rec, {}).stages[1].seconds == 60.0 and cost.run_cost(rec, {}).timed_from_attach == []
+    rec.stages["finetune"].jobs = [found]  # a record written before Ray's times were kept
+    old = cost.run_cost(rec, {})
+    assert (old.stages[1].seconds, old.timed_from_attach) == (1.0, ["x-training.finetune"])
+    (version,) = cost.version_costs([rec], [promotion(1, "r1", 400)], {})
+    assert cost.card_notes(version) == [
+        "Ray job(s) x-training.finetune are timed from when the flow attached to them: their records have no Ray "
+        "start and end, so the cost leaves out their time before that."
+    ]
+    assert not cost.timed_from_attach(ft)  # one the flow submitted: watched from its submission, timed right
+
+
 def test_the_card_renders_cost_and_goodput():
     version = cost.version_costs(
         [run("r2-failed", 0, failed=True), run("r3", 100)], [promotion(1, "r3", 200)], {"CPU": 0.36}

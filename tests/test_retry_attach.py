@@ -17,6 +17,7 @@ import requests
 from ray.job_submission import JobStatus
 
 from tasks.rayjob import INVOCATION, JobSpec, RayJobRunner, reattaches
+from tuneproof.control import cost
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.results import FailureClass, StageResult, now_iso
 from tuneproof.core.storage import Storage
@@ -166,6 +167,19 @@ def test_a_continuation_reruns_an_infrastructure_failure_and_reads_a_modeling_on
     rerun = runner.run(SPEC)
     assert (rerun.submission_id, rerun.result) == (f"{RUN}-evaluate-a2", PASSED)
     assert runner.superseded == []
+
+
+def test_a_job_found_ended_is_charged_the_time_ray_ran_it(tmp_path):
+    # A restarted flow attached to a job that had run 90 s and ended: timed from the attach, it cost 0.02 s.
+    runner, ray = runner_for(tmp_path, [])
+    ray.add(f"{RUN}-evaluate", JobStatus.FAILED, GATE_FAILED, {**runner.owner(SPEC), INVOCATION: "1"})
+    runner.invocation = 2
+    found = runner.run(SPEC)
+    assert found.attached and (found.ray_started_at, found.ray_ended_at) == (
+        "2023-11-14T22:13:20.000+00:00",
+        "2023-11-14T22:14:50.000+00:00",
+    )
+    assert cost.job_seconds(found) == 90.0 and not cost.timed_from_attach(found)
 
 
 def test_another_runs_ended_job_is_never_read_as_this_runs(tmp_path):

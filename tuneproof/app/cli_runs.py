@@ -123,7 +123,7 @@ def print_cost(rec: Any, prices: dict[str, float], source: str) -> None:
     """What the run cost, stage by stage (superseded attempts included): resource-seconds and money, the
     resources the table does not price named, and which table it was."""
     from tuneproof.app.terminal import whole_table
-    from tuneproof.control.cost import run_cost, seconds_line, unpriced
+    from tuneproof.control.cost import attach_note, run_cost, seconds_line, unpriced
 
     run = run_cost(rec, prices)
     cells = [
@@ -139,6 +139,8 @@ def print_cost(rec: Any, prices: dict[str, float], source: str) -> None:
     console.print(f"prices per resource-hour: {table + ' (' + source + ')' if table else source}")
     line = seconds_line(run.resource_seconds, run.money, run.unpriced)
     console.print(f"cost: {line}; fine-tune steps paid for: {run.steps}")
+    if note := attach_note(run.timed_from_attach):
+        console.print(note)
 
 
 def record_or_exit(storage: Storage, run_id: str) -> RunRecord:
@@ -162,6 +164,7 @@ def runs_diff(
 ) -> None:
     """What changed between two runs: identity, config fields, and metric deltas."""
     from tuneproof.app.rundiff import diff_records, render_diff
+    from tuneproof.control.cost import recorded_cost, unpriced_note
 
     storage = storage_for(config, sets)
     a, b = record_or_exit(storage, run_a), record_or_exit(storage, run_b)
@@ -169,10 +172,14 @@ def runs_diff(
 
     try:
         result = diff_records(a, b)
+        unpriced = {"a": recorded_cost(a).unpriced, "b": recorded_cost(b).unpriced}
     except ValidationError as e:
         raise typer.Exit(summary_unreadable(f"{run_a} or {run_b}", e)) from None
     if as_json:
-        print(json.dumps(result, indent=2))
-    else:
-        for line in render_diff(result).splitlines():
-            say(console, line)
+        print(json.dumps({**result, "cost_unpriced": unpriced}, indent=2))
+        return
+    note = unpriced_note(unpriced["a"], unpriced["b"])
+    for line in render_diff(result).splitlines():
+        say(console, line)
+        if note and line.startswith("  cost.money:"):  # beside the figure it qualifies, as `runs show` puts it
+            say(console, f"    {note}")

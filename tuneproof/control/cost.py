@@ -7,8 +7,10 @@ and goodput.
 A job's resources are what it asked Ray for, from the config it ran with: a Ray Train job (fine-tune,
 connectivity, the resume test) one CPU per worker and, with train.use_gpu, one GPU per worker (Ray
 Train's ScalingConfig defaults); any other job one CPU (its driver), and one GPU for the evaluation jobs
-on a GPU cluster. Resource-seconds are those times the job's wall time (submitted to ended, from the
-record). Money is resource-hours × the config's `cost.prices` (empty: seconds only).
+on a GPU cluster. Resource-seconds are those times the job's wall time: its start to its end as Ray reports them,
+however late the flow attached to it. A record without them (written before they were kept) has the flow's own
+times, submission or attach to the end it saw, and names the jobs the flow attached to (`timed_from_attach`): their
+time before the attach is not counted. Money is resource-hours × the config's `cost.prices` (empty: seconds only).
 
 A promoted version paid for its own run and for every run of the same model since the previous
 promotion that did not become it: failed, refused, superseded attempts. Canary and comparison runs
@@ -70,6 +72,9 @@ class RunCost(Model):
     money: float | None = None
     unpriced: list[str] = []
     """Resources it used that the price table has no price for: `money` leaves them out."""
+    timed_from_attach: list[str] = []
+    """Jobs (submission ids) timed from when the flow attached to them (`job_seconds`): the cost is short by their
+    time before that."""
     steps: int
 
 
@@ -146,7 +151,19 @@ def job_resources(job: JobEntry, config: dict) -> dict[str, float]:
 
 
 def job_seconds(job: JobEntry) -> float:
-    return max(0.0, (datetime.fromisoformat(job.ended_at) - datetime.fromisoformat(job.submitted_at)).total_seconds())
+    """The job's wall time by Ray's start and end; where the record has not both, by the flow's submission or
+    attach to the end it saw, which for a job the flow attached to is short (`timed_from_attach`). Pure."""
+    if job.ray_started_at and job.ray_ended_at:
+        start, end = job.ray_started_at, job.ray_ended_at
+    else:
+        start, end = job.submitted_at, job.ended_at
+    return max(0.0, (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds())
+
+
+def timed_from_attach(job: JobEntry) -> bool:
+    """Whether the job's seconds leave out its time before the flow attached to it: the record has no Ray start and
+    end for it (written before they were kept), and the flow did not submit it. Pure."""
+    return job.attached and not (job.ray_started_at and job.ray_ended_at)
 
 
 def paid_steps(entries: list[StageEntry]) -> list[int]:
@@ -271,10 +288,10 @@ def run_cost(
     (pure). `charged`, when given, keeps only the entries it accepts (those a version is charged); their steps
     are counted over the whole run all the same, as a resumed job's start step is set against all its earlier jobs."""
     configs = {inv.number: inv.config or record.config for inv in record.invocations}
+    kept = [(e, superseded, paid) for e, superseded, paid in _paid_entries(record) if charged is None or charged(e)]
     stages = [
         stage_cost(e, configs.get(e.invocation, record.config), prices, superseded, paid)
-        for e, superseded, paid in _paid_entries(record)
-        if charged is None or charged(e)
+        for e, superseded, paid in kept
     ]
     total = add(s.resource_seconds for s in stages)
     failure = f" ({record.failure_class.value})" if record.failure_class else ""
@@ -285,6 +302,7 @@ def run_cost(
         resource_seconds=total,
         money=money(total, prices),
         unpriced=unpriced(total, prices),
+        timed_from_attach=[job.submission_id for e, _, _ in kept for job in e.jobs if timed_from_attach(job)],
         steps=sum(s.steps for s in stages),
     )
 
@@ -455,9 +473,28 @@ def seconds_line(resource_seconds: dict[str, float], amount: float | None, missi
     return parts + (f" ({', '.join(priced)})" if priced else "")
 
 
+def attach_note(submission_ids: list[str]) -> str | None:
+    """The sentence naming the jobs timed only from when the flow attached to them (`timed_from_attach`), for a
+    terminal or a card; None for none. Pure."""
+    if not submission_ids:
+        return None
+    return (
+        f"Ray job(s) {', '.join(submission_ids)} are timed from when the flow attached to them: their records have "
+        "no Ray start and end, so the cost leaves out their time before that."
+    )
+
+
+def unpriced_note(a: list[str], b: list[str]) -> str | None:
+    """`runs diff`'s line under cost.money: what each run's price table does not price (`RunCost.unpriced`), as
+    `runs show`'s cost line and the card name it; None when neither run used such a resource. Pure."""
+    sides = "; ".join(f"{run}: {', '.join(missing)} unpriced" for run, missing in (("a", a), ("b", b)) if missing)
+    return f"{sides} (cost.prices has no price for it: cost.money leaves it out)" if sides else None
+
+
 def card_notes(version: VersionCost) -> list[str]:
     """What the card's cost does not count, one sentence each, under its table (pure): runs whose records could
-    not be read, resources without a price, and the model's steps an earlier card paid for."""
+    not be read, resources without a price, jobs timed from an attach, and the model's steps an earlier card paid
+    for."""
     notes = []
     if version.unreadable:
         notes.append(
@@ -469,6 +506,8 @@ def card_notes(version: VersionCost) -> list[str]:
             f"{', '.join(version.unpriced)} unpriced: cost.prices has no price for it, so the cost counts only "
             f"{', '.join(sorted(version.prices))}."
         )
+    if attached := attach_note([sid for run in version.charged for sid in run.timed_from_attach]):
+        notes.append(attached)
     if version.earlier_steps:
         notes.append(
             f"{version.earlier_steps} of the model's {version.promoted_steps} fine-tune steps were trained before "
@@ -485,9 +524,15 @@ def record_prices(record: RunRecord) -> dict[str, float]:
     return dict(cost.prices or {}) if cost else {}
 
 
+def recorded_cost(record: RunRecord) -> RunCost:
+    """The run's cost by its own price table, as `runs diff` shows it (pure)."""
+    return run_cost(record, record_prices(record))
+
+
 def diff_numbers(record: RunRecord) -> dict[str, float | None]:
-    """The run's cost as `runs diff` numbers: wall seconds per stage, resource-seconds, money (pure)."""
-    run = run_cost(record, record_prices(record))
+    """The run's cost as `runs diff` numbers: wall seconds per stage, resource-seconds, money (pure); what money
+    leaves out is `recorded_cost(record).unpriced`."""
+    run = recorded_cost(record)
     numbers: dict[str, float | None] = {f"cost.{s.stage}.seconds": s.seconds for s in run.stages if not s.superseded}
     numbers.update({f"cost.{r}_seconds": s for r, s in run.resource_seconds.items()})
     numbers["cost.money"] = run.money

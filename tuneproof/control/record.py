@@ -88,16 +88,25 @@ class JobEntry(Model):
     """Environment the pipeline itself set for the job (e.g. NCCL logging), apart from the user's additions."""
     submitted_at: str
     ended_at: str
+    """When the flow submitted the job, or attached to it, and when it saw it end (for an attempt a new one
+    replaced, Ray's times): the flow's view, which orders jobs and places them in a promotion's window."""
     result: StageResult
+    ray_started_at: str | None = None
+    ray_ended_at: str | None = None
+    """The job's own start and end as Ray reports them (JobDetails start_time, end_time): what it cost, however
+    late the flow attached (one that found it ended watched it for no time at all). None in records written
+    before they were kept, or where Ray had none (a job still not ended when its timeout gave up on it)."""
     logged_steps: int | None = None
     """A fine-tune job that left no summary (stopped, lost, failed inside Ray Train): the steps its metrics log
     shows it trained, counted when it ended (tuneproof.control.cost.logged_steps); None for any other job."""
 
-    @field_validator("submitted_at", "ended_at")
+    @field_validator("submitted_at", "ended_at", "ray_started_at", "ray_ended_at")
     @classmethod
-    def _iso_with_offset(cls, v: str) -> str:
+    def _iso_with_offset(cls, v: str | None) -> str | None:
         """Readers subtract these (a run's cost, a job's duration): a record whose job time is not an ISO-8601
         time with its UTC offset is refused when it is read (RecordUnreadable naming the file), not when shown."""
+        if v is None:
+            return v
         try:
             aware = datetime.fromisoformat(v).tzinfo is not None
         except ValueError:
