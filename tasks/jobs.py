@@ -168,7 +168,9 @@ def with_logged_steps(storage: Storage, run_id: str, entry: StageEntry) -> Stage
                 logging.getLogger("tuneproof.cost").warning(f"{job.submission_id}: its metrics log cannot be read: {e}")
                 rows = None
             if rows is not None:
-                job = job.model_copy(update={"logged_steps": cost.logged_steps(rows, job.submitted_at, job.ended_at)})
+                # Ray's times where it gave them: a job this flow attached to trained before the flow watched it.
+                start, end = job.ray_started_at or job.submitted_at, job.ray_ended_at or job.ended_at
+                job = job.model_copy(update={"logged_steps": cost.logged_steps(rows, start, end)})
         jobs.append(job)
     return entry.model_copy(update={"jobs": jobs})
 

@@ -244,6 +244,12 @@ def test_a_stopped_jobs_steps_are_counted_from_its_metrics_log_when_it_ends(tmp_
     entry = StageEntry(stage="finetune", status="failed", started_at="a", ended_at="b", jobs=[stopped])
     (counted,) = with_logged_steps(storage, "demo", entry).jobs
     assert counted.logged_steps == 2  # the rows written between its submission (10 s) and its end (40 s)
+    # Attached to at 30 s by a restarted flow: Ray's own start (10 s) bounds its rows, not the attach.
+    attached = stopped.model_copy(
+        update={"attached": True, "submitted_at": at(30), "ray_started_at": at(10), "ray_ended_at": at(40)}
+    )
+    (counted,) = with_logged_steps(storage, "demo", entry.model_copy(update={"jobs": [attached]})).jobs
+    assert counted.logged_steps == 2
     finished = job("training.finetune", at(0), at(1), {"steps": 1})
     kept = with_logged_steps(storage, "demo", entry.model_copy(update={"jobs": [finished]})).jobs[0]
     assert kept.logged_steps is None  # a job with a summary: its summary says what it trained
