@@ -20,9 +20,10 @@ import math
 
 from pydantic import BaseModel, ConfigDict
 
-from eval.evaluate_job import ModelSource, load_for_eval, score
 from eval.generation import generate
+from eval.loading import ModelSource, load_for_eval
 from eval.metrics_loader import load_metric
+from eval.selftest import score
 from training import jobkit
 from training.jobkit import JobContext, run_stage
 from tuneproof.core.results import FailureClass, StageFailure
@@ -56,8 +57,8 @@ def copy_check_body(ctx: JobContext) -> CopyCheckSummary:
         model_path=params.model,
         content_sha256=content,
         examples=len(params.prompts),
-        evaluate_scores=score(metrics, params.answers, params.references),
-        copy_scores=score(metrics, answers, params.references),
+        evaluate_scores=score(metrics, params.answers, params.references, "the evaluate job's answers"),
+        copy_scores=score(metrics, answers, params.references, f"{ROLE} {params.model}"),
         differing=[i for i, (a, b) in enumerate(zip(answers, params.answers, strict=True)) if a != b],
         passed=False,
     )

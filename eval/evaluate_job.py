@@ -59,7 +59,6 @@ from __future__ import annotations
 import gc
 import json
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -68,6 +67,14 @@ from pydantic import BaseModel, ConfigDict
 
 from eval.gates import Scores, decide
 from eval.generation import eval_loss, generate_checked, pad_token_id, pick_device
+from eval.loading import (
+    ModelSource,
+    check_template,
+    check_tokenizer,
+    hub_commit,
+    load_for_eval,
+    require_complete_export,
+)
 from eval.metrics_loader import load_metric, loaded_module_files
 from eval.reproduce import HUB_COMMIT, base_reproduction
 from eval.selftest import (
@@ -84,23 +91,18 @@ from eval.selftest import (
 )
 from eval.suites import Suite, chat_prompts, overall, read_suite, suite_score, unmeasured
 from training import jobkit
-from training.checkpoint_listing import check_complete
 from training.data_files import read_manifest
 from training.jobkit import JobContext, run_stage
-from training.modeling import load_model, load_tokenizer, materialize, special_token_finder
+from training.modeling import load_tokenizer, special_token_finder
 from training.train_data import read_split
 from tuneproof.core import markers
-from tuneproof.core.hashing import chat_template_sha256
-from tuneproof.core.metric_names import LOSS_METRICS, resolve_metric
+from tuneproof.core.metric_names import resolve_metric
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.summaries_data import SuiteFile
 from tuneproof.core.summaries_eval import ROLES, EvaluateSummary, GateDecision, Generations, ModelScore
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-    from tuneproof.core.config_eval import Gate
-    from tuneproof.core.storage import Storage
 
 STAGE = "evaluate"
 
@@ -135,18 +137,6 @@ class EvalSet:
     labels: list[list[int]]
     chat_template_sha256: str | None
     """The template the data stage rendered the prompts with (its manifest's); None for an older manifest."""
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    role: str
-    path: str
-    """As recorded: storage-relative for candidate and incumbent, config.model.source for base."""
-    uri: str
-    """What from_pretrained loads (after materialize): a local dir, hub id or s3:// prefix."""
-    revision: str | None = None
-    manifest: bool = False
-    """True for an export (candidate, incumbent): its files must match its tuneproof-export.json."""
 
 
 @dataclass
@@ -218,7 +208,8 @@ def evaluate_body(ctx: JobContext) -> EvaluateSummary:
         results["candidate"].scores(), results["base"].scores(), incumbent, cfg.gates, cfg.confidence, split
     )
     scored = [suite_score(s, {role: r.suites[s.name] for role, r in results.items()}, cfg.confidence) for s in suites]
-    for line in overall(decision, scored).lines:
+    verdict = overall(decision, scored)
+    for line in verdict.lines:
         jobkit.log(f"gate: {line}")
     from training.memory import rank_memory
 
@@ -229,7 +220,6 @@ def evaluate_body(ctx: JobContext) -> EvaluateSummary:
         base_reproduction=reproduction,
         suites=scored,
     )
-    verdict = overall(decision, scored)
     if not verdict.passed:
         raise StageFailure(verdict.failure_class(), verdict.failure_cause(), summary)
     return summary
@@ -238,7 +228,8 @@ def evaluate_body(ctx: JobContext) -> EvaluateSummary:
 def check_references_fit(ctx: JobContext, data: EvalSet, suites: list[Suite]) -> None:
     """Before any model answers: invalid when over eval.max_truncated_fraction of a split's references cannot be
     answered within eval.max_new_tokens with the stop token (eval/selftest.py unfitting_references). Counted with
-    the base's tokenizer, which the data stage tokenized with and the candidate's must equal (check_tokenizer)."""
+    the base's tokenizer, which the data stage tokenized with and the candidate's must equal (eval/loading.py
+    check_tokenizer)."""
     cfg, model = ctx.config.eval, ctx.config.model
     tokenizer = load_tokenizer(model.source, model.revision, ctx.config.storage.endpoint_url)
 
@@ -254,9 +245,6 @@ def read_eval_set(ctx: JobContext, dataset: str) -> EvalSet:
     """The eval split's first config.eval.max_examples rows (the split order is the data stage's, seeded)."""
     table = read_split(ctx.storage, dataset, "eval")
     table = table.slice(0, ctx.config.eval.max_examples)
-    missing = [c for c in ("prompt", "reference", "input_ids", "labels") if c not in table.column_names]
-    if missing:
-        raise ValueError(f"eval split of {dataset} lacks columns {missing}; has {table.column_names}")
     if table.num_rows == 0:
         raise StageFailure(
             FailureClass.data, f"eval split of {ctx.storage.uri(dataset)} has no rows: nothing to evaluate on"
@@ -264,7 +252,8 @@ def read_eval_set(ctx: JobContext, dataset: str) -> EvalSet:
     cols: dict[str, list[Any]] = {}
     for name in ("prompt", "reference", "input_ids", "labels"):
         cols[name] = table.column(name).to_pylist()
-        if None in cols[name]:  # the data stage writes no nulls: such a split was written by something else
+        # read with the data schema, a shard without the column reads as nulls; the data stage writes none
+        if None in cols[name]:
             raise ValueError(f"eval split of {dataset}: column {name} has null rows; expected none")
     manifest = read_manifest(ctx.storage, dataset)
     template = manifest.chat_template_sha256
@@ -300,29 +289,6 @@ def is_local(name: str, allow_hub: bool) -> bool:
     return Path(resolve_metric(name, allow_hub)).is_dir()
 
 
-def model_hash(storage: Storage, source: ModelSource, local: Path) -> str | None:
-    """The content hash of the model files that load from `local`: an export's manifest hash, after checking
-    every file of the loaded copy against it; a plain directory's hash over its files; None for a hub id."""
-    if source.manifest and (local / markers.EXPORT_MANIFEST).exists():
-        try:
-            return markers.verify_export(storage, source.path, local_dir=local).content_sha256
-        except markers.ExportUnverified as e:
-            raise StageFailure(FailureClass.infrastructure, f"{source.role} model: {e}") from None
-    if source.role == "candidate":
-        raise StageFailure(
-            FailureClass.infrastructure,
-            f"candidate export {storage.uri(source.path)} has no {markers.EXPORT_MANIFEST}: re-run finetune",
-        )
-    return markers.content_sha256(markers.local_digests(local)) if local.is_dir() else None
-
-
-def require_complete_export(ctx: JobContext, candidate: str) -> None:
-    """Only a finished export counts: its completion marker lists every file with its size."""
-    problem = check_complete(ctx.storage, candidate)
-    if problem:
-        raise StageFailure(FailureClass.infrastructure, f"candidate export is not complete: {problem}")
-
-
 def model_sources(ctx: JobContext, params: EvalParams) -> list[ModelSource]:
     storage, model_cfg = ctx.storage, ctx.config.model
     sources = [
@@ -343,7 +309,7 @@ def evaluate_model(
     model, tokenizer, content = load_for_eval(ctx, source)
     commit = None if content else hub_commit(model)
     template = check_template(source.role, tokenizer, data.chat_template_sha256)
-    same_ids = check_tokenizer(source.role, tokenizer, data, cfg.gates)
+    same_ids = check_tokenizer(source.role, tokenizer, data.prompts, data.input_ids, cfg.gates)
     named = f"content {content[:12]}" if content else f"hub commit {str(commit)[:12]}"
     jobkit.log(
         f"{source.role}: {source.path} ({named}, chat template {str(template)[:12]}) on {model.device} ({model.dtype})"
@@ -357,7 +323,7 @@ def evaluate_model(
         on_batch=lambda n: counter.advance(n, source.role),
     )
     where = f"{source.role} on the eval split"
-    values = score(metrics, answers, data.references)
+    values = score(metrics, answers, data.references, where)
     hub = [name for name in metrics if not is_local(name, cfg.hub_metrics)]
     items = item_scores(metrics, answers, data.references, values, where, hub)
     if problem := unscored(values, items, cfg.gates):
@@ -396,7 +362,7 @@ def answer_suite(
         on_batch=lambda n: counter.advance(n, role),
     )
     where = f"{role} on suite {suite.name}"
-    values = score(suite.metrics, answers, suite.references)
+    values = score(suite.metrics, answers, suite.references, where)
     items = item_scores(suite.metrics, answers, suite.references, values, where)
     if problem := unscored(values, items, suite.config.metrics):
         raise invalid(f"{where}: {problem}")
@@ -404,99 +370,12 @@ def answer_suite(
     return Scores(values, items), generations(answers, cut)
 
 
-def load_for_eval(ctx: JobContext, source: ModelSource) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str | None]:
-    """Model in eval mode on the device, its own tokenizer (the base model's when it ships none), and the
-    content hash of the files it loaded from (checked before loading, on the very copy that loads)."""
-    endpoint = ctx.config.storage.endpoint_url
-    device, dtype = pick_device()
-    ref = materialize(source.uri, endpoint)  # loads from the very copy that is hashed below
-    local = Path(ref)
-    content = model_hash(ctx.storage, source, local)
-    model = load_model(ref, source.revision, endpoint, dtype=dtype)
-    # ignore: transformers wraps PreTrainedModel.to with functools.wraps, which mypy reads as unbound (device as self).
-    model.to(device).eval()  # type: ignore[arg-type]
-    has_tokenizer = not local.is_dir() or (local / "tokenizer_config.json").exists()
-    base = ctx.config.model
-    tokenizer = (
-        load_tokenizer(ref, source.revision, endpoint)
-        if has_tokenizer
-        else load_tokenizer(base.source, base.revision, endpoint)
-    )
-    return model, tokenizer, content
-
-
-def hub_commit(model: PreTrainedModel) -> str | None:
-    """The hub commit a model named by hub id was loaded at: from_pretrained records the revision it resolved to
-    (a branch such as 'main' moves) in the model's config. None for a model loaded from local files."""
-    commit = getattr(model.config, "_commit_hash", None)
-    return commit if isinstance(commit, str) and commit else None
-
-
-def check_template(role: str, tokenizer: PreTrainedTokenizerBase, rendered_with: str | None) -> str | None:
-    """The hash of the chat template `role`'s tokenizer lays prompts out with. The eval prompts are the data
-    stage's renderings: the candidate's and the base's template must be the one they were rendered with,
-    else the model is scored on prompts laid out for another template and the evaluation is invalid. An
-    incumbent's may differ (it was trained before a change of base model): logged, not refused."""
-    mine = chat_template_sha256(getattr(tokenizer, "chat_template", None))
-    if rendered_with is None or mine == rendered_with:
-        return mine
-    what = (
-        f"the {role} model's chat template (sha256 {mine}) is not the one the data stage rendered the eval "
-        f"prompts with (sha256 {rendered_with}, in the dataset manifest)"
-    )
-    if role == "incumbent":
-        jobkit.log(f"note: {what}: the incumbent answers prompts laid out for another template")
-        return mine
-    raise invalid(f"{what}: prepare the data with the tokenizer the model is evaluated with (re-run data)")
-
-
-def check_tokenizer(role: str, tokenizer: PreTrainedTokenizerBase, data: EvalSet, gates: Mapping[str, Gate]) -> bool:
-    """Whether `role`'s tokenizer encodes the eval split's prompts to the ids the split's rows begin with (the data
-    stage's tokenizer's), so that its eval loss may be read over the split's input_ids.
-
-    Compared by what it does, on this split's own prompts, not by a hash of its saved files: those carry where it
-    was loaded from (`is_local` in tokenizer_config.json), so a base named by hub id and an export read from
-    storage hash apart with one vocabulary. The candidate's and the base's must agree: with another vocabulary
-    their loss is over foreign ids and their answers decode other ids (cut off, or an IndexError), and the
-    evaluation is invalid. An incumbent's may differ (trained before a change of base model): it answers the
-    prompts as text with its own, but its eval loss and perplexity are left out (False) rather than reported
-    over foreign ids; a gate comparing one with the incumbent then cannot judge, and the evaluation is invalid."""
-    differs = first_foreign_row(tokenizer, data)
-    if differs is None:
-        return True
-    what = f"the {role}'s tokenizer does not encode the eval split's prompts to the split's ids ({differs})"
-    if role != "incumbent":
-        raise invalid(
-            f"{what}: the split's ids are another tokenizer's, its eval loss over them means nothing, and a model "
-            "trained on them decodes its answers wrongly; prepare the data with the tokenizer the model is evaluated "
-            "with (re-run data)"
-        )
-    if gated := [
-        f"{name}.max_regression" for name, g in gates.items() if name in LOSS_METRICS and g.max_regression is not None
-    ]:
-        raise invalid(
-            f"{what}: its loss over the split's ids means nothing, so gate {', '.join(gated)} cannot compare the "
-            "candidate with it"
-        )
-    jobkit.log(f"note: {what}: its eval loss and perplexity are left out (over another tokenizer's ids)")
-    return False
-
-
-def first_foreign_row(tokenizer: PreTrainedTokenizerBase, data: EvalSet) -> str | None:
-    """Where `tokenizer` first encodes a prompt otherwise than the split's row begins ('row 3, token 1: 87 vs
-    266'); None when every prompt's ids are its row's first ids (a truncated row: as far as it goes)."""
-    encoded = tokenizer(list(data.prompts), add_special_tokens=False)["input_ids"]
-    for row, (mine, stored) in enumerate(zip(encoded, data.input_ids)):
-        for at, (a, b) in enumerate(zip(mine, stored)):
-            if a != b:
-                return f"row {row}, token {at}: {a} vs {b}"
-    return None
-
-
 def save_item_scores(ctx: JobContext, split: str, results: dict[str, ModelEval]) -> str:
     """{"split_sha256", "scores": {role: {metric: [one score per item]}}, "suites": {suite: {role: {metric:
     [...]}}}}: what the gates were decided on."""
-    suites = {name: {role: dict(r.suites[name].items) for role, r in results.items()} for name in _suite_names(results)}
+    suites = {
+        name: {role: dict(r.suites[name].items) for role, r in results.items()} for name in results["base"].suites
+    }
     body = {
         "split_sha256": split,
         "scores": {role: result.items for role, result in results.items()},
@@ -505,10 +384,6 @@ def save_item_scores(ctx: JobContext, split: str, results: dict[str, ModelEval])
     parts = ctx.stage_parts("item_scores.json")
     ctx.storage.write_bytes(json.dumps(body).encode(), *parts)
     return ctx.storage.uri(*parts)
-
-
-def _suite_names(results: dict[str, ModelEval]) -> list[str]:
-    return list(next(iter(results.values())).suites) if results else []
 
 
 def save_predictions(ctx: JobContext, data: EvalSet, results: dict[str, ModelEval]) -> str:

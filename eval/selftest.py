@@ -166,11 +166,21 @@ def _reading(counts: Mapping[str, Mapping[str, Generations]], role: str, split: 
 # ---- the metrics -------------------------------------------------------------------------------
 
 
-def score(metrics: dict, answers: list[str], references: list[str]) -> dict[str, float]:
-    """Every numeric value each metric module reports, by its own key (a numpy scalar counts: np.mean gives one)."""
+def score(metrics: dict, answers: list[str], references: list[str], where: str) -> dict[str, float]:
+    """Every numeric value each metric module reports, by its own key (a numpy scalar counts: np.mean gives one).
+
+    A metric module that raises on `where`'s answers (an IndexError on an empty answer, a ZeroDivisionError) is a
+    broken scorer, invalid: any text is an answer a model may give, and the metric's failure is no verdict on it."""
     values: dict[str, float] = {}
-    for metric in metrics.values():
-        for key, value in metric.compute(predictions=answers, references=references).items():
+    for name, metric in metrics.items():
+        try:
+            reported = metric.compute(predictions=answers, references=references)
+        except Exception as e:
+            raise invalid(
+                f"{where}: {name} raised {type(e).__name__} ({e}) scoring {len(answers)} answers: a metric must "
+                "score any answer (the empty one too), so the scorer failed, not the model; fix the metric module"
+            ) from e
+        for key, value in reported.items():
             if isinstance(value, numbers.Real):
                 values[key] = float(value)
     return values
@@ -303,8 +313,8 @@ def check_references(metrics: dict, references: list[str], hub: Collection[str] 
     test), and so may the references in swapped case, under each metric that does not declare case meaningless
     (eval/metrics_loader.py case_insensitive).
     """
-    totals = score(metrics, references, references)
     where = "the references as answers"
+    totals = score(metrics, references, references, where)
     for key, values in item_scores(metrics, references, references, totals, where, hub).items():
         if above := [i for i, v in enumerate(values) if v > 1.0 + 1e-9]:
             raise invalid(
@@ -424,8 +434,8 @@ def check_wrong_answers(
     differ = differing(answers, references)
     if not differ or not metrics:
         return
-    totals = score(metrics, answers, references)
     where = f"the self-test's wrong answers ({what})"
+    totals = score(metrics, answers, references, where)
     for key, values in item_scores(metrics, answers, references, totals, where, hub).items():
         full = [i for i in differ if values[i] >= 1.0 - 1e-9]
         fooled = len(full) == len(differ) if share is None else len(full) > share * len(differ)
@@ -450,8 +460,8 @@ def check_floor(metrics: dict, references: list[str], answers: list[str], what: 
     differ = differing(answers, references)
     if not differ:
         return
-    totals = score(metrics, answers, references)
     where = f"the self-test's wrong answers ({what})"
+    totals = score(metrics, answers, references, where)
     for key, values in item_scores(metrics, answers, references, totals, where, hub).items():
         if not (above := [i for i in differ if values[i] > WRONG_FLOOR]):
             continue

@@ -34,6 +34,7 @@ from tuneproof.app.tiny_model import CHAT_TEMPLATE, build_tiny_model, conversati
 from tuneproof.control import registry
 from tuneproof.core import markers
 from tuneproof.core.config import PipelineConfig
+from tuneproof.core.envelope import ENV_VAR, PROGRESS_PREFIX
 from tuneproof.core.hashing import chat_template_sha256
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
@@ -226,9 +227,9 @@ def test_trained_candidate_passes_as_the_first_model(world, store, capsys):
     assert predictions[0]["prompt"] == world["rows"][0]["prompt"]
 
     progress = [
-        json.loads(line.removeprefix(jobkit.PROGRESS_PREFIX))
+        json.loads(line.removeprefix(PROGRESS_PREFIX))
         for line in capsys.readouterr().out.splitlines()
-        if line.startswith(jobkit.PROGRESS_PREFIX)
+        if line.startswith(PROGRESS_PREFIX)
     ]
     assert progress[-1] == {"stage": "evaluate", "done": 60, "total": 60, "model": "base"}
 
@@ -336,7 +337,7 @@ def test_the_entrypoint_writes_a_classified_result(world, store):
     """`python -m eval.evaluate_job` as tasks/ submits it: exit 1 and a modeling result for a failed gate."""
     upload_export(store, world["base"], "cli")
     ctx = make_ctx(world, "cli", store.root, max_examples=3, max_truncated_fraction=1.0)  # the random model rambles
-    env = {**os.environ, jobkit.ENV_VAR: jobkit.encode_job(ctx.run_id, ctx.job, ctx.config, ctx.params)}
+    env = {**os.environ, ENV_VAR: jobkit.encode_job(ctx.run_id, ctx.job, ctx.config, ctx.params)}
     proc = run_job_module("eval.evaluate_job", env)
     assert proc.returncode == 1, proc.stderr[-2000:]
     result = store.read_json("runs/cli/stages/evaluate/result.json")
@@ -757,7 +758,7 @@ def test_a_local_metric_whose_item_scores_are_not_its_value_fails_the_self_test(
 
 def test_item_scores_a_local_metric_cannot_pair_are_invalid_and_a_hub_metrics_compare_points():
     answers, references = [ANSWER, "1999-12-14", ANSWER], [ANSWER] * 3
-    totals = score({"exact_match": ReturnInLoop()}, answers, references)
+    totals = score({"exact_match": ReturnInLoop()}, answers, references, "test")
     with pytest.raises(StageFailure) as info:
         item_scores({"exact_match": ReturnInLoop()}, answers, references, totals, "candidate on the eval split")
     assert info.value.cause == (
@@ -783,13 +784,56 @@ class NumpyMean(OffByOne):
 
 def test_a_numpy_scalar_is_a_number():
     """Before, np.float32 was skipped and the gate read 'the metrics report no exact_match'."""
-    assert score({"exact_match": NumpyMean()}, [ANSWER, "1999-12-14"], [ANSWER, ANSWER]) == {"exact_match": 0.5}
+    assert score({"exact_match": NumpyMean()}, [ANSWER, "1999-12-14"], [ANSWER, ANSWER], "test") == {"exact_match": 0.5}
+
+
+class FirstWord(OffByOne):
+    """A rouge-like metric that compares each answer's first word, and so raises IndexError on an empty answer."""
+
+    def _compute(self, predictions, references):
+        return {"exact_match": np.mean([p.split()[0] == r.split()[0] for p, r in zip(predictions, references)])}
+
+
+RAISED = "raised IndexError (list index out of range) scoring"
+
+
+def test_a_metric_that_raises_is_the_scorers_failure_naming_the_metric_and_where():
+    """Before, the IndexError ended the job as a bare 'IndexError: list index out of range', naming no metric. Now
+    the evaluation is invalid (infrastructure: the scorer failed, not the model), naming the metric as configured,
+    the exception and where: in the self-test, or on a model's answers (the demo's base leaves 20 of 300 empty)."""
+    metrics = {"first_word": FirstWord()}
+    with pytest.raises(StageFailure) as selftest:
+        check_references(metrics, [ANSWER, "1999-12-14"])
+    assert selftest.value.failure_class is FailureClass.infrastructure
+    assert selftest.value.cause.startswith(
+        f"evaluation invalid: the self-test's wrong answers (the empty answer): first_word {RAISED} 2 answers"
+    )
+    with pytest.raises(StageFailure) as answered:
+        score(metrics, [ANSWER, "", "1999-12-14"], [ANSWER] * 3, "base on suite add")
+    assert answered.value.failure_class is FailureClass.infrastructure
+    assert answered.value.cause == (
+        f"evaluation invalid: base on suite add: first_word {RAISED} 3 answers: a metric must score any answer (the "
+        "empty one too), so the scorer failed, not the model; fix the metric module"
+    )
+
+
+def test_a_metric_that_raises_on_a_models_answers_ends_evaluate_as_invalid_naming_the_model(world, store, monkeypatch):
+    """A metric that raises on answers the self-test did not construct (stood in for by skipping the self-test):
+    the trained candidate's answers score, the random base's empty ones raise, and the cause names the base."""
+    upload_export(store, world["trained"], "raises")
+    monkeypatch.setattr(evaluate_job, "load_metric", lambda name, hub: FirstWord())
+    monkeypatch.setattr(evaluate_job, "check_references", lambda *args: None)
+    with pytest.raises(StageFailure) as info:
+        evaluate_body(make_ctx(world, "raises", store.root, metrics=["exact_match"]))
+    assert info.value.failure_class is FailureClass.infrastructure
+    assert info.value.cause.startswith(f"evaluation invalid: base on the eval split: exact_match {RAISED} 30 answers")
 
 
 @pytest.mark.parametrize(
     "metric, says",
     [
         (PercentCorpus(), "the references as answers: exact_match cannot score an item alone (ValueError: "),
+        (FirstWord(), f"the self-test's wrong answers (the empty answer): exact_match {RAISED} 30 answers"),
         (
             Constant(),
             "exact_match gives credit to answers with nothing right: the empty answer scores above WRONG_FLOOR=0.05 "
