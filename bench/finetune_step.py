@@ -25,7 +25,7 @@ def ours_step(bench: Bench, storage, dataset: str, steps: int, workers: int, tag
     cfg = bench.config(storage, f"train.num_workers={workers}")
     params = {"dataset": dataset, "run_name": tag, "max_steps": steps, "checkpoint_every": 10_000, "export": False}
     bench.run_job(cfg, "bench-ft", tag, "training.finetune", params)
-    rows = read_metrics(storage, "bench-ft", tag)
+    rows = read_metrics(cfg, "bench-ft", tag)
     return statistics.median(r["step_seconds"] for r in rows)
 
 

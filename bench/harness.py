@@ -77,7 +77,7 @@ class Bench:
         self, cfg: PipelineConfig, run_id: str, job: str, module: str, params: dict[str, Any] | None = None
     ) -> JobRun:
         """Run one stage job the way the pipeline's task does; raises when it did not succeed."""
-        from tasks.rayjob import JobSpec, RayJobRunner, auth_headers
+        from tasks.rayjob import JobSpec, RayJobRunner
         from tuneproof.core.summaries import Summary
         from tuneproof.core.summaries_data import DataSummary
         from tuneproof.core.summaries_training import FinetuneSummary
@@ -96,10 +96,10 @@ class Bench:
         began = time.perf_counter()
         for attempt in range(3):
             # A dropped dashboard connection (OSError) on a loaded machine: following again re-attaches to
-            # the same submission (its id is the run's and the job's), the time keeps running.
+            # the same submission (its id is the run's and the job's), the time keeps running. RayJobRunner
+            # leaves this retry to its caller; in the pipeline it is the task's Prefect retry (tasks.jobs.RETRY).
             try:
-                client = job_client(cfg, auth_headers(cfg))
-                runner = RayJobRunner(cfg, run_id, on_line=on_line, poll_s=0.5, client=client)
+                runner = RayJobRunner(cfg, run_id, on_line=on_line, poll_s=0.5)
                 entry = runner.run(JobSpec(job, module, 1800, summary, params or {}))
                 break
             except OSError:
@@ -132,17 +132,14 @@ class Bench:
 
 
 def job_client(cfg: PipelineConfig, headers: dict[str, str] | None):
-    """A job client; a dashboard slow to answer on a loaded machine gets two more tries before it counts."""
+    """A job client that waits (bounded) while the dashboard is unreachable, as the pipeline's does: for
+    bench/pipeline.py's bare side (ours connects inside RayJobRunner)."""
     from ray.job_submission import JobSubmissionClient
 
-    for attempt in range(3):
-        try:
-            return JobSubmissionClient(cfg.cluster.address, headers=headers)
-        except OSError:  # ConnectionError, and requests' errors, are OSErrors
-            if attempt == 2:
-                raise
-            time.sleep(5)
-    raise AssertionError("unreachable")
+    from tasks.rayjob import UNREACHABLE_WAIT_S, while_unreachable
+
+    address = cfg.cluster.address
+    return while_unreachable(lambda: JobSubmissionClient(address, headers=headers), address, say, UNREACHABLE_WAIT_S)
 
 
 @contextlib.contextmanager
@@ -157,21 +154,12 @@ def bench_cluster(num_cpus: int = 4, ray: bool = True) -> Iterator[Bench]:
     try:
         model_dir = scratch / "tiny-qwen2"
         ensure_tiny_model(model_dir, PROJECT_ROOT / "data" / "dates" / "dates.jsonl")
-        for attempt in range(2 if ray else 0):
-            # On an overloaded machine a fresh head can time out in its own start-up (GCS deadline
-            # exceeded); a second one usually comes up. The error carries the first one's log tail.
+        if ray:
             say(f"starting a local Ray head ({num_cpus} CPUs) ...")
-            try:
-                head = start_ray_head(scratch / f"ray-state-{attempt}", num_cpus=num_cpus, dashboard_port=free_port())
-                wait_for_job_agent(head)
-                break
-            except (RuntimeError, TimeoutError) as e:
-                if head is not None:
-                    head.stop()
-                    head = None
-                if attempt == 1:
-                    raise
-                say(f"the Ray head did not come up ({str(e)[-300:]}); trying once more")
+            # A head that exits in its own start-up is started again by start_ray_head; one that is only slow
+            # on a loaded machine gets the two default waits an earlier second try here gave it.
+            head = start_ray_head(scratch / "ray-state", num_cpus=num_cpus, dashboard_port=free_port(), wait_s=240)
+            wait_for_job_agent(head)
         yield Bench(head, scratch, model_dir)
     finally:
         if head is not None and not head.alive():
@@ -256,10 +244,14 @@ def run_python(args: list[str], env: dict[str, str], timeout: float = 1800) -> s
     return done
 
 
-def read_metrics(storage_root: Path, run_id: str, job: str) -> list[dict[str, Any]]:
-    """The fine-tune job's metrics.jsonl rows (every step rank 0 logged)."""
-    path = storage_root / "runs" / run_id / "stages" / job / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def read_metrics(cfg: PipelineConfig, run_id: str, job: str) -> list[dict[str, Any]]:
+    """The fine-tune job's metrics log rows (every step rank 0 logged), read as the pipeline reads them: a
+    local file or S3 chunks, a torn last line (a killed writer) left out."""
+    from tuneproof.core.rowlog import read_rows
+    from tuneproof.core.storage import Storage
+    from tuneproof.core.summaries_training import METRICS_LOG
+
+    return read_rows(Storage.from_config(cfg.storage), "runs", run_id, "stages", job, METRICS_LOG)
 
 
 def prepare_dataset(bench: Bench, storage_root: Path, run_id: str | None = None, *sets: str) -> tuple[str, JobRun]:

@@ -24,7 +24,7 @@ def to_first_step(bench: Bench, storage, dataset: str, run_name: str, job: str, 
     cfg = bench.config(storage)
     params = {"dataset": dataset, "run_name": run_name, "max_steps": max_steps, "checkpoint_every": COLD_STEPS}
     ran = bench.run_job(cfg, "bench-resume", job, "training.finetune", {**params, "export": False})
-    first = min(read_metrics(storage, "bench-resume", job), key=lambda r: r["step"])
+    first = min(read_metrics(cfg, "bench-resume", job), key=lambda r: r["step"])
     return first["time"] - ran.submitted_at
 
 

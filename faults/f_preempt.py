@@ -38,7 +38,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from faults.f_train import MAX_STEPS, describe, restarts_of, survived
+from faults.f_flow import wait_for
+from faults.f_train import MAX_STEPS, describe, reported, restarts_of, survived
 from faults.harness import WORKLOAD, FaultRow, Lab, RunProcess, scenario
 from training.fault_hooks import FAULT_PIDS, FAULT_STEP_S
 from tuneproof.app.local import free_port, ray_env, stop_group
@@ -136,18 +137,14 @@ def release(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def wait_for_step(run: RunProcess, pids: Path, step: int, timeout: float = 600) -> dict[int, dict]:
+def wait_for_step(run: RunProcess, pids: Path, step: int) -> dict[int, dict[str, int]]:
     """Every rank's {pid, step} once each reports `step` or later."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and run.alive():
-        seen = {}
-        for rank in (0, 1):
-            with contextlib.suppress(OSError, ValueError):
-                seen[rank] = json.loads((pids / f"rank{rank}.json").read_text())
-        if len(seen) == 2 and min(s["step"] for s in seen.values()) >= step:
-            return seen
-        time.sleep(0.05)
-    raise RuntimeError(f"the workers did not reach step {step} before the run ended or {timeout:.0f} s passed")
+
+    def every_rank_there() -> dict[int, dict[str, int]] | None:
+        seen = [reported(pids / f"rank{rank}.json", step) for rank in (0, 1)]
+        return {rank: s for rank, s in enumerate(seen) if s} if all(seen) else None
+
+    return wait_for(f"every worker at step {step}", every_rank_there, run)
 
 
 def drain(hold: subprocess.Popen, deadline_s: int) -> None:

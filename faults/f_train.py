@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from faults.f_flow import wait_for
 from faults.harness import WORKLOAD, FaultRow, Lab, RunOutcome, RunProcess, scenario
 from training.fault_hooks import FAULT_AT, FAULT_PIDS, FIRED
 from tuneproof.core.summaries_training import FinetuneSummary, Restart
@@ -53,19 +54,20 @@ def describe(restarts: list[Restart]) -> str:
     )
 
 
-def kill_at_step(run: RunProcess, pid_file: Path, step: int, timeout: float = 600) -> tuple[int, int]:
+def reported(pid_file: Path, step: int) -> dict[str, int] | None:
+    """The {pid, step} a worker last wrote to pid_file, once that step is `step` or later (None until then)."""
+    try:
+        seen = json.loads(pid_file.read_text())
+    except (OSError, ValueError):  # not written yet, or caught mid-write
+        return None
+    return seen if seen["step"] >= step else None
+
+
+def kill_at_step(run: RunProcess, pid_file: Path, step: int) -> tuple[int, int]:
     """SIGKILL the worker that writes pid_file once it reports `step` (or later); (pid, its step then)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and run.alive():
-        try:
-            seen = json.loads(pid_file.read_text())
-        except (OSError, ValueError):
-            seen = None
-        if seen and seen["step"] >= step:
-            os.kill(seen["pid"], signal.SIGKILL)
-            return seen["pid"], seen["step"]
-        time.sleep(0.02)
-    raise RuntimeError(f"no worker reached step {step} ({pid_file}) before the run ended or {timeout:.0f} s passed")
+    seen = wait_for(f"a worker at step {step} ({pid_file.name})", lambda: reported(pid_file, step), run)
+    os.kill(seen["pid"], signal.SIGKILL)
+    return seen["pid"], seen["step"]
 
 
 def survived(run: RunOutcome, compared: dict, restarts_ok: bool) -> str:

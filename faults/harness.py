@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from tuneproof.app.local import HeadExited, RayHead, free_port, start_ray_head
+from tuneproof.app.local import RayHead, free_port, start_ray_head
 from tuneproof.app.servers import FAKE_AWS, OFFLINE_ENV, environ, prefect_server
 from tuneproof.control import record as records
 from tuneproof.control.resume_evidence import as_ledger, compare_ledgers
@@ -300,36 +300,13 @@ def lab(workdir: Path) -> Iterator[Lab]:
         head.stop()
 
 
-RAY_STARTED = "Ray runtime started"
-"""What `ray start` logs once the node registered (after the dashboard may already answer)."""
-
-
-def start_head(
-    state: Path, attempts: int = 3, dashboard_port: int | None = None, gcs_port: int | None = None
-) -> RayHead:
-    """A Ray head that finished starting (on the given ports: a restart keeps its address). On a busy machine
-    its raylet can miss Ray's fixed registration window, before or after the dashboard answers; the head
-    then exits, and is started again."""
-    log = state / "ray-head.log"
-    for attempt in range(1, attempts + 1):
-        started_before = log.read_text(errors="replace").count(RAY_STARTED) if log.exists() else 0
-        # The head's environment (so every job's) has the fake S3 credentials, as pods get theirs from IRSA.
-        try:
-            with environ(FAKE_AWS):
-                head = start_ray_head(
-                    state, num_cpus=4, dashboard_port=dashboard_port or free_port(), gcs_port=gcs_port, wait_s=600
-                )
-        except HeadExited as e:
-            print(f"the Ray head exited while starting (attempt {attempt} of {attempts}): {str(e)[-300:]}", flush=True)
-            continue
-        deadline = time.monotonic() + 120
-        while head.alive() and time.monotonic() < deadline:
-            if log.read_text(errors="replace").count(RAY_STARTED) > started_before:
-                return head
-            time.sleep(1)
-        head.stop()
-        print(f"the Ray head did not finish starting (attempt {attempt} of {attempts})", flush=True)
-    raise RuntimeError(f"the Ray head did not start in {attempts} attempts; log: {log}")
+def start_head(state: Path, dashboard_port: int | None = None, gcs_port: int | None = None) -> RayHead:
+    """A Ray head that finished starting, on the given ports (a restart keeps its address); start_ray_head
+    starts it again while it exits during start-up."""
+    # The head's environment (so every job's) has the fake S3 credentials, as pods get theirs from IRSA.
+    with environ(FAKE_AWS):
+        port = dashboard_port or free_port()
+        return start_ray_head(state, num_cpus=4, dashboard_port=port, gcs_port=gcs_port, wait_s=600)
 
 
 # ---------------------------------------------------------------- report

@@ -23,7 +23,7 @@ from prefect.runtime import flow_run
 from prefect.states import Completed, Failed, State
 
 from flows.compare import read_record
-from flows.pipeline import pipeline, refused
+from flows.pipeline import pipeline, publish, refused
 from tasks import image_artifacts
 from tuneproof.control import images, registry
 from tuneproof.control import record as records
@@ -345,7 +345,7 @@ def record_decision(storage: Storage, decision: Decision, token: str | None) -> 
     if not images.create_decision(storage, decision):
         return Failed(message=f"image decision {decision.decision_id} was written meanwhile by another canary")
     where = storage.uri(images.IMAGES, decision.decision_id, images.DECISION)
-    publish(decision)
+    publish(image_artifacts.publish, decision)
     for reason in decision.reasons:
         logger.info(f"{decision.decision}: {reason}")
     if decision.decision == "reject":
@@ -356,11 +356,3 @@ def record_decision(storage: Storage, decision: Decision, token: str | None) -> 
         return Failed(message=str(e))
     logger.info(f"adopted {decision.candidate_image}: {storage.uri(images.IMAGES, images.CURRENT)} names {where}")
     return Completed(message=f"adopted {decision.candidate_image} ({where})", data=decision.to_json())
-
-
-def publish(decision: Decision) -> None:
-    """Artifacts are for people; a failure to publish one is logged, never the decision."""
-    try:
-        image_artifacts.publish(decision)
-    except Exception as e:  # noqa: BLE001
-        get_run_logger().warning(f"could not publish the decision's artifact: {type(e).__name__}: {e}")

@@ -13,7 +13,7 @@ import time
 from prefect import flow, get_run_logger
 from prefect.states import Completed, Failed, State
 
-from flows.pipeline import StageName, missing_forwarded_env, missing_local_files, pipeline, refused
+from flows.pipeline import StageName, missing_forwarded_env, missing_local_files, pipeline, publish, refused
 from tasks import compare_artifacts
 from tuneproof.control import comparison as cmp
 from tuneproof.control import images
@@ -136,7 +136,7 @@ def compare(
     if result.status == "running":
         result.status = "succeeded"
     uri = cmp.save(storage, result)
-    publish(result)
+    publish(compare_artifacts.publish, result)
     logger.info(f"comparison written to {uri}")
     if result.status == "failed":
         return Failed(message=f"comparison {comparison_id} failed: {result.cause}", data=result.to_json())
@@ -176,11 +176,3 @@ def fill_identity(arm: ArmIdentity, rec: RunRecord) -> None:
         arm.cluster = rec.cluster.model_dump(mode="json")
     if arm.data is None and rec.data is not None:
         arm.data = rec.data.model_dump(mode="json")
-
-
-def publish(result: Comparison) -> None:
-    """Artifacts are for people; a failure to publish one is logged, never the comparison's verdict."""
-    try:
-        compare_artifacts.publish(result)
-    except Exception as e:  # noqa: BLE001
-        get_run_logger().warning(f"could not publish the comparison's artifacts: {type(e).__name__}: {e}")

@@ -390,7 +390,8 @@ def publish(artifact: Any, *args: Any) -> None:
     try:
         artifact(*args)
     except Exception as e:  # noqa: BLE001
-        get_run_logger().warning(f"could not publish artifact {artifact.__name__}: {type(e).__name__}: {e}")
+        name = f"{getattr(artifact, '__module__', '?')}.{getattr(artifact, '__qualname__', artifact)}"
+        get_run_logger().warning(f"could not publish artifact {name}: {type(e).__name__}: {e}")
 
 
 def unusable_request(storage: Storage, lease: Lease, record: RunRecord, cause: str) -> State:

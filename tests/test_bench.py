@@ -286,3 +286,19 @@ def test_the_bench_corpus_grows_past_the_days_the_bundled_file_draws_once(tmp_pa
     rows = write_corpus(tmp_path / "c.jsonl", 40_000).read_text().splitlines()
     assert len(rows) == 40_000 and len(set(rows)) == 40_000  # every prompt distinct by its entry number
     assert json.loads(rows[39_999])["input"].startswith("Entry 39999: ")
+
+
+def test_the_bench_reads_a_metrics_log_as_the_pipeline_does(tmp_path):
+    # A killed writer leaves a torn last row, and on S3 the log is chunk objects: the bench read metrics.jsonl
+    # line by line, failing on the one and finding nothing of the other; rowlog's reader handles both.
+    from bench.harness import read_metrics
+    from tuneproof.core.config import validate
+    from tuneproof.core.rowlog import append_rows
+    from tuneproof.core.storage import Storage
+
+    parts = ("runs", "bench-ft", "stages", "ft-0", "metrics.jsonl")
+    append_rows(Storage(str(tmp_path)), [{"step": 1, "step_seconds": 0.5}, {"step": 2, "step_seconds": 0.4}], *parts)
+    with tmp_path.joinpath(*parts).open("a") as f:
+        f.write('{"step": 3, "step_sec')
+    rows = read_metrics(validate({"storage": {"root": str(tmp_path)}}), "bench-ft", "ft-0")
+    assert [r["step"] for r in rows] == [1, 2]

@@ -251,7 +251,7 @@ def test_a_run_refused_before_its_record_names_the_refusal_as_its_cause(tmp_path
 
     monkeypatch.setattr(flow, "pipeline", lambda **_: Failed(message="nothing ran: run c1-a1 is held by flow X"))
     monkeypatch.setattr(flow, "get_run_logger", lambda: logging.getLogger("test"))
-    monkeypatch.setattr(flow, "publish", lambda result: None)
+    monkeypatch.setattr(flow, "publish", lambda artifact, *args: None)
     state = compare.fn(*arms(tmp_path), ["verify"], repeats=2, comparison_id="c1")
     stored = cmp.load(Storage(str(tmp_path)), "c1")
     assert stored.status == "failed" and stored.cause == "c1-a1: nothing ran: run c1-a1 is held by flow X"
@@ -269,7 +269,7 @@ def test_a_failed_runs_metrics_add_nothing_to_its_arm(tmp_path, monkeypatch):
     monkeypatch.setattr(flow, "pipeline", lambda **_: Failed(message="failed"))
     monkeypatch.setattr(flow, "read_record", lambda storage, run_id: failed)
     monkeypatch.setattr(flow, "get_run_logger", lambda: logging.getLogger("test"))
-    monkeypatch.setattr(flow, "publish", lambda result: None)
+    monkeypatch.setattr(flow, "publish", lambda artifact, *args: None)
     compare.fn(*arms(tmp_path), ["verify"], repeats=2, comparison_id="c1")
     stored = cmp.load(Storage(str(tmp_path)), "c1")
     assert stored.status == "failed" and stored.cause == "c1-a1: evaluate: the gate refused"

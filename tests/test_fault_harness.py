@@ -158,6 +158,29 @@ def test_a_worker_is_found_on_the_node_whose_process_started_it():
     assert not started_by(child.pid, os.getpid())  # gone
 
 
+def test_a_run_that_ends_before_the_workers_reach_the_step_is_named_with_its_log_tail(tmp_path):
+    # The waits for a worker's step said only "before the run ended or 600 s passed": why the run ended was
+    # in its log, which the row's error did not show.
+    import time
+
+    from faults.f_preempt import wait_for_step
+    from faults.f_train import kill_at_step
+    from faults.harness import RunProcess
+    from tuneproof.core.storage import Storage
+
+    log = tmp_path / "run.log"
+    log.write_text("Traceback (most recent call last):\nValueError: bad batch\n")
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    run = RunProcess("f1-worker-sigkill", ended, log, Storage(str(tmp_path)), time.monotonic())
+    (tmp_path / "rank1.json").write_text(json.dumps({"pid": ended.pid, "step": 3}))
+    why = r"(?s)run f1-worker-sigkill ended before .*ValueError: bad batch"
+    with pytest.raises(RuntimeError, match=why):
+        kill_at_step(run, tmp_path / "rank1.json", 23)
+    with pytest.raises(RuntimeError, match=why):
+        wait_for_step(run, tmp_path, 13)
+
+
 def test_the_default_run_deselects_the_fault_tests():
     collect = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests/test_faults.py"]
     plain = subprocess.run(collect, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
