@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 
 import pytest
 
@@ -60,6 +61,19 @@ def test_a_deployments_bad_ready_timeout_is_refused_before_any_raycluster(tmp_pa
     state = eks_canary(tmp_path, ready_timeout_s=0.0)
     assert state.message == f"nothing ran: ready_timeout_s must be between 1 and {MAX_TIMEOUT_S} seconds (got 0.0)"
     assert not (tmp_path / "images").exists()  # no decision, the id not used up
+
+
+def test_a_baseline_that_is_a_copied_decision_is_refused_before_anything_runs(tmp_path, monkeypatch):
+    # The pointer names a folder holding another decision's copy: the canary compared against that decision.
+    monkeypatch.setattr(canary, "run_canary", None)  # reaching it would be the bug
+    storage = Storage(str(tmp_path))
+    images.create_decision(storage, decision("20261201-140000-aaaaaa", OLD, finetune__tokens_per_s=[1000.0] * 3))
+    shutil.copytree(tmp_path / "images" / "20261201-140000-aaaaaa", tmp_path / "images" / "20261202-140000-bbbbbb")
+    copied = decision("20261202-140000-bbbbbb", OLD)
+    images.adopt(storage, copied, None, "t")
+    state = eks_canary(tmp_path)
+    assert (state.message or "").startswith("nothing ran: ") and "(a copied decision folder?)" in (state.message or "")
+    assert not (tmp_path / "images" / "d1").exists()
 
 
 def test_a_config_that_fails_only_once_resolved_is_refused_not_raised(tmp_path):

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 import threading
 from collections import Counter
 
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
+from tests.conftest import tuneproof
 from tuneproof.control import images
 from tuneproof.control.images import CandidateImage, Decision, decide
 from tuneproof.core.config import PROJECT_ROOT, load_config
@@ -180,6 +183,41 @@ def test_a_metric_the_candidate_no_longer_reports_rejects():
     assert reasons == ["connectivity.busbw_GBps@1048576B: measured on the baseline, not by the candidate"]
 
 
+NOTHING_COMPARED = f"not adopted: nothing compared with 20261201-140000-aaaaaa ({OLD}): "
+NO_EVIDENCE = "; 0 comparisons is no evidence that the image is no worse"
+NOT_ON_BASELINE = "the baseline has no values of finetune.final_loss, which the candidate measured"
+
+
+@pytest.mark.parametrize(
+    ("stored", "measured", "why"),
+    [
+        ({}, {"finetune.final_loss": [9.0, 9.1, 9.2]}, NOT_ON_BASELINE),
+        ({"finetune.final_loss": []}, {"finetune.final_loss": [9.0]}, NOT_ON_BASELINE),
+        ({}, {}, "neither the baseline nor the candidate has values of a metric with a better side"),
+    ],
+    ids=["no metrics", "no values", "nothing either side"],
+)
+def test_a_stored_baseline_with_nothing_to_compare_never_adopts(tmp_path, stored, measured, why):
+    """A damaged or hand-edited baseline decision.json with no values adopted any candidate: '0 compared'."""
+    storage = Storage(str(tmp_path))
+    baseline = decision("20261201-140000-aaaaaa", OLD).model_copy(update={"candidate_metrics": stored})
+    images.create_decision(storage, baseline)
+    verdict, reasons, compared = decide(None, images.load_decision(storage, baseline.decision_id), measured, 0.1)
+    assert verdict == "reject" and compared == []
+    assert reasons == [NOTHING_COMPARED + why + NO_EVIDENCE]
+
+
+def test_a_metric_only_the_candidate_measured_is_named_not_skipped():
+    base = decision("d1", OLD, finetune__tokens_per_s=[1000.0, 1010.0, 990.0])
+    more = {"finetune.tokens_per_s": [1001.0, 1009.0, 992.0], "eval.candidate.exact_match": [0.9, 0.91, 0.9]}
+    verdict, reasons, compared = decide(None, base, more, 0.1)
+    assert verdict == "adopt" and [m.name for m in compared] == ["finetune.tokens_per_s"]
+    assert reasons == [
+        f"no metric worse than d1 ({OLD}) beyond 10%: 1 compared, 0 better",
+        "eval.candidate.exact_match: measured by the candidate, not on the baseline: not compared",
+    ]
+
+
 def test_a_canary_needs_two_runs_or_more():
     assert images.repeats_problem(3) is None and images.repeats_problem(20) is None
     assert images.repeats_problem(1) == (
@@ -255,6 +293,56 @@ def test_bad_ids_and_corrupt_files_are_named(tmp_path):
     storage.write_bytes(b'{"decision_id": 3}', "images", "20261201-000000-eeeeee", "decision.json")
     decisions, problems = images.history(storage)
     assert decisions == [] and "20261201-000000-eeeeee/decision.json: not an image decision" in problems[0]
+
+
+def test_a_copied_decision_folder_is_refused_by_name_in_images_list(tmp_path):
+    """A folder copied under another id held the original's decision: listed twice, and neither was current."""
+    storage = Storage(str(tmp_path))
+    first = decision("20261201-140000-aaaaaa", OLD, finetune__tokens_per_s=[1000.0] * 3)
+    images.create_decision(storage, first)
+    shutil.copytree(tmp_path / "images" / first.decision_id, tmp_path / "images" / "20261202-140000-bbbbbb")
+    images.adopt(storage, first.model_copy(update={"decision_id": "20261202-140000-bbbbbb"}), None, "t")
+    listed = tuneproof("images", "list", "--json", "--set", f"storage.root={tmp_path}")
+    assert listed.exit_code == 0
+    assert [(r["decision_id"], r["current"]) for r in json.loads(listed.stdout)] == [(first.decision_id, False)]
+    said = " ".join(listed.stderr.split())
+    assert "images/20261202-140000-bbbbbb/decision.json: the decision '20261201-140000-aaaaaa', not " in said
+    assert "'20261202-140000-bbbbbb' (a copied decision folder?)" in said
+    with pytest.raises(images.ImagesUnreadable, match="a copied decision folder"):  # the canary's baseline read
+        images.load_decision(storage, "20261202-140000-bbbbbb")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("threshold", float("nan")),
+        ("candidate_metrics", {"finetune.final_loss": [float("inf"), 1.0, 1.0]}),
+        ("baseline_metrics", {"finetune.final_loss": [float("-inf")]}),
+    ],
+)
+def test_a_stored_decision_with_non_finite_values_is_refused_when_read(tmp_path, field, value):
+    """NaN or Infinity in a decision.json reached the canary's statistics after all its runs: math domain error."""
+    storage = Storage(str(tmp_path))
+    doc = {**decision("20261201-140000-aaaaaa", OLD, finetune__final_loss=[1.0] * 3).to_json(), field: value}
+    storage.write_bytes(json.dumps(doc).encode(), "images", "20261201-140000-aaaaaa", "decision.json")
+    listed = tuneproof("images", "list", "--json", "--set", f"storage.root={tmp_path}")
+    assert listed.exit_code == 0 and json.loads(listed.stdout) == []
+    said = " ".join(listed.stderr.split())
+    assert "20261201-140000-aaaaaa/decision.json: not an image decision" in said and "finite number" in said
+    assert "no image decisions under" not in said  # there is one: it is refused, by name
+    with pytest.raises(images.ImagesUnreadable, match="finite number"):
+        images.load_decision(storage, "20261201-140000-aaaaaa")
+
+
+def test_non_finite_measurements_are_left_out_of_a_decision():
+    """A NaN eval loss or an overflowed perplexity measured nothing; kept, the decision could not be stored."""
+    measured = images.metric_values(
+        [
+            {"eval.candidate.perplexity": float("inf"), "eval.candidate.eval_loss": 2.0},
+            {"eval.candidate.eval_loss": float("nan")},
+        ]
+    )
+    assert measured == {"eval.candidate.perplexity": [], "eval.candidate.eval_loss": [2.0]}
 
 
 # ---- EKS runs take their image from the pointer --------------------------------------------------

@@ -35,7 +35,7 @@ def list_command(storage: Storage, as_json: bool, console: Console, err: Console
     rows = [images.row(d, current) for d in decisions]
     if as_json:
         print(json.dumps(rows, indent=2))
-    elif not rows:
+    elif not rows and not problems:  # decisions refused below are decisions: "run the canary first" misleads
         say(err, f"no image decisions under {storage.uri(images.IMAGES)}: run `tuneproof canary` to record the first")
     else:
         from tuneproof.app.terminal import whole_table

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
 import re
 import statistics
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, WithJsonSchema
+from pydantic import AfterValidator, ConfigDict, WithJsonSchema
 
 from tuneproof.control import comparison as cmp
 from tuneproof.control.comparison import MetricComparison
@@ -119,6 +120,10 @@ Verdict = Literal["adopt", "reject"]
 
 
 class Decision(Model):
+    # Finite only: a stored NaN threshold or Infinity metric reached the canary's statistics after all its runs
+    # (a math domain error); refused when read, it names the file instead.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
     schema_version: int = 1
     decision_id: str
     candidate_image: str
@@ -165,7 +170,9 @@ def decide(
     (comparison.compare_metric): a metric that got worse, or that the candidate no longer reports, rejects;
     so does one the repeats cannot resolve ('insufficient repeats', always with one value on either side),
     as a refusal on insufficient evidence, not a finding that the image is worse: "not adopted", with the
-    repeats that would tell. Adopted only when every metric shows no detectable difference or better.
+    repeats that would tell. So does a baseline with nothing to compare (no metric with values on both
+    sides): zero comparisons is no evidence. Adopted only when every metric shows no detectable difference
+    or better; a metric only the candidate measured is named in the reasons, not compared.
 
     Several metrics at once: one decision over m metrics, so each interval is at 1 - 0.05/m (Bonferroni): the
     chance that any of m unchanged metrics is called worse stays under 2.5 %, and that a worse one is found
@@ -180,24 +187,35 @@ def decide(
     reasons = [_reason(m) for m in comparisons if m.verdict == "worse"]
     reasons += [
         f"{name}: measured on the baseline, not by the candidate"
-        for name, values in sorted(baseline.candidate_metrics.items())
-        if values and not candidate.get(name) and cmp.direction(name) != "none"
+        for name in measured_only(baseline.candidate_metrics, candidate)
     ]
+    new = measured_only(candidate, baseline.candidate_metrics)
+    uncompared = [f"{name}: measured by the candidate, not on the baseline: not compared" for name in new]
     if reasons:
-        return "reject", reasons, comparisons
+        return "reject", reasons + uncompared, comparisons
+    if not comparisons:
+        return "reject", [_nothing_compared(baseline, new)], []
     # A value <= 0 has no logarithm, so no interval: an exact match fallen to 0 must not pass as "no finding".
     unjudged = [_not_judged(m) for m in comparisons if m.verdict == "not enough data"]
     unresolved = [_not_adopted(m, threshold) for m in comparisons if m.verdict == "insufficient repeats"]
     if unjudged or unresolved:
-        return "reject", unjudged + unresolved, comparisons
+        return "reject", unjudged + unresolved + uncompared, comparisons
     better = sum(m.verdict == "better" for m in comparisons)
     return (
         "adopt",
         [
             f"no metric worse than {baseline.decision_id} ({baseline.candidate_image}) beyond {threshold:.0%}: "
-            f"{len(comparisons)} compared, {better} better"
+            f"{len(comparisons)} compared, {better} better",
+            *uncompared,
         ],
         comparisons,
+    )
+
+
+def measured_only(side: dict[str, list[float]], other: dict[str, list[float]]) -> list[str]:
+    """The metrics with a better side that `side` has values of and `other` has none of (pure)."""
+    return sorted(
+        name for name, values in side.items() if values and not other.get(name) and cmp.direction(name) != "none"
     )
 
 
@@ -263,6 +281,19 @@ def _not_adopted(m: MetricComparison, threshold: float) -> str:
     )
 
 
+def _nothing_compared(baseline: Decision, new: list[str]) -> str:
+    """'not adopted: nothing compared with <baseline> ...': no metric has values on both sides (the baseline's
+    decision.json damaged or hand-edited, or no metric with a better side measured at all)."""
+    if new:
+        why = f"the baseline has no values of {', '.join(new)}, which the candidate measured"
+    else:
+        why = "neither the baseline nor the candidate has values of a metric with a better side"
+    return (
+        f"not adopted: nothing compared with {baseline.decision_id} ({baseline.candidate_image}): {why}; "
+        "0 comparisons is no evidence that the image is no worse"
+    )
+
+
 def _not_judged(m: MetricComparison) -> str:
     """'not adopted: <metric> cannot be compared ...': a value <= 0 on either side leaves no ratio interval."""
     return (
@@ -287,9 +318,10 @@ def _interval_text(m: MetricComparison) -> str:
 
 
 def metric_values(per_run: list[dict[str, float | None]]) -> dict[str, list[float]]:
-    """{metric: [value per run]} from the stage table's per-run metrics, missing values left out (pure)."""
+    """{metric: [value per run]} from the stage table's per-run metrics, missing and non-finite values left out
+    (pure): a NaN eval loss or an overflowed perplexity measured nothing, and a Decision holds finite values only."""
     names = sorted({n for run in per_run for n in run})
-    return {n: [float(v) for run in per_run if (v := run.get(n)) is not None] for n in names}
+    return {n: [float(v) for run in per_run if (v := run.get(n)) is not None and math.isfinite(v)] for n in names}
 
 
 def medians(metrics: dict[str, list[float]]) -> dict[str, float]:
@@ -386,7 +418,8 @@ def adopt(storage: Storage, decision: Decision, expected_token: str | None, adop
 
 
 def load_decision(storage: Storage, decision_id: str) -> Decision:
-    """One decision; FileNotFoundError naming the known ids, ImagesUnreadable for a corrupt file."""
+    """One decision; FileNotFoundError naming the known ids, ImagesUnreadable for a corrupt file or one that names
+    another decision (as a run record must name its run: tuneproof.control.record.load)."""
     if problem := slug_problem(decision_id):
         raise FileNotFoundError(f"decision id {decision_id!r} {problem}")
     where = storage.uri(IMAGES, decision_id, DECISION)
@@ -398,9 +431,17 @@ def load_decision(storage: Storage, decision_id: str) -> Decision:
     except OSError as e:
         raise ImagesUnreadable(f"{where}: cannot be read as an image decision: {e.strerror or e}") from None
     try:
-        return Decision.model_validate(json.loads(data))
+        decision = Decision.model_validate(json.loads(data))
     except (ValueError, RecursionError) as e:
         raise ImagesUnreadable(f"{where}: not an image decision ({one_line(str(e), 200)})") from None
+    if decision.decision_id != decision_id:
+        # A copied folder holds the original's decision: read under this name, `images list` showed one id twice
+        # and a canary whose pointer names this folder compared against the other decision's numbers.
+        raise ImagesUnreadable(
+            f"{where}: the decision {decision.decision_id!r}, not {decision_id!r} (a copied decision folder?): "
+            "it is not read under this name"
+        )
+    return decision
 
 
 def decision_ids(storage: Storage) -> list[str]:
