@@ -68,7 +68,11 @@ def config_reasons(cfg: PipelineConfig, record: RunRecord) -> list[str]:
         entry = record.stages.get(stage)
         observed = observed_settings(record, entry) if entry is not None else {}
         current = config_reads.reads_hashes(now, list(observed))
-        changed = [path for path in sorted(observed) if current.get(path) != observed[path] and not is_place(path)]
+        changed = [
+            path
+            for path in sorted(observed)
+            if current.get(path) != observed[path] and not config_reads.is_read(path, PLACES)
+        ]
         if changed:
             more = f" (+{len(changed) - 3} more)" if len(changed) > 3 else ""
             reasons.append(
@@ -78,15 +82,10 @@ def config_reasons(cfg: PipelineConfig, record: RunRecord) -> list[str]:
     return reasons
 
 
-PLACES = ("storage", "cluster.address", "cluster.auth_token_file")
+PLACES = {"storage", "cluster.address", "cluster.auth_token_file"}
 """Settings that say where a run's files and cluster were reached, not what its evidence judged: the record is
 read from this config's storage (a run moved or cloned to another root read another), and what was judged is
 bound by content hash, which promotion checks again where the files are now."""
-
-
-def is_place(path: str) -> bool:
-    """`path` is one of PLACES or inside one. Pure."""
-    return any(path == place or path.startswith(place + ".") for place in PLACES)
 
 
 def observed_settings(record: RunRecord, entry: StageEntry) -> dict[str, str]:

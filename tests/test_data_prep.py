@@ -30,13 +30,15 @@ from training.data_encode import ChatRenderer, encode, token_ids, verify_sample
 from training.data_files import SCHEMA, read_split
 from training.data_prep import prepare_data
 from training.data_sources import Conversation, read_source
-from training.jobkit import ENV_VAR, JobContext, encode_job
+from training.jobkit import JobContext, encode_job
 from training.modeling import direct_tokenizer_class, load_text_tokenizer, load_tokenizer
 from tuneproof.app.tiny_model import CHAT_TEMPLATE, DEFAULT_DATA, build_tiny_model, task_corpus
 from tuneproof.control.stages import data_evidence
 from tuneproof.core import datahash
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.config_eval import SuiteConfig
+from tuneproof.core.envelope import ENV_VAR
+from tuneproof.core.hashing import IGNORE_INDEX, sha256_bytes
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries_data import DataSummary
@@ -243,7 +245,7 @@ def test_batched_encoding_equals_one_template_and_tokenizer_call_per_row(tiny_di
         assert isinstance(prompt, str) and isinstance(full, str)  # tokenize=False: the rendered text
         p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         c = tokenizer(full[len(prompt) :].rstrip(), add_special_tokens=False)["input_ids"]
-        assert (example.input_ids, example.labels) == (p + c, [datahash.IGNORE_INDEX] * len(p) + c)
+        assert (example.input_ids, example.labels) == (p + c, [IGNORE_INDEX] * len(p) + c)
         assert (example.prompt, example.reference) == (prompt, conv.parts["response"])
 
 
@@ -433,7 +435,7 @@ def test_prepares_splits_with_masked_prompts_then_hits_the_cache(tmp_path, tiny_
     assert summary["dataset_uri"] == str(tmp_path / "store" / summary["dataset_path"])
     assert manifest["splits"]["train"]["rows"] == 180 and manifest["splits"]["eval"]["rows"] == 20
     assert [s["rows"] for s in manifest["splits"]["train"]["shards"]] == [64, 64, 52]
-    assert manifest["source"]["sha256"] == datahash.sha256_bytes(source.read_bytes())
+    assert manifest["source"]["sha256"] == sha256_bytes(source.read_bytes())
     assert manifest["dropped"] == {} and manifest["total_rows"] == 200 and manifest["dropped_fraction"] == 0
     # what evaluate checks each model's template against: the one these prompts were rendered with
     assert manifest["chat_template_sha256"] == hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest()
@@ -648,7 +650,7 @@ def test_separate_eval_source(tmp_path, tiny_dir):
     summary = prepare(config(tmp_path / "store", tiny_dir, train_src, eval_source=str(eval_src)))
     manifest = summary["manifest"]
     assert (manifest["splits"]["train"]["rows"], manifest["splits"]["eval"]["rows"]) == (50, 10)
-    assert manifest["eval_source"]["sha256"] == datahash.sha256_bytes(eval_src.read_bytes())
+    assert manifest["eval_source"]["sha256"] == sha256_bytes(eval_src.read_bytes())
     assert manifest["settings"]["eval_fraction"] is None
 
 
@@ -906,7 +908,7 @@ def test_a_suite_the_training_split_repeats_is_a_data_failure_also_on_a_cache_hi
     first = prepare(cfg)
     [suite] = first["suites"]
     assert (suite["name"], suite["items"], suite["contamination"]["overlapping"]) == ("clean", 1, 0)
-    assert suite["sha256"] == datahash.sha256_bytes(clean.read_bytes())
+    assert suite["sha256"] == sha256_bytes(clean.read_bytes())
     cfg.eval.suites = {"leaked": SuiteConfig(source=str(leaked))}
     assert data_failure(cfg).cause.startswith(
         f"suite leaked ({leaked}) overlaps the training split: 90 of 100 eval items"
@@ -968,7 +970,7 @@ def test_replayed_rows_join_the_training_split_at_their_share_and_are_checked_li
     manifest = summary["manifest"]
     # 90 task rows at a 0.4 share: 60 replayed rows, three whole copies of the 20.
     assert (manifest["splits"]["train"]["rows"], manifest["splits"]["eval"]["rows"]) == (150, 10)
-    assert manifest["replay"]["sha256"] == datahash.sha256_bytes(replay.read_bytes())
+    assert manifest["replay"]["sha256"] == sha256_bytes(replay.read_bytes())
     assert manifest["settings"]["replay"] == {"sha256": manifest["replay"]["sha256"], "share": 0.4}
     assert summary["content_hash"] != plain["content_hash"] and "replay" not in plain["manifest"]["settings"]
     store = Storage(str(tmp_path / "store"))

@@ -26,12 +26,13 @@ from training.data_encode import encode_messages, encode_split
 from training.data_files import read_split
 from training.data_prep import prepare_data
 from training.data_sources import Conversation
-from training.jobkit import ENV_VAR, JobContext, encode_job
+from training.jobkit import JobContext, encode_job
 from tuneproof.app.tiny_model import DEFAULT_DATA, build_tiny_model, ensure_tiny_model, train_tokenizer
 from tuneproof.core import datahash, shapes
 from tuneproof.core.config import PROJECT_ROOT, PipelineConfig, load_config
 from tuneproof.core.config_data import DataConfig
-from tuneproof.core.hashing import IGNORE_INDEX
+from tuneproof.core.envelope import ENV_VAR
+from tuneproof.core.hashing import IGNORE_INDEX, sha256_json
 from tuneproof.core.results import StageFailure
 from tuneproof.core.storage import Storage
 
@@ -419,7 +420,7 @@ def test_alpaca_rows_with_empty_inputs_prepare_through_the_template(tmp_path, ti
     summary = prepare(cfg)
     manifest = summary.manifest
     assert manifest.shape == "template" and manifest.loss_on is None
-    assert manifest.template_sha256 == shapes.template_sha256({"prompt": ALPACA, "response": "output"})
+    assert manifest.template_sha256 == sha256_json({"prompt": ALPACA, "response": "output"})
     assert {r: d.count for r, d in manifest.dropped.items()} == {"missing_template_column": 1, "empty": 1}
     eval_rows = read_split(Storage(cfg.storage.root), summary.dataset_path, "eval").to_pylist()
     assert len(eval_rows) == 6
@@ -454,7 +455,7 @@ def test_manifest_records_the_shape_and_the_hash_covers_it(tmp_path, tiny_dir):
 
 
 def test_columns_content_hash_is_unchanged_by_shapes():
-    legacy = datahash.sha256_json(
+    legacy = sha256_json(
         {
             "prep_version": datahash.PREP_VERSION,
             "source": "a",
@@ -640,7 +641,7 @@ def test_alpaca_rows_half_without_input_train_through_the_template_and_beat_the_
     data = result["summary"]
     assert result["status"] == "succeeded" and data["manifest"]["shape"] == "template"
     assert cfg.data.template is not None
-    assert data["manifest"]["template_sha256"] == shapes.template_sha256(cfg.data.template.model_dump())
+    assert data["manifest"]["template_sha256"] == sha256_json(cfg.data.template.model_dump())
     assert (data["manifest"]["splits"]["train"]["rows"], data["manifest"]["splits"]["eval"]["rows"]) == (360, 40)
     assert data["dropped"] == {}
 

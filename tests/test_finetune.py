@@ -28,7 +28,7 @@ from tests.datasets import write_prepared
 from tests.test_checkpointing import RUN, fake_checkpoint
 from training import jobkit
 from training.checkpoint_listing import check_complete, latest_complete_checkpoint
-from training.checkpointing import MARKER, CheckpointRef
+from training.checkpointing import MARKER
 from training.data_files import Example
 from training.finetune import finetune, train_failure_cause
 from training.finetune_state import TrainParams, Worker
@@ -38,8 +38,10 @@ from training.restarts import restarts
 from training.train_data import BatchLayout, StepBatches, load_examples, rank_slices
 from tuneproof.control.resume_evidence import compare_losses
 from tuneproof.core.config import PROJECT_ROOT, PipelineConfig
+from tuneproof.core.envelope import ENV_VAR, PROGRESS_PREFIX
 from tuneproof.core.results import FailureClass, StageFailure, error_line
 from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import CheckpointRef
 from tuneproof.core.summaries_training import FinetuneSummary, Restart, loss_curve
 
 DATASET = "datasets/reverse/abc123"
@@ -369,7 +371,7 @@ def test_a_stopped_run_resumes_under_its_name_at_the_saved_step(local_run, ray_c
         config,
         {"dataset": DATASET, "run_name": "run-a-held", "hold_after_checkpoint_step": 8, "export": False},
     )
-    env = {**os.environ, jobkit.ENV_VAR: job, "RAY_ADDRESS": ray_cluster.gcs_address, "PYTHONPATH": str(PROJECT_ROOT)}
+    env = {**os.environ, ENV_VAR: job, "RAY_ADDRESS": ray_cluster.gcs_address, "PYTHONPATH": str(PROJECT_ROOT)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "training.finetune"],
         cwd=PROJECT_ROOT,
@@ -384,7 +386,7 @@ def test_a_stopped_run_resumes_under_its_name_at_the_saved_step(local_run, ray_c
     finally:
         os.killpg(proc.pid, 9)
         proc.wait(30)
-    assert any(jobkit.PROGRESS_PREFIX in line and '"holding": true' in line for line in seen)
+    assert any(PROGRESS_PREFIX in line and '"holding": true' in line for line in seen)
     resumed = train(context(config, "run-a", job="held", run_name="run-a-held", export=False, first_step_marker=True))
     assert resumed["restored_step"] == 8 and resumed["start_step"] == 8
     curve = losses(resumed)

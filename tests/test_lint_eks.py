@@ -217,6 +217,18 @@ def test_requests_must_fit_the_instance_types_allocatable(project, capsys):
     assert "m7i.2xlarge offers about 7.91 cores to pods" in out and "would stay Pending" in out
 
 
+@pytest.mark.parametrize("cpu", ["8e0", "0.008k"])
+def test_a_request_in_any_quantity_form_is_checked(project, capsys, cpu: str):
+    # Kubernetes reads both as 8 cores: lint must parse quantities as verify does, not skip a form as unset (0).
+    def greedy_head(doc):
+        resources = ray_container(head(doc))["resources"]
+        for part in ("requests", "limits"):
+            resources[part]["cpu"] = cpu
+
+    edit(project / "deployments" / "raycluster.yaml", in_raycluster(greedy_head))
+    assert "resources.requests[cpu] is 8.0, expected '<= 7.41'" in lint_failed(project, capsys)
+
+
 def test_allocatable_estimates_follow_the_eks_ami_reservations():
     cores, gib = allocatable(eks_instance_types()["m7i.2xlarge"])
     assert round(cores, 2) == 7.91 and 29 < gib < 30.5

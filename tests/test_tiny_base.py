@@ -15,9 +15,10 @@ from tests.reading import present
 from training.modeling import ModelUnreadable, base_model_facts
 from tuneproof.app import tiny_model
 from tuneproof.app.tiny_base import SkillsRecipe, content_hash, encode_chat, lr_at
-from tuneproof.app.tiny_model import DEFAULT_DATA, PROJECT, ensure_tiny_model, train_tokenizer
+from tuneproof.app.tiny_model import DEFAULT_DATA, ensure_tiny_model, train_tokenizer
+from tuneproof.core.config import PROJECT_ROOT
 
-SKILLS = PROJECT / "data" / "skills"
+SKILLS = PROJECT_ROOT / "data" / "skills"
 SMALL = SkillsRecipe(steps=20, batch_size=16)
 """A build that shows the machinery in seconds; what it learns is not the point here."""
 

@@ -44,13 +44,10 @@ from typing import TYPE_CHECKING, Any
 from tuneproof.core import markers
 from tuneproof.core.markers import Digests
 from tuneproof.core.storage import Storage
-from tuneproof.core.summaries import CheckpointRef
 
 if TYPE_CHECKING:  # torch loads inside workers only
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-__all__ = ["CheckpointRef"]  # re-exported: workers and tests name checkpoints through this module
 
 MARKER = markers.COMPLETION_MARKER
 METADATA = ".metadata"  # DCP's index of every rank's shards, written by the coordinator (rank 0) last

@@ -21,9 +21,10 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from training.jobkit import ENV_VAR, JobContext, encode_job, load_context, log, run_stage, worker_reads_saved
+from training.jobkit import JobContext, encode_job, load_context, log, run_stage, worker_reads_saved
 from tuneproof.core import transport
 from tuneproof.core.config import PipelineConfig
+from tuneproof.core.envelope import ENV_VAR
 from tuneproof.core.results import StageFailure, error_line, now_iso
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import AllreduceRow, ConnectivitySummary, FsdpProbe, RankStatus, TransportVerdict

@@ -28,6 +28,7 @@ from training.jobkit import log
 from training.modeling import SPECIAL_TOKEN, special_token_finder
 from tuneproof.core import datahash, shapes
 from tuneproof.core.config_data import DataConfig
+from tuneproof.core.hashing import IGNORE_INDEX
 from tuneproof.core.results import StageFailure
 
 # Conversations per batched chat-template call: large enough that the call's set-up is noise, small
@@ -408,7 +409,7 @@ def encode(
     ids = token_ids(tokenizer, prompts + completions)
     prompt_ids, completion_ids = ids[: len(prompts)], ids[len(prompts) :]
     return [
-        Example(p + c, [datahash.IGNORE_INDEX] * len(p) + c, prompt, conv.parts["response"])
+        Example(p + c, [IGNORE_INDEX] * len(p) + c, prompt, conv.parts["response"])
         for p, c, prompt, conv in zip(prompt_ids, completion_ids, prompts, convs)
     ]
 

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 
 from training.jobkit import progress
 from tuneproof.core import datahash
+from tuneproof.core.hashing import sha256_bytes
 from tuneproof.core.results import FailureClass, StageFailure, one_line
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries_data import DatasetManifest, Shard, SplitMeta
@@ -55,7 +56,7 @@ def write_splits(
             rel = f"{split}/part-{number:05d}.parquet"
             data = parquet_bytes(table.slice(start, end - start))
             storage.write_bytes(data, dataset_path, rel)
-            shards.append(Shard(path=rel, rows=end - start, sha256=datahash.sha256_bytes(data)))
+            shards.append(Shard(path=rel, rows=end - start, sha256=sha256_bytes(data)))
         tokens = pc.sum(pc.list_value_length(table.column("input_ids"))).as_py() or 0
         meta[split] = SplitMeta(rows=table.num_rows, tokens=tokens, shards=shards)
     progress("data", 3, 3)
@@ -124,7 +125,7 @@ def read_shard(storage: Storage, dataset_path: str, shard: Shard) -> pa.Table:
         data = storage.read_bytes(dataset_path, shard.path)
     except FileNotFoundError as e:
         raise StageFailure(FailureClass.infrastructure, f"dataset shard {uri} is missing; the manifest lists it") from e
-    seen = datahash.sha256_bytes(data)
+    seen = sha256_bytes(data)
     if seen != shard.sha256:
         raise StageFailure(
             FailureClass.infrastructure,

@@ -48,10 +48,10 @@ from training.data_sources import (
 )
 from training.jobkit import JobContext, log, progress, run_stage
 from training.modeling import load_text_tokenizer
-from tuneproof.core import datahash, shapes
+from tuneproof.core import datahash
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.config_data import DataConfig
-from tuneproof.core.hashing import chat_template_sha256
+from tuneproof.core.hashing import chat_template_sha256, files_sha256, sha256_bytes, sha256_json
 from tuneproof.core.results import StageFailure, now_iso
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries_data import Contamination, DatasetManifest, DataSummary, SourceIdentity, SuiteFile
@@ -115,7 +115,7 @@ def prepare_data(ctx: JobContext) -> DataSummary:
         tokenizer_sha256=tokenizer_sha,
         settings=settings,
         shape=shape,
-        template_sha256=shapes.template_sha256(template_dict(cfg.data)) if shape == "template" else None,
+        template_sha256=sha256_json(template_dict(cfg.data)) if shape == "template" else None,
         loss_on=cfg.data.loss_on if shape == "messages" else None,
         chat_template_sha256=chat_template_sha256(getattr(tokenizer, "chat_template", None)),
         splits=write_splits(storage, dataset_path, splits, cfg.data.shard_rows),
@@ -221,11 +221,9 @@ def tokenizer_sha256(tokenizer: Any) -> str:
     with tempfile.TemporaryDirectory(prefix="tuneproof-tok-") as tmp:
         tokenizer.save_pretrained(tmp)
         files = {
-            p.relative_to(tmp).as_posix(): datahash.sha256_bytes(p.read_bytes())
-            for p in Path(tmp).rglob("*")
-            if p.is_file()
+            p.relative_to(tmp).as_posix(): sha256_bytes(p.read_bytes()) for p in Path(tmp).rglob("*") if p.is_file()
         }
-    return datahash.files_sha256(files)
+    return files_sha256(files)
 
 
 def main() -> None:

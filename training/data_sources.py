@@ -27,6 +27,7 @@ from training.jobkit import log
 from tuneproof.core import datahash, shapes
 from tuneproof.core.config_data import MAX_REPLAY_SHARE, DataConfig
 from tuneproof.core.files import DuplicateJSONKey, parse_json
+from tuneproof.core.hashing import sha256_bytes
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries_data import SourceIdentity
@@ -43,7 +44,7 @@ class Source:
     format: str
 
     def identity(self) -> SourceIdentity:
-        return SourceIdentity(uri=self.uri, sha256=datahash.sha256_bytes(self.data), bytes=len(self.data))
+        return SourceIdentity(uri=self.uri, sha256=sha256_bytes(self.data), bytes=len(self.data))
 
     @property
     def has_bom(self) -> bool:

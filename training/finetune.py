@@ -46,7 +46,6 @@ from training.checkpoint_listing import (
     set_aside_unusable_ray_snapshot,
     skip_unusable,
 )
-from training.checkpointing import CheckpointRef
 from training.finetune_saving import (
     act_on_notice,
     complete_checkpoint,
@@ -70,10 +69,12 @@ from training.finetune_worker import (
 )
 from training.jobkit import JobContext, run_stage
 from training.preemption import NOTICES
+from tuneproof.core.envelope import ENV_VAR
 from tuneproof.core.fit import refusal
 from tuneproof.core.results import FailureClass, StageFailure, error_line, one_line
 from tuneproof.core.rowlog import remove_log
 from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import CheckpointRef
 from tuneproof.core.summaries_training import FinetuneSummary, FitEstimate, SkippedCheckpoint
 
 # ---------------------------------------------------------------- driver
@@ -245,7 +246,7 @@ def train_loop(loop_config: dict) -> None:
 
     from training.restarts import begin_attempt
 
-    ctx = jobkit.load_context({jobkit.ENV_VAR: loop_config["job"]})
+    ctx = jobkit.load_context({ENV_VAR: loop_config["job"]})
     params = TrainParams.model_validate(ctx.params)
     with jobkit.worker_reads_saved(ctx, dist.get_rank()), outcome_on_failure(ctx, dist.get_rank()):
         w = setup(ctx, params)

@@ -18,7 +18,6 @@ from training import fault_hooks, jobkit
 from training.checkpoint_listing import check_complete, latest_complete_checkpoint, read_step
 from training.checkpointing import (
     ChangedCheckpoint,
-    CheckpointRef,
     TrainingProgress,
     load_shards,
     progress_file,
@@ -32,6 +31,7 @@ from training.preemption import NoticeWatch
 from training.schedule import WarmupCosine
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
+from tuneproof.core.summaries import CheckpointRef
 
 if TYPE_CHECKING:  # torch and the data module load inside workers only
     from transformers import PreTrainedModel

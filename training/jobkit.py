@@ -28,12 +28,10 @@ from pydantic import BaseModel
 from tuneproof.core import forward_env
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.config_base import reads_recorded
-from tuneproof.core.envelope import ENV_VAR, PROGRESS_PREFIX, JobEnvelope, ProgressEvent
+from tuneproof.core.envelope import ENV_VAR, JobEnvelope, ProgressEvent
 from tuneproof.core.results import FailureClass, StageFailure, StageResult, now_iso, one_line
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries import Summary
-
-__all__ = ["ENV_VAR", "PROGRESS_PREFIX", "JobContext", "encode_job", "load_context", "log", "progress", "run_stage"]
 
 
 @dataclass

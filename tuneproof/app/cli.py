@@ -496,12 +496,12 @@ def canary(
 
 
 @local_app.command("up")
-def local_up(ray_only: bool = typer.Option(False, "--ray-only", help="Start only the Ray head.")) -> None:
+def local_up() -> None:
     """Start the Ray head (at cluster.address), prepare storage and the tiny base model; Prefect server + worker."""
     prefect_env_or_exit()
     from tuneproof.app import localctl
 
-    raise typer.Exit(localctl.up(console, ray_only=ray_only))
+    raise typer.Exit(localctl.up(console))
 
 
 @local_app.command("down")

@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.console import Console
 
 from tuneproof.app.preflight import environment_problems
-from tuneproof.app.terminal import say, screen
+from tuneproof.app.terminal import Screen, say
 from tuneproof.core.config import ConfigError, PipelineConfig, load_config
 from tuneproof.core.names import slug_problem
 from tuneproof.core.results import EXIT_BY_CLASS, EXIT_INVALID_CONFIG, FailureClass
@@ -26,10 +27,10 @@ def group(help: str) -> typer.Typer:
 
 # Flows and Prefect are imported by the commands that run them, not here: `transport`, `lint`, `runs list` and
 # `models` never need Prefect, so its settings (a mistyped PREFECT_API_URL) cannot stop them.
-console = screen()
+console: Console = Screen()
 
 
-err = screen(stderr=True)
+err: Console = Screen(stderr=True)
 
 
 STAGES_HELP = "names from the stage table (tuneproof/control/stages.py); an unknown one is refused with the list"

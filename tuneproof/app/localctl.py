@@ -78,14 +78,14 @@ def prefect_env() -> dict[str, str]:
     }
 
 
-def up(console: Console, ray_only: bool = False) -> int:
+def up(console: Console) -> int:
     cfg = load_config()
     prepare_model_and_storage(cfg, console)
     start_ray(console, cfg.cluster.address)
-    if not ray_only:
-        start_prefect(console)
-    ui = "" if ray_only else f", Prefect UI {prefect_api().removesuffix('/api')}"
-    console.print(f"[green]ready[/]: Ray dashboard {cfg.cluster.address}{ui}")
+    start_prefect(console)
+    console.print(
+        f"[green]ready[/]: Ray dashboard {cfg.cluster.address}, Prefect UI {prefect_api().removesuffix('/api')}"
+    )
     return 0
 
 

@@ -7,7 +7,7 @@ the stage table (tuneproof/control/stages.py). Tables fold long cells instead of
 and digests are always shown whole, whatever the terminal's width.
 
 Every command prints through this module's consoles and helpers:
-- `screen()`: a console that, off a terminal (a pipe, a file, CI), is as wide as its widest line, so a
+- `Screen`: a console that, off a terminal (a pipe, a file, CI), is as wide as its widest line, so a
   table is never cut to 80 columns; on a terminal a COLUMNS that is not a positive number is ignored.
 - `say()`: one message on one line, never wrapped by rich (the terminal may fold it; a copied path stays whole).
 - `printable()`: what storage, a log or a saved file holds is text to show, never control characters
@@ -93,10 +93,6 @@ class Screen(Console):
     @size.setter
     def size(self, new_size: tuple[int, int]) -> None:
         self._width, self._height = new_size
-
-
-def screen(stderr: bool = False) -> Console:
-    return Screen(stderr=stderr)
 
 
 def say(console: Console, message: object, style: str = "") -> None:

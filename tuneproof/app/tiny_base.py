@@ -21,7 +21,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-IGNORE_INDEX = -100
+from tuneproof.core.hashing import IGNORE_INDEX
+
 RECIPE_VERSION = 2
 """Bumped when the training code below changes what a recipe produces (2: rows of unseen tokens stay at init)."""
 

@@ -31,6 +31,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from tuneproof.app.tiny_base import SkillsRecipe, content_hash, pretrain, suite_scores
+from tuneproof.core.config import PROJECT_ROOT
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
@@ -49,9 +50,8 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-PROJECT = Path(__file__).resolve().parents[2]
-DEFAULT_DATA = PROJECT / "data" / "dates" / "dates.jsonl"
-BASE_CACHE = PROJECT / ".tuneproof" / "base-models" / "cache"
+DEFAULT_DATA = PROJECT_ROOT / "data" / "dates" / "dates.jsonl"
+BASE_CACHE = PROJECT_ROOT / ".tuneproof" / "base-models" / "cache"
 """Built bases by content hash: a second `local up` (or a test session) copies one instead of training."""
 BASE_FACTS = "base.json"
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", BASE_FACTS)
@@ -100,13 +100,13 @@ def build_tiny_model(
 def pretrained_facts(model, tokenizer, recipe: SkillsRecipe, base_hash: str | None) -> dict:
     """Pre-train `model` in place; what base.json says about it: hash, recipe, losses, suite scores, seconds."""
     began = time.perf_counter()
-    losses = pretrain(model, tokenizer, recipe, PROJECT)
+    losses = pretrain(model, tokenizer, recipe, PROJECT_ROOT)
     seconds = time.perf_counter() - began
     return {
         "content_hash": base_hash,
         "recipe": recipe.to_json(),
         "losses": losses,
-        "skills_exact_match": suite_scores(model, tokenizer, PROJECT / "data" / "skills" / "suites"),
+        "skills_exact_match": suite_scores(model, tokenizer, PROJECT_ROOT / "data" / "skills" / "suites"),
         "train_seconds": round(seconds, 1),
     }
 
@@ -204,7 +204,7 @@ def ensure_tiny_model(
     from tuneproof.core.config_data import DataConfig
 
     out_dir = Path(out_dir)
-    key = content_hash(recipe, {"hidden": 64, "layers": 2, "seed": seed}, [Path(data_path), PROJECT / recipe.data])
+    key = content_hash(recipe, {"hidden": 64, "layers": 2, "seed": seed}, [Path(data_path), PROJECT_ROOT / recipe.data])
     if built_hash(out_dir) == key:
         return False
     cached = BASE_CACHE / key

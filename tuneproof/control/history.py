@@ -27,6 +27,7 @@ from tuneproof.core.results import Model
 from tuneproof.core.storage import Storage
 
 MODELS = "models"
+"""The registry's root in storage (models/<name>/...); defined here, below the registry, which imports this module."""
 HISTORY = "history"
 
 MoveKind = Literal["promote", "forced-promote", "rollback"]

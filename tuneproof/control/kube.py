@@ -125,7 +125,7 @@ def _raycluster(api: client.ApiClient, kcfg: KubernetesConfig) -> dict | None:
             return None
         raise _refused(what, e) from e
     except urllib3.exceptions.HTTPError as e:
-        raise _unreachable(api, e) from e
+        raise unreachable(api, e) from e
 
 
 def _required(read: Callable[[], list[dict]], what: str) -> list[dict]:
@@ -211,7 +211,8 @@ def _refused(what: str, e: ApiException) -> StageFailure:
     )
 
 
-def _unreachable(api: client.ApiClient, e: Exception) -> StageFailure:
+def unreachable(api: client.ApiClient, e: Exception) -> StageFailure:
+    """An API server that did not answer (verify's reads, the canary's writes): infrastructure, naming its host."""
     return StageFailure(FailureClass.infrastructure, f"Kubernetes API at {api.configuration.host} unreachable: {e}")
 
 

@@ -40,7 +40,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from tuneproof.control.images import CANARY_CLUSTER_PREFIX
-from tuneproof.control.kube import TIMEOUT_S, api_client
+from tuneproof.control.kube import TIMEOUT_S, api_client, unreachable
 from tuneproof.control.kube_checks import CLUSTER_LABEL, group_desired_pods, worker_groups
 from tuneproof.core.config_cluster import KubernetesConfig
 from tuneproof.core.results import FailureClass, StageFailure
@@ -167,7 +167,7 @@ def create(api: client.ApiClient, body: dict) -> None:
     except ApiException as e:
         raise _refused(f"creating RayCluster {meta['namespace']}/{meta['name']}", e) from e
     except urllib3.exceptions.HTTPError as e:
-        raise _unreachable(api, e) from e
+        raise unreachable(api, e) from e
 
 
 def wait_ready(api: client.ApiClient, namespace: str, name: str, timeout_s: float, poll_s: float, log: Log) -> None:
@@ -205,7 +205,7 @@ def _observe(api: client.ApiClient, namespace: str, name: str) -> tuple[dict, li
     except ApiException as e:
         raise _refused(f"reading RayCluster {namespace}/{name} and its pods", e) from e
     except urllib3.exceptions.HTTPError as e:
-        raise _unreachable(api, e) from e
+        raise unreachable(api, e) from e
     return raycluster, pods.get("items") or []
 
 
@@ -253,7 +253,3 @@ def _refused(what: str, e: ApiException) -> StageFailure:
         else ""
     )
     return StageFailure(FailureClass.infrastructure, f"Kubernetes API refused {what}: HTTP {e.status} {e.reason}{hint}")
-
-
-def _unreachable(api: client.ApiClient, e: Exception) -> StageFailure:
-    return StageFailure(FailureClass.infrastructure, f"Kubernetes API at {api.configuration.host} unreachable: {e}")

@@ -43,7 +43,7 @@ DRA_RDMA_ATTRIBUTE = "dra.net/rdma"
 (on AWS, EFA)."""
 HUGEPAGES_RESOURCES = ("hugepages-2Mi", "hugepages-1Gi")
 OFI_NET_NAMES = ("libfabric", "aws libfabric", "ofi")
-"""NCCL_NET values naming the aws-ofi-nccl plugin (as tuneproof.app.lint.raycluster.OFI_NET_NAMES)."""
+"""NCCL_NET values naming the aws-ofi-nccl plugin (1.12+ reports Libfabric and accepts the other two)."""
 KUBERAY_VERSION_ANNOTATION = "ray.io/kuberay-version"
 CLUSTER_LABEL, NODE_TYPE_LABEL, GROUP_LABEL = "ray.io/cluster", "ray.io/node-type", "ray.io/group"
 HEAD_GROUP = "headgroup"
@@ -97,10 +97,10 @@ def ray_gpu_setting(group: dict) -> tuple[str, str] | None:
     return None
 
 
-def as_count(raw: str) -> int | None:
-    """A Kubernetes quantity that is a whole number, as an int: '4', '4.0', '4k' (4000), '1Ki' (1024), '2e3'.
-    None for anything else (text, a fraction such as '500m', inf): the schema check or the finding that compares
-    it names the raw value."""
+def quantity(raw: str) -> Decimal | None:
+    """A Kubernetes quantity's value: '500m' -> 0.5, '4k' -> 4000, '1Ki' -> 1024, '2e3' -> 2000. None for anything
+    else (text, an unknown suffix, inf, past 64 bits): the schema check or the finding that compares it names the
+    raw value."""
     match = _QUANTITY.match(raw.strip())
     if match is None:
         return None
@@ -109,10 +109,17 @@ def as_count(raw: str) -> int | None:
         return None
     try:
         value = Decimal(number) * _QUANTITY_SUFFIXES[suffix]
-    except ArithmeticError:  # decimal's Overflow: '1e999999999999999999' is no count
+    except ArithmeticError:  # decimal's Overflow: '1e999999999999999999' is no quantity
         return None
-    # Kubernetes bounds a quantity to 64 bits; bounding it first also keeps int() off a '1e999999' of digits.
-    if abs(value) >= 2**63 or value != value.to_integral_value():
+    # Kubernetes bounds a quantity to 64 bits; bounding it here also keeps int() off a '1e999999' of digits.
+    return value if abs(value) < 2**63 else None
+
+
+def as_count(raw: str) -> int | None:
+    """A Kubernetes quantity that is a whole number, as an int: '4', '4.0', '4k' (4000), '1Ki' (1024), '2e3'.
+    None for anything else (a fraction such as '500m', and whatever `quantity` refuses)."""
+    value = quantity(raw)
+    if value is None or value != value.to_integral_value():
         return None
     return int(value)
 

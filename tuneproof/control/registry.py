@@ -37,7 +37,7 @@ from pydantic import ValidationError
 
 from tuneproof.control import history
 from tuneproof.control.cost import VersionCost, card_notes
-from tuneproof.control.history import Move, MoveIntent
+from tuneproof.control.history import MODELS, Move, MoveIntent
 from tuneproof.core import cas, markers
 from tuneproof.core.config_train import LORA_ADAPTER_DIR
 from tuneproof.core.files import read_stored
@@ -45,7 +45,6 @@ from tuneproof.core.results import Model, first_problem, now_iso, one_line
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries_eval import ApprovalAnswer, Forced, SuiteRow
 
-MODELS = "models"
 POINTER = "production.json"
 CARD_JSON = "card.json"
 CARD_MD = "MODEL_CARD.md"

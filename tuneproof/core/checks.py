@@ -45,19 +45,17 @@ def node_subject(node: dict) -> str:
     return f"node {node.get('node_ip')} ({str(node.get('node_id', ''))[:8]})"
 
 
-def check_nodes(nodes: list[dict], expect: ClusterExpect, worker_gpus_expected: int | None = None) -> list[Finding]:
+def check_nodes(nodes: list[dict], expect: ClusterExpect) -> list[Finding]:
     """Every finding over alive nodes: expected versions, GPU counts, cross-node agreement.
 
-    worker_gpus_expected overrides expect.gpus_per_worker (e.g. the pod GPU limit the Kubernetes
-    half read); 0 skips the worker GPU check. Dead nodes (Ray keeps departed nodes in its table)
-    are not checked.
+    expect.gpus_per_worker 0 skips the worker GPU check. Dead nodes (Ray keeps departed nodes in its
+    table) are not checked.
     """
     alive = [n for n in nodes if n.get("alive", True)]
-    gpus_per_worker = expect.gpus_per_worker if worker_gpus_expected is None else worker_gpus_expected
     return (
         check_expected_versions(alive, expect)
         + check_gpus_visible(alive)
-        + check_worker_gpus(alive, gpus_per_worker)
+        + check_worker_gpus(alive, expect.gpus_per_worker)
         + check_agreement(alive, [f for f in AGREEMENT_FIELDS if getattr(expect, f, None) is None])
     )
 

@@ -46,6 +46,7 @@ from tuneproof.core.credentials import credential_problems
 from tuneproof.core.files import DuplicateKey, parse_yaml, read_regular
 from tuneproof.core.hashing import sha256_json
 from tuneproof.core.names import hub_id_problem
+from tuneproof.core.results import one_line
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PROFILE = PROJECT_ROOT / "configs" / "local.yaml"
@@ -265,10 +266,10 @@ def format_errors(e: ValidationError) -> list[str]:
 
 def _short_repr(value: Any) -> str:
     """repr cut to a line: a pasted file or an alias-expanded YAML value must not flood the terminal."""
+    # reprlib bounds the work, not only the text: an alias-expanded YAML value's full repr runs to gigabytes.
     r = reprlib.Repr()
     r.maxstring, r.maxother, r.maxlevel = 120, 120, 2
-    text = r.repr(value)
-    return text if len(text) <= 200 else text[:199] + "…"
+    return one_line(r.repr(value), 200)
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), resolve: bool = True) -> PipelineConfig:

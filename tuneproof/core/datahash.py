@@ -11,9 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tuneproof.core.hashing import IGNORE_INDEX, files_sha256, sha256_bytes, sha256_json
-
-__all__ = ["IGNORE_INDEX", "files_sha256", "sha256_bytes", "sha256_json"]  # the data stage reads them from here
+from tuneproof.core.hashing import IGNORE_INDEX, sha256_bytes, sha256_json
+from tuneproof.core.results import one_line
 
 # Why a row was left out; every dropped row has exactly one reason, the first that applies.
 COLUMN_REASONS = ("undecodable", "wrong_type", "missing_field", "empty", "too_long")
@@ -121,7 +120,7 @@ class Drops:
         self.counts[reason] = self.counts.get(reason, 0) + 1
         kept = self.examples.setdefault(reason, [])
         if len(kept) < EXAMPLES_PER_REASON:
-            kept.append({"source": where, "row": row, "value": short_repr(value)})
+            kept.append({"source": where, "row": row, "value": one_line(repr(value), 120)})
 
     def merge(self, later: Drops) -> None:
         """Take in the drops `later` counted after this one's: as if every row had been added here (chunks of a
@@ -142,11 +141,6 @@ class Drops:
 
     def to_json(self) -> dict[str, dict[str, Any]]:
         return {r: {"count": self.counts[r], "examples": self.examples[r]} for r in REASONS if r in self.counts}
-
-
-def short_repr(value: Any, limit: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def drop_failure(drops: Drops, total_rows: int, limit: float) -> str | None:

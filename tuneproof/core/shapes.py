@@ -50,12 +50,8 @@ def shape_identity(
     if shape == "columns":
         return None
     if shape == "template":
-        return {"shape": "template", "template_sha256": template_sha256(template or {})}
+        return {"shape": "template", "template_sha256": sha256_json(template or {})}
     return {"shape": "messages", "messages_column": messages_column, "loss_on": loss_on}
-
-
-def template_sha256(template: dict[str, str]) -> str:
-    return sha256_json(template)
 
 
 # ---- template ----------------------------------------------------------------------------------

@@ -8,13 +8,12 @@
 
 from __future__ import annotations
 
-import re
 from functools import lru_cache
 
 import yaml
 
 from tuneproof.app.lint.documents import SCHEMA_DIR, Doc, env_values, group_pod_spec, volume_kind, volume_named
-from tuneproof.control.kube_checks import EFA_RESOURCE, GPU_RESOURCE, ray_container, resource_count
+from tuneproof.control.kube_checks import EFA_RESOURCE, GPU_RESOURCE, quantity, ray_container, resource_count
 from tuneproof.core.findings import Finding
 
 INSTANCE_TABLE = SCHEMA_DIR / "eks-instance-types.yaml"
@@ -28,8 +27,6 @@ buffers; EKS's EFA guide has pods request hugepages-2Mi: 5120Mi): the kubelet ta
 SHM_FRACTION = (0.3, 0.5)
 """/dev/shm sizeLimit as a share of the Ray container's memory limit: at least Ray's default object store
 (30% of memory), at most half, since tmpfs pages count against the same limit."""
-_QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)([a-zA-Z]*)$")
-_MEMORY_UNITS = {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 
 
 def shm_findings(doc: Doc, where: str, group: dict) -> list[Finding]:
@@ -182,20 +179,16 @@ def eks_instance_types() -> dict[str, dict]:
     return yaml.safe_load(INSTANCE_TABLE.read_text())
 
 
-def cpu_cores(quantity) -> float | None:
-    """'44' -> 44.0, '500m' -> 0.5; None when unset or not a quantity."""
-    match = _QUANTITY.match(str(quantity)) if quantity is not None else None
-    if match is None or match.group(2) not in ("", "m"):
-        return None
-    return float(match.group(1)) / (1000 if match.group(2) == "m" else 1)
+def cpu_cores(raw: str | float | None) -> float | None:
+    """'44' -> 44.0, '500m' -> 0.5; None when unset or not a Kubernetes quantity."""
+    value = quantity(str(raw)) if raw is not None else None
+    return None if value is None else float(value)
 
 
-def memory_gib(quantity) -> float | None:
-    """'170Gi' -> 170.0, '512Mi' -> 0.5; None when unset or not a quantity."""
-    match = _QUANTITY.match(str(quantity)) if quantity is not None else None
-    if match is None or match.group(2) not in _MEMORY_UNITS:
-        return None
-    return float(match.group(1)) * _MEMORY_UNITS[match.group(2)] / 2**30
+def memory_gib(raw: str | float | None) -> float | None:
+    """'170Gi' -> 170.0, '512Mi' -> 0.5; None when unset or not a Kubernetes quantity."""
+    value = quantity(str(raw)) if raw is not None else None
+    return None if value is None else float(value) / 2**30
 
 
 def efa_env_findings(doc: Doc, where: str, group: dict) -> list[Finding]:

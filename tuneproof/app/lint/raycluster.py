@@ -18,6 +18,7 @@ from tuneproof.app.lint.storage import claim_findings, ray_identity_findings, st
 from tuneproof.control.kube_checks import (
     EFA_RESOURCE,
     GPU_RESOURCE,
+    OFI_NET_NAMES,
     as_count,
     group_pod_count,
     ray_container,
@@ -27,9 +28,6 @@ from tuneproof.control.kube_checks import (
 )
 from tuneproof.core.config import PipelineConfig
 from tuneproof.core.findings import Finding
-
-OFI_NET_NAMES = ("libfabric", "aws libfabric", "ofi")
-"""NCCL_NET values naming the aws-ofi-nccl plugin (1.12+ reports Libfabric and accepts the other two)."""
 
 
 def raycluster_findings(doc: Doc, docs: list[Doc], config: PipelineConfig | None) -> list[Finding]:
