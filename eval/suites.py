@@ -21,8 +21,8 @@ from eval.gates import Scores, decide
 from training.contamination import words
 from training.modeling import SPECIAL_TOKEN
 from tuneproof.core.config_eval import SuiteConfig
-from tuneproof.core.datahash import sha256_bytes
 from tuneproof.core.files import DuplicateJSONKey, parse_json
+from tuneproof.core.hashing import sha256_bytes
 from tuneproof.core.results import FailureClass, StageFailure
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries_data import SuiteFile
