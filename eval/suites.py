@@ -11,7 +11,6 @@ that wins its task but forgets a skill fails here, with a line that names the su
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -194,8 +193,10 @@ def _text_problem(row: dict) -> str | None:
 
 def _item(line: str) -> dict | None:
     try:
-        row = parse_json(line)  # DuplicateJSONKey, raised through: json.loads would keep the last value
-    except json.JSONDecodeError:
+        row = parse_json(line)
+    except DuplicateJSONKey:
+        raise  # read_suite names it: json.loads would keep the last value
+    except (ValueError, RecursionError):  # not JSON, nested past the parser, or an integer past 4,300 digits
         return None
     ok = isinstance(row, dict) and isinstance(row.get("input"), str) and isinstance(row.get("output"), str)
     return row if ok else None

@@ -9,6 +9,7 @@ stage ends the run with its failure class.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Annotated, Any
 
 from prefect import flow, get_run_logger
@@ -202,9 +203,10 @@ def missing_forwarded_env(cfg: PipelineConfig) -> str | None:
 
 
 def missing_local_files(cfg: PipelineConfig, planned: set[str]) -> str | None:
-    """Locally the data stage reads its files from this machine: each must be a file here, or the run verified the
-    cluster and measured its network before the data stage found it missing. (Suite files: check_suites.)"""
-    if cfg.cluster.backend != "local" or "data" not in planned:
+    """Locally the jobs read their files from this machine: each data file must be a file here and a local base model
+    a directory, or the run verified the cluster and measured its network before a job found it missing. (Suite
+    files: check_suites.)"""
+    if cfg.cluster.backend != "local":
         return None  # on EKS a path may be on the nodes alone (an FSx mount)
     replay = cfg.data.replay.source if cfg.data.replay else None
     read = (
@@ -215,9 +217,25 @@ def missing_local_files(cfg: PipelineConfig, planned: set[str]) -> str | None:
     problems = [
         f"{key}: {what} (got {path!r})"
         for key, path in read
-        if path and "://" not in path and (what := not_a_file(path))
+        if "data" in planned and path and "://" not in path and (what := not_a_file(path))
     ]
+    model = cfg.model.source  # resolved: a local one is absolute, a hub id or s3:// is not
+    # The stages whose jobs load the base model (its config, tokenizer or weights); verify and promote do not.
+    loads_model = planned & {"connectivity", "data", "finetune", "resume", "evaluate"}
+    if loads_model and model.startswith("/") and (what := not_a_directory(model)):
+        got = one_line(repr(model), 200)
+        problems.append(f"model.source: {what} (got {got}); give a local model directory or a hub id (org/name)")
     return "; ".join(problems) or None
+
+
+def not_a_directory(path: str) -> str | None:
+    """Why a local path names no directory here ('no such directory', 'not a directory'), or None."""
+    try:
+        if Path(path).is_dir():
+            return None
+        return "not a directory" if Path(path).exists() else "no such directory"
+    except OSError as e:  # a name no file system holds (too long): is_dir raises instead of saying False
+        return f"no such directory ({e.strerror})"
 
 
 def holder_command(only: list[str] | None, until: str | None = None) -> str:

@@ -32,6 +32,7 @@ from tasks.jobs import StageCall, runner_for
 from tuneproof.control import cost, history, registry
 from tuneproof.control import record as records
 from tuneproof.control import rollback as rollbacks
+from tuneproof.control import stages as table
 from tuneproof.control.cost import VersionCost
 from tuneproof.control.history import MoveIntent
 from tuneproof.control.lease import Lease, LeaseHeld
@@ -579,9 +580,13 @@ def forced_promotion(
     cfg: PipelineConfig, run_id: str, reason: str, user: str, lease: Lease | None = None
 ) -> PromoteSummary:
     """`tuneproof promote RUN --force --reason`: bypass the gates, and say so in the record and the card. `lease`
-    is the run's, held by the caller: the record is written only while it still holds the run."""
+    is the run's, held by the caller: the record is written only while it still holds the run. RecordUnreadable,
+    before anything is written, for a record holding a stage summary its model refuses (hand-edited, another
+    release's): the card and the bypassed gates are read from those."""
     storage = Storage.from_config(cfg.resolved().storage)
     record = records.load(storage, run_id)
+    if problem := unreadable_summary(record):
+        raise records.RecordUnreadable(problem)
     finetune = record.stages.get("finetune")
     if finetune is None or not finetune.ok:
         why = finetune.status if finetune else "did not run"
@@ -598,6 +603,18 @@ def forced_promotion(
     record.promotion = result
     records.save(storage, record, lease)
     return result
+
+
+def unreadable_summary(record: RunRecord) -> str | None:
+    """The first stage summary in the record that its model (the stage table's) refuses, named by stage and field
+    as `runs show` names it; None when each one reads. Pure."""
+    for stage in table.STAGES:
+        try:
+            record.summary(stage.name, stage.summary)
+        except ValidationError as e:
+            where = f"{stage.name}." if e.errors()[0]["loc"] else f"{stage.name}: "
+            return f"run {record.run_id}: a stage summary in record.json is not readable: {where}{first_problem(e)}"
+    return None
 
 
 class RollbackResult(BaseModel):

@@ -46,6 +46,8 @@ DEEP_JSON = "[" * 100_000 + "]" * 100_000
 # Not UTF-8, and no leading \xff\xfe: that is UTF-16's byte-order mark, which the saved-file readers honour.
 NOT_UTF8 = b"bad \xc3\x28 bytes \xff\xfe\x00\n"
 LONG = "a" * 65
+HUGE_INT = "9" * 5000
+"""Past Python's 4,300 digits for an integer read from text."""
 YAML_BOMB = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
     f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi", strict=True)
 )
@@ -171,6 +173,32 @@ CONFIG_CASES = [
     ),
     # A RecursionError traceback: the file's depth check never saw overrides.
     Case("set-nested-deep", with_set("runtime_env.pip=" + "[" * 2000 + "]" * 2000), 3, "nested too deeply"),
+    # Accepted as all defaults: a profile cut short (or `[]`, `false`) ran the local profile's defaults.
+    Case("config-empty", config_file("# only a comment\n"), 3, "holds no settings (empty, or only comments)"),
+    Case("config-false", config_file("false\n"), 3, "top level must be a mapping (got bool)"),
+    # Accepted as YAML 1.1 reads them: seed 0042 was 34, max_steps 01000 was 512, a timeout of 1:30 was 90 s.
+    Case("config-octal-seed", config_file("train:\n  seed: 0042\n"), 3, "'seed' at line 2: 0042 has a leading 0"),
+    Case("set-octal-max-steps", with_set("train.max_steps=01000"), 3, "YAML 1.1 reads it as octal (512)"),
+    Case(
+        "set-base-60-timeout", with_set("timeouts.finetune=1:30"), 3, "timeouts.finetune: Input should be a valid int"
+    ),
+    # "error: ValueError: Exceeds the limit (4300 digits) ... (please report)", exit 4.
+    Case(
+        "config-int-too-long",
+        config_file(f"train:\n  max_steps: {HUGE_INT}\n"),
+        3,
+        "'max_steps' at line 2: an integer of over 4,300 digits",
+    ),
+    Case("set-int-too-long", with_set(f"train.max_steps={HUGE_INT}"), 3, "': line 1: an integer of over 4,300 digits"),
+    # The whole value, once in the message: a 120 KB line. Now cut as every other value (reprlib: 57 ... 58).
+    Case("set-data-name-huge", with_set("data.name=" + "x" * 120_000), 3, "dataset name '" + "x" * 57 + "...x"),
+    # Accepted: the data stage failed it late, as contamination of every eval item.
+    Case(
+        "set-eval-source-is-source",
+        with_set("data.eval_source=./data/dates/dates.jsonl"),
+        3,
+        "data.eval_source './data/dates/dates.jsonl' names the file data.source does",
+    ),
 ]
 
 
@@ -201,6 +229,28 @@ STORAGE_URI_CASES = [
         3,
         "data.replay.source: names no bucket",
     ),
+]
+
+# A NUL in a path: "error: ValueError: embedded null byte (please report)", exit 4, or accepted (exit 0).
+NUL_CASES = [
+    Case("root-nul", with_set('storage.root="x\\0y"'), 3, "storage.root: storage root 'x\\x00y' holds a control"),
+    Case("data-source-nul", with_set('data.source="a\\0b.jsonl"'), 3, "data.source: holds a control character"),
+    Case("eval-source-nul", with_set('data.eval_source="e\\0.jsonl"'), 3, "data.eval_source: holds a control"),
+    Case(
+        "replay-source-nul",
+        with_set('data.replay={source: "r\\0.jsonl", share: 0.3}'),
+        3,
+        "data.replay.source: holds a control",
+    ),
+    Case("model-source-nul", with_set('model.source="./a\\0b"'), 3, "model.source: './a\\x00b' holds a control"),
+    Case(
+        "suite-source-nul",
+        with_set('eval.suites={s: {source: "data/\\0.jsonl"}}'),
+        3,
+        "eval.suites.s.source: holds a control character",
+    ),
+    Case("token-file-nul", with_set('cluster.auth_token_file="t\\0"'), 3, "cluster.auth_token_file: holds a control"),
+    Case("data-source-newline", with_set('data.source="a\\nb.jsonl"'), 3, "('\\n' at character 2)"),
 ]
 
 # ---- identifiers on the command line ---------------------------------------------------------------------
@@ -520,6 +570,10 @@ VERIFY_CASES = [
         "resources_total.CPU is inf, not a count",
     ),
     Case("from-files-not-a-dir", lambda tmp: ["verify", "--from-files", str(tmp / "nope"), "-c", EKS], 4, "missing"),
+    # Exit 4 with json's "Exceeds the limit (4300 digits) ...", naming no file.
+    Case(
+        "pods-int-too-long", saved("pods.json", f'{{"items": [], "n": {HUGE_INT}}}'), 4, "pods.json: holds an integer"
+    ),
 ]
 
 # ---- manifests for lint ----------------------------------------------------------------------------------------
@@ -538,6 +592,21 @@ LINT_CASES = [
     Case("manifest-list-items-not-list", manifest("apiVersion: v1\nkind: List\nitems: 5\n"), 1, "a list of Kubernetes"),
     Case("manifest-metadata-a-string", manifest("apiVersion: v1\nkind: Namespace\nmetadata: x\n"), 1, "metadata"),
     Case("manifest-deep-json", manifest(DEEP_JSON, "deep.json"), 1, "unparseable"),
+    # "error: ValueError: Exceeds the limit (4300 digits) ... (please report)", exit 4.
+    Case(
+        "manifest-int-too-long",
+        manifest(f"apiVersion: v1\nkind: Namespace\nmetadata: {{name: a}}\nspec: {{n: {HUGE_INT}}}\n"),
+        1,
+        "'n' at line 4: an integer of over 4,300 digits",
+    ),
+    Case(
+        "manifest-int-too-long-json",
+        manifest(
+            f'{{"apiVersion": "v1", "kind": "Namespace", "metadata": {{"name": "a"}}, "n": {HUGE_INT}}}', "a.json"
+        ),
+        1,
+        "unparseable",
+    ),
     Case(
         "manifest-unknown-kind-odd-shape",
         manifest("apiVersion: example.com/v1\nkind: Widget\nmetadata: {name: w}\nspec: 5\n"),
@@ -921,6 +990,16 @@ NAME_CASES = [
         3,
         "differ only in train.lr, which the stages data did not read when they last ran (they read data.source)",
     ),
+    # Only the threshold was named: fixing it met the repeats refusal next.
+    Case(
+        "compare-every-problem",
+        lambda tmp: [
+            *("compare", "--stages", "verify", "--a", "train.lr=0.001", "--b", "train.lr=0.002"),
+            *("--repeats", "0", "--threshold", "-1", *root_args(tmp)),
+        ],
+        3,
+        "(got -1.0)\n  repeats must be at least 2 for an interval (got 0)",
+    ),
 ]
 
 
@@ -995,6 +1074,7 @@ READ_CASES = [
 CLI_CASES = (
     CONFIG_CASES
     + STORAGE_URI_CASES
+    + NUL_CASES
     + ID_CASES
     + STORAGE_FILE_CASES
     + VERIFY_CASES
@@ -1008,7 +1088,53 @@ CLI_CASES = (
     + ENV_CASES
     + NAME_CASES
     + READ_CASES
+    # Bad input on the model side: model.source, the production pointer's run, a forced promotion's record.
+    + [
+        Case(
+            "set-model-source-bare-not-a-hub-id",
+            with_set("model.source=not a model"),
+            3,
+            "model.source: 'not a model' is neither a directory here nor a hub id",
+        ),
+        # It ended in "error: UnsafePath ... (please report)", exit 4.
+        Case(
+            "rollback-pointer-run-escapes",
+            rollback_cmd(pointer_with(run_id="../../x")),
+            3,
+            f"not a usable production pointer (run_id is '../../x', expected '{GOOD_RUN}', the run of v0001-{GOOD_RUN})",
+        ),
+        # Shown, exit 0: a rollback from it would have noted that other run's record as rolled back.
+        Case(
+            "pointer-run-of-another-version",
+            models_cmd("show", pointer=pointer_with(run_id="20261207-093835-d61c65")),
+            1,
+            "not a usable production pointer (run_id is '20261207-093835-d61c65', expected",
+        ),
+        # Rolled back (exit 0) to a pointer naming the card's run, not the version's.
+        Case(
+            "rollback-card-of-another-run",
+            lambda tmp: rollback_to_card(
+                tmp, ModelCard(name=MODEL, version=f"v0001-{GOOD_RUN}", run_id="r9", source_path="m")
+            ),
+            3,
+            f"not a model card (run_id is 'r9', not the run of its version 'v0001-{GOOD_RUN}')",
+        ),
+        # It ended in "error: ValidationError: 1 validation error for FinetuneSummary ... (please report)", exit 4.
+        Case(
+            "promote-summary-unreadable",
+            lambda tmp: ["promote", GOOD_RUN, "--force", "--reason", "r", *bad_summary(tmp)[3:]],
+            3,
+            f"promote refused: run {GOOD_RUN}: a stage summary in record.json is not readable: finetune.",
+        ),
+    ]
 )
+
+
+def rollback_to_card(tmp: Path, card: ModelCard) -> list[str]:
+    """Production v0002; v0001's folder holds `card`."""
+    models = registry(tmp, pointer_to("v0002-later"), card.model_dump_json())
+    write(models / MODEL / "v0002-later" / "card.json", card_of("v0002-later"))
+    return ["rollback", MODEL, "--reason", "bad-input test", *root_args(tmp)]
 
 
 CASE_TIMEOUT_S = 60
@@ -1264,6 +1390,14 @@ def test_the_flow_refuses_a_bad_run_id_before_anything_runs(run_id: str, tmp_pat
             {"data": {"eval_source": "data/dates"}},
             f"data.eval_source: a directory, not a file (got '{PROJECT_ROOT}/data/dates')",
         ),
+        # Each took the lease, wrote a record and ran verify and connectivity before a job failed to load the model.
+        ({"model": {"source": "./nosuchdir"}}, f"model.source: no such directory (got '{PROJECT_ROOT}/nosuchdir')"),
+        ({"model": {"source": "/nonexistent/model"}}, "model.source: no such directory (got '/nonexistent/model')"),
+        (
+            {"model": {"source": "./data/dates/dates.jsonl"}},
+            f"model.source: not a directory (got '{PROJECT_ROOT}/data/dates/dates.jsonl')",
+        ),
+        ({"model": {"source": "not a model"}}, "model.source: 'not a model' is neither a directory here nor a hub id"),
     ],
 )
 def test_the_flow_refuses_what_a_deployments_parameters_get_wrong_before_anything_runs(setting, phrase, tmp_path):
@@ -1292,6 +1426,26 @@ def test_a_fifo_given_as_a_data_or_suite_file_is_named_for_what_it_is(tmp_path):
     assert check_suites(cfg.eval.suites) == [
         f"eval.suites.s.source: not a regular file (got '{fifo}'); give a JSONL file of items"
     ]
+
+
+def test_a_local_model_source_is_checked_where_this_machine_holds_the_jobs_files_and_a_stage_loads_it(tmp_path):
+    from flows.pipeline import missing_local_files
+    from tuneproof.core.config import load_config
+
+    gone = str(tmp_path / "gone")
+    cfg = PipelineConfig.model_validate({"model": {"source": gone}})
+    assert missing_local_files(cfg, {"verify", "connectivity"}) == (
+        f"model.source: no such directory (got '{gone}'); give a local model directory or a hub id (org/name)"
+    )
+    assert missing_local_files(cfg, {"verify", "promote"}) is None  # neither loads the base model
+    assert missing_local_files(load_config(EKS, [f"model.source={gone}"]), {"finetune"}) is None  # on the nodes alone
+    hub = PipelineConfig.model_validate({"model": {"source": "Qwen/Qwen2.5-1.5B"}})
+    assert missing_local_files(hub, {"finetune"}) is None  # not fetched to be checked
+    too_long = PipelineConfig.model_validate({"model": {"source": "/" + "x" * 5000}})
+    named = missing_local_files(too_long, {"finetune"}) or ""
+    assert named.startswith("model.source: no such directory (File name too long) (got '/xxx") and len(named) < 400
+    (tmp_path / "gone").mkdir()
+    assert missing_local_files(cfg, {"finetune"}) is None
 
 
 # ---- what storage holds reaches the terminal escaped; errors one line, tables whole, off a terminal ------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tuneproof.core.config import (
@@ -11,6 +13,7 @@ from tuneproof.core.config import (
     PipelineConfig,
     load_config,
     parse_override,
+    validate,
 )
 from tuneproof.core.config_cluster import Timeouts
 
@@ -49,6 +52,20 @@ def test_a_hub_id_stays_a_hub_id_and_a_local_model_directory_becomes_absolute(tm
     assert load_config(DEFAULT_PROFILE, ["data.source=data/x.jsonl"]).data.source == str(
         PROJECT_ROOT / "data" / "x.jsonl"
     )
+
+
+def test_a_bare_model_source_is_a_hub_id_and_checked_as_one(tmp_path):
+    # "not a model" passed every check (no '/' made it no path), and a run took the lease, wrote a record and ran
+    # verify and connectivity before a job failed to load it.
+    with pytest.raises(ConfigError, match=r"model.source: 'not a model' is neither a directory here nor a hub id"):
+        load_config(overrides=["model.source=not a model"])
+    for hub_id in ("gpt2", "Qwen/Qwen2.5-1.5B"):  # offline: a hub id is not fetched to be validated
+        assert load_config(overrides=[f"model.source={hub_id}"]).model.source == hub_id
+    # A path form is left to the flow, which knows whether this machine's files are the ones the jobs read.
+    assert load_config(overrides=["model.source=/nonexistent/model"]).model.source == "/nonexistent/model"
+    (tmp_path / "not a model").mkdir()  # a directory of that name here is a local model, as from_pretrained reads it
+    cfg = PipelineConfig.model_validate({"model": {"source": "not a model"}})
+    assert cfg.resolved(tmp_path).model.source.endswith("not a model")
 
 
 def test_override_types_are_parsed_as_yaml():
@@ -332,3 +349,63 @@ def test_an_unknown_suite_file_and_metric_are_refused_before_anything_runs(tmp_p
     assert any(p.startswith("eval.suites.add.metrics: metric 'exact_matsh' is not a local module") for p in problems)
     with pytest.raises(ConfigError, match="suite name 'Bad Name'"):
         load_config(DEFAULT_PROFILE, ["eval.suites={'Bad Name': {source: data/skills/suites/add.jsonl}}"])
+
+
+def test_a_bare_relative_path_is_the_projects_as_a_nested_one_is(tmp_path, monkeypatch):
+    # storage.root=store was <cwd>/store while x/store was <project>/x/store: README's "relative to the project root".
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(DEFAULT_PROFILE, ["storage.root=store", "data.source=rows.jsonl", "cluster.auth_token_file=t"])
+    assert cfg.storage.root == str(PROJECT_ROOT / "store")
+    assert cfg.data.source == str(PROJECT_ROOT / "rows.jsonl")
+    assert cfg.cluster.auth_token_file == str(PROJECT_ROOT / "t")
+    assert load_config(DEFAULT_PROFILE, ["storage.root=x/store"]).storage.root == str(PROJECT_ROOT / "x" / "store")
+
+
+def test_a_yaml_number_is_read_as_every_yaml_reader_reads_it_or_refused():
+    from tuneproof.core.files import NumberRefused, parse_yaml
+
+    # YAML 1.1 read 1:30 as 90 (base 60); YAML 1.2 and kubectl read the text, which an integer setting refuses.
+    same = parse_yaml("{hex: 0x2A, seven: 07, thousand: 1_000, zero: 0, time: 1:30, float_time: 1:30.5}")
+    assert same == {"hex": 42, "seven": 7, "thousand": 1000, "zero": 0, "time": "1:30", "float_time": "1:30.5"}
+    # 0042 is 34 in YAML 1.1 and 42 in YAML 1.2: either reading changes someone's value without a word.
+    for text, says in (("a: 0042", "'a' at line 1: 0042 has"), ("[1, -0644]", "line 1: -0644 has"), ("0010", "(8)")):
+        with pytest.raises(NumberRefused, match=re.escape(says)):
+            parse_yaml(text)
+    with pytest.raises(ConfigError, match=re.escape("--set 'train.seed=0042': line 1: 0042 has a leading 0")):
+        load_config(overrides=["train.seed=0042"])  # not read as the text "0042", which pydantic made 42
+
+
+def test_a_control_character_in_any_path_setting_is_refused_at_validation_naming_each():
+    # A Prefect parameter is validated as the CLI's config is: each of these crashed resolved() or passed.
+    with pytest.raises(ConfigError) as refused:
+        validate(
+            {
+                "storage": {"root": "store\x00"},
+                "cluster": {"auth_token_file": "t\n", "kubernetes": {"kubeconfig": "k\x1b"}},
+                "eval": {"suites": {"s": {"source": "data/\x00.jsonl"}}},
+            }
+        )
+    fields = sorted(p.split(":")[0] for p in refused.value.problems)
+    assert fields == [
+        "cluster.auth_token_file",
+        "cluster.kubernetes.kubeconfig",
+        "eval.suites.s.source",
+        "storage.root",
+    ]
+    assert all("holds a control character" in p for p in refused.value.problems)
+
+
+def test_a_profile_that_is_not_a_mapping_is_refused_not_read_as_all_defaults(tmp_path):
+    # A cut-short configs/eks.yaml, or one holding `[]` or `false`, ran the local defaults.
+    for text, says in (("", "holds no settings"), ("# none\n", "holds no settings"), ("0\n", "(got int)")):
+        (tmp_path / "p.yaml").write_text(text)
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            load_config(tmp_path / "p.yaml")
+
+
+def test_an_eval_file_that_is_the_training_file_is_refused_naming_both_fields():
+    with pytest.raises(ConfigError, match="data.eval_source 'data/dates/dates.jsonl' names the file data.source does"):
+        load_config(overrides=["data.eval_source=data/dates/dates.jsonl"])
+    replayed = ["data.replay={source: r.jsonl, share: 0.3}", "data.eval_source=./r.jsonl"]
+    with pytest.raises(ConfigError, match="names the file data.replay.source does"):
+        load_config(overrides=replayed)

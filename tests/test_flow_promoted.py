@@ -117,7 +117,14 @@ def stand_ins(prefect_harness, monkeypatch):
 def config(tmp_path, **eval_settings: int) -> PipelineConfig:
     source = tmp_path / "train.jsonl"
     source.write_text('{"q": "a", "a": "b"}\n')
-    doc = {"storage": {"root": str(tmp_path / "store")}, "data": {"source": str(source)}, "eval": eval_settings}
+    doc = {
+        "storage": {"root": str(tmp_path / "store")},
+        "data": {"source": str(source)},
+        "model": {
+            "source": str(tmp_path)
+        },  # a directory: the stand-in stages load no model, the flow's check wants one
+        "eval": eval_settings,
+    }
     return PipelineConfig.model_validate(doc)
 
 

@@ -485,6 +485,42 @@ def test_a_forced_promotion_whose_lease_was_lost_writes_nothing(tmp_path):
     assert registry.read_pointer(storage, cfg.model.name)[0] is None
 
 
+def test_a_forced_promotion_over_an_unreadable_stage_summary_is_refused_and_writes_nothing(tmp_path):
+    # It ended in "error: ValidationError: 1 validation error for FinetuneSummary ... (please report)", exit 4.
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
+    storage = Storage(str(tmp_path))
+    with_export(storage, "r1")
+    rec = passed_record(cfg)
+    summary_dict(rec, "finetune")["steps"] = "many"
+    records.save(storage, rec)
+    before = storage.read_bytes("runs", "r1", records.RECORD)
+    expected = "run r1: a stage summary in record.json is not readable: finetune.steps: Input should be a valid integer"
+    with pytest.raises(records.RecordUnreadable, match=expected):
+        forced_promotion(cfg, "r1", "hotfix", "alice")
+    assert storage.read_bytes("runs", "r1", records.RECORD) == before
+    assert registry.read_pointer(storage, cfg.model.name)[0] is None
+    shown = CliRunner().invoke(
+        app, ["promote", "r1", "--force", "--reason", "hotfix", "--set", f"storage.root={tmp_path}"]
+    )
+    assert shown.exit_code == 3 and f"promote refused: {expected}" in shown.output, shown.output
+
+
+def test_a_pointer_naming_another_run_rolls_nothing_back_and_notes_no_run(tmp_path):
+    # v0002-r2's pointer with r1's run id: the rollback went ahead and noted r1's record as rolled back, a run that
+    # production never moved away from; '../../x' ended in "UnsafePath ... (please report)".
+    cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
+    storage = Storage(str(tmp_path))
+    promoted_on_evidence(cfg, "r1", None)
+    promoted_on_evidence(cfg, "r2", "v0001-r1")
+    pointer = production_pointer(storage, cfg.model.name)
+    for run_id in ("r1", "../../x"):
+        storage.write_json({**pointer.to_json(), "run_id": run_id}, "models", cfg.model.name, "production.json")
+        result = roll_back(cfg, cfg.model.name, "v2 answers in the wrong format", "bob", None)
+        assert not result.rolled_back
+        assert f"not a usable production pointer (run_id is {run_id!r}, expected 'r2'" in result.reasons[0]
+    assert records.load(storage, "r1").rollbacks == [] and records.load(storage, "r2").rollbacks == []
+
+
 def test_a_rollback_note_whose_lease_was_lost_is_a_warning_and_writes_nothing(tmp_path):
     cfg = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
     storage = Storage(str(tmp_path))

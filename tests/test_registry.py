@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import time
 import uuid
 from typing import Any
@@ -105,6 +106,22 @@ def test_list_and_show(local):
     assert shown["versions"][0]["card"]["run_id"] == "runA"
     with pytest.raises(FileNotFoundError, match="no model 'other'.*registered: dates-qwen2-tiny"):
         registry.show_model(local, "other")
+
+
+def test_a_pointer_or_card_whose_run_is_not_its_versions_is_refused(local):
+    # A rollback notes the pointer's run in that run's record: '../../x' ended in "UnsafePath ... (please report)",
+    # and another run's id would have noted a run production never served. The run is the version's own.
+    promote(local, NAME, "runA", export(local, "runA"), card("runA"), None)
+    pointer = production_pointer(local, NAME)
+    for run_id in ("../../x", "runB"):
+        local.write_json({**pointer.to_json(), "run_id": run_id}, MODELS_DIR, NAME, "production.json")
+        expected = f"not a usable production pointer (run_id is {run_id!r}, expected 'runA', the run of v0001-runA)"
+        with pytest.raises(registry.RegistryUnreadable, match=re.escape(expected)):
+            read_pointer(local, NAME)
+    # A rollback writes the pointer from the target's card: a card naming another run would point production there.
+    local.write_json(versioned(card("runB"), "v0001-runA").to_json(), MODELS_DIR, NAME, "v0001-runA", "card.json")
+    with pytest.raises(ValueError, match=re.escape("run_id is 'runB', not the run of its version 'v0001-runA'")):
+        registry.read_card(local, NAME, "v0001-runA")
 
 
 def test_a_lora_version_shows_its_merged_model_and_its_adapter(local):

@@ -238,3 +238,12 @@ def test_a_suite_is_scored_only_on_the_bytes_the_data_stage_measured(tmp_path):
         "against the training split: the data stage of run r1 measured suites mine; its items could be training rows"
     )
     assert "`tuneproof run --run-id r1`" in cause
+
+
+def test_a_suite_item_whose_id_python_cannot_read_is_a_data_failure_naming_the_line(tmp_path):
+    # json reads an integer past 4,300 digits as a ValueError, not a JSONDecodeError: it crashed the evaluate job.
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"input": "a", "output": "b"}\n{"input": "c", "output": "d", "id": ' + "9" * 5000 + "}\n")
+    with pytest.raises(StageFailure, match=f"suite mine: {path} line 2 is not an item") as info:
+        read_suite("mine", SuiteConfig(source=str(path)), None)
+    assert info.value.failure_class is FailureClass.data

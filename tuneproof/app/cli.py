@@ -278,7 +278,7 @@ def compare(
     if not 0 < threshold < 1:
         problems.append(f"--threshold must be between 0 and 1 (got {threshold})")
     prefect_env_or_exit()
-    if not problems:
+    if len(cfgs) == 2:  # judged beside the problems above: `--repeats 0 --threshold -1` named the threshold alone
         from flows.compare import ComparisonRefused, check_request
 
         chosen = parse_only(stages, "--stages") or []
@@ -286,6 +286,7 @@ def compare(
             check_request(cfgs["A"], cfgs["B"], chosen, repeats)
         except ComparisonRefused as e:
             problems.append(str(e))
+    if not problems:
         from tuneproof.control import record
         from tuneproof.control import stages as table
         from tuneproof.core.storage import Storage

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -239,6 +240,11 @@ def load_objects_from_dir(directory: str | Path) -> dict[str, Any]:
             raise ValueError(f"{path}: not UTF-8 or UTF-16 text (byte {e.start}); save it with `-o json`") from None
         except (json.JSONDecodeError, RecursionError) as e:
             raise ValueError(f"{path}: not JSON ({e}); save it with `-o json`") from None
+        except ValueError:  # json's own for an integer past Python's limit for text, whose message named no file
+            raise ValueError(
+                f"{path}: holds an integer of over {sys.get_int_max_str_digits():,} digits, which kubectl never "
+                "writes; save it again with `-o json`"
+            ) from None
         except OSError as e:
             raise ValueError(f"{path}: cannot be read: {e.strerror or e}") from None
         objects[key] = _shape(path, key, data)

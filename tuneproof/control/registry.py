@@ -41,6 +41,7 @@ from tuneproof.control.history import MODELS, Move, MoveIntent
 from tuneproof.core import cas, markers
 from tuneproof.core.config_train import LORA_ADAPTER_DIR
 from tuneproof.core.files import read_stored
+from tuneproof.core.names import slug_problem
 from tuneproof.core.results import Model, first_problem, now_iso, one_line
 from tuneproof.core.storage import Storage
 from tuneproof.core.summaries_eval import ApprovalAnswer, Forced, SuiteRow
@@ -204,12 +205,16 @@ def _parse_pointer(where: str, name: str, data: bytes) -> ProductionPointer:
 
 def _pointer_problem(pointer: ProductionPointer, name: str) -> str | None:
     """Why a well-formed pointer document cannot be model `name`'s pointer, or None (pure). Its versions must be
-    one folder each (a '/' or '..' in one would make a matching path lead out of models/<name>/)."""
+    one folder each (a '/' or '..' in one would make a matching path lead out of models/<name>/), and its run_id
+    the run its version was promoted from: a rollback notes that run's record, so '../../x' left the store and
+    another run's id noted a run production never served."""
     if pointer.name != name:
         return f"name is {pointer.name!r}, expected {name!r}"
     for field, version in (("version", pointer.version), ("previous_version", pointer.previous_version)):
         if version is not None and not _is_version_name(version):
             return f"{field} is {version!r}, expected v<NNNN>-<run id>"
+    if pointer.run_id != _run_of(pointer.version):
+        return f"run_id is {pointer.run_id!r}, expected {_run_of(pointer.version)!r}, the run of {pointer.version}"
     expected_path = posixpath.join(MODELS, name, pointer.version)
     if pointer.path != expected_path:
         return f"path is {pointer.path!r}, expected {expected_path!r} for version {pointer.version!r}"
@@ -217,7 +222,8 @@ def _pointer_problem(pointer: ProductionPointer, name: str) -> str | None:
 
 
 def _is_version_name(version: str) -> bool:
-    return _VERSION.match(version) is not None and "/" not in version and "\\" not in version
+    run = _run_of(version)
+    return run is not None and slug_problem(run) is None
 
 
 def list_models(storage: Storage) -> list[dict]:
@@ -303,12 +309,16 @@ def version_costs(rows: list[dict]) -> list[dict]:
 
 def read_card(storage: Storage, name: str, version: str) -> ModelCard:
     """A version's card.json: FileRefused (not a regular file, over MAX_CARD_BYTES), ValueError (not a card,
-    naming its first problem)."""
+    naming its first problem, or one whose run_id is not its version's run: a rollback points production at
+    that run)."""
     data = read_stored(storage, (MODELS, name, version, CARD_JSON), MAX_CARD_BYTES)
     try:
-        return ModelCard.model_validate_json(data)
+        card = ModelCard.model_validate_json(data)
     except ValidationError as e:
         raise ValueError(f"not a model card ({first_problem(e)})") from None
+    if card.run_id != _run_of(card.version):
+        raise ValueError(f"not a model card (run_id is {card.run_id!r}, not the run of its version {card.version!r})")
+    return card
 
 
 def model_parts(storage: Storage, name: str, version: str) -> dict[str, str | None]:

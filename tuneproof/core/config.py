@@ -16,13 +16,12 @@ pydantic and yaml, which the published Ray image has.
 from __future__ import annotations
 
 import os
-import reprlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ConfigDict, ValidationError, model_validator
+from pydantic import ConfigDict, ValidationError, field_validator, model_validator
 
 from tuneproof.core.config_base import PREEMPTION_WATCHER, Strict
 from tuneproof.core.config_cluster import (
@@ -43,10 +42,9 @@ from tuneproof.core.config_train import (
     TrainConfig,
 )
 from tuneproof.core.credentials import credential_problems
-from tuneproof.core.files import DuplicateKey, parse_yaml, read_regular
+from tuneproof.core.files import DuplicateKey, NumberRefused, parse_yaml, read_regular
 from tuneproof.core.hashing import sha256_json
-from tuneproof.core.names import hub_id_problem
-from tuneproof.core.results import one_line
+from tuneproof.core.names import control_character_problem, hub_id_problem, short_repr
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PROFILE = PROJECT_ROOT / "configs" / "local.yaml"
@@ -80,6 +78,20 @@ class PipelineConfig(Strict):
         if problems:
             raise ValueError("; ".join(problems))
         return data
+
+    @field_validator("eval")
+    @classmethod
+    def _suite_sources_are_paths(cls, v: EvalConfig) -> EvalConfig:
+        # The path setting no section checks for control characters itself (metric_names.check_suites judges
+        # its form, after resolved(), where a NUL ended in "embedded null byte (please report)").
+        problems = [
+            f"eval.suites.{name}.source: {problem} (got {short_repr(suite.source)})"
+            for name, suite in v.suites.items()
+            if (problem := control_character_problem(suite.source))
+        ]
+        if problems:
+            raise ValueError("; ".join(problems))
+        return v
 
     @model_validator(mode="after")
     def _cross_field(self) -> PipelineConfig:
@@ -140,7 +152,7 @@ class PipelineConfig(Strict):
             if dotted == "model.source" and not _names_a_local_model(value, base):
                 # A hub id ("Qwen/Qwen2.5-1.5B"): the jobs load it from the hub, not from base/Qwen/...
                 if problem := hub_id_problem(value):
-                    raise ConfigError([f"model.source: {_short_repr(value)} {problem}"])
+                    raise ConfigError([f"model.source: {short_repr(value)} {problem}"])
                 continue
             data[section][key] = str((base / value).resolve())
         for nested in [*data["eval"]["suites"].values(), *([data["data"]["replay"]] if data["data"]["replay"] else [])]:
@@ -176,7 +188,8 @@ def _home_expanded(value: str | None) -> str | None:
 
 
 def _is_relative_local_path(value: str) -> bool:
-    return "://" not in value and not value.startswith("/") and (value.startswith(".") or "/" in value)
+    # A bare name too: storage.root=store was left to the current directory while x/store was the project's.
+    return "://" not in value and not value.startswith("/")
 
 
 def _names_a_local_model(value: str, base: Path) -> bool:
@@ -203,8 +216,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     deep = f"--set {key.strip()}=...: nested too deeply to be a config (over {MAX_CONFIG_DEPTH} levels)"
     try:
         value = parse_yaml(raw) if raw != "" else ""
-    except DuplicateKey as e:
-        raise ConfigError([f"--set {item!r}: {e}"]) from None
+    except (DuplicateKey, NumberRefused) as e:  # not read as text: "0042" would become 42 all the same
+        raise ConfigError([f"--set {short_repr(item)}: {e}"]) from None
     except yaml.YAMLError:
         value = raw
     except RecursionError:  # the YAML parser's own, past a few hundred levels
@@ -258,25 +271,17 @@ def format_errors(e: ValidationError) -> list[str]:
         if not loc or msg.startswith(f"{loc}."):
             problems.append(msg)
             continue
-        got = _short_repr(value)
+        got = short_repr(value)
         # Validators that name the value themselves (slugs, storage roots) need no second copy of it.
         problems.append(f"{loc}: {msg}" if got in msg else f"{loc}: {msg} (got {got})")
     return problems
-
-
-def _short_repr(value: Any) -> str:
-    """repr cut to a line: a pasted file or an alias-expanded YAML value must not flood the terminal."""
-    # reprlib bounds the work, not only the text: an alias-expanded YAML value's full repr runs to gigabytes.
-    r = reprlib.Repr()
-    r.maxstring, r.maxother, r.maxlevel = 120, 120, 2
-    return one_line(r.repr(value), 200)
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), resolve: bool = True) -> PipelineConfig:
     """Read a YAML profile, apply --set overrides, validate, resolve relative paths."""
     path = Path(path) if path else DEFAULT_PROFILE
     try:
-        data = parse_yaml(read_regular(path, MAX_CONFIG_BYTES).decode("utf-8")) or {}
+        data = parse_yaml(read_regular(path, MAX_CONFIG_BYTES).decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError([f"--config: file not found (got {str(path)!r})"]) from None
     except IsADirectoryError:
@@ -285,6 +290,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), r
         raise ConfigError([f"--config {path}: not UTF-8 text (byte {e.start}); save it as UTF-8 YAML"]) from None
     except OSError as e:
         raise ConfigError([f"--config {path}: cannot be read: {e.strerror or e}"]) from None
+    except NumberRefused as e:
+        raise ConfigError([f"--config {path}: {e}"]) from None
     except yaml.YAMLError as e:
         raise ConfigError([f"--config {path}: not valid YAML: {' '.join(str(e).split())}"]) from None
     except RecursionError:
@@ -292,6 +299,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), r
     if _nesting(data, MAX_CONFIG_DEPTH, {}) > MAX_CONFIG_DEPTH:
         # Checked, not left to the parser's RecursionError: that depends on the process's recursion limit.
         raise ConfigError([f"--config {path}: nested too deeply to be a config (over {MAX_CONFIG_DEPTH} levels)"])
+    if data is None:
+        # Not "all defaults": a profile cut short (an interrupted copy of configs/eks.yaml) ran the local defaults.
+        raise ConfigError([f"--config {path}: holds no settings (empty, or only comments); give a profile's mapping"])
     if not isinstance(data, dict):
         raise ConfigError([f"--config {path}: top level must be a mapping (got {type(data).__name__})"])
     for item in overrides:

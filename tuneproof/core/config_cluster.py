@@ -10,14 +10,19 @@ Ray image has.
 from __future__ import annotations
 
 import re
-import reprlib
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
 from tuneproof.core.config_base import MAX_TIMEOUT_S, Strict
-from tuneproof.core.names import check_slug, check_storage_root, model_source_problem
+from tuneproof.core.names import (
+    check_slug,
+    check_storage_root,
+    control_character_problem,
+    model_source_problem,
+    short_repr,
+)
 
 DIGEST_REF = re.compile(r"@sha256:[0-9a-f]{64}$")
 """The end of an image pinned by digest: a shorter hex string names no image."""
@@ -64,6 +69,13 @@ class ClusterExpect(Strict):
         return v
 
 
+def check_path(v: str | None) -> str | None:
+    """`v` unless it holds a control character (ValueError saying so; format_errors names the field and value)."""
+    if v is not None and (problem := control_character_problem(v)):
+        raise ValueError(problem)
+    return v
+
+
 class KubernetesConfig(Strict):
     """Where the RayCluster lives (eks backend)."""
 
@@ -71,6 +83,11 @@ class KubernetesConfig(Strict):
     raycluster: str = "tuneproof"
     kubeconfig: str | None = None
     """Path to a kubeconfig; None means in-cluster config, then ~/.kube/config."""
+
+    @field_validator("kubeconfig")
+    @classmethod
+    def _path(cls, v: str | None) -> str | None:
+        return check_path(v)
 
 
 def check_http_url(field: str, whose: str, v: str) -> str:
@@ -81,8 +98,10 @@ def check_http_url(field: str, whose: str, v: str) -> str:
     # Checked here, not found by the first request as requests' InvalidURL or botocore's "Invalid endpoint":
     # "http://" has no host, "http://h:99999" a port past 65535, "http://host name" a space no URL holds.
     url = urlsplit(v)
-    if not url.hostname or any(ch.isspace() for ch in v):
-        raise ValueError(f"{field} must name {whose} host, with no space (http://host[:port]), got {v!r}")
+    if not url.hostname or any(ch.isspace() for ch in v) or control_character_problem(v):
+        raise ValueError(
+            f"{field} must name {whose} host, with no space or control character (http://host[:port]), got {v!r}"
+        )
     try:
         port_ok = url.port is None or url.port > 0
     except ValueError:  # not a number, or past 65535
@@ -105,6 +124,11 @@ class ClusterConfig(Strict):
     @classmethod
     def _http(cls, v: str) -> str:
         return check_http_url("address", "the dashboard's", v).rstrip("/")
+
+    @field_validator("auth_token_file")
+    @classmethod
+    def _path(cls, v: str | None) -> str | None:
+        return check_path(v)
 
 
 class StorageConfig(Strict):
@@ -143,9 +167,7 @@ class ModelConfig(Strict):
     @classmethod
     def _loadable_form(cls, v: str) -> str:
         if problem := model_source_problem(v):
-            shown = reprlib.Repr()
-            shown.maxstring = 120  # as format_errors shortens a value, so the message does not print it twice
-            raise ValueError(f"{shown.repr(v)} {problem}")
+            raise ValueError(f"{short_repr(v)} {problem}")  # as format_errors shows it, so not printed twice
         return v
 
 

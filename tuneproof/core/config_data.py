@@ -8,13 +8,14 @@ Ray image has.
 
 from __future__ import annotations
 
+import posixpath
 import string
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from tuneproof.core.config_base import MAX_EXAMPLES, MAX_SEED, MAX_SEQ_LEN, Strict
-from tuneproof.core.names import check_slug, storage_root_problem
+from tuneproof.core.names import check_slug, control_character_problem, short_repr, storage_root_problem
 from tuneproof.core.shapes import template_columns
 
 
@@ -135,11 +136,21 @@ class DataConfig(Strict):
         network measurements, as an infrastructure "storage root" error."""
         replay = self.replay.source if self.replay else None
         named = (("data.source", self.source), ("data.eval_source", self.eval_source), ("data.replay.source", replay))
-        problems = [
-            f"{field}: {problem}, or hf://<dataset>[:split] (got {value!r})"
-            for field, value in named
-            if value is not None and self.format != "hf" and not value.startswith("hf://")
-            if (problem := storage_root_problem(value))
+        problems = []
+        for field, value in named:
+            if value is None:
+                continue
+            if problem := control_character_problem(value):
+                problems.append(f"{field}: {problem} (got {short_repr(value)})")
+            elif self.format != "hf" and not value.startswith("hf://") and (problem := storage_root_problem(value)):
+                problems.append(f"{field}: {problem}, or hf://<dataset>[:split] (got {short_repr(value)})")
+        trained = (("data.source", self.source), ("data.replay.source", replay))
+        problems += [
+            f"data.eval_source {short_repr(self.eval_source)} names the file {field} does: the held-out rows would "
+            "be trained on, and every eval item would repeat the training split; give a separate file, or drop "
+            "data.eval_source to split data.source"
+            for field, value in trained
+            if value is not None and self.eval_source is not None and _same_file(value, self.eval_source)
         ]
         if problems:
             raise ValueError("; ".join(problems))
@@ -154,3 +165,9 @@ class DataConfig(Strict):
                 f"template is set but shape is {self.shape!r}: set shape to template (or auto), or drop template"
             )
         return self
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether two sources name one file as written (pure): `./data/x.jsonl` is `data/x.jsonl`. A relative and an
+    absolute spelling are told apart only once resolved, by the data stage's overlap check."""
+    return a == b or ("://" not in a + b and posixpath.normpath(a) == posixpath.normpath(b))

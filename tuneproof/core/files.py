@@ -4,7 +4,7 @@ and only up to a size.
     read_regular(Path("configs/local.yaml"), 1 << 20)    # the bytes, or FileRefused naming the file
     read_stored(storage, ("runs", run, "record.json"), 64 << 20)
     read_s3_body(client.get_object(...), 64 << 10, uri)     # an S3 response's body, at most that many bytes
-    parse_yaml(text)                                      # yaml.safe_load, but a duplicate key is an error
+    parse_yaml(text)                                      # yaml.safe_load, but a duplicate key or 0042 is an error
     parse_json(text)                                      # json.loads, but a duplicate key is an error
     decode_text(data)                                     # UTF-8, or UTF-16 where a byte-order mark says so
     not_a_file("data/x.jsonl")                            # 'no such file', 'a directory, not a file' or None
@@ -22,6 +22,7 @@ import errno
 import json
 import os
 import stat
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -116,12 +117,46 @@ class DuplicateKey(yaml.YAMLError):
     weakened by a second entry further down), kubectl refuses it; so do we."""
 
 
+class NumberRefused(yaml.YAMLError):
+    """An integer whose value depends on who reads it, or that Python cannot read: refused naming it and its line.
+
+    PyYAML follows YAML 1.1, where a leading 0 means octal (`seed: 0042` was 34, `max_steps: 01000` 512); YAML 1.2
+    reads both as decimal, kubectl as octal. Read either way, some writer's value changes without a word, so
+    neither is chosen. An integer past Python's 4,300-digit limit for text ended in "(please report)"."""
+
+
+INT_TAG = "tag:yaml.org,2002:int"
+
+
+def _int_problem(text: str) -> str | None:
+    """Why the YAML 1.1 integer `text` is refused, or None (pure): a leading 0 where octal and decimal differ (07 is
+    7 either way), or more digits than Python reads as text. Base 60 (`1:30`) is not refused: it is read as text."""
+    digits = text.lstrip("+-").replace("_", "")
+    if ":" in digits:
+        return None
+    leading_zero = len(digits) > 1 and digits[0] == "0" and digits.isdigit()
+    if leading_zero and len(digits) > 20:
+        return f"{text[:20]}… has a leading 0, octal in YAML 1.1 and decimal in YAML 1.2: write it without one"
+    if leading_zero and int(digits, 8) != int(digits):
+        return (
+            f"{text} has a leading 0: YAML 1.1 reads it as octal ({int(digits, 8)}), YAML 1.2 as decimal "
+            f"({int(digits)}); write the number meant without one, or quote it for text"
+        )
+    try:
+        str(int(digits, 10 if digits.isdigit() else 0))  # a long hex value parses, but no message could show it
+    except ValueError:
+        return f"an integer of over {sys.get_int_max_str_digits():,} digits, more than Python reads as text"
+    return None
+
+
 class UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.SafeLoader refusing duplicate keys. A key a `<<: *anchor` merge brings in may be overridden."""
+    """yaml.SafeLoader refusing duplicate keys (a key a `<<: *anchor` merge brings in may be overridden) and
+    integers YAML versions read differently (NumberRefused); base 60 (`1:30`, YAML 1.1's 90) is text, as YAML 1.2
+    and kubectl read it."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         first: dict = {}
-        for key_node, _ in node.value:
+        for key_node, value_node in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
                 continue
             key = self.construct_scalar(key_node)
@@ -131,7 +166,24 @@ class UniqueKeyLoader(yaml.SafeLoader):
                     "remove one of them"
                 )
             first[key] = key_node.start_mark.line + 1
+            # Checked here to name the key; construct_int names an item of a list by its line alone.
+            if value_node.tag == INT_TAG and (problem := _int_problem(value_node.value)):
+                raise NumberRefused(f"{key!r} at line {value_node.start_mark.line + 1}: {problem}")
         return super().construct_mapping(node, deep=deep)
+
+    def construct_int(self, node: yaml.ScalarNode) -> int | str:
+        text = self.construct_scalar(node)
+        if problem := _int_problem(text):
+            raise NumberRefused(f"line {node.start_mark.line + 1}: {problem}")
+        return text if ":" in text else self.construct_yaml_int(node)
+
+    def construct_float(self, node: yaml.ScalarNode) -> float | str:
+        text = self.construct_scalar(node)
+        return text if ":" in text else self.construct_yaml_float(node)
+
+
+UniqueKeyLoader.add_constructor(INT_TAG, UniqueKeyLoader.construct_int)
+UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", UniqueKeyLoader.construct_float)
 
 
 def parse_yaml(text: str) -> Any:

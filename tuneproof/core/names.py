@@ -2,6 +2,8 @@
 
     check_slug("run id", "20261130-103832-a31ad3")   # returns the value
     check_slug("data.name", "../../x")                # ValueError naming data.name and the value
+    control_character_problem("a\\tb.jsonl")         # why no path or URI can hold it (a tab, a NUL), or None
+    short_repr(value)                                 # a value cut to a line for an error message
 
 A name lands in storage paths (runs/<run-id>/, datasets/<name>/, models/<name>/) and in Ray job routes
 (/api/jobs/<run>-<stage>), so it must be one path segment that no filesystem, object store or URL
@@ -13,6 +15,11 @@ Pure: no I/O.
 from __future__ import annotations
 
 import re
+import reprlib
+import unicodedata
+from typing import Any
+
+from tuneproof.core.results import one_line
 
 SLUG_MAX_LEN = 64
 SLUG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -47,9 +54,31 @@ def check_slug(kind: str, value: object) -> str:
 
 def _checked(what: str, value: object, problem: str | None) -> str:
     if problem is not None:
-        raise ValueError(f"{what} {value!r} {problem}")
+        raise ValueError(f"{what} {short_repr(value)} {problem}")
     assert isinstance(value, str)
     return value
+
+
+def short_repr(value: Any) -> str:
+    """repr cut to a line: a pasted file or an alias-expanded YAML value must not flood the terminal (a
+    120,000-character data.name was a 120 KB error line)."""
+    # reprlib bounds the work, not only the text: an alias-expanded YAML value's full repr runs to gigabytes.
+    r = reprlib.Repr()
+    r.maxstring, r.maxother, r.maxlevel = 120, 120, 2
+    return one_line(r.repr(value), 200)
+
+
+def control_character_problem(value: str) -> str | None:
+    """Why `value` cannot be a path or URI: it holds a control character, or None (pure).
+
+    A NUL ends a C string, so open() and os.path.realpath refuse it ("embedded null byte", which ended the
+    command line in "please report"); a newline or an escape names no file anyone meant and garbles every log
+    line that shows it. Other characters a terminal does not print (a no-break space) are left to the file
+    system: macOS names screenshots with one."""
+    for i, ch in enumerate(value):
+        if unicodedata.category(ch) == "Cc":
+            return f"holds a control character ({ch!r} at character {i + 1}): no path or URI holds one"
+    return None
 
 
 STORAGE_ROOT_RULE = "a local path or s3://bucket[/prefix]"
@@ -67,6 +96,8 @@ def storage_root_problem(root: object) -> str | None:
         return f"must be a string, got {type(root).__name__}"
     if not root.strip():
         return f"must not be empty; give {STORAGE_ROOT_RULE}"
+    if problem := control_character_problem(root):
+        return problem
     scheme, sep, rest = root.partition("://")
     if sep and scheme == "s3":
         bucket = rest.split("/", 1)[0]
@@ -99,6 +130,8 @@ def model_source_problem(source: str) -> str | None:
     A URI must be s3://bucket[/prefix] (the jobs load s3:// and nothing else); a form huggingface_hub
     refuses as a repo id is caught by `hub_id_problem` once the config knows it is not a local directory.
     """
+    if problem := control_character_problem(source):
+        return problem
     if "://" not in source and not re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", source):
         return None
     if not source.startswith("s3://"):

@@ -76,11 +76,11 @@ def load_documents(paths: list[str]) -> tuple[list[Doc], list[Finding]]:
     for file in manifest_files(paths):
         try:
             objects = _parse(file)
-        except (yaml.YAMLError, json.JSONDecodeError, RecursionError) as e:
-            findings.append(Finding(str(file), "content", "unparseable", "YAML or JSON", str(e).splitlines()[0]))
-            continue
-        except UnicodeDecodeError as e:
+        except UnicodeDecodeError as e:  # a ValueError too: named before the general case below
             findings.append(Finding(str(file), "content", f"not UTF-8 (byte {e.start})", "UTF-8 YAML or JSON"))
+            continue
+        except (yaml.YAMLError, ValueError, RecursionError) as e:  # ValueError: bad JSON, an int over 4,300 digits
+            findings.append(Finding(str(file), "content", "unparseable", "YAML or JSON", str(e).splitlines()[0]))
             continue
         except OSError as e:
             findings.append(Finding(str(file), "file", f"unreadable: {e.strerror or e}", "a readable file"))
