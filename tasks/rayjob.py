@@ -283,11 +283,7 @@ class RayJobRunner:
                 started_at=submitted_at,
                 ended_at=now_iso(),
             )
-        # The job's own times (an attached job ran before this flow watched), read as its status was: a dashboard
-        # that blinks now must not turn a finished job into an exception.
-        info = while_unreachable(
-            functools.partial(self.client.get_job_info, sid), self.cfg.cluster.address, self.on_wait, UNREACHABLE_WAIT_S
-        )
+        started, ended = self.ray_times(sid)
         return JobEntry(
             submission_id=sid,
             entrypoint=entrypoint,
@@ -299,9 +295,20 @@ class RayJobRunner:
             submitted_at=submitted_at,
             ended_at=now_iso(),
             result=result,
-            ray_started_at=ray_time(info.start_time),
-            ray_ended_at=ray_time(info.end_time),
+            ray_started_at=started,
+            ray_ended_at=ended,
         )
+
+    def ray_times(self, sid: str) -> tuple[str | None, str | None]:
+        """The job's own start and end as Ray reports them (an attached job ran before this flow watched it); (None,
+        None) when Ray cannot say now: they are the cost's evidence, not the stage's, and a job that ended must
+        not become an exception over them (the cost then falls back to the flow's times and says so)."""
+        try:
+            info = self.client.get_job_info(sid)
+        except Exception as e:  # noqa: BLE001 - a dashboard blink, a job record Ray no longer holds
+            self.on_wait(f"{sid}: Ray's start and end times could not be read ({type(e).__name__}: {e})")
+            return None, None
+        return ray_time(info.start_time), ray_time(info.end_time)
 
     def submit_or_attach(self, spec: JobSpec, attach_only: bool = False) -> tuple[str, bool, str, str]:
         entrypoint = f"python -m {spec.module}"

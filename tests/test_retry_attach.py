@@ -182,6 +182,20 @@ def test_a_job_found_ended_is_charged_the_time_ray_ran_it(tmp_path):
     assert cost.job_seconds(found) == 90.0 and not cost.timed_from_attach(found)
 
 
+def test_a_job_whose_times_ray_cannot_give_keeps_its_verdict_and_is_timed_by_the_flow(tmp_path, monkeypatch):
+    # The times are the cost's evidence: a failed read of them after the job ended must not lose its verdict.
+    runner, ray = runner_for(tmp_path, [(JobStatus.SUCCEEDED, PASSED)])
+
+    def gone(sid: str) -> Info:
+        raise requests.exceptions.ConnectionError("Connection aborted: RemoteDisconnected")
+
+    monkeypatch.setattr(ray, "get_job_info", gone)  # a fresh submission reads no info before its end
+    entry = runner.run(SPEC)
+    assert (entry.job_status, entry.result.status) == ("SUCCEEDED", "succeeded")
+    assert (entry.ray_started_at, entry.ray_ended_at) == (None, None)
+    assert cost.job_seconds(entry) >= 0 and not cost.timed_from_attach(entry)
+
+
 def test_another_runs_ended_job_is_never_read_as_this_runs(tmp_path):
     runner, ray = runner_for(tmp_path, [(JobStatus.SUCCEEDED, PASSED)])
     other = {**runner.owner(SPEC), "tuneproof_storage": str(tmp_path / "other"), INVOCATION: "1"}
