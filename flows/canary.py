@@ -38,6 +38,7 @@ from tuneproof.core.files import (
     MAX_MANIFEST_BYTES,
     DuplicateKey,
     FileRefused,
+    NumberRefused,
     decode_text,
     parse_yaml_all,
     read_regular,
@@ -215,6 +216,8 @@ def yaml_problem(e: Exception) -> str:
     """Where the YAML broke, without the parser's message: that quotes the file (a token, a key, a snippet)."""
     if isinstance(e, DuplicateKey):
         return "names a key twice in one mapping"
+    if isinstance(e, NumberRefused):
+        return "holds an integer of over 4,300 digits, more than Python reads"
     mark = e.problem_mark if isinstance(e, yaml.MarkedYAMLError) else None
     return f"not valid YAML at line {mark.line + 1}, column {mark.column + 1}" if mark else "not valid YAML"
 

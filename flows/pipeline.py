@@ -217,7 +217,7 @@ def missing_local_files(cfg: PipelineConfig, planned: set[str]) -> str | None:
     problems = [
         f"{key}: {what} (got {path!r})"
         for key, path in read
-        if "data" in planned and path and "://" not in path and (what := not_a_file(path))
+        if "data" in planned and path and "://" not in path and cfg.data.format != "hf" and (what := not_a_file(path))
     ]
     model = cfg.model.source  # resolved: a local one is absolute, a hub id or s3:// is not
     # The stages whose jobs load the base model (its config, tokenizer or weights); verify and promote do not.

@@ -375,6 +375,14 @@ def test_a_yaml_number_is_read_as_every_yaml_reader_reads_it_or_refused():
         load_config(overrides=["train.seed=0042"])  # not read as the text "0042", which pydantic made 42
 
 
+def test_a_manifest_keeps_kubectls_octal():
+    # The Kubernetes API documents file modes as octal (defaultMode: 0400); refusing it stopped lint and eks-up,
+    # and the advice to drop the 0 made the mode 0620.
+    from tuneproof.core.files import parse_yaml_all
+
+    assert parse_yaml_all("defaultMode: 0400\nt: 1:30\n") == [{"defaultMode": 256, "t": "1:30"}]
+
+
 def test_a_control_character_in_any_path_setting_is_refused_at_validation_naming_each():
     # A Prefect parameter is validated as the CLI's config is: each of these crashed resolved() or passed.
     with pytest.raises(ConfigError) as refused:
@@ -409,3 +417,12 @@ def test_an_eval_file_that_is_the_training_file_is_refused_naming_both_fields():
     replayed = ["data.replay={source: r.jsonl, share: 0.3}", "data.eval_source=./r.jsonl"]
     with pytest.raises(ConfigError, match="names the file data.replay.source does"):
         load_config(overrides=replayed)
+
+
+def test_hub_dataset_names_under_format_hf_stay_names():
+    # A bare name resolved against the project made `imdb` /work/.../imdb, which no hub and no disk holds.
+    from flows.pipeline import missing_local_files
+
+    cfg = load_config(overrides=["data.format=hf", "data.source=imdb", "data.eval_source=org/ds:test"])
+    assert (cfg.data.source, cfg.data.eval_source) == ("imdb", "org/ds:test")
+    assert missing_local_files(cfg, {"data"}) is None

@@ -78,7 +78,8 @@ NOT_RUN = {
         SEVERAL_PIPELINES
     ),
     "tuneproof compare --stages data,finetune --a train.sharding=full --b train.sharding=hybrid --set "
-    "train.num_workers=4 --set train.shard_group_size=2 --set train.max_steps=30 --repeats 3": SEVERAL_PIPELINES,
+    "train.num_workers=4 --set train.shard_group_size=2 --set train.max_steps=30 --set train.checkpoint_every=10 "
+    "--repeats 3": SEVERAL_PIPELINES,
     "tuneproof canary": CANARY,
     "tuneproof canary --config configs/eks.yaml --candidate-image "
     "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.2@sha256:<64 hex>": CANARY,

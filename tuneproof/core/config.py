@@ -147,7 +147,7 @@ class PipelineConfig(Strict):
         for dotted in ("storage.root", "model.source", "data.source", "data.eval_source", "cluster.auth_token_file"):
             section, key = dotted.split(".")
             value = data[section][key] = _home_expanded(data[section][key])
-            if not value or not _is_relative_local_path(value):
+            if not value or not _is_relative_local_path(value) or (dotted in HUB_DATASETS and self.data.format == "hf"):
                 continue
             if dotted == "model.source" and not _names_a_local_model(value, base):
                 # A hub id ("Qwen/Qwen2.5-1.5B"): the jobs load it from the hub, not from base/Qwen/...
@@ -157,12 +157,17 @@ class PipelineConfig(Strict):
             data[section][key] = str((base / value).resolve())
         for nested in [*data["eval"]["suites"].values(), *([data["data"]["replay"]] if data["data"]["replay"] else [])]:
             nested["source"] = _home_expanded(nested["source"])
-            if _is_relative_local_path(nested["source"]):
+            hub = nested is data["data"]["replay"] and self.data.format == "hf"
+            if _is_relative_local_path(nested["source"]) and not hub:
                 nested["source"] = str((base / nested["source"]).resolve())
         try:
             return PipelineConfig.model_validate(data)
         except ValidationError as e:  # a value valid as given, not once made absolute: named as validate() names it
             raise ConfigError(format_errors(e)) from None
+
+
+HUB_DATASETS = ("data.source", "data.eval_source")
+"""Under data.format: hf these (and data.replay.source) name hub datasets (`imdb`, `org/name:split`), not paths."""
 
 
 class ConfigError(ValueError):

@@ -128,13 +128,14 @@ class NumberRefused(yaml.YAMLError):
 INT_TAG = "tag:yaml.org,2002:int"
 
 
-def _int_problem(text: str) -> str | None:
+def _int_problem(text: str, octal_refused: bool = True) -> str | None:
     """Why the YAML 1.1 integer `text` is refused, or None (pure): a leading 0 where octal and decimal differ (07 is
-    7 either way), or more digits than Python reads as text. Base 60 (`1:30`) is not refused: it is read as text."""
+    7 either way) unless `octal_refused` is off, or more digits than Python reads as text. Base 60 (`1:30`) is not
+    refused: it is read as text."""
     digits = text.lstrip("+-").replace("_", "")
     if ":" in digits:
         return None
-    leading_zero = len(digits) > 1 and digits[0] == "0" and digits.isdigit()
+    leading_zero = octal_refused and len(digits) > 1 and digits[0] == "0" and digits.isdigit()
     if leading_zero and len(digits) > 20:
         return f"{text[:20]}… has a leading 0, octal in YAML 1.1 and decimal in YAML 1.2: write it without one"
     if leading_zero and int(digits, 8) != int(digits):
@@ -154,6 +155,8 @@ class UniqueKeyLoader(yaml.SafeLoader):
     integers YAML versions read differently (NumberRefused); base 60 (`1:30`, YAML 1.1's 90) is text, as YAML 1.2
     and kubectl read it."""
 
+    OCTAL_REFUSED = True
+
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         first: dict = {}
         for key_node, value_node in node.value:
@@ -167,13 +170,13 @@ class UniqueKeyLoader(yaml.SafeLoader):
                 )
             first[key] = key_node.start_mark.line + 1
             # Checked here to name the key; construct_int names an item of a list by its line alone.
-            if value_node.tag == INT_TAG and (problem := _int_problem(value_node.value)):
+            if value_node.tag == INT_TAG and (problem := _int_problem(value_node.value, self.OCTAL_REFUSED)):
                 raise NumberRefused(f"{key!r} at line {value_node.start_mark.line + 1}: {problem}")
         return super().construct_mapping(node, deep=deep)
 
     def construct_int(self, node: yaml.ScalarNode) -> int | str:
         text = self.construct_scalar(node)
-        if problem := _int_problem(text):
+        if problem := _int_problem(text, self.OCTAL_REFUSED):
             raise NumberRefused(f"line {node.start_mark.line + 1}: {problem}")
         return text if ":" in text else self.construct_yaml_int(node)
 
@@ -186,14 +189,21 @@ UniqueKeyLoader.add_constructor(INT_TAG, UniqueKeyLoader.construct_int)
 UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", UniqueKeyLoader.construct_float)
 
 
+class ManifestLoader(UniqueKeyLoader):
+    """UniqueKeyLoader for Kubernetes manifests: a leading 0 is octal, as kubectl reads it (`defaultMode: 0400` is
+    256, the form the Kubernetes API documents for file modes); the manifest's author wrote it for kubectl."""
+
+    OCTAL_REFUSED = False
+
+
 def parse_yaml(text: str) -> Any:
     """One YAML document, as yaml.safe_load reads it, but a duplicate key is DuplicateKey naming key and line."""
     return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def parse_yaml_all(text: str) -> list[Any]:
-    """Every document of a YAML stream, as yaml.safe_load_all reads them, duplicate keys refused."""
-    return list(yaml.load_all(text, Loader=UniqueKeyLoader))  # noqa: S506 - a SafeLoader subclass
+    """Every document of a Kubernetes manifest stream, as kubectl reads them (ManifestLoader), duplicate keys refused."""
+    return list(yaml.load_all(text, Loader=ManifestLoader))  # noqa: S506 - a SafeLoader subclass
 
 
 class DuplicateJSONKey(ValueError):
