@@ -191,7 +191,12 @@ def test_a_flow_that_crashes_before_it_could_write_its_record_exits_4_not_with_t
         write(self, data, *parts)
 
     monkeypatch.setattr(Storage, "write_bytes", full)
-    sets = [f"storage.root={cfg.storage.root}", f"data.source={cfg.data.source}", "train.lr=0.5"]
+    sets = [
+        f"storage.root={cfg.storage.root}",
+        f"data.source={cfg.data.source}",
+        f"model.source={cfg.model.source}",
+        "train.lr=0.5",
+    ]
     result = CliRunner().invoke(app, ["run", "--run-id", "x", *[arg for s in sets for arg in ("--set", s)]])
     assert result.exit_code == 4, result.output
     assert "run x crashed and its record could not be updated" in result.output and "succeeded" not in result.output
