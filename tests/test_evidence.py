@@ -87,14 +87,15 @@ def test_an_export_edited_after_its_manifest_is_named_file_by_file(tmp_path):
 def cas_round(storage: Storage) -> None:
     parts = ("models", NAME, "production.json")
     assert cas.read_versioned(storage, *parts) == (None, None)
-    first = cas.write_if(storage, b"v1", None, *parts)
-    assert cas.write_if(storage, b"again", None, *parts) is None  # create-only over an existing object
-    assert cas.read_versioned(storage, *parts) == (b"v1", first)
-    # A write answers with its object's token: a writer (a lease's renewals) chains on it without reading back.
-    second = cas.write_if(storage, b"v2", first, *parts)
-    assert cas.write_if(storage, b"stale", first, *parts) is None
-    assert cas.read_versioned(storage, *parts) == (b"v2", second)
-    assert first is not None and second is not None and second != first
+    assert cas.write_if(storage, b"v1", None, *parts)
+    assert not cas.write_if(storage, b"again", None, *parts)  # create-only over an existing object
+    data, first = cas.read_versioned(storage, *parts)
+    assert data == b"v1"
+    assert cas.write_if(storage, b"v2", first, *parts)
+    assert not cas.write_if(storage, b"stale", first, *parts)
+    data, second = cas.read_versioned(storage, *parts)
+    assert data == b"v2" and second != first
+    assert first is not None and second is not None
     assert not cas.delete_if(storage, first, *parts)
     assert cas.delete_if(storage, second, *parts)
     assert cas.read_versioned(storage, *parts) == (None, None)
@@ -116,7 +117,7 @@ def test_a_store_that_ignores_conditions_is_a_verify_finding(tmp_path, monkeypat
 
     def blind_write(storage, data, expected, *parts, **kwargs):
         storage.write_bytes(data, *parts)
-        return cas.content_token(data)
+        return True
 
     monkeypatch.setattr(cas, "write_if", blind_write)
     problem = cas.honours_conditional_writes(Storage(str(tmp_path)), "probe", "cas")
@@ -133,7 +134,7 @@ def test_a_lost_write_response_that_landed_is_success_not_a_conflict(tmp_path, m
 
     def lands_but_answers_conflict(*args, **kwargs):
         real(*args, **kwargs)
-        return None
+        return False
 
     monkeypatch.setattr(cas, "write_if", lands_but_answers_conflict)
     card = registry.CardFacts(name=NAME, run_id="r1")

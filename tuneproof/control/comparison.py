@@ -249,7 +249,7 @@ def create(storage: Storage, comparison: Comparison) -> bool:
 
     Exclusive, so two comparisons can never share an id and overwrite each other's verdicts."""
     data = json.dumps(comparison.to_json(), indent=2).encode()
-    return cas.write_if(storage, data, None, "comparisons", comparison.comparison_id, COMPARISON) is not None
+    return cas.write_if(storage, data, None, "comparisons", comparison.comparison_id, COMPARISON)
 
 
 def save(storage: Storage, comparison: Comparison) -> str:

@@ -391,7 +391,7 @@ def read_current(storage: Storage) -> tuple[Pointer | None, str | None]:
 def create_decision(storage: Storage, decision: Decision) -> bool:
     """Write a decision once; False when its id is taken (history is append-only: never overwritten)."""
     data = json.dumps(decision.to_json(), indent=2).encode()
-    return cas.write_if(storage, data, None, IMAGES, decision.decision_id, DECISION) is not None
+    return cas.write_if(storage, data, None, IMAGES, decision.decision_id, DECISION)
 
 
 def adopt(storage: Storage, decision: Decision, expected_token: str | None, adopted_at: str) -> Pointer:

@@ -1,10 +1,12 @@
 """One writer per run: a lease on the run id, held by the flow for its whole run.
 
-`runs/<run-id>/lease.json` is created exclusively through tuneproof.core.cas (compare-and-swap, as for
-the registry's pointer), so of two flows that start on the same run id exactly one gets it; the other
-(and `tuneproof promote RUN --force`) is refused naming the holder. A heartbeat thread renews it;
-renewals, takeovers and the release are conditional on the token the holder last wrote, so a holder
-that lost its lease never overwrites its successor's.
+`runs/<run-id>/lease.json` is created exclusively (local disk: link(2) of a complete file, which fails
+like O_CREAT|O_EXCL when the lease exists; S3: a put with
+`If-None-Match: *`, which AWS S3 and moto's server both honour), so of two flows that start on the
+same run id exactly one gets it; the other (and `tuneproof promote RUN --force`) is refused naming
+the holder. A heartbeat thread renews it; renewals, takeovers and the release are conditional too
+(S3: `If-Match` on the ETag the holder last wrote; local disk: under an flock on a sidecar file), so
+a holder that lost its lease never overwrites its successor's.
 
 The lease fences the record too: its holder calls `fence()` before each write of the run's record
 (record.save does). A holder presumed dead (its renewals failed for longer than the ttl) whose run was
@@ -20,20 +22,23 @@ is gone (kill -9, a crash of the machine's session): then the next flow takes it
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import socket
 import threading
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypedDict, Unpack
 
 from pydantic import Field, ValidationError, field_validator
 
-from tuneproof.core import cas
-from tuneproof.core.files import FileRefused
+from tuneproof.core.files import FileRefused, read_regular, read_s3_body
 from tuneproof.core.results import Model, now_iso
-from tuneproof.core.storage import Storage
+from tuneproof.core.storage import Storage, boto_config, split_s3
 
 LEASE = "lease.json"
+MAX_LEASE_BYTES = 64 << 10
 MAX_PID = 2**22
 """Linux's largest pid_max: a pid beyond it (or below 1, which os.kill reads as a process group) is not one."""
 MAX_TTL_S = 7 * 86400.0
@@ -111,34 +116,29 @@ def stale_reason(info: LeaseInfo, now: datetime, host: str, pid_alive: Callable[
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether `pid` still runs here: another user's process does; a zombie (exited, not yet reaped) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except PermissionError:  # another user's process: alive
         return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:  # no /proc (macOS), or the process went meanwhile: os.kill saw it
-        return True
+    return True
 
 
 def read(storage: Storage, run_id: str) -> LeaseInfo | None:
     """The run's lease, or None when there is none (or it is not a lease: then nobody can claim to hold it)."""
-    data = _read(storage, run_id)
-    return None if data is None else _parse(data)
+    return read_info(_store(storage, run_id))
 
 
 def stale(storage: Storage, run_id: str) -> tuple[LeaseInfo | None, str | None]:
     """(the lease or None, why it no longer protects its holder or None). No lease counts as 'absent'."""
-    data = _read(storage, run_id)
-    if data is None:
+    store = _store(storage, run_id)
+    raw = store.read()
+    if raw is None:
         return None, "no lease"
-    info = _parse(data)
+    info = _parse(raw[0])
     if info is None:
-        return None, f"{storage.uri(*_parts(run_id))} is not a readable lease"
+        return None, f"{store.where} is not a readable lease"
     return info, stale_reason(info, datetime.now(UTC), socket.gethostname(), pid_alive)
 
 
@@ -153,18 +153,16 @@ class Lease:
         command: str,
         ttl_s: float = DEFAULT_TTL_S,
     ):
-        self.storage = storage
         self.run_id = run_id
         self.ttl_s = ttl_s
-        self.parts = _parts(run_id)
-        self.where = storage.uri(*self.parts)
+        self.store = _store(storage, run_id)
         self.info = LeaseInfo.this_process(run_id, command, ttl_s, flow_run_id)
         self.taken_over: str | None = None
         """When acquiring replaced a stale lease: whose, and why it was stale."""
         self.lost: str | None = None
         """Set (to what happened, and who holds the run now) once a renewal finds the lease no longer ours:
         from then on every renewal and fence raises LeaseLost without asking the store again."""
-        self._token: str | None = None
+        self._token: Any = None
         # The heartbeat thread and the flow's fence both renew: one at a time, so neither sends a token the
         # other has just replaced (which would read as a takeover).
         self._renewing = threading.Lock()
@@ -172,28 +170,28 @@ class Lease:
         self._thread: threading.Thread | None = None
 
     def acquire(self) -> None:
-        """Create the lease, or take over a stale one; LeaseHeld when a live writer holds it. FileRefused (or
-        IsADirectoryError) when something that is not a lease file sits in its place: no token can replace it."""
-        self._token = cas.write_if(self.storage, _body(self.info), None, *self.parts)
+        """Create the lease, or take over a stale one; LeaseHeld when a live writer holds it."""
+        self._token = self.store.create(_body(self.info))
         if self._token is not None:
             return
-        held, token = cas.read_versioned(self.storage, *self.parts)
-        if held is None:  # released between our create and our read: try once more
-            self._token = cas.write_if(self.storage, _body(self.info), None, *self.parts)
+        raw = self.store.read()
+        if raw is None:  # released between our create and our read: try once more
+            self._token = self.store.create(_body(self.info))
             if self._token is not None:
                 return
-            held, token = cas.read_versioned(self.storage, *self.parts)
-            if held is None:
-                raise OSError(f"cannot create or read {self.where}")
+            raw = self.store.read()
+            if raw is None:
+                raise OSError(f"cannot create or read {self.store.where}")
+        held, token = raw
         info = _parse(held)
         why = "it is not a readable lease" if info is None else stale_reason(info, _now(), self.info.holder, pid_alive)
         if why is None and info is not None:
             raise LeaseHeld(self.run_id, info)
-        self._token = cas.write_if(self.storage, _body(self.info), token, *self.parts)
+        self._token = self.store.replace(_body(self.info), token)
         if self._token is None:  # another flow took it over first
-            current = read(self.storage, self.run_id)
+            current = read_info(self.store)
             if current is None:
-                raise OSError(f"lost a race for {self.where} and cannot read the winner's lease")
+                raise OSError(f"lost a race for {self.store.where} and cannot read the winner's lease")
             raise LeaseHeld(self.run_id, current)
         self.taken_over = f"took over the lease of {info.describe() if info else 'an unreadable lease'}: {why}"
 
@@ -203,7 +201,7 @@ class Lease:
             if self.lost is not None:
                 raise LeaseLost(self.lost)
             renewed = self.info.model_copy(update={"renewed": now_iso()})
-            token = cas.write_if(self.storage, _body(renewed), self._token, *self.parts)
+            token = self.store.replace(_body(renewed), self._token)
             if token is None:
                 self.lost = self._loss()
                 raise LeaseLost(self.lost)
@@ -221,7 +219,7 @@ class Lease:
         if self._thread is not None:
             self._thread.join(timeout=10)
         if self._token is not None:
-            cas.delete_if(self.storage, self._token, *self.parts)
+            self.store.delete(self._token)
             self._token = None
 
     @contextlib.contextmanager
@@ -236,7 +234,7 @@ class Lease:
             try:
                 self.release()
             except Exception as e:  # noqa: BLE001 - the run's own outcome matters more; a stale lease expires
-                on_problem(f"could not release the lease {self.where}: {type(e).__name__}: {e}")
+                on_problem(f"could not release the lease {self.store.where}: {type(e).__name__}: {e}")
 
     def _heartbeat(self, on_problem: Callable[[str], None]) -> None:
         while not self._stop.wait(self.ttl_s / 4):
@@ -246,18 +244,18 @@ class Lease:
                 on_problem(f"{e}; the run's record is no longer this holder's to write")
                 return
             except Exception as e:  # noqa: BLE001 - a failed renewal is retried; the ttl leaves room for several
-                on_problem(f"could not renew the lease {self.where}: {type(e).__name__}: {e}")
+                on_problem(f"could not renew the lease {self.store.where}: {type(e).__name__}: {e}")
 
     def _loss(self) -> str:
         """What happened to the lease, and who holds the run now, for the LeaseLost a renewal raises."""
         try:
-            current = read(self.storage, self.run_id)
+            current = read_info(self.store)
         except OSError as e:
             now = f"who holds it now cannot be read ({type(e).__name__}: {e})"
         else:
             now = f"it is now held by {current.describe()}" if current else "nobody holds it now (released or removed)"
         return (
-            f"lost the lease on run {self.run_id} ({self.where}): it was taken over or removed after this "
+            f"lost the lease on run {self.run_id} ({self.store.where}): it was taken over or removed after this "
             f"holder's last renewal at {self.info.renewed} (a holder is presumed dead {self.ttl_s:.0f}s after "
             f"its last renewal); {now}"
         )
@@ -278,14 +276,128 @@ def _parse(raw: bytes) -> LeaseInfo | None:
         return None
 
 
-def _parts(run_id: str) -> tuple[str, str, str]:
-    return ("runs", run_id, LEASE)
+def read_info(store: _LocalStore | _S3Store) -> LeaseInfo | None:
+    """The lease a store holds, or None when it holds none or not a readable one."""
+    raw = store.read()
+    return _parse(raw[0]) if raw else None
 
 
-def _read(storage: Storage, run_id: str) -> bytes | None:
-    """The lease's bytes, None when there is none; b"" when something that is not a lease file sits in its place
-    (a directory, a FIFO, an object over cas.MAX_OBJECT_BYTES): unreadable, so held by nobody."""
-    try:
-        return cas.read_versioned(storage, *_parts(run_id))[0]
-    except (IsADirectoryError, FileRefused):
-        return b""
+def _store(storage: Storage, run_id: str) -> _LocalStore | _S3Store:
+    if storage.is_s3:
+        return _S3Store(storage, run_id)
+    return _LocalStore(Path(storage.path("runs", run_id, LEASE)))
+
+
+class _LocalStore:
+    """Exclusive create with link(2) (EEXIST like O_EXCL, and never a half-written lease); every change
+    of an existing lease under an flock on a sidecar file, after checking the lease still holds what its
+    writer last saw (its token: the bytes)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.where = str(path)
+
+    def create(self, body: bytes) -> bytes | None:
+        # Written whole under a private name, then linked into place: link(2) fails if the lease exists
+        # (exclusive like O_EXCL) and a reader never sees a lease half-written (which it would take for junk).
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{LEASE}.{os.getpid()}.{threading.get_ident()}")
+        fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(body)
+        try:
+            os.link(tmp, self.path)
+        except FileExistsError:
+            return None
+        finally:
+            tmp.unlink()
+        return body
+
+    def read(self) -> tuple[bytes, bytes] | None:
+        try:
+            body = read_regular(self.path, MAX_LEASE_BYTES)
+        except FileNotFoundError:
+            return None
+        except (IsADirectoryError, FileRefused):  # not a lease (a folder, a FIFO): unreadable bytes, held by nobody
+            body = b""
+        return body, body
+
+    def replace(self, body: bytes, token: Any) -> bytes | None:
+        with self._locked():
+            current = self.read()
+            if current is None or current[1] != token:
+                return None
+            tmp = self.path.with_name(f".{LEASE}.{os.getpid()}.{threading.get_ident()}")
+            tmp.write_bytes(body)
+            os.replace(tmp, self.path)
+            return body
+
+    def delete(self, token: Any) -> None:
+        with self._locked():
+            current = self.read()
+            if current is not None and current[1] == token:
+                self.path.unlink()
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        lock = self.path.with_name(f".{LEASE}.lock")
+        fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+
+class _PutCondition(TypedDict, total=False):
+    """The one precondition a lease write carries (boto3-stubs types each put_object keyword)."""
+
+    IfNoneMatch: str
+    IfMatch: str
+
+
+class _S3Store:
+    """Conditional writes: create with If-None-Match '*', replace and delete with If-Match on the ETag."""
+
+    def __init__(self, storage: Storage, run_id: str):
+        import boto3
+
+        self.bucket, self.key = split_s3(storage.uri("runs", run_id, LEASE))
+        self.where = storage.uri("runs", run_id, LEASE)
+        self.client = boto3.client("s3", endpoint_url=storage.endpoint_url, config=boto_config())
+
+    def create(self, body: bytes) -> str | None:
+        return self._put(body, IfNoneMatch="*")
+
+    def read(self) -> tuple[bytes, str] | None:
+        try:
+            obj = self.client.get_object(Bucket=self.bucket, Key=self.key)
+        except self.client.exceptions.NoSuchKey:
+            return None
+        try:
+            return read_s3_body(obj, MAX_LEASE_BYTES, self.where), obj["ETag"]
+        except FileRefused:  # not a lease (megabytes of something): unreadable bytes, held by nobody
+            return b"", obj["ETag"]
+
+    def replace(self, body: bytes, token: Any) -> str | None:
+        return self._put(body, IfMatch=token)
+
+    def delete(self, token: Any) -> None:
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=token)
+        except self.client.exceptions.ClientError as e:
+            if _code(e) not in ("PreconditionFailed", "NoSuchKey", "404"):
+                raise
+
+    def _put(self, body: bytes, **condition: Unpack[_PutCondition]) -> str | None:
+        try:
+            return self.client.put_object(Bucket=self.bucket, Key=self.key, Body=body, **condition)["ETag"]
+        except self.client.exceptions.ClientError as e:
+            # 412: the condition failed; 409: a concurrent conditional write to the same key is in flight.
+            if _code(e) in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409", "NoSuchKey"):
+                return None
+            raise
+
+
+def _code(e: Exception) -> str:
+    return str(getattr(e, "response", {}).get("Error", {}).get("Code", ""))

@@ -1,18 +1,16 @@
 """Compare-and-swap on one small object, on a local (or FSx/NFS) root and on S3 alike.
 
     data, token = read_versioned(storage, "models", name, "production.json")
-    token = write_if(storage, new_bytes, token, "models", name, "production.json")   # None: it changed
+    ok = write_if(storage, new_bytes, token, "models", name, "production.json")   # False: it changed
 
-The token is opaque: a content hash on local disk, the ETag on S3; None means "no object". A write
-returns the new object's token, so a holder that rewrites its own object (a lease's renewals) chains
-writes without reading back what another writer may have replaced meanwhile. Locally
+The token is opaque: a content hash on local disk, the ETag on S3; None means "no object". Locally
 the compare and the write happen under an O_EXCL lock file beside the object (atomic on local disks,
 NFSv3+ and Lustre, unlike flock on some mounts); on S3 they are one conditional request (If-Match:
 <ETag>, or If-None-Match: * to create), which S3 and compliant stores reject with 412 when the
 object moved. A store that ignores the condition makes every CAS a blind write: training.verify
 probes for that (`honours_conditional_writes`) and names such a store as a finding.
 
-A caller that loses (None) re-reads: when the object already says what it meant to write (its own
+A caller that loses (False) re-reads: when the object already says what it meant to write (its own
 earlier attempt, whose response was lost), that is success, not a conflict.
 """
 
@@ -27,7 +25,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tuneproof.core.files import read_regular, read_s3_body
 from tuneproof.core.results import now_iso
@@ -67,18 +65,16 @@ def write_if(
     *parts: str,
     lock_timeout_s: float = 30.0,
     stale_lock_s: float = 60.0,
-) -> str | None:
-    """Write `data` only if the object's token is still `expected` (None: only if it does not exist).
-    The written object's token, or None when the object's token was not `expected` (nothing written)."""
+) -> bool:
+    """Write `data` only if the object's token is still `expected` (None: only if it does not exist)."""
     if storage.is_s3:
         condition = {"IfNoneMatch": "*"} if expected is None else {"IfMatch": expected}
-        response = _s3_conditional(storage, parts, "put_object", Body=data, **condition)
-        return None if response is None else response["ETag"]
+        return _s3_conditional(storage, parts, "put_object", Body=data, **condition)
     with file_lock(_lock_path(storage, parts), lock_timeout_s, stale_lock_s):
         if read_versioned(storage, *parts)[1] != expected:
-            return None
+            return False
         storage.write_bytes(data, *parts)  # temp file + os.replace: readers see old or new
-        return content_token(data)
+        return True
 
 
 def delete_if(
@@ -86,7 +82,7 @@ def delete_if(
 ) -> bool:
     """Delete the object only if its token is still `expected`."""
     if storage.is_s3:
-        return _s3_conditional(storage, parts, "delete_object", IfMatch=expected) is not None
+        return _s3_conditional(storage, parts, "delete_object", IfMatch=expected)
     with file_lock(_lock_path(storage, parts), lock_timeout_s, stale_lock_s):
         if read_versioned(storage, *parts)[1] != expected:
             return False
@@ -101,14 +97,14 @@ def honours_conditional_writes(storage: Storage, *parts: str) -> str | None:
     refused; then a write with the current token must pass. The object is removed afterwards.
     """
     try:
-        first = write_if(storage, b"probe v1", None, *parts)
-        if first is None:
+        if not write_if(storage, b"probe v1", None, *parts):
             return "creating a new object with If-None-Match: * was refused"
-        if write_if(storage, b"probe create again", None, *parts) is not None:
+        _, first = read_versioned(storage, *parts)
+        if write_if(storage, b"probe create again", None, *parts):
             return "a second If-None-Match: * create over an existing object was accepted"
-        if write_if(storage, b"probe v2", first, *parts) is None:
+        if not write_if(storage, b"probe v2", first, *parts):
             return "a write with the current token was refused"
-        if write_if(storage, b"probe stale", first, *parts) is not None:
+        if write_if(storage, b"probe stale", first, *parts):
             return "a write with a stale token (If-Match on an old ETag) was accepted"
         return None
     finally:
@@ -213,16 +209,14 @@ def _s3_read(storage: Storage, parts: tuple[str, ...]) -> tuple[bytes | None, st
     return read_s3_body(obj, MAX_OBJECT_BYTES, storage.uri(*parts)), obj["ETag"]
 
 
-def _s3_conditional(
-    storage: Storage, parts: tuple[str, ...], operation: str, **kwargs: str | bytes
-) -> dict[str, Any] | None:
-    """The response, or None when the store refused the condition."""
+def _s3_conditional(storage: Storage, parts: tuple[str, ...], operation: str, **kwargs: str | bytes) -> bool:
     from botocore.exceptions import ClientError
 
     bucket, key = _s3_location(storage, parts)
     try:
-        return getattr(_s3_client(storage), operation)(Bucket=bucket, Key=key, **kwargs)
+        getattr(_s3_client(storage), operation)(Bucket=bucket, Key=key, **kwargs)
     except ClientError as e:
         if e.response["Error"]["Code"] in _CONFLICT_CODES:
-            return None
+            return False
         raise
+    return True
