@@ -423,7 +423,7 @@ def promote(
         raise typer.Exit(2)
     cfg = config_or_exit(config, sets)
     prefect_env_or_exit()
-    from tasks.promote import forced_promotion
+    from tasks.promote import forced_promotion, unreadable_summary
     from tuneproof.control import record
     from tuneproof.control.lease import Lease, LeaseHeld, LeaseLost
     from tuneproof.core.storage import Storage
@@ -433,7 +433,8 @@ def promote(
     # missing or not this run's (a copied directory): checked before the lease, so a refusal leaves nothing.
     lease = Lease(storage, run_id, None, f"tuneproof promote {run_id} --force")
     try:
-        record.load(storage, run_id)
+        if problem := unreadable_summary(record.load(storage, run_id)):
+            raise record.RecordUnreadable(problem)
         with lease.held(on_problem=lambda problem: say(err, problem)):
             result = forced_promotion(cfg, run_id, reason, os.environ.get("USER", "unknown"), lease)
     except (FileNotFoundError, record.RecordUnreadable) as e:  # nothing to promote: a refused request
