@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tuneproof.core.config import PROJECT_ROOT
+from tuneproof.core.procs import pid_alive
 
 STATE_DIR = PROJECT_ROOT / ".tuneproof" / "local"
 
@@ -184,20 +185,6 @@ def _wait_for_jobs_api(head: RayHead, wait_s: float, log_offset: int = 0) -> Non
             last = str(e)
         time.sleep(1.0)
     raise TimeoutError(f"ray dashboard at {head.address} did not answer within {wait_s:.0f}s (last error: {last})")
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie child counts as gone
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return True
 
 
 def stop_group(pid: int, timeout: float) -> None:

@@ -34,6 +34,7 @@ from typing import Any, TypedDict, Unpack
 from pydantic import Field, ValidationError, field_validator
 
 from tuneproof.core.files import FileRefused, read_regular, read_s3_body
+from tuneproof.core.procs import pid_alive
 from tuneproof.core.results import Model, now_iso
 from tuneproof.core.storage import Storage, boto_config, split_s3
 
@@ -113,16 +114,6 @@ def stale_reason(info: LeaseInfo, now: datetime, host: str, pid_alive: Callable[
     if info.holder == host and not pid_alive(info.pid):
         return f"its pid {info.pid} on {host} is gone"
     return None
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
 
 
 def read(storage: Storage, run_id: str) -> LeaseInfo | None:

@@ -5,9 +5,9 @@
 
 The token is opaque: a content hash on local disk, the ETag on S3; None means "no object". Locally
 the compare and the write happen under an O_EXCL lock file beside the object (atomic on local disks,
-NFSv3+ and Lustre, unlike flock on some mounts); on S3 they are one conditional request (If-Match:
-<ETag>, or If-None-Match: * to create), which S3 and compliant stores reject with 412 when the
-object moved. A store that ignores the condition makes every CAS a blind write: training.verify
+NFSv3+ and Lustre, unlike flock on some mounts), which the writer checks is still its own right before
+it replaces the object; on S3 they are one conditional request (If-Match: <ETag>, or If-None-Match: *
+to create), which S3 and compliant stores reject with 412 when the object moved. A store that ignores the condition makes every CAS a blind write: training.verify
 probes for that (`honours_conditional_writes`) and names such a store as a finding.
 
 A caller that loses (False) re-reads: when the object already says what it meant to write (its own
@@ -17,18 +17,21 @@ earlier attempt, whose response was lost), that is success, not a conflict.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import socket
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
+
+from pydantic import ValidationError
 
 from tuneproof.core.files import read_regular, read_s3_body
-from tuneproof.core.results import now_iso
+from tuneproof.core.procs import pid_alive, pid_space
+from tuneproof.core.results import Model, now_iso
 from tuneproof.core.storage import Storage, boto_config
 
 if TYPE_CHECKING:
@@ -66,25 +69,33 @@ def write_if(
     lock_timeout_s: float = 30.0,
     stale_lock_s: float = 60.0,
 ) -> bool:
-    """Write `data` only if the object's token is still `expected` (None: only if it does not exist)."""
+    """Write `data` only if the object's token is still `expected` (None: only if it does not exist).
+
+    False when it was not, or when this writer's lock was broken under it (it stalled past stale_lock_s and
+    another writer may have gone first): either way nothing was written, and the caller reads again."""
     if storage.is_s3:
         condition = {"IfNoneMatch": "*"} if expected is None else {"IfMatch": expected}
         return _s3_conditional(storage, parts, "put_object", Body=data, **condition)
-    with file_lock(_lock_path(storage, parts), lock_timeout_s, stale_lock_s):
+    target = Path(storage.path(*parts))
+    with file_lock(_lock_path(storage, parts), lock_timeout_s, stale_lock_s) as lock:
         if read_versioned(storage, *parts)[1] != expected:
             return False
-        storage.write_bytes(data, *parts)  # temp file + os.replace: readers see old or new
+        staged = _stage(data, target)
+        if not lock.held():
+            staged.unlink()
+            return False
+        os.replace(staged, target)  # readers see old or new
         return True
 
 
 def delete_if(
     storage: Storage, expected: str, *parts: str, lock_timeout_s: float = 30.0, stale_lock_s: float = 60.0
 ) -> bool:
-    """Delete the object only if its token is still `expected`."""
+    """Delete the object only if its token is still `expected`; False (nothing deleted) as write_if's."""
     if storage.is_s3:
         return _s3_conditional(storage, parts, "delete_object", IfMatch=expected)
-    with file_lock(_lock_path(storage, parts), lock_timeout_s, stale_lock_s):
-        if read_versioned(storage, *parts)[1] != expected:
+    with file_lock(_lock_path(storage, parts), lock_timeout_s, stale_lock_s) as lock:
+        if read_versioned(storage, *parts)[1] != expected or not lock.held():
             return False
         Path(storage.path(*parts)).unlink()
         return True
@@ -114,17 +125,53 @@ def honours_conditional_writes(storage: Storage, *parts: str) -> str | None:
 # ---- local: an O_EXCL lock file ---------------------------------------------------------------
 
 
+class LockHolder(Model):
+    """What a lock file records about the process that holds it."""
+
+    nonce: str
+    pid: int
+    host: str
+    pid_space: str = ""
+    """tuneproof.core.procs.pid_space() of the holder: its pid can be checked only from the same space."""
+    at: str
+
+
+class HeldLock:
+    """The lock a writer took; `held()` is asked right before the change it guards."""
+
+    def __init__(self, path: Path, nonce: str):
+        self.path = path
+        self.nonce = nonce
+
+    def held(self) -> bool:
+        """False once the lock was broken under us (we were presumed dead, or the file was removed): then another
+        writer may have changed the object since our compare, and writing now would undo its write."""
+        lock = _read_lock(self.path)
+        return lock is not None and lock.holder is not None and lock.holder.nonce == self.nonce
+
+
+def _stage(data: bytes, target: Path) -> Path:
+    """`data` in a temp file beside `target`, ready for os.replace. A slow write (hung NFS) happens here, before
+    the lock is checked, not between the check and the replace."""
+    fd, staged = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    return Path(staged)
+
+
 def _lock_path(storage: Storage, parts: tuple[str, ...]) -> Path:
     target = Path(storage.path(*parts))
     return target.with_name(f".{target.name}.lock")
 
 
 @contextmanager
-def file_lock(path: Path, timeout_s: float, stale_s: float) -> Iterator[None]:
-    """Hold `path` (created with O_EXCL) for the block; a lock older than stale_s is a crashed holder's.
+def file_lock(path: Path, timeout_s: float, stale_s: float) -> Iterator[HeldLock]:
+    """Hold `path` (created with O_EXCL) for the block; TimeoutError after timeout_s naming the holder.
 
-    The block must be short (milliseconds): breaking a lock is only safe because no live holder
-    keeps one for anywhere near stale_s.
+    A lock left by a process of this host (same boot and pid namespace) that is gone is broken at once; one whose holder still runs is
+    never broken, however old (a paused process resumes). A lock from another host is broken once stale_s
+    old, as its pid cannot be checked from here: a holder that stalled that long (VM pause, hung NFS)
+    finds on resuming that `held()` is False and must change nothing.
     """
     nonce = uuid.uuid4().hex
     deadline = time.monotonic() + timeout_s
@@ -132,15 +179,13 @@ def file_lock(path: Path, timeout_s: float, stale_s: float) -> Iterator[None]:
     while not _try_create(path, nonce):
         _break_if_stale(path, stale_s)
         if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"lock {path} still held after {timeout_s}s by {_holder(path)}; "
-                f"it is broken automatically once {stale_s}s old"
-            )
+            raise TimeoutError(f"lock {path} still held after {timeout_s}s {_holding(path, stale_s)}")
         time.sleep(0.02)
+    lock = HeldLock(path, nonce)
     try:
-        yield
+        yield lock
     finally:
-        if _holder(path).get("nonce") == nonce:
+        if lock.held():
             path.unlink(missing_ok=True)
 
 
@@ -149,36 +194,70 @@ def _try_create(path: Path, nonce: str) -> bool:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return False
+    holder = LockHolder(nonce=nonce, pid=os.getpid(), host=socket.gethostname(), pid_space=pid_space(), at=now_iso())
     with os.fdopen(fd, "w") as f:
-        json.dump({"nonce": nonce, "pid": os.getpid(), "host": socket.gethostname(), "at": now_iso()}, f)
+        f.write(holder.model_dump_json())
     return True
 
 
 def _break_if_stale(path: Path, stale_s: float) -> None:
-    try:
-        seen = path.stat()
-    except FileNotFoundError:
-        return
-    if time.time() - seen.st_mtime < stale_s:
+    lock = _read_lock(path)
+    if lock is None or not _breakable(lock.holder, time.time() - lock.seen.st_mtime, stale_s):
         return
     grave = path.with_name(f"{path.name}.stale-{uuid.uuid4().hex}")
     try:
         os.rename(path, grave)  # atomic: of several processes breaking the same lock, one moves it
     except FileNotFoundError:
         return
-    if grave.stat().st_ino != seen.st_ino:
-        # Between our stat and rename another process broke the stale lock and a new holder took a
-        # fresh one, which we just moved: give it back (link fails only if yet another holder exists).
+    if grave.stat().st_ino != lock.seen.st_ino:
+        # Between our read and rename another process broke the stale lock and a new holder took a
+        # fresh one, which we just moved: give it back (link fails only if yet another holder exists,
+        # and then the one we moved finds held() False and writes nothing).
         with suppress(FileExistsError):
             os.link(grave, path)
     grave.unlink(missing_ok=True)
 
 
-def _holder(path: Path) -> dict:
+def _breakable(holder: LockHolder | None, age_s: float, stale_s: float) -> bool:
+    if holder is not None and holder.pid_space == pid_space():
+        return not pid_alive(holder.pid)
+    # Another host's (or an unreadable, maybe half-written) lock: age is all there is to go on.
+    return age_s >= stale_s
+
+
+class _LockFile(NamedTuple):
+    raw: bytes
+    holder: LockHolder | None
+    """None when the record is unreadable (another version's, or half-written)."""
+    seen: os.stat_result
+    """The stat of the very file read (not of one that replaced it since)."""
+
+
+def _read_lock(path: Path) -> _LockFile | None:
     try:
-        return json.loads(path.read_text() or "{}")
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        seen = os.fstat(fd)
+        raw = f.read(4096)
+    try:
+        return _LockFile(raw, LockHolder.model_validate_json(raw), seen)
+    except ValidationError:
+        return _LockFile(raw, None, seen)
+
+
+def _holding(path: Path, stale_s: float) -> str:
+    lock = _read_lock(path)
+    if lock is None:
+        return "(it was just released)"
+    recorded = lock.raw.decode(errors="replace")
+    if lock.holder is None or lock.holder.pid_space != pid_space():
+        return f"by {recorded}, not a process this machine can check; it is broken once {stale_s}s old"
+    return (
+        f"by {recorded}: pid {lock.holder.pid} still runs (it may be paused or hung); stop it, or remove {path} "
+        "if that pid is no longer a tuneproof writer"
+    )
 
 
 # ---- S3: conditional requests -----------------------------------------------------------------
