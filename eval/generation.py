@@ -61,7 +61,10 @@ def generate(*args: Any, **kwargs: Any) -> list[str]:
     return generate_checked(*args, **kwargs)[0]
 
 
-@torch.no_grad()
+# inference_mode, not no_grad: a decode step is a few hundred small ops, and inference mode skips their autograd
+# bookkeeping (version counters, view tracking), 8-10 % of a batch on CPU (bench eval_batching). Only strings and
+# bools leave this function, so no inference tensor reaches autograd later.
+@torch.inference_mode()
 def generate_checked(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -72,12 +75,17 @@ def generate_checked(
 ) -> tuple[list[str], list[bool]]:
     """Greedy answers, one per prompt, stripped, and cut: cut[i] is true when answer i stopped at
     max_new_tokens without a stop token. `on_batch(n)` after each batch of n prompts."""
-    # Prompts of similar length share a batch, so left padding wastes little compute.
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    # Prompts of similar token count share a batch, so left padding wastes little compute, and a batch without any
+    # padding drops its attention mask. Sorted by characters, the dates split's first 256 prompts padded 266 tokens
+    # (138 by tokens) and all 3,000 padded 1,337 (121).
+    if not prompts:  # a tokenizer call with no texts raises IndexError
+        return [], []
+    ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    order = sorted(range(len(prompts)), key=lambda i: len(ids[i]))
     answers, cut = [""] * len(prompts), [False] * len(prompts)
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
-        texts, cuts = _generate_batch(model, tokenizer, [prompts[i] for i in rows], max_new_tokens)
+        texts, cuts = _generate_batch(model, tokenizer, [ids[i] for i in rows], max_new_tokens)
         for row, text, was_cut in zip(rows, texts, cuts):
             answers[row], cut[row] = text, was_cut
         if on_batch:
@@ -86,15 +94,13 @@ def generate_checked(
 
 
 def _generate_batch(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_new_tokens: int
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[list[int]], max_new_tokens: int
 ) -> tuple[list[str], list[bool]]:
     from transformers import GenerationMixin
 
     if not isinstance(model, GenerationMixin):  # a bare PreTrainedModel has no generate()
         raise TypeError(f"{type(model).__name__} cannot generate: load the model with AutoModelForCausalLM")
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False).to(
-        model.device
-    )
+    enc = tokenizer.pad({"input_ids": prompt_ids}, padding_side="left", return_tensors="pt").to(model.device)
     stops = stop_token_ids(tokenizer)
     greedy = greedy_config(max_new_tokens, pad_token_id(tokenizer), stops)
     with only_settings(model, greedy):

@@ -398,6 +398,31 @@ def test_batched_left_padded_generation_equals_one_at_a_time(world, base_model):
     assert done == [3, 1]
 
 
+def test_prompts_of_equal_token_count_share_a_batch(world, base_model, monkeypatch):
+    """Batches were formed by characters, a poor proxy for tokens: a word the tokenizer merges is long in
+    characters and short in tokens, so a batch mixed long and short prompts and padded the short ones."""
+    tokenizer = world["tokenizer"]
+    texts = ("date", "qzqzqz", "date date", "qzqzqzqzqz")
+    prompts = [chat_prompt(tokenizer, text) for text in texts]
+    counts = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+    padded: list[int] = []
+    own_generate = base_model.generate
+
+    def counting(**kwargs):
+        padded.append(int((kwargs["attention_mask"] == 0).sum()))
+        return own_generate(**kwargs)
+
+    monkeypatch.setattr(base_model, "generate", counting)
+    generate(base_model, tokenizer, prompts, max_new_tokens=1, batch_size=2)
+
+    def padding(order: list[int]) -> int:
+        return sum(max(counts[i] for i in pair) - counts[j] for pair in (order[:2], order[2:]) for j in pair)
+
+    by_tokens = padding(sorted(range(4), key=lambda i: counts[i]))
+    assert by_tokens < padding(sorted(range(4), key=lambda i: len(prompts[i])))  # the prompts tell the two apart
+    assert sum(padded) == by_tokens
+
+
 def test_the_models_own_generation_settings_are_ignored_for_scoring(world):
     """Before, only sampling, beams and repetition_penalty were pinned: a checkpoint's suppress_tokens turned
     '2024-01-05' into '2024-01-0', read as the model's answer (a modeling failure)."""
