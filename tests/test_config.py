@@ -423,6 +423,7 @@ def test_hub_dataset_names_under_format_hf_stay_names():
     # A bare name resolved against the project made `imdb` /work/.../imdb, which no hub and no disk holds.
     from flows.pipeline import missing_local_files
 
-    cfg = load_config(overrides=["data.format=hf", "data.source=imdb", "data.eval_source=org/ds:test"])
+    hub = ["data.format=hf", "data.source=imdb", "data.eval_source=org/ds:test", "model.source=Qwen/Qwen2.5-0.5B"]
+    cfg = load_config(overrides=hub)  # a hub model too: a fresh clone has built no local base for the check to find
     assert (cfg.data.source, cfg.data.eval_source) == ("imdb", "org/ds:test")
     assert missing_local_files(cfg, {"data"}) is None
